@@ -1,0 +1,205 @@
+"""GRPO per-token loss with partition-invariant normalisation (torch layer, no trainer state).
+
+Stock TRL 1.16 computes the loss of each fixed micro-batch ("slice") of ``per_device_train_batch_size``
+samples and normalises it in a way that, for most loss types, depends on which samples share the slice.
+Here every sample carries the weight it had in stock's fixed split, so any repacking of the same samples
+into token-budget micro-batches sums to the same loss, and the same gradient:
+
+=============  ======================================================  ===========================
+loss_type      stock slice loss                                        weight of sample i
+=============  ======================================================  ===========================
+grpo, sapo     mean_i( sum_t l*m / max(1, n_i) ) / GA                  1 / (B * GA * max(1, n_i))
+bnpo           sum_{i,t} l*m / max(1, sum_slice m) / GA                1 / (GA * max(1, n_slice))
+dr_grpo        sum l*m / (B * max_completion_length) / GA              1 / (B * max_completion_length * GA)
+dapo, cispo,   sum l*m / (N_items / P * GA / steps_per_generation)     P * spg / (N_items * GA)
+vespo
+luspo          mean_i( sum_t l*m ) / GA                                1 / (B * GA)
+=============  ======================================================  ===========================
+
+B = rows of the slice, GA = ``current_gradient_accumulation_steps``, n_i = loss tokens of sample i,
+N_items = loss tokens of the whole generation round over all P processes. The entropy bonus is a
+per-slice token mean, so its weight is ``1 / (GA * max(1, n_slice))`` for every loss type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trl import GRPOTrainer
+
+SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
+GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss hyper-parameters a GRPOTrainer holds, read once."""
+
+    loss_type: str
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    importance_sampling_level: str
+    off_policy_mask_threshold: float | None
+    use_bias_correction_kl: bool
+    vllm_importance_sampling: bool
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo: tuple[float, float, float, float]
+    max_completion_length: int
+
+    @classmethod
+    def from_trainer(cls, trainer) -> LossSettings:
+        args = trainer.args
+        return cls(
+            loss_type=trainer.loss_type,
+            beta=trainer.beta,
+            epsilon_low=trainer.epsilon_low,
+            epsilon_high=trainer.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=trainer.importance_sampling_level,
+            off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+            use_bias_correction_kl=bool(args.use_bias_correction_kl),
+            vllm_importance_sampling=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+            max_completion_length=trainer.max_completion_length,
+        )
+
+
+def sample_weights(
+    settings: LossSettings,
+    loss_tokens: torch.Tensor,
+    slice_ids: torch.Tensor,
+    slice_rows: torch.Tensor,
+    num_items_in_batch: torch.Tensor,
+    *,
+    gradient_accumulation_steps: int,
+    steps_per_generation: int,
+    num_processes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample weights (policy term, entropy-bonus term) reproducing stock's per-slice normalisers.
+
+    ``loss_tokens`` (N,): loss-mask tokens per sample; ``slice_ids`` (N,): index of the stock slice each
+    sample came from; ``slice_rows`` (S,): rows per slice; ``num_items_in_batch`` (N,): the generation
+    round's global loss-token count seen by each sample. Returns two (N,) float64 tensors.
+    """
+    ga = float(gradient_accumulation_steps)
+    loss_tokens = loss_tokens.double()
+    slice_tokens = torch.zeros(len(slice_rows), dtype=torch.float64).index_add_(0, slice_ids, loss_tokens)
+    per_slice_tokens = slice_tokens[slice_ids].clamp(min=1.0)
+    rows = slice_rows.double()[slice_ids]
+    kind = settings.loss_type
+    if kind in SEQUENCE_MEAN_LOSSES:
+        policy = 1.0 / (rows * ga * loss_tokens.clamp(min=1.0))
+    elif kind == "bnpo":
+        policy = 1.0 / (ga * per_slice_tokens)
+    elif kind == "dr_grpo":
+        policy = 1.0 / (rows * settings.max_completion_length * ga)
+    elif kind in GLOBAL_TOKEN_LOSSES:
+        items = num_items_in_batch.double().clamp(min=1.0)
+        policy = 1.0 / (items / num_processes * ga / steps_per_generation)
+    elif kind == "luspo":
+        policy = 1.0 / (rows * ga)
+    else:
+        raise ValueError(f"Unknown loss type: {kind}")
+    entropy = 1.0 / (ga * per_slice_tokens)
+    return policy, entropy
+
+
+def per_token_policy_loss(
+    settings: LossSettings,
+    per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    ref_per_token_logps: torch.Tensor | None,
+    sampling_per_token_logps: torch.Tensor | None,
+    importance_sampling_ratio: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL 1.16 ``_compute_loss``'s per-token loss, before aggregation, for one micro-batch.
+
+    All tensors are completion-aligned ``(rows, width)``; ``advantages`` is ``(rows,)`` or ``(rows, width)``.
+    Returns the per-token loss (broadcastable to ``(rows, width)``) and the tensors the metrics need.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if old_per_token_logps is None:
+        old_per_token_logps = per_token_logps.detach()
+
+    if settings.off_policy_mask_threshold is not None:
+        if sampling_per_token_logps is None:
+            sampling_per_token_logps = old_per_token_logps
+        off_policy_mask = GRPOTrainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=per_token_logps,
+            sampling_per_token_logps=sampling_per_token_logps,
+            mask=mask,
+            off_policy_threshold=settings.off_policy_mask_threshold,
+        )
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if settings.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    elif settings.importance_sampling_level == "sequence":
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    else:
+        raise ValueError(f"Unknown importance sampling level: {settings.importance_sampling_level}")
+    coef_1 = torch.exp(log_importance_weights)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if settings.beta != 0.0:
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        if settings.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+        metrics["kl"] = per_token_kl
+
+    kind = settings.loss_type
+    if kind == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=settings.epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif kind in CLIPPED_LOSSES:
+        coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        if settings.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=settings.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif kind == "sapo":
+        temperatures = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
+    elif kind == "vespo":
+        k_pos, lambda_pos, k_neg, lambda_neg = settings.vespo
+        phi_seq = GRPOTrainer.get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=importance_sampling_ratio,
+            k_pos=k_pos,
+            lambda_pos=lambda_pos,
+            k_neg=k_neg,
+            lambda_neg=lambda_neg,
+        )
+        per_token_loss = -phi_seq * advantages * per_token_logps
+        metrics["vespo/phi_seq_mean"] = phi_seq
+    else:
+        raise ValueError(f"Unknown loss type: {kind}")
+
+    if settings.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if settings.vllm_importance_sampling and kind != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio
+    if settings.beta != 0.0:
+        per_token_loss = per_token_loss + settings.beta * per_token_kl
+
+    if kind in CLIPPED_LOSSES:
+        # coef_1 as clipped above (after delta), exactly what stock's metrics read
+        metrics["clip_ratio/low"] = ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).float()
+        metrics["clip_ratio/high"] = ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).float()
+    elif kind == "cispo":
+        metrics["cispo_clip_ratio"] = ((coef_1 > settings.epsilon_high) & (advantages > 0)).float()
+    return per_token_loss, metrics

@@ -1,0 +1,150 @@
+"""DynamicBatchGRPOTrainer equals stock TRL GRPOTrainer, single process.
+
+Each test trains stock ``trl.GRPOTrainer`` and ``DynamicBatchGRPOTrainer`` from the same saved tiny model
+and seed, with a token budget small enough that every optimizer step is cut into micro-batches unlike
+stock's fixed slices, and checks: identical completions, and the same parameters afterwards. Parameters
+are compared two ways: relative difference of the parameters (<= 1e-5, the requirement) and relative
+difference of the parameter *updates*, which is what would expose a mis-weighted sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+from grpo_helpers import relative_difference, run_training, save_tiny_model, update_difference
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
+# Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
+SMALL_BUDGET = 40
+PARAM_TOLERANCE = 1e-5
+UPDATE_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+def compare_with_stock(model_dir, tmp_path, **overrides):
+    dyn_overrides = {
+        key: overrides.pop(key)
+        for key in list(overrides)
+        if key in ("max_tokens_per_microbatch", "packing_layout", "max_tokens_per_microbatch_logprob", "oversize_policy")
+    }
+    dyn_overrides.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
+    init, stock, stock_completions, _ = run_training(
+        GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), **overrides
+    )
+    init2, ours, our_completions, history = run_training(
+        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"), **overrides, **dyn_overrides
+    )
+    assert our_completions == stock_completions, "generations must be identical for the same seed"
+    assert relative_difference(init2, init) == 0.0
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+    assert update_difference(init, ours, stock) <= UPDATE_TOLERANCE
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert len(steps) == overrides.get("max_steps", 2)
+    return history
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_matches_stock_without_kl(model_dir, tmp_path, loss_type):
+    # steps_per_generation == gradient_accumulation_steps: old log-probs are the current ones (TRL skips them)
+    compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.0, num_iterations=1)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_matches_stock_with_kl_and_two_iterations(model_dir, tmp_path, loss_type):
+    # beta > 0: reference log-probs (packed no-grad passes) from the model loaded by path;
+    # num_iterations=2: old-policy log-probs (packed no-grad passes) and a PPO ratio that moves off 1.
+    compare_with_stock(
+        model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, max_steps=3,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_matches_stock_when_a_round_spans_optimizer_steps(model_dir, tmp_path, loss_type):
+    # generation_batch_size = 2 optimizer steps' worth: slices of one round feed two steps
+    compare_with_stock(model_dir, tmp_path, loss_type=loss_type, generation_batch_size=16, max_steps=3)
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "padded"])
+def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
+    compare_with_stock(model_dir, tmp_path, loss_type="bnpo", beta=0.05, packing_layout=layout, num_iterations=2)
+
+
+def test_matches_stock_with_sequence_importance_sampling_and_truncation_mask(model_dir, tmp_path):
+    compare_with_stock(
+        model_dir,
+        tmp_path,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        mask_truncated_completions=True,
+        max_completion_length=8,
+        num_iterations=2,
+    )
+
+
+def test_matches_stock_with_entropy_bonus_and_off_policy_mask(model_dir, tmp_path):
+    compare_with_stock(
+        model_dir,
+        tmp_path,
+        loss_type="dr_grpo",
+        entropy_coef=0.01,
+        off_policy_mask_threshold=0.0,
+        num_iterations=2,
+        delta=1.5,
+    )
+
+
+def test_matches_stock_with_pad_to_multiple_of_and_odd_accumulation(model_dir, tmp_path):
+    compare_with_stock(
+        model_dir, tmp_path, loss_type="bnpo", pad_to_multiple_of=8, per_device_train_batch_size=2,
+        gradient_accumulation_steps=3, num_generations=3, max_tokens_per_microbatch=48,
+    )
+
+
+def test_one_sequence_per_budget_still_matches(model_dir, tmp_path):
+    # A budget below most sequences: each gets a micro-batch of its own (oversize_policy="warn").
+    with pytest.warns(UserWarning, match="micro-batch of their own"):
+        compare_with_stock(model_dir, tmp_path, loss_type="grpo", max_tokens_per_microbatch=8)
+
+
+def test_repacking_really_happens_and_is_logged(model_dir, tmp_path):
+    history = compare_with_stock(model_dir, tmp_path, loss_type="dapo")
+    step = next(entry for entry in history if "dynbsz/microbatches" in entry)
+    assert step["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
+    assert step["dynbsz/microbatches"] != 2  # stock would run 2 fixed slices per step
+    assert 0.0 <= step["dynbsz/padding_fraction"] < 1.0
+    assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
+    for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "step_time"):
+        assert key in step
+
+
+def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
+    init, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "a"))
+    _, ours, ours_completions, history = run_training(
+        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"), dynamic_batching=False
+    )
+    assert ours_completions == stock_completions
+    assert relative_difference(ours, stock) == 0.0
+    assert not any("dynbsz/microbatches" in entry for entry in history)
+
+
+def test_plain_grpo_config_is_accepted(model_dir, tmp_path):
+    init, stock, _, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "a"), loss_type="bnpo")
+    _, ours, _, history = run_training(
+        DynamicBatchGRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "b"), loss_type="bnpo"
+    )
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+    assert any("dynbsz/microbatches" in entry for entry in history)
+
+
+def test_oversize_error_policy_raises_before_any_update(model_dir, tmp_path):
+    with pytest.raises(OversizeSequenceError, match="max_tokens_per_microbatch=4"):
+        run_training(
+            DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"),
+            max_tokens_per_microbatch=4, oversize_policy="error",
+        )
