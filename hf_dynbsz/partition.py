@@ -1,0 +1,993 @@
+"""Split one device's batch of sequences into micro-batches under a token budget.
+
+This module is the algorithmic core of ``hf_dynbsz`` (the counterpart of verl's
+``use_dynamic_bsz``): given the length of every sequence a device holds for one
+optimizer step, it decides which sequences go into which micro-batch.  It is pure
+Python + numpy so it can be tested and benchmarked without torch.
+
+Units
+-----
+* A *length* is the number of real tokens of one sequence (prompt + completion,
+  no padding).
+* ``max_tokens`` is the budget of tokens **per device per micro-batch**: the
+  number of token positions the forward/backward pass of one micro-batch
+  actually computes on one device.
+* What a micro-batch computes depends on the *layout*:
+
+  - ``"packed"`` (padding-free): all sequences of the micro-batch are
+    concatenated into a single row, so it computes ``sum(lengths)`` tokens,
+    rounded up to ``pad_to_multiple_of`` when that is given.
+  - ``"padded"``: one row per sequence, every row padded to the longest length
+    of the micro-batch (rounded up to ``pad_to_multiple_of``), so it computes
+    ``rows * round_up(max(lengths))`` tokens.
+
+  :func:`microbatch_tokens` is the single definition of this number, and every
+  micro-batch returned by :func:`partition_by_token_budget` satisfies
+  ``microbatch_tokens(mb) <= max_tokens`` -- except a micro-batch made of one
+  single sequence that alone is over the budget (see ``oversize_policy``).
+* *Cost* (:class:`WorkloadModel`) is relative compute: a linear term for the
+  projections/MLP (proportional to tokens) plus a quadratic term for attention
+  (proportional to (query, key) pairs).  It is what the balancing evens out.
+
+Algorithm
+---------
+1. **How many micro-batches.**  The count is the number of bins of
+   first-fit-decreasing (FFD) bin packing of the lengths into bins of
+   ``max_tokens`` (for the padded layout FFD on the length-sorted list is the
+   optimal "contiguous runs" packing).  It never exceeds FFD's count, and is at
+   least the trivial bound ``ceil(sum(lengths) / max_tokens)``.  The count does
+   not depend on the workload model, so a distributed trainer can all-reduce the
+   maximum of :func:`min_num_microbatches` over ranks and ask every rank for
+   exactly that many micro-batches.
+2. **Which sequence goes where (packed).**  Sequences are taken longest first
+   and each goes to the micro-batch with the lowest cost so far among those that
+   still have room for it (longest-processing-time-first with a capacity
+   check).  This is done in vectorised rounds -- the next sequences go to the
+   lightest micro-batches, one each, for as long as that is what the
+   one-at-a-time rule would do -- and one at a time with heaps near the end
+   (micro-batches without room wait in a heap keyed by free room and come back
+   once the sequences get short enough).  Spreading evens out the free room
+   too, which strands the last short sequences when the budget is tight (total
+   free room small next to the shortest sequence); then only the long head of
+   the list (the first 40%, else 15%, of the tokens) is spread and the short
+   tail is packed best-fit (into the fullest micro-batch that can take it).
+   If that fails too, the FFD packing is used, rebalanced by single-sequence
+   moves that keep the cap.
+3. **Which sequence goes where (padded).**  Sequences are sorted by length and
+   cut into contiguous runs (similar lengths share a micro-batch, so little
+   padding is wasted).  The cut points minimise the cost of the most expensive
+   run (bisection on that maximum with a greedy feasibility test), then the
+   most expensive runs are split until there are exactly as many runs as asked.
+4. Every micro-batch lists its sequence indices in ascending order; the
+   micro-batches are ordered by their smallest index, and empty micro-batches
+   (only when asked for more micro-batches than there are sequences) come last.
+
+Everything is deterministic: ties are broken by sequence index (stable sorts)
+and by micro-batch number, never by hashing or randomness.  Sorting, heaps, a
+segment tree for first-fit and grouping of equal lengths keep 100,000 lengths
+well below half a second (see ``benchmarks/partition_speed.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import numbers
+import types
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "OversizeSequenceError",
+    "WorkloadModel",
+    "round_up",
+    "microbatch_tokens",
+    "token_lower_bound",
+    "first_fit_decreasing",
+    "min_num_microbatches",
+    "partition_by_token_budget",
+]
+
+LAYOUTS = ("packed", "padded")
+ATTENTION_KINDS = ("varlen", "dense")
+OVERSIZE_POLICIES = ("warn", "error")
+
+# Fractions of the tokens of the head of the length-sorted list that are spread
+# by cost before the remaining tail is packed best-fit, tried in this order when
+# spreading everything by cost cannot fit into the requested count.
+_SPREAD_FRACTIONS_WHEN_TIGHT = (0.4, 0.15)
+# Below this many sequences, spreading all of them is always tried first (it is cheap).
+_ALWAYS_TRY_SPREADING_ALL_UP_TO = 2048
+
+Lengths = Union[Sequence[int], np.ndarray]  # tokens per sequence
+
+
+class OversizeSequenceError(ValueError):
+    """A single sequence is longer than the per-micro-batch token budget.
+
+    Raised by :func:`partition_by_token_budget` with ``oversize_policy="error"``.
+    Attributes (``None`` when raised with a bare message): ``index`` (position
+    of the sequence in ``lengths``), ``length`` (its tokens), ``max_tokens``
+    (the budget) and ``required_tokens`` (the smallest budget that fits every
+    sequence of the batch).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: int | None = None,
+        length: int | None = None,
+        max_tokens: int | None = None,
+        required_tokens: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.length = length
+        self.max_tokens = max_tokens
+        self.required_tokens = required_tokens
+
+
+# --------------------------------------------------------------------------- #
+# Workload model
+# --------------------------------------------------------------------------- #
+_GATED_MLP_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
+
+
+def _config_int(config, name: str, default=None) -> int | None:
+    value = getattr(config, name, None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"config.{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """Relative compute cost of a micro-batch: linear_weight * tokens + quadratic_weight * attention term.
+
+    The linear term covers the work that grows with the number of tokens
+    (attention projections and MLP); the attention term counts (query, key)
+    pairs.  Only ratios matter: :meth:`from_model_config` normalises
+    ``linear_weight`` to 1.0, so a cost is measured in "token equivalents"
+    (the projection + MLP work of one token).
+    """
+
+    linear_weight: float
+    quadratic_weight: float
+
+    def __post_init__(self) -> None:
+        for name in ("linear_weight", "quadratic_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"WorkloadModel.{name} must be a finite number >= 0, got {value!r}")
+        if self.linear_weight == 0 and self.quadratic_weight == 0:
+            raise ValueError("WorkloadModel needs linear_weight > 0 or quadratic_weight > 0, got both 0")
+
+    @classmethod
+    def from_model_config(cls, config, layout: str = "packed", attention: str = "varlen") -> "WorkloadModel":
+        """Derive the weights from the per-token FLOPs of one transformer layer.
+
+        ``config`` is anything with ``hidden_size``, ``num_hidden_layers`` and
+        ``num_attention_heads`` attributes (a transformers ``PretrainedConfig``
+        or a ``types.SimpleNamespace``); ``intermediate_size`` (default
+        ``4 * hidden_size``), ``num_key_value_heads`` and ``head_dim`` are used
+        when present.  A multimodal config without ``hidden_size`` is read
+        through its ``text_config``.
+
+        Per token and layer (multiply-accumulates): Q/O projections
+        ``2 * h * q_dim``, K/V projections ``2 * h * kv_dim`` (``4 * h**2``
+        without grouped-query attention) and the MLP ``m * h * intermediate``
+        with ``m = 3`` for gated (SwiGLU, ``hidden_act`` silu/swish) MLPs and
+        ``m = 2`` otherwise.  Per (query, key) pair and layer: ``2 * q_dim``
+        (scores and weighted values).  Causal variable-length kernels
+        (``layout="packed"``, ``attention="varlen"``, e.g. flash-attention)
+        skip the masked half of the pairs, so the pair weight is halved there;
+        dense attention (padded rows or one packed row with a mask) computes
+        all pairs.  Backward passes scale both terms alike and drop out.
+        """
+        layout = _check_choice("layout", layout, LAYOUTS)
+        attention = _check_choice("attention", attention, ATTENTION_KINDS)
+        if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
+            config = config.text_config
+        hidden = _config_int(config, "hidden_size")
+        layers = _config_int(config, "num_hidden_layers")
+        if hidden is None or layers is None:
+            raise ValueError(
+                "config must define hidden_size and num_hidden_layers (positive integers), "
+                f"got hidden_size={getattr(config, 'hidden_size', None)!r}, "
+                f"num_hidden_layers={getattr(config, 'num_hidden_layers', None)!r}"
+            )
+        heads = _config_int(config, "num_attention_heads", default=1)
+        head_dim = _config_int(config, "head_dim", default=max(1, hidden // heads))
+        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
+        intermediate = _config_int(config, "intermediate_size")
+        activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if intermediate is None:
+            intermediate = 4 * hidden
+        mlp_matrices = 3 if str(activation).lower() in _GATED_MLP_ACTIVATIONS else 2
+
+        q_dim = heads * head_dim
+        kv_dim = kv_heads * head_dim
+        linear_per_token = layers * (2 * hidden * q_dim + 2 * hidden * kv_dim + mlp_matrices * hidden * intermediate)
+        computed_pair_fraction = 0.5 if (layout == "packed" and attention == "varlen") else 1.0
+        quadratic_per_pair = layers * 2 * q_dim * computed_pair_fraction
+        return cls(linear_weight=1.0, quadratic_weight=quadratic_per_pair / linear_per_token)
+
+    @classmethod
+    def default(cls, layout: str = "packed", attention: str = "varlen") -> "WorkloadModel":
+        """A generic 7B-class decoder (hidden 4096, 32 layers, SwiGLU MLP 11008), for when no config is given."""
+        generic_decoder = types.SimpleNamespace(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            intermediate_size=11008,
+            hidden_act="silu",
+        )
+        return cls.from_model_config(generic_decoder, layout=layout, attention=attention)
+
+    def cost(self, lengths_in_microbatch, layout: str = "packed", pad_to_multiple_of: int | None = None,
+             attention: str = "varlen") -> float:
+        """Relative compute of one micro-batch (token equivalents when ``linear_weight`` is 1).
+
+        * packed + ``"varlen"`` attention: ``linear * tokens + quad * sum(L_i**2)``
+          (every sequence attends only to itself); ``tokens`` is
+          :func:`microbatch_tokens` (the sum, rounded up when padding to a multiple).
+        * packed + ``"dense"`` attention (one row of ``T`` tokens with a mask):
+          ``linear * T + quad * T**2``.
+        * padded: ``rows`` rows of ``R = round_up(max L)``:
+          ``linear * rows * R + quad * rows * R**2`` (``attention`` is ignored).
+        """
+        layout = _check_choice("layout", layout, LAYOUTS)
+        attention = _check_choice("attention", attention, ATTENTION_KINDS)
+        pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        values = _as_int_list(lengths_in_microbatch)
+        if not values:
+            return 0.0
+        tokens = microbatch_tokens(values, layout, pad_to_multiple_of)
+        if layout == "padded":
+            row = round_up(max(values), pad_to_multiple_of)
+            pairs = len(values) * row * row
+        elif attention == "dense":
+            pairs = tokens * tokens
+        else:
+            pairs = sum(v * v for v in values)
+        return float(self.linear_weight * tokens + self.quadratic_weight * pairs)
+
+
+# --------------------------------------------------------------------------- #
+# Token accounting
+# --------------------------------------------------------------------------- #
+def round_up(length: int, multiple: int | None) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (unchanged when ``multiple`` is None or 1)."""
+    if multiple is None or multiple == 1:
+        return int(length)
+    if multiple < 1:
+        raise ValueError(f"pad_to_multiple_of must be an integer >= 1 or None, got {multiple!r}")
+    return -(-int(length) // int(multiple)) * int(multiple)
+
+
+def microbatch_tokens(lengths_in_microbatch, layout: str = "packed", pad_to_multiple_of: int | None = None) -> int:
+    """Tokens actually computed for one micro-batch.
+
+    packed = sum of lengths (rounded up to pad_to_multiple_of if given);
+    padded = rows * round_up(max length).  An empty micro-batch computes 0 tokens.
+    """
+    layout = _check_choice("layout", layout, LAYOUTS)
+    pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
+    values = _as_int_list(lengths_in_microbatch)
+    if not values:
+        return 0
+    if layout == "packed":
+        return round_up(sum(values), pad_to_multiple_of)
+    return len(values) * round_up(max(values), pad_to_multiple_of)
+
+
+def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
+    """``ceil(sum(lengths) / max_tokens)``: no partition can use fewer micro-batches; 0 for empty input.
+
+    (A sequence longer than ``max_tokens`` can still only occupy one
+    micro-batch, so with oversize sequences a partition may use fewer.)
+    """
+    values = _validate_lengths(lengths)
+    max_tokens = _check_positive_int("max_tokens", max_tokens)
+    return -(-int(values.sum()) // max_tokens) if values.size else 0
+
+
+# --------------------------------------------------------------------------- #
+# Public partitioning functions
+# --------------------------------------------------------------------------- #
+def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "packed",
+                         pad_to_multiple_of: int | None = None) -> list[list[int]]:
+    """Baseline: first-fit-decreasing bin packing under the token budget.
+
+    Sequences are visited longest first (ties by index) and each goes into the
+    first micro-batch (in opening order) where it fits; a sequence over the
+    budget gets a micro-batch of its own.  Returns lists of indices, ordered
+    like :func:`partition_by_token_budget` output (ascending inside, micro-batches
+    by smallest index).  Exposed for tests and benchmarks; the trainer uses
+    :func:`partition_by_token_budget`.
+    """
+    problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
+    if problem.layout == "packed":
+        bin_of_sorted, num_bins = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
+    else:
+        runs = _fewest_padded_runs(problem.sorted_sizes, problem.capacity)
+        bin_of_sorted, num_bins = _contiguous_runs_to_bins(runs)
+    return problem.assemble(bin_of_sorted, num_bins)
+
+
+def min_num_microbatches(lengths: Lengths, max_tokens: int, *, layout: str = "packed",
+                         pad_to_multiple_of: int | None = None) -> int:
+    """Number of micro-batches partition_by_token_budget uses when num_microbatches is None.
+
+    The trainer all-reduces the MAX of this across ranks and then calls
+    ``partition_by_token_budget(..., num_microbatches=that max)``.  Equal to
+    the number of micro-batches of :func:`first_fit_decreasing` (one per
+    oversize sequence included); any ``num_microbatches`` at least this large
+    is accepted by :func:`partition_by_token_budget`.  Does not depend on the
+    workload model, so every rank can compute it from lengths alone.
+    """
+    problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
+    return problem.num_oversize + _min_bins_for_fitting(problem)
+
+
+def partition_by_token_budget(
+    lengths: Lengths,
+    max_tokens: int,
+    *,
+    num_microbatches: int | None = None,
+    layout: str = "packed",
+    pad_to_multiple_of: int | None = None,
+    workload: WorkloadModel | None = None,
+    attention: str = "varlen",
+    oversize_policy: str = "warn",
+) -> list[list[int]]:
+    """Partition sequence indices into micro-batches of at most ``max_tokens`` tokens each, balancing compute.
+
+    Args:
+        lengths: tokens per sequence (prompt + completion, no padding); a
+            sequence of ints or a 1-D integer numpy array, every value >= 1.
+        max_tokens: token budget per micro-batch on this device, as counted by
+            :func:`microbatch_tokens` for ``layout``.
+        num_microbatches: exact number of micro-batches to return.  ``None``
+            uses :func:`min_num_microbatches`.  Must be at least that minimum
+            (``ValueError`` otherwise).  With more micro-batches than sequences
+            the extra micro-batches are empty lists (at the end).
+        layout: ``"packed"`` (padding-free rows: tokens = sum of lengths) or
+            ``"padded"`` (tokens = rows x longest length, rounded).
+        pad_to_multiple_of: round computed tokens up to this multiple (packed:
+            the row total; padded: the row length).
+        workload: cost model used for balancing; default
+            ``WorkloadModel.default(layout, attention)``.
+        attention: ``"varlen"`` (each packed sequence attends to itself) or
+            ``"dense"`` (one packed row attends as a whole); picks the cost the
+            balancing evens out for packed rows.  Ignored for ``"padded"``.
+        oversize_policy: ``"warn"``: a sequence over the budget gets a
+            micro-batch of its own (no warning is emitted here; the caller
+            warns once).  ``"error"``: raise :class:`OversizeSequenceError`
+            before doing anything else.
+
+    Returns:
+        A list of micro-batches, each a list of indices into ``lengths`` in
+        ascending order; micro-batches ordered by their smallest index, empty
+        ones last.  Every index appears exactly once.  Same input, same output.
+    """
+    layout = _check_choice("layout", layout, LAYOUTS)
+    attention = _check_choice("attention", attention, ATTENTION_KINDS)
+    oversize_policy = _check_choice("oversize_policy", oversize_policy, OVERSIZE_POLICIES)
+    if workload is None:
+        workload = WorkloadModel.default(layout=layout, attention=attention)
+    elif not isinstance(workload, WorkloadModel):
+        raise ValueError(f"workload must be a WorkloadModel or None, got {type(workload).__name__}")
+    if num_microbatches is not None:
+        num_microbatches = _check_positive_int("num_microbatches", num_microbatches, minimum=0)
+
+    problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
+    if oversize_policy == "error" and problem.num_oversize:
+        raise problem.oversize_error()
+
+    if layout == "packed":
+        ffd_bin_of_sorted, fitting_minimum = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
+    else:
+        fitting_minimum = _min_bins_for_fitting(problem)
+    minimum = problem.num_oversize + fitting_minimum
+    if num_microbatches is None:
+        num_microbatches = minimum
+    elif num_microbatches < minimum:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is too small: these {problem.num_sequences} sequences need at "
+            f"least {minimum} micro-batches of max_tokens={problem.max_tokens} tokens (layout={layout!r}); pass "
+            f"num_microbatches >= {minimum} (see min_num_microbatches) or None"
+        )
+    num_fitting_bins = num_microbatches - problem.num_oversize
+
+    if layout == "packed":
+        bin_of_sorted = _balanced_packed_assignment(problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted)
+    else:
+        bin_of_sorted = _balanced_padded_assignment(problem, num_fitting_bins, workload)
+    return problem.assemble(bin_of_sorted, num_fitting_bins)
+
+
+# --------------------------------------------------------------------------- #
+# Validation helpers
+# --------------------------------------------------------------------------- #
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        expected = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if not _is_integer(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_optional_positive_int(name: str, value) -> int | None:
+    if value is None:
+        return None
+    return _check_positive_int(name, value)
+
+
+def _as_int_list(values) -> list[int]:
+    """Lengths of one micro-batch as a list of ints (validated like ``lengths``)."""
+    return _validate_lengths(values, name="lengths_in_microbatch").tolist()
+
+
+def _validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """Return ``lengths`` as a 1-D int64 array, or raise ValueError naming the first bad entry."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise ValueError(f"{name} must be a sequence of positive integers (tokens per sequence), "
+                         f"got {type(lengths).__name__}")
+    if len(lengths) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.asarray(lengths)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} must be a flat sequence of positive integers (tokens per sequence): {exc}") from None
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional (one token count per sequence), got shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        if isinstance(lengths, np.ndarray):
+            raise ValueError(f"{name} must be an integer array (tokens per sequence), got dtype {array.dtype}")
+        for position, value in enumerate(lengths):
+            if not _is_integer(value):
+                raise ValueError(f"{name}[{position}] must be an integer number of tokens, "
+                                 f"got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} values must fit in a 64-bit integer, got {array.max()!r}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} values must fit in a 64-bit integer, got {int(array.max())}")
+    array = array.astype(np.int64, copy=False)
+    not_positive = np.flatnonzero(array < 1)
+    if not_positive.size:
+        position = int(not_positive[0])
+        raise ValueError(f"{name}[{position}] must be a positive number of tokens (>= 1), got {int(array[position])}")
+    return array
+
+
+# --------------------------------------------------------------------------- #
+# Problem set-up shared by all entry points
+# --------------------------------------------------------------------------- #
+@dataclass
+class _Problem:
+    """Validated input with the sequences that fit the budget sorted longest first.
+
+    ``sorted_sizes`` are the per-sequence sizes the cap is checked against:
+    lengths for the packed layout (against ``capacity``, the budget rounded down
+    to ``pad_to_multiple_of``) and rounded lengths for the padded layout
+    (against ``max_tokens`` per row count).
+    """
+
+    lengths: np.ndarray
+    max_tokens: int
+    layout: str
+    pad_to_multiple_of: int | None
+    capacity: int
+    sorted_indices: np.ndarray  # original indices of fitting sequences, longest first, ties by index
+    sorted_sizes: np.ndarray
+    oversize_indices: np.ndarray  # ascending
+
+    @classmethod
+    def build(cls, lengths, max_tokens, layout, pad_to_multiple_of) -> "_Problem":
+        layout = _check_choice("layout", layout, LAYOUTS)
+        max_tokens = _check_positive_int("max_tokens", max_tokens)
+        pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        values = _validate_lengths(lengths)
+        multiple = pad_to_multiple_of or 1
+        if layout == "packed":
+            # round_up(sum, m) <= max_tokens  <=>  sum <= floor(max_tokens / m) * m
+            capacity = (max_tokens // multiple) * multiple
+            sizes = values
+        else:
+            capacity = max_tokens
+            sizes = -(-values // multiple) * multiple
+        fits = sizes <= capacity
+        fitting = np.flatnonzero(fits)
+        # Longest first, ties by index.  Sizes never decrease with length, so this also sorts the sizes
+        # (and in the padded layout keeps similar raw lengths together inside one rounding bucket).
+        order = fitting[np.argsort(-values[fitting], kind="stable")]
+        return cls(
+            lengths=values,
+            max_tokens=max_tokens,
+            layout=layout,
+            pad_to_multiple_of=pad_to_multiple_of,
+            capacity=capacity,
+            sorted_indices=order,
+            sorted_sizes=sizes[order],
+            oversize_indices=np.flatnonzero(~fits),
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_oversize(self) -> int:
+        return int(self.oversize_indices.size)
+
+    def oversize_error(self) -> OversizeSequenceError:
+        multiple = self.pad_to_multiple_of
+        index = int(self.oversize_indices[0])
+        length = int(self.lengths[index])
+        oversize_lengths = self.lengths[self.oversize_indices]
+        required = round_up(int(oversize_lengths.max()), multiple)
+        rounding = ""
+        if multiple not in (None, 1):
+            rounding = f" ({round_up(length, multiple)} after rounding up to pad_to_multiple_of={multiple})"
+        others = ""
+        if self.num_oversize > 1:
+            longest = int(self.oversize_indices[int(np.argmax(oversize_lengths))])
+            others = (f"; {self.num_oversize - 1} more sequence(s) are over the budget too, the longest is "
+                      f"sequence {longest} with {int(self.lengths[longest])} tokens")
+        message = (
+            f"sequence {index} has {length} tokens{rounding}, more than the micro-batch budget "
+            f"max_tokens_per_microbatch={self.max_tokens} (layout={self.layout!r}){others}. Raise "
+            f"max_tokens_per_microbatch to >= {required}, or use oversize_policy=\"warn\" to give each such "
+            f"sequence a micro-batch of its own."
+        )
+        return OversizeSequenceError(message, index=index, length=length, max_tokens=self.max_tokens,
+                                     required_tokens=required)
+
+    def assemble(self, bin_of_sorted: np.ndarray, num_fitting_bins: int) -> list[list[int]]:
+        """Turn micro-batch numbers of the sorted fitting sequences into the public output format."""
+        n = self.num_sequences
+        total_bins = num_fitting_bins + self.num_oversize
+        if total_bins == 0:
+            return []
+        bin_of = np.empty(n, dtype=np.int64)
+        bin_of[self.sorted_indices] = bin_of_sorted
+        bin_of[self.oversize_indices] = num_fitting_bins + np.arange(self.num_oversize, dtype=np.int64)
+        members = np.argsort(bin_of, kind="stable")  # grouped by bin, ascending index inside
+        counts = np.bincount(bin_of, minlength=total_bins)
+        offsets = np.zeros(total_bins + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        non_empty = np.flatnonzero(counts)
+        by_first_index = non_empty[np.argsort(members[offsets[non_empty]], kind="stable")]
+        flat = members.tolist()
+        starts = offsets.tolist()
+        result = [flat[starts[b]:starts[b + 1]] for b in by_first_index.tolist()]
+        result.extend([] for _ in range(total_bins - non_empty.size))
+        return result
+
+
+def _min_bins_for_fitting(problem: _Problem) -> int:
+    """Micro-batches needed by the sequences that fit the budget (FFD count; optimal for padded runs)."""
+    if problem.layout == "packed":
+        return _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)[1]
+    return len(_fewest_padded_runs(problem.sorted_sizes, problem.capacity))
+
+
+# --------------------------------------------------------------------------- #
+# Packed layout
+# --------------------------------------------------------------------------- #
+def _first_fit_decreasing_sorted(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """First-fit of ``sizes`` (sorted descending, each <= capacity) into bins of ``capacity`` tokens.
+
+    Returns (bin number per position, number of bins).  Equal sizes are placed
+    as a group: the leftmost bin with room takes as many as fit, then the next
+    one, exactly as item-by-item first-fit would.  A max segment tree over the
+    free room of the bins finds the leftmost bin with enough room in O(log bins).
+    """
+    n = int(sizes.size)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    # First-fit leaves at most one bin at most half full, so it never needs more bins than this.
+    max_bins = min(n, 2 * int(sizes.sum()) // capacity + 2)
+    leaves = 1
+    while leaves < max_bins:
+        leaves *= 2
+    tree = [0] * (2 * leaves)  # tree[leaves + b] = free room of bin b; inner nodes hold the max of children
+    tree[leaves:leaves + max_bins] = [capacity] * max_bins
+    for node in range(leaves - 1, 0, -1):
+        left, right = tree[2 * node], tree[2 * node + 1]
+        tree[node] = left if left > right else right
+
+    group_starts = np.concatenate(([0], np.flatnonzero(np.diff(sizes)) + 1))
+    group_counts = np.diff(np.append(group_starts, n)).tolist()
+    group_sizes = sizes[group_starts].tolist()
+
+    run_bins: list[int] = []
+    run_counts: list[int] = []
+    bins_used = 0
+    for size, remaining in zip(group_sizes, group_counts):
+        while remaining:
+            node = 1
+            while node < leaves:  # descend to the leftmost leaf with room >= size
+                node *= 2
+                if tree[node] < size:
+                    node += 1
+            room = tree[node]
+            placed = room // size
+            if placed > remaining:
+                placed = remaining
+            remaining -= placed
+            bin_number = node - leaves
+            if bin_number >= bins_used:
+                bins_used = bin_number + 1
+            run_bins.append(bin_number)
+            run_counts.append(placed)
+            tree[node] = room - placed * size
+            node //= 2
+            while node:
+                left, right = tree[2 * node], tree[2 * node + 1]
+                best = left if left > right else right
+                if tree[node] == best:
+                    break
+                tree[node] = best
+                node //= 2
+    bin_of_sorted = np.repeat(np.asarray(run_bins, dtype=np.int64), np.asarray(run_counts, dtype=np.int64))
+    return bin_of_sorted, bins_used
+
+
+# Spreading hands out sequences in vectorised rounds while at least this many bins can take the next one
+# (and while the rounds stay cheap); the rest is spread one sequence at a time with heaps.
+_MIN_BINS_PER_ROUND = 32
+_ROUND_WORK_PER_SEQUENCE = 16
+
+
+def _spread_then_best_fit(sizes: np.ndarray, weights: np.ndarray, num_bins: int, capacity: int,
+                          spread_count: int) -> np.ndarray | None:
+    """Greedy assignment of sorted sequences into ``num_bins`` bins of ``capacity`` tokens.
+
+    Positions ``[0, spread_count)`` are *spread*: each goes to the bin with the
+    lowest total weight that still has room for it (longest-processing-time-
+    first with a cap).  Positions from ``spread_count`` on are packed
+    *best-fit*: into the bin with the least free room that still fits.
+    ``sizes`` are sorted descending and ``weights`` are their costs.  Returns
+    the bin per position, or None when some sequence fits in no bin.
+    """
+    n = int(sizes.size)
+    spread_count = min(spread_count, n)
+    bin_of = np.empty(n, dtype=np.int64)
+    loads = np.zeros(num_bins, dtype=np.float64)
+    rooms = np.full(num_bins, capacity, dtype=np.int64)
+    position = _spread_in_rounds(sizes, weights, spread_count, loads, rooms, bin_of)
+    if not _spread_one_by_one(sizes, weights, position, spread_count, loads, rooms, bin_of):
+        return None
+    if not _best_fit_by_groups(sizes, spread_count, rooms, bin_of):
+        return None
+    return bin_of
+
+
+def _spread_in_rounds(sizes: np.ndarray, weights: np.ndarray, stop: int, loads: np.ndarray, rooms: np.ndarray,
+                      bin_of: np.ndarray) -> int:
+    """Spread positions from 0 on in rounds; returns the first position not placed (at most ``stop``).
+
+    A round sorts the bins that have room for the next (longest) sequence by
+    weight and gives the j-th next sequence to the j-th lightest bin, as long
+    as that is what one-at-a-time spreading would do: none of the bins already
+    served in this round may have become lighter than the j-th bin.  Each bin
+    gets at most one sequence per round, so the cap holds.  Rounds end when
+    too few bins have room, or after ~_ROUND_WORK_PER_SEQUENCE bin visits per
+    sequence (then the one-by-one path is cheaper).
+    """
+    position = 0
+    work_left = _ROUND_WORK_PER_SEQUENCE * stop
+    while position < stop and work_left > 0:
+        open_bins = np.flatnonzero(rooms >= sizes[position])
+        if open_bins.size < _MIN_BINS_PER_ROUND:
+            break
+        work_left -= open_bins.size
+        count = min(open_bins.size, stop - position)
+        lightest = open_bins[np.argsort(loads[open_bins], kind="stable")[:count]]
+        loads_after = loads[lightest] + weights[position:position + count]
+        overtaken = np.flatnonzero(np.minimum.accumulate(loads_after)[:-1] < loads[lightest[1:]])
+        if overtaken.size:
+            count = int(overtaken[0]) + 1
+            lightest = lightest[:count]
+            loads_after = loads_after[:count]
+        bin_of[position:position + count] = lightest
+        loads[lightest] = loads_after
+        rooms[lightest] -= sizes[position:position + count]
+        position += count
+    return position
+
+
+def _spread_one_by_one(sizes: np.ndarray, weights: np.ndarray, start: int, stop: int, loads: np.ndarray,
+                       rooms: np.ndarray, bin_of: np.ndarray) -> bool:
+    """Spread positions ``[start, stop)`` one at a time; False if one fits nowhere.
+
+    ``by_load`` is a heap of (weight, bin) over bins that may have room; a bin
+    without room for the current size moves to ``too_full`` (a heap keyed by
+    free room) and comes back once the sizes get small enough.  Updates
+    ``loads``, ``rooms`` and ``bin_of`` in place.
+    """
+    if start >= stop:
+        return True
+    room = rooms.tolist()
+    by_load = list(zip(loads.tolist(), range(len(room))))
+    heapq.heapify(by_load)
+    too_full: list[tuple[int, int, float]] = []  # (-free room, bin, weight)
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    chosen: list[int] = []
+    for size, weight in zip(sizes[start:stop].tolist(), weights[start:stop].tolist()):
+        while too_full and -too_full[0][0] >= size:
+            _, bin_number, load = heappop(too_full)
+            heappush(by_load, (load, bin_number))
+        while True:
+            if not by_load:
+                return False
+            load, bin_number = by_load[0]
+            if room[bin_number] >= size:
+                break
+            heappop(by_load)
+            heappush(too_full, (-room[bin_number], bin_number, load))
+        room[bin_number] -= size
+        heapreplace(by_load, (load + weight, bin_number))
+        chosen.append(bin_number)
+    bin_of[start:stop] = chosen
+    for load, bin_number in by_load:
+        loads[bin_number] = load
+    for _, bin_number, load in too_full:
+        loads[bin_number] = load
+    rooms[:] = room
+    return True
+
+
+def _best_fit_by_groups(sizes: np.ndarray, start: int, rooms: np.ndarray, bin_of: np.ndarray) -> bool:
+    """Best-fit positions from ``start`` on, a group of equal sizes at a time; False if one fits nowhere.
+
+    The bin with the least free room that fits takes as many sequences of the
+    group as fit -- exactly what one-by-one best-fit would do, since it stays
+    the tightest bin that fits.  Ties go to the lower bin number.
+    """
+    n = int(sizes.size)
+    if start >= n:
+        return True
+    tail = sizes[start:]
+    group_starts = np.concatenate(([0], np.flatnonzero(np.diff(tail)) + 1))
+    group_counts = np.diff(np.append(group_starts, tail.size)).tolist()
+    by_room = sorted(zip(rooms.tolist(), range(rooms.size)))
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+    run_bins: list[int] = []
+    run_counts: list[int] = []
+    for size, remaining in zip(tail[group_starts].tolist(), group_counts):
+        while remaining:
+            slot = bisect_left(by_room, (size, -1))
+            if slot == len(by_room):
+                return False
+            free, bin_number = by_room.pop(slot)
+            placed = free // size
+            if placed > remaining:
+                placed = remaining
+            remaining -= placed
+            insort(by_room, (free - placed * size, bin_number))
+            run_bins.append(bin_number)
+            run_counts.append(placed)
+    bin_of[start:] = np.repeat(np.asarray(run_bins, dtype=np.int64), np.asarray(run_counts, dtype=np.int64))
+    return True
+
+
+def _rebalance_by_moves(bin_of: np.ndarray, sizes: np.ndarray, weights: np.ndarray, num_bins: int,
+                        capacity: int, max_moves: int) -> np.ndarray:
+    """Even out a feasible assignment by moving single sequences from the heaviest to the lightest bin.
+
+    The heaviest bin holding at least two sequences gives the lightest bin the
+    sequence that best halves their weight gap, provided it fits the lightest
+    bin's free room and weighs less than the gap.  So the sum of squared bin
+    weights strictly drops (no cycles), and empty bins are always filled first
+    (any bin with two or more sequences can give one to an empty bin).  Stops
+    when the heaviest bin has nothing to give the lightest, or after
+    ``max_moves`` moves.  Heaps with lazy deletion keep a move O(log bins).
+    """
+    bin_of = bin_of.copy()
+    members: list[list[int]] = [[] for _ in range(num_bins)]
+    for position, bin_number in enumerate(bin_of.tolist()):
+        members[bin_number].append(position)
+    loads = np.bincount(bin_of, weights=weights, minlength=num_bins).tolist()
+    tokens = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64).tolist()
+    size_list, weight_list = sizes.tolist(), weights.tolist()
+    heaviest_first = [(-loads[b], b) for b in range(num_bins) if len(members[b]) >= 2]
+    lightest_first = [(loads[b], b) for b in range(num_bins)]
+    heapq.heapify(heaviest_first)
+    heapq.heapify(lightest_first)
+    for _ in range(max_moves):
+        while heaviest_first and (len(members[heaviest_first[0][1]]) < 2
+                                  or -heaviest_first[0][0] != loads[heaviest_first[0][1]]):
+            heapq.heappop(heaviest_first)
+        while lightest_first[0][0] != loads[lightest_first[0][1]]:
+            heapq.heappop(lightest_first)
+        if not heaviest_first:
+            break
+        heaviest, lightest = heaviest_first[0][1], lightest_first[0][1]
+        gap = loads[heaviest] - loads[lightest]
+        if not gap > 0:
+            break
+        free = capacity - tokens[lightest]
+        best_position, best_score = -1, math.inf
+        for position in members[heaviest]:
+            weight = weight_list[position]
+            if size_list[position] <= free and weight < gap:
+                score = abs(gap / 2 - weight)
+                if score < best_score:
+                    best_position, best_score = position, score
+        if best_position < 0:
+            break
+        members[heaviest].remove(best_position)
+        members[lightest].append(best_position)
+        bin_of[best_position] = lightest
+        for bin_number, sign in ((heaviest, -1), (lightest, 1)):
+            loads[bin_number] += sign * weight_list[best_position]
+            tokens[bin_number] += sign * size_list[best_position]
+            heapq.heappush(lightest_first, (loads[bin_number], bin_number))
+            if len(members[bin_number]) >= 2:
+                heapq.heappush(heaviest_first, (-loads[bin_number], bin_number))
+    return bin_of
+
+
+def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel, attention: str,
+                                ffd_bin_of: np.ndarray) -> np.ndarray:
+    """Bin number (0..num_bins-1) per sorted fitting sequence for the packed layout.
+
+    ``ffd_bin_of`` is the first-fit-decreasing assignment of the same sorted
+    sequences; it uses at most ``num_bins`` bins and is the last resort.
+    """
+    sizes = problem.sorted_sizes
+    n = int(sizes.size)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if attention == "dense":
+        # One packed row costs linear*T + quad*T**2, increasing in its tokens T: even tokens = even cost.
+        weights = sizes.astype(np.float64)
+    else:
+        as_float = sizes.astype(np.float64)
+        weights = workload.linear_weight * as_float + workload.quadratic_weight * as_float * as_float
+
+    # Spreading everything by cost leaves every bin with a similar sliver of free room; that rarely works
+    # when the free room left in total (slack) is small next to the shortest sequences, so large batches
+    # skip that attempt then.  The next attempts spread only the long head and pack the tail best-fit.
+    # Every attempt spreads at least the first num_bins sequences, so no bin stays empty.
+    cumulative_tokens = np.cumsum(sizes)
+    slack = num_bins * problem.capacity - int(cumulative_tokens[-1])
+    loose = slack >= num_bins * int(sizes[-1])
+    spread_counts = [n] if loose or n <= _ALWAYS_TRY_SPREADING_ALL_UP_TO else []
+    for fraction in _SPREAD_FRACTIONS_WHEN_TIGHT:
+        head = int(np.searchsorted(cumulative_tokens, fraction * cumulative_tokens[-1]))
+        spread_counts.append(max(head, min(num_bins, n)))
+    for spread_count in dict.fromkeys(spread_counts):
+        assignment = _spread_then_best_fit(sizes, weights, num_bins, problem.capacity, spread_count)
+        if assignment is not None:
+            return assignment
+
+    # FFD always fits (num_bins >= its bin count); open the extra bins and even out by moves.
+    return _rebalance_by_moves(ffd_bin_of, sizes, weights, num_bins, problem.capacity,
+                               max_moves=2 * num_bins + 16)
+
+
+# --------------------------------------------------------------------------- #
+# Padded layout
+# --------------------------------------------------------------------------- #
+def _fewest_padded_runs(sizes: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """Cut rounded lengths (sorted descending) into the fewest contiguous runs with rows * first <= capacity.
+
+    Returns (start, rows) per run.  Greedy is optimal: a run starting later has
+    a shorter first row and so can hold at least as many rows.  It is also what
+    first-fit-decreasing does for padded micro-batches.
+    """
+    runs = []
+    n = int(sizes.size)
+    start = 0
+    size_list = sizes.tolist()
+    while start < n:
+        rows = min(capacity // size_list[start], n - start)
+        runs.append((start, rows))
+        start += rows
+    return runs
+
+
+def _contiguous_runs_to_bins(runs: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Bin number per sorted position for runs given as (start, rows), in order."""
+    rows = np.asarray([r for _, r in runs], dtype=np.int64)
+    return np.repeat(np.arange(len(runs), dtype=np.int64), rows), len(runs)
+
+
+def _balanced_padded_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel) -> np.ndarray:
+    """Bin number per sorted fitting sequence: ``num_bins`` contiguous runs minimising the costliest run.
+
+    A run of ``rows`` sequences starting at sorted position ``p`` computes
+    ``rows`` rows of ``sizes[p]`` tokens and costs ``rows * row_cost[p]``.  For
+    a cost ceiling ``T`` the fewest runs come from the greedy that makes every
+    run as long as the ceiling and the token cap allow (a later start has a
+    shorter first row, so it can only take more rows); bisection finds the
+    smallest ceiling that needs at most ``num_bins`` runs, then the costliest
+    runs are split until there are exactly ``num_bins`` (or one per sequence).
+    """
+    sizes = problem.sorted_sizes
+    n = int(sizes.size)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    capacity = problem.capacity
+    row_cost = (workload.linear_weight * sizes + workload.quadratic_weight * sizes.astype(np.float64) ** 2).tolist()
+    row_cap = (capacity // sizes).tolist()
+    target_runs = min(num_bins, n)
+
+    def runs_needed(max_cost: float, limit: int) -> int:
+        """Greedy run count under ``max_cost`` (stops counting once it exceeds ``limit``)."""
+        start = count = 0
+        while start < n:
+            rows = row_cap[start]
+            rows_by_cost = int(max_cost / row_cost[start])
+            if rows_by_cost < rows:
+                rows = rows_by_cost
+            if rows < 1:
+                return limit + 1
+            count += 1
+            if count > limit:
+                return count
+            start += rows
+        return count
+
+    fewest = _fewest_padded_runs(sizes, capacity)
+    high = max(rows * row_cost[start] for start, rows in fewest)  # feasible: the fewest-runs cut fits
+    low = max(row_cost[0], float(sum(row_cost)) / target_runs)  # no cut into target_runs runs is cheaper
+    if runs_needed(low, target_runs) <= target_runs:
+        high = low
+    else:
+        # Invariant: `low` needs more than target_runs runs, `high` does not; 1e-5 relative is plenty.
+        while high - low > 1e-5 * high:
+            middle = (low + high) / 2
+            if runs_needed(middle, target_runs) <= target_runs:
+                high = middle
+            else:
+                low = middle
+    runs = []
+    start = 0
+    while start < n:
+        rows = min(row_cap[start], max(1, int(high / row_cost[start])), n - start)
+        runs.append((start, rows))
+        start += rows
+    if len(runs) > target_runs:  # float rounding at the ceiling; the cap-only cut always fits
+        runs = fewest
+    runs = _split_costliest_runs(runs, target_runs, row_cost)
+    bin_of_sorted, _ = _contiguous_runs_to_bins(runs)
+    return bin_of_sorted
+
+
+def _split_costliest_runs(runs: list[tuple[int, int]], target_runs: int,
+                          row_cost: list[float]) -> list[tuple[int, int]]:
+    """Split the costliest multi-row run in two (at its most even cut) until there are ``target_runs`` runs."""
+    splittable = [(-rows * row_cost[start], start, rows) for start, rows in runs if rows > 1]
+    single_rows = [(start, rows) for start, rows in runs if rows == 1]
+    heapq.heapify(splittable)
+    while len(splittable) + len(single_rows) < target_runs and splittable:
+        _, start, rows = heapq.heappop(splittable)
+        cuts = np.arange(1, rows)
+        first_cost = cuts * row_cost[start]
+        second_cost = (rows - cuts) * np.asarray(row_cost[start + 1:start + rows])
+        cut = int(cuts[int(np.argmin(np.maximum(first_cost, second_cost)))])
+        for part_start, part_rows in ((start, cut), (start + cut, rows - cut)):
+            if part_rows > 1:
+                heapq.heappush(splittable, (-part_rows * row_cost[part_start], part_start, part_rows))
+            else:
+                single_rows.append((part_start, part_rows))
+    return sorted([(start, rows) for _, start, rows in splittable] + single_rows)
