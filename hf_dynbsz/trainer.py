@@ -152,8 +152,12 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
 
-    def _plan_passes(self, table: SequenceTable, budget: int) -> list[list[int]]:
-        """Partition this rank's sequences into the number of passes every rank agrees on."""
+    def _plan_passes(self, table: SequenceTable, budget: int) -> tuple[list[list[int]], int]:
+        """Partition this rank's sequences into the number of passes every rank agrees on.
+
+        Returns the micro-batches (index lists, empty ones are dummy passes) and how many this rank alone
+        would have needed.
+        """
         lengths = table.lengths.tolist()
         layout = PADDED_LAYOUT[self._dynbsz_layout]
         pad = self.args.pad_to_multiple_of
@@ -176,7 +180,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 "larger-than-budget passes. This warning is shown once.",
                 stacklevel=2,
             )
-        return partition_by_token_budget(
+        groups = partition_by_token_budget(
             lengths,
             budget,
             num_microbatches=max(count, 1),
@@ -186,6 +190,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             attention=self._dynbsz_attention,
             oversize_policy="warn",
         )
+        return groups, local_count
 
     # ------------------------------------------------------------------ forward
     def _forward_microbatch(self, model, mb, compute_entropy: bool):
@@ -217,7 +222,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         budget = self.args.max_tokens_per_microbatch_logprob or 2 * (
             self.args.max_tokens_per_microbatch or rows * input_ids.size(1)
         )
-        groups = self._plan_passes(table, budget)
+        groups, _ = self._plan_passes(table, budget)
         logps = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         for group in groups:
@@ -280,7 +285,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         fields = self._collect_window(window)
         table: SequenceTable = fields["table"]
         budget = self.args.max_tokens_per_microbatch or fields["stock_microbatch_tokens"]
-        groups = self._plan_passes(table, budget)
+        groups, needed = self._plan_passes(table, budget)
 
         settings = self._dynbsz_loss_settings
         policy_w, entropy_w = sample_weights(
@@ -343,7 +348,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 self._backward(model, loss, last)
                 total_loss += loss.detach()
                 self._accumulate_metrics(sums, counts, seq_low, seq_high, metrics, entropies.detach(), mask)
-        self._log_window_metrics(sums, counts, seq_low, seq_high, fields, groups, budget,
+        self._log_window_metrics(sums, counts, seq_low, seq_high, fields, groups, needed, budget,
                                  real_tokens, computed_tokens, dummies, mb_tokens)
         return total_loss
 
@@ -436,7 +441,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             seq_low.append(seq_mean(low))
             seq_high.append(seq_mean(high))
 
-    def _log_window_metrics(self, sums, counts, seq_low, seq_high, fields, groups, budget,
+    def _log_window_metrics(self, sums, counts, seq_low, seq_high, fields, groups, needed, budget,
                             real_tokens, computed_tokens, dummies, mb_tokens) -> None:
         """Exact token-weighted metrics over the optimizer step: one reduce (and two gathers) per step."""
         from trl.trainer.utils import nanmax, nanmin
@@ -459,6 +464,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         real_all, computed_all, stock_all = totals[-3:]
         used = [t for t in mb_tokens]
         metrics["dynbsz/microbatches"].append(float(len(used)))
+        metrics["dynbsz/microbatches_needed"].append(float(needed))
         metrics["dynbsz/microbatches_max_over_ranks"].append(float(len(groups)))
         metrics["dynbsz/dummy_passes"].append(float(dummies))
         metrics["dynbsz/tokens_per_microbatch_mean"].append(sum(used) / max(len(used), 1))

@@ -1,0 +1,88 @@
+"""Worker for the multi-process tests: `accelerate launch --config_file <yaml> tests/distributed_grpo.py ...`.
+
+Trains stock GRPOTrainer or DynamicBatchGRPOTrainer from a saved tiny model and writes, from rank 0, the
+final (gathered) parameters, the completions every rank generated, and each rank's dynbsz metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from grpo_helpers import ALPHABET, RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset  # noqa: E402
+
+
+def lopsided_dataset(num_blocks: int = 8):
+    """With shuffle_dataset=False and 2 prompts per rank per generation round, rank 1 gets the long prompts."""
+    from datasets import Dataset
+
+    prompts = []
+    for block in range(num_blocks):
+        short = [ALPHABET[(block + i) % 4] * 3 for i in range(2)]
+        long = [(ALPHABET * 20)[block + i :][:70] for i in range(2)]
+        prompts += short + long
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=["stock", "dynamic"], required=True)
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--num_iterations", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=40)
+    parser.add_argument("--lopsided", action="store_true")
+    cli = parser.parse_args()
+
+    overrides = dict(loss_type=cli.loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
+                     max_steps=cli.max_steps, ddp_backend="gloo")
+    if cli.lopsided:
+        overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         num_generations=4)
+    if cli.trainer == "stock":
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(cli.out + "-run", **overrides))
+    else:
+        trainer_cls = DynamicBatchGRPOTrainer
+        args = DynamicBatchGRPOConfig(**base_config_kwargs(cli.out + "-run", max_tokens_per_microbatch=cli.budget,
+                                                           **overrides))
+    reward = RecordingReward()
+    model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
+    dataset = lopsided_dataset() if cli.lopsided else prompt_dataset()
+    trainer = trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=load_tokenizer(cli.model_dir))
+    trainer.train()
+
+    accelerator = trainer.accelerator
+    unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+            params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+    else:
+        params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+    metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
+    rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics}
+    with open(f"{cli.out}.rank{accelerator.process_index}.json", "w") as f:
+        json.dump(rank_record, f)
+    if accelerator.is_main_process:
+        torch.save(params, f"{cli.out}.params.pt")
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
