@@ -1,0 +1,120 @@
+"""Environment-variable overrides for batch-size sweeps.
+
+A sweep driver can change batch sizes without editing the training script by
+exporting ``DIFFU_*`` variables. Each variable overrides one configuration
+field; the precedence is **environment over arguments over defaults**.
+
+- ``DIFFU_TRAIN_BATCH_SIZE`` -> ``per_device_train_batch_size`` (samples per device per training step)
+- ``DIFFU_BATCH_SIZE`` -> ``per_device_generation_batch_size`` (samples generated at once per device)
+- ``DIFFU_TENSOR_BATCH_SIZE`` -> ``tensor_batch_size`` (tokens per tile of vocabulary-sized work)
+- ``DIFFU_MAX_TOKENS`` -> ``max_tokens_per_microbatch`` (tokens per device per training micro-batch)
+
+This module is pure Python (no torch, no TRL) so that the command-line planner
+and the configuration share one implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ENV_OVERRIDES",
+    "EnvOverride",
+    "apply_env_overrides",
+    "read_env_overrides",
+]
+
+logger = logging.getLogger("hf_dynbsz")
+
+
+@dataclass(frozen=True)
+class EnvOverride:
+    """One supported environment variable and the configuration field it overrides."""
+
+    variable: str
+    field: str
+    expected: str  # what a valid value is, for error messages
+
+
+ENV_OVERRIDES: tuple[EnvOverride, ...] = (
+    EnvOverride(
+        "DIFFU_TRAIN_BATCH_SIZE",
+        "per_device_train_batch_size",
+        "a positive integer number of samples per device (training micro-batch)",
+    ),
+    EnvOverride(
+        "DIFFU_BATCH_SIZE",
+        "per_device_generation_batch_size",
+        "a positive integer number of samples per device (generated at once)",
+    ),
+    EnvOverride(
+        "DIFFU_TENSOR_BATCH_SIZE",
+        "tensor_batch_size",
+        "a positive integer number of tokens per tile of vocabulary-sized work",
+    ),
+    EnvOverride(
+        "DIFFU_MAX_TOKENS",
+        "max_tokens_per_microbatch",
+        "a positive integer number of tokens per device per training micro-batch",
+    ),
+)
+
+_DIGITS = re.compile(r"[0-9]+")
+
+# (variable, value, field) triples already logged in this process: a sweep applies the same override to
+# several objects (config, trainer), and the log should say it once.
+_LOGGED: set[tuple[str, int, str]] = set()
+
+
+def _parse_positive_int(override: EnvOverride, raw: str) -> int:
+    text = raw.strip()
+    if not _DIGITS.fullmatch(text) or int(text) < 1:
+        raise ValueError(
+            f"{override.variable}={raw!r} is not valid: expected {override.expected} "
+            f"(it overrides {override.field}). Unset the variable to keep the configured value."
+        )
+    return int(text)
+
+
+def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, int]]:
+    """Read the ``DIFFU_*`` variables that are set.
+
+    Returns a mapping ``field name -> (variable name, value)``; variables that are not set are absent.
+    Raises :class:`ValueError` naming the variable, its value and what is expected when a set variable is
+    empty, not an integer, zero or negative.
+    """
+    if environ is None:
+        environ = os.environ
+    overrides: dict[str, tuple[str, int]] = {}
+    for override in ENV_OVERRIDES:
+        if override.variable in environ:
+            overrides[override.field] = (override.variable, _parse_positive_int(override, environ[override.variable]))
+    return overrides
+
+
+def apply_env_overrides(args: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Set the fields of ``args`` named by the ``DIFFU_*`` variables found in ``environ``.
+
+    ``args`` is any object with attributes (a ``GRPOConfig``, an ``argparse.Namespace``...). Returns one
+    human-readable message per applied override, e.g.
+    ``"DIFFU_TRAIN_BATCH_SIZE=2 overrides per_device_train_batch_size=4"`` (the value it replaced). Each
+    override is logged once per process on the ``hf_dynbsz`` logger, not again when the same override is
+    applied again. Bad values raise :class:`ValueError` before anything is changed.
+    """
+    overrides = read_env_overrides(environ)
+    messages = []
+    for field_name, (variable, value) in overrides.items():
+        previous = getattr(args, field_name, None)
+        setattr(args, field_name, value)
+        message = f"{variable}={value} overrides {field_name}={previous}"
+        messages.append(message)
+        key = (variable, value, field_name)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info(message)
+    return messages

@@ -1,0 +1,740 @@
+"""Batch-size arithmetic of a GRPO run, per device and global.
+
+:class:`BatchSizePlan` turns the batch-size settings of a ``GRPOConfig`` (or anything with the same
+attribute names) and a number of processes into every derived quantity: samples per training micro-batch,
+per optimizer step and per generation round, prompts per optimizer step, optimizer steps per generation
+round, generation chunks, token budgets. It validates every divisibility that TRL and DeepSpeed require and
+says which values would be valid. The trainer logs :meth:`BatchSizePlan.render` at start and the
+``hf-dynbsz plan`` command prints it.
+
+Units used throughout: *samples* are completions (one prompt repeated ``num_generations`` times is
+``num_generations`` samples); *tokens* are prompt + completion tokens; *per device* means one process of the
+data-parallel group, *global* means summed over ``num_processes``.
+
+This module is pure Python (no torch, no TRL): it is importable by the command-line planner on any machine.
+The validation of the dynamic-batching fields (:func:`validate_dynamic_batch_fields`) lives here too so that
+the configuration class and the command line share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from typing import Any
+
+__all__ = [
+    "BatchSizePlan",
+    "DYNAMIC_BATCH_DEFAULTS",
+    "OVERSIZE_POLICIES",
+    "PACKING_LAYOUTS",
+    "TRL_TENSOR_TILE_TOKENS",
+    "USER_BATCH_SETTINGS_ATTR",
+    "resolve_generation_round",
+    "resolve_packing_layout",
+    "validate_dynamic_batch_fields",
+]
+
+#: Tokens per tile of TRL's fused LM head / log-softmax (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
+TRL_TENSOR_TILE_TOKENS = 32768
+
+OVERSIZE_POLICIES = ("warn", "error")
+PACKING_LAYOUTS = ("auto", "padding_free", "padded")
+
+#: Defaults of the fields that :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` adds to ``GRPOConfig``.
+DYNAMIC_BATCH_DEFAULTS: Mapping[str, Any] = {
+    "dynamic_batching": True,
+    "max_tokens_per_microbatch": None,
+    "max_tokens_per_microbatch_logprob": None,
+    "per_device_generation_batch_size": None,
+    "tensor_batch_size": None,
+    "oversize_policy": "warn",
+    "packing_layout": "auto",
+}
+
+#: Name of the attribute where ``DynamicBatchGRPOConfig`` records the ``generation_batch_size`` and
+#: ``steps_per_generation`` the user gave, before TRL derives one from the other for its world size.
+USER_BATCH_SETTINGS_ATTR = "_hf_dynbsz_user_batch_settings"
+
+# Attention implementations whose kernels treat a packed row as separate sequences (varlen kernels).
+_VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+
+_NONE_STRINGS = ("none", "null", "auto")
+_TRUE_STRINGS = ("true", "1", "yes", "on")
+_FALSE_STRINGS = ("false", "0", "no", "off")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Coercion helpers (the command line and YAML files hand over strings)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _coerce_int(name: str, value: Any, expected: str) -> int:
+    """``value`` as an int >= 1; accepts ints and decimal strings, rejects bools, floats and the rest."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be {expected}, got {value!r}.")
+    return value
+
+
+def _coerce_optional_int(name: str, value: Any, expected: str, fix: str) -> int | None:
+    """Like :func:`_coerce_int` but ``None`` (or "none"/"null"/"auto") means unset."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
+        return None
+    try:
+        return _coerce_int(name, value, expected)
+    except ValueError:
+        raise ValueError(f"{name} must be {expected}, got {value!r}: {fix}") from None
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS + _FALSE_STRINGS:
+        return value.strip().lower() in _TRUE_STRINGS
+    raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
+def _coerce_pad_to_multiple_of(value: Any) -> int | None:
+    """GRPOConfig's ``pad_to_multiple_of``: an int, None, or "auto" (None except on Neuron, where TRL uses 128)."""
+    return _coerce_optional_int(
+        "pad_to_multiple_of",
+        value,
+        "a positive integer number of tokens",
+        "set a positive multiple such as 64, or leave it unset.",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation of the dynamic-batching fields
+# --------------------------------------------------------------------------------------------------------------
+
+
+def validate_dynamic_batch_fields(args: Any) -> None:
+    """Coerce and check the fields that dynamic batching adds, in place.
+
+    Works on a ``DynamicBatchGRPOConfig``, on a plain ``GRPOConfig`` after
+    :func:`~hf_dynbsz.config.ensure_dynamic_batch_fields`, and on an ``argparse.Namespace``. Missing fields are
+    read as their defaults (and not set). String values (command line, YAML) are converted to ``int``/``bool``.
+    Raises :class:`ValueError` naming the setting, the value and a fix.
+    """
+
+    def get(name: str) -> Any:
+        return getattr(args, name, DYNAMIC_BATCH_DEFAULTS[name])
+
+    def put(name: str, value: Any) -> None:
+        if hasattr(args, name):
+            setattr(args, name, value)
+
+    put("dynamic_batching", _coerce_bool("dynamic_batching", get("dynamic_batching")))
+    put(
+        "max_tokens_per_microbatch",
+        _coerce_optional_int(
+            "max_tokens_per_microbatch",
+            get("max_tokens_per_microbatch"),
+            "a positive integer number of tokens per device per training micro-batch",
+            "set it to at least the longest prompt + completion you expect (e.g. 8192), or leave it unset (None) "
+            "for the automatic budget per_device_train_batch_size x (longest prompt + longest completion in the "
+            "generation batch).",
+        ),
+    )
+    put(
+        "max_tokens_per_microbatch_logprob",
+        _coerce_optional_int(
+            "max_tokens_per_microbatch_logprob",
+            get("max_tokens_per_microbatch_logprob"),
+            "a positive integer number of tokens per device per no-grad log-prob micro-batch",
+            "set a positive value (no-grad passes usually fit about twice the training budget), or leave it unset "
+            "(None) for 2 x the training budget.",
+        ),
+    )
+    put(
+        "per_device_generation_batch_size",
+        _coerce_optional_int(
+            "per_device_generation_batch_size",
+            get("per_device_generation_batch_size"),
+            "a positive integer number of samples generated at once per device",
+            "set it to 1 or more, or leave it unset (None) to generate the whole per-device share of the "
+            "generation round at once.",
+        ),
+    )
+    put(
+        "tensor_batch_size",
+        _coerce_optional_int(
+            "tensor_batch_size",
+            get("tensor_batch_size"),
+            "a positive integer number of tokens per tile of vocabulary-sized work",
+            f"set it to 1 or more (e.g. 4096), or leave it unset (None) for TRL's tile of {TRL_TENSOR_TILE_TOKENS} "
+            "tokens.",
+        ),
+    )
+    oversize_policy = get("oversize_policy")
+    if oversize_policy not in OVERSIZE_POLICIES:
+        raise ValueError(
+            f"oversize_policy must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}, got {oversize_policy!r}: "
+            "'warn' gives a sequence longer than the budget a micro-batch of its own, 'error' stops the run."
+        )
+    packing_layout = get("packing_layout")
+    if packing_layout not in PACKING_LAYOUTS:
+        raise ValueError(
+            f"packing_layout must be one of {', '.join(map(repr, PACKING_LAYOUTS))}, got {packing_layout!r}: "
+            "'auto' packs rows padding-free with flash_attention_2/3 and pads otherwise."
+        )
+
+
+def resolve_packing_layout(packing_layout: str, attn_implementation: str | None) -> str:
+    """The concrete layout for ``packing_layout`` ("auto", "padding_free" or "padded").
+
+    "auto" becomes "padding_free" with a varlen attention kernel (flash_attention_2/3), whose cost is the sum of
+    the squared sequence lengths, and "padded" otherwise: sdpa/eager compute the dense attention of a whole
+    packed row, so for them micro-batches of similar lengths each padded to its own longest row are cheaper.
+    """
+    if packing_layout not in PACKING_LAYOUTS:
+        raise ValueError(
+            f"packing_layout must be one of {', '.join(map(repr, PACKING_LAYOUTS))}, got {packing_layout!r}."
+        )
+    if packing_layout != "auto":
+        return packing_layout
+    if attn_implementation and attn_implementation.startswith(_VARLEN_ATTENTION_PREFIXES):
+        return "padding_free"
+    return "padded"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generation round (TRL's generation_batch_size / steps_per_generation)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _nearest_multiples(value: int, step: int) -> list[int]:
+    """The positive multiples of ``step`` just below and just above ``value``."""
+    below = (value // step) * step
+    above = below + step
+    return [m for m in (below, above) if m > 0 and m != value]
+
+
+def _either(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+def resolve_generation_round(
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    num_processes: int,
+    num_generations: int,
+    generation_batch_size: int | None,
+    steps_per_generation: int | None,
+) -> tuple[int, int, str]:
+    """TRL 1.16's derivation of the generation round, with the divisibility checks and helpful errors.
+
+    ``generation_batch_size`` is GLOBAL (samples per generation round, all processes);
+    ``steps_per_generation`` is the number of training steps (slices of ``per_device_train_batch_size``
+    samples per device) one generation round serves. At most one of them may be given; with neither,
+    ``steps_per_generation = gradient_accumulation_steps``.
+
+    Returns ``(generation_batch_size, steps_per_generation, source)`` where ``source`` names the setting the
+    round was derived from: "generation_batch_size", "steps_per_generation" or "gradient_accumulation_steps".
+    """
+    global_micro = per_device_train_batch_size * num_processes
+    micro_text = (
+        f"per_device_train_batch_size x num_processes "
+        f"({per_device_train_batch_size} x {num_processes} = {global_micro})"
+    )
+    if generation_batch_size is not None and steps_per_generation is not None:
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size}) and steps_per_generation ({steps_per_generation}) "
+            "cannot both be set: generation_batch_size = per_device_train_batch_size x num_processes x "
+            "steps_per_generation. Set only one of them."
+        )
+    if generation_batch_size is not None:
+        valid_step = math.lcm(global_micro, num_generations)
+        if generation_batch_size % global_micro != 0:
+            raise ValueError(
+                f"generation_batch_size ({generation_batch_size}, global samples per generation round) must be "
+                f"divisible by {micro_text}: use {_either(_nearest_multiples(generation_batch_size, valid_step))} "
+                f"(multiples of both {global_micro} and num_generations {num_generations})."
+            )
+        if generation_batch_size % num_generations != 0:
+            raise ValueError(
+                f"generation_batch_size ({generation_batch_size}) must be divisible by num_generations "
+                f"({num_generations}): use {_either(_nearest_multiples(generation_batch_size, valid_step))}."
+            )
+        return generation_batch_size, generation_batch_size // global_micro, "generation_batch_size"
+
+    if steps_per_generation is not None:
+        source = "steps_per_generation"
+    else:
+        steps_per_generation = gradient_accumulation_steps
+        source = "gradient_accumulation_steps"
+    generation_batch_size = global_micro * steps_per_generation
+    if generation_batch_size % num_generations != 0:
+        step_multiple = num_generations // math.gcd(global_micro, num_generations)
+        valid_steps = _nearest_multiples(steps_per_generation, step_multiple)
+        hint = ""
+        if source == "gradient_accumulation_steps":
+            hint = (
+                " (steps_per_generation defaults to gradient_accumulation_steps: set steps_per_generation or "
+                "change gradient_accumulation_steps)"
+            )
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size} = per_device_train_batch_size x num_processes x "
+            f"steps_per_generation = {per_device_train_batch_size} x {num_processes} x {steps_per_generation}) "
+            f"must be divisible by "
+            f"num_generations ({num_generations}): use steps_per_generation {_either(valid_steps)} "
+            f"(generation_batch_size {_either([s * global_micro for s in valid_steps])}){hint}, or change "
+            f"per_device_train_batch_size or num_generations."
+        )
+    return generation_batch_size, steps_per_generation, source
+
+
+def _user_generation_settings(args: Any) -> tuple[int | None, int | None]:
+    """The ``(generation_batch_size, steps_per_generation)`` the user asked for, before any world-size derivation.
+
+    1. A ``DynamicBatchGRPOConfig`` recorded them before TRL's ``__post_init__`` (:data:`USER_BATCH_SETTINGS_ATTR`).
+    2. A post-initialised plain ``GRPOConfig`` (recognised by its ``world_size`` attribute) has both set, one of
+       them derived by TRL for ``args.world_size`` processes, and does not say which. We keep
+       ``steps_per_generation`` (TRL's default cadence, which does not depend on the world size) and re-derive the
+       global ``generation_batch_size``; for the world size the config was built for this gives back TRL's value.
+    3. Anything else (an ``argparse.Namespace`` of raw values, as the command line passes) is taken as given.
+    """
+    recorded = getattr(args, USER_BATCH_SETTINGS_ATTR, None)
+    if recorded is not None:
+        return recorded.get("generation_batch_size"), recorded.get("steps_per_generation")
+    generation_batch_size = getattr(args, "generation_batch_size", None)
+    steps_per_generation = getattr(args, "steps_per_generation", None)
+    if generation_batch_size is not None and steps_per_generation is not None and hasattr(args, "world_size"):
+        return None, steps_per_generation
+    return generation_batch_size, steps_per_generation
+
+
+def _mixed_precision_from_args(args: Any) -> str:
+    """Mixed precision as TRL resolves it: fp16 if set, else bf16 unless ``bf16=False`` (TRL defaults to bf16)."""
+    if getattr(args, "fp16", False) in (True, "true", "True"):
+        return "fp16"
+    bf16 = getattr(args, "bf16", None)
+    if bf16 is None or bf16 in (True, "true", "True"):
+        return "bf16"
+    return "no"
+
+
+def _zero_stage_from_args(args: Any) -> int | None:
+    deepspeed = getattr(args, "deepspeed", None)
+    if isinstance(deepspeed, Mapping):
+        stage = deepspeed.get("zero_optimization", {}).get("stage")
+        if isinstance(stage, int):
+            return stage
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _fraction_text(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Fraction):
+        return value.numerator if value.denominator == 1 else float(value)
+    return value
+
+
+@dataclass(frozen=True)
+class BatchSizePlan:
+    """Every batch size of a GRPO run, per device and global, validated.
+
+    Build it with :meth:`from_args`. Stored fields are the settings after derivation; properties give the
+    derived quantities. Ratios that need not be integers (optimizer steps per generation round, prompts per
+    optimizer step) are :class:`fractions.Fraction`.
+    """
+
+    #: data-parallel processes (devices)
+    num_processes: int
+    #: samples per device per training step (stock TRL's fixed micro-batch)
+    per_device_train_batch_size: int
+    #: training steps per optimizer step
+    gradient_accumulation_steps: int
+    #: completions (samples) per prompt
+    num_generations: int
+    #: GLOBAL samples per generation round (TRL's ``generation_batch_size``)
+    generation_batch_size: int
+    #: training steps served by one generation round
+    steps_per_generation: int
+    #: "generation_batch_size", "steps_per_generation" or "gradient_accumulation_steps": what the round came from
+    generation_round_source: str
+    #: optimisation passes (mu) over each generation round
+    num_iterations: int
+    #: samples generated at once per device; None = the whole per-device share
+    per_device_generation_batch_size: int | None
+    #: tokens per tile of vocabulary-sized work; None = TRL's tile
+    tensor_batch_size: int | None
+    #: tokens per device per training micro-batch; None = auto
+    max_tokens_per_microbatch: int | None
+    #: tokens per device per no-grad log-prob micro-batch; None = 2 x the training budget
+    max_tokens_per_microbatch_logprob: int | None
+    #: lengths rounded up to a multiple of this many tokens (GRPOConfig's ``pad_to_multiple_of``); None = no rounding
+    pad_to_multiple_of: int | None
+    dynamic_batching: bool
+    oversize_policy: str
+    #: "auto", "padding_free" or "padded"
+    layout: str
+    #: DeepSpeed ZeRO stage; None = no DeepSpeed
+    zero_stage: int | None
+    #: "no", "fp16", "bf16" (or what accelerate was given)
+    mixed_precision: str | None
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_args(
+        cls,
+        args: Any,
+        num_processes: int,
+        zero_stage: int | None = None,
+        mixed_precision: str | None = None,
+        layout: str | None = None,
+    ) -> BatchSizePlan:
+        """Plan the batch sizes of ``args`` on ``num_processes`` processes.
+
+        ``args`` is a ``GRPOConfig``/``DynamicBatchGRPOConfig`` (post-initialised or not) or any object with the
+        same attribute names; the dynamic-batching fields default when absent. ``num_processes`` may differ from
+        the world size ``args`` was built for (planning an 8-GPU run on a laptop): the generation round is then
+        re-derived from what the user asked for, not from TRL's derived values (see
+        :func:`_user_generation_settings`): a user-given global ``generation_batch_size`` is kept and
+        ``steps_per_generation`` follows from it; otherwise ``steps_per_generation`` is kept (defaulting to
+        ``gradient_accumulation_steps``) and ``generation_batch_size = per_device_train_batch_size x
+        num_processes x steps_per_generation``, exactly as TRL derives it.
+
+        ``zero_stage`` and ``mixed_precision`` describe the launcher (accelerate/DeepSpeed); when None they are
+        read from ``args.deepspeed`` (a dict) and ``args.fp16``/``args.bf16``. ``layout`` is the concrete packing
+        layout if known; None shows ``args.packing_layout``.
+
+        Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
+        DeepSpeed requires does not hold.
+        """
+        num_processes = _coerce_int("num_processes", num_processes, "a positive integer number of processes")
+        per_device_train_batch_size = _coerce_int(
+            "per_device_train_batch_size",
+            getattr(args, "per_device_train_batch_size", None),
+            "a positive integer number of samples per device",
+        )
+        gradient_accumulation_steps = _coerce_int(
+            "gradient_accumulation_steps",
+            getattr(args, "gradient_accumulation_steps", 1),
+            "a positive integer number of training steps per optimizer step",
+        )
+        num_generations = getattr(args, "num_generations", 8)
+        if isinstance(num_generations, str) and num_generations.strip().isdigit():
+            num_generations = int(num_generations)
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+            raise ValueError(
+                f"num_generations must be an integer >= 2 (completions per prompt; GRPO's advantages compare the "
+                f"completions of one prompt), got {num_generations!r}: use 2 or more."
+            )
+        num_iterations = _coerce_int(
+            "num_iterations", getattr(args, "num_iterations", 1), "a positive integer number of passes"
+        )
+        user_generation_batch_size, user_steps_per_generation = _user_generation_settings(args)
+        user_generation_batch_size = _coerce_optional_int(
+            "generation_batch_size",
+            user_generation_batch_size,
+            "a positive integer number of samples (global, per generation round)",
+            "leave it unset to derive it from steps_per_generation.",
+        )
+        user_steps_per_generation = _coerce_optional_int(
+            "steps_per_generation",
+            user_steps_per_generation,
+            "a positive integer number of training steps per generation round",
+            "leave it unset to use gradient_accumulation_steps.",
+        )
+        generation_batch_size, steps_per_generation, source = resolve_generation_round(
+            per_device_train_batch_size=per_device_train_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            num_processes=num_processes,
+            num_generations=num_generations,
+            generation_batch_size=user_generation_batch_size,
+            steps_per_generation=user_steps_per_generation,
+        )
+        if generation_batch_size // num_processes < 1:  # cannot happen after the checks above; kept explicit
+            raise ValueError(
+                f"generation_batch_size ({generation_batch_size}) gives each of {num_processes} processes no sample."
+            )
+
+        # Dynamic-batching fields: validate a copy so that a namespace or config is not modified here.
+        dynamic = _FieldView(args)
+        validate_dynamic_batch_fields(dynamic)
+        if zero_stage is not None:
+            zero_stage = int(zero_stage)
+            if zero_stage not in (0, 1, 2, 3):
+                raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+        else:
+            zero_stage = _zero_stage_from_args(args)
+        return cls(
+            num_processes=num_processes,
+            per_device_train_batch_size=per_device_train_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            num_generations=num_generations,
+            generation_batch_size=generation_batch_size,
+            steps_per_generation=steps_per_generation,
+            generation_round_source=source,
+            num_iterations=num_iterations,
+            per_device_generation_batch_size=dynamic.per_device_generation_batch_size,
+            tensor_batch_size=dynamic.tensor_batch_size,
+            max_tokens_per_microbatch=dynamic.max_tokens_per_microbatch,
+            max_tokens_per_microbatch_logprob=dynamic.max_tokens_per_microbatch_logprob,
+            pad_to_multiple_of=_coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None)),
+            dynamic_batching=dynamic.dynamic_batching,
+            oversize_policy=dynamic.oversize_policy,
+            layout=layout if layout is not None else dynamic.packing_layout,
+            zero_stage=zero_stage,
+            mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
+        )
+
+    # ---- derived quantities ----------------------------------------------------------------------------------
+
+    @property
+    def global_train_batch_size(self) -> int:
+        """Samples per training step over all processes (stock micro-batch x processes)."""
+        return self.per_device_train_batch_size * self.num_processes
+
+    @property
+    def per_device_samples_per_optimizer_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def global_samples_per_optimizer_step(self) -> int:
+        return self.per_device_samples_per_optimizer_step * self.num_processes
+
+    @property
+    def prompts_per_optimizer_step(self) -> Fraction:
+        """Global samples per optimizer step / num_generations (need not be an integer)."""
+        return Fraction(self.global_samples_per_optimizer_step, self.num_generations)
+
+    @property
+    def per_device_generation_share(self) -> int:
+        """Samples each device generates per generation round (generation_batch_size / num_processes)."""
+        return self.generation_batch_size // self.num_processes
+
+    @property
+    def prompts_per_generation_round(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def optimizer_steps_per_generation_round(self) -> Fraction:
+        """steps_per_generation / gradient_accumulation_steps, for one pass over the round."""
+        return Fraction(self.steps_per_generation, self.gradient_accumulation_steps)
+
+    @property
+    def optimizer_steps_per_generation_round_all_iterations(self) -> Fraction:
+        """Optimizer steps taken on one generation round over its num_iterations passes."""
+        return self.optimizer_steps_per_generation_round * self.num_iterations
+
+    @property
+    def generation_chunk_size(self) -> int:
+        """Samples generated at once per device (capped at the per-device share)."""
+        if self.per_device_generation_batch_size is None:
+            return self.per_device_generation_share
+        return min(self.per_device_generation_batch_size, self.per_device_generation_share)
+
+    @property
+    def generation_chunks_per_device(self) -> int:
+        return -(-self.per_device_generation_share // self.generation_chunk_size)
+
+    @property
+    def effective_tensor_batch_size(self) -> int:
+        return self.tensor_batch_size if self.tensor_batch_size is not None else TRL_TENSOR_TILE_TOKENS
+
+    @property
+    def effective_max_tokens_per_microbatch_logprob(self) -> int | None:
+        """The log-prob budget in tokens, or None while the training budget is automatic (then 2 x auto)."""
+        if self.max_tokens_per_microbatch_logprob is not None:
+            return self.max_tokens_per_microbatch_logprob
+        if self.max_tokens_per_microbatch is not None:
+            return 2 * self.max_tokens_per_microbatch
+        return None
+
+    # ---- output ----------------------------------------------------------------------------------------------
+
+    def as_dict(self) -> dict[str, Any]:
+        """Settings and derived quantities as plain JSON-friendly values (fractions become int or float)."""
+        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        for name in (
+            "global_train_batch_size",
+            "per_device_samples_per_optimizer_step",
+            "global_samples_per_optimizer_step",
+            "prompts_per_optimizer_step",
+            "per_device_generation_share",
+            "prompts_per_generation_round",
+            "optimizer_steps_per_generation_round",
+            "optimizer_steps_per_generation_round_all_iterations",
+            "generation_chunk_size",
+            "generation_chunks_per_device",
+            "effective_tensor_batch_size",
+            "effective_max_tokens_per_microbatch_logprob",
+        ):
+            result[name] = _plain(getattr(self, name))
+        return result
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """The table of :meth:`render` as ``(setting, per device, global, meaning)`` rows."""
+        n = self.num_processes
+        train_budget = self.max_tokens_per_microbatch
+        logprob_budget = self.effective_max_tokens_per_microbatch_logprob
+        if self.per_device_generation_batch_size is None:
+            chunk_text = f"{self.generation_chunk_size} (all)"
+        else:
+            chunk_text = str(self.generation_chunk_size)
+        spg_text = {
+            "generation_batch_size": "= generation_batch_size / (per_device_train_batch_size x processes)",
+            "steps_per_generation": "set by the user",
+            "gradient_accumulation_steps": "defaults to gradient_accumulation_steps",
+        }[self.generation_round_source]
+        rows = [
+            ("processes", "-", str(n), "data-parallel processes (devices)"),
+            (
+                "per_device_train_batch_size",
+                str(self.per_device_train_batch_size),
+                str(self.global_train_batch_size),
+                "samples per training step (stock TRL's fixed micro-batch)",
+            ),
+            (
+                "gradient_accumulation_steps",
+                str(self.gradient_accumulation_steps),
+                "-",
+                "training steps per optimizer step",
+            ),
+            (
+                "samples per optimizer step",
+                str(self.per_device_samples_per_optimizer_step),
+                str(self.global_samples_per_optimizer_step),
+                "per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+            ),
+            (
+                "prompts per optimizer step",
+                "-",
+                _fraction_text(self.prompts_per_optimizer_step),
+                "global samples per optimizer step / num_generations",
+            ),
+            ("num_generations", "-", str(self.num_generations), "completions (samples) per prompt"),
+            (
+                "generation_batch_size",
+                str(self.per_device_generation_share),
+                str(self.generation_batch_size),
+                "samples per generation round (TRL's generation_batch_size is the global one)",
+            ),
+            (
+                "prompts per generation round",
+                "-",
+                str(self.prompts_per_generation_round),
+                "generation_batch_size / num_generations",
+            ),
+            (
+                "steps_per_generation",
+                str(self.steps_per_generation),
+                "-",
+                f"training steps per generation round; {spg_text}",
+            ),
+            (
+                "optimizer steps per generation round",
+                _fraction_text(self.optimizer_steps_per_generation_round),
+                "-",
+                "steps_per_generation / gradient_accumulation_steps",
+            ),
+            ("num_iterations", str(self.num_iterations), "-", "passes (mu) over each generation round"),
+            (
+                "optimizer steps per round x num_iterations",
+                _fraction_text(self.optimizer_steps_per_generation_round_all_iterations),
+                "-",
+                "optimizer steps taken on one generation round",
+            ),
+            (
+                "per_device_generation_batch_size",
+                chunk_text,
+                "-",
+                "samples generated at once per device (transformers generate path)",
+            ),
+            (
+                "generation chunks",
+                str(self.generation_chunks_per_device),
+                "-",
+                "generate calls per device per generation round",
+            ),
+            (
+                "tensor_batch_size",
+                str(self.effective_tensor_batch_size)
+                + (" (TRL)" if self.tensor_batch_size is None else ""),
+                "-",
+                "tokens per tile of LM-head / log-softmax / entropy work",
+            ),
+            (
+                "max_tokens_per_microbatch",
+                "auto" if train_budget is None else str(train_budget),
+                "-" if train_budget is None else str(train_budget * n),
+                (
+                    f"tokens per training micro-batch; auto = {self.per_device_train_batch_size} x (longest prompt + "
+                    "longest completion) per generation batch"
+                    if train_budget is None
+                    else "tokens per training micro-batch (prompt + completion positions computed)"
+                ),
+            ),
+            (
+                "max_tokens_per_microbatch_logprob",
+                ("2 x auto" if logprob_budget is None else str(logprob_budget)),
+                "-" if logprob_budget is None else str(logprob_budget * n),
+                "tokens per no-grad log-prob micro-batch (old policy, reference)"
+                + ("; default 2 x training budget" if self.max_tokens_per_microbatch_logprob is None else ""),
+            ),
+            (
+                "pad_to_multiple_of",
+                "none" if self.pad_to_multiple_of is None else str(self.pad_to_multiple_of),
+                "-",
+                "lengths rounded up to a multiple of this many tokens",
+            ),
+            (
+                "dynamic_batching",
+                "on" if self.dynamic_batching else "off",
+                "-",
+                "repack micro-batches by token budget" if self.dynamic_batching else "stock GRPOTrainer behaviour",
+            ),
+            ("packing layout", self.layout, "-", "auto: padding_free with flash_attention_2/3, padded otherwise"),
+            (
+                "oversize_policy",
+                self.oversize_policy,
+                "-",
+                "sequence longer than the budget: warn (own micro-batch) or error",
+            ),
+            (
+                "DeepSpeed ZeRO stage",
+                "none" if self.zero_stage is None else str(self.zero_stage),
+                "-",
+                "from the launcher",
+            ),
+            ("mixed precision", str(self.mixed_precision), "-", "from the launcher or fp16/bf16"),
+        ]
+        return rows
+
+    def render(self) -> str:
+        """An aligned plain-text table: setting | per device | global | meaning."""
+        header = ("setting", "per device", "global", "meaning")
+        rows = [header, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+
+        def line(row: tuple[str, str, str, str]) -> str:
+            return "  ".join(
+                [row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2]), row[3]]
+            ).rstrip()
+
+        rule = "  ".join(["-" * widths[0], "-" * widths[1], "-" * widths[2], "-" * len(header[3])])
+        return "\n".join([line(header), rule, *(line(row) for row in rows[1:])])
+
+
+class _FieldView:
+    """A copy of the dynamic-batching fields of ``args`` (defaults where absent), for validation without mutation."""
+
+    def __init__(self, args: Any) -> None:
+        for name, default in DYNAMIC_BATCH_DEFAULTS.items():
+            setattr(self, name, getattr(args, name, default))

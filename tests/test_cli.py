@@ -1,0 +1,269 @@
+"""Specification of the ``hf-dynbsz plan`` command (run as a subprocess, like a user would)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_plan(*options, env_overrides=None, cwd=None):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("DIFFU_")}
+    environment["PYTHONPATH"] = str(REPO) + os.pathsep + environment.get("PYTHONPATH", "")
+    environment.update(env_overrides or {})
+    return subprocess.run(
+        [sys.executable, "-m", "hf_dynbsz.cli", "plan", *map(str, options)],
+        cwd=cwd or REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def plan_in_process(capsys, monkeypatch):
+    """``hf-dynbsz plan`` through ``main()`` in this process (fast); same contract as :func:`run_plan`."""
+    from hf_dynbsz.cli import main
+
+    def run(*options, env_overrides=None):
+        for name, value in (env_overrides or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = main(["plan", *map(str, options)])
+        except SystemExit as exit_:  # argparse usage errors
+            code = exit_.code
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return run
+
+
+def table_row(output: str, setting: str) -> list[str]:
+    """The cells after ``setting`` of the plan table row named ``setting``."""
+    for line in output.splitlines():
+        if line.startswith(setting + "  "):
+            return line[len(setting) :].split()
+    raise AssertionError(f"no row {setting!r} in:\n{output}")
+
+
+def test_console_script_is_declared():
+    text = (REPO / "pyproject.toml").read_text()
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:
+        section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+        assert 'hf-dynbsz = "hf_dynbsz.cli:main"' in section
+    else:
+        assert tomllib.loads(text)["project"]["scripts"]["hf-dynbsz"] == "hf_dynbsz.cli:main"
+
+
+def test_valid_config_prints_the_plan():
+    result = run_plan(
+        "--per_device_train_batch_size", 4,
+        "--gradient_accumulation_steps", 4,
+        "--num_generations", 8,
+        "--max_tokens_per_microbatch", 8192,
+        "--num_processes", 8,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.splitlines()[0].split()[:4] == ["setting", "per", "device", "global"]
+    assert table_row(out, "processes")[:2] == ["-", "8"]
+    assert table_row(out, "samples per optimizer step")[:2] == ["16", "128"]
+    assert table_row(out, "prompts per optimizer step")[:2] == ["-", "16"]
+    # TRL's derivation for 8 processes, although this machine runs 1: 4 x 8 x 4
+    assert table_row(out, "generation_batch_size")[:2] == ["16", "128"]
+    assert table_row(out, "max_tokens_per_microbatch")[:2] == ["8192", "65536"]
+
+
+def test_output_dir_is_not_required_and_defaults_plan_one_process(plan_in_process):
+    result = plan_in_process("--per_device_train_batch_size", 8)
+    assert result.returncode == 0, result.stderr
+    assert table_row(result.stdout, "processes")[:2] == ["-", "1"]
+    assert table_row(result.stdout, "max_tokens_per_microbatch")[0] == "auto"
+
+
+def test_invalid_config_exits_2_with_message_and_no_traceback():
+    result = run_plan("--per_device_train_batch_size", 4, "--generation_batch_size", 12, "--num_generations", 8)
+    assert result.returncode == 2
+    assert "generation_batch_size (12) must be divisible by num_generations (8): use 8 or 16" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_invalid_dynamic_field_exits_2(plan_in_process):
+    result = plan_in_process("--max_tokens_per_microbatch", 0)
+    assert result.returncode == 2
+    assert "max_tokens_per_microbatch must be a positive integer number of tokens" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_option_is_a_usage_error(plan_in_process):
+    result = plan_in_process("--no_such_option", 3)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+
+
+def test_environment_overrides_are_honoured_and_reported(plan_in_process):
+    result = plan_in_process("--per_device_train_batch_size", 4, env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "16"})
+    assert result.returncode == 0, result.stderr
+    assert "DIFFU_TRAIN_BATCH_SIZE=16 overrides per_device_train_batch_size=4" in result.stdout
+    assert table_row(result.stdout, "per_device_train_batch_size")[:2] == ["16", "16"]
+
+
+def test_bad_environment_value_exits_2():
+    result = run_plan(env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "2.5"})
+    assert result.returncode == 2
+    assert "DIFFU_TRAIN_BATCH_SIZE='2.5'" in result.stderr
+    assert "a positive integer number of samples per device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "", "-1"])
+def test_other_bad_environment_values_exit_2(plan_in_process, value):
+    result = plan_in_process(env_overrides={"DIFFU_TRAIN_BATCH_SIZE": value})
+    assert result.returncode == 2
+    assert f"DIFFU_TRAIN_BATCH_SIZE={value!r}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_accelerate_yaml_gives_processes_zero_stage_and_precision(tmp_path):
+    config = tmp_path / "zero3.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\n"
+        "distributed_type: DEEPSPEED\n"
+        "deepspeed_config:\n"
+        "  zero_stage: 3\n"
+        "  offload_optimizer_device: none\n"
+        "mixed_precision: fp16\n"
+        "num_machines: 1\n"
+        "num_processes: 4\n"
+    )
+    result = run_plan("--per_device_train_batch_size", 2, "--num_generations", 4, "--config_file", config)
+    assert result.returncode == 0, result.stderr
+    assert table_row(result.stdout, "processes")[:2] == ["-", "4"]
+    assert table_row(result.stdout, "DeepSpeed ZeRO stage")[0] == "3"
+    assert table_row(result.stdout, "mixed precision")[0] == "fp16"
+
+
+def test_num_processes_option_wins_over_accelerate_yaml(tmp_path, plan_in_process):
+    config = tmp_path / "ddp.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\nmixed_precision: no\n")  # YAML 1.1: False
+    explicit = plan_in_process("--num_generations", 4, "--config_file", config, "--num_processes", 2)
+    assert table_row(explicit.stdout, "processes")[:2] == ["-", "2"]
+    assert table_row(explicit.stdout, "mixed precision")[0] == "no"
+    assert table_row(explicit.stdout, "DeepSpeed ZeRO stage")[0] == "none"
+
+
+def test_missing_accelerate_yaml_exits_2(tmp_path, plan_in_process):
+    result = plan_in_process("--config_file", tmp_path / "absent.yaml")
+    assert result.returncode == 2
+    assert "absent.yaml" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---- --lengths ---------------------------------------------------------------------------------------------
+
+LENGTHS = [100, 20, 30, 400, 25, 60, 10, 15, 300, 40, 35, 20, 20]  # 13 samples: 3 steps of 4 and a partial one
+
+
+def lengths_table(output: str) -> dict[str, list[str]]:
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "samples"])
+    return {line.split()[0]: line.split()[1:] for line in lines[start + 2 :] if line.strip()}
+
+
+@pytest.mark.parametrize("fmt", ["lines", "json"])
+def test_lengths_file_simulates_optimizer_steps(tmp_path, fmt):
+    path = tmp_path / "lengths.txt"
+    path.write_text(json.dumps(LENGTHS) if fmt == "json" else "\n".join(map(str, LENGTHS)) + "\n")
+    result = run_plan(
+        "--per_device_train_batch_size", 2,
+        "--gradient_accumulation_steps", 2,
+        "--num_generations", 2,
+        "--max_tokens_per_microbatch", 400,
+        "--packing_layout", "padding_free",
+        "--lengths", path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    table = lengths_table(result.stdout)
+    assert list(table) == ["1", "2", "3", "4*", "total"]
+    # columns: samples, real tokens, budget, micro-batches, lower bound, utilisation, computed, stock, saved
+    step1 = table["1"]
+    assert step1[:3] == ["4", str(100 + 20 + 30 + 400), "400"]
+    assert int(step1[3]) >= int(step1[4]) >= 2  # 550 tokens need at least 2 micro-batches of 400
+    assert step1[7] == str(4 * 400)  # stock: 4 rows padded to the step's longest (400)
+    assert step1[6] == str(550)  # padding-free computes the real tokens
+    total = table["total"]
+    assert total[0] == str(len(LENGTHS)) and total[1] == str(sum(LENGTHS))
+    assert int(total[6]) < int(total[7])
+
+
+def test_lengths_with_automatic_budget_use_stock_padded_micro_batch(tmp_path, plan_in_process):
+    path = tmp_path / "pairs.json"
+    pairs = [[10, 90], [5, 15], [8, 22], [12, 388]]
+    path.write_text(json.dumps(pairs))
+    result = plan_in_process(
+        "--per_device_train_batch_size", 2,
+        "--gradient_accumulation_steps", 2,
+        "--num_generations", 2,
+        "--lengths", path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    step1 = lengths_table(result.stdout)["1"]
+    longest_row = 12 + 388  # longest prompt + longest completion
+    assert step1[2] == str(2 * longest_row)  # auto budget = per_device_train_batch_size x longest row
+    assert step1[7] == str(4 * longest_row)
+
+
+def test_prompt_completion_lines(tmp_path, plan_in_process):
+    path = tmp_path / "pairs.txt"
+    path.write_text("# prompt completion\n10 90\n5 15\n")
+    result = plan_in_process("--per_device_train_batch_size", 2, "--num_generations", 2, "--lengths", path)
+    assert result.returncode == 0, result.stderr
+    assert lengths_table(result.stdout)["1"][:2] == ["2", "120"]
+
+
+@pytest.mark.parametrize("content", ["12\nabc\n", "[1, 2.5]", "{\"a\": 1}", "", "[1, [2, 3]]"])
+def test_bad_lengths_file_exits_2(tmp_path, content, plan_in_process):
+    path = tmp_path / "bad.txt"
+    path.write_text(content)
+    result = plan_in_process("--num_generations", 2, "--lengths", path)
+    assert result.returncode == 2
+    assert "--lengths" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_oversize_sequence_with_error_policy_exits_2(tmp_path, plan_in_process):
+    path = tmp_path / "lengths.txt"
+    path.write_text("10\n500\n")
+    result = plan_in_process(
+        "--per_device_train_batch_size", 2,
+        "--num_generations", 2,
+        "--max_tokens_per_microbatch", 100,
+        "--oversize_policy", "error",
+        "--lengths", path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+
+
+def test_main_returns_exit_status_in_process(capsys):
+    from hf_dynbsz.cli import main
+
+    assert main(["plan", "--num_generations", "4", "--per_device_train_batch_size", "4"]) == 0
+    assert "generation_batch_size" in capsys.readouterr().out
+    assert main(["plan", "--per_device_train_batch_size", "3", "--num_generations", "4"]) == 2
+    assert "must be divisible by num_generations (4)" in capsys.readouterr().err

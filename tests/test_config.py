@@ -1,0 +1,265 @@
+"""Specification of hf_dynbsz.config: DynamicBatchGRPOConfig and ensure_dynamic_batch_fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from trl import GRPOConfig
+
+from hf_dynbsz import env
+from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
+from hf_dynbsz.plan import DYNAMIC_BATCH_DEFAULTS, BatchSizePlan
+
+NEW_FIELDS = (
+    "dynamic_batching",
+    "max_tokens_per_microbatch",
+    "max_tokens_per_microbatch_logprob",
+    "per_device_generation_batch_size",
+    "tensor_batch_size",
+    "oversize_policy",
+    "packing_layout",
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_memory(monkeypatch):
+    monkeypatch.setattr(env, "_LOGGED", set())
+
+
+def make_config(tmp_path, cls=DynamicBatchGRPOConfig, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+    )
+    settings.update(overrides)
+    return cls(**settings)
+
+
+# ---- fields ------------------------------------------------------------------------------------------------
+
+
+def test_defaults(tmp_path):
+    config = make_config(tmp_path)
+    assert config.dynamic_batching is True
+    assert config.max_tokens_per_microbatch is None
+    assert config.max_tokens_per_microbatch_logprob is None
+    assert config.per_device_generation_batch_size is None
+    assert config.tensor_batch_size is None
+    assert config.oversize_policy == "warn"
+    assert config.packing_layout == "auto"
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DYNAMIC_BATCH_DEFAULTS)
+
+
+def test_every_new_field_has_help_stating_its_unit():
+    own = {f.name: f for f in dataclasses.fields(DynamicBatchGRPOConfig)}
+    for name in NEW_FIELDS:
+        assert own[name].metadata.get("help"), name
+    for name in ("max_tokens_per_microbatch", "max_tokens_per_microbatch_logprob", "tensor_batch_size"):
+        assert "tokens" in own[name].metadata["help"], name
+        assert "per device" in own[name].metadata["help"], name
+    assert "samples" in own["per_device_generation_batch_size"].metadata["help"]
+    assert "GLOBAL" in own["per_device_generation_batch_size"].metadata["help"]
+
+
+def test_budget_help_documents_the_auto_rule_and_pad_to_multiple_of():
+    help_text = {f.name: f for f in dataclasses.fields(DynamicBatchGRPOConfig)}["max_tokens_per_microbatch"].metadata[
+        "help"
+    ]
+    assert "per_device_train_batch_size * (longest prompt + longest completion in the generation batch)" in help_text
+    assert "pad_to_multiple_of" in help_text
+
+
+def test_no_new_length_rounding_field():
+    assert "pad_to_multiple_of" in {f.name for f in dataclasses.fields(GRPOConfig)}
+    stock = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert {f.name for f in dataclasses.fields(DynamicBatchGRPOConfig)} - stock == set(NEW_FIELDS)
+
+
+def test_trl_generation_batch_size_keeps_its_global_meaning(tmp_path):
+    config = make_config(tmp_path, gradient_accumulation_steps=2, per_device_generation_batch_size=3)
+    assert config.generation_batch_size == 4 * config.world_size * 2
+    assert config.steps_per_generation == 2
+
+
+def test_string_values_are_converted(tmp_path):
+    config = make_config(
+        tmp_path, max_tokens_per_microbatch="4096", tensor_batch_size="1024", max_tokens_per_microbatch_logprob="none"
+    )
+    assert config.max_tokens_per_microbatch == 4096
+    assert config.tensor_batch_size == 1024
+    assert config.max_tokens_per_microbatch_logprob is None
+
+
+@pytest.mark.parametrize(
+    "field, value, phrase",
+    [
+        ("max_tokens_per_microbatch", 0, "max_tokens_per_microbatch must be a positive integer number of tokens"),
+        ("max_tokens_per_microbatch_logprob", -1, "max_tokens_per_microbatch_logprob must be a positive integer"),
+        ("per_device_generation_batch_size", 0, "per_device_generation_batch_size must be a positive integer"),
+        ("tensor_batch_size", 0, "tensor_batch_size must be a positive integer number of tokens"),
+        ("oversize_policy", "skip", "oversize_policy must be one of 'warn', 'error', got 'skip'"),
+        ("packing_layout", "varlen", "packing_layout must be one of 'auto', 'padding_free', 'padded'"),
+    ],
+)
+def test_invalid_values_name_setting_value_and_fix(tmp_path, field, value, phrase):
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path, **{field: value})
+    assert phrase in str(raised.value)
+    assert repr(value) in str(raised.value)
+
+
+def test_logprob_budget_below_training_budget_is_allowed(tmp_path):
+    config = make_config(tmp_path, max_tokens_per_microbatch=4096, max_tokens_per_microbatch_logprob=1024)
+    assert config.max_tokens_per_microbatch_logprob == 1024
+
+
+def test_trl_checks_still_apply(tmp_path):
+    with pytest.raises(ValueError, match="num_generations"):
+        make_config(tmp_path, per_device_train_batch_size=3, num_generations=4)
+
+
+# ---- environment overrides ---------------------------------------------------------------------------------
+
+
+def test_environment_overrides_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "8")
+    monkeypatch.setenv("DIFFU_BATCH_SIZE", "2")
+    monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "2048")
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "3000")
+    config = make_config(tmp_path, max_tokens_per_microbatch=9999)
+    assert config.per_device_train_batch_size == 8
+    assert config.per_device_generation_batch_size == 2
+    assert config.tensor_batch_size == 2048
+    assert config.max_tokens_per_microbatch == 3000
+
+
+def test_environment_feeds_trls_generation_batch_derivation(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "8")
+    config = make_config(tmp_path, gradient_accumulation_steps=2)
+    assert config.generation_batch_size == 8 * config.world_size * 2
+
+
+def test_environment_value_is_validated_by_trl_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "3")  # 3 x 1 x 1 is not divisible by num_generations 4
+    with pytest.raises(ValueError, match="num_generations"):
+        make_config(tmp_path)
+
+
+@pytest.mark.parametrize("value", ["", "2.5", "abc", " ", "0", "-4"])
+def test_bad_environment_value_fails_construction(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", value)
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path)
+    assert "DIFFU_TRAIN_BATCH_SIZE" in str(raised.value)
+    assert repr(value) in str(raised.value)
+
+
+def test_override_is_logged(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "512")
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        make_config(tmp_path, max_tokens_per_microbatch=100)
+    assert "DIFFU_MAX_TOKENS=512 overrides max_tokens_per_microbatch=100" in caplog.messages
+
+
+# ---- ensure_dynamic_batch_fields ---------------------------------------------------------------------------
+
+
+def test_plain_grpo_config_gets_the_defaults(tmp_path):
+    config = make_config(tmp_path, cls=GRPOConfig)
+    assert ensure_dynamic_batch_fields(config) is config
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DYNAMIC_BATCH_DEFAULTS)
+
+
+def test_plain_grpo_config_keeps_attributes_set_by_the_user(tmp_path):
+    config = make_config(tmp_path, cls=GRPOConfig)
+    config.max_tokens_per_microbatch = 2048
+    ensure_dynamic_batch_fields(config)
+    assert config.max_tokens_per_microbatch == 2048
+
+
+def test_plain_grpo_config_environment_rederives_generation_batch(tmp_path, monkeypatch):
+    config = make_config(tmp_path, cls=GRPOConfig, gradient_accumulation_steps=2)
+    assert (config.generation_batch_size, config.steps_per_generation) == (8 * config.world_size, 2)
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "2")
+    ensure_dynamic_batch_fields(config)
+    assert config.per_device_train_batch_size == 2
+    assert config.steps_per_generation == 2
+    assert config.generation_batch_size == 2 * config.world_size * 2
+
+
+def test_plain_grpo_config_environment_divisibility_error(tmp_path, monkeypatch):
+    config = make_config(tmp_path, cls=GRPOConfig)
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "1")  # 1 x 1 x 1 = 1 not divisible by num_generations 4
+    with pytest.raises(ValueError, match=r"must be divisible by num_generations \(4\)"):
+        ensure_dynamic_batch_fields(config)
+
+
+def test_plain_grpo_config_bad_field_value(tmp_path):
+    config = make_config(tmp_path, cls=GRPOConfig)
+    config.oversize_policy = "drop"
+    with pytest.raises(ValueError, match="oversize_policy"):
+        ensure_dynamic_batch_fields(config)
+
+
+def test_ensure_is_idempotent(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "8")
+    config = make_config(tmp_path, cls=GRPOConfig)
+    ensure_dynamic_batch_fields(config)
+    first = config.to_dict() | {name: getattr(config, name) for name in NEW_FIELDS}
+    ensure_dynamic_batch_fields(config)
+    assert config.to_dict() | {name: getattr(config, name) for name in NEW_FIELDS} == first
+    assert config.generation_batch_size == 8 * config.world_size
+
+
+def test_ensure_is_a_no_op_on_a_dynamic_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "8")
+    config = make_config(tmp_path, max_tokens_per_microbatch=1000)
+    before = config.to_dict()
+    ensure_dynamic_batch_fields(config)
+    assert config.to_dict() == before
+
+
+# ---- the plan of a config ----------------------------------------------------------------------------------
+
+
+def test_plan_of_a_config_on_its_own_world_size(tmp_path):
+    config = make_config(tmp_path, gradient_accumulation_steps=2)
+    plan = BatchSizePlan.from_args(config, num_processes=config.world_size)
+    assert (plan.generation_batch_size, plan.steps_per_generation) == (
+        config.generation_batch_size,
+        config.steps_per_generation,
+    )
+
+
+def test_plan_of_a_config_on_another_world_size_keeps_user_intent(tmp_path):
+    given_steps = make_config(tmp_path, steps_per_generation=2)
+    assert BatchSizePlan.from_args(given_steps, num_processes=8).generation_batch_size == 4 * 8 * 2
+    given_batch = make_config(tmp_path, generation_batch_size=32)
+    plan = BatchSizePlan.from_args(given_batch, num_processes=8)
+    assert (plan.generation_batch_size, plan.steps_per_generation) == (32, 1)
+
+
+def test_plan_of_a_plain_config_after_ensure(tmp_path):
+    config = ensure_dynamic_batch_fields(make_config(tmp_path, cls=GRPOConfig, gradient_accumulation_steps=2))
+    plan = BatchSizePlan.from_args(config, num_processes=4)
+    assert (plan.generation_batch_size, plan.steps_per_generation) == (4 * 4 * 2, 2)
+
+
+# ---- DeepSpeed on CPU --------------------------------------------------------------------------------------
+
+
+def test_deepspeed_without_accelerator_defaults_to_gloo():
+    deepspeed = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    assert default_ddp_backend(None, deepspeed, accelerator_available=False) == "gloo"
+    assert default_ddp_backend(None, deepspeed, accelerator_available=True) is None
+    assert default_ddp_backend(None, {}, accelerator_available=False) is None
+    assert default_ddp_backend("ccl", deepspeed, accelerator_available=False) == "ccl"  # explicit choice kept
+
+
+def test_no_deepspeed_keeps_ddp_backend_unset(tmp_path):
+    assert make_config(tmp_path).ddp_backend is None
