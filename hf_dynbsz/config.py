@@ -55,9 +55,9 @@ class DynamicBatchGRPOConfig(GRPOConfig):
             Samples generated at once per device (the chunk size of the transformers `generate` path). Does not
             change the training math. `None` generates the whole per-device share of the generation round at once.
             TRL's `generation_batch_size` keeps its meaning: GLOBAL samples per generation round.
-        tensor_batch_size (`int`, *optional*):
-            Tokens per tile of vocabulary-sized work (LM head, log-softmax, entropy). `None` uses TRL's own tile of
-            32768 tokens.
+        tensor_batch_size (`int`, *optional*, defaults to `1024`):
+            Tokens per tile of vocabulary-sized work (LM head, log-softmax, entropy); a tile is this many tokens x
+            8192 vocabulary columns. `None` uses TRL's own tile of 4096 tokens x 32768 columns.
         oversize_policy (`str`, *optional*, defaults to `"warn"`):
             What to do with a single sequence longer than the token budget: `"warn"` gives it a micro-batch of its
             own with a one-time warning; `"error"` raises before the step.
@@ -107,8 +107,10 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     tensor_batch_size: int | None = field(
         default=DYNAMIC_BATCH_DEFAULTS["tensor_batch_size"],
         metadata={
-            "help": "Tokens per device per tile of vocabulary-sized work (LM head, log-softmax, entropy). None: "
-            f"TRL's own tile ({TRL_TENSOR_TILE_TOKENS} tokens). Environment override: DIFFU_TENSOR_BATCH_SIZE."
+            "help": "Tokens per device per tile of vocabulary-sized work (LM head, log-softmax, entropy), in the "
+            "training pass (tiles recomputed in backward) and the no-grad log-prob passes; a tile is this many tokens "
+            "x 8192 vocabulary columns. Default 1024, chosen by benchmarks/memory.py. None: TRL's own tile "
+            f"({TRL_TENSOR_TILE_TOKENS} tokens x 32768 columns). Environment override: DIFFU_TENSOR_BATCH_SIZE."
         },
     )
     oversize_policy: str = field(

@@ -36,8 +36,9 @@ __all__ = [
     "validate_dynamic_batch_fields",
 ]
 
-#: Tokens per tile of TRL's fused LM head / log-softmax (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
-TRL_TENSOR_TILE_TOKENS = 32768
+#: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
+#: this many tokens x 32768 vocabulary columns (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
+TRL_TENSOR_TILE_TOKENS = 4096
 
 OVERSIZE_POLICIES = ("warn", "error")
 PACKING_LAYOUTS = ("auto", "padding_free", "padded")
@@ -48,7 +49,7 @@ DYNAMIC_BATCH_DEFAULTS: Mapping[str, Any] = {
     "max_tokens_per_microbatch": None,
     "max_tokens_per_microbatch_logprob": None,
     "per_device_generation_batch_size": None,
-    "tensor_batch_size": None,
+    "tensor_batch_size": 1024,
     "oversize_policy": "warn",
     "packing_layout": "auto",
 }
@@ -166,8 +167,8 @@ def validate_dynamic_batch_fields(args: Any) -> None:
             "tensor_batch_size",
             get("tensor_batch_size"),
             "a positive integer number of tokens per tile of vocabulary-sized work",
-            f"set it to 1 or more (e.g. 4096), or leave it unset (None) for TRL's tile of {TRL_TENSOR_TILE_TOKENS} "
-            "tokens.",
+            f"set it to 1 or more (e.g. 1024), or to None for TRL's own tile of {TRL_TENSOR_TILE_TOKENS} tokens x "
+            "32768 vocabulary columns.",
         ),
     )
     oversize_policy = get("oversize_policy")

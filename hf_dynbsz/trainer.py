@@ -43,6 +43,7 @@ from .partition import (
     partition_by_token_budget,
 )
 from .plan import BatchSizePlan
+from .tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
 check_trl_version()
@@ -113,6 +114,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz_warned_oversize = False
         if self._dynbsz_enabled:
             logger.info("hf_dynbsz: layout %s (attention implementation %s).", self._dynbsz_layout, attn)
+        if args.per_device_generation_batch_size is not None and (self.use_vllm or self.use_transformers_continuous_batching):
+            logger.info(
+                "hf_dynbsz: per_device_generation_batch_size=%s does not apply: vLLM / continuous batching schedule "
+                "their own generation batches.", args.per_device_generation_batch_size,
+            )
         self.add_callback(_LogPlanAtTrainBegin(self))
 
     # ------------------------------------------------------------------ setup helpers
@@ -193,6 +199,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return groups, local_count
 
     # ------------------------------------------------------------------ forward
+    def _tiles(self):
+        """TRL's fused LM head tiled by ``tensor_batch_size`` (stock's own tile with dynamic_batching off)."""
+        return lm_head_tiles(self.args.tensor_batch_size if self.args.dynamic_batching else None)
+
     def _forward_microbatch(self, model, mb, compute_entropy: bool):
         with self.accelerator.autocast():
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
@@ -209,10 +219,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             or compute_aux_loss
             or any(value is not None for value in multimodal.values())
         ):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal,
-            )
+            with self._tiles():
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **multimodal,
+                )
         prompt_width = input_ids.size(1) - logits_to_keep
         table = SequenceTable.from_padded(
             input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
@@ -227,11 +238,13 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         entropies = torch.zeros_like(logps) if compute_entropy else None
         for group in groups:
             if not group:
-                self._forward_microbatch(model, dummy_microbatch(self._pad_id, input_ids.device), False)
+                with self._tiles():
+                    self._forward_microbatch(model, dummy_microbatch(self._pad_id, input_ids.device), False)
                 continue
             mb = build_microbatch(table, group, layout=self._dynbsz_layout, pad_token_id=self._pad_id,
                                   pad_to_multiple_of=self.args.pad_to_multiple_of, device=input_ids.device)
-            _, mb_logps, mb_entropy = self._forward_microbatch(model, mb, compute_entropy)
+            with self._tiles():
+                _, mb_logps, mb_entropy = self._forward_microbatch(model, mb, compute_entropy)
             width = mb.gather_index.size(1)
             logps[group, :width] = mb.to_completion_layout(mb_logps).float()[:, :logits_to_keep]
             if compute_entropy:
@@ -242,11 +255,35 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     def _pad_id(self) -> int:
         return self.pad_token_id if getattr(self, "pad_token_id", None) is not None else self._tokenizer.pad_token_id
 
+    # ------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # Override: bound generation memory by generating this device's samples in chunks.
+        chunk = self.args.per_device_generation_batch_size
+        if (
+            chunk is None
+            or not self.args.dynamic_batching
+            or len(prompt_ids) <= chunk
+            or self.use_vllm
+            or self.use_transformers_continuous_batching
+            or images is not None
+            or multimodal_fields
+        ):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        completion_ids = []
+        for start in range(0, len(prompt_ids), chunk):
+            chunk_ids, _ = super()._generate_single_turn(
+                prompt_ids[start : start + chunk], None, multimodal_fields, num_generations, has_tool_images
+            )
+            completion_ids.extend(chunk_ids)
+        return completion_ids, None
+
     # ------------------------------------------------------------------ training
     def training_step(self, model, inputs, num_items_in_batch=None):
         # Override: gather the optimizer step's stock slices; run the repacked passes on its last call.
         if not self._dynbsz_enabled:
-            return super().training_step(model, inputs, num_items_in_batch)
+            with self._tiles():
+                return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -307,7 +344,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         total_loss = torch.zeros((), device=device)
         real_tokens = computed_tokens = dummies = 0
         mb_tokens = []
-        with self.compute_loss_context_manager():
+        with self.compute_loss_context_manager(), self._tiles():
             for position, group in enumerate(groups):
                 last = position == len(groups) - 1
                 if not group:
@@ -359,7 +396,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             logger.warning("hf_dynbsz: multimodal inputs found; this run uses stock micro-batches (no repacking).")
         total = torch.zeros((), device=self.accelerator.device)
         for position, inputs in enumerate(window):
-            with self.compute_loss_context_manager():
+            with self.compute_loss_context_manager(), self._tiles():
                 loss = self.compute_loss(model, inputs)
             self._backward(model, loss, position == len(window) - 1)
             total += loss.detach()

@@ -49,7 +49,7 @@ def test_defaults(tmp_path):
     assert config.max_tokens_per_microbatch is None
     assert config.max_tokens_per_microbatch_logprob is None
     assert config.per_device_generation_batch_size is None
-    assert config.tensor_batch_size is None
+    assert config.tensor_batch_size == 1024
     assert config.oversize_policy == "warn"
     assert config.packing_layout == "auto"
     assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DYNAMIC_BATCH_DEFAULTS)

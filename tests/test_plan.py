@@ -239,7 +239,8 @@ def test_whole_share_at_once_by_default_and_chunk_capped_at_share():
 
 
 def test_tensor_batch_defaults_to_trls_tile():
-    assert BatchSizePlan.from_args(raw_args(), 1).effective_tensor_batch_size == TRL_TENSOR_TILE_TOKENS == 32768
+    assert BatchSizePlan.from_args(raw_args(tensor_batch_size=None), 1).effective_tensor_batch_size == TRL_TENSOR_TILE_TOKENS == 4096
+    assert BatchSizePlan.from_args(raw_args(), 1).effective_tensor_batch_size == 1024
     assert BatchSizePlan.from_args(raw_args(tensor_batch_size=2048), 1).effective_tensor_batch_size == 2048
 
 
@@ -253,8 +254,8 @@ def test_logprob_budget_defaults_to_twice_the_training_budget():
 
 
 def test_trl_tile_constant_matches_installed_trl():
-    trl_utils = pytest.importorskip("trl.trainer.utils")
-    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == TRL_TENSOR_TILE_TOKENS
+    kernel = pytest.importorskip("trl.kernels.chunked_logprob")
+    assert kernel.TOKEN_CHUNK_SIZE == TRL_TENSOR_TILE_TOKENS
 
 
 def test_launcher_settings_and_their_defaults():
