@@ -82,17 +82,23 @@ def sample_weights(
     gradient_accumulation_steps: int,
     steps_per_generation: int,
     num_processes: int,
+    entropy_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample weights (policy term, entropy-bonus term) reproducing stock's per-slice normalisers.
 
     ``loss_tokens`` (N,): loss-mask tokens per sample; ``slice_ids`` (N,): index of the stock slice each
     sample came from; ``slice_rows`` (S,): rows per slice; ``num_items_in_batch`` (N,): the generation
-    round's global loss-token count seen by each sample. Returns two (N,) float64 tensors.
+    round's global loss-token count seen by each sample; ``entropy_tokens`` (N,): tokens the entropy bonus
+    acts on (loss mask x high-entropy mask; default ``loss_tokens``). Returns two (N,) float64 tensors.
     """
     ga = float(gradient_accumulation_steps)
     loss_tokens = loss_tokens.double()
-    slice_tokens = torch.zeros(len(slice_rows), dtype=torch.float64).index_add_(0, slice_ids, loss_tokens)
-    per_slice_tokens = slice_tokens[slice_ids].clamp(min=1.0)
+
+    def per_slice(tokens: torch.Tensor) -> torch.Tensor:
+        totals = torch.zeros(len(slice_rows), dtype=torch.float64).index_add_(0, slice_ids, tokens.double())
+        return totals[slice_ids].clamp(min=1.0)
+
+    per_slice_tokens = per_slice(loss_tokens)
     rows = slice_rows.double()[slice_ids]
     kind = settings.loss_type
     if kind in SEQUENCE_MEAN_LOSSES:
@@ -108,7 +114,7 @@ def sample_weights(
         policy = 1.0 / (rows * ga)
     else:
         raise ValueError(f"Unknown loss type: {kind}")
-    entropy = 1.0 / (ga * per_slice_tokens)
+    entropy = 1.0 / (ga * per_slice(loss_tokens if entropy_tokens is None else entropy_tokens))
     return policy, entropy
 
 
@@ -121,10 +127,12 @@ def per_token_policy_loss(
     ref_per_token_logps: torch.Tensor | None,
     sampling_per_token_logps: torch.Tensor | None,
     importance_sampling_ratio: torch.Tensor | None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL 1.16 ``_compute_loss``'s per-token loss, before aggregation, for one micro-batch.
 
-    All tensors are completion-aligned ``(rows, width)``; ``advantages`` is ``(rows,)`` or ``(rows, width)``.
+    All tensors are completion-aligned ``(rows, width)``; ``advantages`` is ``(rows,)`` or ``(rows, width)``;
+    ``entropy_mask`` is the high-entropy token mask of ``top_entropy_quantile`` (None when off).
     Returns the per-token loss (broadcastable to ``(rows, width)``) and the tensors the metrics need.
     """
     if advantages.dim() == 1:
@@ -191,6 +199,8 @@ def per_token_policy_loss(
 
     if settings.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
     if settings.vllm_importance_sampling and kind != "vespo":
         per_token_loss = per_token_loss * importance_sampling_ratio
     if settings.beta != 0.0:

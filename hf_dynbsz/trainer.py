@@ -127,10 +127,6 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         reasons = []
         if self.aux_loss_enabled:
             reasons.append("the MoE router aux loss is computed per micro-batch")
-        if self.top_entropy_quantile < 1.0:
-            reasons.append(f"top_entropy_quantile={self.top_entropy_quantile} takes its quantile per stock slice")
-        if self.use_adaptive_entropy:
-            reasons.append("use_adaptive_entropy=True")
         return reasons
 
     def _log_batch_size_plan(self) -> None:
@@ -229,27 +225,37 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
             input_ids[:, prompt_width:], attention_mask[:, prompt_width:],
         )
-        rows = batch_size or input_ids.size(0)
+        stock_rows = batch_size or input_ids.size(0)
+        logps, entropies = self._packed_no_grad_pass(
+            model, table, logits_to_keep, compute_entropy, stock_microbatch_tokens=stock_rows * input_ids.size(1)
+        )
+        return logps, entropies, None
+
+    @torch.no_grad()
+    def _packed_no_grad_pass(self, model, table: SequenceTable, width: int, compute_entropy: bool,
+                             stock_microbatch_tokens: int):
+        """Completion log-probs (and entropies) of every sequence of ``table``, ``(N, width)``, in table order."""
         budget = self.args.max_tokens_per_microbatch_logprob or 2 * (
-            self.args.max_tokens_per_microbatch or rows * input_ids.size(1)
+            self.args.max_tokens_per_microbatch or stock_microbatch_tokens
         )
         groups, _ = self._plan_passes(table, budget)
-        logps = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+        device = self.accelerator.device
+        logps = torch.zeros(len(table), width, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         for group in groups:
             if not group:
                 with self._tiles():
-                    self._forward_microbatch(model, dummy_microbatch(self._pad_id, input_ids.device), False)
+                    self._forward_microbatch(model, dummy_microbatch(self._pad_id, device), False)
                 continue
             mb = build_microbatch(table, group, layout=self._dynbsz_layout, pad_token_id=self._pad_id,
-                                  pad_to_multiple_of=self.args.pad_to_multiple_of, device=input_ids.device)
+                                  pad_to_multiple_of=self.args.pad_to_multiple_of, device=device)
             with self._tiles():
                 _, mb_logps, mb_entropy = self._forward_microbatch(model, mb, compute_entropy)
-            width = mb.gather_index.size(1)
-            logps[group, :width] = mb.to_completion_layout(mb_logps).float()[:, :logits_to_keep]
+            mb_width = min(mb.gather_index.size(1), width)
+            logps[group, :mb_width] = mb.to_completion_layout(mb_logps).float()[:, :mb_width]
             if compute_entropy:
-                entropies[group, :width] = mb.to_completion_layout(mb_entropy).float()[:, :logits_to_keep]
-        return logps, entropies, None
+                entropies[group, :mb_width] = mb.to_completion_layout(mb_entropy).float()[:, :mb_width]
+        return logps, entropies
 
     @property
     def _pad_id(self) -> int:
@@ -321,22 +327,34 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         fields = self._collect_window(window)
         table: SequenceTable = fields["table"]
+        loss_mask = fields["loss_mask"]
+        high_entropy = self._high_entropy_mask(model, fields) if self.top_entropy_quantile < 1.0 else None
+        # tokens the entropy bonus (and the adaptive controller) acts on, as in stock's `effective_mask`
+        bonus_mask = loss_mask if high_entropy is None else loss_mask * high_entropy
         budget = self.args.max_tokens_per_microbatch or fields["stock_microbatch_tokens"]
         groups, needed = self._plan_passes(table, budget)
 
         settings = self._dynbsz_loss_settings
+        ga = self.current_gradient_accumulation_steps
         policy_w, entropy_w = sample_weights(
             settings,
             fields["loss_tokens"],
             fields["slice_ids"],
             fields["slice_rows"],
             fields["num_items"],
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            gradient_accumulation_steps=ga,
             steps_per_generation=self.args.steps_per_generation,
             num_processes=self.accelerator.num_processes,
+            entropy_tokens=bonus_mask.sum(dim=1).cpu(),
         )
         policy_w, entropy_w = policy_w.to(device), entropy_w.to(device)
-        entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        entropy_coef = 0.0
+        if self._entropy_bonus_enabled:  # stock: the coefficient from the end of the previous optimizer step
+            adaptive_off = self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target
+            entropy_coef = 0.0 if adaptive_off else self.entropy_coef
+        slice_ids = fields["slice_ids"].to(device)
+        slice_policy_loss = torch.zeros(len(window), device=device, dtype=torch.float64)
+        bonus_stats = torch.zeros(2, device=device, dtype=torch.float64)  # sum of entropy, tokens
 
         sums = defaultdict(float)  # metric name -> sum of values over tokens (or sequences)
         counts = defaultdict(float)
@@ -362,7 +380,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 entropies = mb.to_completion_layout(entropy_flat)
                 width = per_token_logps.size(1)
                 rows = torch.tensor(group, device=device)
-                mask = fields["loss_mask"][rows, :width]
+                mask = loss_mask[rows, :width]
                 per_token = {key: (t[rows, :width] if t.size(1) > 1 else t[rows]) for key, t in fields["per_token"].items()}
                 advantages = fields["advantages"][rows]
                 if advantages.dim() == 2:
@@ -376,18 +394,61 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     per_token.get("ref_per_token_logps"),
                     per_token.get("sampling_per_token_logps"),
                     per_token.get("importance_sampling_ratio"),
+                    entropy_mask=None if high_entropy is None else high_entropy[rows, :width],
                 )
-                weighted_mask = mask * policy_w[rows].to(per_token_logps.dtype).unsqueeze(1)
-                loss = (per_token_loss * weighted_mask).sum()
-                if entropy_coef:
-                    entropy_mask = mask * entropy_w[rows].to(entropies.dtype).unsqueeze(1)
-                    loss = loss - entropy_coef * (entropies * entropy_mask).sum()
+                per_sample_loss = (per_token_loss * mask).sum(dim=1) * policy_w[rows].to(per_token_logps.dtype)
+                loss = per_sample_loss.sum()
+                if self._entropy_bonus_enabled:
+                    bonus = bonus_mask[rows, :width].to(entropies.dtype)
+                    bonus_stats += torch.stack([(entropies.detach() * bonus).sum(), bonus.sum()]).double()
+                    if entropy_coef:
+                        loss = loss - entropy_coef * (entropies * bonus * entropy_w[rows].to(entropies.dtype).unsqueeze(1)).sum()
+                    slice_policy_loss.index_add_(0, slice_ids[rows], per_sample_loss.detach().double())
                 self._backward(model, loss, last)
                 total_loss += loss.detach()
                 self._accumulate_metrics(sums, counts, seq_low, seq_high, metrics, entropies.detach(), mask)
+        if self._entropy_bonus_enabled:
+            self._update_entropy_bonus(slice_policy_loss, bonus_stats, ga)
         self._log_window_metrics(sums, counts, seq_low, seq_high, fields, groups, needed, budget,
                                  real_tokens, computed_tokens, dummies, mb_tokens)
         return total_loss
+
+    def _high_entropy_mask(self, model, fields) -> torch.Tensor:
+        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from a packed no-grad entropy pass.
+
+        Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so
+        the mask must be known before our first pass: one extra no-grad forward over the window provides the
+        entropies, and TRL's own ``get_high_entropy_mask`` is applied slice by slice (same collectives on every
+        rank: one gather per slice).
+        """
+        loss_mask = fields["loss_mask"]
+        _, entropies = self._packed_no_grad_pass(
+            model, fields["table"], loss_mask.size(1), True, stock_microbatch_tokens=fields["stock_microbatch_tokens"]
+        )
+        high_entropy = torch.zeros_like(loss_mask)
+        slice_ids = fields["slice_ids"].to(loss_mask.device)
+        for slice_id in range(len(fields["slice_rows"])):
+            rows = (slice_ids == slice_id).nonzero().flatten()
+            selected = self.get_high_entropy_mask(entropies[rows], loss_mask[rows], 1 - self.top_entropy_quantile)
+            high_entropy[rows] = selected.to(loss_mask.dtype)
+        return high_entropy
+
+    def _update_entropy_bonus(self, slice_policy_loss, bonus_stats, ga) -> None:
+        """Stock's entropy-bonus bookkeeping at the optimizer-step boundary: metrics and the adaptive controller."""
+        metrics = self._metrics["train"]
+        # stock logs, per slice, its policy loss (before the /GA of sequence-normalised types) averaged over ranks
+        scale = 1.0 if self.loss_type in ("dapo", "cispo", "vespo") else float(ga)
+        for value in self.accelerator.gather((slice_policy_loss * scale).float()).view(-1, len(slice_policy_loss)).nanmean(0):
+            metrics["policy_loss"].append(value.item())
+        if self.use_adaptive_entropy:
+            totals = self.accelerator.reduce(bonus_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            if world_entropy <= self.args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+        metrics["entropy_coef"].append(self.entropy_coef)
 
     def _train_window_stock(self, model, window: list[dict]) -> torch.Tensor:
         """Stock math for a window we cannot repack (multimodal inputs): one pass per stock slice."""

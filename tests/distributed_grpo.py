@@ -48,12 +48,14 @@ def main() -> None:
     cli = parser.parse_args()
 
     overrides = dict(loss_type=cli.loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
-                     max_steps=cli.max_steps, ddp_backend="gloo")
+                     max_steps=cli.max_steps)
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)
     if cli.trainer == "stock":
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(cli.out + "-run", **overrides))
+        # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(cli.out + "-run", ddp_backend="gloo",
+                                                                         **overrides))
     else:
         trainer_cls = DynamicBatchGRPOTrainer
         args = DynamicBatchGRPOConfig(**base_config_kwargs(cli.out + "-run", max_tokens_per_microbatch=cli.budget,

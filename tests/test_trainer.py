@@ -225,3 +225,20 @@ def test_tensor_batch_size_tiles_training_and_matches_stock(model_dir, tmp_path)
     run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "c"), tensor_batch_size=3,
                  max_steps=1)
     assert {tile for _, _, tile, grad in calls if grad} == {3}
+
+
+# ---------------------------------------------------------------- entropy-dependent features
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_matches_stock_with_top_entropy_quantile(model_dir, tmp_path, loss_type):
+    # stock takes the quantile per fixed slice across ranks; we reproduce it from a no-grad entropy pass
+    compare_with_stock(model_dir, tmp_path, loss_type=loss_type, top_entropy_quantile=0.4, entropy_coef=0.02,
+                       num_iterations=2)
+
+
+def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
+    history = compare_with_stock(
+        model_dir, tmp_path, loss_type="dr_grpo", use_adaptive_entropy=True, entropy_coef=0.01,
+        entropy_target=10.0, entropy_coef_delta=0.005, max_steps=3,
+    )
+    steps = [entry for entry in history if "entropy_coef" in entry]
+    assert [round(step["entropy_coef"], 6) for step in steps] == [0.015, 0.02, 0.025]  # entropy < target: grows
