@@ -44,11 +44,14 @@ def main() -> None:
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--budget", type=int, default=40)
+    parser.add_argument("--top_entropy_quantile", type=float, default=1.0)
+    parser.add_argument("--entropy_coef", type=float, default=0.0)
     parser.add_argument("--lopsided", action="store_true")
     cli = parser.parse_args()
 
     overrides = dict(loss_type=cli.loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
-                     max_steps=cli.max_steps)
+                     max_steps=cli.max_steps, top_entropy_quantile=cli.top_entropy_quantile,
+                     entropy_coef=cli.entropy_coef)
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)

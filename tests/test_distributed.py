@@ -27,7 +27,8 @@ LAUNCH_TIMEOUT_S = 240
 BACKENDS = {
     # backend: (accelerate config, loss settings exercised there)
     "ddp": ("cpu_ddp.yaml", dict(loss_type="bnpo", beta=0.1, num_iterations=2)),
-    "zero1": ("cpu_zero1.yaml", dict(loss_type="grpo", beta=0.0, num_iterations=1)),
+    "zero1": ("cpu_zero1.yaml", dict(loss_type="grpo", beta=0.0, num_iterations=1, top_entropy_quantile=0.5,
+                                     entropy_coef=0.01)),
     "zero2": ("cpu_zero2.yaml", dict(loss_type="dapo", beta=0.0, num_iterations=2)),
     "zero3": ("cpu_zero3.yaml", dict(loss_type="dr_grpo", beta=0.1, num_iterations=1)),
 }
