@@ -15,6 +15,8 @@ What changes against stock TRL 1.16, and nothing else:
 TRL hooks overridden (each private hook is a place TRL can change under us):
 * ``training_step``: collect the optimizer step's slices and run the repacked passes on its last call.
 * ``_get_per_token_logps_and_entropies``: pack the no-grad passes (grad-enabled calls go to stock).
+* ``_generate_single_turn``: generate in chunks of ``per_device_generation_batch_size`` (transformers path).
+The per-token loss mirrors ``_compute_loss`` (:mod:`hf_dynbsz.loss`); the tests compare against stock TRL.
 """
 
 from __future__ import annotations
