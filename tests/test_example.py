@@ -1,0 +1,164 @@
+"""The user-facing example and the drop-in promise, run for real (subprocesses, no network).
+
+* ``examples/grpo.py`` in short mode, single process (the offline demo);
+* the same under ``accelerate launch`` with 2 CPU processes and DeepSpeed ZeRO-2 (slow);
+* a script written for stock ``GRPOTrainer`` runs with only the class swapped, and its first step matches stock;
+* ``--resume_from_checkpoint`` continues a run from a mid-run checkpoint, here in the script's
+  ``--model_name_or_path`` / ``--dataset_name`` mode on a local model and a local dataset.
+
+Every subprocess runs in its own process group under a timeout; on timeout the whole group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from grpo_helpers import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo.py"
+TIMEOUT_S = 300
+# Small enough for CI, large enough that lengths vary: 2 prompts x 4 completions per optimizer step.
+SHORT = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
+         "--max_completion_length", "32"]
+
+
+def run(command: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> str:
+    """Run ``command`` in a new process group; return its output (stdout + stderr); fail on error or timeout."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    env = {key: value for key, value in env.items() if not key.startswith("DIFFU_")}
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish in {timeout} s:\n{output[-4000:]}")
+    assert process.returncode == 0, f"{' '.join(command)} failed ({process.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def summary_steps(output: str) -> int:
+    match = re.search(r"Summary: (\d+) optimizer steps", output)
+    assert match, f"no summary in the output:\n{output[-3000:]}"
+    return int(match.group(1))
+
+
+def test_example_short_single_process(tmp_path):
+    output = run([sys.executable, str(EXAMPLE), "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *SHORT],
+                 cwd=tmp_path)
+    assert "hf_dynbsz batch-size plan" in output  # the table at train start is visible
+    assert re.search(r"step +3 \| reward [0-9.]+ \| len .* \| micro-batches \d+ \(stock 2\) \| tokens ", output)
+    assert summary_steps(output) == 3
+    assert re.search(r"reward +first 1 logged steps [0-9.]+ -> last 1 [0-9.]+", output)
+    assert re.search(r"micro-batches +\d+ run per process vs 6 with stock's fixed 2", output)
+    assert re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
+    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+def test_example_under_accelerate_zero2(tmp_path):
+    config = ROOT / "accelerate_configs" / "cpu_zero2.yaml"
+    output = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(EXAMPLE),
+                  "--max_steps", "2", "--output_dir", str(tmp_path / "out"), *SHORT], cwd=tmp_path)
+    assert re.search(r"DeepSpeed ZeRO stage +2 ", output)
+    assert summary_steps(output) == 2
+    assert "on 2 process(es)" in output
+    for rank in range(2):  # both ranks got to the end
+        assert f"[process {rank} of 2] finished at optimizer step 2" in output, output[-3000:]
+
+
+STOCK_SCRIPT = '''
+import json, sys
+
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+model_dir, output_dir = sys.argv[1], sys.argv[2]
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(12 - len(completion)) for completion in completions]
+
+
+dataset = Dataset.from_dict({"prompt": ["abc", "abcdabcd", "dd", "cab", "bbbbbbbbbbbb", "a", "acd", "dcba"]})
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  num_generations=4, max_completion_length=24, max_steps=2, learning_rate=1e-3, seed=0,
+                  logging_steps=1, report_to="none", save_strategy="no", bf16=False, use_cpu=True,
+                  disable_tqdm=True)
+trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=dataset,
+                      processing_class=tokenizer)
+trainer.train()
+print("LOG_HISTORY=" + json.dumps(trainer.state.log_history))
+'''
+
+
+def swap_class(script: str) -> str:
+    """The whole migration: import the subclass, use it instead of GRPOTrainer."""
+    swapped = script.replace("from trl import GRPOConfig, GRPOTrainer",
+                             "from trl import GRPOConfig\nfrom hf_dynbsz import DynamicBatchGRPOTrainer")
+    return swapped.replace("GRPOTrainer(", "DynamicBatchGRPOTrainer(")
+
+
+def log_history(output: str) -> list[dict]:
+    line = next(line for line in output.splitlines() if line.startswith("LOG_HISTORY="))
+    return json.loads(line.removeprefix("LOG_HISTORY="))
+
+
+def test_stock_script_runs_with_the_class_swapped(tmp_path):
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    swapped = swap_class(STOCK_SCRIPT)
+    assert swapped.count("DynamicBatchGRPOTrainer") == 2 and "hf_dynbsz" not in STOCK_SCRIPT
+    histories = {}
+    for name, text in (("stock", STOCK_SCRIPT), ("swapped", swapped)):
+        script = tmp_path / f"{name}.py"
+        script.write_text(text)
+        histories[name] = log_history(run([sys.executable, str(script), model_dir, str(tmp_path / name)],
+                                          cwd=tmp_path))
+    stock, ours = ([entry for entry in histories[name] if "reward" in entry] for name in ("stock", "swapped"))
+    assert [entry["step"] for entry in ours] == [1, 2]
+    assert all("dynbsz/microbatches" in entry for entry in ours)
+    assert not any("dynbsz/microbatches" in entry for entry in stock)
+    # Same seed, same model: the first generation round and its rewards are stock's exactly.
+    assert ours[0]["reward"] == pytest.approx(stock[0]["reward"], abs=1e-6)
+    assert ours[0]["completions/mean_length"] == pytest.approx(stock[0]["completions/mean_length"])
+
+
+def test_resume_from_mid_run_checkpoint(tmp_path):
+    # The --model_name_or_path / --dataset_name path, on a saved tiny model and a local JSON-lines dataset.
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    rows = [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3), "target_length": 4 + 3 * (i % 5)} for i in range(32)]
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    common = [sys.executable, str(EXAMPLE), "--model_name_or_path", model_dir, "--dataset_name", str(data_dir),
+              "--reward_funcs", "length_reward", "--output_dir", str(out), "--bf16", "false",
+              "--activation_checkpointing", "false", "--learning_rate", "1e-3", "--save_strategy", "steps",
+              "--save_steps", "2", *SHORT]
+
+    first = run([*common, "--max_steps", "4"], cwd=tmp_path)
+    assert summary_steps(first) == 4
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
+
+    # Resume from the mid-run checkpoint and train on to a later max_steps.
+    second = run([*common, "--max_steps", "6", "--resume_from_checkpoint", str(out / "checkpoint-2")], cwd=tmp_path)
+    assert summary_steps(second) == 6
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    logged = [entry["step"] for entry in state["log_history"] if "reward" in entry]
+    assert logged == [1, 2, 3, 4, 5, 6]  # steps 1-2 from the checkpoint, 3-6 from the resumed run
+    assert all("dynbsz/computed_tokens" in entry for entry in state["log_history"] if "reward" in entry)
