@@ -1,0 +1,114 @@
+"""Shared pieces of the benchmarks: the length mixes, table formatting, machine facts.
+
+Both benchmarks draw sequence lengths from the same three mixes, parameterised by the maximum completion
+length ``M`` so that a scaled-down run keeps the shape of the distribution:
+
+* ``long_tailed``: completion lengths lognormal with median ``M / 7`` and sigma 1.0, clipped to
+  ``[8, M]`` (about 2.6% hit ``M``, i.e. are truncated), like reasoning traces: most are short, a few run to
+  the limit.  Prompts uniform in ``[32, 96]`` tokens.
+* ``bimodal``: half short answers (normal, mean ``M / 16``, sd ``M / 64``), half long traces (uniform in
+  ``[0.6 M, M]``).  Prompts uniform in ``[32, 96]`` tokens.
+* ``uniform``: every completion ``M / 2`` tokens and every prompt 64 tokens: nothing to save by repacking;
+  measures the plug-in's overhead.
+
+A *sequence* length is prompt + completion tokens (the unit of the token budget).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+MIXES = ("long_tailed", "bimodal", "uniform")
+MIX_LABELS = {
+    "long_tailed": "long-tailed (lognormal)",
+    "bimodal": "bimodal",
+    "uniform": "uniform (all equal)",
+}
+PROMPT_RANGE = (32, 96)
+UNIFORM_PROMPT = 64
+
+
+def ensure_repo_on_path() -> None:
+    """Let the scripts run from a checkout without installing the package."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def completion_lengths(mix: str, n: int, max_completion_length: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` completion lengths (tokens, eos included) of ``mix``, each in ``[1, max_completion_length]``."""
+    m = int(max_completion_length)
+    if mix == "long_tailed":
+        values = rng.lognormal(math.log(m / 7), 1.0, n)
+        values = np.clip(values, 8, m)
+    elif mix == "bimodal":
+        short = np.clip(rng.normal(m / 16, m / 64, n), 4, m)
+        long = rng.uniform(0.6 * m, m, n)
+        values = np.where(rng.random(n) < 0.5, short, long)
+    elif mix == "uniform":
+        values = np.full(n, m // 2)
+    else:
+        raise ValueError(f"unknown mix {mix!r}; choose from {MIXES}")
+    return np.clip(np.rint(values), 1, m).astype(np.int64)
+
+
+def prompt_lengths(mix: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` prompt lengths of ``mix`` (fixed for ``uniform``)."""
+    if mix == "uniform":
+        return np.full(n, UNIFORM_PROMPT, dtype=np.int64)
+    low, high = PROMPT_RANGE
+    return rng.integers(low, high + 1, n).astype(np.int64)
+
+
+def sequence_lengths(mix: str, n: int, max_completion_length: int, seed: int) -> np.ndarray:
+    """Prompt + completion lengths of ``n`` independent samples of ``mix``."""
+    rng = np.random.default_rng(seed)
+    return prompt_lengths(mix, n, rng) + completion_lengths(mix, n, max_completion_length, rng)
+
+
+def median(values) -> float:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    """One line: CPU model, cores, Python, and the versions that matter here."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    parts = [f"{cpu}, {os.cpu_count()} cores", f"Python {platform.python_version()}"]
+    for name in ("torch", "transformers", "trl", "numpy"):
+        try:
+            module = __import__(name)
+            parts.append(f"{name} {module.__version__}")
+        except Exception:  # noqa: BLE001 - a missing optional package is simply not listed
+            pass
+    return "; ".join(parts)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "n/a"

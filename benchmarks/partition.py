@@ -1,0 +1,354 @@
+"""Token-budget partitioner vs simple baselines: micro-batch count, budget overshoot, balance, speed.
+
+Compares, for the same sequence lengths (the long-tailed, bimodal and uniform mixes of
+``benchmarks/common.py``, at full scale: ``max_completion_length`` 2048 by default):
+
+* ``ours``: ``hf_dynbsz.partition.partition_by_token_budget`` (the count of first-fit-decreasing, then
+  micro-batches balanced by the workload model; what the trainer calls);
+* ``fixed count, safe B``: stock TRL's fixed micro-batch of ``B`` consecutive sequences, with ``B = budget //
+  (longest possible sequence)``, the largest per_device_train_batch_size that can never exceed the budget.
+  In the padded layout its rows are padded as stock TRL pads them: to the longest sequence of the step
+  (TRL pads to the longest row of the whole generation batch);
+* ``fixed count, mean B``: the same with ``B = budget // mean length``, the count a user would pick from the
+  average (fewer micro-batches, but over budget whenever long sequences meet);
+* ``sorted greedy``: sort by length (longest first), fill micro-batches in that order, open a new one
+  when the next sequence does not fit (next-fit decreasing);
+* ``first-fit decreasing``: ``hf_dynbsz.partition.first_fit_decreasing``.
+
+Each is run on "steps" of ``--step-size`` sequences (default 256, one device's samples of one optimizer step,
+the way the trainer calls the partitioner), over ``--n`` sequences in total (default 100,000), in both
+layouts: ``packed`` (padding-free, a micro-batch computes the sum of its lengths) and ``padded`` (rows x its
+own longest row).  Reported per mix, layout and algorithm:
+
+* micro-batches, in total and relative to the lower bound ``token_lower_bound`` (``ceil(tokens / budget)``
+  per step, summed);
+* computed / real tokens (padding overhead; 1.00 for packed);
+* budget overshoot: the largest ``tokens - budget`` of any micro-batch, and how many micro-batches are over
+  (must be 0 for ours, except a single sequence longer than the budget, which gets a micro-batch alone; with
+  the default settings no sequence is);
+* imbalance: max / mean of the micro-batch costs of a step under ``WorkloadModel.default`` (a 7B-class
+  decoder; varlen attention for packed), averaged over steps (1.00 = perfectly even);
+* time per 100,000 sequences: the wall time of all the per-step calls, scaled to 100,000 sequences
+  (median of ``--repeats`` passes).
+
+A second table times single calls on all ``--n`` lengths at once (this folds in the former
+``benchmarks/partition_speed.py``): ``min_num_microbatches``, ``partition_by_token_budget`` with
+``num_microbatches=None``, with the minimum count (what the trainer passes after its all-reduce) and with
+the minimum + 32, and the baselines.  The partitioner's target is well under 0.5 s for 100,000 lengths.
+
+Usage (from the repository root; numpy only, no torch)::
+
+    /work/venv/bin/python benchmarks/partition.py            # full run (~1-2 minutes)
+    /work/venv/bin/python benchmarks/partition.py --quick    # 10,000 sequences, 1 repeat
+
+Writes ``benchmarks/results/partition.md`` and ``benchmarks/results/partition.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    MIX_LABELS,
+    MIXES,
+    PROMPT_RANGE,
+    RESULTS_DIR,
+    ensure_repo_on_path,
+    load_average,
+    machine_description,
+    markdown_table,
+    sequence_lengths,
+)
+
+ensure_repo_on_path()
+from hf_dynbsz.partition import (  # noqa: E402
+    WorkloadModel,
+    first_fit_decreasing,
+    microbatch_tokens,
+    min_num_microbatches,
+    partition_by_token_budget,
+    token_lower_bound,
+)
+
+LAYOUTS = ("packed", "padded")
+ALGORITHMS = ("ours", "ffd", "sorted_greedy", "fixed_safe", "fixed_mean")
+ALGORITHM_LABELS = {
+    "ours": "ours (partition_by_token_budget)",
+    "ffd": "first-fit decreasing",
+    "sorted_greedy": "sorted greedy",
+    "fixed_safe": "fixed count, safe B",
+    "fixed_mean": "fixed count, mean B",
+}
+
+
+# --------------------------------------------------------------------------------------------- baselines
+def fixed_count(lengths, rows: int) -> list[list[int]]:
+    """Stock TRL: consecutive micro-batches of ``rows`` sequences, whatever their lengths."""
+    n = len(lengths)
+    return [list(range(start, min(start + rows, n))) for start in range(0, n, rows)]
+
+
+def sorted_greedy(lengths, max_tokens: int, layout: str) -> list[list[int]]:
+    """Longest first (ties by index); close the micro-batch when the next sequence does not fit."""
+    order = np.argsort(-np.asarray(lengths), kind="stable").tolist()
+    values = np.asarray(lengths).tolist()
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = widest = 0
+    for index in order:
+        length = values[index]
+        if layout == "packed":
+            fits = tokens + length <= max_tokens
+        else:  # rows x longest row; the first row of a run is its longest
+            fits = (len(current) + 1) * max(widest, length) <= max_tokens
+        if current and not fits:
+            batches.append(current)
+            current, tokens, widest = [], 0, 0
+        current.append(index)
+        tokens += length
+        widest = max(widest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def run_algorithm(name: str, lengths, max_tokens: int, layout: str, safe_rows: int, mean_rows: int):
+    if name == "ours":
+        return partition_by_token_budget(lengths, max_tokens, layout=layout,
+                                         attention="varlen" if layout == "packed" else "dense")
+    if name == "ffd":
+        return first_fit_decreasing(lengths, max_tokens, layout)
+    if name == "sorted_greedy":
+        return sorted_greedy(lengths, max_tokens, layout)
+    if name == "fixed_safe":
+        return fixed_count(lengths, safe_rows)
+    if name == "fixed_mean":
+        return fixed_count(lengths, mean_rows)
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------------------------------- measurement
+def evaluate(lengths: np.ndarray, step_size: int, max_tokens: int, layout: str, algorithm: str, safe_rows: int,
+             mean_rows: int, repeats: int) -> dict:
+    workload = WorkloadModel.default(layout=layout, attention="varlen")
+    steps = [lengths[start:start + step_size] for start in range(0, len(lengths), step_size)]
+    step_lists = [step.tolist() for step in steps]
+    seconds = []
+    results = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        results = [run_algorithm(algorithm, step, max_tokens, layout, safe_rows, mean_rows) for step in steps]
+        seconds.append(time.perf_counter() - start)
+    count = lower = over = singleton_over = 0
+    worst_over = 0
+    computed = real = 0
+    imbalances = []
+    stock_padding = algorithm.startswith("fixed") and layout == "padded"
+    for values, microbatches, step in zip(step_lists, results, steps):
+        lower += token_lower_bound(step, max_tokens)
+        used = [mb for mb in microbatches if mb]
+        count += len(used)
+        costs = []
+        step_longest = max(values)
+        for mb in used:
+            mb_lengths = [values[i] for i in mb]
+            # Stock TRL pads every row to the longest row of the whole generation batch (here: the step).
+            shape = [step_longest] * len(mb) if stock_padding else mb_lengths
+            tokens = microbatch_tokens(shape, layout)
+            computed += tokens
+            real += sum(mb_lengths)
+            if tokens > max_tokens:
+                if len(mb) == 1:
+                    singleton_over += 1
+                else:
+                    over += 1
+                    worst_over = max(worst_over, tokens - max_tokens)
+            costs.append(workload.cost(shape, layout, attention="varlen"))
+        imbalances.append(max(costs) / (sum(costs) / len(costs)))
+    return {
+        "microbatches": count,
+        "lower_bound": lower,
+        "computed_over_real": computed / real,
+        "over_count": over,
+        "worst_over": worst_over,
+        "oversize_singletons": singleton_over,
+        "imbalance": statistics.fmean(imbalances),
+        "imbalance_worst": max(imbalances),
+        "seconds_per_100k": statistics.median(seconds) * 100_000 / len(lengths),
+    }
+
+
+def time_single_calls(lengths: np.ndarray, max_tokens: int, layout: str, safe_rows: int, mean_rows: int,
+                      repeats: int) -> list[tuple[str, int, float, float]]:
+    """(call, micro-batches, median s, worst s) for single calls on all lengths."""
+    rows = []
+
+    def timed(label, function):
+        seconds, result = [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = function()
+            seconds.append(time.perf_counter() - start)
+        count = result if isinstance(result, int) else len([mb for mb in result if mb])
+        rows.append((label, count, statistics.median(seconds), max(seconds)))
+
+    minimum = min_num_microbatches(lengths, max_tokens, layout=layout)
+    attention = "varlen" if layout == "packed" else "dense"
+    timed("min_num_microbatches", lambda: min_num_microbatches(lengths, max_tokens, layout=layout))
+    timed("ours, num_microbatches=None",
+          lambda: partition_by_token_budget(lengths, max_tokens, layout=layout, attention=attention))
+    timed("ours, num_microbatches=minimum (trainer, after all-reduce)",
+          lambda: partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum, layout=layout,
+                                            attention=attention))
+    timed("ours, num_microbatches=minimum + 32",
+          lambda: partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum + 32, layout=layout,
+                                            attention=attention))
+    timed("first-fit decreasing", lambda: first_fit_decreasing(lengths, max_tokens, layout))
+    timed("sorted greedy", lambda: sorted_greedy(lengths, max_tokens, layout))
+    timed("fixed count, safe B", lambda: fixed_count(lengths, safe_rows))
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- output
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"ours": "#1f77b4", "ffd": "#ff7f0e", "sorted_greedy": "#2ca02c", "fixed_safe": "#7f7f7f",
+               "fixed_mean": "#d62728"}
+    mixes = [m for m in MIXES if any(r["mix"] == m for r in rows)]
+    panels = [("count_ratio", "micro-batches / lower bound", False),
+              ("worst_over", "worst excess over budget, tokens", False),
+              ("imbalance", "cost imbalance (max / mean)", False),
+              ("ms_per_100k", "ms per 100,000 sequences (log)", True)]
+    figure, axes = plt.subplots(len(LAYOUTS), len(panels), figsize=(19, 7.5))
+    width = 0.8 / len(ALGORITHMS)
+    for r_index, layout in enumerate(LAYOUTS):
+        for c_index, (key, label, log) in enumerate(panels):
+            axis = axes[r_index][c_index]
+            for position, algorithm in enumerate(ALGORITHMS):
+                xs, ys = [], []
+                for m_index, mix in enumerate(mixes):
+                    match = [r for r in rows if r["mix"] == mix and r["layout"] == layout and r["algorithm"] == algorithm]
+                    if match:
+                        xs.append(m_index + (position - (len(ALGORITHMS) - 1) / 2) * width)
+                        ys.append(match[0][key])
+                bars = axis.bar(xs, ys, width, color=colours[algorithm], label=ALGORITHM_LABELS[algorithm])
+                for bar, value in zip(bars, ys):
+                    axis.annotate(f"{value:.2f}" if value < 10 and value != int(value) else f"{value:.0f}",
+                                  (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                                  fontsize=6)
+            if log:
+                axis.set_yscale("log")
+            axis.set_xticks(range(len(mixes)), [MIX_LABELS[m] for m in mixes], fontsize=8)
+            axis.set_title(f"{layout}: {label}", fontsize=10)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="10,000 sequences, 1 repeat")
+    parser.add_argument("--n", type=int, help="sequences in total per mix (default 100000)")
+    parser.add_argument("--step-size", type=int, default=256, help="sequences per partitioner call (one step)")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch")
+    parser.add_argument("--max-completion-length", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, help="timing passes (median reported; default 3)")
+    parser.add_argument("--mixes", default=",".join(MIXES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    n = args.n or (10_000 if args.quick else 100_000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    budget = args.max_tokens
+    longest_possible = PROMPT_RANGE[1] + args.max_completion_length
+    started = time.perf_counter()
+
+    rows = []
+    speed_tables = []
+    for mix in args.mixes.split(","):
+        lengths = sequence_lengths(mix, n, args.max_completion_length, args.seed)
+        safe_rows = max(1, budget // longest_possible)
+        mean_rows = max(1, int(budget // lengths.mean()))
+        print(f"{mix}: {n} lengths, median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max "
+              f"{lengths.max()}; safe B={safe_rows}, mean B={mean_rows}", flush=True)
+        for layout in LAYOUTS:
+            for algorithm in ALGORITHMS:
+                result = evaluate(lengths, args.step_size, budget, layout, algorithm, safe_rows, mean_rows, repeats)
+                result.update(mix=mix, layout=layout, algorithm=algorithm, safe_rows=safe_rows, mean_rows=mean_rows,
+                              count_ratio=result["microbatches"] / result["lower_bound"],
+                              ms_per_100k=result["seconds_per_100k"] * 1000)
+                rows.append(result)
+                print(f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
+                      f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
+                      f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k", flush=True)
+            speed_tables.append((mix, layout, time_single_calls(lengths, budget, layout, safe_rows, mean_rows,
+                                                                repeats)))
+
+    header = ["mix", "layout", "algorithm", "micro-batches", "/ lower bound", "computed / real tokens",
+              "over budget (worst excess tokens)", "imbalance max/mean (worst step)", "ms per 100k sequences"]
+    body = []
+    for row in rows:
+        label = ALGORITHM_LABELS[row["algorithm"]]
+        if row["algorithm"] == "fixed_safe":
+            label += f" (B={row['safe_rows']})"
+        elif row["algorithm"] == "fixed_mean":
+            label += f" (B={row['mean_rows']})"
+        over = f"{row['over_count']} ({row['worst_over']})"
+        if row["oversize_singletons"]:
+            over += f" + {row['oversize_singletons']} oversize singletons"
+        body.append([MIX_LABELS[row["mix"]], row["layout"], label, row["microbatches"], f"{row['count_ratio']:.3f}",
+                     f"{row['computed_over_real']:.3f}", over,
+                     f"{row['imbalance']:.3f} ({row['imbalance_worst']:.2f})", f"{row['ms_per_100k']:.0f}"])
+    quality = markdown_table(header, body)
+    speed_body = []
+    for mix, layout, timings in speed_tables:
+        for label, count, median_s, worst_s in timings:
+            speed_body.append([MIX_LABELS[mix], layout, label, count, f"{median_s:.3f}", f"{worst_s:.3f}"])
+    speed = markdown_table(["mix", "layout", "call", "micro-batches", "median s", "worst s"], speed_body)
+
+    settings = (f"{n:,} sequences per mix (prompt {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens + completion, "
+                f"max_completion_length {args.max_completion_length}), budget {budget} tokens per micro-batch, "
+                f"partitioned in steps of {args.step_size} sequences; timings: median of {repeats} pass(es).")
+    command = "python benchmarks/partition.py" + (" --quick" if args.quick else "")
+    markdown = "\n\n".join([
+        f"# Partitioner vs baselines{' (quick run)' if args.quick else ''}",
+        f"Generated by `{command}` in {time.perf_counter() - started:.0f} s. {settings}",
+        f"Machine: {machine_description()}; load average {load_average()} (shared machine).",
+        "## Quality and speed, per optimizer step of " + str(args.step_size) + " sequences",
+        quality,
+        "*micro-batches / lower bound*: total micro-batches over the sum of per-step `token_lower_bound` "
+        "(ceil(tokens / budget)). *computed / real tokens*: positions computed (padding included) over real "
+        "tokens. *over budget*: micro-batches with more computed tokens than the budget (largest excess in "
+        "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
+        "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled.",
+        f"## Single calls on all {n:,} lengths",
+        speed,
+    ]) + "\n"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = "partition_quick" if args.quick else "partition"
+    (args.out_dir / f"{name}.md").write_text(markdown)
+    plot(rows, args.out_dir / f"{name}.png", settings)
+    print()
+    print(quality)
+    print()
+    print(speed)
+    print(f"\nwrote {args.out_dir / (name + '.md')} and {name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,727 @@
+"""Training-step time and peak memory: stock ``trl.GRPOTrainer`` vs ``hf_dynbsz.DynamicBatchGRPOTrainer``.
+
+What it runs
+------------
+Every configuration trains the same small Qwen2-style model (random weights, fp32, sdpa attention, built
+from a config: no download) on the same data.  Completions do not come from ``generate``: TRL 1.16's
+``rollout_func`` (a ``GRPOTrainer`` argument, ``rollout_func(prompts, trainer) -> {"prompt_ids",
+"completion_ids", "logprobs"}``) returns token ids whose lengths are drawn from one of the mixes of
+``benchmarks/common.py`` (long-tailed, bimodal, uniform), seeded by the generation round, so every trainer
+sees exactly the same prompts and completions and only the training side differs (the worker records a
+fingerprint of the lengths of every round; the driver checks that all configurations agree).
+
+Schedule (default): ``per_device_train_batch_size=4``, ``gradient_accumulation_steps=2`` (8 samples per
+optimizer step) and ``steps_per_generation=4``: a generation round of 16 samples feeds two optimizer steps, and
+stock TRL pads every micro-batch to the longest row of those 16 (TRL issue #7179).  Because
+``gradient_accumulation_steps`` is not a multiple of ``steps_per_generation * num_iterations``, TRL computes
+the old-policy log-probs in a no-grad pass over the round's samples (``_get_per_token_logps_and_entropies``
+under ``torch.no_grad``), which the dynamic trainer packs by its log-prob token budget.
+
+Configurations (``--configs``):
+
+* ``stock``: TRL's ``GRPOTrainer``;
+* ``padded``, ``padding_free``: ``DynamicBatchGRPOTrainer`` with that ``packing_layout`` and every other
+  setting at its default: the "auto" token budget (``per_device_train_batch_size`` x the padded width of
+  stock's micro-batch, i.e. stock's own memory bound, per step) and ``tensor_batch_size`` 1024 (the plug-in
+  tiles TRL's fused LM head by 1024 tokens x 8192 vocabulary columns; stock uses TRL's 4096 x 32768);
+* ``padded_half`` (``padding_free_half``): a fixed, smaller budget of ``per_device_train_batch_size / 2 x
+  (longest prompt + max_completion_length)`` tokens, half of stock's worst case (long-tailed and bimodal
+  mixes only);
+* ``padded_trl_tile``: ``padded`` with ``tensor_batch_size=None`` (TRL's own LM-head tile, as stock): the
+  effect of repacking alone, without the plug-in's smaller LM-head tile.
+
+What it measures, per optimizer step
+------------------------------------
+* Training phase: wall time from the Trainer's ``on_step_begin`` to ``on_step_end`` callback (all
+  ``training_step`` calls of the step, gradient clipping, ``optimizer.step``, ``zero_grad``) minus the time
+  spent inside ``_generate_and_score_completions``.  That method is wrapped on the trainer instance (no
+  change to either trainer); it holds the rollout, the rewards and the no-grad log-prob pass.
+* Log-prob passes: time inside ``_get_per_token_logps_and_entropies`` calls made with gradients disabled
+  (wrapped on the instance), once per generation round.
+* Tokens: a forward pre-hook on the model adds up ``input_ids.numel()`` of every forward (positions
+  computed, padding included), split into training (grad enabled) and log-prob (no grad) passes; real
+  tokens are the positions not holding the pad id (the rollout never emits it).  "limit" = stock computed tokens / this
+  configuration's computed tokens: the speed-up that token counts alone would predict.
+* Peak memory: process RSS high-water mark (``VmHWM`` of ``/proc/self/status``) over a baseline, in a fresh
+  subprocess per configuration and repeat.  The baseline is the RSS right before ``trainer.train()`` (model,
+  tokenizer, trainer built).  The high-water mark is reset (``/proc/self/clear_refs``, value 5) at the start
+  of every optimizer step and after every generation round, so the peak of the training phase and of the
+  generation + log-prob phase are read separately; the reported peak is the larger of the two, maximised
+  over the steps of the run (median over repeats).
+
+The first optimizer step and the first generation round of every process are warm-up and are left out of
+the times (not out of the memory peak).  Every configuration sees the same steps (same data), so a time is
+aggregated per step index: the median over repeats (robust to other jobs on the machine), then the mean over
+the measured steps (steps differ in their data; the mean is the throughput figure).  Runs are interleaved
+(stock, dynamic..., then the reverse order in the next repeat), one fresh process each.
+
+Threads: every worker runs torch with 1 thread (``--threads``).  On this shared 2-core machine, with other
+jobs running, 2 OpenMP threads per process made a forward/backward 2-10x slower and erratic (threads
+spin-waiting for a descheduled sibling); 1 thread per process gave stable times.
+
+Usage (from the repository root)::
+
+    /work/venv/bin/python benchmarks/step_time.py            # default run (< ~20 min on 2 cores)
+    /work/venv/bin/python benchmarks/step_time.py --quick    # smoke run, ~1-2 min
+    /work/venv/bin/python benchmarks/step_time.py --help
+
+Writes ``benchmarks/results/step_time.md``, ``step_time.png`` and the raw per-step data ``step_time.json``
+(``--out-dir`` to write elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    MIX_LABELS,
+    PROMPT_RANGE,
+    RESULTS_DIR,
+    completion_lengths,
+    ensure_repo_on_path,
+    load_average,
+    machine_description,
+    markdown_table,
+    median,
+    prompt_lengths,
+)
+
+CONFIGS = {
+    "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
+    "padded": {"label": "dynamic, padded", "layout": "padded", "budget": "auto"},
+    "padding_free": {"label": "dynamic, padding_free", "layout": "padding_free", "budget": "auto"},
+    "padded_half": {"label": "dynamic, padded, budget B/2 x max length", "layout": "padded", "budget": "half"},
+    "padding_free_half": {"label": "dynamic, padding_free, budget B/2 x max length", "layout": "padding_free", "budget": "half"},
+    "padded_trl_tile": {"label": "dynamic, padded, TRL's LM-head tile", "layout": "padded", "budget": "auto",
+                        "tensor_batch_size": None},
+}
+HALF_BUDGET_MIXES = ("long_tailed", "bimodal")
+
+PRESETS = {
+    # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
+    "quick": dict(
+        mixes="long_tailed,uniform", configs="stock,padded,padding_free", repeats=1, rounds=2,
+        max_completion_length=256, hidden_size=64, num_layers=2, vocab_size=1024,
+        batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4,
+    ),
+    # the default run: < ~20 minutes on 2 CPU cores.
+    "default": dict(
+        mixes="long_tailed,bimodal,uniform", configs="stock,padded,padding_free,padded_half,padded_trl_tile",
+        repeats=3, rounds=3, max_completion_length=1024, hidden_size=128, num_layers=3, vocab_size=4096,
+        batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4,
+    ),
+}
+SPEC_KEYS = ("rounds", "max_completion_length", "hidden_size", "num_layers", "vocab_size", "batch_size", "grad_accum",
+             "steps_per_generation", "num_iterations", "num_generations")
+
+
+# --------------------------------------------------------------------------------------------------- worker
+def _read_status_kb(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Rollout:
+    """``rollout_func`` returning completions of lengths drawn from a mix, identical for every trainer.
+
+    Round ``r`` draws its completion lengths and tokens from ``default_rng([seed, r])``; a prompt's ids
+    depend only on the prompt string.  Token ids are drawn from the tokenizer's ordinary characters; a
+    completion shorter than ``max_completion_length`` ends with eos (finished), one at the cap does not
+    (truncated).
+    """
+
+    def __init__(self, mix: str, max_completion_length: int, seed: int, token_low: int, token_high: int,
+                 eos_id: int):
+        self.mix, self.max_len, self.seed = mix, max_completion_length, seed
+        self.token_low, self.token_high, self.eos_id = token_low, token_high, eos_id
+        self.rounds: list[dict] = []
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        import numpy as np
+
+        if prompt not in self._prompt_cache:
+            index = int(prompt.split("-")[-1])
+            rng = np.random.default_rng([self.seed, 1_000_003, index])
+            length = int(prompt_lengths(self.mix, 1, rng)[0])
+            self._prompt_cache[prompt] = rng.integers(self.token_low, self.token_high, length).tolist()
+        return self._prompt_cache[prompt]
+
+    def __call__(self, prompts, trainer):
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, len(self.rounds)])
+        lengths = completion_lengths(self.mix, len(prompts), self.max_len, rng).tolist()
+        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        completion_ids = []
+        for length in lengths:
+            ids = rng.integers(self.token_low, self.token_high, length).tolist()
+            if length < self.max_len:
+                ids[-1] = self.eos_id
+            completion_ids.append(ids)
+        self.rounds.append({
+            "samples": len(prompts),
+            "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
+            "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
+        })
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def reward_by_content(completions, **kwargs):
+    """A cheap deterministic reward that varies within a group (so advantages are not all zero)."""
+    return [((len(c) * 7919) % 101) / 100.0 for c in completions]
+
+
+class Probe:
+    """Wraps one trainer instance to time phases, count computed tokens and read peak RSS per step."""
+
+    def __init__(self, trainer, rollout: Rollout):
+        import torch
+        from transformers import TrainerCallback
+
+        self.torch = torch
+        self.trainer, self.rollout = trainer, rollout
+        self.steps: list[dict] = []
+        self.generation_rounds: list[dict] = []
+        self.current: dict | None = None
+        self.baseline_kb = None
+        self.can_reset_peak = _reset_peak_rss()
+
+        generate = trainer._generate_and_score_completions
+        logps = trainer._get_per_token_logps_and_entropies
+        probe = self
+
+        def timed_generate(*args, **kwargs):
+            probe._reset_peak()
+            probe._round = {"logprob_s": 0.0, "logprob_cpu_s": 0.0, "logprob_tokens": 0, "logprob_real_tokens": 0,
+                            "logprob_passes": 0}
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = generate(*args, **kwargs)
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
+            round_record = probe._round
+            probe._round = None
+            round_record.update(generation_total_s=elapsed, peak_kb=_read_status_kb("VmHWM"))
+            round_record["rollout_and_rewards_s"] = elapsed - round_record["logprob_s"]
+            round_record.update(probe.rollout.rounds[-1])
+            probe.generation_rounds.append(round_record)
+            if probe.current is not None:
+                probe.current["generation_s"] += elapsed
+                probe.current["generation_cpu_s"] += cpu_elapsed
+                probe.current["round"] = len(probe.generation_rounds) - 1
+            probe._reset_peak()
+            return result
+
+        def timed_logps(*args, **kwargs):
+            if torch.is_grad_enabled() or getattr(probe, "_round", None) is None:
+                return logps(*args, **kwargs)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = logps(*args, **kwargs)
+            probe._round["logprob_s"] += time.perf_counter() - start
+            probe._round["logprob_cpu_s"] += time.process_time() - cpu_start
+            return result
+
+        trainer._generate_and_score_completions = timed_generate
+        trainer._get_per_token_logps_and_entropies = timed_logps
+
+        pad_id = trainer.processing_class.pad_token_id
+
+        def count_tokens(module, args, kwargs):
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if input_ids is None:
+                return
+            # The rollout never emits the pad id, so every pad-id position is padding.
+            real = int((input_ids != pad_id).sum())
+            if torch.is_grad_enabled():
+                if probe.current is not None:
+                    probe.current["train_tokens"] += int(input_ids.numel())
+                    probe.current["train_real_tokens"] += real
+                    probe.current["train_passes"] += 1
+            elif getattr(probe, "_round", None) is not None:
+                probe._round["logprob_tokens"] += int(input_ids.numel())
+                probe._round["logprob_real_tokens"] += real
+                probe._round["logprob_passes"] += 1
+
+        trainer.model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+
+        class StepClock(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                probe._reset_peak()
+                probe.current = {"generation_s": 0.0, "generation_cpu_s": 0.0, "train_tokens": 0,
+                                 "train_real_tokens": 0, "train_passes": 0, "round": None, "begin": time.perf_counter(), "cpu_begin": time.process_time()}
+
+            def on_step_end(self, args, state, control, **kwargs):
+                record = probe.current
+                record["wall_s"] = time.perf_counter() - record.pop("begin")
+                record["train_s"] = record["wall_s"] - record["generation_s"]
+                record["train_cpu_s"] = time.process_time() - record.pop("cpu_begin") - record["generation_cpu_s"]
+                record["peak_kb"] = _read_status_kb("VmHWM")
+                if record["round"] is None:
+                    record["round"] = len(probe.generation_rounds) - 1
+                probe.steps.append(record)
+                probe.current = None
+
+        trainer.add_callback(StepClock())
+
+    def _reset_peak(self):
+        if self.can_reset_peak:
+            _reset_peak_rss()
+
+
+def code_fingerprint() -> str:
+    """Hash of the hf_dynbsz sources this process imports (others may edit the repository during a run)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1] / "hf_dynbsz"
+    for path in sorted(package.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def run_worker(spec: dict) -> dict:
+    import torch
+
+    ensure_repo_on_path()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    fingerprint = code_fingerprint()
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+
+    hf_logging.set_verbosity_error()
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+        torch.set_num_interop_threads(spec["threads"])
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(
+        tokenizer,
+        hidden_size=spec["hidden_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=max(2, spec["hidden_size"] // 32),
+        num_key_value_heads=max(1, spec["hidden_size"] // 64),
+        intermediate_size=3 * spec["hidden_size"],
+        vocab_size=spec["vocab_size"],
+        max_position_embeddings=PROMPT_RANGE[1] + spec["max_completion_length"] + 64,
+        attn_implementation="sdpa",
+        seed=0,
+    )
+    num_params = sum(p.numel() for p in model.parameters())
+    rollout = Rollout(spec["mix"], spec["max_completion_length"], spec["seed"], token_low=3,
+                      token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    samples_per_round = spec["batch_size"] * spec["steps_per_generation"]
+    steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
+    num_prompts = samples_per_round * spec["rounds"] // spec["num_generations"] + 8
+    dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts)]})
+
+    common = dict(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        steps_per_generation=spec["steps_per_generation"],
+        num_generations=spec["num_generations"],
+        max_completion_length=spec["max_completion_length"],
+        num_iterations=spec["num_iterations"],
+        max_steps=spec["rounds"] * steps_per_round,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        seed=spec["seed"],
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    config = CONFIGS[spec["config"]]
+    if config["layout"] is None:
+        args = GRPOConfig(**common)
+        trainer_cls = GRPOTrainer
+    else:
+        extra = {}
+        if "tensor_batch_size" in config:
+            extra["tensor_batch_size"] = config["tensor_batch_size"]
+        budget = None
+        if config["budget"] == "half":
+            budget = spec["batch_size"] // 2 * (PROMPT_RANGE[1] + spec["max_completion_length"])
+        args = DynamicBatchGRPOConfig(**common, packing_layout=config["layout"], max_tokens_per_microbatch=budget,
+                                      **extra)
+        trainer_cls = DynamicBatchGRPOTrainer
+    trainer = trainer_cls(model=model, reward_funcs=reward_by_content, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, rollout_func=rollout)
+    probe = Probe(trainer, rollout)
+    baseline_kb = _read_status_kb("VmRSS")
+    start = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - start
+    history = trainer.state.log_history
+    return {
+        "spec": spec,
+        "code": fingerprint,
+        "num_params": num_params,
+        "threads": torch.get_num_threads(),
+        "baseline_rss_mb": baseline_kb / 1024,
+        "peak_reset_supported": probe.can_reset_peak,
+        "train_wall_s": elapsed,
+        "steps": probe.steps,
+        "rounds": probe.generation_rounds,
+        "budget_tokens": [e["dynbsz/budget_tokens"] for e in history if "dynbsz/budget_tokens" in e],
+        "tensor_batch_size": getattr(args, "tensor_batch_size", "stock"),
+        "layout_used": getattr(trainer, "_dynbsz_layout", None) if getattr(trainer, "_dynbsz_enabled", False) else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------- driver
+def run_one(spec: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dynbsz-bench-") as tmp:
+        spec = dict(spec, output_dir=os.path.join(tmp, "out"))
+        result_path = os.path.join(tmp, "result.json")
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--worker-out",
+                   result_path]
+        env = dict(os.environ)
+        env.pop("DIFFU_TENSOR_BATCH_SIZE", None)
+        env.pop("DIFFU_MAX_TOKENS", None)
+        env.pop("DIFFU_TRAIN_BATCH_SIZE", None)
+        env.pop("DIFFU_BATCH_SIZE", None)
+        if spec.get("threads"):
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec["threads"])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                          env.get("PYTHONPATH")]))
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        if completed.returncode != 0:
+            sys.stderr.write(completed.stdout[-4000:] + completed.stderr[-8000:])
+            raise RuntimeError(f"worker failed for {spec['mix']}/{spec['config']} (exit {completed.returncode})")
+        with open(result_path) as handle:
+            return json.load(handle)
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _per_index(runs: list[dict], records: str, key: str, skip: int) -> list[float]:
+    """Per step (or round) index: the median over repeats; warm-up indices (< skip) left out."""
+    count = min(len(run[records]) for run in runs)
+    return [median([run[records][i][key] for run in runs]) for i in range(skip, count)]
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """One row per (mix, configuration) with ratios against stock on the same mix.
+
+    Times: per optimizer step (round) index, the median over repeats; then the mean over the measured indices
+    (every configuration sees the same steps, whose data differ, so the mean is the throughput figure).
+    Speed-up and token limit are ratios of these means; memory is the median over repeats of each run's peak.
+    """
+    rows = []
+    by_key: dict[tuple[str, str], list[dict]] = {}
+    for result in results:
+        by_key.setdefault((result["spec"]["mix"], result["spec"]["config"]), []).append(result)
+    for (mix, config), runs in by_key.items():
+        peaks, train_peaks = [], []
+        for run in runs:
+            train_peak = max(s["peak_kb"] for s in run["steps"]) / 1024
+            round_peak = max(r["peak_kb"] for r in run["rounds"]) / 1024
+            peaks.append(max(train_peak, round_peak) - run["baseline_rss_mb"])
+            train_peaks.append(train_peak - run["baseline_rss_mb"])
+        train_tokens = _per_index(runs, "steps", "train_tokens", 1)
+        passes = _per_index(runs, "steps", "train_passes", 1)
+        rows.append({
+            "mix": mix,
+            "config": config,
+            "train_s": _mean(_per_index(runs, "steps", "train_s", 1)),
+            "train_cpu_s": _mean(_per_index(runs, "steps", "train_cpu_s", 1)),
+            "logprob_s": _mean(_per_index(runs, "rounds", "logprob_s", 1)),
+            "logprob_cpu_s": _mean(_per_index(runs, "rounds", "logprob_cpu_s", 1)),
+            "rollout_s": _mean(_per_index(runs, "rounds", "rollout_and_rewards_s", 1)),
+            "train_tokens": _mean(train_tokens),
+            "padding": 1 - _mean(_per_index(runs, "steps", "train_real_tokens", 1)) / _mean(train_tokens),
+            "train_passes": _mean(passes),
+            "tokens_per_pass": _mean([t / max(p, 1) for t, p in zip(train_tokens, passes)]),
+            "logprob_tokens": _mean(_per_index(runs, "rounds", "logprob_tokens", 1)),
+            "logprob_passes": _mean(_per_index(runs, "rounds", "logprob_passes", 1)),
+            "round_real_tokens": _mean(_per_index(runs, "rounds", "real_tokens", 1)),
+            "peak_mb": median(peaks),
+            "train_peak_mb": median(train_peaks),
+            "budget": _mean([median(values) for values in list(zip(*[run["budget_tokens"] for run in runs]))[1:]])
+            if config != "stock" else None,
+            "num_steps": min(len(run["steps"]) for run in runs) - 1,
+            "num_rounds": min(len(run["rounds"]) for run in runs) - 1,
+            "repeats": len(runs),
+            "baseline_mb": median([run["baseline_rss_mb"] for run in runs]),
+        })
+    stock = {row["mix"]: row for row in rows if row["config"] == "stock"}
+    for row in rows:
+        base = stock.get(row["mix"])
+        if base is None:
+            continue
+        row["speedup"] = base["train_s"] / row["train_s"]
+        row["speedup_cpu"] = base["train_cpu_s"] / row["train_cpu_s"]
+        row["limit"] = base["train_tokens"] / row["train_tokens"]
+        row["logprob_speedup"] = base["logprob_s"] / row["logprob_s"]
+        row["logprob_limit"] = base["logprob_tokens"] / row["logprob_tokens"]
+        row["memory_ratio"] = row["peak_mb"] / base["peak_mb"]
+        row["train_memory_ratio"] = row["train_peak_mb"] / base["train_peak_mb"]
+    order = {name: i for i, name in enumerate(CONFIGS)}
+    mix_order = {name: i for i, name in enumerate(MIX_LABELS)}
+    rows.sort(key=lambda r: (mix_order.get(r["mix"], 99), order.get(r["config"], 99)))
+    return rows
+
+
+def _rounded(value):
+    """Floats rounded to 4 significant digits, recursively (keeps the raw-data file small)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _fmt(value, pattern="{:.2f}"):
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return pattern.format(value)
+
+
+def render_table(rows: list[dict]) -> str:
+    header = ["workload", "trainer", "budget (tokens)", "train s/step", "speed-up", "token limit", "of limit",
+              "train CPU s/step (speed-up)", "train tokens/step (padding)", "passes/step", "log-prob s/round",
+              "log-prob speed-up (limit)", "peak RSS over baseline MB (vs stock)", "training-phase peak MB (vs stock)"]
+    body = []
+    for row in rows:
+        if row["config"] == "stock":
+            budget = f"{row['tokens_per_pass']:.0f} (B x width)"
+        else:
+            budget = _fmt(row["budget"], "{:.0f}")
+        limit = row.get("limit")
+        body.append([
+            MIX_LABELS[row["mix"]],
+            CONFIGS[row["config"]]["label"],
+            budget,
+            _fmt(row["train_s"]),
+            _fmt(row.get("speedup"), "{:.2f}x"),
+            _fmt(limit, "{:.2f}x"),
+            _fmt(row["speedup"] / limit if limit else None, "{:.0%}"),
+            f"{_fmt(row['train_cpu_s'])} ({_fmt(row.get('speedup_cpu'), '{:.2f}x')})",
+            f"{row['train_tokens']:.0f} ({row['padding']:.0%})",
+            _fmt(row["train_passes"], "{:.1f}"),
+            _fmt(row["logprob_s"]),
+            f"{_fmt(row.get('logprob_speedup'), '{:.2f}x')} ({_fmt(row.get('logprob_limit'), '{:.2f}x')})",
+            f"{row['peak_mb']:.0f} ({_fmt(row.get('memory_ratio'), '{:.2f}x')})",
+            f"{row['train_peak_mb']:.0f} ({_fmt(row.get('train_memory_ratio'), '{:.2f}x')})",
+        ])
+    return markdown_table(header, body)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixes = [m for m in MIX_LABELS if any(r["mix"] == m for r in rows)]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    colours = {"stock": "#7f7f7f", "padded": "#1f77b4", "padding_free": "#ff7f0e", "padded_half": "#2ca02c",
+               "padding_free_half": "#d62728", "padded_trl_tile": "#9467bd"}
+    figure, axes = plt.subplots(1, 3, figsize=(16, 5))
+    panels = [("train_s", "training phase, s / optimizer step"), ("logprob_s", "no-grad log-prob pass, s / round"),
+              ("peak_mb", "peak RSS over baseline, MB")]
+    width = 0.8 / len(configs)
+    for axis, (key, label) in zip(axes, panels):
+        for position, config in enumerate(configs):
+            xs, ys = [], []
+            for index, mix in enumerate(mixes):
+                match = [r for r in rows if r["mix"] == mix and r["config"] == config]
+                if match:
+                    xs.append(index + (position - (len(configs) - 1) / 2) * width)
+                    ys.append(match[0][key])
+            bars = axis.bar(xs, ys, width, label=CONFIGS[config]["label"], color=colours.get(config))
+            for bar, value in zip(bars, ys):
+                axis.annotate(f"{value:.2f}" if value < 10 else f"{value:.0f}",
+                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                              fontsize=6)
+        axis.set_xticks(range(len(mixes)), [MIX_LABELS[m] for m in mixes], fontsize=8)
+        axis.set_title(label, fontsize=10)
+    axes[0].legend(fontsize=7)
+    figure.suptitle(title, fontsize=8, wrap=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def git_state() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dynbsz"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown commit"
+    return f"commit {commit}" + (" with uncommitted changes in hf_dynbsz/" if dirty else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run (~1-2 minutes)")
+    parser.add_argument("--mixes", help="comma-separated: long_tailed,bimodal,uniform")
+    parser.add_argument("--configs", help=f"comma-separated, from {','.join(CONFIGS)}")
+    parser.add_argument("--repeats", type=int, help="fresh processes per configuration (interleaved)")
+    parser.add_argument("--rounds", type=int, help="generation rounds per process")
+    parser.add_argument("--max-completion-length", type=int)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--vocab-size", type=int)
+    parser.add_argument("--batch-size", type=int, help="per_device_train_batch_size")
+    parser.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps")
+    parser.add_argument("--steps-per-generation", type=int)
+    parser.add_argument("--num-iterations", type=int)
+    parser.add_argument("--num-generations", type=int)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per worker (default 1, see the README; 0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        result = run_worker(json.loads(args.worker))
+        with open(args.worker_out, "w") as handle:
+            json.dump(result, handle)
+        return
+
+    settings = dict(PRESETS["quick" if args.quick else "default"])
+    for key in settings:
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    mixes = settings["mixes"].split(",")
+    configs = settings["configs"].split(",")
+    unknown = [c for c in configs if c not in CONFIGS] + [m for m in mixes if m not in MIX_LABELS]
+    if unknown:
+        parser.error(f"unknown configuration or mix: {unknown}")
+    spec_base = {key: settings[key] for key in SPEC_KEYS}
+    spec_base.update(seed=args.seed, threads=args.threads)
+
+    started = time.perf_counter()
+    loads = [load_average()]
+    results = []
+    for repeat in range(settings["repeats"]):
+        for mix in mixes:
+            order = [c for c in configs if not (c.endswith("_half") and mix not in HALF_BUDGET_MIXES)]
+            if repeat % 2:
+                order = order[::-1]
+            for config in order:
+                spec = dict(spec_base, mix=mix, config=config, repeat=repeat)
+                tick = time.perf_counter()
+                result = run_one(spec, args.timeout)
+                measured = [s["train_s"] for s in result["steps"][1:]]
+                print(f"[{time.perf_counter() - started:6.0f}s] repeat {repeat} {mix:11s} {config:17s} "
+                      f"train s/step {_mean(measured):6.2f}  peak {max(s['peak_kb'] for s in result['steps']) / 1024 - result['baseline_rss_mb']:5.0f} MB  "
+                      f"process {time.perf_counter() - tick:4.0f}s  load {load_average()}", flush=True)
+                results.append(result)
+        loads.append(load_average())
+
+    # Same data for every configuration and the same plug-in code in every process.
+    for mix in mixes:
+        fingerprints = {json.dumps([r["fingerprint"] for r in res["rounds"]]) for res in results
+                        if res["spec"]["mix"] == mix}
+        if len(fingerprints) != 1:
+            raise RuntimeError(f"configurations saw different data for mix {mix}")
+    code_versions = sorted({res["code"] for res in results})
+    if len(code_versions) > 1:
+        print(f"WARNING: hf_dynbsz changed during the run ({len(code_versions)} versions): rerun for clean numbers")
+
+    rows = summarise(results)
+    table = render_table(rows)
+    first = results[0]
+    steps_per_round = settings["steps_per_generation"] * settings["num_iterations"] // settings["grad_accum"]
+    setup = (
+        f"Model: Qwen2-style, hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
+        f"{max(2, settings['hidden_size'] // 32)} heads ({max(1, settings['hidden_size'] // 64)} KV), MLP "
+        f"{3 * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
+        f"parameters, fp32, sdpa, CPU, {first['threads']} torch thread(s) per process. GRPO (TRL defaults "
+        f"otherwise: loss dapo, beta 0, gradient checkpointing on): per_device_train_batch_size "
+        f"{settings['batch_size']}, gradient_accumulation_steps {settings['grad_accum']} "
+        f"({settings['batch_size'] * settings['grad_accum']} samples per optimizer step), steps_per_generation "
+        f"{settings['steps_per_generation']} (generation batch {settings['batch_size'] * settings['steps_per_generation']}"
+        f" samples, {steps_per_round} optimizer steps per round, old-policy log-probs computed), num_iterations "
+        f"{settings['num_iterations']}, num_generations {settings['num_generations']}, max_completion_length "
+        f"{settings['max_completion_length']}, prompts {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens (64 for uniform). "
+        f"{settings['repeats']} fresh process(es) per configuration x {settings['rounds']} rounds; "
+        f"{rows[0]['num_steps']} measured optimizer steps and {rows[0]['num_rounds']} measured rounds per process."
+    )
+    machine = (f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
+               f"{' | '.join(loads)} (a shared machine: other jobs ran during the measurement).")
+    code = f"Code: {git_state()}; hf_dynbsz source hash {', '.join(code_versions)}" + (
+        " (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "") + "."
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = "step_time_quick" if args.quick else "step_time"
+    command = "python benchmarks/step_time.py" + (" --quick" if args.quick else "")
+    markdown = "\n\n".join([
+        f"# Training-step time: stock GRPOTrainer vs DynamicBatchGRPOTrainer{' (quick run)' if args.quick else ''}",
+        f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
+        setup,
+        machine,
+        code,
+        table,
+        "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
+        "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
+        "step; median). *train s/step*: wall time of the training phase of one optimizer step (forward, "
+        "backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
+        "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
+        "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
+        "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
+        "*train tokens/step*: positions computed by the training forwards of one step, padding included "
+        "(share of padding). *log-prob*: the no-grad old-policy pass, once per generation round. *peak RSS over "
+        "baseline*: process high-water mark minus the RSS before `train()`, over the whole run (training, "
+        "generation and log-prob phases), median over repeats; *training-phase peak*: the same over the "
+        "training phases only.",
+    ]) + "\n"
+    (args.out_dir / f"{name}.md").write_text(markdown)
+    raw_runs = [{**{k: v for k, v in res.items() if k not in ("rounds", "spec")},
+                 "spec": {k: v for k, v in res["spec"].items() if k != "output_dir"},
+                 "rounds": [{k: v for k, v in r.items() if k != "fingerprint"} for r in res["rounds"]]}
+                for res in results]
+    (args.out_dir / f"{name}.json").write_text(json.dumps(_rounded({"settings": settings, "rows": rows,
+                                                                    "runs": raw_runs}), separators=(",", ":")))
+    plot(rows, args.out_dir / f"{name}.png", setup)
+    print()
+    print(table)
+    print(f"\nwrote {args.out_dir / (name + '.md')}, {name}.png, {name}.json")
+
+
+if __name__ == "__main__":
+    main()
