@@ -17,7 +17,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     Special tokens: ``<pad>`` (id 0), ``<eos>`` (id 1), ``<unk>`` (id 2); characters follow in
     ``alphabet`` order. Plain-string prompts need no chat template.
     """
-    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
@@ -27,6 +27,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
             vocab[char] = len(vocab)
     backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()  # decode "abc", not "a b c"
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",

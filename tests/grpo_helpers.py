@@ -115,4 +115,31 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     return float(num / den)
 
 
+def run_with_timeout(command: list[str], cwd, timeout: float, what: str) -> str:
+    """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
+
+    Fails the test on a non-zero exit, and on timeout kills the whole group (every rank) and fails.
+    """
+    import signal
+    import subprocess
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    env = {key: value for key, value in env.items() if not key.startswith("DIFFU_")}
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}")
+    assert process.returncode == 0, f"{what} failed ({process.returncode}):\n{output[-6000:]}"
+    return output
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,15 +10,12 @@ launch runs under a timeout and every rank must write its result file.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import relative_difference, save_tiny_model
+from grpo_helpers import relative_difference, run_with_timeout, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -47,17 +44,7 @@ def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> l
     ]
     for key, value in options.items():
         command += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{trainer} run under {config} did not finish in {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-4000:]}")
-    assert process.returncode == 0, f"{trainer} run under {config} failed:\n{output[-6000:]}"
+    run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} run under {config}")
     records = []
     for rank in range(2):
         path = Path(f"{out}.rank{rank}.json")

@@ -12,15 +12,12 @@ Every subprocess runs in its own process group under a timeout; on timeout the w
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from grpo_helpers import save_tiny_model
+from grpo_helpers import run_with_timeout, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo.py"
@@ -32,20 +29,7 @@ SHORT = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", 
 
 def run(command: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> str:
     """Run ``command`` in a new process group; return its output (stdout + stderr); fail on error or timeout."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    env = {key: value for key, value in env.items() if not key.startswith("DIFFU_")}
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish in {timeout} s:\n{output[-4000:]}")
-    assert process.returncode == 0, f"{' '.join(command)} failed ({process.returncode}):\n{output[-6000:]}"
-    return output
+    return run_with_timeout(command, cwd, timeout, " ".join(command))
 
 
 def summary_steps(output: str) -> int:
