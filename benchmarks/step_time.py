@@ -495,6 +495,23 @@ def summarise(results: list[dict]) -> list[dict]:
     return rows
 
 
+STEP_FIELDS = ("round", "train_s", "train_cpu_s", "train_tokens", "train_real_tokens", "train_passes", "peak_kb")
+ROUND_FIELDS = ("logprob_s", "logprob_cpu_s", "logprob_tokens", "logprob_real_tokens", "logprob_passes",
+                "rollout_and_rewards_s", "real_tokens", "samples", "peak_kb")
+
+
+def compact_run(result: dict) -> dict:
+    """The per-step and per-round raw data of one worker, without what the tables do not use."""
+    return {
+        "spec": {k: v for k, v in result["spec"].items() if k != "output_dir"},
+        "code": result["code"],
+        "baseline_rss_mb": result["baseline_rss_mb"],
+        "budget_tokens": result["budget_tokens"],
+        "steps": [[step[k] for k in STEP_FIELDS] for step in result["steps"]],
+        "rounds": [[rnd[k] for k in ROUND_FIELDS] for rnd in result["rounds"]],
+    }
+
+
 def _rounded(value):
     """Floats rounded to 4 significant digits, recursively (keeps the raw-data file small)."""
     if isinstance(value, float):
@@ -699,8 +716,8 @@ def main() -> None:
         table,
         "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
         "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
-        "step; median). *train s/step*: wall time of the training phase of one optimizer step (forward, "
-        "backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
+        "step); both averaged over the measured steps. *train s/step*: wall time of the training phase of one "
+        "optimizer step (forward, backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
         "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
         "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
         "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
@@ -711,11 +728,10 @@ def main() -> None:
         "training phases only.",
     ]) + "\n"
     (args.out_dir / f"{name}.md").write_text(markdown)
-    raw_runs = [{**{k: v for k, v in res.items() if k not in ("rounds", "spec")},
-                 "spec": {k: v for k, v in res["spec"].items() if k != "output_dir"},
-                 "rounds": [{k: v for k, v in r.items() if k != "fingerprint"} for r in res["rounds"]]}
-                for res in results]
+    raw_runs = [compact_run(res) for res in results]
     (args.out_dir / f"{name}.json").write_text(json.dumps(_rounded({"settings": settings, "rows": rows,
+                                                                    "step_fields": STEP_FIELDS,
+                                                                    "round_fields": ROUND_FIELDS,
                                                                     "runs": raw_runs}), separators=(",", ":")))
     plot(rows, args.out_dir / f"{name}.png", setup)
     print()

@@ -65,7 +65,7 @@ Algorithm
 Everything is deterministic: ties are broken by sequence index (stable sorts)
 and by micro-batch number, never by hashing or randomness.  Sorting, heaps, a
 segment tree for first-fit and grouping of equal lengths keep 100,000 lengths
-well below half a second (see ``benchmarks/partition_speed.py``).
+well below half a second (see ``benchmarks/partition.py``).
 """
 
 from __future__ import annotations
