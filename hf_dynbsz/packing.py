@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("padding_free", "padded")
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/vllm-flash-attn3")
 
 
 @dataclass
@@ -182,16 +181,3 @@ def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu") -> M
         computed_tokens=0,
     )
 
-
-def choose_layout(requested: str, attn_implementation: str | None) -> str:
-    """Resolve ``packing_layout``: "auto" picks padding_free only with a varlen attention kernel.
-
-    On sdpa/eager a packed row of T tokens still computes dense T x T attention (see README,
-    "Choosing a layout"), so padded micro-batches of similar lengths are the cheaper default there.
-    """
-    if requested in LAYOUTS:
-        return requested
-    if requested != "auto":
-        raise ValueError(f"packing_layout={requested!r} is not one of 'auto', 'padding_free', 'padded'")
-    impl = attn_implementation or ""
-    return "padding_free" if impl in VARLEN_ATTENTION or "flash" in impl else "padded"

@@ -32,11 +32,12 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
 
 from . import check_trl_version
-from .config import DynamicBatchGRPOConfig, ensure_dynamic_batch_fields
+from .config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
 from .loss import LossSettings, per_token_policy_loss, sample_weights
-from .packing import SequenceTable, build_microbatch, choose_layout, dummy_microbatch
+from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .partition import (
     OversizeSequenceError,
     WorkloadModel,
@@ -44,7 +45,7 @@ from .partition import (
     min_num_microbatches,
     partition_by_token_budget,
 )
-from .plan import BatchSizePlan
+from .plan import BatchSizePlan, resolve_packing_layout
 from .tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
@@ -64,7 +65,7 @@ MULTIMODAL_KEYS = (
 )
 # Per-token (rows, completion width) fields of TRL's generation output, carried per sample.
 PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")
-PADDED_LAYOUT = {"padding_free": "packed", "padded": "padded"}  # our layout name -> partitioner layout
+PARTITIONER_LAYOUT = {"padding_free": "packed", "padded": "padded"}  # our layout name -> partitioner's
 
 
 def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -105,11 +106,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             logger.warning("hf_dynbsz: dynamic batching is off, stock GRPOTrainer math runs because %s.", "; ".join(reasons))
         unwrapped = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         attn = getattr(unwrapped.config, "_attn_implementation", None)
-        self._dynbsz_layout = choose_layout(args.packing_layout, attn)
+        self._dynbsz_layout = resolve_packing_layout(args.packing_layout, attn)
         attention = "varlen" if self._dynbsz_layout == "padding_free" and "flash" in (attn or "") else "dense"
         self._dynbsz_attention = attention
         self._dynbsz_workload = WorkloadModel.from_model_config(
-            unwrapped.config.get_text_config(), layout=PADDED_LAYOUT[self._dynbsz_layout], attention=attention
+            unwrapped.config.get_text_config(), layout=PARTITIONER_LAYOUT[self._dynbsz_layout], attention=attention
         )
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
@@ -163,7 +164,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         would have needed.
         """
         lengths = table.lengths.tolist()
-        layout = PADDED_LAYOUT[self._dynbsz_layout]
+        layout = PARTITIONER_LAYOUT[self._dynbsz_layout]
         pad = self.args.pad_to_multiple_of
         oversize = [length for length in lengths if microbatch_tokens([length], layout, pad) > budget]
         local_count = min_num_microbatches(lengths, budget, layout=layout, pad_to_multiple_of=pad) if lengths else 0
@@ -369,7 +370,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 last = position == len(groups) - 1
                 if not group:
                     dummies += 1
-                    outputs, logps, _ = self._forward_microbatch(model, dummy_microbatch(self._pad_id, device), False)
+                    _, logps, _ = self._forward_microbatch(model, dummy_microbatch(self._pad_id, device), False)
                     self._backward(model, logps.sum() * 0.0, last)
                     continue
                 mb = build_microbatch(table, group, layout=self._dynbsz_layout, pad_token_id=self._pad_id,
@@ -470,7 +471,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         width = max(inputs["completion_ids"].size(1) for inputs in window)
         tables, loss_masks, advantages, slice_ids, num_items = [], [], [], [], []
         per_token = defaultdict(list)
-        stock_tokens = 0
+        stock_microbatch_tokens = stock_computed_tokens = 0  # tokens of one stock slice (max), of all slices
         keys = [key for key in (*PER_TOKEN_KEYS, "importance_sampling_ratio") if window[0].get(key) is not None]
         for slice_id, inputs in enumerate(window):
             rows = inputs["completion_ids"].size(0)
@@ -488,7 +489,9 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 per_token[key].append(tensor if tensor.size(1) == 1 else _pad_columns(tensor, width))
             slice_ids.append(torch.full((rows,), slice_id, dtype=torch.long))
             num_items.append(inputs["num_items_in_batch"].detach().float().cpu().expand(rows))
-            stock_tokens = max(stock_tokens, rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)))
+            slice_tokens = rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1))
+            stock_microbatch_tokens = max(stock_microbatch_tokens, slice_tokens)
+            stock_computed_tokens += slice_tokens
         table = SequenceTable(
             tokens=[t for tab in tables for t in tab.tokens],
             prompt_lengths=torch.cat([tab.prompt_lengths for tab in tables]),
@@ -504,11 +507,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             "slice_ids": torch.cat(slice_ids),
             "slice_rows": torch.tensor([inputs["completion_ids"].size(0) for inputs in window]),
             "num_items": torch.cat(num_items),
-            "stock_microbatch_tokens": stock_tokens,
-            "stock_computed_tokens": sum(
-                inputs["completion_ids"].size(0) * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1))
-                for inputs in window
-            ),
+            "stock_microbatch_tokens": stock_microbatch_tokens,
+            "stock_computed_tokens": stock_computed_tokens,
         }
 
     # ------------------------------------------------------------------ metrics
@@ -544,8 +544,6 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     def _log_window_metrics(self, sums, counts, seq_low, seq_high, fields, groups, needed, budget,
                             real_tokens, computed_tokens, dummies, mb_tokens) -> None:
         """Exact token-weighted metrics over the optimizer step: one reduce (and two gathers) per step."""
-        from trl.trainer.utils import nanmax, nanmin
-
         device = self.accelerator.device
         names = sorted(sums)
         local = [v for name in names for v in (sums[name], counts[name])]
@@ -562,7 +560,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 gathered = self.accelerator.gather(padded)
                 metrics[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
         real_all, computed_all, stock_all = totals[-3:]
-        used = [t for t in mb_tokens]
+        used = mb_tokens
         metrics["dynbsz/microbatches"].append(float(len(used)))
         metrics["dynbsz/microbatches_needed"].append(float(needed))
         metrics["dynbsz/microbatches_max_over_ranks"].append(float(len(groups)))
@@ -580,12 +578,9 @@ def _check_deepspeed_backend(args) -> None:
     """DeepSpeed on CPU needs ``ddp_backend='gloo'`` set before the config builds its device state."""
     import os
 
-    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")
-    if uses_deepspeed.lower() == "true" and not torch.cuda.is_available() and args.ddp_backend is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            raise ValueError(
-                "DeepSpeed without a GPU needs ddp_backend='gloo' (ddp_backend=None now): stock TRL then fails with "
-                "'train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size'. Use "
-                "hf_dynbsz.DynamicBatchGRPOConfig (sets it for you) or pass ddp_backend='gloo'."
-            )
+    if default_ddp_backend(args.ddp_backend) != args.ddp_backend and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "DeepSpeed without a GPU needs ddp_backend='gloo' (ddp_backend=None now): stock TRL then fails with "
+            "'train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size'. Use "
+            "hf_dynbsz.DynamicBatchGRPOConfig (sets it for you) or pass ddp_backend='gloo'."
+        )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head, pad
 
-from hf_dynbsz.packing import SequenceTable, build_microbatch, choose_layout, dummy_microbatch
+from hf_dynbsz.packing import SequenceTable, build_microbatch, dummy_microbatch
 from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
 
 PAD = 0
@@ -123,11 +123,3 @@ def test_dummy_microbatch_touches_every_parameter():
     (out.log_probs.sum() * 0.0).backward()
     assert all(p.grad is not None and torch.all(p.grad == 0) for p in model.parameters())
 
-
-def test_choose_layout():
-    assert choose_layout("auto", "flash_attention_2") == "padding_free"
-    assert choose_layout("auto", "sdpa") == "padded"
-    assert choose_layout("auto", "eager") == "padded"
-    assert choose_layout("padding_free", "sdpa") == "padding_free"
-    with pytest.raises(ValueError, match="packing_layout='packed'"):
-        choose_layout("packed", "sdpa")

@@ -341,6 +341,7 @@ def test_resolve_generation_round_is_trls_rule():
         ("auto", "flash_attention_2", "padding_free"),
         ("auto", "flash_attention_3", "padding_free"),
         ("auto", "sdpa", "padded"),
+        ("auto", "eager", "padded"),
         ("auto", None, "padded"),
         ("padded", "flash_attention_2", "padded"),
         ("padding_free", "sdpa", "padding_free"),
@@ -348,6 +349,11 @@ def test_resolve_generation_round_is_trls_rule():
 )
 def test_resolve_packing_layout(layout, attention, expected):
     assert resolve_packing_layout(layout, attention) == expected
+
+
+def test_resolve_packing_layout_rejects_unknown_layouts():
+    with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
+        resolve_packing_layout("packed", "sdpa")
 
 
 def test_validate_dynamic_batch_fields_coerces_strings_in_place():
