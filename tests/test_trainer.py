@@ -56,12 +56,19 @@ def test_matches_stock_without_kl(model_dir, tmp_path, loss_type):
     compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.0, num_iterations=1)
 
 
+# luspo sums its loss over tokens instead of averaging, so its gradients are ~10x the others' (grad norm ~40 at
+# step 3): at the common learning rate of 0.5 this run is chaotic, and stock against stock with the initial
+# parameters perturbed by 1e-7 (relative) already ends 1.1e-5 apart. At 0.1 that noise floor is 1e-7 again.
+CHAOS_FREE_LEARNING_RATE = {"luspo": 0.1}
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_stock_with_kl_and_two_iterations(model_dir, tmp_path, loss_type):
     # beta > 0: reference log-probs (packed no-grad passes) from the model loaded by path;
     # num_iterations=2: old-policy log-probs (packed no-grad passes) and a PPO ratio that moves off 1.
     compare_with_stock(
         model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, max_steps=3,
+        learning_rate=CHAOS_FREE_LEARNING_RATE.get(loss_type, 0.5),
     )
 
 
