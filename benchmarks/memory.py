@@ -53,7 +53,7 @@ def measure_logprob(tokens_per_tile: int | None, tokens: int, hidden: int) -> di
     from trl.trainer.utils import add_fused_lm_head
 
     from hf_dynbsz.tiling import lm_head_tiles
-    from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     torch.manual_seed(0)
     model = build_tiny_causal_lm(build_char_tokenizer(), hidden_size=hidden, num_hidden_layers=2,
@@ -77,7 +77,7 @@ def measure_generation(chunk: int | None, samples: int, new_tokens: int) -> dict
     from datasets import Dataset
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,

@@ -4,7 +4,7 @@
 
     python examples/grpo.py
 
-A tiny Qwen2-style model with random weights and a character tokenizer (``hf_dynbsz.tiny``) learns to answer a
+A tiny Qwen2-style model with random weights and a character tokenizer (``hf_dynbsz.testing``) learns to answer a
 prompt word with a completion of the length the word names, then ``<eos>``: ``tiny:`` 4 characters, ``short:`` 10,
 ``medium:`` 20, ``long:`` 36, ``huge:`` 60 (``length_reward`` below). Completion lengths range from 0 to 64 tokens
 in every optimizer step, the situation dynamic batching is for. The run prints the batch-size table, one line per
@@ -193,7 +193,7 @@ def build_tiny_model_and_tokenizer(seed: int):
     import torch
     from tokenizers import decoders
 
-    from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode to "abc", not "a b c"

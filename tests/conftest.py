@@ -7,6 +7,7 @@ import os
 import pytest
 
 DIFFU_PREFIX = "DIFFU_"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(autouse=True)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from grpo_helpers import ALPHABET, RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset  # noqa: E402
+from hf_dynbsz.testing import TEST_ALPHABET as ALPHABET
+from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
 
 
 def lopsided_dataset(num_blocks: int = 8):

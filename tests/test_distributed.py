@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_helpers import relative_difference, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import relative_difference, run_with_timeout, save_tiny_model
 
 pytestmark = pytest.mark.slow
 

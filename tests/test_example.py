@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from grpo_helpers import run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import run_with_timeout, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo.py"

@@ -7,7 +7,7 @@ import torch
 from trl.trainer.utils import add_fused_lm_head, pad
 
 from hf_dynbsz.packing import SequenceTable, build_microbatch, dummy_microbatch
-from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
 PAD = 0
 

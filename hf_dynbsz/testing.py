@@ -1,0 +1,310 @@
+"""Offline building blocks shared by the tests, the benchmarks and the example (as accelerate's ``test_utils``).
+
+Nothing here downloads anything: a character-level tokenizer and tiny causal LMs built from a config (random
+weights), prompt datasets, a scripted ``rollout_func`` that gives every trainer the same completions, the
+stock-against-dynamic parameter comparison and a subprocess runner with a timeout. torch, transformers, TRL and
+datasets are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import string
+import subprocess
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_ALPHABET",
+    "RecordingReward",
+    "TEST_ALPHABET",
+    "ScriptedRollout",
+    "base_config_kwargs",
+    "build_char_tokenizer",
+    "build_tiny_causal_lm",
+    "load_tokenizer",
+    "prompt_dataset",
+    "relative_difference",
+    "run_training",
+    "run_with_timeout",
+    "save_tiny_model",
+    "update_difference",
+]
+
+DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " .,:;!?+-*/=()"
+#: The alphabet of the test model: 4 characters + 3 special tokens, so random completions end at <eos> soon.
+TEST_ALPHABET = "abcd"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer and models
+# --------------------------------------------------------------------------------------------------------------
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A character-level `PreTrainedTokenizerFast` (one token per character, left padding).
+
+    Special tokens: ``<pad>`` (id 0), ``<eos>`` (id 1), ``<unk>`` (id 2); characters follow in ``alphabet`` order.
+    Plain-string prompts need no chat template.
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for char in alphabet:
+        if char not in vocab:
+            vocab[char] = len(vocab)
+    backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()  # decode "abc", not "a b c"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def build_tiny_causal_lm(
+    tokenizer,
+    *,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    dtype=None,
+):
+    """A Qwen2-style causal LM with random weights (fp32 unless ``dtype`` is given).
+
+    ``vocab_size`` defaults to the tokenizer's size; a larger value (e.g. 151,936) gives a realistic
+    vocabulary-sized LM head for memory measurements while the tokenizer only uses the first ids.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0) -> str:
+    """The test model, saved to ``directory`` with its tokenizer; returns ``directory``.
+
+    Its LM head is shrunk so the next-token distribution is close to uniform over the 7-token vocabulary:
+    completions end at <eos> after a geometric number of tokens, so lengths vary widely (the situation dynamic
+    batching is for) and some hit ``max_completion_length`` (truncated).
+    """
+    import torch
+
+    tokenizer = build_char_tokenizer(TEST_ALPHABET)
+    model = build_tiny_causal_lm(tokenizer, attn_implementation=attn_implementation, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.05)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def load_tokenizer(directory: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(directory)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data, rewards, rollouts
+# --------------------------------------------------------------------------------------------------------------
+
+
+def prompt_dataset(num_prompts: int = 16, seed: int = 0, alphabet: str = TEST_ALPHABET):
+    """Prompts of varied length (3 to 18 characters) so prompt padding varies too."""
+    import torch
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        length = int(torch.randint(3, 19, (1,), generator=generator))
+        chars = torch.randint(0, len(alphabet), (length,), generator=generator).tolist()
+        prompts.append("".join(alphabet[c] for c in chars))
+    return Dataset.from_dict({"prompt": prompts})
+
+
+class RecordingReward:
+    """Reward = fraction of 'a' in the completion minus a small length term; records every completion."""
+
+    __name__ = "recording_reward"
+
+    def __init__(self):
+        self.completions: list[str] = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.completions.extend(completions)
+        return [c.count("a") / max(len(c), 1) - 0.01 * len(c) for c in completions]
+
+
+class ScriptedRollout:
+    """A TRL ``rollout_func`` returning scripted token ids: every trainer sees exactly the same completions.
+
+    Round ``r`` draws its completion lengths with ``completion_lengths(rng, n)`` and its tokens from
+    ``numpy.random.default_rng([seed, r])``; a prompt's ids depend only on the prompt string (``prompt_length(rng)``
+    tokens, seeded by the string). Token ids are drawn from ``[token_low, token_high)``; a completion shorter than
+    ``max_completion_length`` ends with ``eos_id`` (finished), one at the cap does not (truncated). ``rounds``
+    records, per round, the sample count, real tokens and the sorted lengths (a fingerprint to compare runs).
+    """
+
+    def __init__(self, completion_lengths: Callable, prompt_length: Callable, *, max_completion_length: int,
+                 seed: int, token_low: int, token_high: int, eos_id: int):
+        self.completion_lengths, self.prompt_length = completion_lengths, prompt_length
+        self.max_len, self.seed = max_completion_length, seed
+        self.token_low, self.token_high, self.eos_id = token_low, token_high, eos_id
+        self.rounds: list[dict] = []
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        import numpy as np
+
+        if prompt not in self._prompt_cache:
+            rng = np.random.default_rng([self.seed, 1_000_003, zlib.crc32(prompt.encode())])
+            length = int(self.prompt_length(rng))
+            self._prompt_cache[prompt] = rng.integers(self.token_low, self.token_high, length).tolist()
+        return self._prompt_cache[prompt]
+
+    def __call__(self, prompts, trainer):
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, len(self.rounds)])
+        lengths = [min(max(int(v), 1), self.max_len) for v in self.completion_lengths(rng, len(prompts))]
+        prompt_ids = [self.prompt_ids(p) for p in prompts]
+        completion_ids = []
+        for length in lengths:
+            ids = rng.integers(self.token_low, self.token_high, length).tolist()
+            if length < self.max_len:
+                ids[-1] = self.eos_id
+            completion_ids.append(ids)
+        self.rounds.append({
+            "samples": len(prompts),
+            "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
+            "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
+        })
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training and comparing with stock
+# --------------------------------------------------------------------------------------------------------------
+
+
+def base_config_kwargs(output_dir: str, **overrides) -> dict:
+    """Config of the comparison runs: SGD at a constant, large rate so that a mis-weighted sample shows."""
+    kwargs = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=24,
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=1e9,
+        seed=0,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def run_training(trainer_cls, config_cls, model_dir: str, output_dir: str, dataset=None, trainer_kwargs=None,
+                 **overrides):
+    """Train from ``model_dir`` and return (initial params, final params, completions, log history).
+
+    ``trainer_kwargs`` go to the trainer's constructor (``rollout_func``, ``reward_funcs``, ...); the reward is a
+    :class:`RecordingReward` unless they give one.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    args = config_cls(**base_config_kwargs(output_dir, **overrides))
+    reward = RecordingReward()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kwargs = dict(model=model, reward_funcs=reward, args=args,
+                  train_dataset=dataset if dataset is not None else prompt_dataset(),
+                  processing_class=load_tokenizer(model_dir))
+    kwargs.update(trainer_kwargs or {})
+    trainer = trainer_cls(**kwargs)
+    trainer.train()
+    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return initial, final, reward.completions, trainer.state.log_history
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over all parameters."""
+    import torch
+
+    num = torch.sqrt(sum(((a[k] - b[k]).double() ** 2).sum() for k in a))
+    den = torch.sqrt(sum((b[k].double() ** 2).sum() for k in b))
+    return float(num / den)
+
+
+def update_difference(initial: dict, ours: dict, stock: dict) -> float:
+    """Relative difference of the parameter UPDATES (far more sensitive than comparing parameters)."""
+    import torch
+
+    num = torch.sqrt(sum(((ours[k] - stock[k]).double() ** 2).sum() for k in ours))
+    den = torch.sqrt(sum(((stock[k] - initial[k]).double() ** 2).sum() for k in stock))
+    return float(num / den)
+
+
+def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: dict | None = None) -> str:
+    """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
+
+    Raises :class:`AssertionError` on a non-zero exit, and on timeout kills the whole group (every rank) and raises.
+    ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables.
+    """
+    environ = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1"}
+    environ = {key: value for key, value in environ.items() if not key.startswith("DIFFU_")}
+    environ.update(env or {})
+    process = subprocess.Popen(command, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}") from None
+    if process.returncode != 0:
+        raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
+    return output
