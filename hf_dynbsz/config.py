@@ -17,119 +17,31 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .env import apply_env_overrides
-from .plan import (
-    DYNAMIC_BATCH_DEFAULTS,
-    OVERSIZE_POLICIES,
-    PACKING_LAYOUTS,
-    TRL_TENSOR_TILE_TOKENS,
-    USER_BATCH_SETTINGS_ATTR,
-    resolve_generation_round,
-    validate_dynamic_batch_fields,
-)
+from .plan import USER_BATCH_SETTINGS_ATTR, resolve_generation_round, validate_dynamic_batch_fields
+from .settings import DEFAULTS, config_docstring, setting
 
 __all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields"]
 
 
+def _field(name: str):
+    """A dataclass field whose default and help come from :data:`hf_dynbsz.settings.SETTINGS`."""
+    spec = setting(name)
+    help_text = spec.help + (f" Environment override: {spec.env}." if spec.env else "")
+    metadata = {"help": help_text}
+    if spec.choices:
+        metadata["choices"] = list(spec.choices)
+    return field(default=spec.default, metadata=metadata)
+
+
 @dataclass
 class DynamicBatchGRPOConfig(GRPOConfig):
-    r"""
-    Configuration of [`~hf_dynbsz.DynamicBatchGRPOTrainer`]: every [`~trl.GRPOConfig`] parameter plus the ones
-    below. With `dynamic_batching=False` the trainer behaves exactly like TRL's `GRPOTrainer`.
-
-    Parameters:
-        dynamic_batching (`bool`, *optional*, defaults to `True`):
-            Repack each training step's samples into micro-batches by a token budget instead of TRL's fixed
-            micro-batches of `per_device_train_batch_size` samples padded to the longest row of the generation
-            batch. The loss and gradients are the stock ones. `False` gives stock `GRPOTrainer` behaviour exactly.
-        max_tokens_per_microbatch (`int`, *optional*):
-            Token budget per device of one training forward/backward pass, counted as the token positions the
-            pass computes: the sum of the samples' prompt + completion tokens for padding-free rows, rows x longest
-            row for padded micro-batches (no padding to the generation batch's longest row either way; lengths
-            are rounded up to GRPOConfig's `pad_to_multiple_of` when that is set). `None` ("auto") uses, per generation batch, the padded token count of stock TRL's
-            own micro-batch for the same samples: `per_device_train_batch_size * (longest prompt + longest
-            completion in the generation batch)`, so memory is never worse than stock's.
-        max_tokens_per_microbatch_logprob (`int`, *optional*):
-            Token budget per device, same unit, for the no-grad log-prob passes (old policy, reference model).
-            `None` uses 2 x the training budget.
-        per_device_generation_batch_size (`int`, *optional*):
-            Samples generated at once per device (the chunk size of the transformers `generate` path). Does not
-            change the training math. `None` generates the whole per-device share of the generation round at once.
-            TRL's `generation_batch_size` keeps its meaning: GLOBAL samples per generation round.
-        tensor_batch_size (`int`, *optional*, defaults to `1024`):
-            Tokens per tile of vocabulary-sized work (LM head, log-softmax, entropy); a tile is this many tokens x
-            8192 vocabulary columns. `None` uses TRL's own tile of 4096 tokens x 32768 columns.
-        oversize_policy (`str`, *optional*, defaults to `"warn"`):
-            What to do with a single sequence longer than the token budget: `"warn"` gives it a micro-batch of its
-            own with a one-time warning; `"error"` raises before the step.
-        packing_layout (`str`, *optional*, defaults to `"auto"`):
-            `"padding_free"` (packed rows, needs a varlen attention kernel), `"padded"` (micro-batches each padded
-            to their own longest row) or `"auto"`: padding-free with flash_attention_2/3, padded otherwise.
-
-    Environment overrides (precedence: environment over arguments over defaults): `DIFFU_TRAIN_BATCH_SIZE` ->
-    `per_device_train_batch_size`, `DIFFU_BATCH_SIZE` -> `per_device_generation_batch_size`,
-    `DIFFU_TENSOR_BATCH_SIZE` -> `tensor_batch_size`, `DIFFU_MAX_TOKENS` -> `max_tokens_per_microbatch`.
-    """
-
-    dynamic_batching: bool = field(
-        default=DYNAMIC_BATCH_DEFAULTS["dynamic_batching"],
-        metadata={
-            "help": "Repack each training step's samples into micro-batches by a token budget (same loss and "
-            "gradients as stock). False gives stock GRPOTrainer behaviour exactly."
-        },
-    )
-    max_tokens_per_microbatch: int | None = field(
-        default=DYNAMIC_BATCH_DEFAULTS["max_tokens_per_microbatch"],
-        metadata={
-            "help": "Tokens per device per training forward/backward, counted as the positions the pass computes: "
-            "the sum of prompt + completion tokens for padding-free rows, rows x longest row for padded "
-            "micro-batches (lengths rounded up to GRPOConfig's pad_to_multiple_of when set). "
-            "None ('auto'): per generation batch, the padded token count of stock TRL's micro-batch, i.e. "
-            "per_device_train_batch_size * (longest prompt + longest completion in the generation batch), so "
-            "memory is never worse than stock. Environment override: DIFFU_MAX_TOKENS."
-        },
-    )
-    max_tokens_per_microbatch_logprob: int | None = field(
-        default=DYNAMIC_BATCH_DEFAULTS["max_tokens_per_microbatch_logprob"],
-        metadata={
-            "help": "Tokens per device per no-grad log-prob pass (old policy, reference model), counted like "
-            "max_tokens_per_microbatch. None: 2 x the training budget."
-        },
-    )
-    per_device_generation_batch_size: int | None = field(
-        default=DYNAMIC_BATCH_DEFAULTS["per_device_generation_batch_size"],
-        metadata={
-            "help": "Samples generated at once per device (chunk size of the transformers generate path); does "
-            "not change the training math. None: the whole per-device share of the generation round at once. "
-            "TRL's generation_batch_size keeps its meaning: GLOBAL samples per generation round. Environment "
-            "override: DIFFU_BATCH_SIZE."
-        },
-    )
-    tensor_batch_size: int | None = field(
-        default=DYNAMIC_BATCH_DEFAULTS["tensor_batch_size"],
-        metadata={
-            "help": "Tokens per device per tile of vocabulary-sized work (LM head, log-softmax, entropy), in the "
-            "training pass (tiles recomputed in backward) and the no-grad log-prob passes; a tile is this many tokens "
-            "x 8192 vocabulary columns. Default 1024, chosen by benchmarks/memory.py. None: TRL's own tile "
-            f"({TRL_TENSOR_TILE_TOKENS} tokens x 32768 columns). Environment override: DIFFU_TENSOR_BATCH_SIZE."
-        },
-    )
-    oversize_policy: str = field(
-        default=DYNAMIC_BATCH_DEFAULTS["oversize_policy"],
-        metadata={
-            "help": "A single sequence (prompt + completion tokens) longer than the token budget: 'warn' gives it "
-            "a micro-batch of its own with a one-time warning; 'error' raises before the step.",
-            "choices": list(OVERSIZE_POLICIES),
-        },
-    )
-    packing_layout: str = field(
-        default=DYNAMIC_BATCH_DEFAULTS["packing_layout"],
-        metadata={
-            "help": "Micro-batch layout: 'padding_free' (packed rows, needs a varlen attention kernel), 'padded' "
-            "(each micro-batch padded to its own longest row), or 'auto': padding_free with "
-            "flash_attention_2/3-style varlen kernels, padded otherwise.",
-            "choices": list(PACKING_LAYOUTS),
-        },
-    )
+    dynamic_batching: bool = _field("dynamic_batching")
+    max_tokens_per_microbatch: int | None = _field("max_tokens_per_microbatch")
+    max_tokens_per_microbatch_logprob: int | None = _field("max_tokens_per_microbatch_logprob")
+    per_device_generation_batch_size: int | None = _field("per_device_generation_batch_size")
+    tensor_batch_size: int | None = _field("tensor_batch_size")
+    oversize_policy: str = _field("oversize_policy")
+    packing_layout: str = _field("packing_layout")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.
@@ -178,7 +90,7 @@ def ensure_dynamic_batch_fields(args):
     ``num_generations`` with the same errors as the planner. Idempotent; a no-op on a ``DynamicBatchGRPOConfig``
     (whose ``__post_init__`` already did all this) unless the environment changed since.
     """
-    for name, default in DYNAMIC_BATCH_DEFAULTS.items():
+    for name, default in DEFAULTS.items():
         if not hasattr(args, name):
             setattr(args, name, default)
     previous = args.per_device_train_batch_size
@@ -204,3 +116,13 @@ def ensure_dynamic_batch_fields(args):
             )
     validate_dynamic_batch_fields(args)
     return args
+
+
+DynamicBatchGRPOConfig.__doc__ = f"""
+    Configuration of [`~hf_dynbsz.DynamicBatchGRPOTrainer`]: every [`~trl.GRPOConfig`] parameter plus the ones
+    below (written once, in `hf_dynbsz.settings`). With `dynamic_batching=False` the trainer behaves exactly like
+    TRL's `GRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
+
+    Parameters:
+{config_docstring()}
+    """

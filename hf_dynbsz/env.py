@@ -2,12 +2,9 @@
 
 A sweep driver can change batch sizes without editing the training script by
 exporting ``DIFFU_*`` variables. Each variable overrides one configuration
-field; the precedence is **environment over arguments over defaults**.
-
-- ``DIFFU_TRAIN_BATCH_SIZE`` -> ``per_device_train_batch_size`` (samples per device per training step)
-- ``DIFFU_BATCH_SIZE`` -> ``per_device_generation_batch_size`` (samples generated at once per device)
-- ``DIFFU_TENSOR_BATCH_SIZE`` -> ``tensor_batch_size`` (tokens per tile of vocabulary-sized work)
-- ``DIFFU_MAX_TOKENS`` -> ``max_tokens_per_microbatch`` (tokens per device per training micro-batch)
+field; the precedence is **environment over arguments over defaults**. The
+variables and their fields are listed once, in :data:`hf_dynbsz.settings.SETTINGS`
+(``python -m hf_dynbsz.settings`` prints the table).
 
 This module is pure Python (no torch, no TRL) so that the command-line planner
 and the configuration share one implementation.
@@ -21,6 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .settings import ENV_SETTINGS
 
 __all__ = [
     "ENV_OVERRIDES",
@@ -41,28 +40,7 @@ class EnvOverride:
     expected: str  # what a valid value is, for error messages
 
 
-ENV_OVERRIDES: tuple[EnvOverride, ...] = (
-    EnvOverride(
-        "DIFFU_TRAIN_BATCH_SIZE",
-        "per_device_train_batch_size",
-        "a positive integer number of samples per device (training micro-batch)",
-    ),
-    EnvOverride(
-        "DIFFU_BATCH_SIZE",
-        "per_device_generation_batch_size",
-        "a positive integer number of samples per device (generated at once)",
-    ),
-    EnvOverride(
-        "DIFFU_TENSOR_BATCH_SIZE",
-        "tensor_batch_size",
-        "a positive integer number of tokens per tile of vocabulary-sized work",
-    ),
-    EnvOverride(
-        "DIFFU_MAX_TOKENS",
-        "max_tokens_per_microbatch",
-        "a positive integer number of tokens per device per training micro-batch",
-    ),
-)
+ENV_OVERRIDES: tuple[EnvOverride, ...] = tuple(EnvOverride(s.env, s.name, s.expected) for s in ENV_SETTINGS)
 
 _DIGITS = re.compile(r"[0-9]+")
 

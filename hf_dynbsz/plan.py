@@ -24,42 +24,23 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any
 
+from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
+
 __all__ = [
     "BatchSizePlan",
     "DYNAMIC_BATCH_DEFAULTS",
-    "OVERSIZE_POLICIES",
-    "PACKING_LAYOUTS",
     "TRL_TENSOR_TILE_TOKENS",
     "USER_BATCH_SETTINGS_ATTR",
     "resolve_generation_round",
-    "resolve_packing_layout",
     "validate_dynamic_batch_fields",
 ]
 
-#: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
-#: this many tokens x 32768 vocabulary columns (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
-TRL_TENSOR_TILE_TOKENS = 4096
-
-OVERSIZE_POLICIES = ("warn", "error")
-PACKING_LAYOUTS = ("auto", "padding_free", "padded")
-
 #: Defaults of the fields that :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` adds to ``GRPOConfig``.
-DYNAMIC_BATCH_DEFAULTS: Mapping[str, Any] = {
-    "dynamic_batching": True,
-    "max_tokens_per_microbatch": None,
-    "max_tokens_per_microbatch_logprob": None,
-    "per_device_generation_batch_size": None,
-    "tensor_batch_size": 1024,
-    "oversize_policy": "warn",
-    "packing_layout": "auto",
-}
+DYNAMIC_BATCH_DEFAULTS = DEFAULTS
 
 #: Name of the attribute where ``DynamicBatchGRPOConfig`` records the ``generation_batch_size`` and
 #: ``steps_per_generation`` the user gave, before TRL derives one from the other for its world size.
 USER_BATCH_SETTINGS_ATTR = "_hf_dynbsz_user_batch_settings"
-
-# Attention implementations whose kernels treat a packed row as separate sequences (varlen kernels).
-_VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 
 _NONE_STRINGS = ("none", "null", "auto")
 _TRUE_STRINGS = ("true", "1", "yes", "on")
@@ -108,6 +89,24 @@ def _coerce_pad_to_multiple_of(value: Any) -> int | None:
     )
 
 
+def coerce_setting(spec: Setting, value: Any) -> Any:
+    """``value`` of the setting ``spec`` converted (strings from a command line or YAML) and checked.
+
+    Raises :class:`ValueError` "<name> must be <expected>, got <value>: <fix>".
+    """
+    if spec.kind == "bool":
+        return _coerce_bool(spec.name, value)
+    if spec.kind == "choice":
+        if value not in spec.choices:
+            raise ValueError(
+                f"{spec.name} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}: {spec.fix}"
+            )
+        return value
+    if spec.accepts_none:
+        return _coerce_optional_int(spec.name, value, spec.expected, spec.fix)
+    return _coerce_int(spec.name, value, spec.expected)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Validation of the dynamic-batching fields
 # --------------------------------------------------------------------------------------------------------------
@@ -119,88 +118,14 @@ def validate_dynamic_batch_fields(args: Any) -> None:
     Works on a ``DynamicBatchGRPOConfig``, on a plain ``GRPOConfig`` after
     :func:`~hf_dynbsz.config.ensure_dynamic_batch_fields`, and on an ``argparse.Namespace``. Missing fields are
     read as their defaults (and not set). String values (command line, YAML) are converted to ``int``/``bool``.
-    Raises :class:`ValueError` naming the setting, the value and a fix.
+    Raises :class:`ValueError` naming the setting, the value and a fix (the texts of :mod:`hf_dynbsz.settings`).
     """
-
-    def get(name: str) -> Any:
-        return getattr(args, name, DYNAMIC_BATCH_DEFAULTS[name])
-
-    def put(name: str, value: Any) -> None:
-        if hasattr(args, name):
-            setattr(args, name, value)
-
-    put("dynamic_batching", _coerce_bool("dynamic_batching", get("dynamic_batching")))
-    put(
-        "max_tokens_per_microbatch",
-        _coerce_optional_int(
-            "max_tokens_per_microbatch",
-            get("max_tokens_per_microbatch"),
-            "a positive integer number of tokens per device per training micro-batch",
-            "set it to at least the longest prompt + completion you expect (e.g. 8192), or leave it unset (None) "
-            "for the automatic budget per_device_train_batch_size x (longest prompt + longest completion in the "
-            "generation batch).",
-        ),
-    )
-    put(
-        "max_tokens_per_microbatch_logprob",
-        _coerce_optional_int(
-            "max_tokens_per_microbatch_logprob",
-            get("max_tokens_per_microbatch_logprob"),
-            "a positive integer number of tokens per device per no-grad log-prob micro-batch",
-            "set a positive value (no-grad passes usually fit about twice the training budget), or leave it unset "
-            "(None) for 2 x the training budget.",
-        ),
-    )
-    put(
-        "per_device_generation_batch_size",
-        _coerce_optional_int(
-            "per_device_generation_batch_size",
-            get("per_device_generation_batch_size"),
-            "a positive integer number of samples generated at once per device",
-            "set it to 1 or more, or leave it unset (None) to generate the whole per-device share of the "
-            "generation round at once.",
-        ),
-    )
-    put(
-        "tensor_batch_size",
-        _coerce_optional_int(
-            "tensor_batch_size",
-            get("tensor_batch_size"),
-            "a positive integer number of tokens per tile of vocabulary-sized work",
-            f"set it to 1 or more (e.g. 1024), or to None for TRL's own tile of {TRL_TENSOR_TILE_TOKENS} tokens x "
-            "32768 vocabulary columns.",
-        ),
-    )
-    oversize_policy = get("oversize_policy")
-    if oversize_policy not in OVERSIZE_POLICIES:
-        raise ValueError(
-            f"oversize_policy must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}, got {oversize_policy!r}: "
-            "'warn' gives a sequence longer than the budget a micro-batch of its own, 'error' stops the run."
-        )
-    packing_layout = get("packing_layout")
-    if packing_layout not in PACKING_LAYOUTS:
-        raise ValueError(
-            f"packing_layout must be one of {', '.join(map(repr, PACKING_LAYOUTS))}, got {packing_layout!r}: "
-            "'auto' packs rows padding-free with flash_attention_2/3 and pads otherwise."
-        )
-
-
-def resolve_packing_layout(packing_layout: str, attn_implementation: str | None) -> str:
-    """The concrete layout for ``packing_layout`` ("auto", "padding_free" or "padded").
-
-    "auto" becomes "padding_free" with a varlen attention kernel (flash_attention_2/3), whose cost is the sum of
-    the squared sequence lengths, and "padded" otherwise: sdpa/eager compute the dense attention of a whole
-    packed row, so for them micro-batches of similar lengths each padded to its own longest row are cheaper.
-    """
-    if packing_layout not in PACKING_LAYOUTS:
-        raise ValueError(
-            f"packing_layout must be one of {', '.join(map(repr, PACKING_LAYOUTS))}, got {packing_layout!r}."
-        )
-    if packing_layout != "auto":
-        return packing_layout
-    if attn_implementation and attn_implementation.startswith(_VARLEN_ATTENTION_PREFIXES):
-        return "padding_free"
-    return "padded"
+    for spec in SETTINGS:
+        if spec.trl_field:
+            continue
+        value = coerce_setting(spec, getattr(args, spec.name, spec.default))
+        if hasattr(args, spec.name):
+            setattr(args, spec.name, value)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -460,11 +385,6 @@ class BatchSizePlan:
             generation_batch_size=user_generation_batch_size,
             steps_per_generation=user_steps_per_generation,
         )
-        if generation_batch_size // num_processes < 1:  # cannot happen after the checks above; kept explicit
-            raise ValueError(
-                f"generation_batch_size ({generation_batch_size}) gives each of {num_processes} processes no sample."
-            )
-
         # Dynamic-batching fields: validate a copy so that a namespace or config is not modified here.
         dynamic = _FieldView(args)
         validate_dynamic_batch_fields(dynamic)
@@ -600,7 +520,7 @@ class BatchSizePlan:
                 "per_device_train_batch_size",
                 str(self.per_device_train_batch_size),
                 str(self.global_train_batch_size),
-                "samples per training step (stock TRL's fixed micro-batch)",
+                setting("per_device_train_batch_size").summary,
             ),
             (
                 "gradient_accumulation_steps",
@@ -656,7 +576,7 @@ class BatchSizePlan:
                 "per_device_generation_batch_size",
                 chunk_text,
                 "-",
-                "samples generated at once per device (transformers generate path)",
+                setting("per_device_generation_batch_size").summary,
             ),
             (
                 "generation chunks",
@@ -669,7 +589,7 @@ class BatchSizePlan:
                 str(self.effective_tensor_batch_size)
                 + (" (TRL)" if self.tensor_batch_size is None else ""),
                 "-",
-                "tokens per tile of LM-head / log-softmax / entropy work",
+                setting("tensor_batch_size").summary,
             ),
             (
                 "max_tokens_per_microbatch",
@@ -679,14 +599,14 @@ class BatchSizePlan:
                     f"tokens per training micro-batch; auto = {self.per_device_train_batch_size} x (longest prompt + "
                     "longest completion) per generation batch"
                     if train_budget is None
-                    else "tokens per training micro-batch (prompt + completion positions computed)"
+                    else setting("max_tokens_per_microbatch").summary
                 ),
             ),
             (
                 "max_tokens_per_microbatch_logprob",
                 ("2 x auto" if logprob_budget is None else str(logprob_budget)),
                 "-" if logprob_budget is None else str(logprob_budget * n),
-                "tokens per no-grad log-prob micro-batch (old policy, reference)"
+                setting("max_tokens_per_microbatch_logprob").summary
                 + ("; default 2 x training budget" if self.max_tokens_per_microbatch_logprob is None else ""),
             ),
             (
@@ -699,14 +619,14 @@ class BatchSizePlan:
                 "dynamic_batching",
                 "on" if self.dynamic_batching else "off",
                 "-",
-                "repack micro-batches by token budget" if self.dynamic_batching else "stock GRPOTrainer behaviour",
+                setting("dynamic_batching").summary if self.dynamic_batching else "stock GRPOTrainer behaviour",
             ),
-            ("packing layout", self.layout, "-", "auto: padding_free with flash_attention_2/3, padded otherwise"),
+            ("packing layout", self.layout, "-", setting("packing_layout").summary),
             (
                 "oversize_policy",
                 self.oversize_policy,
                 "-",
-                "sequence longer than the budget: warn (own micro-batch) or error",
+                setting("oversize_policy").summary,
             ),
             (
                 "DeepSpeed ZeRO stage",

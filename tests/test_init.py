@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_planning_core_imports_neither_torch_nor_trl():
     code = (
-        "import sys, hf_dynbsz, hf_dynbsz.env, hf_dynbsz.plan, hf_dynbsz.partition;"
+        "import sys, hf_dynbsz, hf_dynbsz.env, hf_dynbsz.plan, hf_dynbsz.partition, hf_dynbsz.schedule,"
+        " hf_dynbsz.settings, hf_dynbsz._trl_compat, hf_dynbsz.testing;"
         "heavy = [m for m in ('torch', 'trl', 'transformers') if m in sys.modules];"
         "assert not heavy, heavy"
     )
@@ -39,6 +40,6 @@ def test_installed_trl_is_inside_the_tested_range():
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])
 def test_untested_trl_versions_warn_clearly(version, monkeypatch):
-    monkeypatch.setattr(hf_dynbsz, "_checked", False)
+    monkeypatch.setattr(hf_dynbsz._trl_compat, "_checked", False)
     with pytest.warns(RuntimeWarning, match=rf"trl {version} is installed.*private GRPOTrainer hooks"):
         assert hf_dynbsz.check_trl_version(version) is False

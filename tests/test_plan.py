@@ -15,7 +15,6 @@ from hf_dynbsz.plan import (
     USER_BATCH_SETTINGS_ATTR,
     BatchSizePlan,
     resolve_generation_round,
-    resolve_packing_layout,
     validate_dynamic_batch_fields,
 )
 
@@ -333,27 +332,6 @@ def test_resolve_generation_round_is_trls_rule():
         generation_batch_size=None,
         steps_per_generation=None,
     ) == (16, 4, "gradient_accumulation_steps")
-
-
-@pytest.mark.parametrize(
-    "layout, attention, expected",
-    [
-        ("auto", "flash_attention_2", "padding_free"),
-        ("auto", "flash_attention_3", "padding_free"),
-        ("auto", "sdpa", "padded"),
-        ("auto", "eager", "padded"),
-        ("auto", None, "padded"),
-        ("padded", "flash_attention_2", "padded"),
-        ("padding_free", "sdpa", "padding_free"),
-    ],
-)
-def test_resolve_packing_layout(layout, attention, expected):
-    assert resolve_packing_layout(layout, attention) == expected
-
-
-def test_resolve_packing_layout_rejects_unknown_layouts():
-    with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
-        resolve_packing_layout("packed", "sdpa")
 
 
 def test_validate_dynamic_batch_fields_coerces_strings_in_place():

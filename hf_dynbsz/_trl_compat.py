@@ -1,0 +1,106 @@
+"""Every private or internal name of TRL, transformers and accelerate the plugin touches, in one list.
+
+TRL's private ``GRPOTrainer`` hooks change between releases. The plugin keeps its overrides few, and this module
+lists each name it overrides, calls, reads or writes that is not public API, with the reason. The test suite
+(``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
+method still takes the parameters we pass), so a TRL upgrade fails one clear test instead of a deep traceback;
+it also checks that the plugin's code touches no private name missing from this list.
+
+:data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
+at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+__all__ = ["INTERNAL_NAMES", "InternalName", "TESTED_TRL_RANGE", "check_trl_version"]
+
+#: TRL versions the test suite runs against: [lower, upper).
+TESTED_TRL_RANGE = ("1.16.0", "1.17.0")
+
+_MULTIMODAL_PARAMETERS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass(frozen=True)
+class InternalName:
+    """One internal name: where it lives, what the plugin does with it and why.
+
+    ``owner`` is an import path (``"trl.GRPOTrainer"``, ``"trl.kernels.chunked_logprob"``) or ``"GRPOTrainer
+    instance"`` for attributes ``GRPOTrainer.__init__`` sets. ``use`` is one of "overrides", "calls", "reads",
+    "writes", "passes" (a keyword argument of a forward). ``parameters`` are the parameters of a method the
+    plugin relies on, checked against the installed signature.
+    """
+
+    owner: str
+    name: str
+    use: str
+    why: str
+    parameters: tuple[str, ...] = ()
+
+
+INTERNAL_NAMES: tuple[InternalName, ...] = (
+    # ---- GRPOTrainer hooks the trainer overrides
+    InternalName("trl.GRPOTrainer", "_get_per_token_logps_and_entropies", "overrides",
+                 "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
+                 ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                  "compute_aux_loss", *_MULTIMODAL_PARAMETERS)),
+    InternalName("trl.GRPOTrainer", "_generate_single_turn", "overrides",
+                 "generates a device's samples in chunks of per_device_generation_batch_size",
+                 ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
+    # ---- GRPOTrainer methods and state the trainer uses
+    InternalName("trl.GRPOTrainer", "_prepare_inputs", "calls",
+                 "stock generation, scoring, shuffling and slicing of each accumulation step", ("generation_batch",)),
+    InternalName("GRPOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
+    InternalName("GRPOTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"),
+    InternalName("GRPOTrainer instance", "_current_train_step_time", "writes",
+                 "the step_time metric, as stock training_step keeps it"),
+    InternalName("GRPOTrainer instance", "_entropy_bonus_enabled", "reads", "whether stock adds the entropy bonus"),
+    InternalName("GRPOTrainer instance", "_last_world_entropy", "writes",
+                 "the adaptive entropy controller's state, updated at the optimizer-step boundary as stock does"),
+    InternalName("GRPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
+    InternalName("GRPOTrainer instance", "aux_loss_enabled", "reads",
+                 "an MoE router aux loss per micro-batch cannot be repacked: stock math then runs"),
+    # ---- transformers
+    InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "reads",
+                 "the model's attention implementation decides the layout (hf_dynbsz.schedule.resolve_layout)"),
+    # ---- accelerate
+    InternalName("accelerate.state.GradientState", "_set_sync_gradients", "calls",
+                 "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",
+                 ("sync_gradients",)),
+    # ---- TRL's fused LM head
+    InternalName("trl.kernels.chunked_logprob", "TOKEN_CHUNK_SIZE", "writes",
+                 "tensor_batch_size: tokens per tile of the fused LM head"),
+    InternalName("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE", "writes",
+                 "tensor_batch_size: vocabulary columns per tile of the fused LM head"),
+    InternalName("trl.trainer.utils.add_fused_lm_head", "fused_lm_head", "passes",
+                 "log-probs and entropies of a packed row without full logits", ("fused_lm_head", "shift_labels")),
+)
+
+_checked = False
+
+
+def check_trl_version(version: str | None = None) -> bool:
+    """Warn (once) when the installed TRL is outside :data:`TESTED_TRL_RANGE`; returns whether it is inside."""
+    global _checked
+    from packaging.version import Version
+
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("trl")
+    lower, upper = (Version(v) for v in TESTED_TRL_RANGE)
+    inside = lower <= Version(version) < upper
+    if not inside and not _checked:
+        warnings.warn(
+            f"hf_dynbsz was tested with trl>={lower},<{upper} but trl {version} is installed. "
+            "DynamicBatchGRPOTrainer overrides private GRPOTrainer hooks that change between TRL releases "
+            "(listed in hf_dynbsz._trl_compat): run the test suite (or compare against stock GRPOTrainer) before "
+            f"trusting results, or install 'trl>={lower},<{upper}'.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _checked = True
+    return inside

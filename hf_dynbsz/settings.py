@@ -1,0 +1,251 @@
+"""The plugin's settings, each written once: name, type, default, unit, ``DIFFU_*`` variable and help.
+
+Everything that describes a setting is derived from :data:`SETTINGS`: the fields and docstring of
+:class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
+``examples/grpo.py --help``, which read the fields' ``metadata["help"]``), the ``DIFFU_*`` overrides of
+:mod:`hf_dynbsz.env`, the validation of :func:`hf_dynbsz.plan.validate_dynamic_batch_fields`, the meaning
+column of the plan table and the README's settings tables (``python -m hf_dynbsz.settings README.md`` rewrites
+them; ``tests/test_settings.py`` fails when the README differs).
+
+Units: *samples* are completions (one prompt with ``num_generations`` completions is ``num_generations``
+samples); *tokens* are prompt + completion tokens; *per device* means one process, *global* means all
+processes together.
+
+Pure Python (no torch, no TRL): the planner imports it on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SETTINGS", "Setting", "DEFAULTS", "ENV_SETTINGS", "setting", "markdown_tables", "update_readme"]
+
+#: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
+#: this many tokens x 32768 vocabulary columns (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
+TRL_TENSOR_TILE_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the plugin (or one TRL setting a ``DIFFU_*`` variable overrides).
+
+    ``kind`` drives conversion and validation: ``"bool"``, ``"count"`` (a positive integer, ``None`` allowed when
+    ``default`` is ``None`` or ``optional``) or ``"choice"`` (one of ``choices``). ``expected`` and ``fix`` are the
+    two halves of the error message for a bad value: "<name> must be <expected>, got <value>: <fix>".
+    """
+
+    name: str
+    type: str  # as written in the README table and the docstring
+    default: Any
+    kind: str
+    unit: str  # "-" when the setting has no unit
+    summary: str  # one line: the plan table's "meaning" column
+    help: str  # the full text: config help, CLI help, README
+    env: str | None = None  # the DIFFU_* variable that overrides it
+    expected: str = ""
+    fix: str = ""
+    choices: tuple[str, ...] = ()
+    optional: bool = False  # None is a valid value (besides a None default)
+    trl_field: bool = False  # a GRPOConfig field, not one the plugin adds
+
+    @property
+    def accepts_none(self) -> bool:
+        return self.default is None or self.optional
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        name="dynamic_batching",
+        type="bool",
+        default=True,
+        kind="bool",
+        unit="-",
+        summary="repack micro-batches by token budget",
+        help="Repack each optimizer step's samples into micro-batches by a token budget instead of TRL's fixed "
+        "micro-batches of per_device_train_batch_size samples padded to the longest row of the generation batch. "
+        "The loss and gradients are the stock ones. False gives stock GRPOTrainer behaviour exactly.",
+        expected="true or false",
+    ),
+    Setting(
+        name="max_tokens_per_microbatch",
+        type="int | None",
+        default=None,
+        kind="count",
+        unit="tokens per device per training forward/backward",
+        summary="tokens per training micro-batch (prompt + completion positions computed)",
+        help="Token budget per device of one training forward/backward, counted as the token positions the pass "
+        "computes: the sum of the samples' prompt + completion tokens for padding-free rows, rows x longest row "
+        "for padded micro-batches (lengths rounded up to GRPOConfig's pad_to_multiple_of when set). None "
+        "('auto'): per generation batch, the padded token count of stock TRL's own micro-batch for the same "
+        "samples, i.e. per_device_train_batch_size * (longest prompt + longest completion in the generation "
+        "batch), so memory is never worse than stock's.",
+        env="DIFFU_MAX_TOKENS",
+        expected="a positive integer number of tokens per device per training micro-batch",
+        fix="set it to at least the longest prompt + completion you expect (e.g. 8192), or leave it unset (None) for "
+        "the automatic budget per_device_train_batch_size x (longest prompt + longest completion in the generation "
+        "batch).",
+    ),
+    Setting(
+        name="max_tokens_per_microbatch_logprob",
+        type="int | None",
+        default=None,
+        kind="count",
+        unit="tokens per device per no-grad pass",
+        summary="tokens per no-grad log-prob micro-batch (old policy, reference)",
+        help="Token budget per device of the log-prob passes without gradients (old policy, reference model), "
+        "counted like max_tokens_per_microbatch. None: 2 x the training budget. May be smaller than the training "
+        "budget.",
+        expected="a positive integer number of tokens per device per no-grad log-prob micro-batch",
+        fix="set a positive value (no-grad passes usually fit about twice the training budget), or leave it unset "
+        "(None) for 2 x the training budget.",
+    ),
+    Setting(
+        name="per_device_generation_batch_size",
+        type="int | None",
+        default=None,
+        kind="count",
+        unit="samples per device generated at once",
+        summary="samples generated at once per device (transformers generate path)",
+        help="Samples generated at once per device: the chunk size of the transformers generate path (vLLM and "
+        "continuous batching schedule their own batches). Does not change the training math. None: the whole "
+        "per-device share of the generation round at once. TRL's generation_batch_size keeps its meaning: GLOBAL "
+        "samples per generation round.",
+        env="DIFFU_BATCH_SIZE",
+        expected="a positive integer number of samples generated at once per device",
+        fix="set it to 1 or more, or leave it unset (None) to generate the whole per-device share of the generation "
+        "round at once.",
+    ),
+    Setting(
+        name="tensor_batch_size",
+        type="int | None",
+        default=1024,
+        kind="count",
+        optional=True,
+        unit="tokens per device per tile",
+        summary="tokens per tile of LM-head / log-softmax / entropy work",
+        help="Tile of vocabulary-sized work (LM head, log-softmax, entropy) in tokens per device, in the training "
+        "pass (tiles recomputed in backward) and the no-grad log-prob passes: a tile is tensor_batch_size tokens "
+        "x 8192 vocabulary columns. Default 1024, chosen by benchmarks/memory.py. None: TRL's own tile, "
+        f"{TRL_TENSOR_TILE_TOKENS} tokens x 32768 columns.",
+        env="DIFFU_TENSOR_BATCH_SIZE",
+        expected="a positive integer number of tokens per tile of vocabulary-sized work",
+        fix=f"set it to 1 or more (e.g. 1024), or to None for TRL's own tile of {TRL_TENSOR_TILE_TOKENS} tokens x 32768 "
+        "vocabulary columns.",
+    ),
+    Setting(
+        name="oversize_policy",
+        type="str",
+        default="warn",
+        kind="choice",
+        choices=("warn", "error"),
+        unit="-",
+        summary="sequence longer than the budget: warn (own micro-batch) or error",
+        help="A single sequence (prompt + completion tokens) longer than the token budget: 'warn' gives it a "
+        "micro-batch of its own (one warning per run); 'error' raises before the step.",
+        fix="'warn' gives a sequence longer than the budget a micro-batch of its own, 'error' stops the run.",
+    ),
+    Setting(
+        name="packing_layout",
+        type="str",
+        default="auto",
+        kind="choice",
+        choices=("auto", "padding_free", "padded"),
+        unit="-",
+        summary="auto: padding_free with flash_attention_2/3, padded otherwise",
+        help="Micro-batch layout: 'padding_free' (packed rows; needs a varlen attention kernel), 'padded' (each "
+        "micro-batch padded only to its own longest row), or 'auto': padding_free with flash_attention_2/3-style "
+        "varlen kernels, padded otherwise.",
+        fix="'auto' packs rows padding-free with flash_attention_2/3 and pads otherwise.",
+    ),
+    # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.
+    Setting(
+        name="per_device_train_batch_size",
+        type="int",
+        default=8,
+        kind="count",
+        unit="samples per device per training step",
+        summary="samples per training step (stock TRL's fixed micro-batch)",
+        help="TRL's per_device_train_batch_size. With gradient_accumulation_steps it still defines which samples "
+        "make an optimizer step; the token budget only decides how those samples are grouped into passes.",
+        env="DIFFU_TRAIN_BATCH_SIZE",
+        expected="a positive integer number of samples per device (training micro-batch)",
+        trl_field=True,
+    ),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+#: Defaults of the fields that DynamicBatchGRPOConfig adds to GRPOConfig.
+DEFAULTS: Mapping[str, Any] = {s.name: s.default for s in SETTINGS if not s.trl_field}
+
+#: The settings a DIFFU_* variable overrides, in table order.
+ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
+
+
+def setting(name: str) -> Setting:
+    """The :class:`Setting` called ``name`` (KeyError for an unknown name)."""
+    return _BY_NAME[name]
+
+
+def config_docstring() -> str:
+    """The ``Parameters`` section of DynamicBatchGRPOConfig's docstring (HF docstring style)."""
+    lines = []
+    for s in SETTINGS:
+        if s.trl_field:
+            continue
+        default = "" if s.default is None else f", defaults to `{s.default!r}`"
+        lines.append(f"        {s.name} (`{s.type}`, *optional*{default}):")
+        lines.append(f"            {s.help}" + (f" Environment override: `{s.env}`." if s.env else ""))
+    return "\n".join(lines)
+
+
+def _markdown_default(s: Setting) -> str:
+    if s.default is None:
+        return "`None`"
+    return f'`"{s.default}"`' if isinstance(s.default, str) else f"`{s.default}`"
+
+
+def markdown_tables() -> dict[str, str]:
+    """The README's generated tables by marker name: the plugin's fields, and the DIFFU_* variables.
+
+    In the README each sits between ``<!-- NAME -->`` and ``<!-- /NAME -->``; ``python -m hf_dynbsz.settings
+    README.md`` rewrites them, and ``tests/test_settings.py`` fails when they differ from these.
+    """
+    fields = ["| field | default | unit | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        if not s.trl_field:
+            meaning = s.help + (f" Environment: `{s.env}`." if s.env else "")
+            fields.append(f"| `{s.name}` | {_markdown_default(s)} | {s.unit} | {meaning} |")
+    variables = ["| variable | overrides | unit |", "|---|---|---|"]
+    variables += [f"| `{s.env}` | `{s.name}` | {s.unit} |" for s in ENV_SETTINGS]
+    return {"settings-table": "\n".join(fields), "env-table": "\n".join(variables)}
+
+
+def readme_block(readme: str, marker: str) -> str:
+    """The text between ``<!-- marker -->`` and ``<!-- /marker -->`` in ``readme`` (stripped)."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    if start not in readme or end not in readme:
+        raise ValueError(f"the README has no {start} ... {end} block")
+    return readme.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def update_readme(path: str) -> None:
+    """Rewrite the generated tables of the README at ``path`` in place."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    for marker, table in markdown_tables().items():
+        old = readme_block(text, marker)
+        text = text.replace(f"<!-- {marker} -->\n{old}\n", f"<!-- {marker} -->\n{table}\n", 1)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        update_readme(sys.argv[1])
+    else:
+        print("\n\n".join(markdown_tables().values()))

@@ -1,0 +1,68 @@
+"""Specification of hf_dynbsz.settings: every setting written once, and everything else derived from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hf_dynbsz.env import ENV_OVERRIDES
+from hf_dynbsz.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("marker", list(markdown_tables()))
+def test_readme_tables_are_the_generated_ones(marker):
+    expected = markdown_tables()[marker]
+    assert readme_block(README.read_text(), marker) == expected, (
+        f"README.md's {marker} differs from hf_dynbsz.settings: run `python -m hf_dynbsz.settings README.md`"
+    )
+
+
+def test_every_setting_is_fully_described():
+    for spec in SETTINGS:
+        assert spec.unit and spec.summary and spec.help, spec.name
+        if spec.kind == "count":
+            assert spec.expected.startswith("a positive integer number of"), spec.name
+        if spec.kind == "choice":
+            assert spec.default in spec.choices and spec.fix, spec.name
+
+
+def test_config_fields_come_from_the_table():
+    from hf_dynbsz.config import DynamicBatchGRPOConfig
+
+    fields = {f.name: f for f in dataclasses.fields(DynamicBatchGRPOConfig)}
+    for name, default in DEFAULTS.items():
+        spec = setting(name)
+        assert fields[name].default == default
+        assert fields[name].metadata["help"].startswith(spec.help)
+        if spec.env:
+            assert spec.env in fields[name].metadata["help"]
+        if spec.choices:
+            assert fields[name].metadata["choices"] == list(spec.choices)
+        assert f"{name} (`{spec.type}`" in DynamicBatchGRPOConfig.__doc__
+
+
+def test_environment_variables_come_from_the_table():
+    assert {(o.variable, o.field) for o in ENV_OVERRIDES} == {(s.env, s.name) for s in SETTINGS if s.env}
+
+
+def test_command_line_help_is_the_settings_help(capsys):
+    from hf_dynbsz.cli import _plan_parser
+
+    text = "".join(_plan_parser().format_help().split())  # argparse re-wraps lines (also after hyphens)
+    for name in DEFAULTS:
+        assert f"--{name}" in text
+        assert "".join(setting(name).help.split()) in text
+
+
+def test_plan_table_meaning_column_is_the_summary():
+    from hf_dynbsz.plan import BatchSizePlan
+
+    rows = {row[0]: row[3] for row in BatchSizePlan.from_args(
+        dataclasses.make_dataclass("Args", [("per_device_train_batch_size", int, 4), ("num_generations", int, 4)])(),
+        num_processes=1).rows()}
+    for name in ("tensor_batch_size", "per_device_generation_batch_size", "oversize_policy", "dynamic_batching"):
+        assert rows[name] == setting(name).summary

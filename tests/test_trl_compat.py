@@ -1,0 +1,109 @@
+"""Every internal name of TRL / transformers / accelerate the plugin touches still exists, and none is unlisted.
+
+``hf_dynbsz._trl_compat.INTERNAL_NAMES`` is the one list. A TRL upgrade that renames a hook or changes the
+parameters we pass fails here, by name, instead of deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dynbsz._trl_compat import INTERNAL_NAMES
+from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_dynbsz"
+
+
+def resolve(path: str):
+    module, _, attribute = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):
+        return importlib.import_module(path)
+
+
+@pytest.fixture(scope="module")
+def stock_trainer(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+    args = GRPOConfig(**base_config_kwargs(str(tmp_path_factory.mktemp("out"))))
+    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=RecordingReward(),
+                       args=args, train_dataset=prompt_dataset(), processing_class=load_tokenizer(model_dir))
+
+
+@pytest.mark.parametrize("entry", INTERNAL_NAMES, ids=lambda entry: f"{entry.owner}.{entry.name}")
+def test_internal_name_exists_in_the_installed_versions(entry, stock_trainer):
+    if entry.owner == "GRPOTrainer instance":
+        assert hasattr(stock_trainer, entry.name), f"GRPOTrainer no longer sets {entry.name} ({entry.why})"
+        return
+    if entry.owner == "transformers.PretrainedConfig instance":
+        assert hasattr(stock_trainer.model.config, entry.name)
+        return
+    if entry.use == "passes":  # keyword arguments of the forward that TRL's fused LM head adds
+        from trl.trainer.utils import add_fused_lm_head
+
+        assert add_fused_lm_head is resolve(entry.owner)
+        model = stock_trainer.model  # GRPOTrainer added the fused head
+        input_ids = torch.tensor([[3, 4, 5, 6]])
+        labels = torch.tensor([[4, 5, 6, -100]])
+        outputs = model(input_ids=input_ids, **{"shift_labels": labels, entry.name: True})
+        assert outputs.log_probs.shape == (1, 4) and outputs.entropy.shape == (1, 4)
+        return
+    owner = resolve(entry.owner)
+    assert hasattr(owner, entry.name), f"{entry.owner} no longer has {entry.name} ({entry.why})"
+    if entry.parameters:
+        parameters = inspect.signature(getattr(owner, entry.name)).parameters
+        missing = [name for name in entry.parameters if name not in parameters]
+        assert not missing, f"{entry.owner}.{entry.name} no longer takes {missing}"
+
+
+def private_names_used(path: Path) -> set[str]:
+    """Attribute names starting with one underscore, as ``x._name`` or as a string literal (getattr & co)."""
+    tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+    used = set()
+    for before, token in zip(tokens, tokens[1:]):
+        if before.string == "." and token.type == tokenize.NAME:
+            used.add(token.string)
+        elif token.type == tokenize.STRING:
+            match = re.fullmatch(r"[rbuRBU]?(['\"])(_\w+)\1", token.string)
+            if match:
+                used.add(match.group(2))
+    return {name for name in used if name.startswith("_") and not name.startswith("__")}
+
+
+def names_defined_by_the_plugin() -> set[str]:
+    defined = {path.stem for path in PACKAGE.glob("*.py")}
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text()
+        defined |= set(re.findall(r"^\s*(?:def|class)\s+(_\w+)", text, re.MULTILINE))
+        defined |= set(re.findall(r"^(_\w+)\s*[:=]", text, re.MULTILINE))
+        if path.name != "trainer.py":  # the trainer's own attributes are _dynbsz_*; its other writes are TRL's
+            defined |= set(re.findall(r"self\.(_\w+)\s*[:=]", text))
+    return defined
+
+
+def test_every_internal_name_the_plugin_touches_is_listed():
+    listed = {entry.name for entry in INTERNAL_NAMES}
+    defined = names_defined_by_the_plugin()
+    unlisted = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        for name in private_names_used(path) - defined - listed:
+            if not name.startswith("_dynbsz") and not name.startswith("_hf_dynbsz"):
+                unlisted.setdefault(name, []).append(path.name)
+    assert not unlisted, f"internal names used but not in hf_dynbsz._trl_compat.INTERNAL_NAMES: {unlisted}"
+
+
+def test_the_listing_check_would_see_an_unlisted_name(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("x = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n")
+    assert private_names_used(sample) == {"_buffered_inputs", "_hidden"}
