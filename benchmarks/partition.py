@@ -17,17 +17,17 @@ Compares, for the same sequence lengths (the long-tailed, bimodal and uniform mi
 
 Each is run on "steps" of ``--step-size`` sequences (default 256, one device's samples of one optimizer step,
 the way the trainer calls the partitioner), over ``--n`` sequences in total (default 100,000), in both
-layouts: ``packed`` (padding-free, a micro-batch computes the sum of its lengths) and ``padded`` (rows x its
+layouts: ``padding_free`` (a micro-batch computes the sum of its lengths) and ``padded`` (rows x its
 own longest row).  Reported per mix, layout and algorithm:
 
 * micro-batches, in total and relative to the lower bound ``token_lower_bound`` (``ceil(tokens / budget)``
   per step, summed);
-* computed / real tokens (padding overhead; 1.00 for packed);
+* computed / real tokens (padding overhead; 1.00 for padding_free);
 * budget overshoot: the largest ``tokens - budget`` of any micro-batch, and how many micro-batches are over
   (must be 0 for ours, except a single sequence longer than the budget, which gets a micro-batch alone; with
   the default settings no sequence is);
 * imbalance: max / mean of the micro-batch costs of a step under ``WorkloadModel.default`` (a 7B-class
-  decoder; varlen attention for packed), averaged over steps (1.00 = perfectly even);
+  decoder; varlen attention for padding_free), averaged over steps (1.00 = perfectly even);
 * time per 100,000 sequences: the wall time of all the per-step calls, scaled to 100,000 sequences
   (median of ``--repeats`` passes).
 
@@ -78,7 +78,7 @@ from hf_dynbsz.partition import (  # noqa: E402
     token_lower_bound,
 )
 
-LAYOUTS = ("packed", "padded")
+LAYOUTS = ("padding_free", "padded")
 ALGORITHMS = ("ours", "ffd", "sorted_greedy", "fixed_safe", "fixed_mean")
 ALGORITHM_LABELS = {
     "ours": "ours (partition_by_token_budget)",
@@ -105,7 +105,7 @@ def sorted_greedy(lengths, max_tokens: int, layout: str) -> list[list[int]]:
     tokens = widest = 0
     for index in order:
         length = values[index]
-        if layout == "packed":
+        if layout == "padding_free":
             fits = tokens + length <= max_tokens
         else:  # rows x longest row; the first row of a run is its longest
             fits = (len(current) + 1) * max(widest, length) <= max_tokens
@@ -123,7 +123,7 @@ def sorted_greedy(lengths, max_tokens: int, layout: str) -> list[list[int]]:
 def run_algorithm(name: str, lengths, max_tokens: int, layout: str, safe_rows: int, mean_rows: int):
     if name == "ours":
         return partition_by_token_budget(lengths, max_tokens, layout=layout,
-                                         attention="varlen" if layout == "packed" else "dense")
+                                         attention="varlen" if layout == "padding_free" else "dense")
     if name == "ffd":
         return first_fit_decreasing(lengths, max_tokens, layout)
     if name == "sorted_greedy":
@@ -201,7 +201,7 @@ def time_single_calls(lengths: np.ndarray, max_tokens: int, layout: str, safe_ro
         rows.append((label, count, statistics.median(seconds), max(seconds)))
 
     minimum = min_num_microbatches(lengths, max_tokens, layout=layout)
-    attention = "varlen" if layout == "packed" else "dense"
+    attention = "varlen" if layout == "padding_free" else "dense"
     timed("min_num_microbatches", lambda: min_num_microbatches(lengths, max_tokens, layout=layout))
     timed("ours, num_microbatches=None",
           lambda: partition_by_token_budget(lengths, max_tokens, layout=layout, attention=attention))

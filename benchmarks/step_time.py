@@ -95,6 +95,9 @@ from common import (  # noqa: E402
     prompt_lengths,
 )
 
+ensure_repo_on_path()
+from hf_dynbsz.testing import run_with_timeout  # noqa: E402
+
 CONFIGS = {
     "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
     "padded": {"label": "dynamic, padded", "layout": "padded", "budget": "auto"},
@@ -143,52 +146,6 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-class Rollout:
-    """``rollout_func`` returning completions of lengths drawn from a mix, identical for every trainer.
-
-    Round ``r`` draws its completion lengths and tokens from ``default_rng([seed, r])``; a prompt's ids
-    depend only on the prompt string.  Token ids are drawn from the tokenizer's ordinary characters; a
-    completion shorter than ``max_completion_length`` ends with eos (finished), one at the cap does not
-    (truncated).
-    """
-
-    def __init__(self, mix: str, max_completion_length: int, seed: int, token_low: int, token_high: int,
-                 eos_id: int):
-        self.mix, self.max_len, self.seed = mix, max_completion_length, seed
-        self.token_low, self.token_high, self.eos_id = token_low, token_high, eos_id
-        self.rounds: list[dict] = []
-        self._prompt_cache: dict[str, list[int]] = {}
-
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        import numpy as np
-
-        if prompt not in self._prompt_cache:
-            index = int(prompt.split("-")[-1])
-            rng = np.random.default_rng([self.seed, 1_000_003, index])
-            length = int(prompt_lengths(self.mix, 1, rng)[0])
-            self._prompt_cache[prompt] = rng.integers(self.token_low, self.token_high, length).tolist()
-        return self._prompt_cache[prompt]
-
-    def __call__(self, prompts, trainer):
-        import numpy as np
-
-        rng = np.random.default_rng([self.seed, len(self.rounds)])
-        lengths = completion_lengths(self.mix, len(prompts), self.max_len, rng).tolist()
-        prompt_ids = [self._prompt_ids(p) for p in prompts]
-        completion_ids = []
-        for length in lengths:
-            ids = rng.integers(self.token_low, self.token_high, length).tolist()
-            if length < self.max_len:
-                ids[-1] = self.eos_id
-            completion_ids.append(ids)
-        self.rounds.append({
-            "samples": len(prompts),
-            "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
-            "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
-        })
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
-
-
 def reward_by_content(completions, **kwargs):
     """A cheap deterministic reward that varies within a group (so advantages are not all zero)."""
     return [((len(c) * 7919) % 101) / 100.0 for c in completions]
@@ -197,7 +154,7 @@ def reward_by_content(completions, **kwargs):
 class Probe:
     """Wraps one trainer instance to time phases, count computed tokens and read peak RSS per step."""
 
-    def __init__(self, trainer, rollout: Rollout):
+    def __init__(self, trainer, rollout):
         import torch
         from transformers import TrainerCallback
 
@@ -313,7 +270,7 @@ def run_worker(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
 
     hf_logging.set_verbosity_error()
     if spec.get("threads"):
@@ -333,8 +290,10 @@ def run_worker(spec: dict) -> dict:
         seed=0,
     )
     num_params = sum(p.numel() for p in model.parameters())
-    rollout = Rollout(spec["mix"], spec["max_completion_length"], spec["seed"], token_low=3,
-                      token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    mix, max_len = spec["mix"], spec["max_completion_length"]
+    rollout = ScriptedRollout(lambda rng, n: completion_lengths(mix, n, max_len, rng),
+                              lambda rng: prompt_lengths(mix, 1, rng)[0], max_completion_length=max_len,
+                              seed=spec["seed"], token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
     samples_per_round = spec["batch_size"] * spec["steps_per_generation"]
     steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
     num_prompts = samples_per_round * spec["rounds"] // spec["num_generations"] + 8
@@ -394,7 +353,7 @@ def run_worker(spec: dict) -> dict:
         "rounds": probe.generation_rounds,
         "budget_tokens": [e["dynbsz/budget_tokens"] for e in history if "dynbsz/budget_tokens" in e],
         "tensor_batch_size": getattr(args, "tensor_batch_size", "stock"),
-        "layout_used": getattr(trainer, "_dynbsz_layout", None) if getattr(trainer, "_dynbsz_enabled", False) else None,
+        "layout_used": trainer._dynbsz_scheduler.layout if getattr(trainer, "_dynbsz_enabled", False) else None,
     }
 
 
@@ -405,19 +364,9 @@ def run_one(spec: dict, timeout: float) -> dict:
         result_path = os.path.join(tmp, "result.json")
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--worker-out",
                    result_path]
-        env = dict(os.environ)
-        env.pop("DIFFU_TENSOR_BATCH_SIZE", None)
-        env.pop("DIFFU_MAX_TOKENS", None)
-        env.pop("DIFFU_TRAIN_BATCH_SIZE", None)
-        env.pop("DIFFU_BATCH_SIZE", None)
-        if spec.get("threads"):
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec["threads"])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                          env.get("PYTHONPATH")]))
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-        if completed.returncode != 0:
-            sys.stderr.write(completed.stdout[-4000:] + completed.stderr[-8000:])
-            raise RuntimeError(f"worker failed for {spec['mix']}/{spec['config']} (exit {completed.returncode})")
+        threads = str(spec.get("threads") or 1)
+        run_with_timeout(command, Path(tmp), timeout, f"worker for {spec['mix']}/{spec['config']}",
+                         env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
         with open(result_path) as handle:
             return json.load(handle)
 

@@ -21,7 +21,11 @@ import json
 import sys
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from .partition import token_lower_bound
+from .schedule import Scheduler, StepSchedule, resolve_layout, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
 
@@ -162,115 +166,60 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _round_up(value: int, multiple: int | None) -> int:
-    if not multiple:
-        return value
-    return -(-value // multiple) * multiple
+@dataclass
+class SimulatedStep:
+    """One optimizer step of ``--lengths``: its samples and the schedule training would run for them."""
+
+    lengths: list[int]  # prompt + completion tokens per sample
+    stock_row_tokens: int  # the padded width of stock TRL's rows (longest prompt + longest completion)
+    schedule: StepSchedule
+    partial: bool  # fewer samples than a full optimizer step
 
 
-def _stock_row_tokens(group: list[tuple[int, int | None]], pad_to_multiple_of: int | None) -> int:
-    """Length of one row of stock TRL's padded batch: longest prompt + longest completion, each rounded up."""
-    if group[0][1] is None:
-        return _round_up(max(total for total, _ in group), pad_to_multiple_of)
-    longest_prompt = max(prompt for _, prompt in group)
-    longest_completion = max(total - prompt for total, prompt in group)
-    return _round_up(longest_prompt, pad_to_multiple_of) + _round_up(longest_completion, pad_to_multiple_of)
+def simulate_steps(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) -> list[SimulatedStep]:
+    """The schedule of each optimizer step of ``lengths`` (one device's samples in training order).
 
-
-def simulate_lengths(
-    plan, lengths: list[tuple[int, int | None]], layout: str, attention: str = "varlen", layout_note: str = ""
-) -> str:
-    """Per optimizer step: micro-batches of the token-budget partition versus stock TRL's padded micro-batches.
-
-    ``lengths`` are one device's samples in training order; they are grouped into optimizer steps of
-    ``per_device_train_batch_size x gradient_accumulation_steps`` samples (the last group may be partial). Stock
-    TRL cuts a step into micro-batches of ``per_device_train_batch_size`` samples, every row padded to the
-    longest row of the step's batch (TRL pads to the whole generation batch; equal to the optimizer step's when
-    ``steps_per_generation == gradient_accumulation_steps``). With ``max_tokens_per_microbatch`` unset the budget
-    is the automatic one, per step: ``per_device_train_batch_size x`` that padded row length. ``attention``
-    ("varlen" or "dense") is the cost model the partitioner balances for padding-free rows.
+    Samples are grouped into optimizer steps of ``per_device_train_batch_size x gradient_accumulation_steps``
+    (the last group may be partial) and scheduled by ``scheduler``, exactly as the trainer schedules a step:
+    with ``max_tokens_per_microbatch`` unset, the budget is the automatic one, ``per_device_train_batch_size``
+    rows of stock TRL's padded width. Stock pads to the whole generation batch; equal to the optimizer step's
+    when ``steps_per_generation == gradient_accumulation_steps`` (the default).
     """
-    from .partition import microbatch_tokens, partition_by_token_budget, token_lower_bound
-
-    partition_layout = "packed" if layout == "padding_free" else "padded"
-    pad = plan.pad_to_multiple_of
     step_size = plan.per_device_samples_per_optimizer_step
-    header = (
-        "step",
-        "samples",
-        "real tokens",
-        "budget",
-        "micro-batches",
-        "lower bound",
-        "utilisation",
-        "computed tokens",
-        "stock tokens",
-        "saved",
-    )
-    rows: list[tuple[str, ...]] = []
-    oversize = 0
-    totals = {"samples": 0, "real": 0, "capacity": 0, "count": 0, "bound": 0, "dynamic": 0, "stock": 0}
-    for step, start in enumerate(range(0, len(lengths), step_size), start=1):
+    steps = []
+    for start in range(0, len(lengths), step_size):
         group = lengths[start : start + step_size]
-        totals_only = [total for total, _ in group]
-        row_tokens = _stock_row_tokens(group, pad)
-        budget = plan.max_tokens_per_microbatch or plan.per_device_train_batch_size * row_tokens
-        microbatches = partition_by_token_budget(
-            totals_only,
-            budget,
-            layout=partition_layout,
-            pad_to_multiple_of=pad,
-            attention=attention,
-            oversize_policy=plan.oversize_policy,
-        )
-        oversize += sum(1 for total in totals_only if total > budget)
-        count = len(microbatches)
-        bound = token_lower_bound(totals_only, budget)
-        dynamic_tokens = sum(
-            microbatch_tokens([totals_only[i] for i in microbatch], partition_layout, pad)
-            for microbatch in microbatches
-        )
-        stock_tokens = len(group) * row_tokens
-        real = sum(totals_only)
-        capacity = count * budget
-        rows.append(
-            (
-                str(step) + ("*" if len(group) < step_size else ""),
-                str(len(group)),
-                str(real),
-                str(budget),
-                str(count),
-                str(bound),
-                f"{real / capacity:.1%}" if capacity else "-",
-                str(dynamic_tokens),
-                str(stock_tokens),
-                f"{1 - dynamic_tokens / stock_tokens:.1%}" if stock_tokens else "-",
-            )
-        )
-        for key, value in (
-            ("samples", len(group)),
-            ("real", real),
-            ("capacity", capacity),
-            ("count", count),
-            ("bound", bound),
-            ("dynamic", dynamic_tokens),
-            ("stock", stock_tokens),
-        ):
+        totals = [total for total, _ in group]
+        prompts = [prompt or 0 for _, prompt in group]  # totals only: the whole sample counts as completion
+        row = stock_microbatch_tokens(1, prompts, [t - p for t, p in zip(totals, prompts)], plan.pad_to_multiple_of)
+        budget = scheduler.budget(plan.per_device_train_batch_size * row)
+        steps.append(SimulatedStep(totals, row, scheduler.plan(totals, budget), len(group) < step_size))
+    return steps
+
+
+def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], totals_only: bool,
+                      layout_note: str = "") -> str:
+    """The table of :func:`simulate_steps`: micro-batches vs stock TRL's padded micro-batches, per step."""
+    pad = plan.pad_to_multiple_of
+    header = ("step", "samples", "real tokens", "budget", "micro-batches", "lower bound", "utilisation",
+              "computed tokens", "stock tokens", "saved")
+    rows: list[tuple[str, ...]] = []
+    totals = dict.fromkeys(("samples", "real", "capacity", "count", "bound", "dynamic", "stock"), 0)
+    for number, step in enumerate(steps, start=1):
+        schedule = step.schedule
+        count, bound = schedule.passes, token_lower_bound(step.lengths, schedule.budget)
+        dynamic = sum(schedule.computed_tokens(step.lengths, scheduler.layout, pad))
+        stock, real, capacity = len(step.lengths) * step.stock_row_tokens, sum(step.lengths), count * schedule.budget
+        rows.append((str(number) + ("*" if step.partial else ""), str(len(step.lengths)), str(real),
+                     str(schedule.budget), str(count), str(bound), f"{real / capacity:.1%}" if capacity else "-",
+                     str(dynamic), str(stock), f"{1 - dynamic / stock:.1%}" if stock else "-"))
+        for key, value in (("samples", len(step.lengths)), ("real", real), ("capacity", capacity), ("count", count),
+                           ("bound", bound), ("dynamic", dynamic), ("stock", stock)):
             totals[key] += value
-    rows.append(
-        (
-            "total",
-            str(totals["samples"]),
-            str(totals["real"]),
-            "-",
-            str(totals["count"]),
-            str(totals["bound"]),
-            f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-",
-            str(totals["dynamic"]),
-            str(totals["stock"]),
-            f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-",
-        )
-    )
+    rows.append(("total", str(totals["samples"]), str(totals["real"]), "-", str(totals["count"]), str(totals["bound"]),
+                 f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-", str(totals["dynamic"]),
+                 str(totals["stock"]),
+                 f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-"))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
@@ -278,31 +227,39 @@ def simulate_lengths(
 
     if plan.max_tokens_per_microbatch:
         budget_text = f"{plan.max_tokens_per_microbatch} tokens"
-    elif lengths[0][1] is None:
+    elif totals_only:
         budget_text = (
             f"auto = {plan.per_device_train_batch_size} x longest sample of the step (totals only: give PROMPT "
             "COMPLETION pairs for the exact rule, longest prompt + longest completion)"
         )
     else:
         budget_text = f"auto = {plan.per_device_train_batch_size} x (longest prompt + longest completion) of the step"
+    samples = sum(len(step.lengths) for step in steps)
     notes = [
-        f"Simulated {len(lengths)} samples of one device, {step_size} per optimizer step "
+        f"Simulated {samples} samples of one device, {plan.per_device_samples_per_optimizer_step} per optimizer step "
         f"(per_device_train_batch_size {plan.per_device_train_batch_size} x gradient_accumulation_steps "
-        f"{plan.gradient_accumulation_steps}); budget: {budget_text}; layout: {layout}{layout_note}; "
+        f"{plan.gradient_accumulation_steps}); budget: {budget_text}; layout: {scheduler.layout}{layout_note}; "
         f"pad_to_multiple_of: {pad or 'none'}.",
         "lower bound = fewest micro-batches the step's tokens allow; utilisation = real tokens / (micro-batches x "
         "budget); computed tokens = tokens the micro-batches compute (padding included); stock tokens = stock "
         "TRL's micro-batches of per_device_train_batch_size samples padded to the step's longest row.",
     ]
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False) for note in notes]
-    if any(len(lengths[start : start + step_size]) < step_size for start in range(0, len(lengths), step_size)):
+    if any(step.partial for step in steps):
         notes.append("* partial optimizer step (fewer samples than a full step).")
+    oversize = [step.lengths[i] for step in steps for i in step.schedule.oversize]
     if oversize:
-        notes.append(
-            f"warning: {oversize} sequence(s) longer than the budget got a micro-batch of their own "
-            "(oversize_policy='warn')."
-        )
+        budget = max(step.schedule.budget for step in steps if step.schedule.oversize)
+        notes.append("warning: " + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
+                     + " (oversize_policy='warn')")
     return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+
+
+def simulation_as_dict(steps: list[SimulatedStep]) -> list[dict[str, Any]]:
+    """``--json``: per optimizer step, the lengths, budget and micro-batches (sample indices within the step)."""
+    return [{"lengths": step.lengths, "budget": step.schedule.budget, "microbatches": step.schedule.microbatches,
+             "passes_needed": step.schedule.passes_needed, "oversize": step.schedule.oversize,
+             "partial": step.partial} for step in steps]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -343,6 +300,18 @@ def _plan_parser():
         "list of integers or [prompt, completion] pairs): simulate the micro-batches of one device.",
     )
     group.add_argument(
+        "--model_config",
+        default=None,
+        help="Model directory or config.json: the workload model (FLOPs per token and per attention pair) the "
+        "simulation balances micro-batches with, as the trainer does. Default: a generic 7B-class decoder.",
+    )
+    group.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON document (the plan, and with --lengths each step's budget and micro-batches as "
+        "sample indices within the step) instead of the tables.",
+    )
+    group.add_argument(
         "--attn_implementation",
         default=None,
         help="Attention implementation, to resolve packing_layout='auto' (default: model_init_kwargs' "
@@ -351,12 +320,22 @@ def _plan_parser():
     return parser
 
 
+def _read_model_config(path: str):
+    """The transformers config of a model directory or ``config.json`` file (for the workload model)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--model_config {path!r}: not a model directory or config.json file ({error}).") from None
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
     from .env import apply_env_overrides
-    from .plan import BatchSizePlan, resolve_packing_layout, validate_dynamic_batch_fields
+    from .plan import BatchSizePlan, validate_dynamic_batch_fields
 
     try:
         launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
@@ -365,35 +344,42 @@ def _run_plan(argv: list[str]) -> int:
         if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
             zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
         for message in apply_env_overrides(namespace):
-            print(f"# {message}")
+            print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
         validate_dynamic_batch_fields(namespace)
         attn_implementation = _attn_implementation(namespace)
-        layout = (
-            resolve_packing_layout(namespace.packing_layout, attn_implementation or "sdpa")
-            if namespace.packing_layout != "auto" or attn_implementation
-            else None
-        )
+        # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
+        shown_layout = None
+        if namespace.packing_layout != "auto" or attn_implementation:
+            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa")[0]
         plan = BatchSizePlan.from_args(
             namespace,
             num_processes=num_processes,
             zero_stage=zero_stage,
             mixed_precision=launcher.get("mixed_precision"),
-            layout=layout,
+            layout=shown_layout,
         )
         lengths = read_lengths(namespace.lengths) if namespace.lengths else None
-        print(plan.render())
+        steps = None
         if lengths is not None:
-            concrete = layout or resolve_packing_layout(namespace.packing_layout, attn_implementation or "sdpa")
-            varlen = resolve_packing_layout("auto", attn_implementation) == "padding_free"
+            model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
+            namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
+            scheduler = Scheduler.from_args(namespace, attn_implementation or "sdpa", model_config)
+            steps = simulate_steps(plan, scheduler, lengths)
+        if namespace.json:
+            document = {"plan": plan.as_dict()}
+            if steps is not None:
+                document["layout"] = scheduler.layout
+                document["steps"] = simulation_as_dict(steps)
+            print(json.dumps(document, indent=1))
+            return 0
+        print(plan.render())
+        if steps is not None:
             layout_note = ""
             if namespace.packing_layout == "auto":
                 layout_note = f" (packing_layout auto, attn_implementation {attn_implementation or 'sdpa (default)'})"
             print()
-            print(
-                simulate_lengths(
-                    plan, lengths, concrete, attention="varlen" if varlen else "dense", layout_note=layout_note
-                )
-            )
+            print(render_simulation(plan, scheduler, steps, totals_only=lengths[0][1] is None,
+                                    layout_note=layout_note))
     except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
         print(f"{_PROG} plan: error: {error}", file=sys.stderr)
         return _EXIT_USAGE

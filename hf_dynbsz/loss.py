@@ -3,22 +3,26 @@
 Stock TRL 1.16 computes the loss of each fixed micro-batch ("slice") of ``per_device_train_batch_size``
 samples and normalises it in a way that, for most loss types, depends on which samples share the slice.
 Here every sample carries the weight it had in stock's fixed split, so any repacking of the same samples
-into token-budget micro-batches sums to the same loss, and the same gradient:
+into token-budget micro-batches sums to the same loss, and the same gradient. This module decides those
+weights (:func:`sample_weights`); ``tests/test_loss.py`` evaluates the weight column of this table and checks
+it against the code, and the code against stock's ``_compute_loss``:
 
-=============  ======================================================  ===========================
-loss_type      stock slice loss                                        weight of sample i
-=============  ======================================================  ===========================
-grpo, sapo     mean_i( sum_t l*m / max(1, n_i) ) / GA                  1 / (B * GA * max(1, n_i))
-bnpo           sum_{i,t} l*m / max(1, sum_slice m) / GA                1 / (GA * max(1, n_slice))
-dr_grpo        sum l*m / (B * max_completion_length) / GA              1 / (B * max_completion_length * GA)
-dapo, cispo,   sum l*m / (N_items / P * GA / steps_per_generation)     P * spg / (N_items * GA)
+================  ======================================================  =====================================
+loss_type         stock slice loss                                        weight of sample i
+================  ======================================================  =====================================
+grpo, sapo        mean_i( sum_t l*m / max(1, n_i) ) / GA                  1 / (B * GA * max(1, n_i))
+bnpo              sum_{i,t} l*m / max(1, sum_slice m) / GA                1 / (GA * max(1, n_slice))
+dr_grpo           sum l*m / (B * max_completion_length) / GA              1 / (B * max_completion_length * GA)
+dapo, cispo,      sum l*m / (N_items / P * GA / spg)                      P * spg / (max(1, N_items) * GA)
 vespo
-luspo          mean_i( sum_t l*m ) / GA                                1 / (B * GA)
-=============  ======================================================  ===========================
+luspo             mean_i( sum_t l*m ) / GA                                1 / (B * GA)
+entropy bonus     coef * sum_{i,t} H*e / max(1, sum_slice e) / GA         1 / (GA * max(1, e_slice))
+================  ======================================================  =====================================
 
-B = rows of the slice, GA = ``current_gradient_accumulation_steps``, n_i = loss tokens of sample i,
-N_items = loss tokens of the whole generation round over all P processes. The entropy bonus is a
-per-slice token mean, so its weight is ``1 / (GA * max(1, n_slice))`` for every loss type.
+B = rows of the slice, GA = ``current_gradient_accumulation_steps``, n_i = loss tokens of sample i, n_slice =
+loss tokens of its slice, N_items = loss tokens of the whole generation round over all P processes, spg =
+``steps_per_generation``; the entropy bonus acts on the tokens e of ``effective_mask`` (loss mask x
+``top_entropy_quantile``'s high-entropy mask), e_slice of them in the slice, for every loss type.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from trl import GRPOTrainer
+
+from .batch import SampleRows
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
@@ -213,3 +219,80 @@ def per_token_policy_loss(
     elif kind == "cispo":
         metrics["cispo_clip_ratio"] = ((coef_1 > settings.epsilon_high) & (advantages > 0)).float()
     return per_token_loss, metrics
+
+
+def microbatch_loss(
+    settings: LossSettings,
+    per_token_logps: torch.Tensor,
+    entropies: torch.Tensor,
+    rows: SampleRows,
+    bonus: EntropyBonus | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one pass: each sample's masked token sum times its weight, minus the entropy bonus.
+
+    ``per_token_logps`` and ``entropies`` are ``(rows, width)`` for the samples of ``rows``. Summed over any
+    partition of an optimizer step's samples, this is stock's loss of the step. Returns the loss and the
+    per-token tensors the metrics read.
+    """
+    per_token_loss, metrics = per_token_policy_loss(
+        settings,
+        per_token_logps,
+        rows.mask,
+        rows.advantages,
+        rows.per_token.get("old_per_token_logps"),
+        rows.per_token.get("ref_per_token_logps"),
+        rows.per_token.get("sampling_per_token_logps"),
+        rows.per_token.get("importance_sampling_ratio"),
+        entropy_mask=rows.entropy_mask,
+    )
+    per_sample_loss = (per_token_loss * rows.mask).sum(dim=1) * rows.policy_weights.to(per_token_logps.dtype)
+    loss = per_sample_loss.sum()
+    if bonus is not None:
+        loss = bonus.apply(loss, entropies, rows, per_sample_loss)
+    return loss, metrics
+
+
+class EntropyBonus:
+    """Stock's entropy bonus (``entropy_coef``, ``use_adaptive_entropy``) over one optimizer step.
+
+    Stock subtracts ``coef x`` the token-mean entropy of each slice (over ``effective_mask``, the loss mask times
+    the high-entropy mask), with the coefficient fixed at the end of the previous optimizer step, logs each
+    slice's policy loss, and at the step boundary moves the adaptive coefficient by the world's token-weighted
+    entropy of the window. Here the bonus is applied per sample with its slice weight, and the per-slice figures
+    are summed over the passes, so the result is the same whatever the passes.
+    """
+
+    def __init__(self, trainer, num_slices: int, device) -> None:
+        adaptive_off = trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target
+        self.coef = 0.0 if adaptive_off else trainer.entropy_coef
+        self.slice_policy_loss = torch.zeros(num_slices, device=device, dtype=torch.float64)
+        self.entropy_stats = torch.zeros(2, device=device, dtype=torch.float64)  # sum of entropy, tokens
+
+    def apply(self, loss: torch.Tensor, entropies: torch.Tensor, rows: SampleRows,
+              per_sample_loss: torch.Tensor) -> torch.Tensor:
+        bonus = rows.bonus_mask.to(entropies.dtype)
+        self.entropy_stats += torch.stack([(entropies.detach() * bonus).sum(), bonus.sum()]).double()
+        self.slice_policy_loss.index_add_(0, rows.slice_ids, per_sample_loss.detach().double())
+        if self.coef:
+            weights = rows.entropy_weights.to(entropies.dtype).unsqueeze(1)
+            loss = loss - self.coef * (entropies * bonus * weights).sum()
+        return loss
+
+    def finish(self, trainer, gradient_accumulation_steps: int) -> None:
+        """Stock's bookkeeping at the optimizer-step boundary: ``policy_loss`` per slice, the adaptive controller."""
+        metrics, args = trainer._metrics["train"], trainer.args
+        # stock logs, per slice, its policy loss (before the /GA of the sequence-normalised types), averaged over ranks
+        scale = 1.0 if trainer.loss_type in GLOBAL_TOKEN_LOSSES else float(gradient_accumulation_steps)
+        gathered = trainer.accelerator.gather((self.slice_policy_loss * scale).float())
+        for value in gathered.view(-1, len(self.slice_policy_loss)).nanmean(0):
+            metrics["policy_loss"].append(value.item())
+        if trainer.use_adaptive_entropy:
+            totals = trainer.accelerator.reduce(self.entropy_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            if world_entropy <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy = world_entropy
+        metrics["entropy_coef"].append(trainer.entropy_coef)
+

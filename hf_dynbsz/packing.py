@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("padding_free", "padded")
+from .partition import LAYOUTS, round_up
 
 
 @dataclass
@@ -61,6 +61,15 @@ class SequenceTable:
             tokens.append(torch.cat([prompt_ids[row, width - p :], completion_ids[row, :c]]))
         return cls(tokens=tokens, prompt_lengths=prompt_lengths.cpu(), completion_lengths=completion_lengths.cpu())
 
+    @classmethod
+    def concat(cls, tables: list[SequenceTable]) -> SequenceTable:
+        """The samples of ``tables``, one table after the other."""
+        return cls(
+            tokens=[tokens for table in tables for tokens in table.tokens],
+            prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
+            completion_lengths=torch.cat([table.completion_lengths for table in tables]),
+        )
+
 
 @dataclass
 class MicroBatch:
@@ -88,12 +97,6 @@ class MicroBatch:
         return out * self.completion_mask.to(out.dtype)
 
 
-def _round_up(value: int, multiple: int | None) -> int:
-    if not multiple or multiple <= 1:
-        return value
-    return -(-value // multiple) * multiple
-
-
 def build_microbatch(
     table: SequenceTable,
     indices: list[int],
@@ -119,7 +122,7 @@ def build_microbatch(
 
     if layout == "padding_free":
         total = sum(seq_lengths)
-        width = _round_up(total, pad_to_multiple_of)
+        width = round_up(total, pad_to_multiple_of)
         input_ids = torch.full((1, width), pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((1, width), dtype=torch.long)
         shift_labels = torch.full((1, width), -100, dtype=torch.long)
@@ -140,7 +143,7 @@ def build_microbatch(
             position_ids[0, total:] = torch.arange(width - total)
         computed = width
     else:
-        width = _round_up(max(seq_lengths), pad_to_multiple_of)
+        width = round_up(max(seq_lengths), pad_to_multiple_of)
         input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
         position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(rows, width).clone()
         shift_labels = torch.full((rows, width), -100, dtype=torch.long)

@@ -14,7 +14,7 @@ Units
   actually computes on one device.
 * What a micro-batch computes depends on the *layout*:
 
-  - ``"packed"`` (padding-free): all sequences of the micro-batch are
+  - ``"padding_free"``: all sequences of the micro-batch are
     concatenated into a single row, so it computes ``sum(lengths)`` tokens,
     rounded up to ``pad_to_multiple_of`` when that is given.
   - ``"padded"``: one row per sequence, every row padded to the longest length
@@ -39,7 +39,7 @@ Algorithm
    not depend on the workload model, so a distributed trainer can all-reduce the
    maximum of :func:`min_num_microbatches` over ranks and ask every rank for
    exactly that many micro-batches.
-2. **Which sequence goes where (packed).**  Sequences are taken longest first
+2. **Which sequence goes where (padding_free).**  Sequences are taken longest first
    and each goes to the micro-batch with the lowest cost so far among those that
    still have room for it (longest-processing-time-first with a capacity
    check).  This is done in vectorised rounds -- the next sequences go to the
@@ -80,20 +80,24 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from .settings import setting
+
 __all__ = [
     "OversizeSequenceError",
     "WorkloadModel",
     "round_up",
     "microbatch_tokens",
+    "oversize_error",
+    "oversize_indices",
     "token_lower_bound",
     "first_fit_decreasing",
     "min_num_microbatches",
     "partition_by_token_budget",
 ]
 
-LAYOUTS = ("packed", "padded")
+LAYOUTS = ("padding_free", "padded")  # the user-facing names of packing_layout
 ATTENTION_KINDS = ("varlen", "dense")
-OVERSIZE_POLICIES = ("warn", "error")
+OVERSIZE_POLICIES = setting("oversize_policy").choices
 
 # Fractions of the tokens of the head of the length-sorted list that are spread
 # by cost before the remaining tail is packed best-fit, tried in this order when
@@ -169,7 +173,7 @@ class WorkloadModel:
             raise ValueError("WorkloadModel needs linear_weight > 0 or quadratic_weight > 0, got both 0")
 
     @classmethod
-    def from_model_config(cls, config, layout: str = "packed", attention: str = "varlen") -> "WorkloadModel":
+    def from_model_config(cls, config, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
         """Derive the weights from the per-token FLOPs of one transformer layer.
 
         ``config`` is anything with ``hidden_size``, ``num_hidden_layers`` and
@@ -185,7 +189,7 @@ class WorkloadModel:
         with ``m = 3`` for gated (SwiGLU, ``hidden_act`` silu/swish) MLPs and
         ``m = 2`` otherwise.  Per (query, key) pair and layer: ``2 * q_dim``
         (scores and weighted values).  Causal variable-length kernels
-        (``layout="packed"``, ``attention="varlen"``, e.g. flash-attention)
+        (``layout="padding_free"``, ``attention="varlen"``, e.g. flash-attention)
         skip the masked half of the pairs, so the pair weight is halved there;
         dense attention (padded rows or one packed row with a mask) computes
         all pairs.  Backward passes scale both terms alike and drop out.
@@ -214,12 +218,12 @@ class WorkloadModel:
         q_dim = heads * head_dim
         kv_dim = kv_heads * head_dim
         linear_per_token = layers * (2 * hidden * q_dim + 2 * hidden * kv_dim + mlp_matrices * hidden * intermediate)
-        computed_pair_fraction = 0.5 if (layout == "packed" and attention == "varlen") else 1.0
+        computed_pair_fraction = 0.5 if (layout == "padding_free" and attention == "varlen") else 1.0
         quadratic_per_pair = layers * 2 * q_dim * computed_pair_fraction
         return cls(linear_weight=1.0, quadratic_weight=quadratic_per_pair / linear_per_token)
 
     @classmethod
-    def default(cls, layout: str = "packed", attention: str = "varlen") -> "WorkloadModel":
+    def default(cls, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
         """A generic 7B-class decoder (hidden 4096, 32 layers, SwiGLU MLP 11008), for when no config is given."""
         generic_decoder = types.SimpleNamespace(
             hidden_size=4096,
@@ -230,14 +234,14 @@ class WorkloadModel:
         )
         return cls.from_model_config(generic_decoder, layout=layout, attention=attention)
 
-    def cost(self, lengths_in_microbatch, layout: str = "packed", pad_to_multiple_of: int | None = None,
+    def cost(self, lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None,
              attention: str = "varlen") -> float:
         """Relative compute of one micro-batch (token equivalents when ``linear_weight`` is 1).
 
-        * packed + ``"varlen"`` attention: ``linear * tokens + quad * sum(L_i**2)``
+        * padding_free + ``"varlen"`` attention: ``linear * tokens + quad * sum(L_i**2)``
           (every sequence attends only to itself); ``tokens`` is
           :func:`microbatch_tokens` (the sum, rounded up when padding to a multiple).
-        * packed + ``"dense"`` attention (one row of ``T`` tokens with a mask):
+        * padding_free + ``"dense"`` attention (one row of ``T`` tokens with a mask):
           ``linear * T + quad * T**2``.
         * padded: ``rows`` rows of ``R = round_up(max L)``:
           ``linear * rows * R + quad * rows * R**2`` (``attention`` is ignored).
@@ -271,10 +275,10 @@ def round_up(length: int, multiple: int | None) -> int:
     return -(-int(length) // int(multiple)) * int(multiple)
 
 
-def microbatch_tokens(lengths_in_microbatch, layout: str = "packed", pad_to_multiple_of: int | None = None) -> int:
+def microbatch_tokens(lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None) -> int:
     """Tokens actually computed for one micro-batch.
 
-    packed = sum of lengths (rounded up to pad_to_multiple_of if given);
+    padding_free = sum of lengths (rounded up to pad_to_multiple_of if given);
     padded = rows * round_up(max length).  An empty micro-batch computes 0 tokens.
     """
     layout = _check_choice("layout", layout, LAYOUTS)
@@ -282,9 +286,39 @@ def microbatch_tokens(lengths_in_microbatch, layout: str = "packed", pad_to_mult
     values = _as_int_list(lengths_in_microbatch)
     if not values:
         return 0
-    if layout == "packed":
+    if layout == "padding_free":
         return round_up(sum(values), pad_to_multiple_of)
     return len(values) * round_up(max(values), pad_to_multiple_of)
+
+
+def oversize_error(where: str, length: int, max_tokens: int, *, layout: str, pad_to_multiple_of: int | None,
+                   longest: int | None = None, others: str = "", setting: str = "max_tokens_per_microbatch",
+                   index: int | None = None) -> OversizeSequenceError:
+    """The one error for a sequence over the micro-batch budget (partitioner and trainer alike).
+
+    ``where`` names the sequence ("sequence 3", "a sequence on another process"); ``length`` is its tokens;
+    ``longest`` the longest sequence over the budget (default ``length``), which sets the budget to suggest;
+    ``others`` is appended after the budget (e.g. how many more are over it); ``setting`` names the budget's
+    setting (``max_tokens_per_microbatch`` or ``max_tokens_per_microbatch_logprob``).
+    """
+    multiple = pad_to_multiple_of
+    required = round_up(longest if longest is not None else length, multiple)
+    rounding = ""
+    if multiple not in (None, 1):
+        rounding = f" ({round_up(length, multiple)} after rounding up to pad_to_multiple_of={multiple})"
+    message = (
+        f"{where} has {length} tokens{rounding}, more than the micro-batch budget {setting}={max_tokens} "
+        f"(layout={layout!r}){others}. Raise {setting} to >= {required}, or use oversize_policy=\"warn\" to give "
+        f"each such sequence a micro-batch of its own."
+    )
+    return OversizeSequenceError(message, index=index, length=length, max_tokens=max_tokens,
+                                 required_tokens=required)
+
+
+def oversize_indices(lengths: Lengths, max_tokens: int, layout: str = "padding_free",
+                     pad_to_multiple_of: int | None = None) -> list[int]:
+    """Indices (ascending) of the sequences that alone exceed ``max_tokens`` as :func:`microbatch_tokens` counts."""
+    return _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of).oversize_indices.tolist()
 
 
 def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
@@ -301,7 +335,7 @@ def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
 # --------------------------------------------------------------------------- #
 # Public partitioning functions
 # --------------------------------------------------------------------------- #
-def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "packed",
+def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "padding_free",
                          pad_to_multiple_of: int | None = None) -> list[list[int]]:
     """Baseline: first-fit-decreasing bin packing under the token budget.
 
@@ -313,7 +347,7 @@ def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "packe
     :func:`partition_by_token_budget`.
     """
     problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
-    if problem.layout == "packed":
+    if problem.layout == "padding_free":
         bin_of_sorted, num_bins = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
     else:
         runs = _fewest_padded_runs(problem.sorted_sizes, problem.capacity)
@@ -321,7 +355,7 @@ def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "packe
     return problem.assemble(bin_of_sorted, num_bins)
 
 
-def min_num_microbatches(lengths: Lengths, max_tokens: int, *, layout: str = "packed",
+def min_num_microbatches(lengths: Lengths, max_tokens: int, *, layout: str = "padding_free",
                          pad_to_multiple_of: int | None = None) -> int:
     """Number of micro-batches partition_by_token_budget uses when num_microbatches is None.
 
@@ -341,7 +375,7 @@ def partition_by_token_budget(
     max_tokens: int,
     *,
     num_microbatches: int | None = None,
-    layout: str = "packed",
+    layout: str = "padding_free",
     pad_to_multiple_of: int | None = None,
     workload: WorkloadModel | None = None,
     attention: str = "varlen",
@@ -358,7 +392,7 @@ def partition_by_token_budget(
             uses :func:`min_num_microbatches`.  Must be at least that minimum
             (``ValueError`` otherwise).  With more micro-batches than sequences
             the extra micro-batches are empty lists (at the end).
-        layout: ``"packed"`` (padding-free rows: tokens = sum of lengths) or
+        layout: ``"padding_free"`` (one row: tokens = sum of lengths) or
             ``"padded"`` (tokens = rows x longest length, rounded).
         pad_to_multiple_of: round computed tokens up to this multiple (packed:
             the row total; padded: the row length).
@@ -391,7 +425,7 @@ def partition_by_token_budget(
     if oversize_policy == "error" and problem.num_oversize:
         raise problem.oversize_error()
 
-    if layout == "packed":
+    if layout == "padding_free":
         ffd_bin_of_sorted, fitting_minimum = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
     else:
         fitting_minimum = _min_bins_for_fitting(problem)
@@ -406,7 +440,7 @@ def partition_by_token_budget(
         )
     num_fitting_bins = num_microbatches - problem.num_oversize
 
-    if layout == "packed":
+    if layout == "padding_free":
         bin_of_sorted = _balanced_packed_assignment(problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted)
     else:
         bin_of_sorted = _balanced_padded_assignment(problem, num_fitting_bins, workload)
@@ -483,7 +517,7 @@ class _Problem:
     """Validated input with the sequences that fit the budget sorted longest first.
 
     ``sorted_sizes`` are the per-sequence sizes the cap is checked against:
-    lengths for the packed layout (against ``capacity``, the budget rounded down
+    lengths for the padding_free layout (against ``capacity``, the budget rounded down
     to ``pad_to_multiple_of``) and rounded lengths for the padded layout
     (against ``max_tokens`` per row count).
     """
@@ -504,7 +538,7 @@ class _Problem:
         pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
         values = _validate_lengths(lengths)
         multiple = pad_to_multiple_of or 1
-        if layout == "packed":
+        if layout == "padding_free":
             # round_up(sum, m) <= max_tokens  <=>  sum <= floor(max_tokens / m) * m
             capacity = (max_tokens // multiple) * multiple
             sizes = values
@@ -535,28 +569,17 @@ class _Problem:
     def num_oversize(self) -> int:
         return int(self.oversize_indices.size)
 
-    def oversize_error(self) -> OversizeSequenceError:
-        multiple = self.pad_to_multiple_of
+    def oversize_error(self, setting: str = "max_tokens_per_microbatch") -> OversizeSequenceError:
         index = int(self.oversize_indices[0])
-        length = int(self.lengths[index])
         oversize_lengths = self.lengths[self.oversize_indices]
-        required = round_up(int(oversize_lengths.max()), multiple)
-        rounding = ""
-        if multiple not in (None, 1):
-            rounding = f" ({round_up(length, multiple)} after rounding up to pad_to_multiple_of={multiple})"
         others = ""
         if self.num_oversize > 1:
             longest = int(self.oversize_indices[int(np.argmax(oversize_lengths))])
             others = (f"; {self.num_oversize - 1} more sequence(s) are over the budget too, the longest is "
                       f"sequence {longest} with {int(self.lengths[longest])} tokens")
-        message = (
-            f"sequence {index} has {length} tokens{rounding}, more than the micro-batch budget "
-            f"max_tokens_per_microbatch={self.max_tokens} (layout={self.layout!r}){others}. Raise "
-            f"max_tokens_per_microbatch to >= {required}, or use oversize_policy=\"warn\" to give each such "
-            f"sequence a micro-batch of its own."
-        )
-        return OversizeSequenceError(message, index=index, length=length, max_tokens=self.max_tokens,
-                                     required_tokens=required)
+        return oversize_error(f"sequence {index}", int(self.lengths[index]), self.max_tokens, layout=self.layout,
+                              pad_to_multiple_of=self.pad_to_multiple_of, longest=int(oversize_lengths.max()),
+                              others=others, setting=setting, index=index)
 
     def assemble(self, bin_of_sorted: np.ndarray, num_fitting_bins: int) -> list[list[int]]:
         """Turn micro-batch numbers of the sorted fitting sequences into the public output format."""
@@ -582,7 +605,7 @@ class _Problem:
 
 def _min_bins_for_fitting(problem: _Problem) -> int:
     """Micro-batches needed by the sequences that fit the budget (FFD count; optimal for padded runs)."""
-    if problem.layout == "packed":
+    if problem.layout == "padding_free":
         return _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)[1]
     return len(_fewest_padded_runs(problem.sorted_sizes, problem.capacity))
 
@@ -847,7 +870,7 @@ def _rebalance_by_moves(bin_of: np.ndarray, sizes: np.ndarray, weights: np.ndarr
 
 def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel, attention: str,
                                 ffd_bin_of: np.ndarray) -> np.ndarray:
-    """Bin number (0..num_bins-1) per sorted fitting sequence for the packed layout.
+    """Bin number (0..num_bins-1) per sorted fitting sequence for the padding_free layout.
 
     ``ffd_bin_of`` is the first-fit-decreasing assignment of the same sorted
     sequences; it uses at most ``num_bins`` bins and is the last resort.

@@ -19,7 +19,6 @@ import contextlib
 import warnings
 
 VOCAB_COLUMNS_PER_TILE = 8192
-DEFAULT_TENSOR_BATCH_SIZE = 1024  # tokens per tile; chosen by benchmarks/memory.py (see README)
 
 
 def _tile_modules():

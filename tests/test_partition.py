@@ -33,15 +33,15 @@ def flat_indices(microbatches):
     return [index for microbatch in microbatches for index in microbatch]
 
 
-def tokens_of(microbatch, lengths, layout="packed", pad=None):
+def tokens_of(microbatch, lengths, layout="padding_free", pad=None):
     return microbatch_tokens([lengths[i] for i in microbatch], layout, pad)
 
 
-def is_oversize(length, max_tokens, layout="packed", pad=None):
+def is_oversize(length, max_tokens, layout="padding_free", pad=None):
     return microbatch_tokens([length], layout, pad) > max_tokens
 
 
-def imbalance(microbatches, lengths, workload, layout="packed", pad=None, attention="varlen"):
+def imbalance(microbatches, lengths, workload, layout="padding_free", pad=None, attention="varlen"):
     """max / mean compute cost over the micro-batches (1.0 = perfectly even)."""
     costs = [workload.cost([lengths[i] for i in mb], layout, pad, attention) for mb in microbatches]
     return max(costs) / (sum(costs) / len(costs))
@@ -53,7 +53,7 @@ def lognormal_lengths(n, seed, median=300, sigma=1.0, shortest=16, longest=4096)
     return np.clip(rng.lognormal(math.log(median), sigma, n).astype(np.int64), shortest, longest).tolist()
 
 
-def naive_first_fit_decreasing(lengths, max_tokens, layout="packed", pad=None):
+def naive_first_fit_decreasing(lengths, max_tokens, layout="padding_free", pad=None):
     """Reference FFD, item by item over all open micro-batches (O(n * bins)); oversize items go alone."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
@@ -77,7 +77,7 @@ def canonical(microbatches):
 
 
 # A batch: lengths plus a budget that sometimes is smaller than the longest sequence (oversize).
-layouts = st.sampled_from(["packed", "padded"])
+layouts = st.sampled_from(["padding_free", "padded"])
 pads = st.sampled_from([None, 1, 8, 64])
 attentions = st.sampled_from(["varlen", "dense"])
 
@@ -104,8 +104,8 @@ def test_round_up():
 
 def test_microbatch_tokens_packed_is_the_sum_rounded_up_once():
     assert microbatch_tokens([3, 5, 9]) == 17
-    assert microbatch_tokens([3, 5, 9], "packed", 8) == 24
-    assert microbatch_tokens([], "packed") == 0
+    assert microbatch_tokens([3, 5, 9], "padding_free", 8) == 24
+    assert microbatch_tokens([], "padding_free") == 0
 
 
 def test_microbatch_tokens_padded_is_rows_times_rounded_longest():
@@ -158,8 +158,8 @@ def test_workload_is_not_hard_coded_to_one_model_size():
 
 def test_workload_causal_varlen_kernels_compute_half_the_pairs():
     config = types.SimpleNamespace(hidden_size=512, num_hidden_layers=4, num_attention_heads=8)
-    varlen = WorkloadModel.from_model_config(config, layout="packed", attention="varlen")
-    dense = WorkloadModel.from_model_config(config, layout="packed", attention="dense")
+    varlen = WorkloadModel.from_model_config(config, layout="padding_free", attention="varlen")
+    dense = WorkloadModel.from_model_config(config, layout="padding_free", attention="dense")
     padded = WorkloadModel.from_model_config(config, layout="padded")
     assert varlen.quadratic_weight == pytest.approx(dense.quadratic_weight / 2)
     assert padded == dense
@@ -187,9 +187,9 @@ def test_workload_rejects_configs_without_sizes():
 
 def test_workload_cost_formulas():
     model = WorkloadModel(linear_weight=2.0, quadratic_weight=0.5)
-    # packed + varlen: linear * sum(L) + quad * sum(L_i^2)
+    # padding_free + varlen: linear * sum(L) + quad * sum(L_i^2)
     assert model.cost([3, 4]) == 2.0 * 7 + 0.5 * (9 + 16)
-    # packed + dense: one row of T tokens
+    # padding_free + dense: one row of T tokens
     assert model.cost([3, 4], attention="dense") == 2.0 * 7 + 0.5 * 49
     assert model.cost([3, 4], attention="dense", pad_to_multiple_of=8) == 2.0 * 8 + 0.5 * 64
     # padded: rows x longest (rounded)
@@ -228,7 +228,7 @@ def test_numpy_input_gives_the_same_result_as_a_list():
 
 def test_none_is_the_same_as_asking_for_the_minimum():
     lengths = lognormal_lengths(500, seed=2)
-    for layout in ("packed", "padded"):
+    for layout in ("padding_free", "padded"):
         minimum = min_num_microbatches(lengths, 8192, layout=layout)
         assert partition_by_token_budget(lengths, 8192, layout=layout) == partition_by_token_budget(
             lengths, 8192, layout=layout, num_microbatches=minimum
@@ -507,7 +507,7 @@ def test_oversize_error_can_carry_a_plain_message():
         (dict(lengths=np.array([1.0, 2.0]), max_tokens=10), r"lengths must be an integer array .* float64"),
         (dict(lengths=[[1, 2]], max_tokens=10), r"lengths must be one-dimensional"),
         (dict(lengths=5, max_tokens=10), r"lengths must be a sequence"),
-        (dict(lengths=[1], max_tokens=10, layout="ragged"), r"layout must be 'packed' or 'padded', got 'ragged'"),
+        (dict(lengths=[1], max_tokens=10, layout="ragged"), r"layout must be 'padding_free' or 'padded', got 'ragged'"),
         (dict(lengths=[1], max_tokens=10, attention="flash"), r"attention must be 'varlen' or 'dense'"),
         (dict(lengths=[1], max_tokens=10, oversize_policy="skip"),
          r"oversize_policy must be 'warn' or 'error', got 'skip'"),

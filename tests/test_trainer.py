@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_helpers import relative_difference, run_training, save_tiny_model, update_difference
+from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
@@ -249,3 +249,67 @@ def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
     )
     steps = [entry for entry in history if "entropy_coef" in entry]
     assert [round(step["entropy_coef"], 6) for step in steps] == [0.015, 0.02, 0.025]  # entropy < target: grows
+
+
+# ---------------------------------------------------------------- drop-in: stock's constructor and hook signatures
+def overridden_stock_methods() -> list[str]:
+    return [name for name, value in vars(DynamicBatchGRPOTrainer).items()
+            if callable(value) and hasattr(GRPOTrainer, name)]
+
+
+def test_constructor_and_overridden_hooks_have_stocks_signatures():
+    import inspect
+
+    overridden = overridden_stock_methods()
+    assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= set(
+        overridden)
+    assert inspect.signature(DynamicBatchGRPOTrainer) == inspect.signature(GRPOTrainer)
+    for name in overridden:
+        try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
+            ours = inspect.signature(getattr(DynamicBatchGRPOTrainer, name), eval_str=True)
+            stock = inspect.signature(getattr(GRPOTrainer, name), eval_str=True)
+        except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
+            ours = inspect.signature(getattr(DynamicBatchGRPOTrainer, name))
+            stock = inspect.signature(getattr(GRPOTrainer, name))
+        assert ours == stock, f"{name}: {ours} != stock {stock}"
+
+
+def construction_error(cls, model_dir, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(Exception) as raised:
+        cls(model=model, processing_class=load_tokenizer(model_dir), **kwargs)
+    return type(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])
+def test_construction_errors_are_stocks(model_dir, tmp_path, missing):
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, prompt_dataset
+
+    kwargs = dict(reward_funcs=RecordingReward(), train_dataset=prompt_dataset(),
+                  args=GRPOConfig(**base_config_kwargs(str(tmp_path))))
+    del kwargs[missing]  # args=None: stock's default config, which wants bf16 on this CPU machine
+    stock = construction_error(GRPOTrainer, model_dir, **kwargs)
+    assert construction_error(DynamicBatchGRPOTrainer, model_dir, **kwargs) == stock
+    assert stock[0] is ValueError
+    if missing == "reward_funcs":
+        assert "No reward source provided" in stock[1]
+
+
+def test_stocks_positional_call_order_works(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
+
+    args = GRPOConfig(**base_config_kwargs(str(tmp_path)))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    # model, reward_funcs, args, train_dataset, eval_dataset, processing_class: as stock takes them
+    trainer = DynamicBatchGRPOTrainer(model, RecordingReward(), args, prompt_dataset(), None, load_tokenizer(model_dir))
+    assert trainer.args is args and trainer._dynbsz_enabled
+    assert args.max_tokens_per_microbatch is None  # the plain GRPOConfig got the plugin's fields
+    with pytest.raises(TypeError):
+        DynamicBatchGRPOTrainer(model, RecordingReward(), args, prompt_dataset(), None, None, None, None, (None, None),
+                                None, None, None, None, None, "one too many")

@@ -1,0 +1,147 @@
+"""The samples of one optimizer step on one device, as the passes consume them (torch layer).
+
+TRL's ``_prepare_inputs`` hands the trainer one fixed *slice* of ``per_device_train_batch_size`` samples per
+accumulation step, every tensor padded to the longest row of the generation batch. :class:`StepBatch` flattens
+the ``gradient_accumulation_steps`` slices of an optimizer step into per-sample rows with the padding of the
+token ids stripped (:class:`~hf_dynbsz.packing.SequenceTable`) and everything that belongs to a sample beside
+it: its loss mask, advantage, per-token fields (old/reference/sampling log-probs, importance ratios), the stock
+slice it came from and, once computed, its loss weights and ``top_entropy_quantile`` mask. Per-token tensors
+are completion-aligned, ``(samples, width)`` with ``width`` the widest slice's completion width, or
+``(samples, 1)`` for per-sequence values.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .packing import SequenceTable
+
+__all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
+
+#: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence).
+PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+                  "importance_sampling_ratio")
+
+
+def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    if tensor.size(1) >= width:
+        return tensor[:, :width]
+    return torch.cat([tensor, tensor.new_full((tensor.size(0), width - tensor.size(1)), value)], dim=1)
+
+
+@dataclass
+class SampleRows:
+    """The rows of some samples of a :class:`StepBatch`, cropped to a pass's completion width."""
+
+    mask: torch.Tensor  # loss mask
+    advantages: torch.Tensor
+    per_token: dict[str, torch.Tensor]
+    entropy_mask: torch.Tensor | None  # top_entropy_quantile's high-entropy mask (None when off)
+    bonus_mask: torch.Tensor  # tokens the entropy bonus acts on: mask x entropy_mask
+    policy_weights: torch.Tensor  # (rows,)
+    entropy_weights: torch.Tensor  # (rows,)
+    slice_ids: torch.Tensor  # (rows,)
+
+
+@dataclass
+class StepBatch:
+    """The samples of one optimizer step on one device (stock's slices flattened, in slice order).
+
+    ``loss_mask`` is ``completion_mask x tool_mask``; ``slice_ids`` (samples,) and ``slice_rows`` (slices,) say
+    which stock slice each sample came from and how many rows each slice has; ``num_items`` is the
+    ``num_items_in_batch`` (global loss tokens of the generation round) each sample's slice saw.
+    ``stock_microbatch_tokens`` is the token positions of stock's largest slice (rows x padded width) and
+    ``stock_computed_tokens`` those of all slices together. ``policy_weights``/``entropy_weights`` (float64,
+    from :func:`hf_dynbsz.loss.sample_weights`) and ``high_entropy`` are filled in before the passes run.
+    """
+
+    table: SequenceTable
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    per_token: dict[str, torch.Tensor]
+    slice_ids: torch.Tensor
+    slice_rows: torch.Tensor
+    num_items: torch.Tensor
+    stock_microbatch_tokens: int
+    stock_computed_tokens: int
+    high_entropy: torch.Tensor | None = None
+    policy_weights: torch.Tensor | None = None
+    entropy_weights: torch.Tensor | None = None
+
+    @classmethod
+    def from_slices(cls, window: list[dict]) -> StepBatch:
+        """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``)."""
+        width = max(inputs["completion_ids"].size(1) for inputs in window)
+        keys = [key for key in PER_TOKEN_KEYS if window[0].get(key) is not None]
+        tables, masks, advantages, slice_ids, num_items = [], [], [], [], []
+        per_token = defaultdict(list)
+        slice_tokens = []
+        for slice_id, inputs in enumerate(window):
+            rows = inputs["completion_ids"].size(0)
+            tables.append(SequenceTable.from_padded(
+                inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+            ))
+            mask = inputs["completion_mask"]
+            if inputs.get("tool_mask") is not None:
+                mask = mask * inputs["tool_mask"]
+            masks.append(_pad_columns(mask, width, 0))
+            adv = inputs["advantages"]
+            advantages.append(_pad_columns(adv, width) if adv.dim() == 2 else adv)
+            for key in keys:
+                per_token[key].append(inputs[key] if inputs[key].size(1) == 1 else _pad_columns(inputs[key], width))
+            slice_ids.append(torch.full((rows,), slice_id, dtype=torch.long))
+            num_items.append(inputs["num_items_in_batch"].detach().float().cpu().expand(rows))
+            slice_tokens.append(rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)))
+        return cls(
+            table=SequenceTable.concat(tables),
+            loss_mask=torch.cat(masks),
+            advantages=torch.cat(advantages),
+            per_token={key: torch.cat(values) for key, values in per_token.items()},
+            slice_ids=torch.cat(slice_ids),
+            slice_rows=torch.tensor([inputs["completion_ids"].size(0) for inputs in window]),
+            num_items=torch.cat(num_items),
+            stock_microbatch_tokens=max(slice_tokens),
+            stock_computed_tokens=sum(slice_tokens),
+        )
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def width(self) -> int:
+        """Completion width of the per-token tensors."""
+        return self.loss_mask.size(1)
+
+    @property
+    def loss_tokens(self) -> torch.Tensor:
+        """(samples,) loss-mask tokens per sample, on CPU."""
+        return self.loss_mask.sum(dim=1).cpu()
+
+    @property
+    def bonus_mask(self) -> torch.Tensor:
+        """Tokens the entropy bonus acts on, as stock's ``effective_mask``: loss mask x high-entropy mask."""
+        return self.loss_mask if self.high_entropy is None else self.loss_mask * self.high_entropy
+
+    def rows(self, indices: list[int], width: int) -> SampleRows:
+        """The rows ``indices`` of the per-sample tensors, per-token ones cropped to ``width`` columns."""
+        device = self.loss_mask.device
+        index = torch.tensor(indices, device=device)
+
+        def crop(tensor: torch.Tensor) -> torch.Tensor:
+            picked = tensor[index]
+            return picked[:, :width] if picked.dim() == 2 and picked.size(1) > 1 else picked
+
+        entropy_mask = None if self.high_entropy is None else crop(self.high_entropy)
+        return SampleRows(
+            mask=crop(self.loss_mask),
+            advantages=crop(self.advantages),
+            per_token={key: crop(tensor) for key, tensor in self.per_token.items()},
+            entropy_mask=entropy_mask,
+            bonus_mask=crop(self.bonus_mask),
+            policy_weights=self.policy_weights.to(device)[index],
+            entropy_weights=self.entropy_weights.to(device)[index],
+            slice_ids=self.slice_ids.to(device)[index],
+        )

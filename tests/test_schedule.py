@@ -1,0 +1,244 @@
+"""Specification of hf_dynbsz.schedule: budget, layout, oversize policy and lockstep, decided in one place."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_dynbsz.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
+from hf_dynbsz.schedule import SINGLE_PROCESS, Scheduler, resolve_layout, stock_microbatch_tokens
+
+
+class OtherProcesses:
+    """A RankGroup whose other processes contributed ``others`` to every all-reduce (element-wise MAX)."""
+
+    def __init__(self, *others: int, num_processes: int = 2):
+        self.others = list(others)
+        self.num_processes = num_processes
+        self.calls = 0
+
+    def all_reduce_max(self, values):
+        self.calls += 1
+        return [max(mine, theirs) for mine, theirs in zip(values, self.others)]
+
+
+def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, **settings_):
+    return Scheduler(layout=layout, attention=attention, workload=WorkloadModel.default(layout, attention),
+                     group=group, **settings_)
+
+
+# ---- layout ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "layout, attention, expected",
+    [
+        ("auto", "flash_attention_2", "padding_free"),
+        ("auto", "flash_attention_3", "padding_free"),
+        ("auto", "sdpa", "padded"),
+        ("auto", "eager", "padded"),
+        ("auto", None, "padded"),
+        ("padded", "flash_attention_2", "padded"),
+        ("padding_free", "sdpa", "padding_free"),
+    ],
+)
+def test_resolve_packing_layout(layout, attention, expected):
+    assert resolve_layout(layout, attention)[0] == expected
+
+
+def test_resolve_packing_layout_rejects_unknown_layouts():
+    with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
+        resolve_layout("packed", "sdpa")
+
+
+@pytest.mark.parametrize(
+    "layout, attn, expected",
+    [
+        ("auto", "flash_attention_2", ("padding_free", "varlen")),
+        ("padding_free", "kernels-community/flash-attn3", ("padding_free", "varlen")),
+        ("padding_free", "sdpa", ("padding_free", "dense")),  # one packed row pays a dense mask on sdpa
+        ("padded", "flash_attention_2", ("padded", "dense")),
+        ("auto", "eager", ("padded", "dense")),
+    ],
+)
+def test_attention_kind_follows_layout_and_kernel(layout, attn, expected):
+    assert resolve_layout(layout, attn) == expected
+
+
+def test_from_args_reads_the_config_and_the_model():
+    args = SimpleNamespace(packing_layout="auto", pad_to_multiple_of=8, oversize_policy="error",
+                           max_tokens_per_microbatch=512, max_tokens_per_microbatch_logprob=None)
+    model_config = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    built = Scheduler.from_args(args, "flash_attention_2", model_config)
+    assert (built.layout, built.attention, built.pad_to_multiple_of, built.oversize_policy) == (
+        "padding_free", "varlen", 8, "error")
+    assert built.workload == WorkloadModel.from_model_config(model_config, layout="padding_free", attention="varlen")
+    assert Scheduler.from_args(args, "sdpa").workload == WorkloadModel.default(layout="padded", attention="dense")
+
+
+# ---- budget ------------------------------------------------------------------------------------------------
+def test_training_budget_is_the_setting_or_stocks_own_microbatch():
+    assert scheduler().budget(3000) == 3000
+    assert scheduler(max_tokens_per_microbatch=1024).budget(3000) == 1024
+
+
+def test_logprob_budget_is_its_setting_or_twice_the_training_budget():
+    assert scheduler().budget(3000, "logprob") == 6000
+    assert scheduler(max_tokens_per_microbatch=1024).budget(3000, "logprob") == 2048
+    assert scheduler(max_tokens_per_microbatch=1024, max_tokens_per_microbatch_logprob=700).budget(3000, "logprob") == 700
+    with pytest.raises(ValueError, match="kind must be one of 'training', 'logprob'"):
+        scheduler().budget(3000, "eval")
+
+
+def test_stock_microbatch_is_rows_times_longest_prompt_plus_longest_completion():
+    assert stock_microbatch_tokens(4, [10, 3], [1, 50]) == 4 * 60
+    assert stock_microbatch_tokens(2, [10, 3], [1, 50], pad_to_multiple_of=8) == 2 * (16 + 56)
+
+
+# ---- lockstep ----------------------------------------------------------------------------------------------
+def test_one_process_runs_the_passes_it_needs():
+    schedule = scheduler(layout="padding_free").plan([30, 30, 30, 30], 60)
+    assert schedule.passes == schedule.passes_needed == 2
+    assert schedule.dummy_passes == 0
+    assert sorted(i for group in schedule.microbatches for i in group) == [0, 1, 2, 3]
+
+
+def test_a_lighter_process_runs_as_many_passes_as_the_busiest():
+    group = OtherProcesses(5, 0)
+    schedule = scheduler(layout="padding_free", group=group).plan([30, 30, 30, 30], 60)
+    assert group.calls == 1  # one all-reduce per schedule, whatever happens
+    assert schedule.passes_needed == 2 and schedule.passes == 5
+    assert schedule.dummy_passes == 1  # four samples spread over four passes, the fifth is empty
+    assert schedule.microbatches[-1] == []
+
+
+def test_a_process_without_samples_runs_only_dummy_passes():
+    schedule = scheduler(group=OtherProcesses(3, 0)).plan([], 60)
+    assert schedule.microbatches == [[], [], []]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=40),
+    budget=st.integers(1, 600),
+    others=st.integers(0, 50),
+    layout=st.sampled_from(["padding_free", "padded"]),
+    pad=st.sampled_from([None, 1, 8]),
+)
+def test_schedule_invariants(lengths, budget, others, layout, pad):
+    attention = "dense" if layout == "padded" else "varlen"
+    schedule = scheduler(layout, attention, OtherProcesses(others, 0), pad_to_multiple_of=pad).plan(lengths, budget)
+    assert schedule.passes == max(schedule.passes_needed, others, 1)
+    assert sorted(i for group in schedule.microbatches for i in group) == list(range(len(lengths)))
+    for group in schedule.microbatches:
+        if len(group) > 1 or (group and group[0] not in schedule.oversize):
+            assert microbatch_tokens([lengths[i] for i in group], layout, pad) <= budget
+    for index in schedule.oversize:
+        assert [index] in schedule.microbatches  # a sequence over the budget runs alone
+        assert microbatch_tokens([lengths[index]], layout, pad) > budget
+
+
+# ---- oversize ----------------------------------------------------------------------------------------------
+def test_oversize_warn_runs_a_long_sequence_alone_and_says_so():
+    schedule = scheduler().plan([10, 500, 20], 100)
+    assert schedule.oversize == [1] and [1] in schedule.microbatches
+    message = Scheduler.oversize_warning(1, 500, 100)
+    assert "1 sequence(s) longer than the token budget (100 tokens; longest 500)" in message
+    assert "max_tokens_per_microbatch" in message
+
+
+def test_oversize_error_names_the_sequence_the_budget_and_the_fix():
+    with pytest.raises(OversizeSequenceError) as raised:
+        scheduler(oversize_policy="error").plan([10, 500, 20], 100)
+    message = str(raised.value)
+    assert "sequence 1 of this process's step has 500 tokens" in message
+    assert "max_tokens_per_microbatch=100" in message and "max_tokens_per_microbatch to >= 500" in message
+
+
+def test_oversize_error_names_the_logprob_setting_for_no_grad_passes():
+    with pytest.raises(OversizeSequenceError, match="max_tokens_per_microbatch_logprob=100"):
+        scheduler(oversize_policy="error").plan([10, 500], 100, kind="logprob")
+
+
+def test_oversize_on_another_process_stops_this_one_too():
+    # This process's samples fit; another process holds a 900-token sequence: every process raises.
+    with pytest.raises(OversizeSequenceError) as raised:
+        scheduler(oversize_policy="error", group=OtherProcesses(1, 900)).plan([10, 20], 100)
+    assert "a sequence on another process has 900 tokens" in str(raised.value)
+    assert ">= 900" in str(raised.value)
+
+
+# ---- the planner simulates exactly what training runs -----------------------------------------------------------
+@pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
+def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
+    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes."""
+    import json
+
+    import numpy as np
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz import trainer as trainer_module
+    from hf_dynbsz.cli import main
+    from hf_dynbsz.testing import ScriptedRollout, run_training, save_tiny_model
+
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    batches, schedules = [], []
+    from_slices = trainer_module.StepBatch.from_slices.__func__
+
+    def recording_from_slices(cls, window):
+        batches.append(from_slices(cls, window))
+        return batches[-1]
+
+    monkeypatch.setattr(trainer_module.StepBatch, "from_slices", classmethod(recording_from_slices))
+
+    class Recording(DynamicBatchGRPOTrainer):
+        def _setup_dynamic_batching(self):
+            super()._setup_dynamic_batching()
+            inner = self._dynbsz_scheduler
+
+            class RecordingScheduler:
+                def __getattr__(self, name):
+                    return getattr(inner, name)
+
+                def plan(self, lengths, budget_, kind="training"):
+                    schedule = inner.plan(lengths, budget_, kind)
+                    if kind == "training":
+                        schedules.append(schedule)
+                    return schedule
+
+            self._dynbsz_scheduler = RecordingScheduler()
+
+    rollout = ScriptedRollout(lambda rng, n: rng.integers(1, 41, n), lambda rng: rng.integers(2, 21),
+                              max_completion_length=40, seed=6, token_low=3, token_high=7, eos_id=1)
+    settings_ = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                     max_completion_length=40, max_steps=4, packing_layout=layout, max_tokens_per_microbatch=budget)
+    run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "out"),
+                 trainer_kwargs={"rollout_func": rollout}, **settings_)
+    assert len(batches) == len(schedules) == 4
+    pairs = [[int(p), int(c)] for batch in batches
+             for p, c in zip(batch.table.prompt_lengths, batch.table.completion_lengths)]
+    (tmp_path / "lengths.json").write_text(json.dumps(pairs))
+
+    options = ["plan", "--lengths", str(tmp_path / "lengths.json"), "--json", "--model_config", model_dir,
+               "--attn_implementation", "sdpa"]
+    for name, value in settings_.items():
+        if value is not None and name != "max_steps":
+            options += [f"--{name}", str(value)]
+
+    def simulate(arguments):
+        with open(tmp_path / "plan.json", "w") as handle:
+            monkeypatch.setattr("sys.stdout", handle)
+            assert main(arguments) == 0
+        monkeypatch.undo()
+        return json.loads((tmp_path / "plan.json").read_text())["steps"]
+
+    simulated = simulate(options)
+    assert [step["budget"] for step in simulated] == [schedule.budget for schedule in schedules]
+    assert [step["microbatches"] for step in simulated] == [schedule.microbatches for schedule in schedules]
+    assert any(len(schedule.microbatches) > 1 for schedule in schedules)  # the steps were really cut up
+    assert np.unique([schedule.budget for schedule in schedules]).size >= (1 if budget else 2)
+    if layout == "padded" and budget is None:
+        # These passes depend on the model's workload: a planner balancing for another model would differ.
+        generic = simulate([option for option in options if option not in ("--model_config", model_dir)])
+        assert [step["microbatches"] for step in generic] != [schedule.microbatches for schedule in schedules]
