@@ -291,7 +291,7 @@ def run_worker(spec: dict) -> dict:
     )
     num_params = sum(p.numel() for p in model.parameters())
     mix, max_len = spec["mix"], spec["max_completion_length"]
-    rollout = ScriptedRollout(lambda rng, n: completion_lengths(mix, n, max_len, rng),
+    rollout = ScriptedRollout(lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
                               lambda rng: prompt_lengths(mix, 1, rng)[0], max_completion_length=max_len,
                               seed=spec["seed"], token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
     samples_per_round = spec["batch_size"] * spec["steps_per_generation"]

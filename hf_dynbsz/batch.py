@@ -21,9 +21,11 @@ from .packing import SequenceTable
 
 __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
 
-#: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence).
-PER_TOKEN_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
-                  "importance_sampling_ratio")
+#: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence), and
+#: the value that pads a row past its completion: neutral where TRL sums over all columns (vespo sums the log of
+#: the importance ratio over the row, and TRL's own ratio is 1 past the completion mask).
+PER_TOKEN_KEYS = {"old_per_token_logps": 0.0, "ref_per_token_logps": 0.0, "sampling_per_token_logps": 0.0,
+                  "importance_sampling_ratio": 1.0}
 
 
 def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -50,8 +52,9 @@ class SampleRows:
 class StepBatch:
     """The samples of one optimizer step on one device (stock's slices flattened, in slice order).
 
-    ``loss_mask`` is ``completion_mask x tool_mask``; ``slice_ids`` (samples,) and ``slice_rows`` (slices,) say
-    which stock slice each sample came from and how many rows each slice has; ``num_items`` is the
+    ``loss_mask`` is ``completion_mask x tool_mask``; ``slice_ids`` (samples,) and ``slice_rows`` (slices of all
+    processes; other processes' entries are 0) say which stock slice each sample came from and how many rows each
+    slice has; ``num_items`` is the
     ``num_items_in_batch`` (global loss tokens of the generation round) each sample's slice saw.
     ``stock_microbatch_tokens`` is the token positions of stock's largest slice (rows x padded width) and
     ``stock_computed_tokens`` those of all slices together. ``policy_weights``/``entropy_weights`` (float64,
@@ -72,8 +75,12 @@ class StepBatch:
     entropy_weights: torch.Tensor | None = None
 
     @classmethod
-    def from_slices(cls, window: list[dict]) -> StepBatch:
-        """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``)."""
+    def from_slices(cls, window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
+        """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``) of process ``rank``.
+
+        Slices are numbered across processes (slice ``s`` of process ``p`` is ``p * slices + s``), so that a sample
+        that moves to another process (cross-rank balancing) still says which stock slice it belongs to.
+        """
         width = max(inputs["completion_ids"].size(1) for inputs in window)
         keys = [key for key in PER_TOKEN_KEYS if window[0].get(key) is not None]
         tables, masks, advantages, slice_ids, num_items = [], [], [], [], []
@@ -91,17 +98,20 @@ class StepBatch:
             adv = inputs["advantages"]
             advantages.append(_pad_columns(adv, width) if adv.dim() == 2 else adv)
             for key in keys:
-                per_token[key].append(inputs[key] if inputs[key].size(1) == 1 else _pad_columns(inputs[key], width))
-            slice_ids.append(torch.full((rows,), slice_id, dtype=torch.long))
+                values = inputs[key]
+                per_token[key].append(values if values.size(1) == 1 else _pad_columns(values, width, PER_TOKEN_KEYS[key]))
+            slice_ids.append(torch.full((rows,), rank * len(window) + slice_id, dtype=torch.long))
             num_items.append(inputs["num_items_in_batch"].detach().float().cpu().expand(rows))
             slice_tokens.append(rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)))
+        slice_rows = torch.zeros(num_processes * len(window), dtype=torch.long)
+        slice_rows[rank * len(window) : (rank + 1) * len(window)] = torch.tensor([len(ids) for ids in slice_ids])
         return cls(
             table=SequenceTable.concat(tables),
             loss_mask=torch.cat(masks),
             advantages=torch.cat(advantages),
             per_token={key: torch.cat(values) for key, values in per_token.items()},
             slice_ids=torch.cat(slice_ids),
-            slice_rows=torch.tensor([inputs["completion_ids"].size(0) for inputs in window]),
+            slice_rows=slice_rows,
             num_items=torch.cat(num_items),
             stock_microbatch_tokens=max(slice_tokens),
             stock_computed_tokens=sum(slice_tokens),
@@ -144,4 +154,72 @@ class StepBatch:
             policy_weights=self.policy_weights.to(device)[index],
             entropy_weights=self.entropy_weights.to(device)[index],
             slice_ids=self.slice_ids.to(device)[index],
+        )
+
+    # ---- moving samples between processes (cross-rank balancing) --------------------------------------------
+
+    def _row_fields(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, per token?) of every per-sample row, in record order (the same on every process)."""
+        fields = [("loss_mask", self.loss_mask, True), ("advantages", self.advantages, self.advantages.dim() == 2)]
+        fields += [(key, tensor, tensor.size(1) > 1) for key, tensor in self.per_token.items()]
+        if self.high_entropy is not None:
+            fields.append(("high_entropy", self.high_entropy, True))
+        return fields
+
+    def record_size(self, prompt_length: int, completion_length: int) -> int:
+        """Values in the record of a sample with these lengths: its tokens, its rows up to its completion
+        length, and slice id, items, policy and entropy weights."""
+        per_token = sum(1 for _, _, is_per_token in self._row_fields() if is_per_token)
+        return prompt_length + completion_length + per_token * completion_length + (
+            len(self._row_fields()) - per_token) + 4
+
+    def records(self) -> list[torch.Tensor]:
+        """One float64 record per sample (everything that belongs to it), exact for ids, masks, fp32 and fp64."""
+        records = []
+        for i, tokens in enumerate(self.table.tokens):
+            length = int(self.table.completion_lengths[i])
+            pieces = [tokens.double()]
+            for _, tensor, is_per_token in self._row_fields():
+                pieces.append(tensor[i, :length].double() if is_per_token else tensor[i].reshape(1).double())
+            pieces.append(torch.stack([self.slice_ids[i].double(), self.num_items[i].double(),
+                                       self.policy_weights[i].double(), self.entropy_weights[i].double()]).to(
+                tokens.device))
+            records.append(torch.cat([piece.to(tokens.device) for piece in pieces]))
+        return records
+
+    def from_records(self, records: list[torch.Tensor], shapes: list[tuple[int, int]]) -> StepBatch:
+        """A batch of the samples in ``records`` (lengths ``shapes``), laid out like this one (same fields)."""
+        width = max([completion for _, completion in shapes] + [1])
+        fields = self._row_fields()
+        rows = {name: [] for name, _, _ in fields}
+        tokens, extras = [], []
+        for record, (prompt, completion) in zip(records, shapes):
+            tokens.append(record[: prompt + completion].long())
+            offset = prompt + completion
+            for name, tensor, is_per_token in fields:
+                size = completion if is_per_token else 1
+                value = record[offset : offset + size]
+                if is_per_token:
+                    pad = PER_TOKEN_KEYS.get(name, 0.0)
+                    value = torch.cat([value, value.new_full((width - completion,), pad)])
+                rows[name].append(value.to(tensor.dtype))
+                offset += size
+            extras.append(record[offset : offset + 4])
+        stacked = {name: torch.stack(values) for name, values in rows.items()}
+        extras = torch.stack(extras).cpu()
+        advantages = stacked["advantages"]
+        return StepBatch(
+            table=SequenceTable(tokens=tokens, prompt_lengths=torch.tensor([p for p, _ in shapes]),
+                                completion_lengths=torch.tensor([c for _, c in shapes])),
+            loss_mask=stacked["loss_mask"],
+            advantages=advantages if self.advantages.dim() == 2 else advantages.squeeze(1),
+            per_token={key: stacked[key] for key in self.per_token},
+            slice_ids=extras[:, 0].long(),
+            slice_rows=self.slice_rows,
+            num_items=extras[:, 1].float(),
+            stock_microbatch_tokens=self.stock_microbatch_tokens,
+            stock_computed_tokens=self.stock_computed_tokens,
+            high_entropy=stacked.get("high_entropy"),
+            policy_weights=extras[:, 2],
+            entropy_weights=extras[:, 3],
         )

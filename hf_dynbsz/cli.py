@@ -17,6 +17,7 @@ Invalid settings exit with status 2 and the validation message on stderr (no tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .partition import token_lower_bound
-from .schedule import Scheduler, StepSchedule, resolve_layout, stock_microbatch_tokens
+from .schedule import Scheduler, StepSchedule, resolve_layout, simulate_processes, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
 
@@ -208,7 +209,7 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
     for number, step in enumerate(steps, start=1):
         schedule = step.schedule
         count, bound = schedule.passes, token_lower_bound(step.lengths, schedule.budget)
-        dynamic = sum(schedule.computed_tokens(step.lengths, scheduler.layout, pad))
+        dynamic = sum(schedule.computed_tokens(scheduler.layout, pad))
         stock, real, capacity = len(step.lengths) * step.stock_row_tokens, sum(step.lengths), count * schedule.budget
         rows.append((str(number) + ("*" if step.partial else ""), str(len(step.lengths)), str(real),
                      str(schedule.budget), str(count), str(bound), f"{real / capacity:.1%}" if capacity else "-",
@@ -253,6 +254,95 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         notes.append("warning: " + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
                      + " (oversize_policy='warn')")
     return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+
+
+@dataclass
+class SimulatedRound:
+    """One optimizer step of ``--lengths`` over several processes, with and without cross-rank balancing."""
+
+    lengths: list[list[int]]  # per process, prompt + completion tokens per sample
+    stock_tokens: int  # token positions stock TRL's padded micro-batches compute, all processes
+    balanced: list[StepSchedule]  # per process, balance_across_ranks on
+    unbalanced: list[StepSchedule]  # per process, balance_across_ranks off
+    partial: bool
+
+
+def simulate_processes_steps(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) -> list[SimulatedRound]:
+    """Like :func:`simulate_steps` for ``plan.num_processes`` processes: each optimizer step takes
+    ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples, process 0's first, and
+    is scheduled as every process would schedule it, with and without cross-rank balancing."""
+    per_process, processes = plan.per_device_samples_per_optimizer_step, plan.num_processes
+    rounds = []
+    for start in range(0, len(lengths), per_process * processes):
+        step = lengths[start : start + per_process * processes]
+        parts = [step[p * per_process : (p + 1) * per_process] for p in range(processes)]
+        parts = [part for part in parts if part]
+        totals = [[total for total, _ in part] for part in parts]
+        prompts = [[prompt or 0 for _, prompt in part] for part in parts]
+        rows = [stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
+                for ts, p in zip(totals, prompts)]
+        budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
+        schedules = {}
+        for balance in (True, False):
+            planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
+            results = simulate_processes(planner, totals, budgets, prompts)
+            errors = [result for result in results if isinstance(result, Exception)]
+            if errors:
+                raise errors[0]
+            schedules[balance] = results
+        stock = sum(len(ts) * row for ts, row in zip(totals, rows))
+        rounds.append(SimulatedRound(totals, stock, schedules[True], schedules[False],
+                                     len(step) < per_process * processes))
+    return rounds
+
+
+def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -> str:
+    """The table of :func:`simulate_processes_steps`: passes and rank imbalance without and with balancing."""
+    header = ("step", "samples", "real tokens", "budget", "passes (no balancing)", "passes (balanced)",
+              "rank imbalance (no balancing)", "rank imbalance (balanced)", "samples moved", "computed tokens",
+              "stock tokens")
+    rows = []
+    for number, step in enumerate(rounds, start=1):
+        active = step.balanced if scheduler.balance_across_ranks else step.unbalanced
+        balance = step.balanced[0].balance
+        computed = sum(sum(s.computed_tokens(scheduler.layout, plan.pad_to_multiple_of)) for s in active)
+        rows.append((str(number) + ("*" if step.partial else ""), str(sum(map(len, step.lengths))),
+                     str(sum(map(sum, step.lengths))), str(active[0].budget), str(step.unbalanced[0].passes),
+                     str(step.balanced[0].passes), f"{balance.imbalance_before:.2f}", f"{balance.imbalance_after:.2f}",
+                     str(step.balanced[0].samples_moved), str(computed), str(step.stock_tokens)))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+
+    note = (
+        f"Simulated {sum(sum(map(len, r.lengths)) for r in rounds)} samples over {plan.num_processes} processes, "
+        f"{plan.per_device_samples_per_optimizer_step} per process per optimizer step (process 0's first in each "
+        f"step); layout: {scheduler.layout}; balance_across_ranks: {'on' if scheduler.balance_across_ranks else 'off'} "
+        "(computed tokens follow it). rank imbalance = largest per-process cost over the mean (workload model); "
+        "passes = passes every process runs per step (the busiest process's count)."
+    )
+    notes = [textwrap.fill(note, width=110, break_on_hyphens=False)]
+    if any(step.partial for step in rounds):
+        notes.append("* partial optimizer step (fewer samples than a full step).")
+    return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+
+
+def processes_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
+    """``--json`` with several processes: per step, each process's micro-batches with and without balancing."""
+    return [{
+        "lengths": step.lengths,
+        "budget": step.balanced[0].budget,
+        "passes_without_balancing": step.unbalanced[0].passes,
+        "passes": step.balanced[0].passes,
+        "rank_imbalance_before": step.balanced[0].balance.imbalance_before,
+        "rank_imbalance_after": step.balanced[0].balance.imbalance_after,
+        "samples_moved": step.balanced[0].samples_moved,
+        "processes": [{"lengths": s.lengths, "microbatches": s.microbatches} for s in step.balanced],
+        "processes_without_balancing": [{"lengths": s.lengths, "microbatches": s.microbatches}
+                                        for s in step.unbalanced],
+        "partial": step.partial,
+    } for step in rounds]
 
 
 def simulation_as_dict(steps: list[SimulatedStep]) -> list[dict[str, Any]]:
@@ -364,16 +454,23 @@ def _run_plan(argv: list[str]) -> int:
             model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
             scheduler = Scheduler.from_args(namespace, attn_implementation or "sdpa", model_config)
-            steps = simulate_steps(plan, scheduler, lengths)
+            if plan.num_processes > 1:
+                steps = simulate_processes_steps(plan, scheduler, lengths)
+            else:
+                steps = simulate_steps(plan, scheduler, lengths)
         if namespace.json:
             document = {"plan": plan.as_dict()}
             if steps is not None:
                 document["layout"] = scheduler.layout
-                document["steps"] = simulation_as_dict(steps)
+                multi = plan.num_processes > 1
+                document["steps"] = processes_as_dict(steps) if multi else simulation_as_dict(steps)
             print(json.dumps(document, indent=1))
             return 0
         print(plan.render())
-        if steps is not None:
+        if steps is not None and plan.num_processes > 1:
+            print()
+            print(render_processes(plan, scheduler, steps))
+        elif steps is not None:
             layout_note = ""
             if namespace.packing_layout == "auto":
                 layout_note = f" (packing_layout auto, attn_implementation {attn_implementation or 'sdpa (default)'})"

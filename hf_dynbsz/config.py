@@ -42,6 +42,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     tensor_batch_size: int | None = _field("tensor_batch_size")
     oversize_policy: str = _field("oversize_policy")
     packing_layout: str = _field("packing_layout")
+    balance_across_ranks: bool = _field("balance_across_ranks")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.

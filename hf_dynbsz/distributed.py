@@ -1,13 +1,22 @@
 """The collectives of the schedule over ``torch.distributed`` (torch layer).
 
 :class:`ProcessGroup` implements :class:`hf_dynbsz.schedule.RankGroup` for a run under ``accelerate launch``
-(NCCL on GPUs, gloo on CPU); on one process it does no communication.
+(NCCL on GPUs, gloo on CPU; on one process it does no communication) and moves samples as a balanced
+:class:`~hf_dynbsz.schedule.Exchange` says: each sample travels as one flat float64 record (ids, masks, fp32 and
+fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and NCCL both
+support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+
+from .batch import StepBatch
+from .packing import SequenceTable
+from .schedule import Exchange
 
 __all__ = ["ProcessGroup"]
 
@@ -17,6 +26,7 @@ class ProcessGroup:
 
     def __init__(self, accelerator) -> None:
         self.num_processes = accelerator.num_processes
+        self.rank = accelerator.process_index
         self.device = accelerator.device
 
     @property
@@ -29,3 +39,80 @@ class ProcessGroup:
         tensor = torch.tensor(values, dtype=torch.long, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        if not self._distributed:
+            return [list(values)]
+        size = torch.tensor([len(values)], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
+        dist.all_gather(sizes, size)
+        sizes = [int(s) for s in sizes]
+        padded = torch.zeros(max(sizes), dtype=torch.long, device=self.device)
+        padded[: len(values)] = torch.tensor(values, dtype=torch.long)
+        gathered = [torch.empty_like(padded) for _ in range(self.num_processes)]
+        dist.all_gather(gathered, padded)
+        return [tensor[:size].tolist() for tensor, size in zip(gathered, sizes)]
+
+    def send_to_runners(self, records: list[torch.Tensor], exchange: Exchange,
+                        size: Callable[[int, int], int]) -> list[torch.Tensor]:
+        """This process's records (one per sample, local order) to the processes that run them.
+
+        Returns the records of the samples this process runs, in :attr:`Exchange.incoming` order. ``size(prompt,
+        completion)`` is the length of a record.
+        """
+        outgoing = [[records[i] for i in indices] for indices in exchange.outgoing]
+        incoming = [[size(*exchange.shapes[origin][i]) for i, target in enumerate(targets) if target == self.rank]
+                    for origin, targets in enumerate(exchange.destination)]
+        return [record for from_one in self._all_to_all(outgoing, incoming) for record in from_one]
+
+    def send_to_owners(self, records: list[torch.Tensor], exchange: Exchange,
+                       size: Callable[[int, int], int]) -> list[torch.Tensor]:
+        """The reverse of :meth:`send_to_runners`: results of the samples this process ran, back to their owners.
+
+        ``records`` are in :attr:`Exchange.incoming` order; returns one record per own sample, in local order.
+        """
+        by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.num_processes)]
+        for record, (origin, _) in zip(records, exchange.incoming):
+            by_owner[origin].append(record)
+        own_shapes = exchange.shapes[self.rank]
+        expected = [[size(*own_shapes[i]) for i in indices] for indices in exchange.outgoing]
+        received = self._all_to_all(by_owner, expected)
+        result: list[torch.Tensor | None] = [None] * len(own_shapes)
+        for indices, from_one in zip(exchange.outgoing, received):
+            for i, record in zip(indices, from_one):
+                result[i] = record
+        return result
+
+    def move_batch(self, batch: StepBatch, exchange: Exchange) -> StepBatch:
+        """The training samples this process runs, each with everything that belongs to it."""
+        records = self.send_to_runners(batch.records(), exchange, batch.record_size)
+        return batch.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
+
+    def move_table(self, table: SequenceTable, exchange: Exchange) -> SequenceTable:
+        """The samples (token ids) of a no-grad pass this process runs."""
+        records = self.send_to_runners([tokens.double() for tokens in table.tokens], exchange, lambda p, c: p + c)
+        shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
+        return SequenceTable(tokens=[record.long() for record in records],
+                             prompt_lengths=torch.tensor([p for p, _ in shapes]),
+                             completion_lengths=torch.tensor([c for _, c in shapes]))
+
+    def return_rows(self, rows: list[torch.Tensor], exchange: Exchange, width: int, k: int) -> torch.Tensor:
+        """Per-token results of the samples this process ran (``rows``: one ``(k, completion)`` tensor each, in
+        :attr:`Exchange.incoming` order) back to their owners: ``(own samples, k, width)``, zero past each completion."""
+        own = self.send_to_owners([row.double().reshape(-1) for row in rows], exchange, lambda p, c: k * c)
+        result = torch.zeros(len(own), k, width, dtype=torch.float32, device=self.device)
+        for i, record in enumerate(own):
+            values = record.view(k, -1)
+            result[i, :, : values.size(1)] = values.float()
+        return result
+
+    def _all_to_all(self, outgoing: list[list[torch.Tensor]], incoming_sizes: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Send ``outgoing[p]`` (1-D float64 records) to process ``p``; receive records of ``incoming_sizes[p]``."""
+        send = [torch.cat(records) if records else torch.zeros(0, dtype=torch.float64, device=self.device)
+                for records in outgoing]
+        send_splits = [int(part.numel()) for part in send]
+        receive_splits = [sum(sizes) for sizes in incoming_sizes]
+        received = torch.empty(sum(receive_splits), dtype=torch.float64, device=self.device)
+        dist.all_to_all_single(received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits)
+        parts = received.split(receive_splits)
+        return [list(part.split(sizes)) if sizes else [] for part, sizes in zip(parts, incoming_sizes)]

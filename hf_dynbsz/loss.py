@@ -263,6 +263,7 @@ class EntropyBonus:
     """
 
     def __init__(self, trainer, num_slices: int, device) -> None:
+        """``num_slices``: the stock slices of the optimizer step over all processes."""
         adaptive_off = trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target
         self.coef = 0.0 if adaptive_off else trainer.entropy_coef
         self.slice_policy_loss = torch.zeros(num_slices, device=device, dtype=torch.float64)
@@ -282,9 +283,10 @@ class EntropyBonus:
         """Stock's bookkeeping at the optimizer-step boundary: ``policy_loss`` per slice, the adaptive controller."""
         metrics, args = trainer._metrics["train"], trainer.args
         # stock logs, per slice, its policy loss (before the /GA of the sequence-normalised types), averaged over ranks
+        # Slices are numbered across processes (a balanced sample may run elsewhere): one sum gives every process's.
         scale = 1.0 if trainer.loss_type in GLOBAL_TOKEN_LOSSES else float(gradient_accumulation_steps)
-        gathered = trainer.accelerator.gather((self.slice_policy_loss * scale).float())
-        for value in gathered.view(-1, len(self.slice_policy_loss)).nanmean(0):
+        totals = trainer.accelerator.reduce(self.slice_policy_loss * scale, reduction="sum")
+        for value in totals.float().view(trainer.accelerator.num_processes, -1).nanmean(0):
             metrics["policy_loss"].append(value.item())
         if trainer.use_adaptive_entropy:
             totals = trainer.accelerator.reduce(self.entropy_stats, reduction="sum")

@@ -77,7 +77,9 @@ class StepMetrics:
         alone needed, ``microbatches_max_over_ranks`` passes every process ran, ``dummy_passes``, tokens per
         pass (mean, max), ``budget_tokens`` and ``budget_utilization`` (real tokens / (passes x budget)), and over
         all processes ``padding_fraction``, ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed
-        slices compute for the same samples).
+        slices compute for the same samples); with cross-rank balancing ``rank_imbalance_before`` and
+        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
+        ``samples_moved``.
         """
         names = sorted(self.sums)
         local = [value for name in names for value in (self.sums[name], self.counts[name])]
@@ -107,3 +109,7 @@ class StepMetrics:
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
         store["dynbsz/computed_tokens"].append(computed_all)
         store["dynbsz/stock_computed_tokens"].append(stock_all)
+        if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
+            store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
+            store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
+            store["dynbsz/samples_moved"].append(float(schedule.samples_moved))

@@ -87,6 +87,7 @@ __all__ = [
     "WorkloadModel",
     "round_up",
     "microbatch_tokens",
+    "item_costs",
     "oversize_error",
     "oversize_indices",
     "token_lower_bound",
@@ -319,6 +320,25 @@ def oversize_indices(lengths: Lengths, max_tokens: int, layout: str = "padding_f
                      pad_to_multiple_of: int | None = None) -> list[int]:
     """Indices (ascending) of the sequences that alone exceed ``max_tokens`` as :func:`microbatch_tokens` counts."""
     return _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of).oversize_indices.tolist()
+
+
+def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention: str = "varlen",
+               pad_to_multiple_of: int | None = None) -> np.ndarray:
+    """The cost of each sequence as the balancing sees it: the weight that partitions (and ranks) even out.
+
+    * padding_free + ``"varlen"``: ``linear * L + quad * L**2`` (each sequence attends only to itself);
+    * padding_free + ``"dense"``: ``L``; one row costs ``linear * T + quad * T**2``, increasing in its tokens
+      ``T``, so even tokens are even cost;
+    * padded: a row of ``R = round_up(L)`` tokens, ``linear * R + quad * R**2`` (similar lengths share a
+      micro-batch, so a row costs about its own padded length).
+    """
+    values = _validate_lengths(lengths).astype(np.float64)
+    if layout == "padded":
+        multiple = pad_to_multiple_of or 1
+        values = -(-values // multiple) * multiple
+    elif attention == "dense":
+        return values
+    return workload.linear_weight * values + workload.quadratic_weight * values * values
 
 
 def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
@@ -879,12 +899,7 @@ def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: Work
     n = int(sizes.size)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    if attention == "dense":
-        # One packed row costs linear*T + quad*T**2, increasing in its tokens T: even tokens = even cost.
-        weights = sizes.astype(np.float64)
-    else:
-        as_float = sizes.astype(np.float64)
-        weights = workload.linear_weight * as_float + workload.quadratic_weight * as_float * as_float
+    weights = item_costs(sizes, "padding_free", workload, attention)
 
     # Spreading everything by cost leaves every bin with a similar sliver of free room; that rarely works
     # when the free room left in total (slack) is small next to the shortest sequences, so large batches
@@ -950,7 +965,7 @@ def _balanced_padded_assignment(problem: _Problem, num_bins: int, workload: Work
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     capacity = problem.capacity
-    row_cost = (workload.linear_weight * sizes + workload.quadratic_weight * sizes.astype(np.float64) ** 2).tolist()
+    row_cost = item_costs(sizes, "padded", workload).tolist()  # sizes are rounded already
     row_cap = (capacity // sizes).tolist()
     target_runs = min(num_bins, n)
 

@@ -306,6 +306,7 @@ class BatchSizePlan:
     pad_to_multiple_of: int | None
     dynamic_batching: bool
     oversize_policy: str
+    balance_across_ranks: bool
     #: "auto", "padding_free" or "padded"
     layout: str
     #: DeepSpeed ZeRO stage; None = no DeepSpeed
@@ -410,6 +411,7 @@ class BatchSizePlan:
             pad_to_multiple_of=_coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None)),
             dynamic_batching=dynamic.dynamic_batching,
             oversize_policy=dynamic.oversize_policy,
+            balance_across_ranks=dynamic.balance_across_ranks,
             layout=layout if layout is not None else dynamic.packing_layout,
             zero_stage=zero_stage,
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
@@ -627,6 +629,12 @@ class BatchSizePlan:
                 self.oversize_policy,
                 "-",
                 setting("oversize_policy").summary,
+            ),
+            (
+                "balance_across_ranks",
+                ("on" if self.balance_across_ranks else "off") + (" (1 process)" if n == 1 else ""),
+                "-",
+                setting("balance_across_ranks").summary if n > 1 else "no-op on one process",
             ),
             (
                 "DeepSpeed ZeRO stage",

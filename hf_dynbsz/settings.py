@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .balance import MIN_RELATIVE_GAIN
+
 __all__ = ["SETTINGS", "Setting", "DEFAULTS", "ENV_SETTINGS", "setting", "markdown_tables", "update_readme"]
 
 #: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
@@ -42,7 +44,7 @@ class Setting:
     kind: str
     unit: str  # "-" when the setting has no unit
     summary: str  # one line: the plan table's "meaning" column
-    help: str  # the full text: config help, CLI help, README
+    help: str  # the full text: config help, CLI help (argparse: no percent signs), README
     env: str | None = None  # the DIFFU_* variable that overrides it
     expected: str = ""
     fix: str = ""
@@ -158,6 +160,22 @@ SETTINGS: tuple[Setting, ...] = (
         "micro-batch padded only to its own longest row), or 'auto': padding_free with flash_attention_2/3-style "
         "varlen kernels, padded otherwise.",
         fix="'auto' packs rows padding-free with flash_attention_2/3 and pads otherwise.",
+    ),
+    Setting(
+        name="balance_across_ranks",
+        type="bool",
+        default=True,
+        kind="bool",
+        unit="-",
+        summary="move samples between processes so none waits for the busiest (exact)",
+        help="Before each optimizer step's passes (and each no-grad log-prob pass), move whole samples between "
+        "processes so that the largest per-process cost (tokens plus attention, by the partitioner's workload "
+        "model) is as small as possible. Every process all-gathers the sample lengths and computes the same "
+        "assignment; samples move with their advantages, log-probs and loss weights, and no-grad results go back "
+        "to the process that owns the sample, so the training math stays stock's. Skipped for a step when the "
+        f"predicted gain is below {MIN_RELATIVE_GAIN * 100:g} percent of the largest per-process cost; a no-op on "
+        "one process.",
+        expected="true or false",
     ),
     # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.
     Setting(

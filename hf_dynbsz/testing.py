@@ -169,7 +169,8 @@ class RecordingReward:
 class ScriptedRollout:
     """A TRL ``rollout_func`` returning scripted token ids: every trainer sees exactly the same completions.
 
-    Round ``r`` draws its completion lengths with ``completion_lengths(rng, n)`` and its tokens from
+    Round ``r`` draws its completion lengths with ``completion_lengths(rng, n, rank)`` (``rank``: the calling
+    process, so a test can give one process all the long completions) and its tokens from
     ``numpy.random.default_rng([seed, r])``; a prompt's ids depend only on the prompt string (``prompt_length(rng)``
     tokens, seeded by the string). Token ids are drawn from ``[token_low, token_high)``; a completion shorter than
     ``max_completion_length`` ends with ``eos_id`` (finished), one at the cap does not (truncated). ``rounds``
@@ -197,7 +198,8 @@ class ScriptedRollout:
         import numpy as np
 
         rng = np.random.default_rng([self.seed, len(self.rounds)])
-        lengths = [min(max(int(v), 1), self.max_len) for v in self.completion_lengths(rng, len(prompts))]
+        rank = trainer.accelerator.process_index
+        lengths = [min(max(int(v), 1), self.max_len) for v in self.completion_lengths(rng, len(prompts), rank)]
         prompt_ids = [self.prompt_ids(p) for p in prompts]
         completion_ids = []
         for length in lengths:

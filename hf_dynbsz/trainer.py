@@ -161,7 +161,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     def _train_step(self, model, window: list[dict]) -> torch.Tensor:
         """The optimizer step's passes: schedule the step's samples, forward/backward each pass, log once."""
         device, scheduler = self.accelerator.device, self._dynbsz_scheduler
-        batch = StepBatch.from_slices(window)
+        batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
         if self.top_entropy_quantile < 1.0:
             batch.high_entropy = self._high_entropy_mask(model, batch)
         ga = self.current_gradient_accumulation_steps
@@ -170,9 +170,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
             num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
         )
-        lengths = batch.table.lengths.tolist()
-        schedule = scheduler.plan(lengths, scheduler.budget(batch.stock_microbatch_tokens))
-        self._warn_oversize(schedule, lengths, "training")
+        schedule = scheduler.plan(batch.table.lengths.tolist(), scheduler.budget(batch.stock_microbatch_tokens),
+                                  prompt_lengths=batch.table.prompt_lengths.tolist())
+        self._warn_oversize(schedule, "training")
+        if schedule.exchange is not None:  # cross-rank balancing: run the samples this process was given
+            batch = scheduler.group.move_batch(batch, schedule.exchange)
         bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
         metrics, total_loss = StepMetrics(), torch.zeros((), device=device)
         with self.compute_loss_context_manager(), self._tiles():
@@ -197,23 +199,26 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _no_grad_passes(self, model, table: SequenceTable, width: int, compute_entropy: bool, stock_tokens: int):
         """Completion log-probs (and entropies) of every sample of ``table``, ``(samples, width)``, in table order."""
-        scheduler, device = self._dynbsz_scheduler, self.accelerator.device
-        lengths = table.lengths.tolist()
-        schedule = scheduler.plan(lengths, scheduler.budget(stock_tokens, "logprob"), "logprob")
-        self._warn_oversize(schedule, lengths, "logprob")
-        logps = torch.zeros(len(table), width, device=device)
-        entropies = torch.zeros_like(logps) if compute_entropy else None
+        scheduler = self._dynbsz_scheduler
+        schedule = scheduler.plan(table.lengths.tolist(), scheduler.budget(stock_tokens, "logprob"), "logprob",
+                                  prompt_lengths=table.prompt_lengths.tolist())
+        self._warn_oversize(schedule, "logprob")
+        run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
+        columns = max([width, *run.completion_lengths.tolist()])
+        results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
         with self._tiles():
             for group in schedule.microbatches:
                 if not group:
                     self._dummy_pass(model)
                     continue
-                mb_logps, mb_entropies = self._forward(model, self._microbatch(table, group), compute_entropy)
-                columns = min(mb_logps.size(1), width)
-                logps[group, :columns] = mb_logps.float()[:, :columns]
+                logps, entropies = self._forward(model, self._microbatch(run, group), compute_entropy)
+                results[group, 0, : logps.size(1)] = logps.float()
                 if compute_entropy:
-                    entropies[group, :columns] = mb_entropies.float()[:, :columns]
-        return logps, entropies
+                    results[group, 1, : entropies.size(1)] = entropies.float()
+        if schedule.exchange is not None:  # the results go back to the process that owns each sample
+            rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
+            results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
+        return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None
 
     def _microbatch(self, table: SequenceTable, group: list[int]):
         return build_microbatch(table, group, layout=self._dynbsz_scheduler.layout,
@@ -253,10 +258,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         """TRL's fused LM head tiled by ``tensor_batch_size`` (stock's own tile with dynamic_batching off)."""
         return lm_head_tiles(self.args.tensor_batch_size if self.args.dynamic_batching else None)
 
-    def _warn_oversize(self, schedule, lengths, kind: str) -> None:
+    def _warn_oversize(self, schedule, kind: str) -> None:
         if schedule.oversize and kind not in self._dynbsz_warned:
             self._dynbsz_warned.add(kind)
-            longest = max(lengths[i] for i in schedule.oversize)
+            longest = max(schedule.lengths[i] for i in schedule.oversize)
             message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
             warnings.warn(message + " This warning is shown once.", stacklevel=3)
 
@@ -271,7 +276,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         _, entropies = self._no_grad_passes(model, batch.table, batch.width, True, batch.stock_microbatch_tokens)
         high_entropy = torch.zeros_like(batch.loss_mask)
         slice_ids = batch.slice_ids.to(batch.loss_mask.device)
-        for slice_id in range(len(batch.slice_rows)):
+        for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
             rows = (slice_ids == slice_id).nonzero().flatten()
             selected = self.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], 1 - self.top_entropy_quantile)
             high_entropy[rows] = selected.to(batch.loss_mask.dtype)

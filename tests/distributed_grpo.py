@@ -2,6 +2,11 @@
 
 Trains stock GRPOTrainer or DynamicBatchGRPOTrainer from a saved tiny model and writes, from rank 0, the
 final (gathered) parameters, the completions every rank generated, and each rank's dynbsz metrics.
+
+``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
+(18-24 tokens against 1-3 on process 0). ``--mutate`` corrupts, on the process that receives them, the samples
+that cross-rank balancing moved (their advantage, old log-probs or loss weight): a check that the comparison
+with stock would catch a sample that lost what belongs to it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import torch
 
 from hf_dynbsz.testing import TEST_ALPHABET as ALPHABET
-from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
+from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, load_tokenizer, prompt_dataset
 
 
 def lopsided_dataset(num_blocks: int = 8):
@@ -25,6 +30,26 @@ def lopsided_dataset(num_blocks: int = 8):
         long = [(ALPHABET * 20)[block + i :][:70] for i in range(2)]
         prompts += short + long
     return Dataset.from_dict({"prompt": prompts})
+
+
+def corrupt_moved_samples(what: str) -> None:
+    """Make ProcessGroup.move_batch damage ``what`` of every sample that arrives from another process."""
+    from hf_dynbsz.distributed import ProcessGroup
+
+    move_batch = ProcessGroup.move_batch
+
+    def damaged(self, batch, exchange):
+        moved = move_batch(self, batch, exchange)
+        arrived = torch.tensor([origin != self.rank for origin, _ in exchange.incoming])
+        if what == "advantage":
+            moved.advantages[arrived] = -moved.advantages[arrived]
+        elif what == "old_logps":
+            moved.per_token["old_per_token_logps"][arrived] -= 0.5
+        else:
+            moved.policy_weights[arrived] *= 1.5
+        return moved
+
+    ProcessGroup.move_batch = damaged
 
 
 def main() -> None:
@@ -45,6 +70,9 @@ def main() -> None:
     parser.add_argument("--top_entropy_quantile", type=float, default=1.0)
     parser.add_argument("--entropy_coef", type=float, default=0.0)
     parser.add_argument("--lopsided", action="store_true")
+    parser.add_argument("--rollout", choices=["generate", "lopsided"], default="generate")
+    parser.add_argument("--balance", choices=["on", "off"], default="on")
+    parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     cli = parser.parse_args()
 
     overrides = dict(loss_type=cli.loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
@@ -60,12 +88,19 @@ def main() -> None:
     else:
         trainer_cls = DynamicBatchGRPOTrainer
         args = DynamicBatchGRPOConfig(**base_config_kwargs(cli.out + "-run", max_tokens_per_microbatch=cli.budget,
-                                                           **overrides))
+                                                           balance_across_ranks=cli.balance == "on", **overrides))
+        if cli.mutate != "none":
+            corrupt_moved_samples(cli.mutate)
     reward = RecordingReward()
     model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
     dataset = lopsided_dataset() if cli.lopsided else prompt_dataset()
+    rollout = None
+    if cli.rollout == "lopsided":
+        rollout = ScriptedRollout(lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
+                                  lambda rng: rng.integers(3, 9), max_completion_length=24, seed=1, token_low=3,
+                                  token_high=7, eos_id=1)
     trainer = trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=load_tokenizer(cli.model_dir))
+                          processing_class=load_tokenizer(cli.model_dir), rollout_func=rollout)
     trainer.train()
 
     accelerator = trainer.accelerator
@@ -85,6 +120,7 @@ def main() -> None:
     if accelerator.is_main_process:
         torch.save(params, f"{cli.out}.params.pt")
     accelerator.wait_for_everyone()
+    trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
 
 
 if __name__ == "__main__":

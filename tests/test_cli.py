@@ -267,3 +267,28 @@ def test_main_returns_exit_status_in_process(capsys):
     assert "generation_batch_size" in capsys.readouterr().out
     assert main(["plan", "--per_device_train_batch_size", "3", "--num_generations", "4"]) == 2
     assert "must be divisible by num_generations (4)" in capsys.readouterr().err
+
+
+def test_lengths_over_several_processes_show_rank_imbalance_with_and_without_balancing(tmp_path, plan_in_process):
+    # 2 processes x 4 samples per optimizer step; process 1 holds every long completion.
+    pairs = [[10, 20]] * 4 + [[10, 300]] * 4 + [[12, 25]] * 4 + [[12, 280]] * 4
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(pairs))
+    options = ("--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, "--num_generations", 2,
+               "--num_processes", 2, "--max_tokens_per_microbatch", 700, "--packing_layout", "padding_free",
+               "--lengths", path)
+    result = plan_in_process(*options)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "samples"])
+    first = lines[start + 2].split()
+    # step, samples, real tokens, budget, passes off, passes on, imbalance off, imbalance on, moved, computed, stock
+    assert first[:4] == ["1", "8", str(4 * 30 + 4 * 310), "700"]
+    assert float(first[6]) > 1.5 > 1.1 > float(first[7]) and int(first[8]) > 0
+    document = json.loads(plan_in_process(*options, "--json").stdout)
+    step = document["steps"][0]
+    assert step["rank_imbalance_before"] > step["rank_imbalance_after"]
+    ran = sorted(length for process in step["processes"] for length in process["lengths"])
+    assert ran == sorted(length for process in step["lengths"] for length in process)  # every sample, once
+    for process in step["processes"]:
+        assert sorted(i for group in process["microbatches"] for i in group) == list(range(len(process["lengths"])))

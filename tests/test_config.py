@@ -20,6 +20,7 @@ NEW_FIELDS = (
     "tensor_batch_size",
     "oversize_policy",
     "packing_layout",
+    "balance_across_ranks",
 )
 
 

@@ -2,9 +2,11 @@
 
 For each backend, stock GRPOTrainer and DynamicBatchGRPOTrainer train from the same saved model and seed;
 the final (gathered) parameters must agree within 1e-5 and every rank must generate the same completions.
-The lopsided runs give rank 1 prompts ~20x longer than rank 0's, so the ranks need different numbers of
-micro-batches: without lockstep (all-reduce MAX + exact-k + dummy passes) ZeRO-2/3 would hang. Every
-launch runs under a timeout and every rank must write its result file.
+The lopsided-prompt runs (balancing off) give rank 1 prompts ~20x longer than rank 0's, so the ranks need
+different numbers of micro-batches: without lockstep (all-reduce MAX + exact-k + dummy passes) ZeRO-2/3 would
+hang. The balancing runs give rank 1 every long completion and check that samples move between the ranks and
+the parameters stay stock's; the mutation runs damage what moved samples carry and check that this is caught.
+Every launch runs under a timeout and every rank must write its result file.
 """
 
 from __future__ import annotations
@@ -78,9 +80,48 @@ def test_matches_stock_across_two_processes(backend, tmp_path, model_dir):
 @pytest.mark.parametrize("backend", ["ddp", "zero2", "zero3"])
 def test_lopsided_ranks_finish_and_match_stock(backend, tmp_path, model_dir):
     config, _ = BACKENDS[backend]
-    ours = compare(config, tmp_path, model_dir, lopsided=True, budget=96, loss_type="bnpo", max_steps=2)
+    ours = compare(config, tmp_path, model_dir, lopsided=True, budget=96, loss_type="bnpo", max_steps=2, balance="off")
     needed = [[step["dynbsz/microbatches_needed"] for step in record["metrics"]] for record in ours]
     ran = [[step["dynbsz/microbatches_max_over_ranks"] for step in record["metrics"]] for record in ours]
     # the short-prompt rank needed fewer passes than it ran: the ranks really disagreed and were aligned
     assert any(n < r for n, r in zip(needed[0], ran[0])), (needed, ran)
     assert ran[0] == ran[1]
+
+
+# ---- cross-rank balancing: every long completion on rank 1 ------------------------------------------------------
+BALANCED = {
+    "ddp": ("cpu_ddp.yaml", dict(loss_type="grpo", beta=0.1, num_iterations=2)),
+    "zero1": ("cpu_zero1.yaml", dict(loss_type="dapo", beta=0.1, num_iterations=2, top_entropy_quantile=0.5,
+                                     entropy_coef=0.01)),
+    "zero2": ("cpu_zero2.yaml", dict(loss_type="bnpo", beta=0.0, num_iterations=2)),
+    "zero3": ("cpu_zero3.yaml", dict(loss_type="dr_grpo", beta=0.1, num_iterations=2)),
+}
+LOPSIDED_ROLLOUT = dict(rollout="lopsided", budget=64, max_steps=3)
+
+
+@pytest.mark.parametrize("backend", list(BALANCED))
+def test_balancing_lopsided_rollouts_matches_stock(backend, tmp_path, model_dir):
+    config, options = BALANCED[backend]
+    ours = compare(config, tmp_path, model_dir, **LOPSIDED_ROLLOUT, **options)
+    for rank in range(2):
+        steps = ours[rank]["metrics"]
+        assert len(steps) == 3
+        for step in steps:
+            assert step["dynbsz/samples_moved"] > 0
+            assert step["dynbsz/rank_imbalance_before"] > 1.5 > 1.1 > step["dynbsz/rank_imbalance_after"]
+            assert step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+
+
+@pytest.fixture(scope="module")
+def stock_lopsided_params(tmp_path_factory, model_dir):
+    out = tmp_path_factory.mktemp("stock-lopsided") / "stock"
+    launch("cpu_ddp.yaml", out, model_dir, "stock", **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
+    return torch.load(f"{out}.params.pt")
+
+
+@pytest.mark.parametrize("damage", ["advantage", "old_logps", "weight"])
+def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path, model_dir, stock_lopsided_params):
+    launch("cpu_ddp.yaml", tmp_path / "ours", model_dir, "dynamic", mutate=damage, **LOPSIDED_ROLLOUT,
+           **BALANCED["ddp"][1])
+    damaged = torch.load(f"{tmp_path / 'ours'}.params.pt")
+    assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5

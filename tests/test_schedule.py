@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynbsz.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
-from hf_dynbsz.schedule import SINGLE_PROCESS, Scheduler, resolve_layout, stock_microbatch_tokens
+from hf_dynbsz.schedule import (
+    SINGLE_PROCESS,
+    Scheduler,
+    resolve_layout,
+    simulate_processes,
+    stock_microbatch_tokens,
+)
 
 
 class OtherProcesses:
@@ -25,9 +31,10 @@ class OtherProcesses:
         return [max(mine, theirs) for mine, theirs in zip(values, self.others)]
 
 
-def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, **settings_):
+def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, balance_across_ranks=False, **settings_):
+    """A scheduler; lockstep alone unless balancing is asked for (OtherProcesses only all-reduces)."""
     return Scheduler(layout=layout, attention=attention, workload=WorkloadModel.default(layout, attention),
-                     group=group, **settings_)
+                     group=group, balance_across_ranks=balance_across_ranks, **settings_)
 
 
 # ---- layout ------------------------------------------------------------------------------------------------
@@ -169,6 +176,49 @@ def test_oversize_on_another_process_stops_this_one_too():
     assert ">= 900" in str(raised.value)
 
 
+# ---- cross-rank balancing -----------------------------------------------------------------------------------
+def balanced_plans(lengths_per_rank, budgets, layout="padding_free", attention="varlen", **settings_):
+    """Every simulated process's schedule (threads meeting at real collectives: simulate_processes)."""
+    planner = scheduler(layout, attention, balance_across_ranks=True, **settings_)
+    return simulate_processes(planner, lengths_per_rank, budgets, [[1] * len(lengths) for lengths in lengths_per_rank])
+
+
+def test_balancing_evens_out_lopsided_processes_consistently():
+    lengths = [[300, 280, 310, 290, 305, 295], [20, 25, 30, 22, 28, 24], [150, 10, 160, 12, 140, 11]]
+    plans = balanced_plans(lengths, [700, 700, 700])
+    assert len({plan.passes for plan in plans}) == 1  # lockstep, with no all-reduce beyond the all-gather
+    assert {plan.budget for plan in plans} == {700}
+    balance = plans[0].balance
+    assert all(plan.balance == balance for plan in plans)  # the same assignment everywhere, no broadcast
+    assert balance.imbalance_after < balance.imbalance_before and balance.moved > 0
+    run_anywhere = sorted(item for plan in plans for item in plan.exchange.incoming)
+    assert run_anywhere == [(p, i) for p in range(3) for i in range(6)]  # every sample runs exactly once
+    for rank, plan in enumerate(plans):
+        assert plan.lengths == [lengths[origin][i] for origin, i in plan.exchange.incoming]
+        for target, indices in enumerate(plan.exchange.outgoing):  # what I send is what the target expects
+            assert [(rank, i) for i in indices] == [item for item in plans[target].exchange.incoming if item[0] == rank]
+        assert sorted(i for group in plan.microbatches for i in group) == list(range(len(plan.lengths)))
+
+
+def test_balancing_uses_the_largest_automatic_budget_of_all_processes():
+    plans = balanced_plans([[40, 50], [400, 410]], [100, 820])
+    assert {plan.budget for plan in plans} == {820}
+    assert all(not plan.oversize for plan in plans)
+
+
+def test_already_even_processes_exchange_nothing():
+    plans = balanced_plans([[100, 20], [20, 100]], [300, 300])
+    assert all(plan.exchange is None and plan.balance.moved == 0 for plan in plans)
+    assert plans[0].lengths == [100, 20] and plans[1].lengths == [20, 100]
+
+
+def test_oversize_on_one_process_stops_every_process():
+    plans = balanced_plans([[10, 20], [10, 900]], [100, 100], oversize_policy="error")
+    assert all(isinstance(plan, OversizeSequenceError) for plan in plans)
+    assert "a sequence on process 1 has 900 tokens" in str(plans[0])
+    assert "sequence 1 of this process's step has 900 tokens" in str(plans[1])
+
+
 # ---- the planner simulates exactly what training runs -----------------------------------------------------------
 @pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
 def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
@@ -186,8 +236,8 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
     batches, schedules = [], []
     from_slices = trainer_module.StepBatch.from_slices.__func__
 
-    def recording_from_slices(cls, window):
-        batches.append(from_slices(cls, window))
+    def recording_from_slices(cls, window, *args):
+        batches.append(from_slices(cls, window, *args))
         return batches[-1]
 
     monkeypatch.setattr(trainer_module.StepBatch, "from_slices", classmethod(recording_from_slices))
@@ -201,15 +251,15 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
                 def __getattr__(self, name):
                     return getattr(inner, name)
 
-                def plan(self, lengths, budget_, kind="training"):
-                    schedule = inner.plan(lengths, budget_, kind)
+                def plan(self, lengths, budget_, kind="training", **kwargs):
+                    schedule = inner.plan(lengths, budget_, kind, **kwargs)
                     if kind == "training":
                         schedules.append(schedule)
                     return schedule
 
             self._dynbsz_scheduler = RecordingScheduler()
 
-    rollout = ScriptedRollout(lambda rng, n: rng.integers(1, 41, n), lambda rng: rng.integers(2, 21),
+    rollout = ScriptedRollout(lambda rng, n, rank: rng.integers(1, 41, n), lambda rng: rng.integers(2, 21),
                               max_completion_length=40, seed=6, token_low=3, token_high=7, eos_id=1)
     settings_ = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                      max_completion_length=40, max_steps=4, packing_layout=layout, max_tokens_per_microbatch=budget)
