@@ -10,6 +10,9 @@ length ``M`` so that a scaled-down run keeps the shape of the distribution:
   ``[0.6 M, M]``).  Prompts uniform in ``[32, 96]`` tokens.
 * ``uniform``: every completion ``M / 2`` tokens and every prompt 64 tokens: nothing to save by repacking;
   measures the plug-in's overhead.
+* ``prompt_heavy``: long prompts and short answers (system prompts, retrieved documents, few-shot examples with a
+  final answer): prompts uniform in ``[400, 600]`` tokens, completions lognormal with median 40 and sigma 0.6,
+  clipped to ``[4, M]``. GRPO's ``num_generations`` completions of a prompt share it.
 
 A *sequence* length is prompt + completion tokens (the unit of the token budget).
 """
@@ -28,14 +31,21 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
-MIXES = ("long_tailed", "bimodal", "uniform")
+MIXES = ("long_tailed", "bimodal", "uniform", "prompt_heavy")
 MIX_LABELS = {
     "long_tailed": "long-tailed (lognormal)",
     "bimodal": "bimodal",
     "uniform": "uniform (all equal)",
+    "prompt_heavy": "prompt-heavy (long prompts, short answers)",
 }
 PROMPT_RANGE = (32, 96)
+PROMPT_HEAVY_RANGE = (400, 600)
 UNIFORM_PROMPT = 64
+
+
+def longest_prompt(mix: str) -> int:
+    """The longest prompt ``mix`` draws, in tokens."""
+    return PROMPT_HEAVY_RANGE[1] if mix == "prompt_heavy" else PROMPT_RANGE[1]
 
 
 def ensure_repo_on_path() -> None:
@@ -56,6 +66,8 @@ def completion_lengths(mix: str, n: int, max_completion_length: int, rng: np.ran
         values = np.where(rng.random(n) < 0.5, short, long)
     elif mix == "uniform":
         values = np.full(n, m // 2)
+    elif mix == "prompt_heavy":
+        values = np.clip(rng.lognormal(math.log(40), 0.6, n), 4, m)
     else:
         raise ValueError(f"unknown mix {mix!r}; choose from {MIXES}")
     return np.clip(np.rint(values), 1, m).astype(np.int64)
@@ -65,7 +77,7 @@ def prompt_lengths(mix: str, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` prompt lengths of ``mix`` (fixed for ``uniform``)."""
     if mix == "uniform":
         return np.full(n, UNIFORM_PROMPT, dtype=np.int64)
-    low, high = PROMPT_RANGE
+    low, high = PROMPT_HEAVY_RANGE if mix == "prompt_heavy" else PROMPT_RANGE
     return rng.integers(low, high + 1, n).astype(np.int64)
 
 

@@ -88,6 +88,7 @@ from common import (  # noqa: E402
     RESULTS_DIR,
     completion_lengths,
     ensure_repo_on_path,
+    longest_prompt,
     load_average,
     machine_description,
     markdown_table,
@@ -101,7 +102,9 @@ from hf_dynbsz.testing import run_with_timeout  # noqa: E402
 CONFIGS = {
     "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
     "padded": {"label": "dynamic, padded", "layout": "padded", "budget": "auto"},
-    "padding_free": {"label": "dynamic, padding_free", "layout": "padding_free", "budget": "auto"},
+    "padding_free": {"label": "dynamic, padding_free, shared prompts", "layout": "padding_free", "budget": "auto"},
+    "padding_free_no_share": {"label": "dynamic, padding_free, prompts not shared", "layout": "padding_free",
+                              "budget": "auto", "share_prompt_prefix": False},
     "padded_half": {"label": "dynamic, padded, budget B/2 x max length", "layout": "padded", "budget": "half"},
     "padding_free_half": {"label": "dynamic, padding_free, budget B/2 x max length", "layout": "padding_free", "budget": "half"},
     "padded_trl_tile": {"label": "dynamic, padded, TRL's LM-head tile", "layout": "padded", "budget": "auto",
@@ -118,7 +121,8 @@ PRESETS = {
     ),
     # the default run: < ~20 minutes on 2 CPU cores.
     "default": dict(
-        mixes="long_tailed,bimodal,uniform", configs="stock,padded,padding_free,padded_half,padded_trl_tile",
+        mixes="long_tailed,bimodal,uniform",
+        configs="stock,padded,padding_free,padding_free_no_share,padding_free_half,padded_trl_tile",
         repeats=3, rounds=3, max_completion_length=1024, hidden_size=128, num_layers=3, vocab_size=4096,
         batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4,
     ),
@@ -285,7 +289,7 @@ def run_worker(spec: dict) -> dict:
         num_key_value_heads=max(1, spec["hidden_size"] // 64),
         intermediate_size=3 * spec["hidden_size"],
         vocab_size=spec["vocab_size"],
-        max_position_embeddings=PROMPT_RANGE[1] + spec["max_completion_length"] + 64,
+        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
         attn_implementation="sdpa",
         seed=0,
     )
@@ -324,12 +328,10 @@ def run_worker(spec: dict) -> dict:
         args = GRPOConfig(**common)
         trainer_cls = GRPOTrainer
     else:
-        extra = {}
-        if "tensor_batch_size" in config:
-            extra["tensor_batch_size"] = config["tensor_batch_size"]
+        extra = {key: config[key] for key in ("tensor_batch_size", "share_prompt_prefix") if key in config}
         budget = None
         if config["budget"] == "half":
-            budget = spec["batch_size"] // 2 * (PROMPT_RANGE[1] + spec["max_completion_length"])
+            budget = spec["batch_size"] // 2 * (longest_prompt(spec["mix"]) + spec["max_completion_length"])
         args = DynamicBatchGRPOConfig(**common, packing_layout=config["layout"], max_tokens_per_microbatch=budget,
                                       **extra)
         trainer_cls = DynamicBatchGRPOTrainer
@@ -434,8 +436,9 @@ def summarise(results: list[dict]) -> list[dict]:
         row["speedup"] = base["train_s"] / row["train_s"]
         row["speedup_cpu"] = base["train_cpu_s"] / row["train_cpu_s"]
         row["limit"] = base["train_tokens"] / row["train_tokens"]
-        row["logprob_speedup"] = base["logprob_s"] / row["logprob_s"]
-        row["logprob_limit"] = base["logprob_tokens"] / row["logprob_tokens"]
+        # no log-prob pass when the generation and optimizer steps align (steps_per_generation == accumulation)
+        row["logprob_speedup"] = base["logprob_s"] / row["logprob_s"] if row["logprob_s"] else None
+        row["logprob_limit"] = base["logprob_tokens"] / row["logprob_tokens"] if row["logprob_tokens"] else None
         row["memory_ratio"] = row["peak_mb"] / base["peak_mb"]
         row["train_memory_ratio"] = row["train_peak_mb"] / base["train_peak_mb"]
     order = {name: i for i, name in enumerate(CONFIGS)}

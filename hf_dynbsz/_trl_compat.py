@@ -64,8 +64,18 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
     InternalName("GRPOTrainer instance", "aux_loss_enabled", "reads",
                  "an MoE router aux loss per micro-batch cannot be repacked: stock math then runs"),
     # ---- transformers
-    InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "reads",
-                 "the model's attention implementation decides the layout (hf_dynbsz.schedule.resolve_layout)"),
+    InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "writes",
+                 "read: the attention implementation decides the layout; switched to segment attention around the "
+                 "plugin's padding-free passes (hf_dynbsz.attention.segment_attention)"),
+    InternalName("transformers.PreTrainedModel", "_supports_attention_backend", "reads",
+                 "segment attention runs only models whose attention dispatches through AttentionInterface"),
+    InternalName("transformers.modeling_flash_attention_utils", "_flash_attention_forward", "calls",
+                 "the flash-attention varlen kernel of segment attention (the base implementation's own)",
+                 ("query_states", "key_states", "value_states", "attention_mask", "query_length", "is_causal",
+                  "dropout", "softmax_scale", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                  "target_dtype", "attn_implementation")),
+    InternalName("transformers.integrations.flash_attention", "get_target_dtype", "calls",
+                 "the dtype flash-attention needs when PEFT left the activations in fp32", ("query", "module")),
     # ---- accelerate
     InternalName("accelerate.state.GradientState", "_set_sync_gradients", "calls",
                  "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",

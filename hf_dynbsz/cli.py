@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .partition import token_lower_bound
-from .schedule import Scheduler, StepSchedule, resolve_layout, simulate_processes, stock_microbatch_tokens
+from .schedule import (
+    Scheduler,
+    StepSchedule,
+    resolve_layout,
+    segment_attention_blocker,
+    simulate_processes,
+    stock_microbatch_tokens,
+)
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
 
@@ -90,13 +97,16 @@ def _zero_stage_from_deepspeed_json(path: str) -> int | None:
     return stage if isinstance(stage, int) else None
 
 
-def read_lengths(path: str) -> list[tuple[int, int | None]]:
-    """Sample lengths in tokens from ``path``, as ``(total, prompt)`` pairs (``prompt`` None when not given).
+def read_lengths(path: str) -> list[tuple[int, int | None, int | None]]:
+    """Sample lengths in tokens from ``path``, as ``(total, prompt, group)`` (``prompt``/``group`` None when not given).
 
     Accepted formats: one integer per line (prompt + completion tokens; blank lines and ``#`` comments skipped),
-    or lines ``PROMPT COMPLETION``; or a JSON list of integers, or of ``[prompt, completion]`` pairs. With
-    separate prompt and completion lengths the automatic budget and stock TRL's padding are exact (TRL pads
-    prompts and completions separately); with totals only they use the longest total.
+    lines ``PROMPT COMPLETION`` or ``PROMPT COMPLETION GROUP``; or a JSON list of integers, or of ``[prompt,
+    completion]`` pairs or ``[prompt, completion, group]`` triples. With separate prompt and completion lengths the
+    automatic budget and stock TRL's padding are exact (TRL pads prompts and completions separately); with totals
+    only they use the longest total. ``GROUP`` (an integer, equal for samples whose prompts are identical) says
+    which samples may share a prompt; without it, each run of ``num_generations`` consecutive samples with equal
+    prompt lengths is taken for one prompt's completions.
     """
     try:
         with open(path, encoding="utf-8") as handle:
@@ -130,22 +140,39 @@ def read_lengths(path: str) -> list[tuple[int, int | None]]:
                 parts = line.replace(",", " ").split()
                 entries.append((parts[0] if len(parts) == 1 else parts, f"line {number}"))
 
-    lengths: list[tuple[int, int | None]] = []
+    lengths: list[tuple[int, int | None, int | None]] = []
     for item, where in entries:
         if isinstance(item, list | tuple):
-            if len(item) != 2:
-                raise UsageError(f"--lengths {path!r}: {where}: expected PROMPT COMPLETION, got {item!r}.")
+            if len(item) not in (2, 3):
+                raise UsageError(f"--lengths {path!r}: {where}: expected PROMPT COMPLETION [GROUP], got {item!r}.")
             prompt, completion = as_length(item[0], where), as_length(item[1], where)
-            lengths.append((prompt + completion, prompt))
+            group = as_length(item[2], where) if len(item) == 3 else None
+            lengths.append((prompt + completion, prompt, group))
         else:
-            lengths.append((as_length(item, where), None))
+            lengths.append((as_length(item, where), None, None))
         if lengths[-1][0] < 1:
             raise UsageError(f"--lengths {path!r}: {where}: a sample has at least 1 token, got {lengths[-1][0]}.")
     if not lengths:
         raise UsageError(f"--lengths {path!r} holds no lengths.")
-    if len({prompt is None for _, prompt in lengths}) > 1:
-        raise UsageError(f"--lengths {path!r}: mix of totals and PROMPT COMPLETION pairs; use one format.")
+    if len({(prompt is None, group is None) for _, prompt, group in lengths}) > 1:
+        raise UsageError(f"--lengths {path!r}: mix of formats (totals, PROMPT COMPLETION, PROMPT COMPLETION GROUP); "
+                         "use one.")
     return lengths
+
+
+def _groups(samples: list[tuple[int, int | None, int | None]], num_generations: int) -> list[int] | None:
+    """Prompt groups of a step's samples: the file's GROUP column, else runs of ``num_generations`` consecutive samples
+    with equal prompt lengths; None with totals only (no prompt to share)."""
+    if samples[0][1] is None:
+        return None
+    if samples[0][2] is not None:
+        return [group for _, _, group in samples]
+    groups, run = [], -1
+    for index, (_, prompt, _) in enumerate(samples):
+        if index % num_generations == 0 or prompt != samples[index - 1][1]:
+            run += 1
+        groups.append(run)
+    return groups
 
 
 def _attn_implementation(namespace: argparse.Namespace) -> str | None:
@@ -190,11 +217,12 @@ def simulate_steps(plan, scheduler: Scheduler, lengths: list[tuple[int, int | No
     steps = []
     for start in range(0, len(lengths), step_size):
         group = lengths[start : start + step_size]
-        totals = [total for total, _ in group]
-        prompts = [prompt or 0 for _, prompt in group]  # totals only: the whole sample counts as completion
+        totals = [total for total, _, _ in group]
+        prompts = [prompt or 0 for _, prompt, _ in group]  # totals only: the whole sample counts as completion
         row = stock_microbatch_tokens(1, prompts, [t - p for t, p in zip(totals, prompts)], plan.pad_to_multiple_of)
         budget = scheduler.budget(plan.per_device_train_batch_size * row)
-        steps.append(SimulatedStep(totals, row, scheduler.plan(totals, budget), len(group) < step_size))
+        schedule = scheduler.plan(totals, budget, prompt_lengths=prompts, groups=_groups(group, plan.num_generations))
+        steps.append(SimulatedStep(totals, row, schedule, len(group) < step_size))
     return steps
 
 
@@ -209,7 +237,7 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
     for number, step in enumerate(steps, start=1):
         schedule = step.schedule
         count, bound = schedule.passes, token_lower_bound(step.lengths, schedule.budget)
-        dynamic = sum(schedule.computed_tokens(scheduler.layout, pad))
+        dynamic = sum(schedule.pass_tokens)
         stock, real, capacity = len(step.lengths) * step.stock_row_tokens, sum(step.lengths), count * schedule.budget
         rows.append((str(number) + ("*" if step.partial else ""), str(len(step.lengths)), str(real),
                      str(schedule.budget), str(count), str(bound), f"{real / capacity:.1%}" if capacity else "-",
@@ -277,15 +305,16 @@ def simulate_processes_steps(plan, scheduler: Scheduler, lengths: list[tuple[int
         step = lengths[start : start + per_process * processes]
         parts = [step[p * per_process : (p + 1) * per_process] for p in range(processes)]
         parts = [part for part in parts if part]
-        totals = [[total for total, _ in part] for part in parts]
-        prompts = [[prompt or 0 for _, prompt in part] for part in parts]
+        totals = [[total for total, _, _ in part] for part in parts]
+        prompts = [[prompt or 0 for _, prompt, _ in part] for part in parts]
+        groups = [_groups(part, plan.num_generations) for part in parts]
         rows = [stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
                 for ts, p in zip(totals, prompts)]
         budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
         schedules = {}
         for balance in (True, False):
             planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
-            results = simulate_processes(planner, totals, budgets, prompts)
+            results = simulate_processes(planner, totals, budgets, prompts, groups=None if groups[0] is None else groups)
             errors = [result for result in results if isinstance(result, Exception)]
             if errors:
                 raise errors[0]
@@ -305,7 +334,7 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
     for number, step in enumerate(rounds, start=1):
         active = step.balanced if scheduler.balance_across_ranks else step.unbalanced
         balance = step.balanced[0].balance
-        computed = sum(sum(s.computed_tokens(scheduler.layout, plan.pad_to_multiple_of)) for s in active)
+        computed = sum(sum(s.pass_tokens) for s in active)
         rows.append((str(number) + ("*" if step.partial else ""), str(sum(map(len, step.lengths))),
                      str(sum(map(sum, step.lengths))), str(active[0].budget), str(step.unbalanced[0].passes),
                      str(step.balanced[0].passes), f"{balance.imbalance_before:.2f}", f"{balance.imbalance_after:.2f}",
@@ -437,10 +466,12 @@ def _run_plan(argv: list[str]) -> int:
             print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
         validate_dynamic_batch_fields(namespace)
         attn_implementation = _attn_implementation(namespace)
+        model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
+        blocker = segment_attention_blocker(model_config, attn_implementation or "sdpa")
         # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
         shown_layout = None
         if namespace.packing_layout != "auto" or attn_implementation:
-            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa")[0]
+            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa", blocker is None)[0]
         plan = BatchSizePlan.from_args(
             namespace,
             num_processes=num_processes,
@@ -451,9 +482,9 @@ def _run_plan(argv: list[str]) -> int:
         lengths = read_lengths(namespace.lengths) if namespace.lengths else None
         steps = None
         if lengths is not None:
-            model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
-            scheduler = Scheduler.from_args(namespace, attn_implementation or "sdpa", model_config)
+            scheduler = Scheduler.from_args(namespace, attn_implementation or "sdpa", model_config,
+                                            segment_attention=blocker is None)
             if plan.num_processes > 1:
                 steps = simulate_processes_steps(plan, scheduler, lengths)
             else:

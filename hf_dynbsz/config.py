@@ -20,7 +20,7 @@ from .env import apply_env_overrides
 from .plan import USER_BATCH_SETTINGS_ATTR, resolve_generation_round, validate_dynamic_batch_fields
 from .settings import DEFAULTS, config_docstring, setting
 
-__all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields"]
+__all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "trainer_config"]
 
 
 def _field(name: str):
@@ -43,6 +43,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     oversize_policy: str = _field("oversize_policy")
     packing_layout: str = _field("packing_layout")
     balance_across_ranks: bool = _field("balance_across_ranks")
+    share_prompt_prefix: bool = _field("share_prompt_prefix")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.
@@ -127,3 +128,24 @@ DynamicBatchGRPOConfig.__doc__ = f"""
     Parameters:
 {config_docstring()}
     """
+
+
+def trainer_config(args, model):
+    """The trainer's config: stock's default when ``args`` is None, with the dynamic-batching fields in place.
+
+    Raises before any work when DeepSpeed runs without a GPU and ``ddp_backend`` is unset (see
+    :func:`default_ddp_backend`).
+    """
+    if args is None:
+        from trl.trainer.utils import get_config_model_id
+
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        args = DynamicBatchGRPOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
+    ensure_dynamic_batch_fields(args)
+    if default_ddp_backend(args.ddp_backend) != args.ddp_backend and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "DeepSpeed without a GPU needs ddp_backend='gloo' (ddp_backend=None now): stock TRL then fails with "
+            "'train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size'. Use "
+            "hf_dynbsz.DynamicBatchGRPOConfig (sets it for you) or pass ddp_backend='gloo'."
+        )
+    return args

@@ -77,13 +77,14 @@ class StepMetrics:
         alone needed, ``microbatches_max_over_ranks`` passes every process ran, ``dummy_passes``, tokens per
         pass (mean, max), ``budget_tokens`` and ``budget_utilization`` (real tokens / (passes x budget)), and over
         all processes ``padding_fraction``, ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed
-        slices compute for the same samples); with cross-rank balancing ``rank_imbalance_before`` and
+        slices compute for the same samples) and ``prompt_tokens_saved`` (prompt tokens shared prompts did not
+        compute); with cross-rank balancing ``rank_imbalance_before`` and
         ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
         ``samples_moved``.
         """
         names = sorted(self.sums)
         local = [value for name in names for value in (self.sums[name], self.counts[name])]
-        local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens]
+        local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved]
         device = accelerator.device
         totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
         totals = totals.tolist()
@@ -96,7 +97,7 @@ class StepMetrics:
                 padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
                 gathered = accelerator.gather(padded)
                 store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
-        real_all, computed_all, stock_all = totals[-3:]
+        real_all, computed_all, stock_all, saved_all = totals[-4:]
         used = self.pass_real_tokens
         store["dynbsz/microbatches"].append(float(len(used)))
         store["dynbsz/microbatches_needed"].append(float(schedule.passes_needed))
@@ -109,6 +110,7 @@ class StepMetrics:
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
         store["dynbsz/computed_tokens"].append(computed_all)
         store["dynbsz/stock_computed_tokens"].append(stock_all)
+        store["dynbsz/prompt_tokens_saved"].append(saved_all)
         if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
             store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)

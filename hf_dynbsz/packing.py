@@ -21,6 +21,7 @@ output back to completion-aligned ``(rows, completion_width)`` tensors in the mi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,22 @@ class SequenceTable:
             tokens.append(torch.cat([prompt_ids[row, width - p :], completion_ids[row, :c]]))
         return cls(tokens=tokens, prompt_lengths=prompt_lengths.cpu(), completion_lengths=completion_lengths.cpu())
 
+    def prompt_groups(self) -> list[int]:
+        """One id per sample, shared by the samples whose prompt tokens are identical (numbered by first appearance).
+
+        Compares the unpadded prompt ids, so duplicate prompts of different dataset rows share an id too.
+        """
+        prompt_lengths = self.prompt_lengths.tolist()
+        if not prompt_lengths:
+            return []
+        flat = torch.cat([tokens[:p] for tokens, p in zip(self.tokens, prompt_lengths)]).cpu().tolist()
+        ids: dict[tuple, int] = {}
+        groups, offset = [], 0
+        for p in prompt_lengths:
+            groups.append(ids.setdefault(tuple(flat[offset : offset + p]), len(ids)))
+            offset += p
+        return groups
+
     @classmethod
     def concat(cls, tables: list[SequenceTable]) -> SequenceTable:
         """The samples of ``tables``, one table after the other."""
@@ -78,8 +95,8 @@ class MicroBatch:
     ``indices``: which samples of the :class:`SequenceTable` (in row order). ``model_inputs`` holds
     ``input_ids`` and ``position_ids`` (never an attention mask). ``shift_labels`` has the shape of
     ``input_ids``. ``gather_index`` is ``(rows, completion_width)`` into the flattened per-position
-    output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count tokens
-    without and with padding.
+    output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count the positions
+    computed without and with padding (a shared prompt counts once).
     """
 
     indices: list[int]
@@ -105,12 +122,22 @@ def build_microbatch(
     pad_token_id: int,
     pad_to_multiple_of: int | None = None,
     device: torch.device | str = "cpu",
+    attention: str | None = None,
+    groups: Sequence[int] | None = None,
 ) -> MicroBatch:
-    """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order)."""
+    """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
+
+    ``attention``: the base attention implementation when the padding-free row runs through segment attention
+    (:mod:`hf_dynbsz.attention`; the inputs then carry its :class:`~hf_dynbsz.attention.SegmentLayout`), None for
+    the model's own attention. ``groups`` (one id per sample of ``table``; needs segment attention): samples of this
+    micro-batch with the same id have identical prompts and share one copy of it.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if not indices:
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
+    if groups is not None and (layout != "padding_free" or attention is None):
+        raise ValueError("shared prompts need the padding_free layout and segment attention")
     prompt_lengths = table.prompt_lengths[indices].tolist()
     completion_lengths = table.completion_lengths[indices].tolist()
     seq_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
@@ -119,29 +146,53 @@ def build_microbatch(
     # Position (in the flattened output) whose next-token prediction is completion token k of row j.
     gather_index = torch.zeros(rows, completion_width, dtype=torch.long)
     completion_mask = torch.zeros(rows, completion_width, dtype=torch.long)
+    model_inputs = {}
 
     if layout == "padding_free":
-        total = sum(seq_lengths)
-        width = round_up(total, pad_to_multiple_of)
-        input_ids = torch.full((1, width), pad_token_id, dtype=torch.long)
-        position_ids = torch.zeros((1, width), dtype=torch.long)
-        shift_labels = torch.full((1, width), -100, dtype=torch.long)
+        pieces, positions, labels, segments = [], [], [], []
         offset = 0
-        for j, i in enumerate(indices):
-            seq, p, c, n = table.tokens[i], prompt_lengths[j], completion_lengths[j], seq_lengths[j]
-            input_ids[0, offset : offset + n] = seq.cpu()
-            position_ids[0, offset : offset + n] = torch.arange(n)
-            if c > 0:
-                # position offset+p-1+k predicts completion token k (token offset+p+k)
-                shift_labels[0, offset + p - 1 : offset + p - 1 + c] = seq[p : p + c].cpu()
-                gather_index[j, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
-                completion_mask[j, :c] = 1
-            offset += n
-        # Trailing rounding padding continues counting positions so it never starts a "new sequence" of
-        # length 0 in flash-attention's varlen bookkeeping; its labels are -100.
+        for members in _segment_members(indices, prompt_lengths, groups):
+            first = members[0]
+            prefix = prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
+            if prefix:
+                pieces.append(table.tokens[indices[first]][:prefix].cpu())
+                positions.append(torch.arange(prefix))
+                labels.append(torch.full((prefix,), -100, dtype=torch.long))
+            blocks = []
+            start, offset = offset, offset + prefix
+            for j in members:
+                seq, p, c = table.tokens[indices[j]].cpu(), prompt_lengths[j], completion_lengths[j]
+                block = seq[prefix:]  # a plain sequence, or the prompt's last token + the completion
+                lead = p - 1 - prefix  # block position whose next token is the first completion token
+                pieces.append(block)
+                positions.append(torch.arange(prefix, prefix + block.numel()))
+                label = torch.full((block.numel(),), -100, dtype=torch.long)
+                if c > 0:
+                    label[lead : lead + c] = seq[p : p + c]
+                    gather_index[j, :c] = torch.arange(offset + lead, offset + lead + c)
+                    completion_mask[j, :c] = 1
+                labels.append(label)
+                blocks.append(block.numel())
+                offset += block.numel()
+            segments.append((start, prefix, tuple(blocks)))
+        total = offset
+        width = round_up(total, pad_to_multiple_of)
         if width > total:
-            position_ids[0, total:] = torch.arange(width - total)
-        computed = width
+            # Trailing rounding padding continues counting positions so it never starts a "new sequence" of length
+            # 0 in flash-attention's varlen bookkeeping; its labels are -100. With segment attention it is a
+            # segment of its own.
+            pieces.append(torch.full((width - total,), pad_token_id, dtype=torch.long))
+            positions.append(torch.arange(width - total))
+            labels.append(torch.full((width - total,), -100, dtype=torch.long))
+            segments.append((total, 0, (width - total,)))
+        input_ids = torch.cat(pieces).unsqueeze(0)
+        position_ids = torch.cat(positions).unsqueeze(0)
+        shift_labels = torch.cat(labels).unsqueeze(0)
+        if attention is not None:
+            from .attention import Segment, SegmentLayout
+
+            model_inputs["dynbsz_segments"] = SegmentLayout([Segment(*segment) for segment in segments], attention)
+        computed, real = width, total
     else:
         width = round_up(max(seq_lengths), pad_to_multiple_of)
         input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
@@ -154,29 +205,48 @@ def build_microbatch(
                 shift_labels[j, p - 1 : p - 1 + c] = seq[p : p + c].cpu()
                 gather_index[j, :c] = torch.arange(j * width + p - 1, j * width + p - 1 + c)
                 completion_mask[j, :c] = 1
-        computed = rows * width
+        computed, real = rows * width, sum(seq_lengths)
 
+    model_inputs.update(input_ids=input_ids.to(device), position_ids=position_ids.to(device))
     return MicroBatch(
         indices=list(indices),
-        model_inputs={"input_ids": input_ids.to(device), "position_ids": position_ids.to(device)},
+        model_inputs=model_inputs,
         shift_labels=shift_labels.to(device),
         gather_index=gather_index.to(device),
         completion_mask=completion_mask.to(device),
-        real_tokens=sum(seq_lengths),
+        real_tokens=real,
         computed_tokens=computed,
     )
 
 
-def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+def _segment_members(indices: list[int], prompt_lengths: list[int], groups) -> list[list[int]]:
+    """Positions in ``indices`` per segment, in order of first appearance: samples of one prompt group (with a
+    prompt of at least 2 tokens, so there is a prefix to share) together, every other sample alone."""
+    if groups is None:
+        return [[j] for j in range(len(indices))]
+    members: dict = {}
+    for j, i in enumerate(indices):
+        key = groups[i] if prompt_lengths[j] > 1 else ("alone", j)
+        members.setdefault(key, []).append(j)
+    return list(members.values())
+
+
+def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None) -> MicroBatch:
     """A one-token micro-batch for zero-weight lockstep passes (a rank with fewer sequences than passes).
 
     Its forward still runs every layer, so ZeRO-3 gathers and DDP/ZeRO-2 reductions happen on every rank.
+    ``attention`` as in :func:`build_microbatch`.
     """
     input_ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
     shift_labels = torch.tensor([[pad_token_id, -100]], dtype=torch.long)
+    model_inputs = {"input_ids": input_ids.to(device), "position_ids": torch.arange(2).unsqueeze(0).to(device)}
+    if attention is not None:
+        from .attention import Segment, SegmentLayout
+
+        model_inputs["dynbsz_segments"] = SegmentLayout([Segment(0, 0, (2,))], attention)
     return MicroBatch(
         indices=[],
-        model_inputs={"input_ids": input_ids.to(device), "position_ids": torch.arange(2).unsqueeze(0).to(device)},
+        model_inputs=model_inputs,
         shift_labels=shift_labels.to(device),
         gather_index=torch.zeros(0, 1, dtype=torch.long, device=device),
         completion_mask=torch.zeros(0, 1, dtype=torch.long, device=device),

@@ -323,10 +323,11 @@ def oversize_indices(lengths: Lengths, max_tokens: int, layout: str = "padding_f
 
 
 def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention: str = "varlen",
-               pad_to_multiple_of: int | None = None) -> np.ndarray:
+               pad_to_multiple_of: int | None = None, pairs=None) -> np.ndarray:
     """The cost of each sequence as the balancing sees it: the weight that partitions (and ranks) even out.
 
-    * padding_free + ``"varlen"``: ``linear * L + quad * L**2`` (each sequence attends only to itself);
+    * padding_free + ``"varlen"``: ``linear * L + quad * pairs`` (each sequence attends only to itself; ``pairs``
+      defaults to ``L**2``, and is less for a shared-prompt segment, whose blocks do not attend to each other);
     * padding_free + ``"dense"``: ``L``; one row costs ``linear * T + quad * T**2``, increasing in its tokens
       ``T``, so even tokens are even cost;
     * padded: a row of ``R = round_up(L)`` tokens, ``linear * R + quad * R**2`` (similar lengths share a
@@ -338,6 +339,8 @@ def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention
         values = -(-values // multiple) * multiple
     elif attention == "dense":
         return values
+    elif pairs is not None:
+        return workload.linear_weight * values + workload.quadratic_weight * np.asarray(pairs, dtype=np.float64)
     return workload.linear_weight * values + workload.quadratic_weight * values * values
 
 
@@ -400,6 +403,7 @@ def partition_by_token_budget(
     workload: WorkloadModel | None = None,
     attention: str = "varlen",
     oversize_policy: str = "warn",
+    pairs=None,
 ) -> list[list[int]]:
     """Partition sequence indices into micro-batches of at most ``max_tokens`` tokens each, balancing compute.
 
@@ -425,6 +429,9 @@ def partition_by_token_budget(
             micro-batch of its own (no warning is emitted here; the caller
             warns once).  ``"error"``: raise :class:`OversizeSequenceError`
             before doing anything else.
+        pairs: attention pairs per item for the ``"varlen"`` cost (default
+            ``lengths**2``); an item may be a shared-prompt segment, whose
+            blocks do not attend to each other.
 
     Returns:
         A list of micro-batches, each a list of indices into ``lengths`` in
@@ -461,7 +468,9 @@ def partition_by_token_budget(
     num_fitting_bins = num_microbatches - problem.num_oversize
 
     if layout == "padding_free":
-        bin_of_sorted = _balanced_packed_assignment(problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted)
+        sorted_pairs = None if pairs is None else np.asarray(pairs, dtype=np.float64)[problem.sorted_indices]
+        bin_of_sorted = _balanced_packed_assignment(problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted,
+                                                    sorted_pairs)
     else:
         bin_of_sorted = _balanced_padded_assignment(problem, num_fitting_bins, workload)
     return problem.assemble(bin_of_sorted, num_fitting_bins)
@@ -889,7 +898,7 @@ def _rebalance_by_moves(bin_of: np.ndarray, sizes: np.ndarray, weights: np.ndarr
 
 
 def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel, attention: str,
-                                ffd_bin_of: np.ndarray) -> np.ndarray:
+                                ffd_bin_of: np.ndarray, pairs: np.ndarray | None = None) -> np.ndarray:
     """Bin number (0..num_bins-1) per sorted fitting sequence for the padding_free layout.
 
     ``ffd_bin_of`` is the first-fit-decreasing assignment of the same sorted
@@ -899,7 +908,7 @@ def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: Work
     n = int(sizes.size)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    weights = item_costs(sizes, "padding_free", workload, attention)
+    weights = item_costs(sizes, "padding_free", workload, attention, pairs=pairs)
 
     # Spreading everything by cost leaves every bin with a similar sliver of free room; that rarely works
     # when the free room left in total (slack) is small next to the shortest sequences, so large batches

@@ -307,6 +307,7 @@ class BatchSizePlan:
     dynamic_batching: bool
     oversize_policy: str
     balance_across_ranks: bool
+    share_prompt_prefix: bool
     #: "auto", "padding_free" or "padded"
     layout: str
     #: DeepSpeed ZeRO stage; None = no DeepSpeed
@@ -412,6 +413,7 @@ class BatchSizePlan:
             dynamic_batching=dynamic.dynamic_batching,
             oversize_policy=dynamic.oversize_policy,
             balance_across_ranks=dynamic.balance_across_ranks,
+            share_prompt_prefix=dynamic.share_prompt_prefix,
             layout=layout if layout is not None else dynamic.packing_layout,
             zero_stage=zero_stage,
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
@@ -629,6 +631,12 @@ class BatchSizePlan:
                 self.oversize_policy,
                 "-",
                 setting("oversize_policy").summary,
+            ),
+            (
+                "share_prompt_prefix",
+                "on" if self.share_prompt_prefix else "off",
+                "-",
+                setting("share_prompt_prefix").summary if self.share_prompt_prefix else "every sample computes its prompt",
             ),
             (
                 "balance_across_ranks",

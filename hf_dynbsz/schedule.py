@@ -21,8 +21,8 @@ simulates training with the same :class:`Scheduler`. Pure Python + numpy: no tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,7 +44,12 @@ __all__ = [
     "SINGLE_PROCESS",
     "Scheduler",
     "StepSchedule",
+    "Unit",
+    "build_units",
+    "segment_tokens",
     "resolve_layout",
+    "segment_attention_blocker",
+    "simulate_processes",
     "stock_microbatch_tokens",
 ]
 
@@ -55,21 +60,48 @@ VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-
 BUDGET_SETTINGS = {"training": "max_tokens_per_microbatch", "logprob": "max_tokens_per_microbatch_logprob"}
 
 
-def resolve_layout(packing_layout: str, attn_implementation: str | None) -> tuple[str, str]:
+def resolve_layout(packing_layout: str, attn_implementation: str | None,
+                   segment_attention: bool = False) -> tuple[str, str]:
     """The concrete ``(layout, attention)`` for ``packing_layout`` and the model's attention implementation.
 
-    ``layout`` is ``"padding_free"`` or ``"padded"``. ``"auto"`` is padding-free with a varlen attention kernel
-    (flash_attention_2/3), whose cost grows with the sum of the squared sequence lengths, and padded otherwise:
-    sdpa/eager compute the dense attention of a whole padding-free row, so micro-batches of similar lengths each
-    padded to their own longest row are cheaper there. ``attention`` is ``"varlen"`` for a padding-free row on a
-    varlen kernel and ``"dense"`` otherwise: it picks the cost the partitioner balances.
+    ``layout`` is ``"padding_free"`` or ``"padded"``. ``"auto"`` is padding-free when each sequence of a padding-free
+    row can attend to itself alone: on a varlen kernel (flash_attention_2/3), or on any kernel through segment
+    attention (:mod:`hf_dynbsz.attention`, ``segment_attention=True`` when the model supports it). Otherwise sdpa
+    and eager would compute the dense attention of the whole row, and micro-batches of similar lengths, each padded
+    to its own longest row, are cheaper: "auto" is padded. ``attention`` is ``"varlen"`` when a padding-free row
+    costs the sum of its sequences' squared lengths and ``"dense"`` when it costs the square of the whole row (or
+    the layout is padded): it picks the cost the partitioner balances.
     """
     choices = setting("packing_layout").choices
     if packing_layout not in choices:
         raise ValueError(f"packing_layout must be one of {', '.join(map(repr, choices))}, got {packing_layout!r}.")
     varlen_kernel = bool(attn_implementation) and attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
-    layout = packing_layout if packing_layout != "auto" else ("padding_free" if varlen_kernel else "padded")
-    return layout, "varlen" if layout == "padding_free" and varlen_kernel else "dense"
+    per_sequence = varlen_kernel or segment_attention
+    layout = packing_layout if packing_layout != "auto" else ("padding_free" if per_sequence else "padded")
+    return layout, "varlen" if layout == "padding_free" and per_sequence else "dense"
+
+
+def segment_attention_blocker(text_config: Any, attn_implementation: str | None) -> str | None:
+    """Why segment attention (:mod:`hf_dynbsz.attention`) cannot run a model of this text config exactly, or None.
+
+    The checks a config can answer: the base implementation must be sdpa, eager or flash-attention, and every layer
+    plain full causal attention (no sliding windows, linear attention or soft-capped logits). ``text_config`` None
+    (the planner without ``--model_config``) is taken for a standard decoder. The trainer adds the checks that need
+    the model (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
+    """
+    base = attn_implementation or "eager"
+    if not (base in ("sdpa", "eager") or base.startswith(VARLEN_ATTENTION_PREFIXES)):
+        return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
+    if text_config is None:
+        return None
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"its layers are not all full attention ({', '.join(sorted(layer_types))})"
+    if getattr(text_config, "use_sliding_window", False) and getattr(text_config, "sliding_window", None):
+        return "sliding-window attention"
+    if getattr(text_config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    return None
 
 
 def stock_microbatch_tokens(rows: int, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
@@ -142,6 +174,78 @@ class Exchange:
 
 
 @dataclass(frozen=True)
+class Unit:
+    """Samples that always share a pass: one sample, or a piece of a prompt group sharing one copy of the prompt.
+
+    ``tokens`` is what the unit computes on its own (a shared prompt once: ``(P - 1) + sum(completion + 1)``), and
+    ``pairs`` its attention term (squared sequence lengths; a shared segment's blocks do not attend to each other).
+    """
+
+    samples: tuple[int, ...]
+    tokens: int
+    pairs: int
+
+
+def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None,
+                budget: int) -> list[Unit]:
+    """The units of one process's samples, ordered by their first sample.
+
+    Without ``groups`` every sample is a unit. With ``groups`` (equal ids = identical prompts) the samples of a group
+    whose prompt has at least 2 tokens share it: their blocks (prompt's last token + completion) are packed
+    first-fit-decreasing into as few pieces as fit ``budget`` with the shared prefix; a block that fits with no other
+    runs alone (as a plain sequence, longer than the budget if it must).
+    """
+    if groups is None:
+        return [Unit((i,), p + c, (p + c) ** 2) for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))]
+    members: dict[int, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    units = []
+    for samples in members.values():
+        prefix = prompt_lengths[samples[0]] - 1
+        if prefix < 1 or len(samples) == 1:
+            units += [Unit((i,), prompt_lengths[i] + completion_lengths[i],
+                           (prompt_lengths[i] + completion_lengths[i]) ** 2) for i in samples]
+            continue
+        pieces: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(samples, key=lambda i: (-completion_lengths[i], i)):
+            block = completion_lengths[i] + 1
+            piece = next((n for n, free in enumerate(room) if free >= block), None)
+            if piece is None:
+                pieces.append([])
+                room.append(budget - prefix)
+                piece = len(pieces) - 1
+            pieces[piece].append(i)
+            room[piece] -= block
+        for piece in pieces:
+            blocks = [completion_lengths[i] + 1 for i in piece]
+            units.append(Unit(tuple(sorted(piece)), prefix + sum(blocks),
+                              prefix * prefix + sum(b * b + 2 * prefix * b for b in blocks)))
+    return sorted(units, key=lambda unit: unit.samples[0])
+
+
+def segment_tokens(samples: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+                   groups: Sequence[int] | None) -> int:
+    """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once.
+
+    The packing collator lays the row out the same way (:func:`hf_dynbsz.packing.build_microbatch`).
+    """
+    if groups is None:
+        return sum(prompt_lengths[i] + completion_lengths[i] for i in samples)
+    by_group: dict = {}
+    for i in samples:
+        by_group.setdefault(groups[i] if prompt_lengths[i] > 1 else ("alone", i), []).append(i)
+    total = 0
+    for members in by_group.values():
+        if len(members) == 1:
+            total += prompt_lengths[members[0]] + completion_lengths[members[0]]
+        else:
+            total += prompt_lengths[members[0]] - 1 + sum(completion_lengths[i] + 1 for i in members)
+    return total
+
+
+@dataclass(frozen=True)
 class StepSchedule:
     """The passes of one optimizer step (or one no-grad log-prob call) on this process.
 
@@ -150,7 +254,10 @@ class StepSchedule:
     cross-rank ``exchange`` (None when nothing moves) those of :attr:`Exchange.incoming`, whose token counts are
     ``lengths``. ``budget``: tokens per pass (per device), as :func:`~hf_dynbsz.partition.microbatch_tokens`
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
-    samples longer than the budget (each ran alone). ``balance``: the cross-rank assignment when balancing ran.
+    samples longer than the budget (each ran alone). ``groups``: with shared prompts, one id per sample (equal ids:
+    one copy of the prompt within a pass), else None. ``pass_tokens``: the tokens each real pass computes (shared
+    prompts once, padding included); ``prompt_tokens_saved``: the prompt tokens not computed thanks to shared
+    prompts. ``balance``: the cross-rank assignment when balancing ran.
     """
 
     microbatches: list[list[int]]
@@ -158,6 +265,9 @@ class StepSchedule:
     passes_needed: int
     oversize: list[int]
     lengths: list[int]
+    pass_tokens: list[int]
+    prompt_tokens_saved: int = 0
+    groups: list[int] | None = None
     exchange: Exchange | None = None
     balance: Assignment | None = None
 
@@ -177,17 +287,13 @@ class StepSchedule:
             return 0
         return sum(target != origin for origin, targets in enumerate(self.exchange.destination) for target in targets)
 
-    def computed_tokens(self, layout: str, pad_to_multiple_of: int | None = None) -> list[int]:
-        """Token positions each real pass computes (padding included), in pass order."""
-        return [microbatch_tokens([self.lengths[i] for i in group], layout, pad_to_multiple_of)
-                for group in self.microbatches if group]
-
 
 @dataclass(frozen=True)
 class Scheduler:
-    """The scheduling decisions of one run: layout, budgets, oversize policy, balancing, lockstep.
+    """The scheduling decisions of one run: layout, budgets, oversize policy, shared prompts, balancing, lockstep.
 
-    Build it with :meth:`from_args`; every process of a run holds an equal one (``group`` aside).
+    Build it with :meth:`from_args`; every process of a run holds an equal one (``group`` aside). ``share_prompts``
+    is on only where it is exact: padding-free rows through segment attention.
     """
 
     layout: str
@@ -198,21 +304,25 @@ class Scheduler:
     max_tokens_per_microbatch: int | None = None
     max_tokens_per_microbatch_logprob: int | None = None
     balance_across_ranks: bool = True
+    share_prompts: bool = False
     group: RankGroup = SINGLE_PROCESS
 
     @classmethod
     def from_args(cls, args: Any, attn_implementation: str | None, model_config: Any = None,
-                  group: RankGroup = SINGLE_PROCESS) -> Scheduler:
+                  group: RankGroup = SINGLE_PROCESS, segment_attention: bool = False) -> Scheduler:
         """The scheduler of a validated config (``DynamicBatchGRPOConfig``, or the planner's namespace).
 
         ``model_config`` (a transformers text config or anything with ``hidden_size`` and ``num_hidden_layers``)
         sets the workload model the partitioner balances; None uses a generic 7B-class decoder.
+        ``segment_attention``: whether the model can run padding-free rows through segment attention
+        (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
         """
-        layout, attention = resolve_layout(args.packing_layout, attn_implementation)
+        layout, attention = resolve_layout(args.packing_layout, attn_implementation, segment_attention)
         if model_config is None:
             workload = WorkloadModel.default(layout=layout, attention=attention)
         else:
             workload = WorkloadModel.from_model_config(model_config, layout=layout, attention=attention)
+        share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
         return cls(
             layout=layout,
             attention=attention,
@@ -222,6 +332,7 @@ class Scheduler:
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
             balance_across_ranks=getattr(args, "balance_across_ranks", setting("balance_across_ranks").default),
+            share_prompts=bool(share) and layout == "padding_free" and segment_attention,
             group=group,
         )
 
@@ -242,75 +353,119 @@ class Scheduler:
         raise ValueError(f"kind must be one of {', '.join(map(repr, BUDGET_SETTINGS))}, got {kind!r}")
 
     def plan(self, lengths: Sequence[int], budget: int, kind: str = "training",
-             prompt_lengths: Sequence[int] | None = None) -> StepSchedule:
+             prompt_lengths: Sequence[int] | None = None, groups: Sequence[int] | None = None) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
-        Every process calls this with its own samples at the same point of the step. Without balancing one
-        all-reduce agrees on the pass count (the most any process needs) and on the longest oversize sequence
-        anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every sample's lengths
-        (``prompt_lengths`` gives the split the exchange needs) lets every process compute the same assignment of
-        samples to processes (:mod:`hf_dynbsz.balance`) and the pass count. ``oversize_policy="error"`` stops
-        every process with the same message, before any pass runs.
+        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them); ``groups`` (one id per
+        sample, equal ids = identical prompt tokens) lets samples of a group share one copy of their prompt when
+        ``share_prompts`` is on. Every process calls this with its own samples at the same point of the step.
+        Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
+        oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
+        sample's lengths lets every process compute the same assignment of units to processes
+        (:mod:`hf_dynbsz.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the same
+        message, before any pass runs.
         """
         lengths = [int(length) for length in lengths]
+        prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
+        completions = [n - p for n, p in zip(lengths, prompts)]
+        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
         if self.balance_across_ranks and self.group.num_processes > 1:
-            return self._plan_balanced(lengths, budget, kind, prompt_lengths)
-        layout, pad = self.layout, self.pad_to_multiple_of
-        oversize = oversize_indices(lengths, budget, layout, pad)
-        needed = min_num_microbatches(lengths, budget, layout=layout, pad_to_multiple_of=pad)
-        longest_oversize = max((lengths[i] for i in oversize), default=0)
+            return self._plan_balanced(prompts, completions, groups, budget, kind)
+        units = build_units(prompts, completions, groups, budget)
+        needed = self._passes_needed(units, budget)
+        longest_oversize = max((lengths[i] for i in self._oversize(units, budget)), default=0)
         passes, longest_anywhere = self.group.all_reduce_max([needed, longest_oversize])
         if longest_anywhere and self.oversize_policy == "error":
-            raise self._oversize_error(lengths, longest_anywhere, budget, kind, "a sequence on another process")
-        return self._partition(lengths, budget, passes, needed)
+            raise self._oversize_error(units, lengths, longest_anywhere, budget, kind, "a sequence on another process")
+        return self._partition(prompts, completions, groups, units, budget, passes, needed)
 
-    def _plan_balanced(self, lengths: list[int], budget: int, kind: str,
-                       prompt_lengths: Sequence[int] | None) -> StepSchedule:
+    def _plan_balanced(self, prompts: list[int], completions: list[int], groups: list[int] | None, budget: int,
+                       kind: str) -> StepSchedule:
         """:meth:`plan` with cross-rank balancing: one all-gather, then the same decisions on every process."""
-        layout, pad, rank = self.layout, self.pad_to_multiple_of, self.group.rank
-        prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
-        gathered = self.group.all_gather([budget, *[v for p, n in zip(prompts, lengths) for v in (p, n - p)]])
+        rank, count = self.group.rank, self.group.num_processes
+        own_groups = groups if groups is not None else [-1] * len(prompts)
+        gathered = self.group.all_gather([budget, *[v for sample in zip(prompts, completions, own_groups)
+                                                    for v in sample]])
         budget = max(values[0] for values in gathered)  # automatic budgets differ: the largest is stock's bound
-        shapes = [list(zip(values[1::2], values[2::2])) for values in gathered]
-        everyone = [[p + c for p, c in process_shapes] for process_shapes in shapes]
+        triples = [list(zip(values[1::3], values[2::3], values[3::3])) for values in gathered]
+        shapes = [[(p, c) for p, c, _ in process] for process in triples]
+        process_groups = [None if groups is None else [g for _, _, g in process] for process in triples]
+        units = [build_units([p for p, _ in shapes[q]], [c for _, c in shapes[q]], process_groups[q], budget)
+                 for q in range(count)]
         if self.oversize_policy == "error":
-            over = [max((process[i] for i in oversize_indices(process, budget, layout, pad)), default=0)
-                    for process in everyone]
+            over = [max((shapes[q][i][0] + shapes[q][i][1] for i in self._oversize(units[q], budget)), default=0)
+                    for q in range(count)]
             if max(over):
-                elsewhere = f"a sequence on process {next(p for p, longest in enumerate(over) if longest)}"
-                raise self._oversize_error(lengths, max(over), budget, kind, elsewhere)
-        assignment = assign([item_costs(process, layout, self.workload, self.attention, pad).tolist()
-                             for process in everyone])
-        destinations, runs, units = [], [[] for _ in shapes], iter(assignment.destination)
-        for process in everyone:
-            destinations.append([next(units) for _ in process])
-            for length, target in zip(process, destinations[-1]):
-                runs[target].append(length)  # in (origin process, index) order, as Exchange.incoming
-        passes = max(min_num_microbatches(run, budget, layout=layout, pad_to_multiple_of=pad) for run in runs)
-        needed = min_num_microbatches(runs[rank], budget, layout=layout, pad_to_multiple_of=pad)
-        exchange = Exchange(rank, shapes, destinations) if assignment.moved else None
-        return dataclasses.replace(self._partition(runs[rank], budget, passes, needed), exchange=exchange,
-                                   balance=assignment)
+                elsewhere = f"a sequence on process {next(q for q, longest in enumerate(over) if longest)}"
+                raise self._oversize_error(units[rank], [p + c for p, c in shapes[rank]], max(over), budget, kind,
+                                           elsewhere)
+        assignment = assign([self._unit_costs(process_units) for process_units in units])
+        targets = iter(assignment.destination)
+        destinations = [[0] * len(process) for process in shapes]
+        for q in range(count):
+            for unit in units[q]:
+                target = next(targets)
+                for i in unit.samples:
+                    destinations[q][i] = target
+        exchange = Exchange(rank, shapes, destinations)
+        local_index = {origin: j for j, origin in enumerate(exchange.incoming)}
+        runs = [[] for _ in range(count)]  # units each process runs, in its own sample numbering
+        for q in range(count):
+            for unit in units[q]:
+                target = destinations[q][unit.samples[0]]
+                runs[target].append(Unit(tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank
+                                         else unit.samples, unit.tokens, unit.pairs))
+        passes = max(self._passes_needed(run, budget) for run in runs)
+        local = exchange.incoming
+        local_groups = None if groups is None else _renumber([(q, process_groups[q][i]) for q, i in local])
+        schedule = self._partition([shapes[q][i][0] for q, i in local], [shapes[q][i][1] for q, i in local],
+                                   local_groups, sorted(runs[rank], key=lambda unit: unit.samples[0]), budget, passes,
+                                   self._passes_needed(runs[rank], budget))
+        return dataclasses.replace(schedule, exchange=exchange if assignment.moved else None, balance=assignment)
 
-    def _partition(self, lengths: list[int], budget: int, passes: int, needed: int) -> StepSchedule:
-        """This process's samples cut into exactly ``passes`` passes, the costliest first (empty ones last).
+    def _unit_costs(self, units: list[Unit]) -> list[float]:
+        """Costs of units as the balancing sees them (the partitioner's workload model)."""
+        return item_costs([unit.tokens for unit in units], self.layout, self.workload, self.attention,
+                          self.pad_to_multiple_of, pairs=[unit.pairs for unit in units]).tolist()
+
+    def _passes_needed(self, units: list[Unit], budget: int) -> int:
+        return min_num_microbatches([unit.tokens for unit in units], budget, layout=self.layout,
+                                    pad_to_multiple_of=self.pad_to_multiple_of)
+
+    def _oversize(self, units: list[Unit], budget: int) -> list[int]:
+        """Samples of the units longer than the budget (such a unit is one sample, alone in its pass)."""
+        over = oversize_indices([unit.tokens for unit in units], budget, self.layout, self.pad_to_multiple_of)
+        return [i for u in over for i in units[u].samples]
+
+    def _partition(self, prompts: list[int], completions: list[int], groups: list[int] | None, units: list[Unit],
+                   budget: int, passes: int, needed: int) -> StepSchedule:
+        """This process's units cut into exactly ``passes`` passes, the costliest first (empty ones last).
 
         Every pass is a synchronisation point of the processes (DDP broadcasts module buffers before each forward,
         ZeRO-3 gathers parameters in it), so a step takes the sum over passes of the slowest process's pass. Running
         every process's passes from the costliest down lines the heavy passes up with each other.
         """
         layout, pad = self.layout, self.pad_to_multiple_of
-        microbatches = partition_by_token_budget(lengths, budget, num_microbatches=max(passes, 1), layout=layout,
-                                                 pad_to_multiple_of=pad, workload=self.workload,
-                                                 attention=self.attention)
-        costs = [self.workload.cost([lengths[i] for i in group], layout, pad, self.attention) for group in microbatches]
-        order = sorted(range(len(microbatches)), key=lambda b: (not microbatches[b], -costs[b], b))
-        return StepSchedule(microbatches=[microbatches[b] for b in order], budget=budget, passes_needed=needed,
-                            oversize=oversize_indices(lengths, budget, layout, pad), lengths=lengths)
+        bins = partition_by_token_budget([unit.tokens for unit in units], budget, num_microbatches=max(passes, 1),
+                                         layout=layout, pad_to_multiple_of=pad, workload=self.workload,
+                                         attention=self.attention, pairs=[unit.pairs for unit in units])
+        costs = [sum(self._unit_costs([units[u] for u in b])) for b in bins]
+        microbatches = [sorted(i for u in bins[b] for i in units[u].samples)
+                        for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))]
+        lengths = [p + c for p, c in zip(prompts, completions)]
+        shared = [segment_tokens(group, prompts, completions, groups) for group in microbatches if group]
+        if layout == "padding_free":
+            pass_tokens = [round_up(tokens, pad) for tokens in shared]
+        else:
+            pass_tokens = [microbatch_tokens([lengths[i] for i in group], layout, pad) for group in microbatches if group]
+        return StepSchedule(microbatches=microbatches, budget=budget, passes_needed=needed,
+                            oversize=sorted(self._oversize(units, budget)), lengths=lengths, pass_tokens=pass_tokens,
+                            prompt_tokens_saved=sum(lengths) - sum(shared), groups=groups)
 
-    def _oversize_error(self, lengths: list[int], longest_anywhere: int, budget: int, kind: str, elsewhere: str):
+    def _oversize_error(self, units: list[Unit], lengths: list[int], longest_anywhere: int, budget: int, kind: str,
+                        elsewhere: str):
         """The error every process raises when some sample is over the budget (``oversize_policy="error"``)."""
-        oversize = oversize_indices(lengths, budget, self.layout, self.pad_to_multiple_of)
+        oversize = sorted(self._oversize(units, budget))
         where, length = elsewhere, longest_anywhere
         if oversize:
             where, length = f"sequence {oversize[0]} of this process's step", lengths[oversize[0]]
@@ -326,8 +481,15 @@ class Scheduler:
         )
 
 
+def _renumber(keys: list) -> list[int]:
+    """Small integer ids for hashable ``keys``, equal keys equal ids, numbered by first appearance."""
+    ids: dict = {}
+    return [ids.setdefault(key, len(ids)) for key in keys]
+
+
 def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], budgets: Sequence[int],
-                       prompt_lengths: Sequence[Sequence[int]] | None = None, kind: str = "training") -> list:
+                       prompt_lengths: Sequence[Sequence[int]] | None = None, kind: str = "training",
+                       groups: Sequence[Sequence[int]] | None = None) -> list:
     """The schedules ``num_processes`` processes would compute, each from its own ``lengths`` and budget.
 
     Runs :meth:`Scheduler.plan` once per simulated process, in threads that meet at real (barrier-synchronised)
@@ -366,7 +528,8 @@ def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], b
         try:
             planner = dataclasses.replace(scheduler, group=_Simulated(rank))
             prompts = None if prompt_lengths is None else prompt_lengths[rank]
-            return planner.plan(lengths[rank], budgets[rank], kind, prompt_lengths=prompts)
+            return planner.plan(lengths[rank], budgets[rank], kind, prompt_lengths=prompts,
+                                groups=None if groups is None else groups[rank])
         except Exception as error:  # noqa: BLE001 - returned to the caller, as every process would raise it
             with condition:
                 failed.append(rank)

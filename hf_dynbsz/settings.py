@@ -155,11 +155,12 @@ SETTINGS: tuple[Setting, ...] = (
         kind="choice",
         choices=("auto", "padding_free", "padded"),
         unit="-",
-        summary="auto: padding_free with flash_attention_2/3, padded otherwise",
-        help="Micro-batch layout: 'padding_free' (packed rows; needs a varlen attention kernel), 'padded' (each "
-        "micro-batch padded only to its own longest row), or 'auto': padding_free with flash_attention_2/3-style "
-        "varlen kernels, padded otherwise.",
-        fix="'auto' packs rows padding-free with flash_attention_2/3 and pads otherwise.",
+        summary="auto: padding_free with flash-attention or segment attention, padded otherwise",
+        help="Micro-batch layout: 'padding_free' (the samples of a micro-batch concatenated into one row, each "
+        "attending to itself only: flash-attention varlen kernels, or segment attention on sdpa and eager), 'padded' "
+        "(each micro-batch padded only to its own longest row), or 'auto': padding_free where each sequence can "
+        "attend to itself alone (flash-attention, or a model segment attention supports), padded otherwise.",
+        fix="'auto' packs rows padding-free where each sequence can attend to itself alone and pads otherwise.",
     ),
     Setting(
         name="balance_across_ranks",
@@ -175,6 +176,21 @@ SETTINGS: tuple[Setting, ...] = (
         "to the process that owns the sample, so the training math stays stock's. Skipped for a step when the "
         f"predicted gain is below {MIN_RELATIVE_GAIN * 100:g} percent of the largest per-process cost; a no-op on "
         "one process.",
+        expected="true or false",
+    ),
+    Setting(
+        name="share_prompt_prefix",
+        type="bool",
+        default=True,
+        kind="bool",
+        unit="-",
+        summary="compute each prompt once per pass for all its completions there (exact)",
+        help="In a padding-free pass, samples whose prompt tokens are identical (a GRPO prompt's num_generations "
+        "completions, or duplicate prompts) share one copy of the prompt: [prompt | completion 1 | completion 2 ...], "
+        "each completion attending to the prompt and to itself only, through segment attention, so every log-prob "
+        "is stock's. The token budget counts the prompt once. Not applied, with one logged reason, where it cannot "
+        "be exact: the padded layout, multimodal inputs, models whose attention does not go through transformers' "
+        "AttentionInterface, sliding-window, soft-capped or sink attention.",
         expected="true or false",
     ),
     # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import time
 import warnings
 
@@ -30,11 +29,12 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id
 
 from ._trl_compat import check_trl_version
+from .attention import segment_attention
 from .batch import StepBatch
-from .config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
+from .capabilities import Capabilities
+from .config import trainer_config
 from .distributed import ProcessGroup
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMetrics
@@ -65,7 +65,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         except TypeError:
             bound = None  # a call stock does not accept: stock's own __init__ raises its TypeError below
         if bound is not None:
-            bound.arguments["args"] = _prepare_config(bound.arguments.get("args"), bound.arguments["model"])
+            bound.arguments["args"] = trainer_config(bound.arguments.get("args"), bound.arguments["model"])
             args, kwargs = bound.args[1:], bound.kwargs
         super().__init__(*args, **kwargs)
         self._setup_dynamic_batching()
@@ -73,26 +73,16 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     __init__.__signature__ = _STOCK_INIT
 
     def _setup_dynamic_batching(self) -> None:
-        args = self.args
-        reasons = ["the MoE router aux loss is computed per micro-batch"] if self.aux_loss_enabled else []
-        self._dynbsz_enabled = bool(args.dynamic_batching) and not reasons
-        if args.dynamic_batching and reasons:
-            logger.warning("hf_dynbsz: dynamic batching is off, stock GRPOTrainer math runs because %s.",
-                           "; ".join(reasons))
-        unwrapped = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        attn = getattr(unwrapped.config, "_attn_implementation", None)
-        self._dynbsz_scheduler = Scheduler.from_args(args, attn, unwrapped.config.get_text_config(),
-                                                     group=ProcessGroup(self.accelerator))
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        capabilities = Capabilities.of(self.args, model, ProcessGroup(self.accelerator), aux_loss=self.aux_loss_enabled,
+                                       external_generation=self.use_vllm or self.use_transformers_continuous_batching)
+        for note in capabilities.notes:
+            logger.warning("hf_dynbsz: %s.", note)
+        self._dynbsz_enabled = capabilities.enabled
+        self._dynbsz_scheduler, self._dynbsz_attention = capabilities.scheduler, capabilities.attention
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
         self._dynbsz_warned: set[str] = set()
-        if self._dynbsz_enabled:
-            logger.info("hf_dynbsz: layout %s (attention implementation %s).", self._dynbsz_scheduler.layout, attn)
-        if args.per_device_generation_batch_size is not None and (
-            self.use_vllm or self.use_transformers_continuous_batching
-        ):
-            logger.info("hf_dynbsz: per_device_generation_batch_size=%s does not apply: vLLM / continuous batching "
-                        "schedule their own generation batches.", args.per_device_generation_batch_size)
         self.add_callback(_LogPlanAtTrainBegin(self))
 
     # ------------------------------------------------------------------ TRL hooks
@@ -170,20 +160,19 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
             num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
         )
-        schedule = scheduler.plan(batch.table.lengths.tolist(), scheduler.budget(batch.stock_microbatch_tokens),
-                                  prompt_lengths=batch.table.prompt_lengths.tolist())
+        schedule = self._plan(batch.table, scheduler.budget(batch.stock_microbatch_tokens), "training")
         self._warn_oversize(schedule, "training")
         if schedule.exchange is not None:  # cross-rank balancing: run the samples this process was given
             batch = scheduler.group.move_batch(batch, schedule.exchange)
         bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
         metrics, total_loss = StepMetrics(), torch.zeros((), device=device)
-        with self.compute_loss_context_manager(), self._tiles():
+        with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
             for position, group in enumerate(schedule.microbatches):
                 last = position == schedule.passes - 1
                 if not group:
                     self._dummy_pass(model, last)
                     continue
-                mb = self._microbatch(batch.table, group)
+                mb = self._microbatch(batch.table, group, schedule.groups)
                 logps, entropies = self._forward(model, mb, True)
                 rows = batch.rows(group, logps.size(1))
                 loss, loss_metrics = microbatch_loss(self._dynbsz_loss_settings, logps, entropies, rows, bonus)
@@ -200,18 +189,18 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     def _no_grad_passes(self, model, table: SequenceTable, width: int, compute_entropy: bool, stock_tokens: int):
         """Completion log-probs (and entropies) of every sample of ``table``, ``(samples, width)``, in table order."""
         scheduler = self._dynbsz_scheduler
-        schedule = scheduler.plan(table.lengths.tolist(), scheduler.budget(stock_tokens, "logprob"), "logprob",
-                                  prompt_lengths=table.prompt_lengths.tolist())
+        schedule = self._plan(table, scheduler.budget(stock_tokens, "logprob"), "logprob")
         self._warn_oversize(schedule, "logprob")
         run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
         columns = max([width, *run.completion_lengths.tolist()])
         results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
-        with self._tiles():
+        with self._tiles(), self._segments(model):
             for group in schedule.microbatches:
                 if not group:
                     self._dummy_pass(model)
                     continue
-                logps, entropies = self._forward(model, self._microbatch(run, group), compute_entropy)
+                mb = self._microbatch(run, group, schedule.groups)
+                logps, entropies = self._forward(model, mb, compute_entropy)
                 results[group, 0, : logps.size(1)] = logps.float()
                 if compute_entropy:
                     results[group, 1, : entropies.size(1)] = entropies.float()
@@ -220,10 +209,21 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
         return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None
 
-    def _microbatch(self, table: SequenceTable, group: list[int]):
+    def _plan(self, table: SequenceTable, budget: int, kind: str):
+        """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
+        groups = table.prompt_groups() if self._dynbsz_scheduler.share_prompts else None
+        return self._dynbsz_scheduler.plan(table.lengths.tolist(), budget, kind,
+                                           prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
+
+    def _microbatch(self, table: SequenceTable, group: list[int], groups):
         return build_microbatch(table, group, layout=self._dynbsz_scheduler.layout,
                                 pad_token_id=self._tokenizer.pad_token_id,
-                                pad_to_multiple_of=self.args.pad_to_multiple_of, device=self.accelerator.device)
+                                pad_to_multiple_of=self.args.pad_to_multiple_of, device=self.accelerator.device,
+                                attention=self._dynbsz_attention, groups=groups)
+
+    def _segments(self, model):
+        """Segment attention for the passes (forward and backward) when padding-free rows use it."""
+        return segment_attention(self.accelerator.unwrap_model(model), self._dynbsz_attention is not None)
 
     def _forward(self, model, mb, compute_entropy: bool):
         """Completion-aligned ``(rows, width)`` log-probs (and entropies) of one micro-batch."""
@@ -237,7 +237,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
-        mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device)
+        mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device, self._dynbsz_attention)
         with self.accelerator.autocast():
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
         if last is not None:
@@ -317,18 +317,3 @@ class _LogPlanAtTrainBegin(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._log_batch_size_plan()
-
-
-def _prepare_config(args, model):
-    """The trainer's config: stock's default when ``args`` is None, with the dynamic-batching fields in place."""
-    if args is None:
-        name = model if isinstance(model, str) else get_config_model_id(model.config)
-        args = DynamicBatchGRPOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
-    ensure_dynamic_batch_fields(args)
-    if default_ddp_backend(args.ddp_backend) != args.ddp_backend and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            "DeepSpeed without a GPU needs ddp_backend='gloo' (ddp_backend=None now): stock TRL then fails with "
-            "'train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size'. Use "
-            "hf_dynbsz.DynamicBatchGRPOConfig (sets it for you) or pass ddp_backend='gloo'."
-        )
-    return args

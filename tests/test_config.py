@@ -21,6 +21,7 @@ NEW_FIELDS = (
     "oversize_policy",
     "packing_layout",
     "balance_across_ranks",
+    "share_prompt_prefix",
 )
 
 

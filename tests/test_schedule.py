@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -233,7 +234,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
     from hf_dynbsz.testing import ScriptedRollout, run_training, save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"))
-    batches, schedules = [], []
+    batches, schedules, groups = [], [], []
     from_slices = trainer_module.StepBatch.from_slices.__func__
 
     def recording_from_slices(cls, window, *args):
@@ -255,6 +256,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
                     schedule = inner.plan(lengths, budget_, kind, **kwargs)
                     if kind == "training":
                         schedules.append(schedule)
+                        groups.append(kwargs.get("groups"))
                     return schedule
 
             self._dynbsz_scheduler = RecordingScheduler()
@@ -266,8 +268,11 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
     run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "out"),
                  trainer_kwargs={"rollout_func": rollout}, **settings_)
     assert len(batches) == len(schedules) == 4
-    pairs = [[int(p), int(c)] for batch in batches
-             for p, c in zip(batch.table.prompt_lengths, batch.table.completion_lengths)]
+    assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
+    pairs = [[int(p), int(c)] + ([] if step_groups is None else [group])
+             for batch, step_groups in zip(batches, groups)
+             for p, c, group in zip(batch.table.prompt_lengths, batch.table.completion_lengths,
+                                    step_groups or [None] * len(batch))]
     (tmp_path / "lengths.json").write_text(json.dumps(pairs))
 
     options = ["plan", "--lengths", str(tmp_path / "lengths.json"), "--json", "--model_config", model_dir,
@@ -292,3 +297,102 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
         # These passes depend on the model's workload: a planner balancing for another model would differ.
         generic = simulate([option for option in options if option not in ("--model_config", model_dir)])
         assert [step["microbatches"] for step in generic] != [schedule.microbatches for schedule in schedules]
+
+
+# ---- shared prompts: units are prompt-group pieces ----------------------------------------------------------------
+def test_segment_attention_makes_padding_free_the_automatic_layout():
+    assert resolve_layout("auto", "sdpa", segment_attention=True) == ("padding_free", "varlen")
+    assert resolve_layout("auto", "eager", segment_attention=True) == ("padding_free", "varlen")
+    assert resolve_layout("padding_free", "sdpa", segment_attention=True) == ("padding_free", "varlen")
+    assert resolve_layout("padded", "sdpa", segment_attention=True) == ("padded", "dense")
+
+
+def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention():
+    args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
+                           max_tokens_per_microbatch_logprob=None, share_prompt_prefix=True)
+    assert Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
+    assert not Scheduler.from_args(args, "sdpa", segment_attention=False).share_prompts  # padded then
+    args.packing_layout = "padded"
+    assert not Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
+    args.packing_layout, args.share_prompt_prefix = "padding_free", False
+    assert not Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
+
+
+def test_units_share_a_prompt_and_split_into_pieces_that_fit():
+    from hf_dynbsz.schedule import build_units
+
+    prompts, completions = [10, 10, 10, 10, 10, 1, 1, 7], [5, 20, 3, 30, 8, 4, 6, 9]
+    groups = [0, 0, 0, 0, 0, 1, 1, 2]
+    units = build_units(prompts, completions, groups, budget=50)
+    by_sample = {i: unit for unit in units for i in unit.samples}
+    assert sorted(by_sample) == list(range(8))
+    for unit in units:
+        if len(unit.samples) > 1:
+            assert unit.tokens == 9 + sum(completions[i] + 1 for i in unit.samples) <= 50
+    # blocks 31, 21, 9, 6, 4 packed first-fit-decreasing next to the 9-token prefix: [31, 9] and [21, 6, 4]
+    assert {by_sample[i].samples for i in range(5)} == {(3, 4), (0, 1, 2)}
+    assert by_sample[5] is not by_sample[6]  # a 1-token prompt has no prefix to share
+    assert by_sample[7].samples == (7,) and by_sample[7].tokens == 16 and by_sample[7].pairs == 16 ** 2
+    assert build_units(prompts, completions, None, 50) == [
+        type(units[0])((i,), p + c, (p + c) ** 2) for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_shared_passes_compute_what_the_schedule_counts(data):
+    """For random prompt groups the collator's rows are exactly the tokens the schedule planned, within budget."""
+    import torch
+
+    from hf_dynbsz.packing import SequenceTable, build_microbatch
+
+    count = data.draw(st.integers(1, 16))
+    prompt_of = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    prompt_lengths = data.draw(st.lists(st.integers(1, 12), min_size=4, max_size=4))
+    completions = data.draw(st.lists(st.integers(0, 15), min_size=count, max_size=count))
+    budget = data.draw(st.integers(8, 80))
+    pad = data.draw(st.sampled_from([None, 4]))
+    prompts = [list(range(3, 3 + prompt_lengths[k])) for k in range(4)]
+    tokens = [torch.tensor(prompts[k] + [5] * c) for k, c in zip(prompt_of, completions)]
+    table = SequenceTable(tokens=tokens, prompt_lengths=torch.tensor([prompt_lengths[k] for k in prompt_of]),
+                          completion_lengths=torch.tensor(completions))
+    planner = scheduler("padding_free", "varlen", pad_to_multiple_of=pad)
+    planner = dataclasses.replace(planner, share_prompts=True)
+    groups = table.prompt_groups()
+    schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(),
+                            groups=groups)
+    assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
+    real = [group for group in schedule.microbatches if group]
+    for group, planned in zip(real, schedule.pass_tokens):
+        mb = build_microbatch(table, group, layout="padding_free", pad_token_id=0, pad_to_multiple_of=pad,
+                              attention="sdpa", groups=schedule.groups)
+        assert mb.computed_tokens == planned
+        if not set(group) & set(schedule.oversize):
+            assert planned <= budget
+    assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(
+        build_microbatch(table, g, layout="padding_free", pad_token_id=0, attention="sdpa",
+                         groups=schedule.groups).real_tokens for g in real)
+
+
+def test_balancing_moves_a_prompt_group_piece_whole():
+    from hf_dynbsz.schedule import build_units
+
+    lengths = [[40] * 8, [400] * 8]
+    prompts = [[30] * 8, [30] * 8]
+    groups = [[0] * 4 + [1] * 4, [0] * 8]  # process 0: two prompts x 4; process 1: one prompt x 8, in two pieces
+    budget = 1600
+    planner = dataclasses.replace(scheduler("padding_free", "varlen", balance_across_ranks=True), share_prompts=True)
+    plans = simulate_processes(planner, lengths, [budget, budget], prompts, groups=groups)
+    exchange = plans[0].exchange
+    # a small piece of process 0 and a large piece of process 1 swap: even loads
+    assert exchange is not None and plans[0].samples_moved == 8
+    assert plans[0].balance.imbalance_after < 1.01 < 1.5 < plans[0].balance.imbalance_before
+    for origin in range(2):
+        units = build_units(prompts[origin], [n - p for n, p in zip(lengths[origin], prompts[origin])],
+                            groups[origin], budget)
+        assert len(units) == 2
+        for unit in units:  # a piece moves whole
+            assert len({exchange.destination[origin][i] for i in unit.samples}) == 1
+    for plan in plans:  # the groups each process uses: equal exactly for samples of one origin group
+        origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
+        assert [g1 == g2 for g1 in plan.groups for g2 in plan.groups] == [
+            o1 == o2 for o1 in origin_groups for o2 in origin_groups]

@@ -32,7 +32,8 @@ def compare_with_stock(model_dir, tmp_path, **overrides):
     dyn_overrides = {
         key: overrides.pop(key)
         for key in list(overrides)
-        if key in ("max_tokens_per_microbatch", "packing_layout", "max_tokens_per_microbatch_logprob", "oversize_policy")
+        if key in ("max_tokens_per_microbatch", "packing_layout", "max_tokens_per_microbatch_logprob", "oversize_policy",
+                   "share_prompt_prefix")
     }
     dyn_overrides.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
     init, stock, stock_completions, _ = run_training(
@@ -121,7 +122,8 @@ def test_one_sequence_per_budget_still_matches(model_dir, tmp_path):
 
 
 def test_repacking_really_happens_and_is_logged(model_dir, tmp_path):
-    history = compare_with_stock(model_dir, tmp_path, loss_type="dapo")
+    # the padded layout: what "auto" resolved to on sdpa before segment attention made padding-free rows cheap there
+    history = compare_with_stock(model_dir, tmp_path, loss_type="dapo", packing_layout="padded")
     step = next(entry for entry in history if "dynbsz/microbatches" in entry)
     assert step["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
     assert step["dynbsz/microbatches"] != 2  # stock would run 2 fixed slices per step
@@ -129,6 +131,17 @@ def test_repacking_really_happens_and_is_logged(model_dir, tmp_path):
     assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
     for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "step_time"):
         assert key in step
+
+
+def test_shared_prompts_really_happen_and_match_stock(model_dir, tmp_path):
+    # auto = padding-free rows through segment attention on sdpa; each prompt's 4 completions share it
+    shared = compare_with_stock(model_dir, tmp_path / "shared", loss_type="dapo", beta=0.1, num_iterations=2)
+    alone = compare_with_stock(model_dir, tmp_path / "alone", loss_type="dapo", beta=0.1, num_iterations=2,
+                               share_prompt_prefix=False)
+    for step_shared, step_alone in zip(*[[e for e in h if "dynbsz/microbatches" in e] for h in (shared, alone)]):
+        assert step_shared["dynbsz/prompt_tokens_saved"] > 0 and step_alone["dynbsz/prompt_tokens_saved"] == 0
+        assert step_shared["dynbsz/computed_tokens"] < step_alone["dynbsz/computed_tokens"]
+        assert step_shared["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
 
 
 def test_dynamic_batching_off_is_stock(model_dir, tmp_path):

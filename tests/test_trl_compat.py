@@ -71,8 +71,15 @@ def private_names_used(path: Path) -> set[str]:
     """Attribute names starting with one underscore, as ``x._name`` or as a string literal (getattr & co)."""
     tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
     used = set()
+    importing = False  # inside the names of a `from module import ...` statement
     for before, token in zip(tokens, tokens[1:]):
-        if before.string == "." and token.type == tokenize.NAME:
+        if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            importing = False
+        elif token.string == "import" and any(t.string == "from" and t.start[0] == token.start[0] for t in tokens):
+            importing = True
+        elif importing and token.type == tokenize.NAME and before.string in ("import", ",", "("):
+            used.add(token.string)
+        elif before.string == "." and token.type == tokenize.NAME:
             used.add(token.string)
         elif token.type == tokenize.STRING:
             match = re.fullmatch(r"[rbuRBU]?(['\"])(_\w+)\1", token.string)
@@ -105,5 +112,5 @@ def test_every_internal_name_the_plugin_touches_is_listed():
 
 def test_the_listing_check_would_see_an_unlisted_name(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("x = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n")
-    assert private_names_used(sample) == {"_buffered_inputs", "_hidden"}
+    sample.write_text("from trl.trainer import _secret\nx = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n")
+    assert private_names_used(sample) == {"_secret", "_buffered_inputs", "_hidden"}

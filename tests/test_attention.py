@@ -1,0 +1,290 @@
+"""Specification of hf_dynbsz.attention: shared prompts and padding-free rows give stock's log-probs, on every kernel.
+
+Each padding-free row is built by the packing collator (with prompt groups where prompts are shared) and run
+through segment attention; the log-probs, entropies and gradients must equal those of stock TRL's padded forward of
+the same samples as separate sequences (fp32), on sdpa and eager, and on the flash-attention formulation with a
+reference varlen kernel standing in for the GPU kernel (its index arithmetic is what runs on a GPU).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from trl.trainer.utils import add_fused_lm_head, pad
+
+from hf_dynbsz import attention
+from hf_dynbsz.attention import (
+    ATTENTION_NAME,
+    Segment,
+    SegmentLayout,
+    reference_varlen_attention,
+    segment_attention,
+    segment_attention_forward,
+    segment_attention_unsupported,
+    segment_mask,
+)
+from hf_dynbsz.packing import SequenceTable, build_microbatch
+from hf_dynbsz.schedule import segment_tokens
+from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
+
+PAD = 0
+
+
+def grpo_batch(prompt_lengths, completion_lengths, repeats, seed=0):
+    """TRL-style left-padded prompts / right-padded completions; prompt k repeated ``repeats[k]`` times."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length, count in zip(prompt_lengths, repeats):
+        prompt = torch.randint(3, 40, (length,), generator=generator)
+        prompts += [prompt] * count
+    completions = [torch.randint(3, 40, (n,), generator=generator) for n in completion_lengths]
+    assert len(prompts) == len(completions)
+    return (pad(prompts, padding_value=PAD, padding_side="left"),
+            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+            pad(completions, padding_value=PAD, padding_side="right"),
+            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+
+
+def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """TRL 1.16's own padded forward of the samples as separate sequences."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    width = completion_ids.size(1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-width] = -100
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -width:], out.entropy[:, -width:]
+
+
+def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):
+    mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention=base, groups=groups,
+                          pad_to_multiple_of=pad_to_multiple_of)
+    with segment_attention(model):
+        out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
+    return mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request):
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, attn_implementation=request.param, hidden_size=64, num_hidden_layers=2)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+@pytest.fixture
+def flash_formulation(monkeypatch):
+    """Segment layouts take the flash-attention path, with the reference varlen kernel instead of the GPU one."""
+    calls = []
+
+    def kernel(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+        assert int(cu_q[-1]) == query.size(0) and int(cu_k[-1]) == key.size(0)
+        return reference_varlen_attention(query, key, value, cu_q, cu_k, scaling, dropout)
+
+    monkeypatch.setattr(attention, "VARLEN_KERNEL", kernel)
+    monkeypatch.setattr(SegmentLayout, "flash", property(lambda self: True))
+    return calls
+
+
+# prompts of 9, 4 and 13 tokens (left-padded to 13 in TRL's batch), 4 + 3 + 1 completions; one empty completion
+PROMPTS, REPEATS = [9, 4, 13], [4, 3, 1]
+COMPLETIONS = [6, 1, 11, 3, 8, 0, 5, 7]
+
+
+@pytest.mark.parametrize("kernel", ["native", "flash"])
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
+def test_shared_prompts_give_stocks_logprobs_and_entropies(model, request, kernel, pad_to_multiple_of):
+    calls = request.getfixturevalue("flash_formulation") if kernel == "flash" else None
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
+    table = SequenceTable.from_padded(*batch)
+    groups = table.prompt_groups()
+    assert groups == [0, 0, 0, 0, 1, 1, 1, 2]
+    base = model.config._attn_implementation
+    with torch.no_grad():
+        expected, expected_entropy = stock_logps(model, *batch)
+        order = [5, 0, 7, 2, 4, 1, 6, 3]  # groups interleaved: the collator gathers each group's segment
+        mb, logps, entropy = packed_logps(model, table, order, groups, base, pad_to_multiple_of)
+    for row, sample in enumerate(order):
+        n = COMPLETIONS[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
+        assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+    if calls is not None:
+        assert len(calls) == model.config.num_hidden_layers  # every layer took the varlen formulation
+    # each prompt computed once: 8 + 3 (prefixes of the shared prompts) + 13 (the lone sample, a plain sequence)
+    real = 8 + sum(COMPLETIONS[:4]) + 4 + 3 + sum(COMPLETIONS[4:7]) + 3 + 13 + COMPLETIONS[7]
+    assert mb.real_tokens == real == segment_tokens(order, table.prompt_lengths.tolist(),
+                                                    table.completion_lengths.tolist(), groups)
+
+
+def test_groups_split_across_passes_and_duplicate_prompts_of_other_groups(model):
+    # two dataset rows with the same prompt (ids equal): one group; the group split over two micro-batches
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 40, (11,), generator=generator)
+    prompts = [prompt] * 6
+    completions = [torch.randint(3, 40, (n,), generator=generator) for n in (4, 9, 2, 7, 1, 5)]
+    batch = (pad(prompts, padding_value=PAD, padding_side="left"),
+             pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+             pad(completions, padding_value=PAD, padding_side="right"),
+             pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+    table = SequenceTable.from_padded(*batch)
+    assert table.prompt_groups() == [0] * 6
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        for part in ([0, 2, 4], [1, 3, 5]):
+            _, logps, _ = packed_logps(model, table, part, table.prompt_groups(), model.config._attn_implementation)
+            for row, sample in enumerate(part):
+                n = completions[sample].numel()
+                assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0)
+
+
+def test_gradients_equal_those_of_separate_sequences(model):
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
+    table = SequenceTable.from_padded(*batch)
+    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
+
+    def gradients(compute):
+        model.zero_grad()
+        compute().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def stock():
+        logps, _ = stock_logps(model, *batch)
+        return (logps * batch[3] * weights).sum()
+
+    def ours():
+        order = list(range(len(COMPLETIONS)))
+        _, logps, _ = packed_logps(model, table, order, table.prompt_groups(), model.config._attn_implementation)
+        return (logps * weights).sum()
+
+    expected, got = gradients(stock), gradients(ours)
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_sibling_never_sees_another_siblings_tokens(model):
+    batch = grpo_batch([10], [5, 6, 7], [3], seed=7)
+    table = SequenceTable.from_padded(*batch)
+    base = model.config._attn_implementation
+    with torch.no_grad():
+        _, before, _ = packed_logps(model, table, [0, 1, 2], table.prompt_groups(), base)
+        changed = SequenceTable(tokens=[t.clone() for t in table.tokens], prompt_lengths=table.prompt_lengths,
+                                completion_lengths=table.completion_lengths)
+        changed.tokens[2][10:] = (changed.tokens[2][10:] + 1) % 37 + 3  # another completion for sibling 2
+        _, after, _ = packed_logps(model, changed, [0, 1, 2], changed.prompt_groups(), base)
+        assert torch.equal(after[:2], before[:2])  # siblings 0 and 1 are untouched, bit for bit
+        assert not torch.allclose(after[2], before[2])
+        prompt_changed = SequenceTable(tokens=[t.clone() for t in table.tokens], prompt_lengths=table.prompt_lengths,
+                                       completion_lengths=table.completion_lengths)
+        for tokens in prompt_changed.tokens:
+            tokens[2] = (tokens[2] + 1) % 37 + 3  # the shared prompt does reach every sibling
+        _, moved, _ = packed_logps(model, prompt_changed, [0, 1, 2], prompt_changed.prompt_groups(), base)
+        assert all(not torch.allclose(moved[j], before[j]) for j in range(3))
+
+
+def test_segment_mask_shape():
+    mask = segment_mask(2, (2, 3))
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],  # block 2 sees the prefix and itself, not block 1
+        [1, 1, 0, 0, 1, 1, 0],
+        [1, 1, 0, 0, 1, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_varlen_spans_of_the_flash_formulation():
+    layout = SegmentLayout([Segment(0, 3, (2, 4)), Segment(9, 0, (5,)), Segment(14, 0, (2,))], "flash_attention_2")
+    cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans("cpu")
+    # query spans: prefix (3), block (2), block (4), plain (5), trailing padding (2); tiling the row in order
+    assert cu_q.tolist() == [0, 3, 5, 9, 14, 16]
+    # key spans: prefix, prefix + block 1, prefix + block 2, the plain sequence, the padding
+    assert cu_k.tolist() == [0, 3, 8, 15, 20, 22]
+    assert key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, *range(9, 14), 14, 15]
+    assert (max_q, max_k) == (5, 7) and cu_q.dtype == torch.int32
+
+
+def test_segments_must_cover_the_row():
+    layout = SegmentLayout([Segment(0, 0, (3,))], "sdpa")
+    layout.segments.append(Segment(5, 0, (2,)))  # a hole at positions 3-4
+    with pytest.raises(ValueError, match="cover the row"):
+        layout.sdpa_groups("cpu")
+
+
+def test_the_attention_function_refuses_a_forward_without_segments():
+    query = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="padding-free rows of hf_dynbsz only"):
+        segment_attention_forward(None, query, query, query, None)
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        segment_attention_forward(None, query, query, query, None, sliding_window=16,
+                                  dynbsz_segments=SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
+
+
+def test_the_context_switches_the_implementation_and_restores_it(model):
+    base = model.config._attn_implementation
+    with segment_attention(model):
+        assert model.config._attn_implementation == ATTENTION_NAME
+    assert model.config._attn_implementation == base
+    with pytest.raises(KeyError), segment_attention(model):
+        raise KeyError("restored even after an error")
+    assert model.config._attn_implementation == base
+
+
+def test_models_it_cannot_run_exactly_are_named(model):
+    assert segment_attention_unsupported(model) is None
+    config = model.config
+    for name, value, reason in (("layer_types", ["sliding_attention", "full_attention"], "not all full attention"),
+                                ("attn_logit_softcapping", 50.0, "soft-capping")):
+        previous = getattr(config, name, None)
+        setattr(config, name, value)
+        try:
+            assert reason in segment_attention_unsupported(model)
+        finally:
+            setattr(config, name, previous)
+    no_backend = types.SimpleNamespace(config=config, _supports_attention_backend=False)
+    assert "AttentionInterface" in segment_attention_unsupported(no_backend)
+    previous = config._attn_implementation
+    config._attn_implementation = "flex_attention"
+    try:
+        assert "flex_attention" in segment_attention_unsupported(model)
+    finally:
+        config._attn_implementation = previous
+
+
+def test_sdpa_formulation_equals_dense_segment_masks():
+    """Against the rule written as dense masks (segment_mask): every call of the sdpa formulation, batched or not."""
+    torch.manual_seed(0)
+    segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 5, (3, 2)), Segment(29, 0, (6,)),
+                Segment(35, 0, (2,))]
+    layout = SegmentLayout(segments, "sdpa")
+    width = layout.width
+    query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, 8)
+    out, _ = segment_attention_forward(None, query, key, value, None, scaling=0.3, dynbsz_segments=layout)
+    expected = torch.zeros(1, width, 4, 8)
+    for segment in segments:
+        span = slice(segment.start, segment.end)
+        mask = segment_mask(segment.prefix, segment.blocks)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, span], key[:, :, span], value[:, :, span], attn_mask=mask, scale=0.3, enable_gqa=True)
+        expected[:, span] = dense.transpose(1, 2)
+    assert torch.allclose(out, expected, atol=1e-6)
+    calls, _ = layout.sdpa_groups("cpu")
+    # (queries per span, keys per span, spans, dropped queries): causal prefixes of 5 (x2), plain 6 (x2), plain 2;
+    # blocks shorter than their prefix of 5 under a mask: 3 (x2), 1, 4, 2
+    assert sorted((q.numel() // rows, k.numel() // rows, rows, skip) for q, k, rows, _, skip in calls) == sorted(
+        [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)])
+    # blocks at least as long as their prefix: one causal call over [prefix ; block], prefix queries dropped
+    long_blocks = SegmentLayout([Segment(0, 2, (3, 3, 2))], "sdpa")
+    query, key, value = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    out, _ = segment_attention_forward(None, query, key, value, None, scaling=0.3, dynbsz_segments=long_blocks)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=segment_mask(2, (3, 3, 2)), scale=0.3, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(out, dense, atol=1e-6)
+    calls, _ = long_blocks.sdpa_groups("cpu")
+    assert sorted((q.numel() // rows, rows, skip, mask is None) for q, _, rows, mask, skip in calls) == [
+        (2, 1, 0, True), (4, 1, 2, True), (5, 2, 2, True)]
