@@ -17,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
+    "CountingEnvironment",
     "DEFAULT_ALPHABET",
+    "MultiTurnRollout",
+    "build_chat_tokenizer",
     "RecordingReward",
     "TEST_ALPHABET",
     "ScriptedRollout",
@@ -65,6 +68,22 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
                                    padding_side="left")
 
 
+#: Special tokens of the chat template of :func:`build_chat_tokenizer` (TRL's Qwen3 template).
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                       "</tool_response>", "<think>", "</think>")
+
+
+def build_chat_tokenizer(alphabet: str = DEFAULT_ALPHABET + "{}[]\"_<>|\n"):
+    """:func:`build_char_tokenizer` with TRL's own Qwen3 chat template and its special tokens: conversational
+    prompts, tools and environments work offline (TRL recognises the template to parse tool calls)."""
+    from importlib.resources import files
+
+    tokenizer = build_char_tokenizer(alphabet)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tokenizer.chat_template = (files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+    return tokenizer
+
+
 def build_tiny_causal_lm(
     tokenizer,
     *,
@@ -110,16 +129,17 @@ def build_tiny_causal_lm(
     return model
 
 
-def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0) -> str:
+def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0, chat: bool = False) -> str:
     """The test model, saved to ``directory`` with its tokenizer; returns ``directory``.
 
     Its LM head is shrunk so the next-token distribution is close to uniform over the 7-token vocabulary:
     completions end at <eos> after a geometric number of tokens, so lengths vary widely (the situation dynamic
-    batching is for) and some hit ``max_completion_length`` (truncated).
+    batching is for) and some hit ``max_completion_length`` (truncated). ``chat=True``: the tokenizer of
+    :func:`build_chat_tokenizer` (a wider vocabulary with a chat template, for conversational prompts and tools).
     """
     import torch
 
-    tokenizer = build_char_tokenizer(TEST_ALPHABET)
+    tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer(TEST_ALPHABET)
     model = build_tiny_causal_lm(tokenizer, attn_implementation=attn_implementation, seed=seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.05)
@@ -213,6 +233,79 @@ class ScriptedRollout:
             "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
         })
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+class MultiTurnRollout(ScriptedRollout):
+    """A scripted multi-turn ``rollout_func``: completions alternate model turns and environment turns, with TRL's
+    ``env_mask`` (1 for a model token, 0 for an environment token, which the loss must ignore).
+
+    Each completion has 1-3 model turns of ``turn_lengths(rng)`` tokens with an environment turn of ``env_lengths(rng)``
+    tokens between consecutive ones; the last model turn ends with ``eos_id``.
+    """
+
+    def __init__(self, turn_lengths: Callable, env_lengths: Callable, prompt_length: Callable, **kwargs):
+        super().__init__(lambda rng, n, rank: [0] * n, prompt_length, **kwargs)
+        self.turn_lengths, self.env_lengths = turn_lengths, env_lengths
+
+    def __call__(self, prompts, trainer):
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, len(self.rounds)])
+        completion_ids, env_masks = [], []
+        for _ in prompts:
+            ids, mask = [], []
+            turns = int(rng.integers(1, 4))
+            for turn in range(turns):
+                if turn:
+                    env = int(self.env_lengths(rng))
+                    ids += rng.integers(self.token_low, self.token_high, env).tolist()
+                    mask += [0] * env
+                length = max(1, int(self.turn_lengths(rng)))
+                ids += rng.integers(self.token_low, self.token_high, length).tolist()
+                mask += [1] * length
+            ids, mask = ids[: self.max_len], mask[: self.max_len]
+            if len(ids) < self.max_len:
+                ids[-1], mask[-1] = self.eos_id, 1
+            completion_ids.append(ids)
+            env_masks.append(mask)
+        prompt_ids = [self.prompt_ids(p) for p in prompts]
+        self.rounds.append({"samples": len(prompts), "real_tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids)),
+                            "fingerprint": [sorted(map(len, prompt_ids)), sorted(map(len, completion_ids))]})
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_masks}
+
+
+class CountingEnvironment:
+    """A TRL ``environment_factory`` environment that owns the prompt (``reset``) and the reward (``get_reward``).
+
+    Every reset draws the next number of a counter shared by the class (reset it with :meth:`restart` before a run):
+    the prompt is that many letters and the reward a fixed function of the number, so the completions of one group
+    get different rewards and every run sees the same ones. ``double`` is its tool.
+    """
+
+    resets = 0
+
+    @classmethod
+    def restart(cls) -> None:
+        cls.resets = 0
+
+    def reset(self, **kwargs) -> str:
+        type(self).resets += 1
+        self.number = type(self).resets
+        return "abcd"[self.number % 4] * (2 + self.number % 5)
+
+    def double(self, value: int) -> int:
+        """Double a number.
+
+        Args:
+            value: The number to double.
+
+        Returns:
+            Twice the number.
+        """
+        return 2 * value
+
+    def get_reward(self) -> float:
+        return (self.number * 0.37) % 1.0
 
 
 # --------------------------------------------------------------------------------------------------------------
