@@ -4,7 +4,9 @@ Trains stock GRPOTrainer or DynamicBatchGRPOTrainer from a saved tiny model and 
 final (gathered) parameters, the completions every rank generated, and each rank's dynbsz metrics.
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
-(18-24 tokens against 1-3 on process 0). ``--mutate`` corrupts, on the process that receives them, the samples
+(18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
+``environment`` trains with an environment that owns the prompts (no dataset) and the reward (no reward function).
+``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...). ``--mutate`` corrupts, on the process that receives them, the samples
 that cross-rank balancing moved (their advantage, old log-probs or loss weight): a check that the comparison
 with stock would catch a sample that lost what belongs to it.
 """
@@ -17,7 +19,15 @@ import json
 import torch
 
 from hf_dynbsz.testing import TEST_ALPHABET as ALPHABET
-from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, load_tokenizer, prompt_dataset
+from hf_dynbsz.testing import (
+    CountingEnvironment,
+    MultiTurnRollout,
+    RecordingReward,
+    ScriptedRollout,
+    base_config_kwargs,
+    load_tokenizer,
+    prompt_dataset,
+)
 
 
 def lopsided_dataset(num_blocks: int = 8):
@@ -53,11 +63,6 @@ def corrupt_moved_samples(what: str) -> None:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
-
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["stock", "dynamic"], required=True)
     parser.add_argument("--model_dir", required=True)
@@ -70,37 +75,61 @@ def main() -> None:
     parser.add_argument("--top_entropy_quantile", type=float, default=1.0)
     parser.add_argument("--entropy_coef", type=float, default=0.0)
     parser.add_argument("--lopsided", action="store_true")
-    parser.add_argument("--rollout", choices=["generate", "lopsided"], default="generate")
+    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
+    parser.add_argument("--loss_types", default=None, help="comma-separated: train once per loss type, in turn")
     parser.add_argument("--balance", choices=["on", "off"], default="on")
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     cli = parser.parse_args()
+    if cli.mutate != "none":
+        corrupt_moved_samples(cli.mutate)
+    loss_types = cli.loss_types.split(",") if cli.loss_types else [cli.loss_type]
+    trainer = None
+    for loss_type in loss_types:
+        suffix = f".{loss_type}" if cli.loss_types else ""
+        trainer = train(cli, loss_type, cli.out + suffix)
+    trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
 
-    overrides = dict(loss_type=cli.loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
+
+def train(cli, loss_type: str, out: str):
+    """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+
+    overrides = dict(loss_type=loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
                      max_steps=cli.max_steps, top_entropy_quantile=cli.top_entropy_quantile,
                      entropy_coef=cli.entropy_coef)
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)
+    if cli.rollout == "environment":
+        overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
     if cli.trainer == "stock":
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(cli.out + "-run", ddp_backend="gloo",
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo",
                                                                          **overrides))
     else:
         trainer_cls = DynamicBatchGRPOTrainer
-        args = DynamicBatchGRPOConfig(**base_config_kwargs(cli.out + "-run", max_tokens_per_microbatch=cli.budget,
+        args = DynamicBatchGRPOConfig(**base_config_kwargs(out + "-run", max_tokens_per_microbatch=cli.budget,
                                                            balance_across_ranks=cli.balance == "on", **overrides))
-        if cli.mutate != "none":
-            corrupt_moved_samples(cli.mutate)
     reward = RecordingReward()
     model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
-    dataset = lopsided_dataset() if cli.lopsided else prompt_dataset()
-    rollout = None
+    kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=load_tokenizer(cli.model_dir),
+                  train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset())
     if cli.rollout == "lopsided":
-        rollout = ScriptedRollout(lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
-                                  lambda rng: rng.integers(3, 9), max_completion_length=24, seed=1, token_low=3,
-                                  token_high=7, eos_id=1)
-    trainer = trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=load_tokenizer(cli.model_dir), rollout_func=rollout)
+        kwargs["rollout_func"] = ScriptedRollout(
+            lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
+            lambda rng: rng.integers(3, 9), max_completion_length=24, seed=1, token_low=3, token_high=7, eos_id=1)
+    elif cli.rollout == "multiturn":
+        kwargs["rollout_func"] = MultiTurnRollout(
+            turn_lengths=lambda rng: rng.integers(1, 7), env_lengths=lambda rng: rng.integers(2, 9),
+            prompt_length=lambda rng: rng.integers(3, 12), max_completion_length=24, seed=2, token_low=3,
+            token_high=7, eos_id=1)
+    elif cli.rollout == "environment":  # the environment owns the prompts (no dataset) and the reward
+        CountingEnvironment.restart()
+        kwargs.update(environment_factory=CountingEnvironment, reward_funcs=None, train_dataset=None)
+    trainer = trainer_cls(**kwargs)
     trainer.train()
 
     accelerator = trainer.accelerator
@@ -114,13 +143,15 @@ def main() -> None:
     else:
         params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
-    rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics}
-    with open(f"{cli.out}.rank{accelerator.process_index}.json", "w") as f:
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics,
+                   "rewards": rewards}
+    with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
     if accelerator.is_main_process:
-        torch.save(params, f"{cli.out}.params.pt")
+        torch.save(params, f"{out}.params.pt")
     accelerator.wait_for_everyone()
-    trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
+    return trainer
 
 
 if __name__ == "__main__":

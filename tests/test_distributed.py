@@ -125,3 +125,37 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path
            **BALANCED["ddp"][1])
     damaged = torch.load(f"{tmp_path / 'ours'}.params.pt")
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
+
+
+# ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
+ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-chat-model")), chat=True)
+
+
+@pytest.mark.parametrize("rollout", ["multiturn", "environment"])
+def test_tool_and_environment_rollouts_match_stock(rollout, tmp_path, model_dir, chat_model_dir):
+    directory = chat_model_dir if rollout == "environment" else model_dir
+    options = dict(rollout=rollout, loss_types=",".join(ROLLOUT_LOSS_TYPES), max_steps=2,
+                   budget=1600 if rollout == "environment" else 48)
+    for trainer in ("stock", "dynamic"):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
+                   "--trainer", trainer, "--model_dir", directory, "--out", str(tmp_path / trainer)]
+        for key, value in options.items():
+            command += [f"--{key}", str(value)]
+        run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} {rollout} rollouts under DDP")
+    for loss_type in ROLLOUT_LOSS_TYPES:
+        records = {trainer: [json.loads(Path(f"{tmp_path / trainer}.{loss_type}.rank{rank}.json").read_text())
+                             for rank in range(2)] for trainer in ("stock", "dynamic")}
+        for rank in range(2):
+            assert records["dynamic"][rank]["completions"] == records["stock"][rank]["completions"]
+            assert records["dynamic"][rank]["metrics"], f"rank {rank} logged no dynbsz metrics ({loss_type})"
+        if rollout == "environment":  # the environment's reward reached the advantages
+            assert any(reward != 0 for reward in records["stock"][0]["rewards"])
+        stock_params = torch.load(f"{tmp_path / 'stock'}.{loss_type}.params.pt")
+        our_params = torch.load(f"{tmp_path / 'dynamic'}.{loss_type}.params.pt")
+        assert relative_difference(our_params, stock_params) <= 1e-5, loss_type

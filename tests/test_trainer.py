@@ -20,6 +20,9 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "lusp
 # Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
 SMALL_BUDGET = 40
 PARAM_TOLERANCE = 1e-5
+# transformers 5 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing
+CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in {
+    f.name for f in __import__("dataclasses").fields(GRPOConfig)} else "gradient_checkpointing"
 UPDATE_TOLERANCE = 1e-3
 
 
@@ -326,3 +329,32 @@ def test_stocks_positional_call_order_works(model_dir, tmp_path):
     with pytest.raises(TypeError):
         DynamicBatchGRPOTrainer(model, RecordingReward(), args, prompt_dataset(), None, None, None, None, (None, None),
                                 None, None, None, None, None, "one too many")
+
+
+# ---------------------------------------------------------------- gradient checkpointing off, PEFT LoRA
+def test_matches_stock_without_gradient_checkpointing(model_dir, tmp_path):
+    # TRL turns activation checkpointing on by default; segment attention must be exact without recomputation too
+    compare_with_stock(model_dir, tmp_path, loss_type="grpo", beta=0.1, num_iterations=2,
+                       **{CHECKPOINTING: False})
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+
+    # beta > 0: the reference model is the base model with the adapter disabled (TRL's PEFT path)
+    overrides = dict(loss_type=loss_type, beta=0.1, num_iterations=2)
+    init, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"),
+                                                     trainer_kwargs={"peft_config": lora()}, **overrides)
+    _, ours, completions, history = run_training(
+        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"),
+        trainer_kwargs={"peft_config": lora()}, max_tokens_per_microbatch=SMALL_BUDGET, **overrides)
+    assert completions == stock_completions
+    lora_names = [name for name in stock if "lora_" in name]
+    assert lora_names and set(lora_names) == {name for name in ours if "lora_" in name}
+    assert any(stock[n].abs().sum() > 0 for n in lora_names if "lora_B" in n)  # LoRA B starts at zero: it trained
+    assert relative_difference({n: ours[n] for n in lora_names}, {n: stock[n] for n in lora_names}) <= PARAM_TOLERANCE
+    assert any(entry.get("dynbsz/prompt_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
