@@ -8,9 +8,11 @@ A tiny Qwen2-style model with random weights and a character tokenizer (``hf_dyn
 prompt word with a completion of the length the word names, then ``<eos>``: ``tiny:`` 4 characters, ``short:`` 10,
 ``medium:`` 20, ``long:`` 36, ``huge:`` 60 (``length_reward`` below). Completion lengths range from 0 to 64 tokens
 in every optimizer step, the situation dynamic batching is for. The run prints the batch-size table, one line per
-optimizer step (reward, completion lengths, micro-batches run against stock TRL's fixed count, tokens computed
-against what stock batching would compute, padding) and a summary; the model and tokenizer are saved to
-``runs/grpo-tiny``.
+optimizer step (the metrics under the names they are logged as: ``reward``, ``dynbsz/microbatches_max_over_ranks``
+against stock TRL's fixed count, ``dynbsz/computed_tokens`` against ``dynbsz/stock_computed_tokens``,
+``dynbsz/padding_fraction``, ``dynbsz/tokens_per_second``, ``dynbsz/peak_memory_mib``, ...) and a summary; the
+model, tokenizer and ``trainer_state.json`` are saved to ``runs/grpo-tiny`` (``hf-dynbsz report runs/grpo-tiny``
+plots them).
 
 **With a model and a dataset** it trains any Hub or local causal LM on any prompt dataset, as TRL's own
 ``trl/scripts/grpo.py`` does (the trainer loads the model from its name)::
@@ -223,30 +225,30 @@ def _fmt(value, spec=".3f"):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+#: The metrics of the compact console line, by the names they are logged under (W&B, TensorBoard, trainer_state.json).
+COMPACT_METRICS = (
+    ("reward", ".3f"),
+    ("completions/mean_length", ".1f"),
+    ("dynbsz/microbatches_max_over_ranks", ".0f"),
+    ("dynbsz/padding_fraction", ".2f"),
+    ("dynbsz/computed_tokens", ".0f"),
+    ("dynbsz/stock_computed_tokens", ".0f"),
+    ("dynbsz/tokens_per_second", ".0f"),
+    ("dynbsz/peak_memory_mib", ".0f"),
+    ("dynbsz/mfu", ".3f"),
+    ("loss", ".4f"),
+)
+
+
 def compact_line(logs: dict, step: int, stock_passes: int) -> str:
-    """``step 12 | reward 0.412 | len 23.5 [0-64] | micro-batches 3 (stock 4) | tokens 2,433 vs stock 4,544 (-46%) |
-    padding 21% | loss 0.0123``; records without these keys (the final train_runtime one) are printed as they are."""
+    """``step 12 | reward=0.412 | completions/mean_length=23.5 | dynbsz/microbatches_max_over_ranks=3 (stock 4) |
+    ...``: each metric under the name it is logged as, so what the console shows is what a tracker holds. Records
+    without these keys (the final train_runtime one) are printed as they are."""
     parts = [f"step {step:>4}"]
-    if "reward" in logs:
-        per_func = [(key.split("/")[1], value) for key, value in logs.items()
-                    if key.startswith("rewards/") and key.endswith("/mean")]
-        terms = " + ".join(f"{name} {_fmt(value, '.2f')}" for name, value in per_func)
-        parts.append(f"reward {_fmt(logs['reward'])}" + (f" ({terms})" if len(per_func) > 1 else ""))
-    if "completions/mean_length" in logs:
-        parts.append(f"len {_fmt(logs['completions/mean_length'], '.1f')} "
-                     f"[{_fmt(logs.get('completions/min_length'), '.0f')}-"
-                     f"{_fmt(logs.get('completions/max_length'), '.0f')}]")
-    passes = logs.get("dynbsz/microbatches_max_over_ranks", logs.get("dynbsz/microbatches"))
-    if passes is not None:
-        parts.append(f"micro-batches {_fmt(passes, '.0f')} (stock {stock_passes})")
-    if "dynbsz/computed_tokens" in logs:
-        computed, stock = logs["dynbsz/computed_tokens"], logs.get("dynbsz/stock_computed_tokens")
-        change = f" ({100 * (computed / stock - 1):+.0f}%)" if stock else ""
-        parts.append(f"tokens {computed:,.0f} vs stock {_fmt(stock, ',.0f')}{change}")
-    if "dynbsz/padding_fraction" in logs:
-        parts.append(f"padding {100 * logs['dynbsz/padding_fraction']:.0f}%")
-    if "loss" in logs:
-        parts.append(f"loss {_fmt(logs['loss'], '.4f')}")
+    for name, spec in COMPACT_METRICS:
+        if name in logs:
+            stock = f" (stock {stock_passes})" if name == "dynbsz/microbatches_max_over_ranks" else ""
+            parts.append(f"{name}={_fmt(logs[name], spec)}{stock}")
     if len(parts) == 1:
         parts += [f"{key} {_fmt(value, '.4g') if isinstance(value, float) else value}" for key, value in logs.items()]
     return " | ".join(parts)
@@ -449,8 +451,9 @@ def main(argv: list[str] | None = None):
     seconds = time.perf_counter() - start
 
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json (every logged metric, per step): what `hf-dynbsz report` reads
     accelerator = trainer.accelerator
-    accelerator.print(f"Model and tokenizer saved to {training_args.output_dir}")
+    accelerator.print(f"Model, tokenizer and trainer_state.json saved to {training_args.output_dir}")
     accelerator.print(summarize(trainer.state.log_history, stock_passes, accelerator.num_processes, seconds))
     if accelerator.num_processes > 1:
         print(f"[process {accelerator.process_index} of {accelerator.num_processes}] finished at optimizer step "

@@ -11,9 +11,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .attention import segment_attention_unsupported
+from .env import ENV_OVERRIDES, env_sources
 from .schedule import RankGroup, Scheduler
 
-__all__ = ["Capabilities"]
+__all__ = ["Capabilities", "check_same_on_every_process"]
+
+#: Settings every process must hold equal: each one's DIFFU_* variable is read by every process from its own
+#: environment, so a variable exported on one machine only would split them (and the processes' collectives).
+SHARED_SETTINGS = tuple(override.field for override in ENV_OVERRIDES)
+
+
+def check_same_on_every_process(args, group: RankGroup) -> None:
+    """Raise on every process (each naming its own ``DIFFU_*`` source) when the processes disagree on one of
+    :data:`SHARED_SETTINGS`: before any collective that the disagreement would hang or corrupt."""
+    if group.num_processes == 1:
+        return
+    gathered = group.all_gather([int(getattr(args, name, None) or 0) for name in SHARED_SETTINGS])
+    for position, name in enumerate(SHARED_SETTINGS):
+        values = [row[position] or None for row in gathered]
+        if len(set(values)) > 1:
+            per_process = ", ".join(f"process {rank}: {value}" for rank, value in enumerate(values))
+            source = env_sources(args).get(name, "")
+            raise ValueError(
+                f"{name} differs between processes ({per_process}){f'; here it came from {source}' if source else ''}. "
+                "DIFFU_* variables are read by every process from its own environment: export the same values on "
+                "every machine (or unset them everywhere) before launching."
+            )
 
 
 @dataclass
@@ -31,6 +54,7 @@ class Capabilities:
     def of(cls, args, model, group: RankGroup, *, aux_loss: bool, external_generation: bool) -> Capabilities:
         """``model``: the unwrapped model (PEFT's base model); ``aux_loss``: an MoE router aux loss is trained;
         ``external_generation``: vLLM or continuous batching generate (they schedule their own batches)."""
+        check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
         if enabled and aux_loss:

@@ -1,4 +1,4 @@
-"""``hf-dynbsz``: command-line tools.
+"""``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
 ``hf-dynbsz plan [GRPOConfig options] [--num_processes N] [--config_file ACCELERATE_YAML] [--lengths FILE]``
 prints the batch-size plan (:class:`~hf_dynbsz.plan.BatchSizePlan`) of a training command: every
@@ -9,7 +9,9 @@ micro-batches of a list of sample lengths and compares them with stock TRL's pad
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
 ``GRPOConfig.__post_init__``, which would derive ``generation_batch_size`` for the world size of this machine and
 check that bf16 is supported here). ``BatchSizePlan.from_args`` then derives the generation round exactly like
-TRL does, for ``--num_processes`` processes.
+TRL does, for ``--num_processes`` processes, and :func:`_check_as_training` builds the config training would build
+(with that generation round, and what belongs to this machine neutralised), so that every other check is
+training's own.
 
 Invalid settings exit with status 2 and the validation message on stderr (no traceback).
 """
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import sys
 import textwrap
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,7 @@ from .partition import token_lower_bound
 from .schedule import (
     Scheduler,
     StepSchedule,
+    padding_free_blocker,
     resolve_layout,
     segment_attention_blocker,
     simulate_processes,
@@ -51,7 +55,8 @@ class UsageError(ValueError):
 
 
 def read_accelerate_config(path: str) -> dict[str, Any]:
-    """``num_processes``, ``mixed_precision`` and the DeepSpeed ``zero_stage`` of an ``accelerate`` YAML file.
+    """``num_processes``, ``num_machines``, ``mixed_precision`` and the DeepSpeed ``zero_stage`` of an ``accelerate``
+    YAML file.
 
     Keys absent from the file are absent from the result. ``num_processes`` is accelerate's total over all
     machines. The ZeRO stage comes from ``deepspeed_config.zero_stage``, or from the ``zero_optimization.stage`` of
@@ -69,8 +74,9 @@ def read_accelerate_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"--config_file {path!r} must be a YAML mapping (an accelerate config file).")
     result: dict[str, Any] = {}
-    if data.get("num_processes") is not None:
-        result["num_processes"] = data["num_processes"]
+    for key in ("num_processes", "num_machines"):
+        if data.get(key) is not None:
+            result[key] = data[key]
     if data.get("mixed_precision") is not None:
         precision = data["mixed_precision"]
         result["mixed_precision"] = "no" if precision is False else str(precision)  # YAML 1.1 reads `no` as False
@@ -238,14 +244,20 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         schedule = step.schedule
         count, bound = schedule.passes, token_lower_bound(step.lengths, schedule.budget)
         dynamic = sum(schedule.pass_tokens)
-        stock, real, capacity = len(step.lengths) * step.stock_row_tokens, sum(step.lengths), count * schedule.budget
+        stock, real = len(step.lengths) * step.stock_row_tokens, sum(step.lengths)
+        # Utilisation is of the micro-batches under the budget: an oversize sequence's pass is over it, by design.
+        fitting = [batch for batch in schedule.microbatches if not set(batch) & set(schedule.oversize)]
+        fitting_real = sum(step.lengths[i] for batch in fitting for i in batch)
+        capacity = len(fitting) * schedule.budget
         rows.append((str(number) + ("*" if step.partial else ""), str(len(step.lengths)), str(real),
-                     str(schedule.budget), str(count), str(bound), f"{real / capacity:.1%}" if capacity else "-",
+                     str(schedule.budget), str(count), str(bound),
+                     f"{fitting_real / capacity:.1%}" if capacity else "-",
                      str(dynamic), str(stock), f"{1 - dynamic / stock:.1%}" if stock else "-"))
-        for key, value in (("samples", len(step.lengths)), ("real", real), ("capacity", capacity), ("count", count),
-                           ("bound", bound), ("dynamic", dynamic), ("stock", stock)):
+        for key, value in (("samples", len(step.lengths)), ("real", fitting_real), ("capacity", capacity),
+                           ("count", count), ("bound", bound), ("dynamic", dynamic), ("stock", stock)):
             totals[key] += value
-    rows.append(("total", str(totals["samples"]), str(totals["real"]), "-", str(totals["count"]), str(totals["bound"]),
+    rows.append(("total", str(totals["samples"]), str(sum(sum(step.lengths) for step in steps)), "-",
+                 str(totals["count"]), str(totals["bound"]),
                  f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-", str(totals["dynamic"]),
                  str(totals["stock"]),
                  f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-"))
@@ -269,8 +281,8 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         f"(per_device_train_batch_size {plan.per_device_train_batch_size} x gradient_accumulation_steps "
         f"{plan.gradient_accumulation_steps}); budget: {budget_text}; layout: {scheduler.layout}{layout_note}; "
         f"pad_to_multiple_of: {pad or 'none'}.",
-        "lower bound = fewest micro-batches the step's tokens allow; utilisation = real tokens / (micro-batches x "
-        "budget); computed tokens = tokens the micro-batches compute (padding included); stock tokens = stock "
+        "lower bound = fewest micro-batches the step's tokens allow (each oversize sequence counts one); utilisation "
+        "= real tokens / (micro-batches x budget), over the micro-batches within the budget; computed tokens = tokens the micro-batches compute (padding included); stock tokens = stock "
         "TRL's micro-batches of per_device_train_batch_size samples padded to the step's longest row.",
     ]
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False) for note in notes]
@@ -281,6 +293,8 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         budget = max(step.schedule.budget for step in steps if step.schedule.oversize)
         notes.append("warning: " + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
                      + " (oversize_policy='warn')")
+        notes.append("Their passes count in micro-batches and lower bound and are left out of utilisation; "
+                     "oversize_policy='error' stops training instead.")
     return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
 
 
@@ -449,16 +463,58 @@ def _read_model_config(path: str):
         raise UsageError(f"--model_config {path!r}: not a model directory or config.json file ({error}).") from None
 
 
+def _num_processes(namespace: argparse.Namespace, launcher: dict[str, Any]) -> int:
+    """The world size to plan for: ``--num_processes``, else the accelerate file's (all machines), else 1."""
+    if namespace.num_processes is not None:
+        value, where = namespace.num_processes, "--num_processes"
+    elif launcher.get("num_processes") is not None:
+        value, where = launcher["num_processes"], f"num_processes of --config_file {namespace.config_file!r}"
+    else:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{where} must be a positive integer (data-parallel processes over all machines), got "
+                         f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs.")
+    machines = launcher.get("num_machines", 1)
+    if namespace.num_processes is None and (not isinstance(machines, int) or machines < 1 or value % machines):
+        raise UsageError(f"num_processes={value} of --config_file {namespace.config_file!r} is not a multiple of its "
+                         f"num_machines={machines!r}: accelerate's num_processes counts every process on every "
+                         "machine (e.g. 2 machines x 8 GPUs = 16).")
+    return value
+
+
+def _check_as_training(namespace: argparse.Namespace, plan) -> None:
+    """Build the :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` training would build from these options, so that
+    the planner rejects exactly what training rejects, with training's own messages (one validation, not a copy).
+
+    What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
+    checked by the launcher, not here), and the generation round is the one planned for ``plan.num_processes``
+    (this process is one process, the run may be many).
+    """
+    from .config import DynamicBatchGRPOConfig
+
+    def default(f: dataclasses.Field) -> Any:
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    # The options the user gave (defaults left to the config, so deprecated fields stay quiet).
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(DynamicBatchGRPOConfig)
+              if f.init and hasattr(namespace, f.name) and getattr(namespace, f.name) != default(f)}
+    values.update(bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False,
+                  eval_strategy="no", generation_batch_size=plan.generation_batch_size, steps_per_generation=None)
+    with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
+        warnings.simplefilter("ignore", FutureWarning)
+        DynamicBatchGRPOConfig(**values)
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
-    from .env import apply_env_overrides
+    from .env import apply_env_overrides, with_env_sources
     from .plan import BatchSizePlan, validate_dynamic_batch_fields
 
     try:
         launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
-        num_processes = namespace.num_processes or launcher.get("num_processes") or 1
+        num_processes = _num_processes(namespace, launcher)
         zero_stage = launcher.get("zero_stage")
         if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
             zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
@@ -471,14 +527,19 @@ def _run_plan(argv: list[str]) -> int:
         # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
         shown_layout = None
         if namespace.packing_layout != "auto" or attn_implementation:
-            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa", blocker is None)[0]
-        plan = BatchSizePlan.from_args(
-            namespace,
-            num_processes=num_processes,
-            zero_stage=zero_stage,
-            mixed_precision=launcher.get("mixed_precision"),
-            layout=shown_layout,
-        )
+            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa", blocker is None,
+                                          padding_free_blocker(model_config))[0]
+        try:
+            plan = BatchSizePlan.from_args(
+                namespace,
+                num_processes=num_processes,
+                zero_stage=zero_stage,
+                mixed_precision=launcher.get("mixed_precision"),
+                layout=shown_layout,
+            )
+        except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
+            raise with_env_sources(error, namespace) from None
+        _check_as_training(namespace, plan)
         lengths = read_lengths(namespace.lengths) if namespace.lengths else None
         steps = None
         if lengths is not None:
@@ -490,7 +551,7 @@ def _run_plan(argv: list[str]) -> int:
             else:
                 steps = simulate_steps(plan, scheduler, lengths)
         if namespace.json:
-            document = {"plan": plan.as_dict()}
+            document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
             if steps is not None:
                 document["layout"] = scheduler.layout
                 multi = plan.num_processes > 1
@@ -520,12 +581,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = argparse.ArgumentParser(
         prog=_PROG,
         description="Token-budget micro-batching for TRL's GRPOTrainer.",
-        epilog=f"Run '{_PROG} plan --help' for the options of plan.",
+        epilog=f"Run '{_PROG} plan --help' or '{_PROG} report --help' for a command's options.",
     )
-    top.add_argument("command", choices=["plan"], help="plan: print the batch-size plan of a GRPO run")
-    if not argv or argv[0] in ("-h", "--help") or argv[0] != "plan":
+    top.add_argument("command", choices=["plan", "report"],
+                     help="plan: print the batch-size plan of a GRPO run; report: compare runs' dynbsz/ metrics")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("plan", "report"):
         top.parse_args(argv[:1])  # prints help (exit 0) or a usage error (exit 2)
         return _EXIT_USAGE
+    if argv[0] == "report":
+        from .report import main as report
+
+        return report(argv[1:])
     return _run_plan(argv[1:])
 
 

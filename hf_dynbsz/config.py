@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .env import apply_env_overrides
-from .plan import USER_BATCH_SETTINGS_ATTR, resolve_generation_round, validate_dynamic_batch_fields
+from .env import apply_env_overrides, with_env_sources
+from .plan import (
+    USER_BATCH_SETTINGS_ATTR,
+    resolve_generation_round,
+    validate_dynamic_batch_fields,
+    validate_grpo_fields,
+)
 from .settings import DEFAULTS, config_docstring, setting
 
 __all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "trainer_config"]
@@ -44,6 +49,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     packing_layout: str = _field("packing_layout")
     balance_across_ranks: bool = _field("balance_across_ranks")
     share_prompt_prefix: bool = _field("share_prompt_prefix")
+    peak_tflops_per_device: float | None = _field("peak_tflops_per_device")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.
@@ -57,10 +63,23 @@ class DynamicBatchGRPOConfig(GRPOConfig):
             USER_BATCH_SETTINGS_ATTR,
             {"generation_batch_size": self.generation_batch_size, "steps_per_generation": self.steps_per_generation},
         )
-        # 3. TRL's checks and derivations.
-        super().__post_init__()
-        # 4. Ours (also converts string values from the command line or YAML).
-        validate_dynamic_batch_fields(self)
+        try:
+            # 3. The generation round with the planner's messages (named values, valid neighbours), before TRL's.
+            resolve_generation_round(
+                per_device_train_batch_size=self.per_device_train_batch_size,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+                num_processes=int(os.environ.get("WORLD_SIZE", "1")),
+                num_generations=self.num_generations,
+                generation_batch_size=self.generation_batch_size,
+                steps_per_generation=self.steps_per_generation,
+            )
+            # 4. TRL's checks and derivations.
+            super().__post_init__()
+            # 5. Ours (also converts string values from the command line or YAML).
+            validate_dynamic_batch_fields(self)
+            validate_grpo_fields(self)
+        except ValueError as error:  # name the DIFFU_* variables behind the values
+            raise with_env_sources(error, self) from None
 
 
 def default_ddp_backend(ddp_backend: str | None, environ=None, accelerator_available: bool | None = None):
@@ -97,7 +116,15 @@ def ensure_dynamic_batch_fields(args):
             setattr(args, name, default)
     previous = args.per_device_train_batch_size
     apply_env_overrides(args)
-    if args.per_device_train_batch_size != previous:
+    try:
+        _rederive_and_validate(args, previous)
+    except ValueError as error:  # name the DIFFU_* variables behind the values
+        raise with_env_sources(error, args) from None
+    return args
+
+
+def _rederive_and_validate(args, previous_per_device_train_batch_size: int) -> None:
+    if args.per_device_train_batch_size != previous_per_device_train_batch_size:
         steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
         generation_batch_size, _, _ = resolve_generation_round(
             per_device_train_batch_size=args.per_device_train_batch_size,
@@ -117,7 +144,7 @@ def ensure_dynamic_batch_fields(args):
                 {"generation_batch_size": None, "steps_per_generation": steps_per_generation},
             )
     validate_dynamic_batch_fields(args)
-    return args
+    validate_grpo_fields(args)
 
 
 DynamicBatchGRPOConfig.__doc__ = f"""

@@ -25,7 +25,9 @@ __all__ = [
     "ENV_OVERRIDES",
     "EnvOverride",
     "apply_env_overrides",
+    "env_sources",
     "read_env_overrides",
+    "with_env_sources",
 ]
 
 logger = logging.getLogger("hf_dynbsz")
@@ -75,24 +77,54 @@ def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tu
     return overrides
 
 
+#: Attribute where :func:`apply_env_overrides` records which fields a DIFFU_* variable set: {field: variable}.
+ENV_SOURCES_ATTR = "_hf_dynbsz_env_sources"
+
+
+def _main_process(environ: Mapping[str, str]) -> bool:
+    """Whether this is the main process of a launch (``RANK`` 0 or unset): only it logs overrides visibly."""
+    return environ.get("RANK", "0") in ("", "0")
+
+
 def apply_env_overrides(args: Any, environ: Mapping[str, str] | None = None) -> list[str]:
     """Set the fields of ``args`` named by the ``DIFFU_*`` variables found in ``environ``.
 
     ``args`` is any object with attributes (a ``GRPOConfig``, an ``argparse.Namespace``...). Returns one
     human-readable message per applied override, e.g.
     ``"DIFFU_TRAIN_BATCH_SIZE=2 overrides per_device_train_batch_size=4"`` (the value it replaced). Each
-    override is logged once per process on the ``hf_dynbsz`` logger, not again when the same override is
-    applied again. Bad values raise :class:`ValueError` before anything is changed.
+    override is logged once per process, as a WARNING on the main process (so it shows by default) and at INFO on
+    the others, and is recorded on ``args`` (see :func:`env_sources`) so that errors and the plan table can name
+    the variable. Bad values raise :class:`ValueError` before anything is changed.
     """
+    if environ is None:
+        environ = os.environ
     overrides = read_env_overrides(environ)
     messages = []
+    sources = dict(env_sources(args))
     for field_name, (variable, value) in overrides.items():
         previous = getattr(args, field_name, None)
         setattr(args, field_name, value)
+        sources[field_name] = f"{variable}={value}"
         message = f"{variable}={value} overrides {field_name}={previous}"
         messages.append(message)
         key = (variable, value, field_name)
         if key not in _LOGGED:
             _LOGGED.add(key)
-            logger.info(message)
+            logger.log(logging.WARNING if _main_process(environ) else logging.INFO, message)
+    if sources:
+        setattr(args, ENV_SOURCES_ATTR, sources)
     return messages
+
+
+def env_sources(args: Any) -> Mapping[str, str]:
+    """``{field: "DIFFU_X=value"}`` for the fields of ``args`` a ``DIFFU_*`` variable set (empty when none did)."""
+    return getattr(args, ENV_SOURCES_ATTR, None) or {}
+
+
+def with_env_sources(error: ValueError, args: Any) -> ValueError:
+    """``error`` with the ``DIFFU_*`` variables that set values of ``args`` named, so the user can find the cause."""
+    sources = env_sources(args)
+    if not sources:
+        return error
+    named = ", ".join(f"{field} from {source}" for field, source in sources.items())
+    return type(error)(f"{error} (Set by the environment: {named}; change or unset the variable to change it.)")

@@ -4,24 +4,116 @@ Stock TRL logs, per fixed micro-batch, a global mean of each loss metric (``entr
 the Trainer averages those means over the accumulation steps. With token-budget passes that average would
 weight passes, not tokens, so :class:`StepMetrics` adds up value x token sums over every pass of the step and
 reduces them across processes once, at the end: the logged value is the exact token-weighted mean over the
-optimizer step. It also carries the ``dynbsz/*`` figures of the step (passes, budget, padding), all named here.
+optimizer step. It also carries the ``dynbsz/*`` figures of the step (passes, budget, padding, time by phase,
+throughput, peak memory, MFU), all named here; :class:`StepClock` and :class:`PeakMemory` measure them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import resource
+import sys
+import time
 from collections import defaultdict
 
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .schedule import StepSchedule
+from .packing import SequenceTable
+from .partition import ModelFlops
+from .schedule import RankGroup, StepSchedule
 
-__all__ = ["StepMetrics"]
+__all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
+
+#: Peak dense bf16/fp16 tensor TFLOP/s of datacenter GPUs (vendor data sheets, without sparsity), by a part of the
+#: name torch reports; the first match wins (PCIe/NVL variants before the SXM default).
+_PEAK_TFLOPS_16BIT = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0),
+                      ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))
+
+
+def device_peak_tflops(device: torch.device, mixed_precision: str, configured: float | None) -> float | None:
+    """Peak TFLOP/s of one device for ``dynbsz/mfu``: ``configured`` (``peak_tflops_per_device``) if set, else the
+    table's value for a known GPU training in bf16/fp16, else None (no MFU is logged)."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda" or mixed_precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for part, tflops in _PEAK_TFLOPS_16BIT if part in name), None)
+
+
+class StepClock:
+    """Seconds of one optimizer step by phase, on this process. Phases nest and each second counts once, in the
+    innermost phase: ``generation`` (TRL's rollout: generation, reward scoring, its bookkeeping), ``logprob``
+    (no-grad log-prob passes: old policy, reference, entropy mask) and ``train`` (the forward/backward passes and
+    their scheduling)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._open: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self._open.pop()
+            elapsed = time.perf_counter() - start
+            self.seconds[name] += elapsed
+            if self._open:  # the enclosing phase did not spend this time itself
+                self.seconds[self._open[-1]] -= elapsed
+
+
+class PeakMemory:
+    """Peak memory of this process since :meth:`reset`, in MiB: the accelerator's peak allocated memory on GPU,
+    the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs``) on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak then counts from process start
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+
+    def mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        try:
+            with open("/proc/self/status") as handle:
+                return int(re.search(r"VmHWM:\s+(\d+) kB", handle.read()).group(1)) / 1024
+        except (OSError, AttributeError):
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+            return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 # Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).
 _TOKEN_MEAN_METRICS = ("kl", "vespo/phi_seq_mean", "cispo_clip_ratio")
 # Loss types for which stock logs clip_ratio/low_min and clip_ratio/high_max.
 _SEQUENCE_CLIP_METRIC_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+class StepMeters:
+    """What the trainer measures over each optimizer step besides the loss: time by phase, peak memory, and the
+    model's FLOPs and the device's peak for MFU. :meth:`start` at the first training call of each step."""
+
+    def __init__(self, model_config, device: torch.device, mixed_precision: str,
+                 peak_tflops_per_device: float | None) -> None:
+        self.clock, self.memory = StepClock(), PeakMemory(device)
+        try:
+            self.flops: ModelFlops | None = ModelFlops.from_model_config(model_config)
+        except ValueError:  # a config without hidden_size / num_hidden_layers: no MFU
+            self.flops = None
+        self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
+
+    def start(self) -> None:
+        self.clock = StepClock()
+        self.memory.reset()
 
 
 class StepMetrics:
@@ -69,7 +161,7 @@ class StepMetrics:
             self.sequence_high.append(sequence_mean(high))
 
     def publish(self, store: dict[str, list], accelerator, *, loss_type: str, schedule: StepSchedule,
-                stock_computed_tokens: int) -> None:
+                stock_computed_tokens: int, group: RankGroup, meters: StepMeters, table: SequenceTable) -> None:
         """Reduce over processes (one reduce, and two gathers for the clip extremes) and append to ``store``.
 
         ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time).
@@ -80,11 +172,20 @@ class StepMetrics:
         slices compute for the same samples) and ``prompt_tokens_saved`` (prompt tokens shared prompts did not
         compute); with cross-rank balancing ``rank_imbalance_before`` and
         ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
-        ``samples_moved``.
+        ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
+        ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (see :class:`StepClock`) and
+        ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``; ``tokens_per_second``, the prompt + completion
+        tokens of the samples all processes trained (shared prompts counted for each of their samples, as stock
+        computes them) over ``train_seconds``; ``mfu``, the model FLOPs of the passes over the samples of ``table`` (the
+        ones this process ran, see :meth:`hf_dynbsz.partition.ModelFlops.training_flops`), summed over processes,
+        over ``train_seconds`` x processes x the device's peak, logged only when that peak is known.
         """
+        flops = meters.flops.training_flops(table.prompt_lengths.tolist(), table.completion_lengths.tolist(),
+                                            schedule.prompt_tokens_saved) if meters.flops is not None else 0.0
         names = sorted(self.sums)
         local = [value for name in names for value in (self.sums[name], self.counts[name])]
-        local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved]
+        local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved,
+                  flops]
         device = accelerator.device
         totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
         totals = totals.tolist()
@@ -97,7 +198,18 @@ class StepMetrics:
                 padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
                 gathered = accelerator.gather(padded)
                 store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
-        real_all, computed_all, stock_all, saved_all = totals[-4:]
+        real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:]
+        phases = ("train", "logprob", "generation")
+        *microseconds, peak_kib = group.all_reduce_max([round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
+                                                       + [round(meters.memory.mib() * 1024)])
+        seconds = dict(zip(phases, (value / 1e6 for value in microseconds)))
+        for phase in phases:
+            store[f"dynbsz/{phase}_seconds"].append(seconds[phase])
+        trained = real_all + saved_all  # the samples' tokens: a shared prompt counts for each of its samples
+        store["dynbsz/tokens_per_second"].append(trained / seconds["train"] if seconds["train"] else 0.0)
+        store["dynbsz/peak_memory_mib"].append(peak_kib / 1024)
+        if meters.peak_tflops and meters.flops is not None and seconds["train"]:
+            store["dynbsz/mfu"].append(flops_all / (seconds["train"] * group.num_processes * meters.peak_tflops * 1e12))
         used = self.pass_real_tokens
         store["dynbsz/microbatches"].append(float(len(used)))
         store["dynbsz/microbatches_needed"].append(float(schedule.passes_needed))

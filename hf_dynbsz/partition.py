@@ -84,6 +84,7 @@ from .settings import setting
 
 __all__ = [
     "OversizeSequenceError",
+    "ModelFlops",
     "WorkloadModel",
     "round_up",
     "microbatch_tokens",
@@ -152,6 +153,66 @@ def _config_int(config, name: str, default=None) -> int | None:
 
 
 @dataclass(frozen=True)
+class ModelFlops:
+    """Multiply-accumulates (MACs) of one forward pass of a decoder, read from its config.
+
+    ``per_token``: the projections and MLP of every layer for one token; ``per_pair``: every layer's attention
+    work for one (query, key) pair (scores and weighted values); ``per_logit_token``: the LM head for one token
+    that gets logits. See :meth:`WorkloadModel.from_model_config` for the formulas; the workload model is these
+    numbers normalised, so the partitioner and the ``dynbsz/mfu`` metric count the same work.
+    """
+
+    per_token: int
+    per_pair: int
+    per_logit_token: int
+
+    @classmethod
+    def from_model_config(cls, config) -> "ModelFlops":
+        """From a transformers config (a multimodal one is read through its ``text_config``) or a namespace."""
+        if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
+            config = config.text_config
+        hidden = _config_int(config, "hidden_size")
+        layers = _config_int(config, "num_hidden_layers")
+        if hidden is None or layers is None:
+            raise ValueError(
+                "config must define hidden_size and num_hidden_layers (positive integers), "
+                f"got hidden_size={getattr(config, 'hidden_size', None)!r}, "
+                f"num_hidden_layers={getattr(config, 'num_hidden_layers', None)!r}"
+            )
+        heads = _config_int(config, "num_attention_heads", default=1)
+        head_dim = _config_int(config, "head_dim", default=max(1, hidden // heads))
+        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
+        intermediate = _config_int(config, "intermediate_size")
+        activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if intermediate is None:
+            intermediate = 4 * hidden
+        mlp_matrices = 3 if str(activation).lower() in _GATED_MLP_ACTIVATIONS else 2
+        q_dim = heads * head_dim
+        kv_dim = kv_heads * head_dim
+        return cls(
+            per_token=layers * (2 * hidden * q_dim + 2 * hidden * kv_dim + mlp_matrices * hidden * intermediate),
+            per_pair=layers * 2 * q_dim,
+            per_logit_token=hidden * (_config_int(config, "vocab_size", default=0) or 0),
+        )
+
+    def training_flops(self, prompt_lengths: Lengths, completion_lengths: Lengths,
+                       shared_prompt_tokens: int = 0) -> float:
+        """FLOPs of one forward and backward pass (3 forwards' worth, 2 FLOPs per MAC) over samples of these lengths.
+
+        Every token goes through the layers, each sample attends causally to itself (``L (L + 1) / 2`` pairs), the
+        LM head runs on completion tokens only (TRL's ``logits_to_keep``), and ``shared_prompt_tokens`` prompt
+        tokens that shared prompts did not compute are taken off (their layer work). Gradient-checkpointing
+        recomputation is not counted: this is model FLOPs, the numerator of MFU.
+        """
+        prompts = np.asarray(prompt_lengths, dtype=np.float64)  # a completion may be empty (fully masked)
+        completions = np.asarray(completion_lengths, dtype=np.float64)
+        totals = prompts + completions
+        macs = (self.per_token * (totals.sum() - shared_prompt_tokens)
+                + self.per_pair * (totals * (totals + 1) / 2).sum() + self.per_logit_token * completions.sum())
+        return 6.0 * float(macs)
+
+
+@dataclass(frozen=True)
 class WorkloadModel:
     """Relative compute cost of a micro-batch: linear_weight * tokens + quadratic_weight * attention term.
 
@@ -197,31 +258,9 @@ class WorkloadModel:
         """
         layout = _check_choice("layout", layout, LAYOUTS)
         attention = _check_choice("attention", attention, ATTENTION_KINDS)
-        if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
-            config = config.text_config
-        hidden = _config_int(config, "hidden_size")
-        layers = _config_int(config, "num_hidden_layers")
-        if hidden is None or layers is None:
-            raise ValueError(
-                "config must define hidden_size and num_hidden_layers (positive integers), "
-                f"got hidden_size={getattr(config, 'hidden_size', None)!r}, "
-                f"num_hidden_layers={getattr(config, 'num_hidden_layers', None)!r}"
-            )
-        heads = _config_int(config, "num_attention_heads", default=1)
-        head_dim = _config_int(config, "head_dim", default=max(1, hidden // heads))
-        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
-        intermediate = _config_int(config, "intermediate_size")
-        activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-        if intermediate is None:
-            intermediate = 4 * hidden
-        mlp_matrices = 3 if str(activation).lower() in _GATED_MLP_ACTIVATIONS else 2
-
-        q_dim = heads * head_dim
-        kv_dim = kv_heads * head_dim
-        linear_per_token = layers * (2 * hidden * q_dim + 2 * hidden * kv_dim + mlp_matrices * hidden * intermediate)
+        flops = ModelFlops.from_model_config(config)
         computed_pair_fraction = 0.5 if (layout == "padding_free" and attention == "varlen") else 1.0
-        quadratic_per_pair = layers * 2 * q_dim * computed_pair_fraction
-        return cls(linear_weight=1.0, quadratic_weight=quadratic_per_pair / linear_per_token)
+        return cls(linear_weight=1.0, quadratic_weight=flops.per_pair * computed_pair_fraction / flops.per_token)
 
     @classmethod
     def default(cls, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
@@ -345,14 +384,16 @@ def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention
 
 
 def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
-    """``ceil(sum(lengths) / max_tokens)``: no partition can use fewer micro-batches; 0 for empty input.
+    """Fewest micro-batches any partition can use: ``oversize + ceil(sum of the other lengths / max_tokens)``.
 
-    (A sequence longer than ``max_tokens`` can still only occupy one
-    micro-batch, so with oversize sequences a partition may use fewer.)
+    A sequence longer than ``max_tokens`` (oversize) runs alone in a micro-batch of its own, so each one counts
+    one micro-batch and its tokens do not fill the others; every other token needs room under the budget.
+    0 for empty input.
     """
     values = _validate_lengths(lengths)
     max_tokens = _check_positive_int("max_tokens", max_tokens)
-    return -(-int(values.sum()) // max_tokens) if values.size else 0
+    over = values > max_tokens
+    return int(over.sum()) + (-(-int(values[~over].sum()) // max_tokens))
 
 
 # --------------------------------------------------------------------------- #

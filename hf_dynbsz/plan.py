@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
+from .env import env_sources
 from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "USER_BATCH_SETTINGS_ATTR",
     "resolve_generation_round",
     "validate_dynamic_batch_fields",
+    "validate_grpo_fields",
+    "validate_train_dataset_size",
 ]
 
 #: Defaults of the fields that :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` adds to ``GRPOConfig``.
@@ -79,6 +82,18 @@ def _coerce_bool(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be true or false, got {value!r}.")
 
 
+def _finite_number(value: Any) -> float | None:
+    """``value`` as a finite float (numbers and numeric strings), or None when it is not one."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
 def _coerce_pad_to_multiple_of(value: Any) -> int | None:
     """GRPOConfig's ``pad_to_multiple_of``: an int, None, or "auto" (None except on Neuron, where TRL uses 128)."""
     return _coerce_optional_int(
@@ -102,6 +117,13 @@ def coerce_setting(spec: Setting, value: Any) -> Any:
                 f"{spec.name} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}: {spec.fix}"
             )
         return value
+    if spec.kind == "number":
+        if spec.accepts_none and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS)):
+            return None
+        number = _finite_number(value)
+        if number is None or number <= 0:
+            raise ValueError(f"{spec.name} must be {spec.expected}, got {value!r}: {spec.fix}")
+        return number
     if spec.accepts_none:
         return _coerce_optional_int(spec.name, value, spec.expected, spec.fix)
     return _coerce_int(spec.name, value, spec.expected)
@@ -110,6 +132,64 @@ def coerce_setting(spec: Setting, value: Any) -> Any:
 # --------------------------------------------------------------------------------------------------------------
 # Validation of the dynamic-batching fields
 # --------------------------------------------------------------------------------------------------------------
+
+
+#: TRL 1.16 GRPOTrainer's loss types and importance-sampling levels (it checks them only at the first loss).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def validate_grpo_fields(args: Any) -> None:
+    """GRPOConfig settings that TRL only rejects deep inside training (or not at all), rejected here, at once.
+
+    Training (``DynamicBatchGRPOConfig`` and the trainer) and ``hf-dynbsz plan`` call this same function. Raises
+    :class:`ValueError` naming the setting, the value and what is valid.
+    """
+
+    def number(name: str, default: float) -> float:
+        value = _finite_number(getattr(args, name, default))
+        if value is None:
+            raise ValueError(f"{name} must be a finite number, got {getattr(args, name)!r}.")
+        return value
+
+    loss_type = getattr(args, "loss_type", "dapo")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}: the loss "
+                         "types TRL's GRPOTrainer implements (it would only fail at the first loss computation).")
+    level = getattr(args, "importance_sampling_level", "token")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}.")
+    if number("beta", 0.0) < 0:
+        raise ValueError(f"beta must be >= 0 (the KL coefficient; 0 turns the KL term off), got {args.beta!r}.")
+    if number("epsilon", 0.2) < 0:
+        raise ValueError(f"epsilon must be >= 0 (the lower clipping range), got {args.epsilon!r}.")
+    if getattr(args, "epsilon_high", None) is not None and number("epsilon_high", 0.0) < 0:
+        raise ValueError(f"epsilon_high must be >= 0 or unset (the upper clipping range), got {args.epsilon_high!r}.")
+    quantile = number("top_entropy_quantile", 1.0)
+    if not 0 < quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1] (the share of highest-entropy tokens trained on; 1 "
+                         f"trains on all), got {args.top_entropy_quantile!r}.")
+    if number("temperature", 1.0) <= 0:
+        raise ValueError(f"temperature must be > 0 (it divides the logits), got {args.temperature!r}.")
+    if getattr(args, "max_completion_length", 1) is not None and number("max_completion_length", 1) < 1:
+        raise ValueError(f"max_completion_length must be at least 1 token, got {args.max_completion_length!r}.")
+
+
+def validate_train_dataset_size(num_rows: int, args: Any) -> None:
+    """Reject a ``train_dataset`` with fewer prompts than one generation round takes.
+
+    TRL's sampler yields only whole rounds of ``generation_batch_size / num_generations`` prompts (global), so such
+    a dataset (an empty one included) trains no step at all, and the Trainer only logs that. ``args`` is the
+    post-initialised config.
+    """
+    prompts = args.generation_batch_size // args.num_generations
+    if num_rows < prompts:
+        raise ValueError(
+            f"train_dataset has {num_rows} rows (prompts), fewer than the {prompts} prompts one generation round "
+            f"takes (generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}, all "
+            "processes): training would not take a single step. Give at least that many prompts, or lower "
+            "per_device_train_batch_size, gradient_accumulation_steps or steps_per_generation."
+        )
 
 
 def validate_dynamic_batch_fields(args: Any) -> None:
@@ -126,6 +206,14 @@ def validate_dynamic_batch_fields(args: Any) -> None:
         value = coerce_setting(spec, getattr(args, spec.name, spec.default))
         if hasattr(args, spec.name):
             setattr(args, spec.name, value)
+    budget = getattr(args, "max_tokens_per_microbatch", None)
+    multiple = _coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None))
+    if budget is not None and multiple is not None and int(budget) < multiple:
+        raise ValueError(
+            f"max_tokens_per_microbatch={budget} is smaller than one row of pad_to_multiple_of={multiple} tokens: every "
+            f"sequence would run alone, over the budget. Raise max_tokens_per_microbatch to at least {multiple} (a "
+            "multiple of pad_to_multiple_of wastes nothing), or lower pad_to_multiple_of."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -314,6 +402,8 @@ class BatchSizePlan:
     zero_stage: int | None
     #: "no", "fp16", "bf16" (or what accelerate was given)
     mixed_precision: str | None
+    #: {setting: "DIFFU_X=value"} for the settings a ``DIFFU_*`` environment variable set (shown in the table)
+    env_sources: Mapping[str, str] = field(default_factory=dict)
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -417,6 +507,7 @@ class BatchSizePlan:
             layout=layout if layout is not None else dynamic.packing_layout,
             zero_stage=zero_stage,
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
+            env_sources=dict(env_sources(args)),
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------
@@ -485,8 +576,9 @@ class BatchSizePlan:
     # ---- output ----------------------------------------------------------------------------------------------
 
     def as_dict(self) -> dict[str, Any]:
-        """Settings and derived quantities as plain JSON-friendly values (fractions become int or float)."""
-        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        """Settings and derived quantities as plain JSON-friendly values (fractions become int or float); the
+        ``DIFFU_*`` sources are in :attr:`env_sources`."""
+        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "env_sources"}
         for name in (
             "global_train_batch_size",
             "per_device_samples_per_optimizer_step",
@@ -652,7 +744,9 @@ class BatchSizePlan:
             ),
             ("mixed precision", str(self.mixed_precision), "-", "from the launcher or fp16/bf16"),
         ]
-        return rows
+        # Values a DIFFU_* variable set say so, where the user looks for them.
+        return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources
+                 else meaning) for name, device, total, meaning in rows]
 
     def render(self) -> str:
         """An aligned plain-text table: setting | per device | global | meaning."""

@@ -47,6 +47,7 @@ __all__ = [
     "Unit",
     "build_units",
     "segment_tokens",
+    "padding_free_blocker",
     "resolve_layout",
     "segment_attention_blocker",
     "simulate_processes",
@@ -60,8 +61,32 @@ VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-
 BUDGET_SETTINGS = {"training": "max_tokens_per_microbatch", "logprob": "max_tokens_per_microbatch_logprob"}
 
 
+#: Layer types that see other tokens only through the attention mask (or not at all): a padding-free row keeps its
+#: sequences apart in them. Any other type (linear attention, Mamba, short convolutions, indexer attention, ...) may
+#: carry state along the row, from one sequence into the next.
+MASK_RESPECTING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
+                                         "mlp", "moe"})
+
+
+def padding_free_blocker(text_config: Any) -> str | None:
+    """Why padding-free rows would mix the sequences of a row in a model of this text config, or None.
+
+    Read from the config's ``layer_types`` (and ``layers_block_type`` of hybrid models such as Jamba); None for
+    ``text_config`` None (the planner without ``--model_config``: a standard decoder).
+    """
+    if text_config is None:
+        return None
+    kinds = set(getattr(text_config, "layer_types", None) or []) | set(getattr(text_config, "layers_block_type",
+                                                                               None) or [])
+    carrying = sorted(kinds - MASK_RESPECTING_LAYER_TYPES)
+    if carrying:
+        return (f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
+                "attention mask of a padding-free row does not stop")
+    return None
+
+
 def resolve_layout(packing_layout: str, attn_implementation: str | None,
-                   segment_attention: bool = False) -> tuple[str, str]:
+                   segment_attention: bool = False, padding_free_blocked: str | None = None) -> tuple[str, str]:
     """The concrete ``(layout, attention)`` for ``packing_layout`` and the model's attention implementation.
 
     ``layout`` is ``"padding_free"`` or ``"padded"``. ``"auto"`` is padding-free when each sequence of a padding-free
@@ -70,11 +95,17 @@ def resolve_layout(packing_layout: str, attn_implementation: str | None,
     and eager would compute the dense attention of the whole row, and micro-batches of similar lengths, each padded
     to its own longest row, are cheaper: "auto" is padded. ``attention`` is ``"varlen"`` when a padding-free row
     costs the sum of its sequences' squared lengths and ``"dense"`` when it costs the square of the whole row (or
-    the layout is padded): it picks the cost the partitioner balances.
+    the layout is padded): it picks the cost the partitioner balances. ``padding_free_blocked`` (see
+    :func:`padding_free_blocker`) makes "auto" padded and an explicit "padding_free" an error.
     """
     choices = setting("packing_layout").choices
     if packing_layout not in choices:
         raise ValueError(f"packing_layout must be one of {', '.join(map(repr, choices))}, got {packing_layout!r}.")
+    if padding_free_blocked:
+        if packing_layout == "padding_free":
+            raise ValueError(f"packing_layout='padding_free' cannot train this model exactly: {padding_free_blocked}. "
+                             "Use packing_layout='auto' (padded for this model) or 'padded'.")
+        return "padded", "dense"
     varlen_kernel = bool(attn_implementation) and attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
     per_sequence = varlen_kernel or segment_attention
     layout = packing_layout if packing_layout != "auto" else ("padding_free" if per_sequence else "padded")
@@ -317,7 +348,8 @@ class Scheduler:
         ``segment_attention``: whether the model can run padding-free rows through segment attention
         (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
         """
-        layout, attention = resolve_layout(args.packing_layout, attn_implementation, segment_attention)
+        layout, attention = resolve_layout(args.packing_layout, attn_implementation, segment_attention,
+                                           padding_free_blocker(model_config))
         if model_config is None:
             workload = WorkloadModel.default(layout=layout, attention=attention)
         else:

@@ -34,7 +34,8 @@ class Setting:
     """One setting of the plugin (or one TRL setting a ``DIFFU_*`` variable overrides).
 
     ``kind`` drives conversion and validation: ``"bool"``, ``"count"`` (a positive integer, ``None`` allowed when
-    ``default`` is ``None`` or ``optional``) or ``"choice"`` (one of ``choices``). ``expected`` and ``fix`` are the
+    ``default`` is ``None`` or ``optional``), ``"number"`` (a positive real number, the same for ``None``) or
+    ``"choice"`` (one of ``choices``). ``expected`` and ``fix`` are the
     two halves of the error message for a bad value: "<name> must be <expected>, got <value>: <fix>".
     """
 
@@ -192,6 +193,20 @@ SETTINGS: tuple[Setting, ...] = (
         "be exact: the padded layout, multimodal inputs, models whose attention does not go through transformers' "
         "AttentionInterface, sliding-window, soft-capped or sink attention.",
         expected="true or false",
+    ),
+    Setting(
+        name="peak_tflops_per_device",
+        type="float | None",
+        default=None,
+        kind="number",
+        unit="TFLOP/s per device",
+        summary="peak dense TFLOP/s of one device, the denominator of dynbsz/mfu",
+        help="Peak dense TFLOP/s of one device at the training precision: the denominator of the logged dynbsz/mfu "
+        "(model FLOPs of the step's forward and backward passes over training time, per device). None: looked up "
+        "for known datacenter GPUs (A100, H100, H200, B200, L4, L40S, A10) when training in bf16 or fp16; elsewhere, "
+        "CPU included, dynbsz/mfu is logged only when this is set.",
+        expected="a positive number of TFLOP/s (per device)",
+        fix="give your device's peak at the training precision, e.g. 989 for an H100 SXM in bf16, or leave it unset.",
     ),
     # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.
     Setting(

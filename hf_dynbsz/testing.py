@@ -27,6 +27,8 @@ __all__ = [
     "base_config_kwargs",
     "build_char_tokenizer",
     "build_tiny_causal_lm",
+    "build_tiny_hybrid_lm",
+    "build_tiny_moe_lm",
     "load_tokenizer",
     "prompt_dataset",
     "relative_difference",
@@ -103,7 +105,6 @@ def build_tiny_causal_lm(
     ``vocab_size`` defaults to the tokenizer's size; a larger value (e.g. 151,936) gives a realistic
     vocabulary-sized LM head for memory measurements while the tokenizer only uses the first ids.
     """
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -120,27 +121,73 @@ def build_tiny_causal_lm(
         tie_word_embeddings=False,
     )
     config._attn_implementation = attn_implementation
+    model = _seeded_model(Qwen2ForCausalLM, config, tokenizer, seed)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _seeded_model(model_class, config, tokenizer, seed: int):
+    """``model_class(config)`` with weights from ``seed`` and the tokenizer's pad/eos ids for generation."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    if dtype is not None:
-        model = model.to(dtype)
+    model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
 
 
-def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0, chat: bool = False) -> str:
+def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
+    """A Qwen3-Next-style causal LM with random weights: a linear-attention (gated delta net) layer, whose state
+    runs along the row, then a full-attention layer; dense MLPs (no router). Set ``router_aux_loss_coef=0`` in
+    the GRPO config: the config still has ``output_router_logits``, which makes TRL train a router aux loss."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return _seeded_model(Qwen3NextForCausalLM, config, tokenizer, seed)
+
+
+def build_tiny_moe_lm(tokenizer, *, seed: int = 0):
+    """A Qwen3-MoE-style causal LM with random weights: 2 layers of 4 experts, 2 routed per token. TRL trains its
+    router aux loss unless ``router_aux_loss_coef=0``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return _seeded_model(Qwen3MoeForCausalLM, config, tokenizer, seed)
+
+
+def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0, chat: bool = False,
+                    architecture: str = "qwen2") -> str:
     """The test model, saved to ``directory`` with its tokenizer; returns ``directory``.
 
     Its LM head is shrunk so the next-token distribution is close to uniform over the 7-token vocabulary:
     completions end at <eos> after a geometric number of tokens, so lengths vary widely (the situation dynamic
     batching is for) and some hit ``max_completion_length`` (truncated). ``chat=True``: the tokenizer of
     :func:`build_chat_tokenizer` (a wider vocabulary with a chat template, for conversational prompts and tools).
+    ``architecture``: "qwen2" (:func:`build_tiny_causal_lm`), "qwen3_next" (:func:`build_tiny_hybrid_lm`, linear
+    attention) or "qwen3_moe" (:func:`build_tiny_moe_lm`).
     """
     import torch
 
     tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer(TEST_ALPHABET)
-    model = build_tiny_causal_lm(tokenizer, attn_implementation=attn_implementation, seed=seed)
+    if architecture == "qwen3_next":
+        model = build_tiny_hybrid_lm(tokenizer, seed=seed)
+    elif architecture == "qwen3_moe":
+        model = build_tiny_moe_lm(tokenizer, seed=seed)
+    elif architecture == "qwen2":
+        model = build_tiny_causal_lm(tokenizer, attn_implementation=attn_implementation, seed=seed)
+    else:
+        raise ValueError(f"architecture must be 'qwen2', 'qwen3_next' or 'qwen3_moe', got {architecture!r}")
     with torch.no_grad():
         model.lm_head.weight.mul_(0.05)
     model.save_pretrained(directory)
@@ -194,7 +241,8 @@ class ScriptedRollout:
     ``numpy.random.default_rng([seed, r])``; a prompt's ids depend only on the prompt string (``prompt_length(rng)``
     tokens, seeded by the string). Token ids are drawn from ``[token_low, token_high)``; a completion shorter than
     ``max_completion_length`` ends with ``eos_id`` (finished), one at the cap does not (truncated). ``rounds``
-    records, per round, the sample count, real tokens and the sorted lengths (a fingerprint to compare runs).
+    records, per round, the sample count, real tokens, the sorted lengths (a fingerprint to compare runs) and each
+    sample's ``(prompt, completion)`` lengths.
     """
 
     def __init__(self, completion_lengths: Callable, prompt_length: Callable, *, max_completion_length: int,
@@ -231,6 +279,7 @@ class ScriptedRollout:
             "samples": len(prompts),
             "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
             "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
+            "lengths": [(len(p), c) for p, c in zip(prompt_ids, lengths)],  # (prompt, completion) per sample
         })
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 

@@ -37,9 +37,9 @@ from .capabilities import Capabilities
 from .config import trainer_config
 from .distributed import ProcessGroup
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
-from .metrics import StepMetrics
+from .metrics import StepMeters, StepMetrics
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
-from .plan import BatchSizePlan
+from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
 from .tiling import lm_head_tiles
 
@@ -66,6 +66,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             bound = None  # a call stock does not accept: stock's own __init__ raises its TypeError below
         if bound is not None:
             bound.arguments["args"] = trainer_config(bound.arguments.get("args"), bound.arguments["model"])
+            if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
+                validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
             args, kwargs = bound.args[1:], bound.kwargs
         super().__init__(*args, **kwargs)
         self._setup_dynamic_batching()
@@ -82,6 +84,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz_scheduler, self._dynbsz_attention = capabilities.scheduler, capabilities.attention
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
+        self._dynbsz_meters = StepMeters(model.config.get_text_config(), self.accelerator.device,
+                                         str(self.accelerator.mixed_precision), self.args.peak_tflops_per_device)
         self._dynbsz_warned: set[str] = set()
         self.add_callback(_LogPlanAtTrainBegin(self))
 
@@ -95,7 +99,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        self._dynbsz_window.append(self._prepare_inputs(inputs))
+        if not self._dynbsz_window:
+            self._dynbsz_meters.start()
+        with self._dynbsz_meters.clock.phase("generation"):  # TRL's rollout (generation every steps_per_generation)
+            self._dynbsz_window.append(self._prepare_inputs(inputs))
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
@@ -150,64 +157,67 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ executing a schedule
     def _train_step(self, model, window: list[dict]) -> torch.Tensor:
         """The optimizer step's passes: schedule the step's samples, forward/backward each pass, log once."""
-        device, scheduler = self.accelerator.device, self._dynbsz_scheduler
-        batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
-        if self.top_entropy_quantile < 1.0:
-            batch.high_entropy = self._high_entropy_mask(model, batch)
-        ga = self.current_gradient_accumulation_steps
-        batch.policy_weights, batch.entropy_weights = sample_weights(
-            self._dynbsz_loss_settings, batch.loss_tokens, batch.slice_ids, batch.slice_rows, batch.num_items,
-            gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
-            num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
-        )
-        schedule = self._plan(batch.table, scheduler.budget(batch.stock_microbatch_tokens), "training")
-        self._warn_oversize(schedule, "training")
-        if schedule.exchange is not None:  # cross-rank balancing: run the samples this process was given
-            batch = scheduler.group.move_batch(batch, schedule.exchange)
-        bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
-        metrics, total_loss = StepMetrics(), torch.zeros((), device=device)
-        with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
-            for position, group in enumerate(schedule.microbatches):
-                last = position == schedule.passes - 1
-                if not group:
-                    self._dummy_pass(model, last)
-                    continue
-                mb = self._microbatch(batch.table, group, schedule.groups)
-                logps, entropies = self._forward(model, mb, True)
-                rows = batch.rows(group, logps.size(1))
-                loss, loss_metrics = microbatch_loss(self._dynbsz_loss_settings, logps, entropies, rows, bonus)
-                self._backward(model, loss, last)
-                total_loss += loss.detach()
-                metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
-        if bonus is not None:
-            bonus.finish(self, ga)
+        with self._dynbsz_meters.clock.phase("train"):
+            device, scheduler = self.accelerator.device, self._dynbsz_scheduler
+            batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
+            if self.top_entropy_quantile < 1.0:
+                batch.high_entropy = self._high_entropy_mask(model, batch)
+            ga = self.current_gradient_accumulation_steps
+            batch.policy_weights, batch.entropy_weights = sample_weights(
+                self._dynbsz_loss_settings, batch.loss_tokens, batch.slice_ids, batch.slice_rows, batch.num_items,
+                gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
+                num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
+            )
+            schedule = self._plan(batch.table, scheduler.budget(batch.stock_microbatch_tokens), "training")
+            self._warn_oversize(schedule, "training")
+            if schedule.exchange is not None:  # cross-rank balancing: run the samples this process was given
+                batch = scheduler.group.move_batch(batch, schedule.exchange)
+            bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
+            metrics, total_loss = StepMetrics(), torch.zeros((), device=device)
+            with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
+                for position, group in enumerate(schedule.microbatches):
+                    last = position == schedule.passes - 1
+                    if not group:
+                        self._dummy_pass(model, last)
+                        continue
+                    mb = self._microbatch(batch.table, group, schedule.groups)
+                    logps, entropies = self._forward(model, mb, True)
+                    rows = batch.rows(group, logps.size(1))
+                    loss, loss_metrics = microbatch_loss(self._dynbsz_loss_settings, logps, entropies, rows, bonus)
+                    self._backward(model, loss, last)
+                    total_loss += loss.detach()
+                    metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
+            if bonus is not None:
+                bonus.finish(self, ga)
         metrics.publish(self._metrics["train"], self.accelerator, loss_type=self.loss_type, schedule=schedule,
-                        stock_computed_tokens=batch.stock_computed_tokens)
+                        stock_computed_tokens=batch.stock_computed_tokens, group=scheduler.group,
+                        meters=self._dynbsz_meters, table=batch.table)
         return total_loss
 
     @torch.no_grad()
     def _no_grad_passes(self, model, table: SequenceTable, width: int, compute_entropy: bool, stock_tokens: int):
         """Completion log-probs (and entropies) of every sample of ``table``, ``(samples, width)``, in table order."""
-        scheduler = self._dynbsz_scheduler
-        schedule = self._plan(table, scheduler.budget(stock_tokens, "logprob"), "logprob")
-        self._warn_oversize(schedule, "logprob")
-        run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
-        columns = max([width, *run.completion_lengths.tolist()])
-        results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
-        with self._tiles(), self._segments(model):
-            for group in schedule.microbatches:
-                if not group:
-                    self._dummy_pass(model)
-                    continue
-                mb = self._microbatch(run, group, schedule.groups)
-                logps, entropies = self._forward(model, mb, compute_entropy)
-                results[group, 0, : logps.size(1)] = logps.float()
-                if compute_entropy:
-                    results[group, 1, : entropies.size(1)] = entropies.float()
-        if schedule.exchange is not None:  # the results go back to the process that owns each sample
-            rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
-            results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
-        return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None
+        with self._dynbsz_meters.clock.phase("logprob"):
+            scheduler = self._dynbsz_scheduler
+            schedule = self._plan(table, scheduler.budget(stock_tokens, "logprob"), "logprob")
+            self._warn_oversize(schedule, "logprob")
+            run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
+            columns = max([width, *run.completion_lengths.tolist()])
+            results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
+            with self._tiles(), self._segments(model):
+                for group in schedule.microbatches:
+                    if not group:
+                        self._dummy_pass(model)
+                        continue
+                    mb = self._microbatch(run, group, schedule.groups)
+                    logps, entropies = self._forward(model, mb, compute_entropy)
+                    results[group, 0, : logps.size(1)] = logps.float()
+                    if compute_entropy:
+                        results[group, 1, : entropies.size(1)] = entropies.float()
+            if schedule.exchange is not None:  # the results go back to the process that owns each sample
+                rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
+                results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
+            return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
@@ -79,7 +81,11 @@ def main() -> None:
     parser.add_argument("--loss_types", default=None, help="comma-separated: train once per loss type, in turn")
     parser.add_argument("--balance", choices=["on", "off"], default="on")
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
+    parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     cli = parser.parse_args()
+    if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
+        name, value = cli.rank1_env.split("=", 1)
+        os.environ[name] = value
     if cli.mutate != "none":
         corrupt_moved_samples(cli.mutate)
     loss_types = cli.loss_types.split(",") if cli.loss_types else [cli.loss_type]
@@ -88,6 +94,11 @@ def main() -> None:
         suffix = f".{loss_type}" if cli.loss_types else ""
         trainer = train(cli, loss_type, cli.out + suffix)
     trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
+    # ... and they still can, rarely, during interpreter finalization (a torch/gloo teardown race, pytorch#190489):
+    # every result is written and closed by now, so leave without finalization.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train(cli, loss_type: str, out: str):

@@ -292,3 +292,100 @@ def test_lengths_over_several_processes_show_rank_imbalance_with_and_without_bal
     assert ran == sorted(length for process in step["lengths"] for length in process)  # every sample, once
     for process in step["processes"]:
         assert sorted(i for group in process["microbatches"] for i in group) == list(range(len(process["lengths"])))
+
+
+# ---- bad input: what training rejects, the planner rejects, with training's message ----------------------------
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_num_processes_must_be_positive(plan_in_process, value):
+    result = plan_in_process("--num_generations", 4, "--num_processes", value)
+    assert result.returncode == 2
+    assert f"--num_processes must be a positive integer (data-parallel processes over all machines), got {value}" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("yaml_text", "phrase"), [
+    ("num_processes: 0\n", "num_processes of --config_file"),
+    ("num_processes: many\n", "num_processes of --config_file"),
+    ("num_machines: 2\nnum_processes: 3\n", "is not a multiple of its num_machines=2"),
+])
+def test_accelerate_yaml_process_counts_are_checked(tmp_path, plan_in_process, yaml_text, phrase):
+    config = tmp_path / "launch.yaml"
+    config.write_text("distributed_type: MULTI_GPU\n" + yaml_text)
+    result = plan_in_process("--num_generations", 2, "--config_file", config)
+    assert result.returncode == 2
+    assert phrase in result.stderr and "Traceback" not in result.stderr
+
+
+def _training_error(**settings) -> str:
+    """The message training gives for ``settings`` (the config is where training validates them)."""
+    from hf_dynbsz.config import DynamicBatchGRPOConfig
+
+    with pytest.raises(ValueError) as raised:
+        DynamicBatchGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", **settings)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("settings", [
+    {"loss_type": "ppo"},
+    {"importance_sampling_level": "batch"},
+    {"beta": -0.04},
+    {"epsilon": -0.2},
+    {"top_entropy_quantile": 1.5},
+    {"temperature": 0.0},
+    {"auto_find_batch_size": True},
+    {"log_completions_hub_repo": "me/completions"},
+    {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
+    {"max_tokens_per_microbatch": 32, "pad_to_multiple_of": 64},
+])
+def test_settings_training_rejects_are_rejected_with_the_same_message(plan_in_process, settings):
+    options = [item for name, value in settings.items() for item in (f"--{name}", value)]
+    result = plan_in_process("--num_generations", 8, *options)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == f"hf-dynbsz plan: error: {_training_error(num_generations=8, **settings)}"
+
+
+def test_environment_value_behind_an_error_is_named(plan_in_process):
+    result = plan_in_process("--per_device_train_batch_size", 8, "--num_generations", 8,
+                             env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "3"})
+    assert result.returncode == 2
+    assert "must be divisible by num_generations (8)" in result.stderr
+    assert "per_device_train_batch_size from DIFFU_TRAIN_BATCH_SIZE=3" in result.stderr
+
+
+def test_plan_table_marks_environment_values(plan_in_process):
+    result = plan_in_process("--num_generations", 2, env_overrides={"DIFFU_MAX_TOKENS": "4096"})
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("max_tokens_per_microbatch "))
+    assert row.endswith("[set by DIFFU_MAX_TOKENS=4096]")
+    document = json.loads(plan_in_process("--num_generations", 2, "--json",
+                                          env_overrides={"DIFFU_MAX_TOKENS": "4096"}).stdout)
+    assert document["env_overrides"] == {"max_tokens_per_microbatch": "DIFFU_MAX_TOKENS=4096"}
+
+
+def test_oversize_sequences_are_accounted_consistently(tmp_path, plan_in_process):
+    path = tmp_path / "lengths.txt"
+    path.write_text("250\n10\n10\n30\n")  # one sequence over the budget of 100, three that fit in one pass
+    result = plan_in_process("--per_device_train_batch_size", 4, "--num_generations", 2,
+                             "--max_tokens_per_microbatch", 100, "--packing_layout", "padding_free", "--lengths", path)
+    assert result.returncode == 0, result.stderr
+    # columns: samples, real tokens, budget, micro-batches, lower bound, utilisation, ...
+    step = lengths_table(result.stdout)["1"]
+    assert step[3] == "2" and step[4] == "2"  # the oversize pass alone + one pass of 50 tokens; no fewer possible
+    assert step[5] == "50.0%"  # of the pass within the budget: 50 / 100
+    assert "Their passes count in micro-batches and lower bound and are left out of utilisation" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["multi_node_ddp", "multi_node_zero3"])
+def test_multi_node_accelerate_config_plans_the_world_size_the_trainer_sees(plan_in_process, name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = REPO / "accelerate_configs" / f"{name}.yaml"
+    launcher = load_config_from_file(str(path))  # what `accelerate launch` reads
+    assert launcher.num_machines == 2 and launcher.main_process_ip
+    result = plan_in_process("--per_device_train_batch_size", 4, "--num_generations", 8, "--config_file", path)
+    assert result.returncode == 0, result.stderr
+    assert table_row(result.stdout, "processes")[:2] == ["-", str(launcher.num_processes)]
+    assert table_row(result.stdout, "per_device_train_batch_size")[:2] == ["4", str(4 * launcher.num_processes)]

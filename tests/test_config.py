@@ -22,6 +22,7 @@ NEW_FIELDS = (
     "packing_layout",
     "balance_across_ranks",
     "share_prompt_prefix",
+    "peak_tflops_per_device",
 )
 
 
@@ -152,6 +153,71 @@ def test_environment_value_is_validated_by_trl_too(tmp_path, monkeypatch):
         make_config(tmp_path)
 
 
+def test_error_caused_by_an_environment_value_names_the_variable(tmp_path, monkeypatch):
+    # The user's script says per_device_train_batch_size=8; the 3 came from the environment.
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "3")
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path, per_device_train_batch_size=8, num_generations=8)
+    message = str(raised.value)
+    assert "must be divisible by num_generations (8)" in message
+    assert "per_device_train_batch_size from DIFFU_TRAIN_BATCH_SIZE=3" in message
+
+
+def test_error_caused_by_an_environment_value_names_the_variable_on_a_plain_grpo_config(tmp_path, monkeypatch):
+    config = make_config(tmp_path, cls=GRPOConfig, per_device_train_batch_size=8, num_generations=8)
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "3")
+    with pytest.raises(ValueError, match=r"from DIFFU_TRAIN_BATCH_SIZE=3"):
+        ensure_dynamic_batch_fields(config)
+
+
+def test_dynamic_field_error_names_the_variable_that_set_the_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "8")  # smaller than one row of pad_to_multiple_of=64
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path, pad_to_multiple_of=64)
+    assert "max_tokens_per_microbatch=8 is smaller than one row of pad_to_multiple_of=64" in str(raised.value)
+    assert "DIFFU_MAX_TOKENS=8" in str(raised.value)
+
+
+def test_errors_without_environment_values_do_not_mention_it(tmp_path):
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path, per_device_train_batch_size=3, num_generations=8)
+    assert "DIFFU_" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "phrase"),
+    [
+        ("loss_type", "grpo2", "loss_type must be one of"),
+        ("importance_sampling_level", "batch", "importance_sampling_level must be 'token' or 'sequence'"),
+        ("beta", -0.1, "beta must be >= 0"),
+        ("epsilon", -0.2, "epsilon must be >= 0"),
+        ("epsilon_high", -1.0, "epsilon_high must be >= 0"),
+        ("top_entropy_quantile", 0.0, "top_entropy_quantile must be in (0, 1]"),
+        ("temperature", 0.0, "temperature must be > 0"),
+        ("max_completion_length", 0, "max_completion_length must be at least 1"),
+    ],
+)
+def test_grpo_settings_trl_only_rejects_in_training_are_rejected_at_construction(tmp_path, field, value, phrase):
+    with pytest.raises(ValueError) as raised:
+        make_config(tmp_path, **{field: value})
+    assert phrase in str(raised.value) and repr(value) in str(raised.value)
+
+
+@pytest.mark.parametrize("value", [0, -5.0, "fast", float("inf")])
+def test_peak_tflops_must_be_a_positive_number(tmp_path, value):
+    with pytest.raises(ValueError, match=r"peak_tflops_per_device must be a positive number of TFLOP/s"):
+        make_config(tmp_path, peak_tflops_per_device=value)
+
+
+def test_peak_tflops_from_the_command_line_is_a_float(tmp_path):
+    assert make_config(tmp_path, peak_tflops_per_device="989.5").peak_tflops_per_device == 989.5
+
+
+def test_budget_smaller_than_one_padded_row_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"Raise max_tokens_per_microbatch to at least 64"):
+        make_config(tmp_path, max_tokens_per_microbatch=32, pad_to_multiple_of=64)
+
+
 @pytest.mark.parametrize("value", ["", "2.5", "abc", " ", "0", "-4"])
 def test_bad_environment_value_fails_construction(tmp_path, monkeypatch, value):
     monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", value)
@@ -166,6 +232,28 @@ def test_override_is_logged(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
         make_config(tmp_path, max_tokens_per_microbatch=100)
     assert "DIFFU_MAX_TOKENS=512 overrides max_tokens_per_microbatch=100" in caplog.messages
+
+
+def test_override_is_logged_visibly_on_the_main_process_only(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "512")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        make_config(tmp_path)
+    assert [record.levelno for record in caplog.records if "DIFFU_MAX_TOKENS" in record.getMessage()] == [logging.INFO]
+    monkeypatch.setattr(env, "_LOGGED", set())
+    monkeypatch.setenv("RANK", "0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        make_config(tmp_path)
+    assert [r.levelno for r in caplog.records if "DIFFU_MAX_TOKENS" in r.getMessage()] == [logging.WARNING]
+
+
+def test_plan_table_marks_values_set_by_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "512")
+    text = BatchSizePlan.from_args(make_config(tmp_path), 1).render()
+    budget_row = next(line for line in text.splitlines() if line.startswith("max_tokens_per_microbatch "))
+    assert budget_row.endswith("[set by DIFFU_MAX_TOKENS=512]")
+    assert "[set by" not in text.replace(budget_row, "")
 
 
 # ---- ensure_dynamic_batch_fields ---------------------------------------------------------------------------

@@ -159,3 +159,13 @@ def test_tool_and_environment_rollouts_match_stock(rollout, tmp_path, model_dir,
         stock_params = torch.load(f"{tmp_path / 'stock'}.{loss_type}.params.pt")
         our_params = torch.load(f"{tmp_path / 'dynamic'}.{loss_type}.params.pt")
         assert relative_difference(our_params, stock_params) <= 1e-5, loss_type
+
+
+def test_a_diffu_variable_set_on_one_process_only_stops_every_process_clearly(tmp_path, model_dir):
+    """DIFFU_* variables come from each process's environment; a node without the export must not hang the run."""
+    with pytest.raises(AssertionError) as failed:
+        launch("cpu_ddp.yaml", tmp_path / "split", model_dir, "dynamic", rank1_env="DIFFU_MAX_TOKENS=64", budget=40)
+    message = str(failed.value)
+    assert "did not finish" not in message  # no hang: every process stopped at construction
+    assert "max_tokens_per_microbatch differs between processes (process 0: 40, process 1: 64)" in message
+    assert "here it came from DIFFU_MAX_TOKENS=64" in message  # process 1 names its variable

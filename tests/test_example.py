@@ -42,7 +42,15 @@ def test_example_short_single_process(tmp_path):
     output = run([sys.executable, str(EXAMPLE), "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *SHORT],
                  cwd=tmp_path)
     assert "hf_dynbsz batch-size plan" in output  # the table at train start is visible
-    assert re.search(r"step +3 \| reward [0-9.]+ \| len .* \| micro-batches \d+ \(stock 2\) \| tokens ", output)
+    # Per step, the metrics under the names they are logged as.
+    line = re.search(r"step +3 \| reward=[0-9.]+ \| completions/mean_length=[0-9.]+ \| "
+                     r"dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\) \| dynbsz/padding_fraction=[0-9.]+ \| "
+                     r"dynbsz/computed_tokens=\d+ \| dynbsz/stock_computed_tokens=\d+ \| "
+                     r"dynbsz/tokens_per_second=\d+ \| dynbsz/peak_memory_mib=\d+ \| loss=", output)
+    assert line, output[-3000:]
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())  # saved for `hf-dynbsz report`
+    logged = [entry for entry in state["log_history"] if entry.get("step") == 3 and "dynbsz/computed_tokens" in entry]
+    assert f"dynbsz/computed_tokens={logged[0]['dynbsz/computed_tokens']:.0f}" in line.group(0)
     assert summary_steps(output) == 3
     assert re.search(r"reward +first 1 logged steps [0-9.]+ -> last 1 [0-9.]+", output)
     assert re.search(r"micro-batches +\d+ run per process vs 6 with stock's fixed 2", output)

@@ -119,6 +119,17 @@ def test_token_lower_bound():
     assert token_lower_bound([10], 10) == 1
     assert token_lower_bound([6, 5], 10) == 2
     assert token_lower_bound(np.array([3] * 7), 7) == 3
+    # An oversize sequence runs alone: it counts one micro-batch and leaves the others' room alone.
+    assert token_lower_bound([250, 10, 10], 100) == 2
+    assert token_lower_bound([250, 150, 60, 60], 100) == 4
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(), layout=layouts, pad=pads)
+def test_lower_bound_holds_with_oversize_sequences(batch, layout, pad):
+    lengths, max_tokens = batch
+    result = partition_by_token_budget(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad)
+    assert token_lower_bound(lengths, max_tokens) <= len(result)
 
 
 # --------------------------------------------------------------------------- workload model

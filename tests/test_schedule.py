@@ -13,6 +13,7 @@ from hf_dynbsz.partition import OversizeSequenceError, WorkloadModel, microbatch
 from hf_dynbsz.schedule import (
     SINGLE_PROCESS,
     Scheduler,
+    padding_free_blocker,
     resolve_layout,
     simulate_processes,
     stock_microbatch_tokens,
@@ -72,6 +73,26 @@ def test_resolve_packing_layout_rejects_unknown_layouts():
 )
 def test_attention_kind_follows_layout_and_kernel(layout, attn, expected):
     assert resolve_layout(layout, attn) == expected
+
+
+@pytest.mark.parametrize(("model_type", "blocked"), [
+    ("qwen3_next", "linear_attention"),  # gated delta net layers
+    ("jamba", "mamba"),
+    ("llama", None),
+    ("gemma3_text", None),  # sliding-window layers see other tokens only through the mask
+    ("llama4_text", None),  # chunked attention likewise
+])
+def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, blocked):
+    from transformers import CONFIG_MAPPING
+
+    reason = padding_free_blocker(CONFIG_MAPPING[model_type]())
+    assert (reason is None) == (blocked is None)
+    if blocked:
+        assert blocked in reason
+        for attention in ("sdpa", "flash_attention_2"):  # not even a varlen kernel keeps a recurrent state apart
+            assert resolve_layout("auto", attention, True, reason) == ("padded", "dense")
+            with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly"):
+                resolve_layout("padding_free", attention, True, reason)
 
 
 def test_from_args_reads_the_config_and_the_model():

@@ -281,11 +281,15 @@ def test_constructor_and_overridden_hooks_have_stocks_signatures():
         overridden)
     assert inspect.signature(DynamicBatchGRPOTrainer) == inspect.signature(GRPOTrainer)
     for name in overridden:
+        method = getattr(DynamicBatchGRPOTrainer, name)
+        # Compared as written where ours carries stock's own signature object (__init__): inspect does not evaluate a
+        # __signature__, and stock's string annotations evaluate or not depending on which optional packages load.
+        evaluate = not hasattr(method, "__signature__")
         try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
-            ours = inspect.signature(getattr(DynamicBatchGRPOTrainer, name), eval_str=True)
-            stock = inspect.signature(getattr(GRPOTrainer, name), eval_str=True)
+            ours = inspect.signature(method, eval_str=evaluate)
+            stock = inspect.signature(getattr(GRPOTrainer, name), eval_str=evaluate)
         except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
-            ours = inspect.signature(getattr(DynamicBatchGRPOTrainer, name))
+            ours = inspect.signature(method)
             stock = inspect.signature(getattr(GRPOTrainer, name))
         assert ours == stock, f"{name}: {ours} != stock {stock}"
 
@@ -358,3 +362,74 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
     assert any(stock[n].abs().sum() > 0 for n in lora_names if "lora_B" in n)  # LoRA B starts at zero: it trained
     assert relative_difference({n: ours[n] for n in lora_names}, {n: stock[n] for n in lora_names}) <= PARAM_TOLERANCE
     assert any(entry.get("dynbsz/prompt_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
+
+
+# ---- models whose layers carry state along a row (linear attention) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("hybrid-model")), architecture="qwen3_next")
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_linear_attention_model_is_repacked_padded_and_matches_stock(hybrid_model_dir, tmp_path, loss_type):
+    # A padding-free row would let the linear-attention state run from one sample into the next: "auto" pads.
+    history = compare_with_stock(hybrid_model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2,
+                                 router_aux_loss_coef=0.0)
+    assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)  # repacked, not stock's 2 slices
+    assert all(entry.get("dynbsz/prompt_tokens_saved", 0) == 0 for entry in history if "dynbsz/microbatches" in entry)
+
+
+def test_padding_free_on_a_linear_attention_model_is_refused_at_construction(hybrid_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly: its "
+                                         r"linear_attention layers carry state along a row"):
+        run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, hybrid_model_dir, str(tmp_path),
+                     packing_layout="padding_free", router_aux_loss_coef=0.0)
+
+
+# ---- mixture-of-experts models -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("moe-model")), architecture="qwen3_moe")
+
+
+def test_moe_model_without_router_aux_loss_is_repacked_and_matches_stock(moe_model_dir, tmp_path):
+    history = compare_with_stock(moe_model_dir, tmp_path, loss_type="dapo", beta=0.1, router_aux_loss_coef=0.0,
+                                 max_tokens_per_microbatch=24)
+    assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)
+
+
+def test_moe_router_aux_loss_runs_stocks_micro_batches(moe_model_dir, tmp_path, caplog):
+    # The aux loss is a function of each micro-batch's routing: only stock's micro-batches give stock's value.
+    overrides = dict(loss_type="dapo", router_aux_loss_coef=0.01)
+    _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, moe_model_dir, str(tmp_path / "s"),
+                                                  **overrides)
+    with caplog.at_level("WARNING", logger="hf_dynbsz"):
+        _, ours, completions, history = run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, moe_model_dir,
+                                                     str(tmp_path / "o"), max_tokens_per_microbatch=SMALL_BUDGET,
+                                                     **overrides)
+    assert completions == stock_completions
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+    assert any("stock GRPOTrainer math runs because the MoE router aux loss" in m for m in caplog.messages)
+    assert any("aux_loss" in entry for entry in history)
+    assert not any("dynbsz/microbatches" in entry for entry in history)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_a_dataset_too_small_for_one_generation_round_is_refused(model_dir, tmp_path, rows):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": ["abc", "dab"][:rows]})  # one round: 4 x 2 samples / 4 = 2 prompts
+    with pytest.raises(ValueError, match=rf"train_dataset has {rows} rows \(prompts\), fewer than the 2 prompts one "
+                                         r"generation round takes .* would not take a single step"):
+        run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"),
+                     dataset=dataset)
+    # What stock does with it: "trains" without taking a step, and says so only in a log line.
+    *_, history = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), dataset=dataset)
+    assert [entry for entry in history if "loss" in entry] == []
