@@ -111,6 +111,10 @@ CONFIGS = {
                         "tensor_batch_size": None},
 }
 HALF_BUDGET_MIXES = ("long_tailed", "bimodal")
+#: ``--model qwen2_vl``: the longest prompt (2 images of 256 image tokens and the text), for the "half" budget.
+VISION_PROMPT_TOKENS = 2 * 256 + 32
+#: ``--model qwen2_vl`` defaults: vision-language models train in padded micro-batches only.
+VISION_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padded_half,padded_trl_tile")
 
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
@@ -152,6 +156,7 @@ def _reset_peak_rss() -> bool:
 
 def reward_by_content(completions, **kwargs):
     """A cheap deterministic reward that varies within a group (so advantages are not all zero)."""
+    completions = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: the text
     return [((len(c) * 7919) % 101) / 100.0 for c in completions]
 
 
@@ -206,7 +211,7 @@ class Probe:
         trainer._generate_and_score_completions = timed_generate
         trainer._get_per_token_logps_and_entropies = timed_logps
 
-        pad_id = trainer.processing_class.pad_token_id
+        pad_id = trainer._tokenizer.pad_token_id
 
         def count_tokens(module, args, kwargs):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -271,15 +276,16 @@ def run_worker(spec: dict) -> dict:
     fingerprint = code_fingerprint()
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
     from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
 
     hf_logging.set_verbosity_error()
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
         torch.set_num_interop_threads(spec["threads"])
+    mix, max_len = spec["mix"], spec["max_completion_length"]
+    if spec.get("model") == "qwen2_vl":
+        return run_vision_worker(spec, fingerprint)
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(
         tokenizer,
@@ -294,15 +300,47 @@ def run_worker(spec: dict) -> dict:
         seed=0,
     )
     num_params = sum(p.numel() for p in model.parameters())
-    mix, max_len = spec["mix"], spec["max_completion_length"]
     rollout = ScriptedRollout(lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
                               lambda rng: prompt_lengths(mix, 1, rng)[0], max_completion_length=max_len,
                               seed=spec["seed"], token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
-    samples_per_round = spec["batch_size"] * spec["steps_per_generation"]
-    steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
-    num_prompts = samples_per_round * spec["rounds"] // spec["num_generations"] + 8
-    dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts)]})
+    dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]})
+    return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
 
+
+def num_prompts(spec: dict) -> int:
+    samples_per_round = spec["batch_size"] * spec["steps_per_generation"]
+    return samples_per_round * spec["rounds"] // spec["num_generations"] + 8
+
+
+def run_vision_worker(spec: dict, fingerprint: str) -> dict:
+    """The same measurement on a tiny Qwen2-VL: 1-2 images per prompt of 28-448 pixels a side (1-256 image tokens
+    each, on top of a short text), the completions of ``spec["mix"]``."""
+    import numpy as np
+
+    from hf_dynbsz.testing import VisionScriptedRollout, build_tiny_vision_language_model, image_prompt_dataset
+
+    model, processor = build_tiny_vision_language_model("qwen2_vl", hidden_size=spec["hidden_size"],
+                                                        num_hidden_layers=spec["num_layers"],
+                                                        vocab_size=spec["vocab_size"], max_image_side=448)
+    num_params = sum(p.numel() for p in model.parameters())
+    mix, max_len = spec["mix"], spec["max_completion_length"]
+    # Completion tokens are characters only: an image token in a completion would break the model.
+    rollout = VisionScriptedRollout(processor, lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
+                                    max_completion_length=max_len, seed=spec["seed"], token_low=3,
+                                    token_high=processor.tokenizer.convert_tokens_to_ids("<|im_start|>"),
+                                    eos_id=processor.tokenizer.eos_token_id)
+    counts = np.random.default_rng(spec["seed"]).integers(1, 3, num_prompts(spec)).tolist()
+    dataset = image_prompt_dataset(counts, seed=spec["seed"], sizes=(28, 56, 112, 224, 448))
+    return train_and_measure(spec, fingerprint, model, processor, rollout, dataset, num_params)
+
+
+def train_and_measure(spec, fingerprint, model, processing_class, rollout, dataset, num_params) -> dict:
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+
+    steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
     common = dict(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec["batch_size"],
@@ -331,12 +369,13 @@ def run_worker(spec: dict) -> dict:
         extra = {key: config[key] for key in ("tensor_batch_size", "share_prompt_prefix") if key in config}
         budget = None
         if config["budget"] == "half":
-            budget = spec["batch_size"] // 2 * (longest_prompt(spec["mix"]) + spec["max_completion_length"])
+            longest = VISION_PROMPT_TOKENS if spec.get("model") == "qwen2_vl" else longest_prompt(spec["mix"])
+            budget = spec["batch_size"] // 2 * (longest + spec["max_completion_length"])
         args = DynamicBatchGRPOConfig(**common, packing_layout=config["layout"], max_tokens_per_microbatch=budget,
                                       **extra)
         trainer_cls = DynamicBatchGRPOTrainer
     trainer = trainer_cls(model=model, reward_funcs=reward_by_content, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, rollout_func=rollout)
+                          processing_class=processing_class, rollout_func=rollout)
     probe = Probe(trainer, rollout)
     baseline_kb = _read_status_kb("VmRSS")
     start = time.perf_counter()
@@ -581,6 +620,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--model", choices=("qwen2", "qwen2_vl"), default="qwen2",
+                        help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
+                             "vlm_step_time.*; default mixes/configs: long_tailed / stock,padded,padded_half,"
+                             "padded_trl_tile)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -592,6 +635,8 @@ def main() -> None:
         return
 
     settings = dict(PRESETS["quick" if args.quick else "default"])
+    if args.model == "qwen2_vl":
+        settings.update(VISION_DEFAULTS)
     for key in settings:
         value = getattr(args, key, None)
         if value is not None:
@@ -602,7 +647,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown configuration or mix: {unknown}")
     spec_base = {key: settings[key] for key in SPEC_KEYS}
-    spec_base.update(seed=args.seed, threads=args.threads)
+    spec_base.update(seed=args.seed, threads=args.threads, model=args.model)
 
     started = time.perf_counter()
     loads = [load_average()]
@@ -637,10 +682,13 @@ def main() -> None:
     table = render_table(rows)
     first = results[0]
     steps_per_round = settings["steps_per_generation"] * settings["num_iterations"] // settings["grad_accum"]
+    vision = args.model == "qwen2_vl"
     setup = (
-        f"Model: Qwen2-style, hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
+        ("Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
+         "i.e. 1-256 image tokens each, and 1-6 text characters), language model" if vision else
+         "Model: Qwen2-style,") + f" hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
         f"{max(2, settings['hidden_size'] // 32)} heads ({max(1, settings['hidden_size'] // 64)} KV), MLP "
-        f"{3 * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
+        f"{(2 if vision else 3) * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
         f"parameters, fp32, sdpa, CPU, {first['threads']} torch thread(s) per process. GRPO (TRL defaults "
         f"otherwise: loss dapo, beta 0, gradient checkpointing on): per_device_train_batch_size "
         f"{settings['batch_size']}, gradient_accumulation_steps {settings['grad_accum']} "
@@ -648,8 +696,9 @@ def main() -> None:
         f"{settings['steps_per_generation']} (generation batch {settings['batch_size'] * settings['steps_per_generation']}"
         f" samples, {steps_per_round} optimizer steps per round, old-policy log-probs computed), num_iterations "
         f"{settings['num_iterations']}, num_generations {settings['num_generations']}, max_completion_length "
-        f"{settings['max_completion_length']}, prompts {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens (64 for uniform). "
-        f"{settings['repeats']} fresh process(es) per configuration x {settings['rounds']} rounds; "
+        f"{settings['max_completion_length']}"
+        + ("; " if vision else f", prompts {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens (64 for uniform). ")
+        + f"{settings['repeats']} fresh process(es) per configuration x {settings['rounds']} rounds; "
         f"{rows[0]['num_steps']} measured optimizer steps and {rows[0]['num_rounds']} measured rounds per process."
     )
     machine = (f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
@@ -657,10 +706,12 @@ def main() -> None:
     code = f"Code: {git_state()}; hf_dynbsz source hash {', '.join(code_versions)}" + (
         " (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "") + "."
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = "step_time_quick" if args.quick else "step_time"
-    command = "python benchmarks/step_time.py" + (" --quick" if args.quick else "")
+    name = ("vlm_" if vision else "") + ("step_time_quick" if args.quick else "step_time")
+    command = ("python benchmarks/step_time.py" + (" --model qwen2_vl" if vision else "")
+               + (" --quick" if args.quick else ""))
     markdown = "\n\n".join([
-        f"# Training-step time: stock GRPOTrainer vs DynamicBatchGRPOTrainer{' (quick run)' if args.quick else ''}",
+        f"# Training-step time{', vision-language' if vision else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
+        f"{' (quick run)' if args.quick else ''}",
         f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
         setup,
         machine,

@@ -3,11 +3,11 @@
 TRL's ``_prepare_inputs`` hands the trainer one fixed *slice* of ``per_device_train_batch_size`` samples per
 accumulation step, every tensor padded to the longest row of the generation batch. :class:`StepBatch` flattens
 the ``gradient_accumulation_steps`` slices of an optimizer step into per-sample rows with the padding of the
-token ids stripped (:class:`~hf_dynbsz.packing.SequenceTable`) and everything that belongs to a sample beside
-it: its loss mask, advantage, per-token fields (old/reference/sampling log-probs, importance ratios), the stock
-slice it came from and, once computed, its loss weights and ``top_entropy_quantile`` mask. Per-token tensors
-are completion-aligned, ``(samples, width)`` with ``width`` the widest slice's completion width, or
-``(samples, 1)`` for per-sequence values.
+token ids stripped (:class:`~hf_dynbsz.packing.SequenceTable`, with each sample's image inputs) and everything
+that belongs to a sample beside it: its loss mask, advantage, per-token fields (old/reference/sampling
+log-probs, importance ratios), the stock slice it came from and, once computed, its loss weights and
+``top_entropy_quantile`` mask. Per-token tensors are completion-aligned, ``(samples, width)`` with ``width`` the
+widest slice's completion width, or ``(samples, 1)`` for per-sequence values.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable
 
 __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
@@ -89,7 +90,9 @@ class StepBatch:
         for slice_id, inputs in enumerate(window):
             rows = inputs["completion_ids"].size(0)
             tables.append(SequenceTable.from_padded(
-                inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+                inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"],
+                media=split_media(inputs, rows),
+                token_fields={key: inputs[key] for key in TOKEN_FIELDS if inputs.get(key) is not None},
             ))
             mask = inputs["completion_mask"]
             if inputs.get("tool_mask") is not None:
@@ -175,6 +178,9 @@ class StepBatch:
 
     def records(self) -> list[torch.Tensor]:
         """One float64 record per sample (everything that belongs to it), exact for ids, masks, fp32 and fp64."""
+        if self.table.multimodal:
+            raise RuntimeError("vision-language samples are not moved between processes: their image inputs are not "
+                               "part of a record (the trainer turns cross-rank balancing off for these models)")
         records = []
         for i, tokens in enumerate(self.table.tokens):
             length = int(self.table.completion_lengths[i])

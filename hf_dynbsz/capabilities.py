@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .attention import segment_attention_unsupported
 from .env import ENV_OVERRIDES, env_sources
-from .schedule import RankGroup, Scheduler
+from .schedule import REPACKED_VISION_MODEL_TYPES, RankGroup, Scheduler, vision_language_mode
 
 __all__ = ["Capabilities", "check_same_on_every_process"]
 
@@ -42,12 +42,14 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
 @dataclass
 class Capabilities:
     """The run's features: ``enabled`` (dynamic batching; False: stock math), the :class:`Scheduler`, ``attention``
-    (the base attention implementation when padding-free rows run through segment attention, else None) and
-    ``notes`` (one line per feature asked for but not applied, or not applicable)."""
+    (the base attention implementation when padding-free rows run through segment attention, else None),
+    ``vision_language`` (how image steps train, :func:`~hf_dynbsz.schedule.vision_language_mode`) and ``notes`` (one
+    line per feature asked for but not applied, or not applicable)."""
 
     enabled: bool
     scheduler: Scheduler
     attention: str | None
+    vision_language: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -63,8 +65,15 @@ class Capabilities:
                          "computed per micro-batch")
         attn = getattr(model.config, "_attn_implementation", None)
         unsupported = segment_attention_unsupported(model)
-        scheduler = Scheduler.from_args(args, attn, model.config.get_text_config(), group,
-                                        segment_attention=not unsupported)
+        scheduler = Scheduler.from_args(args, attn, model.config, group, segment_attention=not unsupported)
+        vision_language = vision_language_mode(model.config)
+        if enabled and vision_language == "stock":
+            notes.append(f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
+                         f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
+                         "are repacked")
+        if enabled and vision_language and args.balance_across_ranks and group.num_processes > 1:
+            notes.append("balance_across_ranks is not applied: a vision-language sample's image inputs stay on its "
+                         "process")
         attention = attn if scheduler.layout == "padding_free" and not unsupported else None
         if enabled and args.share_prompt_prefix and not scheduler.share_prompts:
             why = unsupported or f"packing_layout resolves to {scheduler.layout!r}"
@@ -72,4 +81,4 @@ class Capabilities:
         if args.per_device_generation_batch_size is not None and external_generation:
             notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
                          "vLLM / continuous batching schedule their own generation batches")
-        return cls(enabled, scheduler, attention, notes)
+        return cls(enabled, scheduler, attention, vision_language, notes)

@@ -33,6 +33,7 @@ from .schedule import (
     Scheduler,
     StepSchedule,
     padding_free_blocker,
+    vision_language_mode,
     resolve_layout,
     segment_attention_blocker,
     simulate_processes,
@@ -454,11 +455,11 @@ def _plan_parser():
 
 
 def _read_model_config(path: str):
-    """The transformers config of a model directory or ``config.json`` file (for the workload model)."""
+    """The transformers config of a model directory or ``config.json`` file (workload model, layout, images)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+        return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
         raise UsageError(f"--model_config {path!r}: not a model directory or config.json file ({error}).") from None
 
@@ -536,6 +537,7 @@ def _run_plan(argv: list[str]) -> int:
                 zero_stage=zero_stage,
                 mixed_precision=launcher.get("mixed_precision"),
                 layout=shown_layout,
+                vision_language=vision_language_mode(model_config),
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None

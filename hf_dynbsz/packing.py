@@ -11,7 +11,10 @@ a chosen set of sequences in one of two layouts:
   The forward must therefore be called with ``use_cache=False`` (TRL's fused LM head forces it).
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
-  attention mask is needed either; ``position_ids`` count from 0 in every row.
+  attention mask is needed either; ``position_ids`` count from 0 in every row. Vision-language samples (a
+  table with image inputs or token-aligned fields) get an ``attention_mask`` instead of ``position_ids``,
+  their image inputs (:func:`hf_dynbsz.multimodal.join_media`) and their token fields: these models compute
+  their own (multimodal) positions from the mask, as in stock's forward.
 
 In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
 the same sequence when that token is a completion token, ``-100`` otherwise, so a packed row never scores
@@ -41,6 +44,14 @@ class SequenceTable:
     tokens: list[torch.Tensor]
     prompt_lengths: torch.Tensor  # (N,) long, CPU
     completion_lengths: torch.Tensor  # (N,) long, CPU
+    #: per sample, its image inputs (:func:`hf_dynbsz.multimodal.split_media`); None for text
+    media: list[dict[str, torch.Tensor]] | None = None
+    #: token-aligned fields (``mm_token_type_ids``...): per field, per sample, one value per token of ``tokens[i]``
+    token_fields: dict[str, list[torch.Tensor]] | None = None
+
+    @property
+    def multimodal(self) -> bool:
+        return self.media is not None or bool(self.token_fields)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -51,8 +62,13 @@ class SequenceTable:
         return len(self.tokens)
 
     @classmethod
-    def from_padded(cls, prompt_ids, prompt_mask, completion_ids, completion_mask) -> SequenceTable:
-        """Strip TRL's padding: prompts are left-padded, completions right-padded (masks are contiguous)."""
+    def from_padded(cls, prompt_ids, prompt_mask, completion_ids, completion_mask, media=None,
+                    token_fields: dict[str, torch.Tensor] | None = None) -> SequenceTable:
+        """Strip TRL's padding: prompts are left-padded, completions right-padded (masks are contiguous).
+
+        ``media``: per-sample image inputs; ``token_fields``: ``(samples, prompt width + completion width)`` tensors
+        aligned with ``prompt_ids`` then ``completion_ids``, stripped like the token ids.
+        """
         prompt_lengths = prompt_mask.sum(dim=1).long()
         completion_lengths = completion_mask.sum(dim=1).long()
         width = prompt_ids.size(1)
@@ -60,7 +76,10 @@ class SequenceTable:
         p_cpu, c_cpu = prompt_lengths.tolist(), completion_lengths.tolist()
         for row, (p, c) in enumerate(zip(p_cpu, c_cpu)):
             tokens.append(torch.cat([prompt_ids[row, width - p :], completion_ids[row, :c]]))
-        return cls(tokens=tokens, prompt_lengths=prompt_lengths.cpu(), completion_lengths=completion_lengths.cpu())
+        fields = {name: [values[row, width - p : width + c] for row, (p, c) in enumerate(zip(p_cpu, c_cpu))]
+                  for name, values in (token_fields or {}).items()}
+        return cls(tokens=tokens, prompt_lengths=prompt_lengths.cpu(), completion_lengths=completion_lengths.cpu(),
+                   media=media, token_fields=fields or None)
 
     def prompt_groups(self) -> list[int]:
         """One id per sample, shared by the samples whose prompt tokens are identical (numbered by first appearance).
@@ -80,11 +99,19 @@ class SequenceTable:
 
     @classmethod
     def concat(cls, tables: list[SequenceTable]) -> SequenceTable:
-        """The samples of ``tables``, one table after the other."""
+        """The samples of ``tables``, one table after the other (a table without images gives its samples none)."""
+        media = None
+        if any(table.media is not None for table in tables):
+            media = [piece for table in tables for piece in (table.media or [{}] * len(table))]
+        names = {name for table in tables for name in (table.token_fields or {})}
+        fields = {name: [values for table in tables for values in (table.token_fields or {}).get(
+            name, [torch.zeros_like(tokens) for tokens in table.tokens])] for name in sorted(names)}
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
+            media=media,
+            token_fields=fields or None,
         )
 
 
@@ -93,7 +120,8 @@ class MicroBatch:
     """Model inputs for one forward pass plus the map back to completion-aligned tensors.
 
     ``indices``: which samples of the :class:`SequenceTable` (in row order). ``model_inputs`` holds
-    ``input_ids`` and ``position_ids`` (never an attention mask). ``shift_labels`` has the shape of
+    ``input_ids`` and ``position_ids`` (never an attention mask), or for vision-language samples ``input_ids``,
+    ``attention_mask``, their token fields and image inputs. ``shift_labels`` has the shape of
     ``input_ids``. ``gather_index`` is ``(rows, completion_width)`` into the flattened per-position
     output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count the positions
     computed without and with padding (a shared prompt counts once).
@@ -138,6 +166,8 @@ def build_microbatch(
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
     if groups is not None and (layout != "padding_free" or attention is None):
         raise ValueError("shared prompts need the padding_free layout and segment attention")
+    if table.multimodal and layout != "padded":
+        raise ValueError("vision-language samples compute their own positions: they need the padded layout")
     prompt_lengths = table.prompt_lengths[indices].tolist()
     completion_lengths = table.completion_lengths[indices].tolist()
     seq_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
@@ -206,8 +236,26 @@ def build_microbatch(
                 gather_index[j, :c] = torch.arange(j * width + p - 1, j * width + p - 1 + c)
                 completion_mask[j, :c] = 1
         computed, real = rows * width, sum(seq_lengths)
+        if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
+            attention_mask = torch.zeros(rows, width, dtype=torch.long)
+            for j, n in enumerate(seq_lengths):
+                attention_mask[j, :n] = 1
+            model_inputs["attention_mask"] = attention_mask.to(device)
+            for name, values in (table.token_fields or {}).items():
+                field = torch.zeros(rows, width, dtype=values[0].dtype)
+                for j, i in enumerate(indices):
+                    field[j, : seq_lengths[j]] = values[i].cpu()
+                model_inputs[name] = field.to(device)
+            if table.media is not None:
+                from .multimodal import join_media
 
-    model_inputs.update(input_ids=input_ids.to(device), position_ids=position_ids.to(device))
+                model_inputs.update({key: value.to(device) for key, value in join_media(
+                    [table.media[i] for i in indices]).items()})
+            position_ids = None
+
+    model_inputs["input_ids"] = input_ids.to(device)
+    if position_ids is not None:
+        model_inputs["position_ids"] = position_ids.to(device)
     return MicroBatch(
         indices=list(indices),
         model_inputs=model_inputs,

@@ -404,6 +404,8 @@ class BatchSizePlan:
     mixed_precision: str | None
     #: {setting: "DIFFU_X=value"} for the settings a ``DIFFU_*`` environment variable set (shown in the table)
     env_sources: Mapping[str, str] = field(default_factory=dict)
+    #: how image steps train: None (a text model, or not known), "repacked" or "stock" (fixed micro-batches)
+    vision_language: str | None = None
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -415,6 +417,7 @@ class BatchSizePlan:
         zero_stage: int | None = None,
         mixed_precision: str | None = None,
         layout: str | None = None,
+        vision_language: str | None = None,
     ) -> BatchSizePlan:
         """Plan the batch sizes of ``args`` on ``num_processes`` processes.
 
@@ -429,7 +432,8 @@ class BatchSizePlan:
 
         ``zero_stage`` and ``mixed_precision`` describe the launcher (accelerate/DeepSpeed); when None they are
         read from ``args.deepspeed`` (a dict) and ``args.fp16``/``args.bf16``. ``layout`` is the concrete packing
-        layout if known; None shows ``args.packing_layout``.
+        layout if known; None shows ``args.packing_layout``. ``vision_language`` (see
+        :func:`hf_dynbsz.schedule.vision_language_mode`) adds a row saying how image steps train.
 
         Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
         DeepSpeed requires does not hold.
@@ -508,6 +512,7 @@ class BatchSizePlan:
             zero_stage=zero_stage,
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
             env_sources=dict(env_sources(args)),
+            vision_language=vision_language,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------
@@ -732,9 +737,12 @@ class BatchSizePlan:
             ),
             (
                 "balance_across_ranks",
-                ("on" if self.balance_across_ranks else "off") + (" (1 process)" if n == 1 else ""),
+                ("on" if self.balance_across_ranks and self.vision_language is None else "off")
+                + (" (1 process)" if n == 1 else ""),
                 "-",
-                setting("balance_across_ranks").summary if n > 1 else "no-op on one process",
+                "no-op on one process" if n == 1 else ("image inputs stay on their process"
+                                                       if self.vision_language is not None
+                                                       else setting("balance_across_ranks").summary),
             ),
             (
                 "DeepSpeed ZeRO stage",
@@ -744,6 +752,15 @@ class BatchSizePlan:
             ),
             ("mixed precision", str(self.mixed_precision), "-", "from the launcher or fp16/bf16"),
         ]
+        if self.vision_language is not None:
+            rows.append((
+                "image inputs",
+                self.vision_language,
+                "-",
+                "each sample's images move with it into its micro-batch (padded layout, no cross-rank balancing)"
+                if self.vision_language == "repacked" else
+                "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
+            ))
         # Values a DIFFU_* variable set say so, where the user looks for them.
         return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources
                  else meaning) for name, device, total, meaning in rows]

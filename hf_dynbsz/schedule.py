@@ -49,6 +49,7 @@ __all__ = [
     "segment_tokens",
     "padding_free_blocker",
     "resolve_layout",
+    "vision_language_mode",
     "segment_attention_blocker",
     "simulate_processes",
     "stock_microbatch_tokens",
@@ -68,14 +69,44 @@ MASK_RESPECTING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", 
                                          "mlp", "moe"})
 
 
-def padding_free_blocker(text_config: Any) -> str | None:
-    """Why padding-free rows would mix the sequences of a row in a model of this text config, or None.
+#: Vision-language model types whose image steps are repacked, each sample's image inputs moving with it (tested
+#: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
+REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
 
-    Read from the config's ``layer_types`` (and ``layers_block_type`` of hybrid models such as Jamba); None for
-    ``text_config`` None (the planner without ``--model_config``: a standard decoder).
-    """
-    if text_config is None:
+#: Why a vision-language model trains in padded micro-batches only.
+VISION_LANGUAGE_PADDED = ("a vision-language model computes its own (multimodal) position ids from the attention mask, "
+                          "which a padding-free row does not carry")
+
+
+def text_config_of(config: Any) -> Any:
+    """The language model's config of a transformers config (itself for a text model); None stays None."""
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        return config.get_text_config()
+    return config
+
+
+def vision_language_mode(config: Any) -> str | None:
+    """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
+    :data:`REPACKED_VISION_MODEL_TYPES` (padded layout, no cross-rank balancing: image inputs stay on their
+    process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
+    repacked)."""
+    if config is None or getattr(config, "vision_config", None) is None:
         return None
+    return "repacked" if getattr(config, "model_type", None) in REPACKED_VISION_MODEL_TYPES else "stock"
+
+
+def padding_free_blocker(config: Any) -> str | None:
+    """Why padding-free rows would mix the sequences of a row in a model of this config, or None.
+
+    A vision-language model (any config with a ``vision_config``) positions its tokens itself; otherwise read from
+    the text config's ``layer_types`` (and ``layers_block_type`` of hybrid models such as Jamba). None for
+    ``config`` None (the planner without ``--model_config``: a standard decoder).
+    """
+    if config is None:
+        return None
+    if vision_language_mode(config) is not None:
+        return VISION_LANGUAGE_PADDED
+    text_config = text_config_of(config)
     kinds = set(getattr(text_config, "layer_types", None) or []) | set(getattr(text_config, "layers_block_type",
                                                                                None) or [])
     carrying = sorted(kinds - MASK_RESPECTING_LAYER_TYPES)
@@ -125,6 +156,7 @@ def segment_attention_blocker(text_config: Any, attn_implementation: str | None)
         return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
     if text_config is None:
         return None
+    text_config = text_config_of(text_config)
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         return f"its layers are not all full attention ({', '.join(sorted(layer_types))})"
@@ -343,8 +375,9 @@ class Scheduler:
                   group: RankGroup = SINGLE_PROCESS, segment_attention: bool = False) -> Scheduler:
         """The scheduler of a validated config (``DynamicBatchGRPOConfig``, or the planner's namespace).
 
-        ``model_config`` (a transformers text config or anything with ``hidden_size`` and ``num_hidden_layers``)
-        sets the workload model the partitioner balances; None uses a generic 7B-class decoder.
+        ``model_config`` (a transformers config, or anything with ``hidden_size`` and ``num_hidden_layers``) sets
+        the workload model the partitioner balances (a vision-language model's through its text config; it also
+        turns cross-rank balancing off, see :func:`vision_language_mode`); None uses a generic 7B-class decoder.
         ``segment_attention``: whether the model can run padding-free rows through segment attention
         (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
         """
@@ -353,7 +386,8 @@ class Scheduler:
         if model_config is None:
             workload = WorkloadModel.default(layout=layout, attention=attention)
         else:
-            workload = WorkloadModel.from_model_config(model_config, layout=layout, attention=attention)
+            workload = WorkloadModel.from_model_config(text_config_of(model_config), layout=layout, attention=attention)
+        balance = getattr(args, "balance_across_ranks", setting("balance_across_ranks").default)
         share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
         return cls(
             layout=layout,
@@ -363,7 +397,7 @@ class Scheduler:
             oversize_policy=args.oversize_policy,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
-            balance_across_ranks=getattr(args, "balance_across_ranks", setting("balance_across_ranks").default),
+            balance_across_ranks=bool(balance) and vision_language_mode(model_config) is None,
             share_prompts=bool(share) and layout == "padding_free" and segment_attention,
             group=group,
         )

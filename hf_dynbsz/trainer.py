@@ -38,6 +38,7 @@ from .config import trainer_config
 from .distributed import ProcessGroup
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMeters, StepMetrics
+from .multimodal import split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
@@ -46,9 +47,6 @@ from .tiling import lm_head_tiles
 logger = logging.getLogger("hf_dynbsz")
 check_trl_version()
 
-# Keys of TRL's generation output that carry multimodal inputs: those steps run stock's math.
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
-                   "num_tiles", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 _STOCK_INIT = inspect.signature(GRPOTrainer.__init__)
 
 
@@ -82,6 +80,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             logger.warning("hf_dynbsz: %s.", note)
         self._dynbsz_enabled = capabilities.enabled
         self._dynbsz_scheduler, self._dynbsz_attention = capabilities.scheduler, capabilities.attention
+        self._dynbsz_vision = capabilities.vision_language
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
         self._dynbsz_meters = StepMeters(model.config.get_text_config(), self.accelerator.device,
@@ -106,7 +105,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
-            stock = any(window[0].get(key) is not None for key in MULTIMODAL_KEYS)
+            stock = self._dynbsz_vision == "stock" and window[0].get("pixel_values") is not None
             loss = self._train_step_stock(model, window) if stock else self._train_step(model, window)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
@@ -122,20 +121,22 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                                            mm_token_type_ids=None, image_position_ids=None,
                                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # Override: run the no-grad log-prob passes (old policy, reference) by the schedule.
-        multimodal = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw, num_images=num_images,
-                          pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, num_tiles=num_tiles,
-                          image_sizes=image_sizes, token_type_ids=token_type_ids, mm_token_type_ids=mm_token_type_ids,
-                          image_position_ids=image_position_ids)
+        media = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw, num_images=num_images,
+                     pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, num_tiles=num_tiles,
+                     image_sizes=image_sizes, image_position_ids=image_position_ids)
+        token_fields = {name: value for name, value in (("token_type_ids", token_type_ids),
+                                                        ("mm_token_type_ids", mm_token_type_ids)) if value is not None}
         if (not self._dynbsz_enabled or torch.is_grad_enabled() or compute_aux_loss
-                or any(value is not None for value in multimodal.values())):
+                or (pixel_values is not None and self._dynbsz_vision == "stock")):
             with self._tiles():
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **multimodal,
+                    **media, **token_fields,
                 )
         prompt_width = input_ids.size(1) - logits_to_keep
         table = SequenceTable.from_padded(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
-                                          input_ids[:, prompt_width:], attention_mask[:, prompt_width:])
+                                          input_ids[:, prompt_width:], attention_mask[:, prompt_width:],
+                                          media=split_media(media, input_ids.size(0)), token_fields=token_fields)
         stock_tokens = (batch_size or input_ids.size(0)) * input_ids.size(1)
         logps, entropies = self._no_grad_passes(model, table, logits_to_keep, compute_entropy, stock_tokens)
         return logps, entropies, None
@@ -293,10 +294,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return high_entropy
 
     def _train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
-        """Stock math for a step that cannot be repacked (multimodal inputs): one pass per stock slice."""
+        """Stock math for a step that cannot be repacked (images of a family not repacked): one pass per stock slice."""
         if "multimodal" not in self._dynbsz_warned:
             self._dynbsz_warned.add("multimodal")
-            logger.warning("hf_dynbsz: multimodal inputs found; this run uses stock micro-batches (no repacking).")
+            logger.warning("hf_dynbsz: image inputs of a model family not repacked: its image steps use stock "
+                           "micro-batches.")
         total = torch.zeros((), device=self.accelerator.device)
         for position, inputs in enumerate(window):
             with self.compute_loss_context_manager(), self._tiles():
@@ -315,6 +317,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             zero_stage=plugin.zero_stage if plugin is not None else None,
             mixed_precision=str(self.accelerator.mixed_precision),
             layout=self._dynbsz_scheduler.layout if self._dynbsz_enabled else "stock (dynamic batching off)",
+            vision_language=self._dynbsz_vision if self._dynbsz_enabled else None,
         )
         logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
 

@@ -389,3 +389,19 @@ def test_multi_node_accelerate_config_plans_the_world_size_the_trainer_sees(plan
     assert result.returncode == 0, result.stderr
     assert table_row(result.stdout, "processes")[:2] == ["-", str(launcher.num_processes)]
     assert table_row(result.stdout, "per_device_train_batch_size")[:2] == ["4", str(4 * launcher.num_processes)]
+
+
+@pytest.mark.parametrize("model_type, mode", [("qwen2_vl", "repacked"), ("llava", "repacked"), ("idefics3", "stock")])
+def test_vision_language_model_config_shows_how_image_steps_train(tmp_path, plan_in_process, model_type, mode):
+    from transformers import CONFIG_MAPPING
+
+    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path)
+    result = plan_in_process("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
+                             "--attn_implementation", "sdpa")
+    assert result.returncode == 0, result.stderr
+    assert table_row(result.stdout, "image inputs")[0] == mode
+    assert table_row(result.stdout, "packing layout")[0] == "padded"
+    refused = plan_in_process("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
+                              "--packing_layout", "padding_free")
+    assert refused.returncode == 2
+    assert "a vision-language model computes its own (multimodal) position ids" in refused.stderr

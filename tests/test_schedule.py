@@ -17,6 +17,7 @@ from hf_dynbsz.schedule import (
     resolve_layout,
     simulate_processes,
     stock_microbatch_tokens,
+    vision_language_mode,
 )
 
 
@@ -417,3 +418,17 @@ def test_balancing_moves_a_prompt_group_piece_whole():
         origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
         assert [g1 == g2 for g1 in plan.groups for g2 in plan.groups] == [
             o1 == o2 for o1 in origin_groups for o2 in origin_groups]
+
+
+def test_vision_language_models_train_padded_and_unbalanced_and_name_the_families_repacked():
+    from transformers import CONFIG_MAPPING
+
+    qwen_vl, idefics = CONFIG_MAPPING["qwen2_vl"](), CONFIG_MAPPING["idefics3"]()
+    assert vision_language_mode(qwen_vl) == "repacked" and vision_language_mode(idefics) == "stock"
+    assert vision_language_mode(qwen_vl.get_text_config()) is None  # the language model alone is a text model
+    assert "position ids" in padding_free_blocker(qwen_vl)
+    args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
+                           max_tokens_per_microbatch_logprob=None, balance_across_ranks=True, share_prompt_prefix=True)
+    scheduler = Scheduler.from_args(args, "flash_attention_2", qwen_vl, segment_attention=True)
+    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
+    assert Scheduler.from_args(args, "sdpa", qwen_vl.get_text_config()).balance_across_ranks

@@ -1,0 +1,104 @@
+"""Image inputs of vision-language samples, split per sample and joined per micro-batch (torch layer).
+
+TRL hands the trainer a batch's image inputs flattened in one of a few ways, and its own
+``_get_per_token_logps_and_entropies`` slices them for a contiguous chunk of samples by the same rules. This
+module applies those rules to one sample at a time, so that each sample's inputs travel with it into whatever
+micro-batch the schedule puts it in (:func:`split_media`), and concatenates them back for a micro-batch
+(:func:`join_media`):
+
+* ``image_grid_thw`` + ``pixel_values`` (Qwen2-VL family): ``pixel_values`` is flattened patches, the rows of
+  image ``k`` being ``prod(image_grid_thw[k])``; ``image_grid_thw`` is per image.
+* ``image_position_ids`` + ``pixel_values``: both per image.
+* ``spatial_shapes`` (LFM2-VL): ``pixel_values``, ``pixel_attention_mask`` and ``spatial_shapes`` per tile
+  (``num_tiles`` per sample).
+* ``num_tiles`` (InternVL): ``pixel_values`` per tile.
+* ``pixel_values`` with one entry per image (LLaVA family): per image.
+* otherwise ``pixel_values`` per sample (e.g. Idefics3: ``(samples, images, C, H, W)``, images zero-padded to
+  the batch's most), and ``pixel_attention_mask`` per sample when there is no ``spatial_shapes``.
+* ``image_sizes``: per image.
+
+Token-aligned fields (``token_type_ids``, ``mm_token_type_ids``: one value per prompt + completion position) are
+not media: :class:`~hf_dynbsz.packing.SequenceTable` strips and re-pads them like the token ids
+(:data:`TOKEN_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "split_media"]
+
+#: The image inputs TRL passes to the model besides the tokens (``num_images``/``num_tiles`` only slice them).
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
+              "image_sizes")
+#: Per-token fields of TRL's generation output aligned with ``prompt_ids + completion_ids``.
+TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
+
+
+def _split(tensor: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """``tensor`` cut along dim 0 into consecutive pieces of ``counts`` rows."""
+    return list(torch.split(tensor, counts))
+
+
+def split_media(inputs: dict, samples: int) -> list[dict[str, torch.Tensor]] | None:
+    """Per sample of a batch, its image inputs (a dict of tensors, empty-row tensors for a sample without images).
+
+    ``inputs`` holds TRL's flattened fields (:data:`MEDIA_KEYS`, ``num_images``, ``num_tiles``) for ``samples``
+    samples; None when it has no ``pixel_values``.
+    """
+    pixel_values = inputs.get("pixel_values")
+    if pixel_values is None:
+        return None
+    num_images = list(inputs.get("num_images") or [])
+    per_image, pieces = {}, [dict() for _ in range(samples)]
+    grid, position_ids, spatial_shapes = (inputs.get(key) for key in ("image_grid_thw", "image_position_ids",
+                                                                      "spatial_shapes"))
+    num_tiles = inputs.get("num_tiles")
+    if grid is not None:
+        rows = [int(rows.sum()) for rows in grid.prod(dim=-1).split(num_images)]
+        per_image["image_grid_thw"] = grid
+        by_sample = {"pixel_values": _split(pixel_values, rows)}
+    elif position_ids is not None:
+        per_image.update(pixel_values=pixel_values, image_position_ids=position_ids)
+        by_sample = {}
+    elif spatial_shapes is not None:
+        by_sample = {key: _split(inputs[key], list(num_tiles)) for key in ("pixel_values", "pixel_attention_mask",
+                                                                           "spatial_shapes")}
+    elif num_tiles is not None:
+        by_sample = {"pixel_values": _split(pixel_values, list(num_tiles))}
+    elif num_images and pixel_values.size(0) == sum(num_images):
+        per_image["pixel_values"] = pixel_values
+        by_sample = {}
+    else:
+        by_sample = {"pixel_values": _split(pixel_values, [1] * samples)}
+    if inputs.get("pixel_attention_mask") is not None and spatial_shapes is None:
+        by_sample["pixel_attention_mask"] = _split(inputs["pixel_attention_mask"], [1] * samples)
+    if inputs.get("image_sizes") is not None:
+        per_image["image_sizes"] = inputs["image_sizes"]
+    for key, tensor in per_image.items():
+        by_sample[key] = _split(tensor, num_images)
+    for key, values in by_sample.items():
+        for piece, value in zip(pieces, values, strict=True):
+            piece[key] = value
+    return pieces
+
+
+def join_media(pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The model inputs of the samples ``pieces`` (in micro-batch row order): each field concatenated along dim 0,
+    per-sample fields zero-padded to the largest piece (as the processor pads a batch). Empty when none of the
+    samples has an image (the model then runs as on text, like stock's chunk without images)."""
+    joined = {}
+    for key in pieces[0]:
+        values = [piece[key] for piece in pieces]
+        shape = [max(sizes) for sizes in zip(*(value.shape[1:] for value in values))]
+        padded = []
+        for value in values:
+            if list(value.shape[1:]) != shape:
+                grown = value.new_zeros((value.size(0), *shape))
+                grown[tuple(slice(0, size) for size in value.shape)] = value
+                value = grown
+            padded.append(value)
+        joined[key] = torch.cat(padded)
+    if joined.get("pixel_values") is None or joined["pixel_values"].numel() == 0:
+        return {}
+    return joined
