@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .multimodal import join_media
 from .partition import LAYOUTS, round_up
 
 
@@ -247,8 +248,6 @@ def build_microbatch(
                     field[j, : seq_lengths[j]] = values[i].cpu()
                 model_inputs[name] = field.to(device)
             if table.media is not None:
-                from .multimodal import join_media
-
                 model_inputs.update({key: value.to(device) for key, value in join_media(
                     [table.media[i] for i in indices]).items()})
             position_ids = None

@@ -38,7 +38,7 @@ from .config import trainer_config
 from .distributed import ProcessGroup
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMeters, StepMetrics
-from .multimodal import split_media
+from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
@@ -105,7 +105,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
-            stock = self._dynbsz_vision == "stock" and window[0].get("pixel_values") is not None
+            stock = self._media_not_repacked(window[0])
             loss = self._train_step_stock(model, window) if stock else self._train_step(model, window)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
@@ -127,7 +127,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         token_fields = {name: value for name, value in (("token_type_ids", token_type_ids),
                                                         ("mm_token_type_ids", mm_token_type_ids)) if value is not None}
         if (not self._dynbsz_enabled or torch.is_grad_enabled() or compute_aux_loss
-                or (pixel_values is not None and self._dynbsz_vision == "stock")):
+                or self._media_not_repacked({**media, **token_fields})):
             with self._tiles():
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
@@ -292,6 +292,14 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             selected = self.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], 1 - self.top_entropy_quantile)
             high_entropy[rows] = selected.to(batch.loss_mask.dtype)
         return high_entropy
+
+    def _media_not_repacked(self, inputs: dict) -> bool:
+        """Whether ``inputs`` carry image inputs (or, for a model not known as vision-language, token-type fields)
+        that this run does not repack: those passes run stock's micro-batches."""
+        if self._dynbsz_vision == "repacked":
+            return False
+        return inputs.get("pixel_values") is not None or (
+            self._dynbsz_vision is None and any(inputs.get(name) is not None for name in TOKEN_FIELDS))
 
     def _train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
         """Stock math for a step that cannot be repacked (images of a family not repacked): one pass per stock slice."""
