@@ -39,6 +39,7 @@ __all__ = [
     "run_training",
     "run_with_timeout",
     "save_tiny_model",
+    "stock_logps",
     "update_difference",
 ]
 
@@ -553,6 +554,20 @@ def run_training(trainer_cls, config_cls, model_dir: str, output_dir: str, datas
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, reward.completions, trainer.state.log_history
+
+
+def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Completion log-probs and entropies as TRL 1.16's ``_get_per_token_logps_and_entropies`` computes one chunk:
+    the padded samples as separate sequences under their attention mask (``model`` has TRL's fused LM head)."""
+    import torch
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -27,7 +27,7 @@ from hf_dynbsz.attention import (
 )
 from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.schedule import segment_tokens
-from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
+from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, stock_logps
 
 PAD = 0
 
@@ -45,17 +45,6 @@ def grpo_batch(prompt_lengths, completion_lengths, repeats, seed=0):
             pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
             pad(completions, padding_value=PAD, padding_side="right"),
             pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
-
-
-def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """TRL 1.16's own padded forward of the samples as separate sequences."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    width = completion_ids.size(1)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, :-width] = -100
-    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-    return out.log_probs[:, -width:], out.entropy[:, -width:]
 
 
 def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):

@@ -7,7 +7,7 @@ import torch
 from trl.trainer.utils import add_fused_lm_head, pad
 
 from hf_dynbsz.packing import SequenceTable, build_microbatch, dummy_microbatch
-from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
+from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, stock_logps
 
 PAD = 0
 
@@ -22,17 +22,6 @@ def trl_style_batch(prompt_lengths, completion_lengths, seed=0):
     completion_ids = pad(completions, padding_value=PAD, padding_side="right")
     completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right")
     return prompt_ids, prompt_mask, completion_ids, completion_mask
-
-
-def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Exactly what TRL 1.16's `_get_per_token_logps_and_entropies` does for one chunk."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    logits_to_keep = completion_ids.size(1)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, :-logits_to_keep] = -100
-    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-    return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
