@@ -73,7 +73,14 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
                  "the flash-attention varlen kernel of segment attention (the base implementation's own)",
                  ("query_states", "key_states", "value_states", "attention_mask", "query_length", "is_causal",
                   "dropout", "softmax_scale", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                  "target_dtype", "attn_implementation")),
+                  "target_dtype", "attn_implementation", "sliding_window", "softcap")),  # s_aux: through **kwargs
+    InternalName("transformers.integrations.sdpa_attention", "sdpa_attention_forward", "calls",
+                 "segment attention runs each span of a padding-free row through transformers' own sdpa function",
+                 ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal")),
+    InternalName("transformers.models.llama.modeling_llama", "eager_attention_forward", "calls",
+                 "segment attention runs each span through the model's own eager function, found next to its attention "
+                 "module (Llama's checked here; every model of the zoo test exercises its own)",
+                 ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")),
     InternalName("transformers.integrations.flash_attention", "get_target_dtype", "calls",
                  "the dtype flash-attention needs when PEFT left the activations in fp32", ("query", "module")),
     # ---- accelerate

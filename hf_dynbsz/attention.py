@@ -1,4 +1,4 @@
-"""Segment attention: padding-free rows and shared prompts on every attention kernel (torch layer).
+"""Segment attention: padding-free rows and shared prompts through the model's own attention kernel (torch layer).
 
 A padding-free row is cut into *segments*, each attending only to itself:
 
@@ -10,36 +10,43 @@ A padding-free row is cut into *segments*, each attending only to itself:
   prefix in every block, so each block computes exactly what its own sequence would (its first token, the prompt's
   last, predicts the completion's first token, as in stock's separate sequence).
 
-:func:`segment_attention_forward` is registered in transformers' ``AttentionInterface`` as
-:data:`ATTENTION_NAME`; :func:`segment_attention` switches a model to it around the passes that carry a
-:class:`SegmentLayout` (forward keyword ``dynbsz_segments``, which transformers hands down to the attention
-function; ``masking_utils`` builds no mask for an implementation it does not know, so the function owns masking).
-It is stateless, so gradient checkpointing recomputes it exactly. Two formulations, never a dense mask over a
-whole row:
+:func:`segment_attention_forward` is registered in transformers' ``AttentionInterface`` as :data:`ATTENTION_NAME`;
+:func:`segment_attention` switches a model to it, and :func:`use_segments` names the :class:`SegmentLayout` of the
+pass about to run. The layout travels beside the forward, not through its keyword arguments, so it reaches the
+attention of models whose layers do not pass keyword arguments on (Nemotron), and stays in place for gradient
+checkpointing's recomputation in the pass's backward. ``masking_utils`` builds no mask for an implementation it does
+not know, so this function owns masking. It is stateless and computes each span with **the base implementation's
+own function**, so everything that function does (soft-capping, attention sinks, value heads of another size than
+query heads, sliding windows, GQA, dtype handling) is the model's own:
 
-* sdpa / eager base implementations: ``scaled_dot_product_attention`` per span; plain sequences (and shared
-  prefixes) of equal length batched into one causal call, the blocks of a shared segment attending to ``[prefix ;
-  block]`` under a ``(block, prefix + block)`` mask: the attention work of the separate sequences, not more;
-* flash-attention base implementations: one varlen call whose query spans are the prefixes and blocks and whose
-  key spans are ``[prefix ; own block]`` (keys gathered; causal masks of flash-attention >= 2.1 align bottom-right),
-  through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is tested on CPU with
-  :func:`reference_varlen_attention` standing in for the kernel.
+* sdpa / eager: spans of equal shape batched into one call of transformers' ``sdpa_attention_forward`` or the
+  model's ``eager_attention_forward``, under the span's mask (causal, and the layer's sliding window, over positions
+  within the sequence); a plain causal span without a window takes sdpa's unmasked causal kernel. Shared segments:
+  the blocks attend to ``[prefix ; block]`` (a block at least as long as its prefix as one causal call whose prefix
+  queries are dropped). The attention work of the separate sequences, never the square of a whole row;
+* flash-attention: one varlen call whose query spans are the prefixes and blocks and whose key spans are
+  ``[prefix ; own block]`` (keys gathered; causal masks of flash-attention >= 2.1 align bottom-right, and so do
+  sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
+  tested on CPU with a reference varlen kernel (:mod:`hf_dynbsz.testing`) standing in for the kernel.
+
+Which models it may run is decided in :mod:`hf_dynbsz.model_support`; the self-check (:mod:`hf_dynbsz.self_check`)
+verifies it on the first step's samples.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .schedule import VARLEN_ATTENTION_PREFIXES, segment_attention_blocker
+from .model_support import VARLEN_ATTENTION_PREFIXES
 
 __all__ = ["ATTENTION_NAME", "Segment", "SegmentLayout", "segment_attention", "segment_attention_forward",
-           "segment_attention_unsupported", "reference_varlen_attention"]
+           "use_segments"]
 
 ATTENTION_NAME = "hf_dynbsz_segments"
 
@@ -61,6 +68,36 @@ class Segment:
         return self.prefix == 0 and len(self.blocks) == 1
 
 
+@dataclass(frozen=True)
+class SpanCall:
+    """One batched call of the sdpa / eager formulation: ``rows`` spans of equal shape.
+
+    ``queries`` / ``keys``: row positions, span after span (``rows x query_length`` / ``rows x key_length``). A
+    span's keys are its sequence's positions ``0 .. key_length - 1``; its queries are positions ``query_start ..
+    key_length - 1`` of the same sequence (``query_start`` > 0: a block attending to its prefix). ``skip``: leading
+    query outputs of each span that are dropped (prefix queries recomputed by a causal call over ``[prefix ;
+    block]``).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    rows: int
+    query_start: int
+    skip: int
+
+    def mask(self, window: int | None, device) -> torch.Tensor | None:
+        """``(query_length, key_length)`` bool mask (True: may attend), or None for a plain causal span."""
+        key_length = self.keys.numel() // self.rows
+        if self.query_start == 0 and (window is None or window >= key_length):
+            return None
+        query_positions = torch.arange(self.query_start, key_length, device=device).unsqueeze(1)
+        key_positions = torch.arange(key_length, device=device).unsqueeze(0)
+        allowed = key_positions <= query_positions
+        if window is not None:
+            allowed &= key_positions > query_positions - window
+        return allowed
+
+
 class SegmentLayout:
     """The segments of one padding-free row and the index tensors the kernels need, built once per pass.
 
@@ -74,28 +111,25 @@ class SegmentLayout:
 
     @property
     def flash(self) -> bool:
-        """Whether the base implementation is a flash-attention varlen kernel (else: sdpa per segment)."""
+        """Whether the base implementation is a flash-attention varlen kernel (else: sdpa or eager per span)."""
         return bool(self.base_implementation) and self.base_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
 
     @property
     def width(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
-    # ---- sdpa formulation ---------------------------------------------------------------------------------------
-    def sdpa_groups(self, device):
-        """``([(queries, keys, rows, mask, skip)], restore)``: the ``scaled_dot_product_attention`` calls of a layer.
+    # ---- sdpa / eager formulation --------------------------------------------------------------------------------
+    def span_calls(self, device) -> tuple[list[SpanCall], torch.Tensor]:
+        """``(calls, restore)``: the batched calls of a layer, and the permutation that puts their kept outputs,
+        concatenated, back in row order.
 
-        Each call attends ``rows`` query spans of equal length to their key spans (``queries``, ``keys``: row positions,
-        span after span) and keeps the outputs of each span's queries after the first ``skip``. Plain sequences and
-        shared prefixes of one length are batched into one causal call (mask None). The blocks of shared segments
-        with the same prefix and block length are batched too, their queries attending to ``[prefix ; block]``:
-        when the block is at least as long as the prefix, as one causal call over ``[prefix ; block]`` whose prefix
-        queries are dropped (the fast causal kernel; it recomputes the prefix's own causal attention, at most half a
-        block's); otherwise the block's queries alone under a ``(block, prefix + block)`` mask (prefix open, block
-        causal). Either way the work is about that of the separate sequences, never the square of a whole segment.
-        ``restore`` puts the calls' kept outputs, concatenated, back in row order.
+        Plain sequences and shared prefixes of one length are batched into one causal call. The blocks of shared
+        segments with the same prefix and block length are batched too: when the block is at least as long as the
+        prefix, as one causal call over ``[prefix ; block]`` whose prefix queries are dropped (the fast causal kernel;
+        it recomputes the prefix's own causal attention, at most half a block's); otherwise the block's queries alone
+        against ``[prefix ; block]`` under a mask.
         """
-        key = ("sdpa", device)
+        key = ("spans", device)
         if key not in self._cache:
             causal: dict[int, list[int]] = defaultdict(list)  # length -> starts of causal spans
             blocks: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (prefix, block) -> starts
@@ -112,17 +146,16 @@ class SegmentLayout:
             calls = []
             for length, starts in causal.items():
                 spans = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(device)
-                calls.append((spans, spans, len(starts), None, 0))
+                calls.append(SpanCall(spans, spans, len(starts), 0, 0))
             for (prefix, block), starts in blocks.items():
                 own = torch.tensor([b for _, b in starts]).unsqueeze(1) + torch.arange(block)
                 keys = torch.cat([torch.tensor([p for p, _ in starts]).unsqueeze(1) + torch.arange(prefix), own], 1)
+                keys = keys.reshape(-1).to(device)
                 if block >= prefix:
-                    calls.append((keys.reshape(-1).to(device), keys.reshape(-1).to(device), len(starts), None, prefix))
-                    continue
-                mask = torch.ones(block, prefix + block, dtype=torch.bool)
-                mask[:, prefix:] = torch.ones(block, block, dtype=torch.bool).tril()
-                calls.append((own.reshape(-1).to(device), keys.reshape(-1).to(device), len(starts), mask.to(device), 0))
-            order = torch.cat([queries.view(rows, -1)[:, skip:].reshape(-1) for queries, _, rows, _, skip in calls])
+                    calls.append(SpanCall(keys, keys, len(starts), 0, prefix))
+                else:
+                    calls.append(SpanCall(own.reshape(-1).to(device), keys, len(starts), prefix, 0))
+            order = torch.cat([call.queries.view(call.rows, -1)[:, call.skip:].reshape(-1) for call in calls])
             if order.numel() != self.width or not torch.equal(order.sort().values, torch.arange(self.width, device=device)):
                 raise ValueError("segments must cover the row exactly (trailing padding included)")
             self._cache[key] = (calls, torch.argsort(order))
@@ -156,118 +189,108 @@ class SegmentLayout:
         return self._cache[key]
 
 
-def segment_mask(prefix: int, blocks: tuple[int, ...]) -> torch.Tensor:
-    """``(L, L)`` bool mask of a shared segment (True = may attend): prefix causal, each block on the prefix and
-    causally on itself."""
-    length = prefix + sum(blocks)
-    owner = torch.full((length,), -1, dtype=torch.long)  # -1: prefix, j: block j
-    offset = prefix
-    for number, block in enumerate(blocks):
-        owner[offset : offset + block] = number
-        offset += block
-    position = torch.arange(length)
-    causal = position.unsqueeze(1) >= position.unsqueeze(0)
-    key_owner, query_owner = owner.unsqueeze(0), owner.unsqueeze(1)
-    return causal & ((key_owner == -1) | (key_owner == query_owner))
+#: The layout of the pass being run (set by :func:`use_segments`, cleared when :func:`segment_attention` exits).
+_ACTIVE: list[SegmentLayout | None] = [None]
 
 
-def reference_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scale: float | None,
-                               dropout: float = 0.0) -> torch.Tensor:
-    """What a causal flash-attention varlen kernel computes, in plain PyTorch (CPU tests stand it in for the kernel).
-
-    ``query`` ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; span ``i`` of the queries attends
-    to span ``i`` of the keys, causally aligned bottom-right (query ``t`` of a span of ``q`` sees keys ``0 ..
-    t + k - q``). Returns ``(total_q, heads, d)``.
-    """
-    outputs = []
-    for i in range(len(cu_seqlens_q) - 1):
-        q = query[cu_seqlens_q[i] : cu_seqlens_q[i + 1]].transpose(0, 1).unsqueeze(0)
-        k = key[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
-        v = value[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
-        q_len, k_len = q.size(2), k.size(2)
-        mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= (
-            torch.arange(q_len, device=q.device).unsqueeze(1) + k_len - q_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=True)
-        outputs.append(out.squeeze(0).transpose(0, 1))
-    return torch.cat(outputs)
+def use_segments(layout: SegmentLayout | None) -> None:
+    """Make ``layout`` the segments of the next forward (and of its backward's recomputation)."""
+    _ACTIVE[0] = layout
 
 
-def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout):
-    """transformers' flash-attention integration on varlen spans (the base implementation's kernel)."""
+def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout, **features):
+    """transformers' flash-attention integration on varlen spans (the base implementation's kernel): ``query``
+    ``(Tq, heads, d)``, ``key``/``value`` ``(Tk, kv_heads, d / d_v)``; ``features``: the layer's ``sliding_window``,
+    ``softcap`` and ``s_aux``. Values with another head size than queries (multi-head latent attention) are padded
+    to it and the output cropped, as transformers' own integration does."""
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
-    return _flash_attention_forward(
+    value_dim = value.size(-1)
+    if value_dim != query.size(-1):
+        value = torch.nn.functional.pad(value, [0, query.size(-1) - value_dim])
+    sinks = features.get("s_aux")
+    out = _flash_attention_forward(
         query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), None, query_length=query.size(0), is_causal=True,
         dropout=dropout, softmax_scale=scaling, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max_q,
-        max_length_k=max_k, target_dtype=get_target_dtype(query, module),
+        max_length_k=max_k, target_dtype=get_target_dtype(query, module), sliding_window=features.get("sliding_window"),
+        softcap=features.get("softcap"), s_aux=sinks.to(query.dtype) if sinks is not None else None,
         attn_implementation=layout.base_implementation,
     ).squeeze(0)
+    return out[..., :value_dim]
 
 
-#: The varlen kernel of the flash formulation; tests replace it with :func:`reference_varlen_attention`.
+#: The varlen kernel of the flash formulation; tests replace it with a reference kernel.
 VARLEN_KERNEL = _flash_varlen
 
 
-def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                              dynbsz_segments: SegmentLayout | None = None, **kwargs):
-    """transformers attention function: ``query`` ``(1, heads, T, d)``, ``key``/``value`` ``(1, kv_heads, T, d)``;
-    returns ``((1, T, heads, d), None)``. Attends within the segments of ``dynbsz_segments`` only."""
-    layout = dynbsz_segments
+def _base_function(module, base: str):
+    """The attention function the model runs under ``base``: transformers' sdpa, or the model's own eager one."""
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward next to it: {ATTENTION_NAME} "
+                           "cannot run its eager attention")
+    return eager
+
+
+def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: ``query`` ``(1, heads, T, d)``, ``key``/``value`` ``(1, kv_heads, T, d /
+    d_v)``; returns ``((1, T, heads, d_v), None)``. Attends within the segments of the active layout only."""
+    layout = _ACTIVE[0]
     if layout is None or query.size(0) != 1:
         raise RuntimeError(f"{ATTENTION_NAME} attention runs padding-free rows of hf_dynbsz only (one row with its "
                            "segments); this forward carries none.")
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{ATTENTION_NAME} attention does not support {name}={kwargs[name]!r}; hf_dynbsz should "
-                             "have kept this model on its own attention (segment_attention_unsupported).")
+    if attention_mask is not None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention got an attention mask (or bias) from "
+                           f"{type(module).__name__}; it cannot place it on the segments of a padding-free row.")
+    # The layer's window: what it passes (None on a full-attention layer), else its own attribute.
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if layout.flash:
         cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans(query.device)
+        features = {name: kwargs.get(name) for name in ("softcap", "s_aux")}
         out = VARLEN_KERNEL(module, layout, query[0].transpose(0, 1), key[0, :, key_index].transpose(0, 1),
-                            value[0, :, key_index].transpose(0, 1), cu_q, cu_k, max_q, max_k, scaling, dropout)
+                            value[0, :, key_index].transpose(0, 1), cu_q, cu_k, max_q, max_k, scaling, dropout,
+                            sliding_window=window, **features)
         return out.unsqueeze(0), None
-    calls, restore = layout.sdpa_groups(query.device)
-    heads, dim = query.size(1), query.size(3)
+    calls, restore = layout.span_calls(query.device)
+    base = _base_function(module, layout.base_implementation)
+    kwargs.pop("sliding_window", None)  # the spans' masks draw the window
+    kwargs.pop("is_causal", None)
     outputs = []
-    for queries, keys, rows, mask, skip in calls:
+    for call in calls:
 
         def take(tensor, positions):
             picked = tensor.index_select(2, positions)  # (1, h, rows * length, d)
-            return picked.view(tensor.size(1), rows, positions.numel() // rows, dim).transpose(0, 1)
+            return picked.view(tensor.size(1), call.rows, positions.numel() // call.rows, -1).transpose(0, 1)
 
-        out = F.scaled_dot_product_attention(take(query, queries), take(key, keys), take(value, keys), attn_mask=mask,
-                                             dropout_p=dropout, is_causal=mask is None, scale=scaling,
-                                             enable_gqa=True)  # (rows, h, length, d)
-        outputs.append(out[:, :, skip:].transpose(0, 1).reshape(heads, -1, dim))
-    output = torch.cat(outputs, dim=1).index_select(1, restore)  # (heads, T, d) in row order
-    return output.transpose(0, 1).unsqueeze(0).contiguous(), None
+        mask = call.mask(window, query.device)
+        if mask is None and layout.base_implementation != "sdpa":
+            mask = torch.ones(call.queries.numel() // call.rows, call.keys.numel() // call.rows, dtype=torch.bool,
+                              device=query.device).tril()
+        if mask is not None:
+            mask = mask.view(1, 1, *mask.shape)
+            if layout.base_implementation != "sdpa":  # eager adds its mask to the scores
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~mask, torch.finfo(query.dtype).min)
+        out, _ = base(module, take(query, call.queries), take(key, call.keys), take(value, call.keys), mask,
+                      scaling=scaling, dropout=dropout, is_causal=True, **kwargs)  # (rows, length, h, d_v)
+        outputs.append(out[:, call.skip:].reshape(-1, out.size(2), out.size(3)))
+    output = torch.cat(outputs).index_select(0, restore)  # (T, heads, d_v) in row order
+    return output.unsqueeze(0).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, segment_attention_forward)
 
 
-def segment_attention_unsupported(model) -> str | None:
-    """Why segment attention cannot run ``model`` exactly, or None when it can.
-
-    :func:`hf_dynbsz.schedule.segment_attention_blocker`'s config checks, plus what only the model tells: its
-    attention layers must dispatch through transformers' ``AttentionInterface``, it must be a text model (vision-
-    language models compute position ids of their own) and have no attention sinks.
-    """
-    config = model.config
-    text_config = config.get_text_config()
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface"
-    if text_config is not config:
-        return "multimodal models compute position ids of their own"
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        return "attention sinks"
-    return segment_attention_blocker(text_config, getattr(text_config, "_attn_implementation", None))
-
-
 @contextlib.contextmanager
 def segment_attention(model, enabled: bool = True):
     """Run ``model``'s attention through :func:`segment_attention_forward` inside the context (forward AND backward:
-    gradient checkpointing recomputes the forward during backward)."""
+    gradient checkpointing recomputes the forward during backward). The layouts of the passes are given by
+    :func:`use_segments`; the active one is cleared on exit."""
     if not enabled:
         yield
         return
@@ -278,3 +301,4 @@ def segment_attention(model, enabled: bool = True):
         yield
     finally:
         config._attn_implementation = previous
+        _ACTIVE[0] = None

@@ -1,18 +1,18 @@
 """What the plugin does for one run, decided at start from the config and the model (torch layer).
 
 Every feature either runs exactly or does not run, with a reason the trainer logs once: dynamic batching itself
-(stock's math for what cannot be repacked), the layout and segment attention (:mod:`hf_dynbsz.attention`), shared
-prompts, and the generation chunk size. The scheduling decisions proper live in :mod:`hf_dynbsz.schedule`; this module
-only gathers what the model and the config allow.
+(stock's math for what cannot be repacked), the layouts the model allows (decided in :mod:`hf_dynbsz.model_support`,
+verified on the first step by :mod:`hf_dynbsz.self_check`), and the generation chunk size. The scheduling decisions
+proper live in :mod:`hf_dynbsz.schedule`; this module only gathers what the model and the config allow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attention import segment_attention_unsupported
 from .env import ENV_OVERRIDES, env_sources
-from .schedule import REPACKED_VISION_MODEL_TYPES, RankGroup, Scheduler, vision_language_mode
+from .model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport
+from .schedule import RankGroup, Scheduler
 
 __all__ = ["Capabilities", "check_same_on_every_process"]
 
@@ -41,16 +41,21 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
 
 @dataclass
 class Capabilities:
-    """The run's features: ``enabled`` (dynamic batching; False: stock math), the :class:`Scheduler`, ``attention``
-    (the base attention implementation when padding-free rows run through segment attention, else None),
-    ``vision_language`` (how image steps train, :func:`~hf_dynbsz.schedule.vision_language_mode`) and ``notes`` (one
-    line per feature asked for but not applied, or not applicable)."""
+    """The run's features: ``enabled`` (dynamic batching; False: stock math), ``support`` (what the model allows,
+    :class:`~hf_dynbsz.model_support.ModelSupport`), ``layouts`` (the layouts training may use, fastest first: it
+    starts with the first and the self-check steps down), the :class:`Scheduler` of the first layout, and ``notes``
+    (one line per feature asked for but not applied, or not applicable)."""
 
     enabled: bool
+    support: ModelSupport
+    layouts: list[Layout]
     scheduler: Scheduler
-    attention: str | None
-    vision_language: str | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def vision_language(self) -> str | None:
+        """How image steps train (:func:`~hf_dynbsz.model_support.vision_language_mode`)."""
+        return self.support.vision_language
 
     @classmethod
     def of(cls, args, model, group: RankGroup, *, aux_loss: bool, external_generation: bool) -> Capabilities:
@@ -63,10 +68,13 @@ class Capabilities:
             enabled = False
             notes.append("dynamic batching is off, stock GRPOTrainer math runs because the MoE router aux loss is "
                          "computed per micro-batch")
-        attn = getattr(model.config, "_attn_implementation", None)
-        unsupported = segment_attention_unsupported(model)
-        scheduler = Scheduler.from_args(args, attn, model.config, group, segment_attention=not unsupported)
-        vision_language = vision_language_mode(model.config)
+        support = ModelSupport.of(model=model)
+        layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix))
+        if enabled:
+            notes += layout_notes + list(support.notes)
+            enabled = bool(layouts)
+        scheduler = Scheduler.from_args(args, support, group, layout=layouts[0] if layouts else Layout("padded"))
+        vision_language = support.vision_language
         if enabled and vision_language == "stock":
             notes.append(f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
                          f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
@@ -74,11 +82,7 @@ class Capabilities:
         if enabled and vision_language and args.balance_across_ranks and group.num_processes > 1:
             notes.append("balance_across_ranks is not applied: a vision-language sample's image inputs stay on its "
                          "process")
-        attention = attn if scheduler.layout == "padding_free" and not unsupported else None
-        if enabled and args.share_prompt_prefix and not scheduler.share_prompts:
-            why = unsupported or f"packing_layout resolves to {scheduler.layout!r}"
-            notes.append(f"share_prompt_prefix is not applied: {why}")
         if args.per_device_generation_batch_size is not None and external_generation:
             notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
                          "vLLM / continuous batching schedule their own generation batches")
-        return cls(enabled, scheduler, attention, vision_language, notes)
+        return cls(enabled, support, layouts, scheduler, notes)

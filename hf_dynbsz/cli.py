@@ -28,17 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .model_support import ModelSupport
 from .partition import token_lower_bound
-from .schedule import (
-    Scheduler,
-    StepSchedule,
-    padding_free_blocker,
-    vision_language_mode,
-    resolve_layout,
-    segment_attention_blocker,
-    simulate_processes,
-    stock_microbatch_tokens,
-)
+from .schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
 
@@ -524,12 +516,12 @@ def _run_plan(argv: list[str]) -> int:
         validate_dynamic_batch_fields(namespace)
         attn_implementation = _attn_implementation(namespace)
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
-        blocker = segment_attention_blocker(model_config, attn_implementation or "sdpa")
+        support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
+        layouts, _ = support.layouts(namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)))
         # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
         shown_layout = None
         if namespace.packing_layout != "auto" or attn_implementation:
-            shown_layout = resolve_layout(namespace.packing_layout, attn_implementation or "sdpa", blocker is None,
-                                          padding_free_blocker(model_config))[0]
+            shown_layout = layouts[0].name
         try:
             plan = BatchSizePlan.from_args(
                 namespace,
@@ -537,7 +529,7 @@ def _run_plan(argv: list[str]) -> int:
                 zero_stage=zero_stage,
                 mixed_precision=launcher.get("mixed_precision"),
                 layout=shown_layout,
-                vision_language=vision_language_mode(model_config),
+                vision_language=support.vision_language,
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None
@@ -546,8 +538,7 @@ def _run_plan(argv: list[str]) -> int:
         steps = None
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
-            scheduler = Scheduler.from_args(namespace, attn_implementation or "sdpa", model_config,
-                                            segment_attention=blocker is None)
+            scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
             if plan.num_processes > 1:
                 steps = simulate_processes_steps(plan, scheduler, lengths)
             else:

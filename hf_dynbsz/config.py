@@ -49,6 +49,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     packing_layout: str = _field("packing_layout")
     balance_across_ranks: bool = _field("balance_across_ranks")
     share_prompt_prefix: bool = _field("share_prompt_prefix")
+    self_check: bool = _field("self_check")
     peak_tflops_per_device: float | None = _field("peak_tflops_per_device")
 
     def __post_init__(self):

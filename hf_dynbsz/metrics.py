@@ -102,13 +102,10 @@ class StepMeters:
     """What the trainer measures over each optimizer step besides the loss: time by phase, peak memory, and the
     model's FLOPs and the device's peak for MFU. :meth:`start` at the first training call of each step."""
 
-    def __init__(self, model_config, device: torch.device, mixed_precision: str,
+    def __init__(self, flops: ModelFlops | None, device: torch.device, mixed_precision: str,
                  peak_tflops_per_device: float | None) -> None:
         self.clock, self.memory = StepClock(), PeakMemory(device)
-        try:
-            self.flops: ModelFlops | None = ModelFlops.from_model_config(model_config)
-        except ValueError:  # a config without hidden_size / num_hidden_layers: no MFU
-            self.flops = None
+        self.flops = flops  # the model's (hf_dynbsz.model_support); None when its config gives none: no MFU
         self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
 
     def start(self) -> None:

@@ -11,10 +11,13 @@ a chosen set of sequences in one of two layouts:
   The forward must therefore be called with ``use_cache=False`` (TRL's fused LM head forces it).
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
-  attention mask is needed either; ``position_ids`` count from 0 in every row. Vision-language samples (a
-  table with image inputs or token-aligned fields) get an ``attention_mask`` instead of ``position_ids``,
-  their image inputs (:func:`hf_dynbsz.multimodal.join_media`) and their token fields: these models compute
-  their own (multimodal) positions from the mask, as in stock's forward.
+  attention mask is needed either; ``position_ids`` count from 0 in every row. With ``attention_mask=True``
+  (models whose padding would otherwise reach real tokens, see :mod:`hf_dynbsz.model_support`) the rows carry
+  one. Vision-language samples (a table with image inputs or token-aligned fields) get an ``attention_mask``
+  instead of ``position_ids``, their image inputs (:func:`hf_dynbsz.multimodal.join_media`) and their token
+  fields: these models compute their own (multimodal) positions from the mask, as in stock's forward.
+
+``position_offset`` is added to every position id (RoBERTa-style models number positions from ``padding_idx + 1``).
 
 In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
 the same sequence when that token is a completion token, ``-100`` otherwise, so a packed row never scores
@@ -121,8 +124,10 @@ class MicroBatch:
     """Model inputs for one forward pass plus the map back to completion-aligned tensors.
 
     ``indices``: which samples of the :class:`SequenceTable` (in row order). ``model_inputs`` holds
-    ``input_ids`` and ``position_ids`` (never an attention mask), or for vision-language samples ``input_ids``,
-    ``attention_mask``, their token fields and image inputs. ``shift_labels`` has the shape of
+    ``input_ids`` and ``position_ids`` (and an ``attention_mask`` for padded rows that need one), or for
+    vision-language samples ``input_ids``, ``attention_mask``, their token fields and image inputs. ``segments``:
+    the :class:`~hf_dynbsz.attention.SegmentLayout` of a padding-free row run through segment attention (give it to
+    :func:`~hf_dynbsz.attention.use_segments` before the forward), else None. ``shift_labels`` has the shape of
     ``input_ids``. ``gather_index`` is ``(rows, completion_width)`` into the flattened per-position
     output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count the positions
     computed without and with padding (a shared prompt counts once).
@@ -135,6 +140,7 @@ class MicroBatch:
     completion_mask: torch.Tensor
     real_tokens: int
     computed_tokens: int
+    segments: object | None = None
 
     def to_completion_layout(self, per_position: torch.Tensor) -> torch.Tensor:
         """(1 or rows, positions) model output -> (rows, completion_width), zero where not a completion token."""
@@ -153,13 +159,16 @@ def build_microbatch(
     device: torch.device | str = "cpu",
     attention: str | None = None,
     groups: Sequence[int] | None = None,
+    attention_mask: bool = False,
+    position_offset: int = 0,
 ) -> MicroBatch:
     """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
 
     ``attention``: the base attention implementation when the padding-free row runs through segment attention
     (:mod:`hf_dynbsz.attention`; the inputs then carry its :class:`~hf_dynbsz.attention.SegmentLayout`), None for
     the model's own attention. ``groups`` (one id per sample of ``table``; needs segment attention): samples of this
-    micro-batch with the same id have identical prompts and share one copy of it.
+    micro-batch with the same id have identical prompts and share one copy of it. ``attention_mask``: padded rows
+    carry an attention mask. ``position_offset``: added to every position id.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
@@ -178,6 +187,7 @@ def build_microbatch(
     gather_index = torch.zeros(rows, completion_width, dtype=torch.long)
     completion_mask = torch.zeros(rows, completion_width, dtype=torch.long)
     model_inputs = {}
+    segment_layout = None
 
     if layout == "padding_free":
         pieces, positions, labels, segments = [], [], [], []
@@ -222,7 +232,7 @@ def build_microbatch(
         if attention is not None:
             from .attention import Segment, SegmentLayout
 
-            model_inputs["dynbsz_segments"] = SegmentLayout([Segment(*segment) for segment in segments], attention)
+            segment_layout = SegmentLayout([Segment(*segment) for segment in segments], attention)
         computed, real = width, total
     else:
         width = round_up(max(seq_lengths), pad_to_multiple_of)
@@ -237,11 +247,12 @@ def build_microbatch(
                 gather_index[j, :c] = torch.arange(j * width + p - 1, j * width + p - 1 + c)
                 completion_mask[j, :c] = 1
         computed, real = rows * width, sum(seq_lengths)
-        if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
-            attention_mask = torch.zeros(rows, width, dtype=torch.long)
+        if attention_mask or table.multimodal:
+            mask = torch.zeros(rows, width, dtype=torch.long)
             for j, n in enumerate(seq_lengths):
-                attention_mask[j, :n] = 1
-            model_inputs["attention_mask"] = attention_mask.to(device)
+                mask[j, :n] = 1
+            model_inputs["attention_mask"] = mask.to(device)
+        if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
             for name, values in (table.token_fields or {}).items():
                 field = torch.zeros(rows, width, dtype=values[0].dtype)
                 for j, i in enumerate(indices):
@@ -254,7 +265,7 @@ def build_microbatch(
 
     model_inputs["input_ids"] = input_ids.to(device)
     if position_ids is not None:
-        model_inputs["position_ids"] = position_ids.to(device)
+        model_inputs["position_ids"] = (position_ids + position_offset).to(device)
     return MicroBatch(
         indices=list(indices),
         model_inputs=model_inputs,
@@ -263,6 +274,7 @@ def build_microbatch(
         completion_mask=completion_mask.to(device),
         real_tokens=real,
         computed_tokens=computed,
+        segments=segment_layout,
     )
 
 
@@ -278,19 +290,24 @@ def _segment_members(indices: list[int], prompt_lengths: list[int], groups) -> l
     return list(members.values())
 
 
-def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None) -> MicroBatch:
-    """A one-token micro-batch for zero-weight lockstep passes (a rank with fewer sequences than passes).
+def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None,
+                     attention_mask: bool = False, position_offset: int = 0) -> MicroBatch:
+    """A two-token micro-batch for zero-weight lockstep passes (a rank with fewer sequences than passes).
 
     Its forward still runs every layer, so ZeRO-3 gathers and DDP/ZeRO-2 reductions happen on every rank.
-    ``attention`` as in :func:`build_microbatch`.
+    ``attention``, ``attention_mask`` and ``position_offset`` as in :func:`build_microbatch`.
     """
     input_ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
     shift_labels = torch.tensor([[pad_token_id, -100]], dtype=torch.long)
-    model_inputs = {"input_ids": input_ids.to(device), "position_ids": torch.arange(2).unsqueeze(0).to(device)}
+    model_inputs = {"input_ids": input_ids.to(device),
+                    "position_ids": (torch.arange(2) + position_offset).unsqueeze(0).to(device)}
+    if attention_mask:
+        model_inputs["attention_mask"] = torch.ones(1, 2, dtype=torch.long, device=device)
+    segment_layout = None
     if attention is not None:
         from .attention import Segment, SegmentLayout
 
-        model_inputs["dynbsz_segments"] = SegmentLayout([Segment(0, 0, (2,))], attention)
+        segment_layout = SegmentLayout([Segment(0, 0, (2,))], attention)
     return MicroBatch(
         indices=[],
         model_inputs=model_inputs,
@@ -299,5 +316,6 @@ def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", atte
         completion_mask=torch.zeros(0, 1, dtype=torch.long, device=device),
         real_tokens=0,
         computed_tokens=0,
+        segments=segment_layout,
     )
 

@@ -140,6 +140,9 @@ class OversizeSequenceError(ValueError):
 # --------------------------------------------------------------------------- #
 # Workload model
 # --------------------------------------------------------------------------- #
+#: A generic 7B-class decoder: the cost model when no config (or none readable) is given.
+GENERIC_DECODER = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                        intermediate_size=11008, hidden_act="silu")
 _GATED_MLP_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
 
 
@@ -256,23 +259,20 @@ class WorkloadModel:
         dense attention (padded rows or one packed row with a mask) computes
         all pairs.  Backward passes scale both terms alike and drop out.
         """
+        return cls.from_flops(ModelFlops.from_model_config(config), layout=layout, attention=attention)
+
+    @classmethod
+    def from_flops(cls, flops: ModelFlops, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
+        """The weights of :meth:`from_model_config` from a model's :class:`ModelFlops`."""
         layout = _check_choice("layout", layout, LAYOUTS)
         attention = _check_choice("attention", attention, ATTENTION_KINDS)
-        flops = ModelFlops.from_model_config(config)
         computed_pair_fraction = 0.5 if (layout == "padding_free" and attention == "varlen") else 1.0
         return cls(linear_weight=1.0, quadratic_weight=flops.per_pair * computed_pair_fraction / flops.per_token)
 
     @classmethod
     def default(cls, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
         """A generic 7B-class decoder (hidden 4096, 32 layers, SwiGLU MLP 11008), for when no config is given."""
-        generic_decoder = types.SimpleNamespace(
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            intermediate_size=11008,
-            hidden_act="silu",
-        )
-        return cls.from_model_config(generic_decoder, layout=layout, attention=attention)
+        return cls.from_model_config(GENERIC_DECODER, layout=layout, attention=attention)
 
     def cost(self, lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None,
              attention: str = "varlen") -> float:

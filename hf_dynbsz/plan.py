@@ -29,7 +29,6 @@ from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setti
 
 __all__ = [
     "BatchSizePlan",
-    "DYNAMIC_BATCH_DEFAULTS",
     "TRL_TENSOR_TILE_TOKENS",
     "USER_BATCH_SETTINGS_ATTR",
     "resolve_generation_round",
@@ -39,7 +38,6 @@ __all__ = [
 ]
 
 #: Defaults of the fields that :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` adds to ``GRPOConfig``.
-DYNAMIC_BATCH_DEFAULTS = DEFAULTS
 
 #: Name of the attribute where ``DynamicBatchGRPOConfig`` records the ``generation_batch_size`` and
 #: ``steps_per_generation`` the user gave, before TRL derives one from the other for its world size.
@@ -396,6 +394,8 @@ class BatchSizePlan:
     oversize_policy: str
     balance_across_ranks: bool
     share_prompt_prefix: bool
+    #: the layouts are checked against each sample alone before the first pass
+    self_check: bool
     #: "auto", "padding_free" or "padded"
     layout: str
     #: DeepSpeed ZeRO stage; None = no DeepSpeed
@@ -508,6 +508,7 @@ class BatchSizePlan:
             oversize_policy=dynamic.oversize_policy,
             balance_across_ranks=dynamic.balance_across_ranks,
             share_prompt_prefix=dynamic.share_prompt_prefix,
+            self_check=dynamic.self_check,
             layout=layout if layout is not None else dynamic.packing_layout,
             zero_stage=zero_stage,
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
@@ -736,6 +737,12 @@ class BatchSizePlan:
                 setting("share_prompt_prefix").summary if self.share_prompt_prefix else "every sample computes its prompt",
             ),
             (
+                "self_check",
+                "on" if self.self_check else "off",
+                "-",
+                setting("self_check").summary if self.self_check else "the layout read off the model is trusted",
+            ),
+            (
                 "balance_across_ranks",
                 ("on" if self.balance_across_ranks and self.vision_language is None else "off")
                 + (" (1 process)" if n == 1 else ""),
@@ -784,5 +791,5 @@ class _FieldView:
     """A copy of the dynamic-batching fields of ``args`` (defaults where absent), for validation without mutation."""
 
     def __init__(self, args: Any) -> None:
-        for name, default in DYNAMIC_BATCH_DEFAULTS.items():
+        for name, default in DEFAULTS.items():
             setattr(self, name, getattr(args, name, default))

@@ -6,8 +6,9 @@ For the training passes and the no-grad log-prob passes (old policy, reference m
 * the **token budget** of a pass (:meth:`Scheduler.budget`): ``max_tokens_per_microbatch``, or stock TRL's own
   micro-batch size when it is unset; ``max_tokens_per_microbatch_logprob``, or twice the training budget, for
   no-grad passes;
-* the **layout and attention kind** (:func:`resolve_layout`): padding-free rows or padded micro-batches, and
-  whether attention is computed per sequence (varlen kernels) or densely over a row;
+* the **layout** (the first rung of :meth:`hf_dynbsz.model_support.ModelSupport.layouts`, stepped down by the
+  self-check): padding-free rows or padded micro-batches, shared prompts, and whether attention is computed per
+  sequence (varlen kernels, segment attention) or densely over a row;
 * the **oversize policy**: a sequence longer than the budget gets a pass of its own, or stops the run with the
   one message of :func:`hf_dynbsz.partition.oversize_error`;
 * **lockstep**: the number of passes every process runs (the maximum any process needs, agreed through an
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .balance import Assignment, assign
+from .model_support import Layout, ModelSupport
 from .partition import (
     WorkloadModel,
     item_costs,
@@ -47,124 +49,12 @@ __all__ = [
     "Unit",
     "build_units",
     "segment_tokens",
-    "padding_free_blocker",
-    "resolve_layout",
-    "vision_language_mode",
-    "segment_attention_blocker",
     "simulate_processes",
     "stock_microbatch_tokens",
 ]
 
-#: Attention implementations whose kernels treat a padding-free row as separate sequences (varlen kernels).
-VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
-
 #: Pass kinds and the setting that gives each its budget.
 BUDGET_SETTINGS = {"training": "max_tokens_per_microbatch", "logprob": "max_tokens_per_microbatch_logprob"}
-
-
-#: Layer types that see other tokens only through the attention mask (or not at all): a padding-free row keeps its
-#: sequences apart in them. Any other type (linear attention, Mamba, short convolutions, indexer attention, ...) may
-#: carry state along the row, from one sequence into the next.
-MASK_RESPECTING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
-                                         "mlp", "moe"})
-
-
-#: Vision-language model types whose image steps are repacked, each sample's image inputs moving with it (tested
-#: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
-REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
-
-#: Why a vision-language model trains in padded micro-batches only.
-VISION_LANGUAGE_PADDED = ("a vision-language model computes its own (multimodal) position ids from the attention mask, "
-                          "which a padding-free row does not carry")
-
-
-def text_config_of(config: Any) -> Any:
-    """The language model's config of a transformers config (itself for a text model); None stays None."""
-    if config is not None and callable(getattr(config, "get_text_config", None)):
-        return config.get_text_config()
-    return config
-
-
-def vision_language_mode(config: Any) -> str | None:
-    """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
-    :data:`REPACKED_VISION_MODEL_TYPES` (padded layout, no cross-rank balancing: image inputs stay on their
-    process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
-    repacked)."""
-    if config is None or getattr(config, "vision_config", None) is None:
-        return None
-    return "repacked" if getattr(config, "model_type", None) in REPACKED_VISION_MODEL_TYPES else "stock"
-
-
-def padding_free_blocker(config: Any) -> str | None:
-    """Why padding-free rows would mix the sequences of a row in a model of this config, or None.
-
-    A vision-language model (any config with a ``vision_config``) positions its tokens itself; otherwise read from
-    the text config's ``layer_types`` (and ``layers_block_type`` of hybrid models such as Jamba). None for
-    ``config`` None (the planner without ``--model_config``: a standard decoder).
-    """
-    if config is None:
-        return None
-    if vision_language_mode(config) is not None:
-        return VISION_LANGUAGE_PADDED
-    text_config = text_config_of(config)
-    kinds = set(getattr(text_config, "layer_types", None) or []) | set(getattr(text_config, "layers_block_type",
-                                                                               None) or [])
-    carrying = sorted(kinds - MASK_RESPECTING_LAYER_TYPES)
-    if carrying:
-        return (f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
-                "attention mask of a padding-free row does not stop")
-    return None
-
-
-def resolve_layout(packing_layout: str, attn_implementation: str | None,
-                   segment_attention: bool = False, padding_free_blocked: str | None = None) -> tuple[str, str]:
-    """The concrete ``(layout, attention)`` for ``packing_layout`` and the model's attention implementation.
-
-    ``layout`` is ``"padding_free"`` or ``"padded"``. ``"auto"`` is padding-free when each sequence of a padding-free
-    row can attend to itself alone: on a varlen kernel (flash_attention_2/3), or on any kernel through segment
-    attention (:mod:`hf_dynbsz.attention`, ``segment_attention=True`` when the model supports it). Otherwise sdpa
-    and eager would compute the dense attention of the whole row, and micro-batches of similar lengths, each padded
-    to its own longest row, are cheaper: "auto" is padded. ``attention`` is ``"varlen"`` when a padding-free row
-    costs the sum of its sequences' squared lengths and ``"dense"`` when it costs the square of the whole row (or
-    the layout is padded): it picks the cost the partitioner balances. ``padding_free_blocked`` (see
-    :func:`padding_free_blocker`) makes "auto" padded and an explicit "padding_free" an error.
-    """
-    choices = setting("packing_layout").choices
-    if packing_layout not in choices:
-        raise ValueError(f"packing_layout must be one of {', '.join(map(repr, choices))}, got {packing_layout!r}.")
-    if padding_free_blocked:
-        if packing_layout == "padding_free":
-            raise ValueError(f"packing_layout='padding_free' cannot train this model exactly: {padding_free_blocked}. "
-                             "Use packing_layout='auto' (padded for this model) or 'padded'.")
-        return "padded", "dense"
-    varlen_kernel = bool(attn_implementation) and attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
-    per_sequence = varlen_kernel or segment_attention
-    layout = packing_layout if packing_layout != "auto" else ("padding_free" if per_sequence else "padded")
-    return layout, "varlen" if layout == "padding_free" and per_sequence else "dense"
-
-
-def segment_attention_blocker(text_config: Any, attn_implementation: str | None) -> str | None:
-    """Why segment attention (:mod:`hf_dynbsz.attention`) cannot run a model of this text config exactly, or None.
-
-    The checks a config can answer: the base implementation must be sdpa, eager or flash-attention, and every layer
-    plain full causal attention (no sliding windows, linear attention or soft-capped logits). ``text_config`` None
-    (the planner without ``--model_config``) is taken for a standard decoder. The trainer adds the checks that need
-    the model (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
-    """
-    base = attn_implementation or "eager"
-    if not (base in ("sdpa", "eager") or base.startswith(VARLEN_ATTENTION_PREFIXES)):
-        return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
-    if text_config is None:
-        return None
-    text_config = text_config_of(text_config)
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"its layers are not all full attention ({', '.join(sorted(layer_types))})"
-    if getattr(text_config, "use_sliding_window", False) and getattr(text_config, "sliding_window", None):
-        return "sliding-window attention"
-    if getattr(text_config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping"
-    return None
 
 
 def stock_microbatch_tokens(rows: int, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
@@ -355,8 +245,11 @@ class StepSchedule:
 class Scheduler:
     """The scheduling decisions of one run: layout, budgets, oversize policy, shared prompts, balancing, lockstep.
 
-    Build it with :meth:`from_args`; every process of a run holds an equal one (``group`` aside). ``share_prompts``
-    is on only where it is exact: padding-free rows through segment attention.
+    Build it with :meth:`from_args`; every process of a run holds an equal one (``group`` aside). ``layout`` is
+    ``"padding_free"`` or ``"padded"``, ``attention`` the cost kind the partitioner balances (``"varlen"`` or
+    ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
+    attention), ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
+    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention.
     """
 
     layout: str
@@ -368,37 +261,37 @@ class Scheduler:
     max_tokens_per_microbatch_logprob: int | None = None
     balance_across_ranks: bool = True
     share_prompts: bool = False
+    segment_attention: str | None = None
+    attention_mask: bool = False
+    position_offset: int = 0
     group: RankGroup = SINGLE_PROCESS
 
     @classmethod
-    def from_args(cls, args: Any, attn_implementation: str | None, model_config: Any = None,
-                  group: RankGroup = SINGLE_PROCESS, segment_attention: bool = False) -> Scheduler:
+    def from_args(cls, args: Any, support: ModelSupport | None = None, group: RankGroup = SINGLE_PROCESS,
+                  layout: Layout | None = None) -> Scheduler:
         """The scheduler of a validated config (``DynamicBatchGRPOConfig``, or the planner's namespace).
 
-        ``model_config`` (a transformers config, or anything with ``hidden_size`` and ``num_hidden_layers``) sets
-        the workload model the partitioner balances (a vision-language model's through its text config; it also
-        turns cross-rank balancing off, see :func:`vision_language_mode`); None uses a generic 7B-class decoder.
-        ``segment_attention``: whether the model can run padding-free rows through segment attention
-        (:func:`hf_dynbsz.attention.segment_attention_unsupported`).
+        ``support`` (:meth:`ModelSupport.of`; None: a standard decoder on sdpa) decides the layouts and the cost
+        model; ``layout`` picks one of its layouts (default: the first, where training starts).
         """
-        layout, attention = resolve_layout(args.packing_layout, attn_implementation, segment_attention,
-                                           padding_free_blocker(model_config))
-        if model_config is None:
-            workload = WorkloadModel.default(layout=layout, attention=attention)
-        else:
-            workload = WorkloadModel.from_model_config(text_config_of(model_config), layout=layout, attention=attention)
+        support = support or ModelSupport.of(attn_implementation="sdpa")
+        if layout is None:
+            share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
+            layout = support.layouts(args.packing_layout, bool(share))[0][0]
         balance = getattr(args, "balance_across_ranks", setting("balance_across_ranks").default)
-        share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
         return cls(
-            layout=layout,
-            attention=attention,
-            workload=workload,
+            layout=layout.name,
+            attention=layout.attention,
+            workload=WorkloadModel.from_flops(support.flops, layout=layout.name, attention=layout.attention),
             pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
             oversize_policy=args.oversize_policy,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
-            balance_across_ranks=bool(balance) and vision_language_mode(model_config) is None,
-            share_prompts=bool(share) and layout == "padding_free" and segment_attention,
+            balance_across_ranks=bool(balance) and support.vision_language is None,
+            share_prompts=layout.share_prompts,
+            segment_attention=layout.segment_attention,
+            attention_mask=layout.attention_mask,
+            position_offset=support.position_offset,
             group=group,
         )
 

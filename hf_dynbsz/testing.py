@@ -38,7 +38,9 @@ __all__ = [
     "relative_difference",
     "run_training",
     "run_with_timeout",
+    "reference_varlen_attention",
     "save_tiny_model",
+    "segment_mask",
     "stock_logps",
     "update_difference",
 ]
@@ -568,6 +570,50 @@ def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     labels[:, :-logits_to_keep] = -100
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
+
+def segment_mask(prefix: int, blocks: tuple[int, ...]):
+    """The rule of a shared segment written as a dense ``(L, L)`` bool mask (True = may attend): prefix causal, each
+    block on the prefix and causally on itself. A test oracle for :mod:`hf_dynbsz.attention`."""
+    import torch
+
+    length = prefix + sum(blocks)
+    owner = torch.full((length,), -1, dtype=torch.long)  # -1: prefix, j: block j
+    offset = prefix
+    for number, block in enumerate(blocks):
+        owner[offset : offset + block] = number
+        offset += block
+    position = torch.arange(length)
+    causal = position.unsqueeze(1) >= position.unsqueeze(0)
+    key_owner, query_owner = owner.unsqueeze(0), owner.unsqueeze(1)
+    return causal & ((key_owner == -1) | (key_owner == query_owner))
+
+
+def reference_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scale: float | None,
+                               dropout: float = 0.0, sliding_window: int | None = None):
+    """What a causal flash-attention varlen kernel computes, in plain PyTorch (CPU tests stand it in for the kernel).
+
+    ``query`` ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; span ``i`` of the queries attends
+    to span ``i`` of the keys, causally aligned bottom-right (query ``t`` of a span of ``q`` sees keys ``0 ..
+    t + k - q``), and to the last ``sliding_window`` of those when given. Returns ``(total_q, heads, d)``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    outputs = []
+    for i in range(len(cu_seqlens_q) - 1):
+        q = query[cu_seqlens_q[i] : cu_seqlens_q[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        q_len, k_len = q.size(2), k.size(2)
+        last = torch.arange(q_len, device=q.device).unsqueeze(1) + k_len - q_len  # the last key each query sees
+        keys = torch.arange(k_len, device=q.device).unsqueeze(0)
+        mask = keys <= last
+        if sliding_window is not None:
+            mask &= keys > last - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs)
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ._trl_compat import check_trl_version
-from .attention import segment_attention
+from .attention import segment_attention, use_segments
 from .batch import StepBatch
 from .capabilities import Capabilities
 from .config import trainer_config
@@ -42,6 +42,7 @@ from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
+from .self_check import run_self_check, tolerance
 from .tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
@@ -79,11 +80,12 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         for note in capabilities.notes:
             logger.warning("hf_dynbsz: %s.", note)
         self._dynbsz_enabled = capabilities.enabled
-        self._dynbsz_scheduler, self._dynbsz_attention = capabilities.scheduler, capabilities.attention
+        self._dynbsz_capabilities, self._dynbsz_scheduler = capabilities, capabilities.scheduler
         self._dynbsz_vision = capabilities.vision_language
+        self._dynbsz_checked = not self.args.self_check
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
-        self._dynbsz_meters = StepMeters(model.config.get_text_config(), self.accelerator.device,
+        self._dynbsz_meters = StepMeters(capabilities.support.model_flops, self.accelerator.device,
                                          str(self.accelerator.mixed_precision), self.args.peak_tflops_per_device)
         self._dynbsz_warned: set[str] = set()
         self.add_callback(_LogPlanAtTrainBegin(self))
@@ -105,8 +107,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
-            stock = self._media_not_repacked(window[0])
-            loss = self._train_step_stock(model, window) if stock else self._train_step(model, window)
+            stock, batch = self._media_not_repacked(window[0]), None
+            if not stock:
+                batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
+                stock = not self._self_check(model, batch.table)
+            loss = self._train_step_stock(model, window) if stock else self._train_step(model, batch)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -126,17 +131,20 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                      image_sizes=image_sizes, image_position_ids=image_position_ids)
         token_fields = {name: value for name, value in (("token_type_ids", token_type_ids),
                                                         ("mm_token_type_ids", mm_token_type_ids)) if value is not None}
-        if (not self._dynbsz_enabled or torch.is_grad_enabled() or compute_aux_loss
-                or self._media_not_repacked({**media, **token_fields})):
+        stock = (not self._dynbsz_enabled or torch.is_grad_enabled() or compute_aux_loss
+                 or self._media_not_repacked({**media, **token_fields}))
+        if not stock:
+            prompt_width = input_ids.size(1) - logits_to_keep
+            table = SequenceTable.from_padded(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
+                                              input_ids[:, prompt_width:], attention_mask[:, prompt_width:],
+                                              media=split_media(media, input_ids.size(0)), token_fields=token_fields)
+            stock = not self._self_check(model, table)
+        if stock:
             with self._tiles():
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                     **media, **token_fields,
                 )
-        prompt_width = input_ids.size(1) - logits_to_keep
-        table = SequenceTable.from_padded(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
-                                          input_ids[:, prompt_width:], attention_mask[:, prompt_width:],
-                                          media=split_media(media, input_ids.size(0)), token_fields=token_fields)
         stock_tokens = (batch_size or input_ids.size(0)) * input_ids.size(1)
         logps, entropies = self._no_grad_passes(model, table, logits_to_keep, compute_entropy, stock_tokens)
         return logps, entropies, None
@@ -156,11 +164,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return completion_ids, None
 
     # ------------------------------------------------------------------ executing a schedule
-    def _train_step(self, model, window: list[dict]) -> torch.Tensor:
+    def _train_step(self, model, batch: StepBatch) -> torch.Tensor:
         """The optimizer step's passes: schedule the step's samples, forward/backward each pass, log once."""
         with self._dynbsz_meters.clock.phase("train"):
             device, scheduler = self.accelerator.device, self._dynbsz_scheduler
-            batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
             if self.top_entropy_quantile < 1.0:
                 batch.high_entropy = self._high_entropy_mask(model, batch)
             ga = self.current_gradient_accumulation_steps
@@ -226,18 +233,21 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return self._dynbsz_scheduler.plan(table.lengths.tolist(), budget, kind,
                                            prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
 
-    def _microbatch(self, table: SequenceTable, group: list[int], groups):
-        return build_microbatch(table, group, layout=self._dynbsz_scheduler.layout,
-                                pad_token_id=self._tokenizer.pad_token_id,
+    def _microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
+        scheduler = scheduler or self._dynbsz_scheduler
+        return build_microbatch(table, group, layout=scheduler.layout, pad_token_id=self._tokenizer.pad_token_id,
                                 pad_to_multiple_of=self.args.pad_to_multiple_of, device=self.accelerator.device,
-                                attention=self._dynbsz_attention, groups=groups)
+                                attention=scheduler.segment_attention, groups=groups,
+                                attention_mask=scheduler.attention_mask, position_offset=scheduler.position_offset)
 
-    def _segments(self, model):
+    def _segments(self, model, scheduler: Scheduler | None = None):
         """Segment attention for the passes (forward and backward) when padding-free rows use it."""
-        return segment_attention(self.accelerator.unwrap_model(model), self._dynbsz_attention is not None)
+        enabled = (scheduler or self._dynbsz_scheduler).segment_attention is not None
+        return segment_attention(self.accelerator.unwrap_model(model), enabled)
 
     def _forward(self, model, mb, compute_entropy: bool):
         """Completion-aligned ``(rows, width)`` log-probs (and entropies) of one micro-batch."""
+        use_segments(mb.segments)
         with self.accelerator.autocast():
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
         entropies = mb.to_completion_layout(outputs.entropy) if compute_entropy else None
@@ -248,7 +258,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
-        mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device, self._dynbsz_attention)
+        scheduler = self._dynbsz_scheduler
+        mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device, scheduler.segment_attention,
+                              scheduler.attention_mask, scheduler.position_offset)
+        use_segments(mb.segments)
         with self.accelerator.autocast():
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
         if last is not None:
@@ -275,6 +288,48 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             longest = max(schedule.lengths[i] for i in schedule.oversize)
             message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
             warnings.warn(message + " This warning is shown once.", stacklevel=3)
+
+    @torch.no_grad()
+    def _self_check(self, model, table: SequenceTable) -> bool:
+        """Once per run, before its first pass: keep the fastest layout whose log-probs equal each sample's own
+        (:mod:`hf_dynbsz.self_check`); when none does, stock math runs. Returns whether dynamic batching stays on."""
+        if self._dynbsz_checked:
+            return self._dynbsz_enabled
+        self._dynbsz_checked = True
+        capabilities, group = self._dynbsz_capabilities, self._dynbsz_scheduler.group
+        schedulers = [Scheduler.from_args(self.args, capabilities.support, group, layout=layout)
+                      for layout in capabilities.layouts]
+
+        def run_layout(layout, indices):
+            scheduler = schedulers[capabilities.layouts.index(layout)]
+            groups = table.prompt_groups() if scheduler.share_prompts else None
+            with self._segments(model, scheduler):
+                return self._forward(model, self._microbatch(table, indices, groups, scheduler), False)[0]
+
+        def run_alone(index):  # one unpadded row, the model's own attention and positions
+            mb = build_microbatch(table, [index], layout="padded", pad_token_id=self._tokenizer.pad_token_id,
+                                  device=self.accelerator.device, attention_mask=True)
+            mb.model_inputs.pop("position_ids", None)
+            return self._forward(model, mb, False)[0]
+
+        dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
+        with self._tiles(), torch.autocast(self.accelerator.device.type, enabled=False):  # the weights' precision
+            result = run_self_check(capabilities.layouts, table, run_layout, run_alone, tolerance(dtype),
+                                    agree=lambda index: group.all_reduce_max([index])[0])
+        if result.chosen == len(capabilities.layouts):
+            self._dynbsz_enabled = False
+            logger.warning("hf_dynbsz: self-check: no layout gives each sample's own log-probs on this model, stock "
+                           "GRPOTrainer math runs (%s).", "; ".join(result.reasons) or "another process found it")
+        else:
+            chosen = capabilities.layouts[result.chosen]
+            if result.chosen:
+                self._dynbsz_scheduler = schedulers[result.chosen]
+                logger.warning("hf_dynbsz: self-check: %s runs, the faster layouts differ from each sample's own "
+                               "log-probs (%s).", chosen.describe(), "; ".join(result.reasons))
+            else:
+                logger.info("hf_dynbsz: self-check passed: %s (largest log-prob difference %.1e).",
+                            chosen.describe(), result.errors[0])
+        return self._dynbsz_enabled
 
     # ------------------------------------------------------------------ stock features kept exact
     def _high_entropy_mask(self, model, batch: StepBatch) -> torch.Tensor:

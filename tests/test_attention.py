@@ -19,15 +19,19 @@ from hf_dynbsz.attention import (
     ATTENTION_NAME,
     Segment,
     SegmentLayout,
-    reference_varlen_attention,
     segment_attention,
     segment_attention_forward,
-    segment_attention_unsupported,
-    segment_mask,
+    use_segments,
 )
 from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.schedule import segment_tokens
-from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, stock_logps
+from hf_dynbsz.testing import (
+    build_char_tokenizer,
+    build_tiny_causal_lm,
+    reference_varlen_attention,
+    segment_mask,
+    stock_logps,
+)
 
 PAD = 0
 
@@ -51,6 +55,7 @@ def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):
     mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention=base, groups=groups,
                           pad_to_multiple_of=pad_to_multiple_of)
     with segment_attention(model):
+        use_segments(mb.segments)
         out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
     return mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
 
@@ -68,10 +73,12 @@ def flash_formulation(monkeypatch):
     """Segment layouts take the flash-attention path, with the reference varlen kernel instead of the GPU one."""
     calls = []
 
-    def kernel(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout):
+    def kernel(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout, sliding_window=None,
+               **features):
         calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
         assert int(cu_q[-1]) == query.size(0) and int(cu_k[-1]) == key.size(0)
-        return reference_varlen_attention(query, key, value, cu_q, cu_k, scaling, dropout)
+        assert not any(value is not None for value in features.values()), "softcap / sinks: not in the reference"
+        return reference_varlen_attention(query, key, value, cu_q, cu_k, scaling, dropout, sliding_window)
 
     monkeypatch.setattr(attention, "VARLEN_KERNEL", kernel)
     monkeypatch.setattr(SegmentLayout, "flash", property(lambda self: True))
@@ -173,20 +180,6 @@ def test_a_sibling_never_sees_another_siblings_tokens(model):
         assert all(not torch.allclose(moved[j], before[j]) for j in range(3))
 
 
-def test_segment_mask_shape():
-    mask = segment_mask(2, (2, 3))
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0],  # block 2 sees the prefix and itself, not block 1
-        [1, 1, 0, 0, 1, 1, 0],
-        [1, 1, 0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(mask, expected)
-
-
 def test_varlen_spans_of_the_flash_formulation():
     layout = SegmentLayout([Segment(0, 3, (2, 4)), Segment(9, 0, (5,)), Segment(14, 0, (2,))], "flash_attention_2")
     cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans("cpu")
@@ -202,78 +195,140 @@ def test_segments_must_cover_the_row():
     layout = SegmentLayout([Segment(0, 0, (3,))], "sdpa")
     layout.segments.append(Segment(5, 0, (2,)))  # a hole at positions 3-4
     with pytest.raises(ValueError, match="cover the row"):
-        layout.sdpa_groups("cpu")
+        layout.span_calls("cpu")
 
 
-def test_the_attention_function_refuses_a_forward_without_segments():
+#: What segment attention needs of an attention module (transformers' sdpa reads these).
+MODULE = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+
+
+def test_the_attention_function_refuses_a_forward_without_segments_or_with_a_mask():
     query = torch.zeros(1, 2, 3, 4)
+    use_segments(None)
     with pytest.raises(RuntimeError, match="padding-free rows of hf_dynbsz only"):
-        segment_attention_forward(None, query, query, query, None)
-    with pytest.raises(ValueError, match="sliding_window=16"):
-        segment_attention_forward(None, query, query, query, None, sliding_window=16,
-                                  dynbsz_segments=SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
+        segment_attention_forward(MODULE, query, query, query, None)
+    use_segments(SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
+    try:  # a model that hands its attention a bias of its own (Doge's dynamic mask) cannot be placed on segments
+        with pytest.raises(RuntimeError, match="got an attention mask"):
+            segment_attention_forward(MODULE, query, query, query, torch.zeros(1, 1, 3, 3))
+    finally:
+        use_segments(None)
 
 
 def test_the_context_switches_the_implementation_and_restores_it(model):
     base = model.config._attn_implementation
     with segment_attention(model):
         assert model.config._attn_implementation == ATTENTION_NAME
+        use_segments(SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
     assert model.config._attn_implementation == base
+    assert attention._ACTIVE[0] is None  # no layout outlives its passes
     with pytest.raises(KeyError), segment_attention(model):
         raise KeyError("restored even after an error")
     assert model.config._attn_implementation == base
 
 
-def test_models_it_cannot_run_exactly_are_named(model):
-    assert segment_attention_unsupported(model) is None
-    config = model.config
-    for name, value, reason in (("layer_types", ["sliding_attention", "full_attention"], "not all full attention"),
-                                ("attn_logit_softcapping", 50.0, "soft-capping")):
-        previous = getattr(config, name, None)
-        setattr(config, name, value)
-        try:
-            assert reason in segment_attention_unsupported(model)
-        finally:
-            setattr(config, name, previous)
-    no_backend = types.SimpleNamespace(config=config, _supports_attention_backend=False)
-    assert "AttentionInterface" in segment_attention_unsupported(no_backend)
-    previous = config._attn_implementation
-    config._attn_implementation = "flex_attention"
+def segment_attention_of(layout, query, key, value, module=MODULE, **kwargs):
+    use_segments(layout)
     try:
-        assert "flex_attention" in segment_attention_unsupported(model)
+        return segment_attention_forward(module, query, key, value, None, **kwargs)[0]
     finally:
-        config._attn_implementation = previous
+        use_segments(None)
 
 
-def test_sdpa_formulation_equals_dense_segment_masks():
-    """Against the rule written as dense masks (segment_mask): every call of the sdpa formulation, batched or not."""
+def dense_reference(segments, query, key, value, scale, window=None):
+    """Each segment under its dense mask (segment_mask, and the window over positions in the sequence)."""
+    expected = torch.zeros(1, query.size(2), query.size(1), value.size(3))
+    for segment in segments:
+        span = slice(segment.start, segment.end)
+        mask = segment_mask(segment.prefix, segment.blocks)
+        if window is not None:
+            position = torch.cat([torch.arange(segment.prefix)] + [
+                torch.arange(segment.prefix, segment.prefix + block) for block in segment.blocks])
+            mask &= position.unsqueeze(0) > position.unsqueeze(1) - window
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, span], key[:, :, span], value[:, :, span], attn_mask=mask, scale=scale, enable_gqa=True)
+        expected[:, span] = dense.transpose(1, 2)
+    return expected
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("value_dim", [8, 5])  # 5: multi-head latent attention's value heads, smaller than queries
+def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
+    """Against the rule written as dense masks (segment_mask): every call of the sdpa formulation, batched or not,
+    with a sliding window (over positions within the sequence) and with value heads of another size."""
     torch.manual_seed(0)
     segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 5, (3, 2)), Segment(29, 0, (6,)),
                 Segment(35, 0, (2,))]
     layout = SegmentLayout(segments, "sdpa")
     width = layout.width
-    query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, 8)
-    out, _ = segment_attention_forward(None, query, key, value, None, scaling=0.3, dynbsz_segments=layout)
-    expected = torch.zeros(1, width, 4, 8)
-    for segment in segments:
-        span = slice(segment.start, segment.end)
-        mask = segment_mask(segment.prefix, segment.blocks)
-        dense = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, span], key[:, :, span], value[:, :, span], attn_mask=mask, scale=0.3, enable_gqa=True)
-        expected[:, span] = dense.transpose(1, 2)
-    assert torch.allclose(out, expected, atol=1e-6)
-    calls, _ = layout.sdpa_groups("cpu")
+    query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)
+    out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+    assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
+    calls, _ = layout.span_calls("cpu")
     # (queries per span, keys per span, spans, dropped queries): causal prefixes of 5 (x2), plain 6 (x2), plain 2;
     # blocks shorter than their prefix of 5 under a mask: 3 (x2), 1, 4, 2
-    assert sorted((q.numel() // rows, k.numel() // rows, rows, skip) for q, k, rows, _, skip in calls) == sorted(
+    assert sorted((c.queries.numel() // c.rows, c.keys.numel() // c.rows, c.rows, c.skip) for c in calls) == sorted(
         [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)])
     # blocks at least as long as their prefix: one causal call over [prefix ; block], prefix queries dropped
     long_blocks = SegmentLayout([Segment(0, 2, (3, 3, 2))], "sdpa")
-    query, key, value = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
-    out, _ = segment_attention_forward(None, query, key, value, None, scaling=0.3, dynbsz_segments=long_blocks)
-    dense = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=segment_mask(2, (3, 3, 2)), scale=0.3, enable_gqa=True).transpose(1, 2)
-    assert torch.allclose(out, dense, atol=1e-6)
-    calls, _ = long_blocks.sdpa_groups("cpu")
-    assert sorted((q.numel() // rows, rows, skip, mask is None) for q, _, rows, mask, skip in calls) == [
+    query, key, value = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, value_dim)
+    out = segment_attention_of(long_blocks, query, key, value, scaling=0.3, sliding_window=window)
+    assert torch.allclose(out, dense_reference(long_blocks.segments, query, key, value, 0.3, window), atol=1e-6)
+    calls, _ = long_blocks.span_calls("cpu")
+    assert sorted((c.queries.numel() // c.rows, c.rows, c.skip, c.mask(None, "cpu") is None) for c in calls) == [
         (2, 1, 0, True), (4, 1, 2, True), (5, 2, 2, True)]
+
+
+def test_eager_formulation_runs_the_models_own_eager_function():
+    """Base "eager": the model's eager_attention_forward (found next to its attention module) runs every span, with
+    an additive mask; here a module whose eager function soft-caps the scores, as Gemma-2's does."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    torch.manual_seed(1)
+    module = modeling_gemma2.Gemma2Attention.__new__(modeling_gemma2.Gemma2Attention)
+    module.__dict__.update(num_key_value_groups=2, is_causal=True, training=False, head_dim=8)
+    segments = [Segment(0, 4, (3, 5)), Segment(12, 0, (7,))]
+    query, key, value = torch.randn(1, 4, 19, 8), torch.randn(1, 2, 19, 8), torch.randn(1, 2, 19, 8)
+    out = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3,
+                               softcap=2.0)
+    expected = torch.zeros(1, 19, 4, 8)
+    for segment in segments:
+        span = slice(segment.start, segment.end)
+        mask = torch.zeros(segment.end - segment.start, segment.end - segment.start).masked_fill(
+            ~segment_mask(segment.prefix, segment.blocks), torch.finfo(torch.float32).min)
+        dense, _ = modeling_gemma2.eager_attention_forward(module, query[:, :, span], key[:, :, span],
+                                                            value[:, :, span], mask[None, None], scaling=0.3,
+                                                            softcap=2.0)
+        expected[:, span] = dense
+    assert torch.allclose(out, expected, atol=1e-6)
+    without_cap = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module,
+                                       scaling=0.3)
+    assert not torch.allclose(without_cap, expected, atol=1e-3)  # the soft-cap was applied, not dropped
+
+
+# (GPT-OSS's sinks only natively: the reference varlen kernel has no sinks; flash-attention's s_aux is reviewed)
+@pytest.mark.parametrize(("model_type", "kernel"), [
+    (model_type, kernel) for model_type in ("mistral", "gemma3_text", "deepseek_v3", "gpt_oss", "nemotron")
+    for kernel in ("native", "flash") if (model_type, kernel) != ("gpt_oss", "flash")])
+def test_families_of_the_zoo_keep_each_sequence_its_own(model_type, kernel, request):
+    """Sliding windows of 8 (Mistral; Gemma-3's mixed layers), value heads narrower than query heads (DeepSeek-V3's
+    latent attention), sinks on the model's own eager attention (GPT-OSS), a decoder layer that passes no keyword
+    arguments to its attention (Nemotron): shared-prompt rows equal stock's padded forward, natively and through the
+    flash formulation (the reference varlen kernel draws the window as flash-attention does; sinks have no
+    reference kernel)."""
+    from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+
+    if kernel == "flash":
+        request.getfixturevalue("flash_formulation")
+    model = build_tiny_causal_lm_of_type(model_type).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt_lengths, completions, repeats = [9, 4, 13], [6, 1, 19, 3, 8, 0, 25, 7], [4, 3, 1]  # longer than windows
+    batch = grpo_batch(prompt_lengths, completions, repeats)
+    table = SequenceTable.from_padded(*batch)
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        order = [5, 0, 7, 2, 4, 1, 6, 3]
+        _, logps, _ = packed_logps(model, table, order, table.prompt_groups(), model.config._attn_implementation)
+    for row, sample in enumerate(order):
+        n = completions[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=1e-5, rtol=0), (row, sample)

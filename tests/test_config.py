@@ -10,7 +10,8 @@ from trl import GRPOConfig
 
 from hf_dynbsz import env
 from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
-from hf_dynbsz.plan import DYNAMIC_BATCH_DEFAULTS, BatchSizePlan
+from hf_dynbsz.plan import BatchSizePlan
+from hf_dynbsz.settings import DEFAULTS
 
 NEW_FIELDS = (
     "dynamic_batching",
@@ -22,6 +23,7 @@ NEW_FIELDS = (
     "packing_layout",
     "balance_across_ranks",
     "share_prompt_prefix",
+    "self_check",
     "peak_tflops_per_device",
 )
 
@@ -55,7 +57,7 @@ def test_defaults(tmp_path):
     assert config.tensor_batch_size == 1024
     assert config.oversize_policy == "warn"
     assert config.packing_layout == "auto"
-    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DYNAMIC_BATCH_DEFAULTS)
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DEFAULTS)
 
 
 def test_every_new_field_has_help_stating_its_unit():
@@ -262,7 +264,7 @@ def test_plan_table_marks_values_set_by_the_environment(tmp_path, monkeypatch):
 def test_plain_grpo_config_gets_the_defaults(tmp_path):
     config = make_config(tmp_path, cls=GRPOConfig)
     assert ensure_dynamic_batch_fields(config) is config
-    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DYNAMIC_BATCH_DEFAULTS)
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DEFAULTS)
 
 
 def test_plain_grpo_config_keeps_attributes_set_by_the_user(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, schedule
+from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, model_support
 from hf_dynbsz.multimodal import join_media, split_media
 from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.testing import (
@@ -206,7 +206,7 @@ def test_generated_image_rollouts_with_a_reference_model_match_stock(family, tmp
 
 
 def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(schedule, "REPACKED_VISION_MODEL_TYPES", ())  # as for a family outside the list
+    monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())  # as for a family outside the list
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         history = compare("qwen2_vl", tmp_path)
     assert "image steps of this qwen2_vl model run stock GRPOTrainer micro-batches" in caplog.text

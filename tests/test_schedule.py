@@ -9,16 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_dynbsz.model_support import ModelSupport
 from hf_dynbsz.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
-from hf_dynbsz.schedule import (
-    SINGLE_PROCESS,
-    Scheduler,
-    padding_free_blocker,
-    resolve_layout,
-    simulate_processes,
-    stock_microbatch_tokens,
-    vision_language_mode,
-)
+from hf_dynbsz.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
 
 
 class OtherProcesses:
@@ -40,71 +33,17 @@ def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, balance_
                      group=group, balance_across_ranks=balance_across_ranks, **settings_)
 
 
-# ---- layout ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "layout, attention, expected",
-    [
-        ("auto", "flash_attention_2", "padding_free"),
-        ("auto", "flash_attention_3", "padding_free"),
-        ("auto", "sdpa", "padded"),
-        ("auto", "eager", "padded"),
-        ("auto", None, "padded"),
-        ("padded", "flash_attention_2", "padded"),
-        ("padding_free", "sdpa", "padding_free"),
-    ],
-)
-def test_resolve_packing_layout(layout, attention, expected):
-    assert resolve_layout(layout, attention)[0] == expected
-
-
-def test_resolve_packing_layout_rejects_unknown_layouts():
-    with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
-        resolve_layout("packed", "sdpa")
-
-
-@pytest.mark.parametrize(
-    "layout, attn, expected",
-    [
-        ("auto", "flash_attention_2", ("padding_free", "varlen")),
-        ("padding_free", "kernels-community/flash-attn3", ("padding_free", "varlen")),
-        ("padding_free", "sdpa", ("padding_free", "dense")),  # one packed row pays a dense mask on sdpa
-        ("padded", "flash_attention_2", ("padded", "dense")),
-        ("auto", "eager", ("padded", "dense")),
-    ],
-)
-def test_attention_kind_follows_layout_and_kernel(layout, attn, expected):
-    assert resolve_layout(layout, attn) == expected
-
-
-@pytest.mark.parametrize(("model_type", "blocked"), [
-    ("qwen3_next", "linear_attention"),  # gated delta net layers
-    ("jamba", "mamba"),
-    ("llama", None),
-    ("gemma3_text", None),  # sliding-window layers see other tokens only through the mask
-    ("llama4_text", None),  # chunked attention likewise
-])
-def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, blocked):
-    from transformers import CONFIG_MAPPING
-
-    reason = padding_free_blocker(CONFIG_MAPPING[model_type]())
-    assert (reason is None) == (blocked is None)
-    if blocked:
-        assert blocked in reason
-        for attention in ("sdpa", "flash_attention_2"):  # not even a varlen kernel keeps a recurrent state apart
-            assert resolve_layout("auto", attention, True, reason) == ("padded", "dense")
-            with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly"):
-                resolve_layout("padding_free", attention, True, reason)
-
-
+# ---- layout (decided by hf_dynbsz.model_support, see tests/test_model_support.py) ---------------------------
 def test_from_args_reads_the_config_and_the_model():
     args = SimpleNamespace(packing_layout="auto", pad_to_multiple_of=8, oversize_policy="error",
                            max_tokens_per_microbatch=512, max_tokens_per_microbatch_logprob=None)
     model_config = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    built = Scheduler.from_args(args, "flash_attention_2", model_config)
+    built = Scheduler.from_args(args, ModelSupport.of(model_config, attn_implementation="flash_attention_2"))
     assert (built.layout, built.attention, built.pad_to_multiple_of, built.oversize_policy) == (
         "padding_free", "varlen", 8, "error")
     assert built.workload == WorkloadModel.from_model_config(model_config, layout="padding_free", attention="varlen")
-    assert Scheduler.from_args(args, "sdpa").workload == WorkloadModel.default(layout="padded", attention="dense")
+    generic = Scheduler.from_args(args, ModelSupport.of(attn_implementation="sdpa", model=None))
+    assert generic.workload == WorkloadModel.default(layout="padding_free", attention="varlen")
 
 
 # ---- budget ------------------------------------------------------------------------------------------------
@@ -322,22 +261,19 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
 
 # ---- shared prompts: units are prompt-group pieces ----------------------------------------------------------------
-def test_segment_attention_makes_padding_free_the_automatic_layout():
-    assert resolve_layout("auto", "sdpa", segment_attention=True) == ("padding_free", "varlen")
-    assert resolve_layout("auto", "eager", segment_attention=True) == ("padding_free", "varlen")
-    assert resolve_layout("padding_free", "sdpa", segment_attention=True) == ("padding_free", "varlen")
-    assert resolve_layout("padded", "sdpa", segment_attention=True) == ("padded", "dense")
-
-
 def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention():
     args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
                            max_tokens_per_microbatch_logprob=None, share_prompt_prefix=True)
-    assert Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
-    assert not Scheduler.from_args(args, "sdpa", segment_attention=False).share_prompts  # padded then
+    segments = ModelSupport.of(attn_implementation="sdpa")
+    no_segments = dataclasses.replace(segments, segment_attention_blocker="no AttentionInterface")
+    assert Scheduler.from_args(args, segments).share_prompts
+    assert not Scheduler.from_args(args, no_segments).share_prompts  # padded then
+    assert Scheduler.from_args(args, no_segments).layout == "padded"
     args.packing_layout = "padded"
-    assert not Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
+    assert not Scheduler.from_args(args, segments).share_prompts
     args.packing_layout, args.share_prompt_prefix = "padding_free", False
-    assert not Scheduler.from_args(args, "sdpa", segment_attention=True).share_prompts
+    assert not Scheduler.from_args(args, segments).share_prompts
+    assert Scheduler.from_args(args, segments).segment_attention == "sdpa"
 
 
 def test_units_share_a_prompt_and_split_into_pieces_that_fit():
@@ -424,11 +360,13 @@ def test_vision_language_models_train_padded_and_unbalanced_and_name_the_familie
     from transformers import CONFIG_MAPPING
 
     qwen_vl, idefics = CONFIG_MAPPING["qwen2_vl"](), CONFIG_MAPPING["idefics3"]()
-    assert vision_language_mode(qwen_vl) == "repacked" and vision_language_mode(idefics) == "stock"
-    assert vision_language_mode(qwen_vl.get_text_config()) is None  # the language model alone is a text model
-    assert "position ids" in padding_free_blocker(qwen_vl)
+    assert ModelSupport.of(qwen_vl).vision_language == "repacked"
+    assert ModelSupport.of(idefics).vision_language == "stock"
+    assert ModelSupport.of(qwen_vl.get_text_config()).vision_language is None  # the language model alone: text
+    assert "position ids" in ModelSupport.of(qwen_vl).padding_free_blocker
     args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
                            max_tokens_per_microbatch_logprob=None, balance_across_ranks=True, share_prompt_prefix=True)
-    scheduler = Scheduler.from_args(args, "flash_attention_2", qwen_vl, segment_attention=True)
+    scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
-    assert Scheduler.from_args(args, "sdpa", qwen_vl.get_text_config()).balance_across_ranks
+    assert scheduler.attention_mask  # image inputs are positioned from the mask
+    assert Scheduler.from_args(args, ModelSupport.of(qwen_vl.get_text_config())).balance_across_ranks

@@ -1,0 +1,369 @@
+"""What the plugin can run exactly for one model: decided here, once, from the model itself.
+
+Every decision that depends on the model is taken by :meth:`ModelSupport.of`: which layouts can keep each sample's
+log-probs equal to the sample computed alone (padding-free rows, shared prompts, padded rows with or without an
+attention mask), whether segment attention (:mod:`hf_dynbsz.attention`) can run the model, which position ids a
+sample needs, how image inputs train, and the FLOPs model the partitioner balances. It reads the config (and, in
+training, the model: its attention modules, embeddings and layer classes) by attribute and never raises: what it
+does not understand turns the feature off, with one reason each. The layouts it allows are tried at start by the
+self-check (:mod:`hf_dynbsz.self_check`), fastest first; a layout whose log-probs differ from the per-sample
+reference is left for the next.
+
+Pure Python: no torch import (the planner reads a config on any machine).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .partition import GENERIC_DECODER, ModelFlops
+
+__all__ = [
+    "Layout",
+    "ModelSupport",
+    "REPACKED_VISION_MODEL_TYPES",
+    "VARLEN_ATTENTION_PREFIXES",
+    "text_config_of",
+    "vision_language_mode",
+]
+
+#: Attention implementations whose kernels treat a padding-free row as separate sequences (varlen kernels).
+VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+
+#: Layer types that see other tokens only through attention (or not at all): a padding-free row keeps its
+#: sequences apart in them. Any other type (linear attention, Mamba, short convolutions, indexer attention, ...) may
+#: carry state along the row, from one sequence into the next.
+MASK_RESPECTING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
+                                         "mlp", "moe", "dense", "sparse"})
+
+#: Config keys of per-layer kinds (``layer_types`` and the names hybrid models give them).
+LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types", "attn_type_list")
+
+#: Class names of modules that carry state from one token to the next outside attention (recurrences,
+#: state-space mixers, convolutions over the sequence): a padding-free row would carry it across sequences.
+STATEFUL_MODULE = re.compile(r"Mamba|Mixer|SSM|Ssm|RWKV|Rwkv|LSTM|Lstm|Recurrent|RgLru|RGLRU|GatedDeltaNet|"
+                             r"LinearAttention|ShortConv|Lightning|Retention|^Conv1d$")
+
+#: Vision-language model types whose image steps are repacked, each sample's image inputs moving with it (tested
+#: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
+REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
+
+#: Why a vision-language model trains in padded micro-batches only.
+VISION_LANGUAGE_PADDED = ("a vision-language model computes its own (multimodal) position ids from the attention mask, "
+                          "which a padding-free row does not carry")
+
+#: The base implementations segment attention runs per segment.
+SEGMENT_ATTENTION_BASES = ("sdpa", "eager")
+
+
+def _read(config: Any, name: str, default: Any = None) -> Any:
+    """``config.name``, or ``default`` when missing or unreadable (per-layer attributes raise on global access)."""
+    try:
+        value = getattr(config, name, default)
+    except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError: a per-layer value
+        return default
+    return default if value is None else value
+
+
+def text_config_of(config: Any) -> Any:
+    """The language model's config of a transformers config (itself for a text model, and where none is clear)."""
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        try:
+            return config.get_text_config()
+        except Exception:  # noqa: BLE001 - several candidate text configs (encoder-decoder audio models)
+            return config
+    return config
+
+
+def vision_language_mode(config: Any) -> str | None:
+    """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
+    :data:`REPACKED_VISION_MODEL_TYPES` (padded layout, no cross-rank balancing: image inputs stay on their
+    process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
+    repacked)."""
+    if config is None or _read(config, "vision_config") is None:
+        return None
+    return "repacked" if _read(config, "model_type") in REPACKED_VISION_MODEL_TYPES else "stock"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay a pass out: the rungs the self-check walks down, fastest first.
+
+    ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded
+    to the pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through
+    segment attention). ``segment_attention``: the base implementation segment attention runs per segment, None
+    for the model's own attention. ``attention_mask``: padded rows carry an attention mask (right padding would
+    otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
+    partitioner balances, ``"varlen"`` (each sequence attends to itself) or ``"dense"`` (a row or padded batch
+    costs its square).
+    """
+
+    name: str
+    share_prompts: bool = False
+    segment_attention: str | None = None
+    attention_mask: bool = False
+    attention: str = "dense"
+
+    def describe(self) -> str:
+        """One phrase for logs and the plan table, e.g. "padding_free, shared prompts, segment attention (sdpa)"."""
+        parts = [self.name]
+        if self.share_prompts:
+            parts.append("shared prompts")
+        if self.segment_attention:
+            parts.append(f"segment attention ({self.segment_attention})")
+        if self.attention_mask:
+            parts.append("attention mask")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What the plugin can run exactly for one model; build it with :meth:`of`.
+
+    Each ``*_blocker`` is None when the feature can run, else why not (one line, logged once):
+
+    * ``padding_free_blocker``: a padding-free row would mix its sequences (layers that carry state along the row,
+      a vision-language model positioning its own tokens);
+    * ``segment_attention_blocker``: segment attention cannot run the model (attention not dispatched through
+      transformers' ``AttentionInterface``, a base implementation it does not wrap, bidirectional attention, ...);
+    * ``unmasked_padding_blocker``: right padding without an attention mask can reach real tokens (bidirectional
+      attention), or the model positions tokens from the mask;
+    * ``repacking_blocker``: no layout can be exact, stock math runs (a sample's log-probs depend on the row it is
+      padded to, in stock's own forward too).
+
+    ``position_offset`` is added to every position id (RoBERTa-style models number positions from
+    ``padding_idx + 1``). ``model_flops``: the FLOPs read off the config (None when it gives none: :attr:`flops` is
+    then a generic decoder's, see ``notes``). ``attn_implementation`` is the model's own attention implementation.
+    """
+
+    model_type: str | None = None
+    attn_implementation: str | None = None
+    vision_language: str | None = None
+    padding_free_blocker: str | None = None
+    segment_attention_blocker: str | None = None
+    unmasked_padding_blocker: str | None = None
+    repacking_blocker: str | None = None
+    position_offset: int = 0
+    model_flops: ModelFlops | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def flops(self) -> ModelFlops:
+        """The cost model: the FLOPs read off this model's config, else a generic 7B-class decoder's."""
+        return self.model_flops or ModelFlops.from_model_config(GENERIC_DECODER)
+
+    # ------------------------------------------------------------------ reading a model
+    @classmethod
+    def of(cls, config: Any = None, model: Any = None, attn_implementation: str | None = None) -> ModelSupport:
+        """What runs for ``model`` (training) or for a model of ``config`` (the planner). Never raises.
+
+        ``config`` defaults to ``model.config``; None (the planner without ``--model_config``) is a standard
+        decoder with the generic cost model. ``attn_implementation`` defaults to the text config's.
+        """
+        if config is None and model is not None:
+            config = _read(model, "config")
+        text = text_config_of(config)
+        if attn_implementation is None and text is not None:
+            attn_implementation = _read(text, "_attn_implementation")
+        vision = vision_language_mode(config)
+        flops, notes = _flops(text)
+        support = cls(model_type=_read(config, "model_type"), attn_implementation=attn_implementation,
+                      vision_language=vision, model_flops=flops, notes=notes)
+        padding_free = VISION_LANGUAGE_PADDED if vision else _state_carrying_layers(text, model)
+        if padding_free is None and model is not None and not _takes_position_ids(model):
+            padding_free = "its forward takes no position ids, so positions would run on along a padding-free row"
+        segment = _segment_attention_blocker(config, text, model, attn_implementation)
+        unmasked = "image inputs are positioned from the attention mask" if vision else None
+        bidirectional = _bidirectional(text, model)
+        if bidirectional:
+            segment = segment or bidirectional
+            unmasked = bidirectional
+        return replace(support, padding_free_blocker=padding_free, segment_attention_blocker=segment,
+                       unmasked_padding_blocker=unmasked, repacking_blocker=_content_selected_keys(text),
+                       position_offset=_position_offset(model))
+
+    # ------------------------------------------------------------------ what a run uses
+    def layouts(self, packing_layout: str = "auto", share_prompt_prefix: bool = True) -> tuple[list[Layout],
+                                                                                              list[str]]:
+        """The layouts a run may use, fastest first, and one note per feature asked for but not available.
+
+        ``packing_layout`` "auto" starts from padding-free rows where each sequence can attend to itself alone
+        (segment attention, or a flash-attention varlen kernel) and goes down to padded rows; "padding_free"
+        allows only padding-free rows and "padded" only padded ones (an error when the model rules them all out).
+        The first layout is what training starts with; the self-check steps down the list when a layout's
+        log-probs differ from each sample's own. The last rung is available to "auto" and "padded": padded rows
+        with an attention mask (stock's own layout, per sample). Empty (with the reason as the note) when no
+        layout can be exact: stock math runs.
+        """
+        if packing_layout not in ("auto", "padding_free", "padded"):
+            raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
+        if self.repacking_blocker:
+            return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
+        notes = []
+        varlen = bool(self.attn_implementation) and self.attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
+        base = None if self.segment_attention_blocker else (self.attn_implementation or "eager")
+        ladder: list[Layout] = []
+        if packing_layout != "padded" and self.padding_free_blocker is None:
+            if base is not None:
+                if share_prompt_prefix:
+                    ladder.append(Layout("padding_free", True, base, attention="varlen"))
+                ladder.append(Layout("padding_free", False, base, attention="varlen"))
+            elif varlen:
+                ladder.append(Layout("padding_free", attention="varlen"))
+            elif packing_layout == "padding_free":  # transformers' own block mask over the row: dense, but asked for
+                ladder.append(Layout("padding_free", attention="dense"))
+        if packing_layout == "padding_free" and not ladder:
+            raise ValueError(f"packing_layout='padding_free' cannot train this model exactly: "
+                             f"{self.padding_free_blocker}. Use packing_layout='auto' (padded for this model) or "
+                             "'padded'.")
+        if packing_layout != "padding_free":
+            if self.unmasked_padding_blocker is None:
+                ladder.append(Layout("padded"))
+            ladder.append(Layout("padded", attention_mask=True))
+        if share_prompt_prefix and not ladder[0].share_prompts:
+            why = (self.padding_free_blocker if packing_layout != "padded" and self.padding_free_blocker
+                   else self.segment_attention_blocker if packing_layout != "padded"
+                   else "packing_layout='padded'")
+            notes.append(f"share_prompt_prefix is not applied: {why or 'packing_layout resolves to padded rows'}")
+        return ladder, notes
+
+    def describe(self) -> list[str]:
+        """One line per limit of this model (for logs and ``hf-dynbsz plan``)."""
+        lines = []
+        for label, reason in (("repacking", self.repacking_blocker),
+                              ("padding-free rows", self.padding_free_blocker),
+                              ("segment attention", self.segment_attention_blocker),
+                              ("padded rows without a mask", self.unmasked_padding_blocker)):
+            if reason:
+                lines.append(f"{label}: off ({reason})")
+        if self.position_offset:
+            lines.append(f"position ids start at {self.position_offset} (the model numbers them from padding_idx + 1)")
+        return lines + list(self.notes)
+
+
+# ---------------------------------------------------------------------- what is read, and how
+def _flops(text_config: Any) -> tuple[ModelFlops | None, tuple[str, ...]]:
+    """The FLOPs of the text config, or None with a note: a cost estimate never stops a run."""
+    if text_config is None:
+        return None, ()
+    readable = types.SimpleNamespace(**{name: _read(text_config, name) for name in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "num_key_value_heads",
+        "intermediate_size", "hidden_act", "hidden_activation", "vocab_size")})
+    if not isinstance(readable.intermediate_size, int):  # per-layer lists (Gemma-3n)
+        readable.intermediate_size = None
+    nope, rope = _read(text_config, "qk_nope_head_dim"), _read(text_config, "qk_rope_head_dim")
+    if isinstance(nope, int) and isinstance(rope, int):  # multi-head latent attention: query/key heads of nope + rope
+        readable.head_dim = nope + rope
+    try:
+        return ModelFlops.from_model_config(readable), ()
+    except (ValueError, TypeError) as error:
+        return None, (f"cost model: a generic 7B-class decoder's ({error})",)
+
+
+def _layer_kinds(text_config: Any) -> set[str]:
+    kinds: set[str] = set()
+    for key in LAYER_KIND_KEYS:
+        values = _read(text_config, key)
+        if isinstance(values, (list, tuple)):
+            kinds |= {str(value) for value in values}
+    return kinds
+
+
+def _state_carrying_layers(text_config: Any, model: Any) -> str | None:
+    """Why a padding-free row would carry state from one sequence into the next, or None."""
+    carrying = sorted(_layer_kinds(text_config) - MASK_RESPECTING_LAYER_TYPES)
+    if carrying:
+        return (f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
+                "attention of a padding-free row does not stop")
+    if model is not None and callable(getattr(model, "modules", None)):
+        name = next((type(module).__name__ for module in model.modules()
+                     if STATEFUL_MODULE.search(type(module).__name__)), None)
+        if name:
+            return (f"its {name} modules carry state along a row, from one sequence into the next, which the "
+                    "attention of a padding-free row does not stop")
+    return None
+
+
+def _content_selected_keys(text_config: Any) -> str | None:
+    """Why a sample's log-probs depend on the row it is padded to (indexed sparse attention), or None."""
+    if "indexed_attention" in _layer_kinds(text_config):
+        return ("its indexed sparse attention picks keys over the whole padded row, so a sample's log-probs depend on "
+                "the width it is padded to (in stock's forward too)")
+    return None
+
+
+def _self_attention_modules(model: Any) -> list:
+    """The model's self-attention modules (cross-attention of encoder-decoder decoders left out: it sees no tokens
+    of the row when the model runs as a causal LM)."""
+    if model is None or not callable(getattr(model, "named_modules", None)):
+        return []
+    return [module for name, module in model.named_modules() if type(module).__name__.endswith("Attention")
+            and hasattr(module, "is_causal") and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)]
+
+
+def _bidirectional(text_config: Any, model: Any) -> str | None:
+    """Why attention looks both ways (right padding then reaches real tokens), or None."""
+    if _read(text_config, "is_decoder") is False and _read(text_config, "model_type") in ("xlnet",):
+        return "its attention looks in both directions"
+    if any(module.is_causal is False for module in _self_attention_modules(model)):
+        return "its attention looks in both directions (is_causal=False)"
+    if _read(text_config, "attn_type") == "bi" or _read(text_config, "use_bidirectional_attention") is True:
+        return "its attention looks in both directions"
+    return None
+
+
+def _segment_attention_blocker(config: Any, text_config: Any, model: Any, attn_implementation: str | None
+                               ) -> str | None:
+    """Why segment attention cannot run this model, or None."""
+    base = attn_implementation or "eager"
+    if not (base in SEGMENT_ATTENTION_BASES or base.startswith(VARLEN_ATTENTION_PREFIXES)):
+        return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
+    if vision_language_mode(config):
+        return "multimodal models compute position ids of their own"
+    if model is not None and not _dispatches_through_interface(model):
+        return f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface"
+    if "chunked_attention" in _layer_kinds(text_config):
+        return "chunked attention layers (their chunks are drawn by the model's own mask)"
+    return None
+
+
+def _source(function: Any) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _dispatches_through_interface(model: Any) -> bool:
+    """Whether every self-attention layer of ``model`` calls the implementation its config names through
+    transformers' ``ALL_ATTENTION_FUNCTIONS`` (models that declare it, and those whose attention code does)."""
+    if _read(model, "_supports_attention_backend", False):
+        return True
+    modules = _self_attention_modules(model)
+    return bool(modules) and all("ALL_ATTENTION_FUNCTIONS" in _source(type(module).forward) for module in modules)
+
+
+def _takes_position_ids(model: Any) -> bool:
+    """Whether ``model``'s forward takes ``position_ids`` (a padding-free row needs them restarting per sequence)."""
+    forward = getattr(model, "forward", None)
+    try:
+        return "position_ids" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _position_offset(model: Any) -> int:
+    """The first position id of a sequence: ``padding_idx + 1`` for models that number positions from the padding
+    index when given none (RoBERTa and its kin), else 0."""
+    if model is None or not callable(getattr(model, "modules", None)):
+        return 0
+    for module in model.modules():
+        if callable(getattr(module, "create_position_ids_from_input_ids", None)):
+            padding_idx = getattr(module, "padding_idx", None)
+            if isinstance(padding_idx, int):
+                return padding_idx + 1
+    return 0

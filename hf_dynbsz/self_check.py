@@ -1,0 +1,113 @@
+"""The self-check at start: each layout a run may use, against every sample computed alone (torch layer).
+
+:mod:`hf_dynbsz.model_support` decides from the model which layouts can be exact; this module verifies it on real
+samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).
+It runs one no-grad pass over a few of those samples in each layout, fastest first, and compares their completion
+log-probs with the *per-sample reference*: each sample alone, as one unpadded row through the model's own attention
+with no position ids given (what the model computes for that sequence by itself, as generation did). The first
+layout within :func:`tolerance` is kept; when none is, stock math runs. A layout whose pass raises is treated as
+failing, so a model the decision module misjudged steps down instead of crashing mid-step.
+
+Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each), and all
+take the plainest layout any process needed (one all-reduce), so the processes stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .model_support import Layout
+from .packing import SequenceTable
+
+__all__ = ["CheckResult", "pick_samples", "run_self_check", "tolerance"]
+
+#: Samples per check (and per-sample reference forwards on every process).
+SAMPLES = 4
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest difference of a completion token's log-prob from the per-sample reference that passes.
+
+    ``dtype``: the precision the check runs in (the parameters'; the check runs without autocast, so fp32 weights
+    trained under bf16 autocast are checked in fp32). Packing changes only the order of floating-point sums: at
+    most 4e-6 in fp32 over the whole model zoo of ``tests/test_model_zoo.py``, a few 1e-2 in bf16/fp16. Sequences
+    that see each other, a missing window or a wrong position differ by 1e-1 and more; a recurrent state leaking
+    into the next sequence of a row by 1e-3 on a tiny model: visible in fp32, not in bf16 (the decision module rules
+    those layers out from the config).
+    """
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
+    """``count`` sample indices that exercise a layout (repeated when the table holds fewer).
+
+    The two longest completions of the largest prompt group with a prompt of at least 2 tokens (shared prompts
+    are checked on siblings), then the longest and the shortest other samples (padded rows get padding).
+    """
+    lengths = table.lengths.tolist()
+    prompts = table.prompt_lengths.tolist()
+    completions = table.completion_lengths.tolist()
+    members: dict[int, list[int]] = {}
+    for index, group in enumerate(table.prompt_groups()):
+        if prompts[index] > 1:
+            members.setdefault(group, []).append(index)
+    chosen: list[int] = []
+    if members:
+        siblings = max(members.values(), key=len)
+        chosen += sorted(siblings, key=lambda i: (-completions[i], i))[:2]
+    others = sorted((i for i in range(len(table)) if i not in chosen), key=lambda i: (-lengths[i], i))
+    if others:
+        chosen += [others[0]] + ([others[-1]] if len(others) > 1 else [])
+    chosen = sorted(set(chosen)) or [0]
+    return (chosen * count)[:count]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """``chosen``: index of the layout to use (``len(layouts)``: none, stock math); ``errors``: per layout, the
+    largest log-prob difference from the reference on this process (``inf`` when its pass raised); ``reasons``:
+    one line per layout left, for the log."""
+
+    chosen: int
+    errors: list[float]
+    reasons: list[str]
+
+
+def run_self_check(layouts: Sequence[Layout], table: SequenceTable,
+                   run_layout: Callable[[Layout, list[int]], torch.Tensor],
+                   run_alone: Callable[[int], torch.Tensor], limit: float,
+                   agree: Callable[[int], int] = lambda index: index) -> CheckResult:
+    """Check ``layouts`` (fastest first) on a few samples of ``table``.
+
+    ``run_layout(layout, indices)`` returns the completion log-probs ``(rows, width)`` of one pass over those
+    samples in that layout; ``run_alone(index)`` those of the sample alone ``(1, width)``; ``limit`` the tolerance;
+    ``agree(index)`` the largest index any process chose (an all-reduce MAX; every process calls it once).
+    """
+    samples = pick_samples(table)
+    distinct = sorted(set(samples))
+    completions = table.completion_lengths.tolist()
+    reference = {}
+    for index in samples:  # the same number of forwards on every process
+        alone = run_alone(index)
+        reference.setdefault(index, alone[0])
+    errors, reasons = [], []
+    for layout in layouts:
+        try:
+            logps = run_layout(layout, distinct)
+            error = max((float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
+                         for row, i in enumerate(distinct) if completions[i]), default=0.0)
+            if math.isnan(error):
+                error = math.inf
+            reasons.append(f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} "
+                           f"(tolerance {limit:g})")
+        except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
+            error = math.inf
+            reasons.append(f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}")
+        errors.append(error)
+    chosen = next((n for n, error in enumerate(errors) if error <= limit), len(layouts))
+    chosen = agree(chosen)
+    return CheckResult(chosen, errors, reasons[:chosen])

@@ -1,0 +1,158 @@
+"""Specification of hf_dynbsz.model_support: what runs for a model is read off the model, once, and never raises."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from transformers import CONFIG_MAPPING
+
+from hf_dynbsz.model_support import Layout, ModelSupport
+from hf_dynbsz.partition import GENERIC_DECODER, ModelFlops
+
+
+def support_of(model_type, attn_implementation="sdpa", **config):
+    return ModelSupport.of(CONFIG_MAPPING[model_type](**config), attn_implementation=attn_implementation)
+
+
+def names(layouts):
+    return [(layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
+            for layout in layouts]
+
+
+# ---- the layouts a run may use, fastest first -------------------------------------------------------------------
+def test_a_plain_decoder_starts_padding_free_with_shared_prompts_and_can_step_down_to_stocks_layout():
+    layouts, notes = support_of("llama").layouts()
+    assert names(layouts) == [("padding_free", True, "sdpa", False, "varlen"),
+                              ("padding_free", False, "sdpa", False, "varlen"),
+                              ("padded", False, None, False, "dense"),
+                              ("padded", False, None, True, "dense")]
+    assert notes == []
+
+
+@pytest.mark.parametrize("attn, expected", [
+    ("flash_attention_2", "flash_attention_2"), ("kernels-community/flash-attn3", "kernels-community/flash-attn3"),
+    ("eager", "eager"), (None, "eager")])
+def test_segment_attention_wraps_the_models_own_kernel(attn, expected):
+    layouts, _ = ModelSupport.of(CONFIG_MAPPING["qwen2"](), attn_implementation=attn).layouts()
+    assert layouts[0].segment_attention == expected
+
+
+def test_an_explicit_layout_keeps_to_its_kind():
+    support = support_of("llama")
+    assert {layout.name for layout in support.layouts("padded")[0]} == {"padded"}
+    assert {layout.name for layout in support.layouts("padding_free")[0]} == {"padding_free"}
+    assert not any(layout.share_prompts for layout in support.layouts("auto", share_prompt_prefix=False)[0])
+    with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
+        support.layouts("packed")
+
+
+def test_without_segment_attention_sdpa_pads_and_flash_packs_by_its_own_varlen_kernel():
+    blocked = dataclasses.replace(support_of("llama"), segment_attention_blocker="no AttentionInterface")
+    layouts, notes = blocked.layouts()
+    assert names(layouts)[0] == ("padded", False, None, False, "dense")
+    assert notes == ["share_prompt_prefix is not applied: no AttentionInterface"]
+    # an explicit padding_free on sdpa: transformers' own block mask over the row (dense, but exact)
+    assert names(blocked.layouts("padding_free")[0]) == [("padding_free", False, None, False, "dense")]
+    flash = dataclasses.replace(blocked, attn_implementation="flash_attention_2")
+    assert names(flash.layouts()[0])[0] == ("padding_free", False, None, False, "varlen")
+
+
+@pytest.mark.parametrize(("model_type", "blocked"), [
+    ("qwen3_next", "linear_attention"),  # gated delta net layers
+    ("jamba", "mamba"),
+    ("llama", None),
+    ("gemma3_text", None),  # sliding-window layers see other tokens only through attention
+    ("mistral", None),  # a default sliding window of 4096: segment attention draws it
+])
+def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, blocked):
+    support = support_of(model_type)
+    assert (support.padding_free_blocker is None) == (blocked is None)
+    if blocked:
+        assert blocked in support.padding_free_blocker
+        for attention in ("sdpa", "flash_attention_2"):  # not even a varlen kernel keeps a recurrent state apart
+            layouts, _ = dataclasses.replace(support, attn_implementation=attention).layouts()
+            assert {layout.name for layout in layouts} == {"padded"}
+            with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly"):
+                support.layouts("padding_free")
+
+
+def test_indexed_sparse_attention_runs_stock_math():
+    """DeepSeek-V3.2's indexer picks keys over the whole padded row: even stock's log-probs of a sample change with
+    the width it is padded to, so no repacking can be stock's."""
+    support = support_of("deepseek_v32")
+    assert "width it is padded to" in support.repacking_blocker
+    layouts, notes = support.layouts()
+    assert layouts == [] and notes[0].startswith("dynamic batching is off, stock GRPOTrainer math runs")
+
+
+def test_vision_language_models_pad_with_a_mask():
+    support = support_of("qwen2_vl")
+    assert support.vision_language == "repacked"
+    assert names(support.layouts()[0]) == [("padded", False, None, True, "dense")]
+
+
+def test_model_only_checks(tmp_path):
+    """What only the model tells: AttentionInterface dispatch, RoBERTa-style positions, bidirectional attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIG_MAPPING["roberta"](hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, vocab_size=40, is_decoder=True, pad_token_id=1)
+    roberta = AutoModelForCausalLM.from_config(config)
+    support = ModelSupport.of(model=roberta)
+    assert support.position_offset == 2  # padding_idx + 1
+    assert support.segment_attention_blocker is None and support.unmasked_padding_blocker is None
+    encoder = AutoModelForCausalLM.from_config(dataclasses.replace(config, is_decoder=False)
+                                               if dataclasses.is_dataclass(config) else
+                                               CONFIG_MAPPING["roberta"](**{**config.to_dict(), "is_decoder": False}))
+    bidirectional = ModelSupport.of(model=encoder)
+    assert "both directions" in bidirectional.segment_attention_blocker
+    assert names(bidirectional.layouts()[0]) == [("padded", False, None, True, "dense")]
+    no_backend = SimpleNamespace(config=roberta.config, _supports_attention_backend=False, modules=lambda: [])
+    assert "AttentionInterface" in ModelSupport.of(model=no_backend).segment_attention_blocker
+    del torch
+
+
+def test_unknown_attention_implementations_are_named():
+    assert "flex_attention" in support_of("llama", attn_implementation="flex_attention").segment_attention_blocker
+
+
+# ---- a config it does not understand never raises ----------------------------------------------------------------
+def test_the_cost_model_never_stops_a_model():
+    """Gemma-4's head_dim is per layer (reading it raises), BLT has no top-level hidden_size: both get a cost model."""
+    gemma4 = support_of("gemma4_text")
+    assert gemma4.flops.per_token > 0 and not gemma4.notes
+    blt = support_of("blt")
+    assert blt.flops == ModelFlops.from_model_config(GENERIC_DECODER)
+    assert "generic" in blt.notes[0]
+    multi_head_latent = support_of("deepseek_v3", qk_nope_head_dim=128, qk_rope_head_dim=64)
+    assert multi_head_latent.flops.per_pair == multi_head_latent.flops.per_pair  # read without error
+    assert ModelSupport.of(None).flops == ModelFlops.from_model_config(GENERIC_DECODER)
+
+
+def _default_configs():
+    """Every config class of transformers that builds without arguments (all but a handful of composite ones)."""
+    for model_type in sorted(CONFIG_MAPPING):
+        try:
+            CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 - a config that needs arguments is not ours to read
+            continue
+        yield model_type
+
+
+@pytest.mark.parametrize("model_type", list(_default_configs()))
+def test_every_config_of_transformers_is_read_without_raising(model_type):
+    config = CONFIG_MAPPING[model_type]()
+    support = ModelSupport.of(config, attn_implementation="sdpa")
+    layouts, notes = support.layouts()
+    assert all(isinstance(layout, Layout) for layout in layouts)
+    assert layouts or support.repacking_blocker in notes[0]  # no layout: stock math, with its reason
+
+
+def test_describe_names_every_limit():
+    support = dataclasses.replace(support_of("qwen3_next"), position_offset=2)
+    lines = support.describe()
+    assert any(line.startswith("padding-free rows: off") for line in lines)
+    assert any("position ids start at 2" in line for line in lines)

@@ -1,0 +1,184 @@
+"""Specification of hf_dynbsz.self_check: the layouts a run may use are checked against each sample alone at start,
+and a layout that differs (or fails) is left for the next, on every process alike."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from trl.trainer.utils import add_fused_lm_head, pad
+
+from hf_dynbsz.attention import segment_attention, use_segments
+from hf_dynbsz.model_support import Layout
+from hf_dynbsz.packing import SequenceTable, build_microbatch
+from hf_dynbsz.self_check import pick_samples, run_self_check, tolerance
+from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, build_tiny_hybrid_lm, stock_logps
+
+PAD = 0
+SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
+PLAIN = Layout("padding_free", False, "sdpa", attention="varlen")
+PADDED = Layout("padded")
+MASKED = Layout("padded", attention_mask=True)
+
+
+def table_of(prompt_lengths, completion_lengths, repeats, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length, count in zip(prompt_lengths, repeats):
+        prompts += [torch.randint(3, 40, (length,), generator=generator)] * count
+    completions = [torch.randint(3, 40, (n,), generator=generator) for n in completion_lengths]
+    return SequenceTable.from_padded(pad(prompts, padding_value=PAD, padding_side="left"),
+                                     pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+                                     pad(completions, padding_value=PAD, padding_side="right"),
+                                     pad([torch.ones_like(c) for c in completions], padding_value=0,
+                                         padding_side="right"))
+
+
+def runners(model, table):
+    """The trainer's two callables, for a bare model: a pass in a layout, and one sample alone."""
+
+    def run_layout(layout, indices):
+        groups = table.prompt_groups() if layout.share_prompts else None
+        mb = build_microbatch(table, indices, layout=layout.name, pad_token_id=PAD, attention=layout.segment_attention,
+                              groups=groups, attention_mask=layout.attention_mask)
+        with segment_attention(model, layout.segment_attention is not None):
+            use_segments(mb.segments)
+            out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
+        return mb.to_completion_layout(out.log_probs)
+
+    def run_alone(index):
+        p, c = int(table.prompt_lengths[index]), int(table.completion_lengths[index])
+        tokens = table.tokens[index]
+        ones = torch.ones(1, p + c, dtype=torch.long)
+        return stock_logps(model, tokens[None, :p], ones[:, :p], tokens[None, p:], ones[:, p:])[0]
+
+    return run_layout, run_alone
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def with_fused_head(model):
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model.eval()
+
+
+def test_the_samples_checked_hold_siblings_and_different_lengths():
+    table = table_of([5, 1, 8], [3, 9, 1, 12, 4, 6], [3, 1, 2])
+    chosen = pick_samples(table)
+    assert len(chosen) == 4
+    groups = table.prompt_groups()
+    distinct = sorted(set(chosen))
+    assert any(groups[i] == groups[j] for i in distinct for j in distinct if i < j)  # shared prompts exercised
+    assert len({int(table.lengths[i]) for i in distinct}) >= 3  # padded rows get padding
+    assert pick_samples(table_of([4], [2], [1])) == [0, 0, 0, 0]  # the same forwards on a process with one sample
+
+
+def test_a_model_the_layouts_suit_keeps_the_fastest(tokenizer):
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
+    with torch.no_grad():
+        result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, *runners(model, table), limit=1e-4)
+    assert result.chosen == 0 and result.reasons == []
+    assert result.errors[0] < 1e-5 and all(error < 1e-5 for error in result.errors)
+
+
+def test_a_layout_that_mixes_sequences_is_left_with_its_reason(tokenizer):
+    """A linear-attention layer carries state from one sequence of a padding-free row into the next: the decision
+    module rules that out from the config, and the self-check finds it on the samples when asked to try."""
+    model = with_fused_head(build_tiny_hybrid_lm(tokenizer))
+    table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
+    with torch.no_grad():
+        result = run_self_check([Layout("padding_free", attention="dense"), PADDED, MASKED], table,
+                                *runners(model, table), limit=1e-4)
+    assert result.chosen == 1
+    assert result.errors[0] > 5e-4 and result.errors[1] < 1e-5  # the state leak is small on a tiny model
+    assert "padding_free: log-probs differ from each sample's own by" in result.reasons[0]
+
+
+def test_a_layout_whose_pass_raises_is_left_not_raised(tokenizer):
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    run_layout, run_alone = runners(model, table)
+
+    def failing_first(layout, indices):
+        if layout is SHARED:
+            raise RuntimeError("the attention got an attention mask\nsecond line")
+        return run_layout(layout, indices)
+
+    with torch.no_grad():
+        result = run_self_check([SHARED, PADDED], table, failing_first, run_alone, limit=1e-4)
+    assert result.chosen == 1 and math.isinf(result.errors[0])
+    assert result.reasons == ["padding_free, shared prompts, segment attention (sdpa): RuntimeError: the attention "
+                              "got an attention mask"]
+
+
+def test_every_process_takes_the_plainest_layout_any_process_needed(tokenizer):
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    agreed = []
+
+    def other_process_needs_padded_rows(index):
+        agreed.append(index)
+        return max(index, 2)
+
+    with torch.no_grad():
+        result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, *runners(model, table), limit=1e-4,
+                                agree=other_process_needs_padded_rows)
+    assert agreed == [0] and result.chosen == 2  # this process passed the first; the run takes the third
+
+
+def test_none_within_tolerance_means_stock_math(tokenizer):
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    with torch.no_grad():
+        result = run_self_check([PADDED], table, *runners(model, table), limit=-1.0)
+    assert result.chosen == 1 and len(result.reasons) == 1
+
+
+def test_tolerance_follows_the_precision():
+    assert tolerance(torch.float32) == 1e-4 and tolerance(torch.bfloat16) == tolerance(torch.float16) == 5e-2
+
+
+def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
+    """End to end, on a linear-attention model whose layout list is made to start with padding-free rows (as if the
+    decision module had missed its recurrent layers): the check finds them inexact, the run trains padded with one
+    warning and equals stock; with self_check=False the layout is used as given."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.schedule import Scheduler
+    from hf_dynbsz.testing import (RecordingReward, ScriptedRollout, base_config_kwargs, prompt_dataset,
+                                   relative_difference)
+
+    def train(trainer_cls, config_cls, **settings):
+        rollout = ScriptedRollout(lambda rng, n, rank: rng.geometric(0.1, n), lambda rng: rng.integers(3, 12),
+                                  max_completion_length=24, seed=0, token_low=3, token_high=40, eos_id=1)
+        model = build_tiny_hybrid_lm(build_char_tokenizer())
+        args = config_cls(**base_config_kwargs(str(tmp_path / str(len(settings))), router_aux_loss_coef=0.0,
+                                               **settings))
+        trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
+                              processing_class=build_char_tokenizer(), rollout_func=rollout)
+        if trainer_cls is DynamicBatchGRPOTrainer:
+            capabilities = trainer._dynbsz_capabilities
+            mixing = Layout("padding_free", attention="dense")  # the linear attention's state crosses sequences
+            capabilities.layouts.insert(0, mixing)
+            trainer._dynbsz_scheduler = Scheduler.from_args(args, capabilities.support, layout=mixing)
+        trainer.train()
+        return trainer
+
+    stock = train(GRPOTrainer, GRPOConfig)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        checked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=True)
+    assert checked._dynbsz_scheduler.layout == "padded"
+    assert caplog.text.count("self-check") == 1 and "differ from each sample's own" in caplog.text
+    params = {name: p for name, p in checked.model.named_parameters()}
+    assert relative_difference(params, dict(stock.model.named_parameters())) <= 1e-5
+    unchecked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=False, seed=0)
+    assert unchecked._dynbsz_scheduler.layout == "padding_free"  # trusted, not checked: and not stock's
+    params = {name: p for name, p in unchecked.model.named_parameters()}
+    assert relative_difference(params, dict(stock.model.named_parameters())) > 1e-5
