@@ -1,0 +1,527 @@
+"""Every causal-LM architecture of the installed transformers, trained by stock TRL and by the plugin.
+
+Each architecture is built tiny from its default config (:mod:`hf_dynbsz.zoo`: random weights, offline, its own
+features kept on: sliding windows of 8, multi-head latent attention, sinks, soft-capping, MoE routers, recurrent
+and state-space layers) and trained for two optimizer steps with default settings by stock ``GRPOTrainer`` and by
+``DynamicBatchGRPOTrainer`` on the same scripted long-tailed rollouts. What is checked, per architecture:
+
+* **equal to stock**: with prompts of equal token length (no left padding: stock's padded forward is then per-sample
+  exact for every causal model) the parameters after two steps equal stock's within 1e-5 (relative); with prompts of
+  varied length too, unless stock's own result depends on its padding (:data:`STOCK_DEPENDS_ON_PADDING`);
+* **per-sample exact**: the plugin's log-probs of a step with varied prompt lengths and prompt groups, in the layout
+  it trains with, equal each sample computed alone (what generation computed) within 1e-4;
+* **the decision**: the layout the run trains with after the self-check is the one recorded in
+  :data:`ARCHITECTURES` (a change of what the plugin does for a model shows here);
+* **every architecture is classified**: one transformers adds fails :func:`test_every_architecture_is_classified`
+  until it has an entry in :data:`ARCHITECTURES` or :data:`EXCLUDED`.
+
+By default a representative subset (:data:`REPRESENTATIVE`) runs; ``python -m pytest -m zoo tests/test_model_zoo.py``
+runs every architecture (about 10 minutes on 2 cores). The README's compatibility table is generated from this
+file (``python tests/test_model_zoo.py README.md`` rewrites it; :func:`test_readme_table_is_the_generated_one`
+fails when it differs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: python tests/test_model_zoo.py README.md
+    sys.path.insert(0, str(ROOT))
+
+from hf_dynbsz.settings import readme_block, with_readme_block  # noqa: E402
+from hf_dynbsz.zoo import TinyConfigUnavailable, causal_lm_types, tiny_causal_lm_config  # noqa: E402
+
+PARAM_TOLERANCE = 1e-5
+LOGPROB_TOLERANCE = 1e-4
+
+#: What the plugin trains each architecture with after the self-check (``Layout.describe()`` of the layout, or
+#: "stock math"), with default settings and the model's default attention implementation.
+SHARED = "padding_free, shared prompts, segment attention (sdpa)"
+SHARED_EAGER = "padding_free, shared prompts, segment attention (eager)"
+PADDED = "padded"
+MASKED = "padded, attention mask"
+STOCK = "stock math"
+
+
+@dataclasses.dataclass(frozen=True)
+class Expect:
+    """``layout``: what the run trains with; ``why``: why not a faster one (empty for padding-free rows)."""
+
+    layout: str
+    why: str = ""
+
+
+# Why an architecture trains in a slower layout (read off the model by hf_dynbsz.model_support, or found by the
+# self-check); the README's table shows them.
+_NO_BACKEND = "attention not dispatched through transformers' AttentionInterface"
+_NO_POSITIONS = "its forward takes no position ids (positions would run on along a padding-free row)"
+_STATE = "layers that carry state along a row (recurrent, state-space, convolution, linear attention)"
+_BIDIRECTIONAL = "attention looks in both directions: padding needs a mask"
+_BLT = "self-check: byte n-gram hashes and entropy patches cross sequences in a padding-free row"
+_NONE_EXACT = "self-check: no layout gives each sample's own log-probs"
+_MOE = "MoE router aux loss, computed per micro-batch (TRL turns it on)"
+_INDEXED = "indexed sparse attention: a sample's log-probs depend on its padded width, in stock too"
+# Why an architecture is not trained by the test
+_MULTIMODAL = "multimodal: a vision / audio model (the vision-language tests cover Qwen2-VL, Qwen2.5-VL, LLaVA)"
+_DRAFTER = "speculative-decoding drafter: its forward needs the target model's embeddings and key/value states"
+_TRL_AUX_LOSS = "stock GRPOTrainer fails with default settings: TRL's router aux loss reads config.num_experts"
+
+#: Every architecture trained by the test, and what the plugin trains it with.
+ARCHITECTURES: dict[str, Expect] = {
+    "afmoe": Expect(SHARED),
+    "apertus": Expect(SHARED),
+    "arcee": Expect(SHARED),
+    "aria_text": Expect(SHARED),
+    "axk1": Expect(SHARED),
+    "axk2": Expect(STOCK, _INDEXED),
+    "bailing_hybrid": Expect(PADDED, _STATE),
+    "bamba": Expect(PADDED, _STATE),
+    "bart": Expect(PADDED, _NO_POSITIONS),
+    "beam": Expect(SHARED),
+    "bert": Expect(SHARED),
+    "bert-generation": Expect(SHARED),
+    "big_bird": Expect(PADDED, _NO_BACKEND),
+    "bigbird_pegasus": Expect(MASKED, _BIDIRECTIONAL),
+    "biogpt": Expect(SHARED),
+    "bitnet": Expect(SHARED),
+    "blenderbot": Expect(PADDED, _NO_POSITIONS),
+    "blenderbot-small": Expect(PADDED, _NO_POSITIONS),
+    "bloom": Expect(PADDED, _NO_POSITIONS),
+    "blt": Expect(PADDED, _BLT),
+    "camembert": Expect(SHARED),
+    "codegen": Expect(PADDED, _NO_BACKEND),
+    "cohere": Expect(SHARED),
+    "cohere2": Expect(SHARED),
+    "cohere2_moe": Expect(SHARED),
+    "cohere_compass_text": Expect(SHARED),
+    "cpmant": Expect(STOCK, _NONE_EXACT),
+    "ctrl": Expect(SHARED),
+    "cwm": Expect(SHARED),
+    "data2vec-text": Expect(SHARED),
+    "dbrx": Expect(SHARED),
+    "deepseek_v2": Expect(SHARED),
+    "deepseek_v3": Expect(SHARED),
+    "deepseek_v32": Expect(STOCK, _INDEXED),
+    "diffllama": Expect(SHARED),
+    "dots1": Expect(SHARED),
+    "dots3_note_text": Expect(STOCK, _INDEXED),
+    "electra": Expect(SHARED),
+    "ernie": Expect(SHARED),
+    "ernie4_5": Expect(SHARED),
+    "ernie4_5_moe": Expect(STOCK, _MOE),
+    "exaone4": Expect(SHARED),
+    "exaone_moe": Expect(SHARED),
+    "falcon": Expect(PADDED, _NO_BACKEND),
+    "falcon_h1": Expect(PADDED, _STATE),
+    "falcon_mamba": Expect(PADDED, _STATE),
+    "flex_olmo": Expect(STOCK, _MOE),
+    "flint": Expect(STOCK, _MOE),
+    "gemma": Expect(SHARED),
+    "gemma2": Expect(SHARED_EAGER),
+    "gemma3_text": Expect(SHARED),
+    "gemma3n_text": Expect(SHARED),
+    "gemma4_text": Expect(SHARED),
+    "gemma4_unified_text": Expect(SHARED),
+    "glm": Expect(SHARED),
+    "glm4": Expect(SHARED),
+    "glm4_moe": Expect(SHARED),
+    "glm4_moe_lite": Expect(SHARED),
+    "glm_moe_dsa": Expect(STOCK, _INDEXED),
+    "gpt-sw3": Expect(SHARED),
+    "gpt2": Expect(SHARED),
+    "gpt_bigcode": Expect(SHARED),
+    "gpt_neo": Expect(PADDED, _NO_BACKEND),
+    "gpt_neox": Expect(SHARED),
+    "gpt_neox_japanese": Expect(PADDED, _NO_BACKEND),
+    "gpt_oss": Expect(STOCK, _MOE),
+    "gptj": Expect(PADDED, _NO_BACKEND),
+    "granite": Expect(SHARED),
+    "granite_swa": Expect(SHARED_EAGER),
+    "helium": Expect(SHARED),
+    "hrm_text": Expect(SHARED),
+    "hunyuan_v1_dense": Expect(SHARED),
+    "hunyuan_v1_moe": Expect(SHARED),
+    "hy_v3": Expect(SHARED),
+    "hy_v4": Expect(STOCK, _INDEXED),
+    "hyperclovax": Expect(SHARED),
+    "inkling2_text": Expect(PADDED, _STATE),
+    "inkling_text": Expect(PADDED, _STATE),
+    "internlm3": Expect(SHARED),
+    "iquestcoder": Expect(SHARED),
+    "jais2": Expect(SHARED),
+    "jamba": Expect(STOCK, _MOE),
+    "jetmoe": Expect(SHARED),
+    "kimi_linear": Expect(PADDED, _STATE),
+    "kolibri1": Expect(SHARED),
+    "laguna": Expect(STOCK, _MOE),
+    "lfm2": Expect(PADDED, _STATE),
+    "lfm2_moe": Expect(PADDED, _STATE),
+    "lfm3": Expect(PADDED, _STATE),
+    "llama": Expect(SHARED),
+    "longcat_flash": Expect(SHARED),
+    "mamba": Expect(PADDED, _STATE),
+    "mamba2": Expect(PADDED, _STATE),
+    "marian": Expect(PADDED, _NO_POSITIONS),
+    "mbart": Expect(PADDED, _NO_POSITIONS),
+    "megatron-bert": Expect(PADDED, _NO_BACKEND),
+    "mellum": Expect(STOCK, _MOE),
+    "mimo_v2_flash": Expect(SHARED_EAGER),
+    "minicpm3": Expect(SHARED),
+    "minimax": Expect(STOCK, _MOE),
+    "minimax_m2": Expect(STOCK, _MOE),
+    "minimax_m3_vl_text": Expect(STOCK, _MOE),
+    "ministral": Expect(SHARED),
+    "ministral3": Expect(SHARED),
+    "mistral": Expect(SHARED),
+    "mixtral": Expect(STOCK, _MOE),
+    "modernbert-decoder": Expect(SHARED),
+    "moshi": Expect(SHARED),
+    "mpt": Expect(PADDED, _NO_POSITIONS),
+    "mvp": Expect(PADDED, _NO_POSITIONS),
+    "nanochat": Expect(SHARED),
+    "nemotron": Expect(SHARED),
+    "nemotron_h": Expect(PADDED, _STATE),
+    "olmo": Expect(SHARED),
+    "olmo2": Expect(SHARED),
+    "olmo3": Expect(SHARED),
+    "olmo_hybrid": Expect(PADDED, _STATE),
+    "olmoe": Expect(STOCK, _MOE),
+    "openai-gpt": Expect(PADDED, _NO_BACKEND),
+    "opt": Expect(SHARED),
+    "pegasus": Expect(PADDED, _NO_POSITIONS),
+    "persimmon": Expect(SHARED),
+    "phi": Expect(SHARED),
+    "phi3": Expect(SHARED),
+    "plbart": Expect(PADDED, _NO_POSITIONS),
+    "prophetnet": Expect(PADDED, _NO_POSITIONS),
+    "qwen2": Expect(SHARED),
+    "qwen2_moe": Expect(STOCK, _MOE),
+    "qwen3": Expect(SHARED),
+    "qwen3_5_moe_text": Expect(STOCK, _MOE),
+    "qwen3_5_text": Expect(PADDED, _STATE),
+    "qwen3_moe": Expect(STOCK, _MOE),
+    "qwen3_next": Expect(STOCK, _MOE),
+    "qwen4_exp_text": Expect(STOCK, _INDEXED),
+    "recurrent_gemma": Expect(PADDED, _STATE),
+    "rembert": Expect(PADDED, _NO_BACKEND),
+    "roberta": Expect(SHARED),
+    "roberta-prelayernorm": Expect(SHARED),
+    "roc_bert": Expect(SHARED),
+    "roformer": Expect(PADDED, _NO_POSITIONS),
+    "rwkv": Expect(PADDED, _STATE),
+    "seed_oss": Expect(SHARED),
+    "smollm3": Expect(SHARED),
+    "solar_open": Expect(SHARED),
+    "stablelm": Expect(SHARED),
+    "starcoder2": Expect(SHARED),
+    "trocr": Expect(PADDED, _NO_POSITIONS),
+    "vaultgemma": Expect(SHARED_EAGER),
+    "whisper": Expect(PADDED, _NO_POSITIONS),
+    "xglm": Expect(PADDED, _NO_BACKEND),
+    "xlm": Expect(PADDED, _NO_BACKEND),
+    "xlm-roberta": Expect(SHARED),
+    "xlm-roberta-xl": Expect(SHARED),
+    "xlnet": Expect(MASKED, _BIDIRECTIONAL),
+    "xlstm": Expect(PADDED, _STATE),
+    "xmod": Expect(SHARED),
+    "youtu": Expect(SHARED),
+    "zamba": Expect(PADDED, _STATE),
+    "zamba2": Expect(PADDED, _STATE),
+    "zaya": Expect(PADDED, _STATE),
+}
+
+#: Architectures not trained by the test, with the reason.
+EXCLUDED: dict[str, str] = {
+    "deepseek_v4": _TRL_AUX_LOSS,
+    "doge": 'stock GRPOTrainer fails with default settings: IndexError: tuple index out of range',
+    "dots3_note": _MULTIMODAL,
+    "emu3": _MULTIMODAL,
+    "fuyu": _MULTIMODAL,
+    "gemma3": _MULTIMODAL,
+    "gemma3n": _MULTIMODAL,
+    "gemma4": _MULTIMODAL,
+    "gemma4_assistant": _DRAFTER,
+    "gemma4_unified": _MULTIMODAL,
+    "gemma4_unified_assistant": _DRAFTER,
+    "git": _MULTIMODAL,
+    "got_ocr2": _MULTIMODAL,
+    "granitemoe": _TRL_AUX_LOSS,
+    "granitemoe_swa": _TRL_AUX_LOSS,
+    "granitemoehybrid": _TRL_AUX_LOSS,
+    "granitemoeshared": _TRL_AUX_LOSS,
+    "llama4": _MULTIMODAL,
+    "llama4_text": "stock GRPOTrainer fails with default settings: AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'last_hidden_state'",
+    "mllama": _MULTIMODAL,
+    "moss_transcribe_diarize": _MULTIMODAL,
+    "musicgen": _MULTIMODAL,
+    "musicgen_melody": _MULTIMODAL,
+    "phi4_multimodal": _MULTIMODAL,
+    "phimoe": _TRL_AUX_LOSS,
+    "qwen3_5": _MULTIMODAL,
+    "qwen3_5_moe": _MULTIMODAL,
+    "qwen4_exp": _MULTIMODAL,
+    "reformer": 'stock GRPOTrainer fails with default settings: ValueError: If training, sequence length 19 has to be a multiple of least common multiple chunk_length 4',
+}
+
+#: Architectures whose stock result depends on the left padding of its prompts: positions not derived from the
+#: attention mask (GPT-2 and its kin, BERT-style decoders, BART-style decoders: a left-padded sample's positions are
+#: shifted in stock's training forward, while generation computed them from the mask), state carried through the
+#: pads (RWKV, xLSTM, RecurrentGemma), or stock's padded forward giving NaN (Gemma-3n). With prompts of equal length
+#: stock is per-sample exact and the plugin equals it; with varied lengths the plugin keeps each sample's own
+#: log-probs (checked against the per-sample reference) and stock does not, so the two are not compared there.
+STOCK_DEPENDS_ON_PADDING: frozenset[str] = frozenset({
+    "bart",
+    "bert",
+    "bert-generation",
+    "big_bird",
+    "bigbird_pegasus",
+    "biogpt",
+    "blenderbot",
+    "blenderbot-small",
+    "blt",
+    "ctrl",
+    "electra",
+    "ernie",
+    "gemma3n_text",
+    "gpt-sw3",
+    "gpt2",
+    "gpt_bigcode",
+    "gpt_neo",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "marian",
+    "mbart",
+    "megatron-bert",
+    "mvp",
+    "openai-gpt",
+    "pegasus",
+    "plbart",
+    "prophetnet",
+    "recurrent_gemma",
+    "rembert",
+    "roc_bert",
+    "rwkv",
+    "trocr",
+    "whisper",
+    "xglm",
+    "xlm",
+    "xlstm",
+})
+
+#: The subset the default test run trains: one architecture of each kind the decision module tells apart.
+REPRESENTATIVE = ("llama", "mistral", "gemma2", "gemma3_text", "deepseek_v3", "nemotron", "roberta", "gpt2", "bart",
+                  "xlnet", "rwkv", "qwen3_5_text", "deepseek_v32", "qwen3_moe", "blt", "cpmant", "codegen", "gpt_oss")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running one architecture
+# ---------------------------------------------------------------------------------------------------------------
+def _checkpointing_off() -> dict:
+    from trl import GRPOConfig
+
+    names = {field.name for field in dataclasses.fields(GRPOConfig)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+
+
+def _rollout(equal_prompts: bool):
+    from hf_dynbsz.testing import ScriptedRollout
+
+    prompt_length = (lambda rng: 6) if equal_prompts else (lambda rng: rng.integers(2, 12))
+    return ScriptedRollout(lambda rng, n, rank: rng.geometric(0.12, n), prompt_length, max_completion_length=24,
+                           seed=0, token_low=3, token_high=60, eos_id=1)
+
+
+def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool):
+    """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type``: ``(initial, final parameters, trainer)``."""
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_char_tokenizer, prompt_dataset
+    from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type(model_type, seed=0)
+    # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
+    overrides = {} if model.supports_gradient_checkpointing else _checkpointing_off()
+    args = config_cls(**base_config_kwargs(output_dir, **overrides))
+    trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
+                          processing_class=build_char_tokenizer(), rollout_func=_rollout(equal_prompts))
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    return initial, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, trainer
+
+
+def trained_layout(trainer) -> str:
+    """What ``trainer`` trained with: its scheduler's layout, or "stock math"."""
+    if not trainer._dynbsz_enabled:
+        return STOCK
+    scheduler = trainer._dynbsz_scheduler
+    from hf_dynbsz.model_support import Layout
+
+    return Layout(scheduler.layout, scheduler.share_prompts, scheduler.segment_attention,
+                  scheduler.attention_mask).describe()
+
+
+def per_sample_error(trainer) -> float:
+    """Largest difference between the plugin's log-probs of a step (varied prompt lengths, prompt groups of 3, the
+    trainer's layout and schedule) and each sample computed alone; 0 for stock math."""
+    import torch
+    from trl.trainer.utils import pad
+
+    from hf_dynbsz.packing import SequenceTable
+    from hf_dynbsz.testing import stock_logps
+
+    if not trainer._dynbsz_enabled:
+        return 0.0
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 60, (int(n),), generator=generator) for n in (3, 9, 5, 12)]
+    prompts = [prompt for prompt in prompts for _ in range(3)]  # each prompt with 3 completions
+    completions = [torch.randint(3, 60, (int(n),), generator=generator) for n in (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)]
+    batch = (pad(prompts, padding_value=0, padding_side="left"),
+             pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+             pad(completions, padding_value=0, padding_side="right"),
+             pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+    table = SequenceTable.from_padded(*batch)
+    model = trainer.model
+    model.eval()
+    with torch.no_grad():
+        logps, _ = trainer._no_grad_passes(model, table, batch[2].size(1), False, stock_tokens=40)
+        error = 0.0
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):  # alone: no padding, no position ids
+            ones = torch.ones(1, prompt.numel() + completion.numel(), dtype=torch.long)
+            alone, _ = stock_logps(model, prompt[None], ones[:, : prompt.numel()], completion[None],
+                                   ones[:, prompt.numel():])
+            error = max(error, float((logps[i, : completion.numel()] - alone[0]).abs().max()))
+    return error
+
+
+def run_architecture(model_type: str, directory: Path) -> dict:
+    """Everything the test checks for one architecture, measured: differences from stock, the per-sample error and
+    the layout trained with."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import relative_difference
+
+    result = {}
+    for name, equal in (("equal_prompts", True), ("varied_prompts", False)):
+        initial, stock, _ = train(model_type, GRPOTrainer, GRPOConfig, str(directory / f"stock-{name}"), equal)
+        initial_ours, ours, trainer = train(model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig,
+                                            str(directory / f"ours-{name}"), equal)
+        assert relative_difference(initial_ours, initial) == 0.0, "both trainers start from the same weights"
+        result[name] = relative_difference(ours, stock)
+        if equal:
+            result["layout"] = trained_layout(trainer)
+        else:
+            result["per_sample_error"] = per_sample_error(trainer)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------------------
+def test_every_architecture_is_classified():
+    types = set(causal_lm_types())
+    unclassified = sorted(types - set(ARCHITECTURES) - set(EXCLUDED))
+    assert not unclassified, (f"architectures new to transformers: {unclassified}; run them through "
+                              "run_architecture and add each to ARCHITECTURES or EXCLUDED")
+    assert not (set(ARCHITECTURES) & set(EXCLUDED))
+    assert not (set(ARCHITECTURES) | set(EXCLUDED)) - types, "entries for architectures transformers no longer has"
+
+
+def test_excluded_architectures_cannot_be_built_or_trained_by_stock():
+    """An exclusion is data with a reason: tiny configs that cannot be built say so themselves."""
+    for model_type, reason in EXCLUDED.items():
+        assert reason
+        if reason.startswith("multimodal") or reason.startswith("speculative"):
+            with pytest.raises(TinyConfigUnavailable):
+                tiny_causal_lm_config(model_type)
+
+
+def _params():
+    """Every architecture (marker ``zoo``); the representative ones also run by default (see tests/conftest.py)."""
+    for model_type in sorted(ARCHITECTURES):
+        marks = [pytest.mark.zoo] + ([pytest.mark.representative] if model_type in REPRESENTATIVE else [])
+        yield pytest.param(model_type, marks=marks, id=model_type)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one thread is many times faster than two on a loaded 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model_type", list(_params()))
+def test_architecture_trains_as_stock(model_type, tmp_path, one_thread, caplog):
+    expected = ARCHITECTURES[model_type]
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        result = run_architecture(model_type, tmp_path)
+    assert result["layout"] == expected.layout, caplog.text[-3000:]
+    assert result["equal_prompts"] <= PARAM_TOLERANCE, result
+    if model_type not in STOCK_DEPENDS_ON_PADDING:
+        assert result["varied_prompts"] <= PARAM_TOLERANCE, result
+    assert result["per_sample_error"] <= LOGPROB_TOLERANCE, result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The README's compatibility table
+# ---------------------------------------------------------------------------------------------------------------
+def compatibility_table() -> str:
+    """The README's table: one row per architecture (trained ones first), generated from the data above."""
+    rows = ["| architecture | trains with | equal to stock | why |", "|---|---|---|---|"]
+    for model_type in sorted(ARCHITECTURES):
+        expect = ARCHITECTURES[model_type]
+        if expect.layout == STOCK:
+            equal = "yes (stock math)"
+        elif model_type in STOCK_DEPENDS_ON_PADDING:
+            equal = "equal-length prompts; per sample otherwise"
+        else:
+            equal = "yes"
+        subset = " (CI)" if model_type in REPRESENTATIVE else ""
+        rows.append(f"| `{model_type}`{subset} | {expect.layout} | {equal} | {expect.why} |")
+    for model_type in sorted(EXCLUDED):
+        rows.append(f"| `{model_type}` | not tested | - | {EXCLUDED[model_type]} |")
+    return "\n".join(rows)
+
+
+def counts() -> dict[str, int]:
+    """Architectures per layout trained with (the README quotes them)."""
+    totals: dict[str, int] = {}
+    for expect in ARCHITECTURES.values():
+        totals[expect.layout] = totals.get(expect.layout, 0) + 1
+    return totals
+
+
+def test_readme_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_block(readme, "model-zoo-table") == compatibility_table(), (
+        "the README's model-zoo table is stale: run python tests/test_model_zoo.py README.md")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".md"):
+        path = Path(sys.argv[1])
+        path.write_text(with_readme_block(path.read_text(encoding="utf-8"), "model-zoo-table", compatibility_table()),
+                        encoding="utf-8")
+    else:  # python tests/test_model_zoo.py TYPE...: measure architectures (one JSON line each)
+        import json
+        import tempfile
+
+        import torch
+
+        torch.set_num_threads(1)
+        logging.basicConfig(level=logging.WARNING)
+        for model_type in sys.argv[1:] or causal_lm_types():
+            with tempfile.TemporaryDirectory() as directory:
+                try:
+                    print(json.dumps({"type": model_type, **run_architecture(model_type, Path(directory))}), flush=True)
+                except Exception as error:  # noqa: BLE001 - reported, to classify
+                    print(json.dumps({"type": model_type, "error": f"{type(error).__name__}: {error}"[:300]}),
+                          flush=True)
