@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from .model_support import Layout
-from .packing import SequenceTable
+from .packing import MicroBatch, SequenceTable, build_microbatch
 
-__all__ = ["CheckResult", "pick_samples", "run_self_check", "tolerance"]
+__all__ = ["CheckResult", "alone_microbatch", "pick_samples", "run_self_check", "tolerance"]
 
 #: Samples per check (and per-sample reference forwards on every process).
 SAMPLES = 4
@@ -66,6 +66,15 @@ def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
     return (chosen * count)[:count]
 
 
+def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
+    """The per-sample reference's input: sample ``index`` as one unpadded row with an all-ones attention mask and no
+    position ids (the model positions it as it does any single sequence, as generation did)."""
+    mb = build_microbatch(table, [index], layout="padded", pad_token_id=pad_token_id, device=device,
+                          attention_mask=True)
+    mb.model_inputs.pop("position_ids", None)
+    return mb
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """``chosen``: index of the layout to use (``len(layouts)``: none, stock math); ``errors``: per layout, the
@@ -75,6 +84,17 @@ class CheckResult:
     chosen: int
     errors: list[float]
     reasons: list[str]
+
+    def summary(self, layouts: Sequence[Layout]) -> str:
+        """What the run trains with and why, for the log."""
+        why = "; ".join(self.reasons) or "another process found the faster layouts inexact"
+        if self.chosen == len(layouts):
+            return (f"self-check: no layout gives each sample's own log-probs on this model, stock GRPOTrainer math "
+                    f"runs ({why}).")
+        if self.chosen:
+            return (f"self-check: {layouts[self.chosen].describe()} runs, the faster layouts differ from each "
+                    f"sample's own log-probs ({why}).")
+        return f"self-check passed: {layouts[0].describe()} (largest log-prob difference {self.errors[0]:.1e})."
 
 
 def run_self_check(layouts: Sequence[Layout], table: SequenceTable,

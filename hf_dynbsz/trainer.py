@@ -42,7 +42,7 @@ from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
-from .self_check import run_self_check, tolerance
+from .self_check import alone_microbatch, run_self_check, tolerance
 from .tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
@@ -296,39 +296,28 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         if self._dynbsz_checked:
             return self._dynbsz_enabled
         self._dynbsz_checked = True
-        capabilities, group = self._dynbsz_capabilities, self._dynbsz_scheduler.group
-        schedulers = [Scheduler.from_args(self.args, capabilities.support, group, layout=layout)
-                      for layout in capabilities.layouts]
+        layouts, group = self._dynbsz_capabilities.layouts, self._dynbsz_scheduler.group
+        schedulers = [Scheduler.from_args(self.args, self._dynbsz_capabilities.support, group, layout=layout)
+                      for layout in layouts]
 
         def run_layout(layout, indices):
-            scheduler = schedulers[capabilities.layouts.index(layout)]
+            scheduler = schedulers[layouts.index(layout)]
             groups = table.prompt_groups() if scheduler.share_prompts else None
             with self._segments(model, scheduler):
                 return self._forward(model, self._microbatch(table, indices, groups, scheduler), False)[0]
 
-        def run_alone(index):  # one unpadded row, the model's own attention and positions
-            mb = build_microbatch(table, [index], layout="padded", pad_token_id=self._tokenizer.pad_token_id,
-                                  device=self.accelerator.device, attention_mask=True)
-            mb.model_inputs.pop("position_ids", None)
+        def run_alone(index):
+            mb = alone_microbatch(table, index, self._tokenizer.pad_token_id, self.accelerator.device)
             return self._forward(model, mb, False)[0]
 
         dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
         with self._tiles(), torch.autocast(self.accelerator.device.type, enabled=False):  # the weights' precision
-            result = run_self_check(capabilities.layouts, table, run_layout, run_alone, tolerance(dtype),
+            result = run_self_check(layouts, table, run_layout, run_alone, tolerance(dtype),
                                     agree=lambda index: group.all_reduce_max([index])[0])
-        if result.chosen == len(capabilities.layouts):
-            self._dynbsz_enabled = False
-            logger.warning("hf_dynbsz: self-check: no layout gives each sample's own log-probs on this model, stock "
-                           "GRPOTrainer math runs (%s).", "; ".join(result.reasons) or "another process found it")
-        else:
-            chosen = capabilities.layouts[result.chosen]
-            if result.chosen:
-                self._dynbsz_scheduler = schedulers[result.chosen]
-                logger.warning("hf_dynbsz: self-check: %s runs, the faster layouts differ from each sample's own "
-                               "log-probs (%s).", chosen.describe(), "; ".join(result.reasons))
-            else:
-                logger.info("hf_dynbsz: self-check passed: %s (largest log-prob difference %.1e).",
-                            chosen.describe(), result.errors[0])
+        logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", result.summary(layouts))
+        self._dynbsz_enabled = result.chosen < len(layouts)
+        if self._dynbsz_enabled and result.chosen:
+            self._dynbsz_scheduler = schedulers[result.chosen]
         return self._dynbsz_enabled
 
     # ------------------------------------------------------------------ stock features kept exact
