@@ -115,6 +115,10 @@ HALF_BUDGET_MIXES = ("long_tailed", "bimodal")
 VISION_PROMPT_TOKENS = 2 * 256 + 32
 #: ``--model qwen2_vl`` defaults: vision-language models train in padded micro-batches only.
 VISION_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padded_half,padded_trl_tile")
+#: ``--model qwen3_moe`` defaults: the router aux loss on (TRL's default for MoE models), long-tailed completions.
+MOE_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padding_free")
+#: ``--model qwen3_moe``: experts, experts per token, router aux loss coefficient (Qwen3-MoE's default).
+MOE_EXPERTS, MOE_TOP_K, MOE_AUX_COEF = 8, 2, 0.001
 
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
@@ -287,24 +291,47 @@ def run_worker(spec: dict) -> dict:
     if spec.get("model") == "qwen2_vl":
         return run_vision_worker(spec, fingerprint)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=spec["hidden_size"],
-        num_hidden_layers=spec["num_layers"],
-        num_attention_heads=max(2, spec["hidden_size"] // 32),
-        num_key_value_heads=max(1, spec["hidden_size"] // 64),
-        intermediate_size=3 * spec["hidden_size"],
-        vocab_size=spec["vocab_size"],
-        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
-        attn_implementation="sdpa",
-        seed=0,
-    )
+    if spec.get("model") == "qwen3_moe":
+        model = build_moe_model(spec, len(tokenizer))
+    else:
+        model = build_tiny_causal_lm(
+            tokenizer,
+            hidden_size=spec["hidden_size"],
+            num_hidden_layers=spec["num_layers"],
+            num_attention_heads=max(2, spec["hidden_size"] // 32),
+            num_key_value_heads=max(1, spec["hidden_size"] // 64),
+            intermediate_size=3 * spec["hidden_size"],
+            vocab_size=spec["vocab_size"],
+            max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
+            attn_implementation="sdpa",
+            seed=0,
+        )
     num_params = sum(p.numel() for p in model.parameters())
     rollout = ScriptedRollout(lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
                               lambda rng: prompt_lengths(mix, 1, rng)[0], max_completion_length=max_len,
                               seed=spec["seed"], token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
     dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]})
     return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
+
+
+def build_moe_model(spec: dict, tokenizer_size: int):
+    """A Qwen3-MoE-style model: every layer a mixture of MOE_EXPERTS experts (MLP 3 x hidden / MOE_TOP_K each, so
+    a token's expert work equals the dense model's MLP), MOE_TOP_K per token, the router aux loss on."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hidden = spec["hidden_size"]
+    config = Qwen3MoeConfig(
+        vocab_size=max(spec["vocab_size"], tokenizer_size), hidden_size=hidden, intermediate_size=3 * hidden,
+        moe_intermediate_size=3 * hidden // MOE_TOP_K, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+        num_hidden_layers=spec["num_layers"], num_attention_heads=max(2, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64), head_dim=32 if hidden >= 64 else hidden // 2,
+        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
+        router_aux_loss_coef=MOE_AUX_COEF, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config)
 
 
 def num_prompts(spec: dict) -> int:
@@ -620,10 +647,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--model", choices=("qwen2", "qwen2_vl"), default="qwen2",
+    parser.add_argument("--model", choices=("qwen2", "qwen2_vl", "qwen3_moe"), default="qwen2",
                         help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
                              "vlm_step_time.*; default mixes/configs: long_tailed / stock,padded,padded_half,"
-                             "padded_trl_tile)")
+                             "padded_trl_tile); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
+                             "moe_step_time.*; default long_tailed / stock,padded,padding_free)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -637,6 +665,8 @@ def main() -> None:
     settings = dict(PRESETS["quick" if args.quick else "default"])
     if args.model == "qwen2_vl":
         settings.update(VISION_DEFAULTS)
+    if args.model == "qwen3_moe":
+        settings.update(MOE_DEFAULTS)
     for key in settings:
         value = getattr(args, key, None)
         if value is not None:
@@ -682,10 +712,13 @@ def main() -> None:
     table = render_table(rows)
     first = results[0]
     steps_per_round = settings["steps_per_generation"] * settings["num_iterations"] // settings["grad_accum"]
-    vision = args.model == "qwen2_vl"
+    vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
     setup = (
         ("Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
          "i.e. 1-256 image tokens each, and 1-6 text characters), language model" if vision else
+         f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * settings['hidden_size'] // MOE_TOP_K} per layer, "
+         f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer adds "
+         "one no-grad router pass per optimizer step)," if moe else
          "Model: Qwen2-style,") + f" hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
         f"{max(2, settings['hidden_size'] // 32)} heads ({max(1, settings['hidden_size'] // 64)} KV), MLP "
         f"{(2 if vision else 3) * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
@@ -706,11 +739,11 @@ def main() -> None:
     code = f"Code: {git_state()}; hf_dynbsz source hash {', '.join(code_versions)}" + (
         " (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "") + "."
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = ("vlm_" if vision else "") + ("step_time_quick" if args.quick else "step_time")
-    command = ("python benchmarks/step_time.py" + (" --model qwen2_vl" if vision else "")
+    name = ("vlm_" if vision else "moe_" if moe else "") + ("step_time_quick" if args.quick else "step_time")
+    command = ("python benchmarks/step_time.py" + (f" --model {args.model}" if vision or moe else "")
                + (" --quick" if args.quick else ""))
     markdown = "\n\n".join([
-        f"# Training-step time{', vision-language' if vision else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
+        f"# Training-step time{', vision-language' if vision else ', mixture of experts' if moe else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
         f"{' (quick run)' if args.quick else ''}",
         f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
         setup,

@@ -62,7 +62,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
                  "the adaptive entropy controller's state, updated at the optimizer-step boundary as stock does"),
     InternalName("GRPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
     InternalName("GRPOTrainer instance", "aux_loss_enabled", "reads",
-                 "an MoE router aux loss per micro-batch cannot be repacked: stock math then runs"),
+                 "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample"),
     # ---- transformers
     InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "writes",
                  "read: the attention implementation decides the layout; switched to segment attention around the "

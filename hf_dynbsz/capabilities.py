@@ -51,6 +51,8 @@ class Capabilities:
     layouts: list[Layout]
     scheduler: Scheduler
     notes: list[str] = field(default_factory=list)
+    #: the MoE router aux loss TRL trains is repacked per sample (:mod:`hf_dynbsz.router_loss`)
+    router_aux: bool = False
 
     @property
     def vision_language(self) -> str | None:
@@ -64,11 +66,12 @@ class Capabilities:
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
-        if enabled and aux_loss:
-            enabled = False
-            notes.append("dynamic batching is off, stock GRPOTrainer math runs because the MoE router aux loss is "
-                         "computed per micro-batch")
         support = ModelSupport.of(model=model)
+        router_aux = enabled and aux_loss and support.router_aux is not None
+        if enabled and aux_loss and not router_aux:
+            enabled = False
+            notes.append(f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
+                         f"repacked ({support.router_aux_blocker})")
         layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix))
         if enabled:
             notes += layout_notes + list(support.notes)
@@ -85,4 +88,4 @@ class Capabilities:
         if args.per_device_generation_batch_size is not None and external_generation:
             notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
                          "vLLM / continuous batching schedule their own generation batches")
-        return cls(enabled, support, layouts, scheduler, notes)
+        return cls(enabled, support, layouts, scheduler, notes, router_aux)

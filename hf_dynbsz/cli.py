@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .model_support import ModelSupport
+from .model_support import ModelSupport, router_aux_loss_coef
 from .partition import token_lower_bound
 from .schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
@@ -530,6 +530,9 @@ def _run_plan(argv: list[str]) -> int:
                 mixed_precision=launcher.get("mixed_precision"),
                 layout=shown_layout,
                 vision_language=support.vision_language,
+                router_aux=support.router_aux_mode(router_aux_loss_coef(model_config,
+                                                                        getattr(namespace, "router_aux_loss_coef",
+                                                                                None))),
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None

@@ -24,6 +24,7 @@ from .partition import GENERIC_DECODER, ModelFlops
 
 __all__ = [
     "Layout",
+    "router_aux_loss_coef",
     "ModelSupport",
     "REPACKED_VISION_MODEL_TYPES",
     "VARLEN_ATTENTION_PREFIXES",
@@ -133,7 +134,9 @@ class ModelSupport:
     * ``unmasked_padding_blocker``: right padding without an attention mask can reach real tokens (bidirectional
       attention), or the model positions tokens from the mask;
     * ``repacking_blocker``: no layout can be exact, stock math runs (a sample's log-probs depend on the row it is
-      padded to, in stock's own forward too).
+      padded to, in stock's own forward too);
+    * ``router_aux_blocker``: the MoE router aux loss (when TRL trains one) cannot be repacked;
+      ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.router_loss`).
 
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
     ``padding_idx + 1``). ``model_flops``: the FLOPs read off the config (None when it gives none: :attr:`flops` is
@@ -147,6 +150,8 @@ class ModelSupport:
     segment_attention_blocker: str | None = None
     unmasked_padding_blocker: str | None = None
     repacking_blocker: str | None = None
+    router_aux: tuple[int, int] | None = None
+    router_aux_blocker: str | None = None
     position_offset: int = 0
     model_flops: ModelFlops | None = None
     notes: tuple[str, ...] = ()
@@ -182,8 +187,10 @@ class ModelSupport:
         if bidirectional:
             segment = segment or bidirectional
             unmasked = bidirectional
+        router_aux, router_blocker = _router_aux_form(text, model)
         return replace(support, padding_free_blocker=padding_free, segment_attention_blocker=segment,
                        unmasked_padding_blocker=unmasked, repacking_blocker=_content_selected_keys(text),
+                       router_aux=router_aux, router_aux_blocker=router_blocker,
                        position_offset=_position_offset(model))
 
     # ------------------------------------------------------------------ what a run uses
@@ -230,6 +237,12 @@ class ModelSupport:
                    else "packing_layout='padded'")
             notes.append(f"share_prompt_prefix is not applied: {why or 'packing_layout resolves to padded rows'}")
         return ladder, notes
+
+    def router_aux_mode(self, coef: float) -> str | None:
+        """The plan table's ``router aux loss`` row: None without one (``coef`` 0), "repacked", or why not."""
+        if not coef:
+            return None
+        return "repacked" if self.router_aux is not None else self.router_aux_blocker
 
     def describe(self) -> list[str]:
         """One line per limit of this model (for logs and ``hf-dynbsz plan``)."""
@@ -354,6 +367,29 @@ def _takes_position_ids(model: Any) -> bool:
         return "position_ids" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def router_aux_loss_coef(config: Any, configured: float | None = None) -> float:
+    """The MoE router aux loss coefficient TRL 1.16 trains a model of ``config`` with: ``configured``
+    (``GRPOConfig.router_aux_loss_coef``), else the text config's own; 0 when the config has no
+    ``output_router_logits`` (TRL then trains none)."""
+    text = text_config_of(config)
+    if text is None or not hasattr(text, "output_router_logits"):
+        return 0.0
+    return float(_read(text, "router_aux_loss_coef", 0.0) if configured is None else configured)
+
+
+def _router_aux_form(text_config: Any, model: Any) -> tuple[tuple[int, int] | None, str | None]:
+    """``((experts, experts per token), None)``: the numbers TRL's fused LM head gives transformers' standard
+    load-balancing loss (Mixtral's ``load_balancing_loss_func``, whatever the model's own forward computes), which
+    :mod:`hf_dynbsz.router_loss` repacks; ``(None, why not)`` when they cannot be read (stock fails then too)."""
+    experts, top_k = _read(text_config, "num_experts"), _read(text_config, "num_experts_per_tok")
+    if _read(text_config, "model_type") == "gpt_oss" and model is not None:  # TRL reads the model's on gpt_oss
+        experts = _read(model, "num_experts", experts)
+    if isinstance(experts, int) and isinstance(top_k, int):
+        return (experts, top_k), None
+    return None, ("TRL's router aux loss reads num_experts and num_experts_per_tok from the config, which gives "
+                  f"{experts!r} and {top_k!r}")
 
 
 def _position_offset(model: Any) -> int:

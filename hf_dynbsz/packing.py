@@ -127,7 +127,10 @@ class MicroBatch:
     ``input_ids`` and ``position_ids`` (and an ``attention_mask`` for padded rows that need one), or for
     vision-language samples ``input_ids``, ``attention_mask``, their token fields and image inputs. ``segments``:
     the :class:`~hf_dynbsz.attention.SegmentLayout` of a padding-free row run through segment attention (give it to
-    :func:`~hf_dynbsz.attention.use_segments` before the forward), else None. ``shift_labels`` has the shape of
+    :func:`~hf_dynbsz.attention.use_segments` before the forward), else None. ``token_rows``: ``(token_index,
+    row_index)`` pairs, each flat token position with every row (sample) it counts for, as stock's attention mask
+    counts it: a shared prompt's tokens for each sample sharing it, padding for none (the MoE router aux loss reads
+    them). ``shift_labels`` has the shape of
     ``input_ids``. ``gather_index`` is ``(rows, completion_width)`` into the flattened per-position
     output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count the positions
     computed without and with padding (a shared prompt counts once).
@@ -141,6 +144,7 @@ class MicroBatch:
     real_tokens: int
     computed_tokens: int
     segments: object | None = None
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to_completion_layout(self, per_position: torch.Tensor) -> torch.Tensor:
         """(1 or rows, positions) model output -> (rows, completion_width), zero where not a completion token."""
@@ -188,6 +192,8 @@ def build_microbatch(
     completion_mask = torch.zeros(rows, completion_width, dtype=torch.long)
     model_inputs = {}
     segment_layout = None
+    token_index: list[torch.Tensor] = []  # flat positions, and the row each counts for
+    row_index: list[torch.Tensor] = []
 
     if layout == "padding_free":
         pieces, positions, labels, segments = [], [], [], []
@@ -196,6 +202,9 @@ def build_microbatch(
             first = members[0]
             prefix = prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
             if prefix:
+                for j in members:
+                    token_index.append(torch.arange(offset, offset + prefix))
+                    row_index.append(torch.full((prefix,), j))
                 pieces.append(table.tokens[indices[first]][:prefix].cpu())
                 positions.append(torch.arange(prefix))
                 labels.append(torch.full((prefix,), -100, dtype=torch.long))
@@ -206,6 +215,8 @@ def build_microbatch(
                 block = seq[prefix:]  # a plain sequence, or the prompt's last token + the completion
                 lead = p - 1 - prefix  # block position whose next token is the first completion token
                 pieces.append(block)
+                token_index.append(torch.arange(offset, offset + block.numel()))
+                row_index.append(torch.full((block.numel(),), j))
                 positions.append(torch.arange(prefix, prefix + block.numel()))
                 label = torch.full((block.numel(),), -100, dtype=torch.long)
                 if c > 0:
@@ -242,6 +253,8 @@ def build_microbatch(
         for j, i in enumerate(indices):
             seq, p, c, n = table.tokens[i], prompt_lengths[j], completion_lengths[j], seq_lengths[j]
             input_ids[j, :n] = seq.cpu()
+            token_index.append(torch.arange(j * width, j * width + n))
+            row_index.append(torch.full((n,), j))
             if c > 0:
                 shift_labels[j, p - 1 : p - 1 + c] = seq[p : p + c].cpu()
                 gather_index[j, :c] = torch.arange(j * width + p - 1, j * width + p - 1 + c)
@@ -275,6 +288,7 @@ def build_microbatch(
         real_tokens=real,
         computed_tokens=computed,
         segments=segment_layout,
+        token_rows=(torch.cat(token_index).to(device), torch.cat(row_index).to(device)),
     )
 
 

@@ -406,6 +406,8 @@ class BatchSizePlan:
     env_sources: Mapping[str, str] = field(default_factory=dict)
     #: how image steps train: None (a text model, or not known), "repacked" or "stock" (fixed micro-batches)
     vision_language: str | None = None
+    #: the MoE router aux loss TRL trains: None (none), "repacked", or why stock math runs
+    router_aux: str | None = None
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -418,6 +420,7 @@ class BatchSizePlan:
         mixed_precision: str | None = None,
         layout: str | None = None,
         vision_language: str | None = None,
+        router_aux: str | None = None,
     ) -> BatchSizePlan:
         """Plan the batch sizes of ``args`` on ``num_processes`` processes.
 
@@ -433,7 +436,8 @@ class BatchSizePlan:
         ``zero_stage`` and ``mixed_precision`` describe the launcher (accelerate/DeepSpeed); when None they are
         read from ``args.deepspeed`` (a dict) and ``args.fp16``/``args.bf16``. ``layout`` is the concrete packing
         layout if known; None shows ``args.packing_layout``. ``vision_language`` (see
-        :func:`hf_dynbsz.schedule.vision_language_mode`) adds a row saying how image steps train.
+        :func:`hf_dynbsz.model_support.vision_language_mode`) adds a row saying how image steps train, and
+        ``router_aux`` ("repacked", or why not) one saying how the MoE router aux loss trains.
 
         Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
         DeepSpeed requires does not hold.
@@ -514,6 +518,7 @@ class BatchSizePlan:
             mixed_precision=mixed_precision if mixed_precision is not None else _mixed_precision_from_args(args),
             env_sources=dict(env_sources(args)),
             vision_language=vision_language,
+            router_aux=router_aux,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------
@@ -767,6 +772,15 @@ class BatchSizePlan:
                 "each sample's images move with it into its micro-batch (padded layout, no cross-rank balancing)"
                 if self.vision_language == "repacked" else
                 "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
+            ))
+        if self.router_aux is not None:
+            repacked = self.router_aux == "repacked"
+            rows.append((
+                "router aux loss",
+                "repacked" if repacked else "stock math",
+                "-",
+                "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
+                if repacked else self.router_aux,
             ))
         # Values a DIFFU_* variable set say so, where the user looks for them.
         return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources

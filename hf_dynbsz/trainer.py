@@ -40,6 +40,7 @@ from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
+from .router_loss import RouterAuxLoss, captured_router_logits, router_statistics
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
 from .self_check import alone_microbatch, run_self_check, tolerance
@@ -146,7 +147,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     **media, **token_fields,
                 )
         stock_tokens = (batch_size or input_ids.size(0)) * input_ids.size(1)
-        logps, entropies = self._no_grad_passes(model, table, logits_to_keep, compute_entropy, stock_tokens)
+        logps, entropies, _ = self._no_grad_passes(model, table, logits_to_keep, compute_entropy, stock_tokens)
         return logps, entropies, None
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -168,9 +169,20 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         """The optimizer step's passes: schedule the step's samples, forward/backward each pass, log once."""
         with self._dynbsz_meters.clock.phase("train"):
             device, scheduler = self.accelerator.device, self._dynbsz_scheduler
-            if self.top_entropy_quantile < 1.0:
-                batch.high_entropy = self._high_entropy_mask(model, batch)
             ga = self.current_gradient_accumulation_steps
+            aux = None
+            if self._dynbsz_capabilities.router_aux:  # stock's MoE router aux loss, per sample
+                aux = RouterAuxLoss(self.router_aux_loss_coef, *self._dynbsz_capabilities.support.router_aux,
+                                    len(batch.slice_rows), ga, device)
+            if self.top_entropy_quantile < 1.0 or aux is not None:  # one no-grad pass over the step's samples
+                _, entropies, counts = self._no_grad_passes(model, batch.table, batch.width,
+                                                            self.top_entropy_quantile < 1.0,
+                                                            batch.stock_microbatch_tokens, router=aux)
+                if self.top_entropy_quantile < 1.0:
+                    batch.high_entropy = self._high_entropy_mask(batch, entropies)
+                if aux is not None:
+                    aux.add_counts(batch.slice_ids, counts)
+                    aux.agree(self.accelerator)
             batch.policy_weights, batch.entropy_weights = sample_weights(
                 self._dynbsz_loss_settings, batch.loss_tokens, batch.slice_ids, batch.slice_rows, batch.num_items,
                 gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
@@ -189,22 +201,29 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                         self._dummy_pass(model, last)
                         continue
                     mb = self._microbatch(batch.table, group, schedule.groups)
-                    logps, entropies = self._forward(model, mb, True)
+                    logps, entropies, router_logits = self._forward(model, mb, True, router=aux is not None)
                     rows = batch.rows(group, logps.size(1))
                     loss, loss_metrics = microbatch_loss(self._dynbsz_loss_settings, logps, entropies, rows, bonus)
+                    if aux is not None:
+                        loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
                     self._backward(model, loss, last)
                     total_loss += loss.detach()
                     metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
             if bonus is not None:
                 bonus.finish(self, ga)
+            if aux is not None:
+                aux.publish(self._metrics["train"], self.accelerator)
         metrics.publish(self._metrics["train"], self.accelerator, loss_type=self.loss_type, schedule=schedule,
                         stock_computed_tokens=batch.stock_computed_tokens, group=scheduler.group,
                         meters=self._dynbsz_meters, table=batch.table)
         return total_loss
 
     @torch.no_grad()
-    def _no_grad_passes(self, model, table: SequenceTable, width: int, compute_entropy: bool, stock_tokens: int):
-        """Completion log-probs (and entropies) of every sample of ``table``, ``(samples, width)``, in table order."""
+    def _no_grad_passes(self, model, table: SequenceTable, width: int, compute_entropy: bool, stock_tokens: int,
+                        router: RouterAuxLoss | None = None):
+        """Completion log-probs, entropies (or None) and, for ``router``, the router pass's ``(samples, experts + 1)``
+        statistics (expert counts, tokens; or None) of every sample of ``table``, ``(samples, width)``, in table
+        order."""
         with self._dynbsz_meters.clock.phase("logprob"):
             scheduler = self._dynbsz_scheduler
             schedule = self._plan(table, scheduler.budget(stock_tokens, "logprob"), "logprob")
@@ -212,20 +231,31 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
             columns = max([width, *run.completion_lengths.tolist()])
             results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
+            statistics = None if router is None else torch.zeros(len(run), router.width, dtype=torch.float64,
+                                                                   device=self.accelerator.device)
             with self._tiles(), self._segments(model):
                 for group in schedule.microbatches:
                     if not group:
                         self._dummy_pass(model)
                         continue
                     mb = self._microbatch(run, group, schedule.groups)
-                    logps, entropies = self._forward(model, mb, compute_entropy)
+                    logps, entropies, router_logits = self._forward(model, mb, compute_entropy, router is not None)
                     results[group, 0, : logps.size(1)] = logps.float()
                     if compute_entropy:
                         results[group, 1, : entropies.size(1)] = entropies.float()
+                    if router is not None:
+                        token_index, row_index = mb.token_rows
+                        counts, _ = router_statistics(router_logits, token_index, row_index, len(group),
+                                                      router.top_k, router.num_experts)
+                        tokens = torch.bincount(row_index, minlength=len(group)).double().unsqueeze(1)
+                        statistics[group] = torch.cat([counts, tokens], dim=1)
             if schedule.exchange is not None:  # the results go back to the process that owns each sample
                 rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
                 results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
-            return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None
+                if statistics is not None:
+                    statistics = torch.stack(scheduler.group.send_to_owners(
+                        list(statistics), schedule.exchange, lambda prompt, completion: router.width))
+            return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None, statistics
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
@@ -245,13 +275,16 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         enabled = (scheduler or self._dynbsz_scheduler).segment_attention is not None
         return segment_attention(self.accelerator.unwrap_model(model), enabled)
 
-    def _forward(self, model, mb, compute_entropy: bool):
-        """Completion-aligned ``(rows, width)`` log-probs (and entropies) of one micro-batch."""
+    def _forward(self, model, mb, compute_entropy: bool, router: bool = False):
+        """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits
+        (per layer; or None) of one micro-batch."""
         use_segments(mb.segments)
-        with self.accelerator.autocast():
-            outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
+        extra = {"output_router_logits": True} if router else {}
+        capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
+        with self.accelerator.autocast(), capture as router_logits:
+            outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True, **extra)
         entropies = mb.to_completion_layout(outputs.entropy) if compute_entropy else None
-        return mb.to_completion_layout(outputs.log_probs), entropies
+        return mb.to_completion_layout(outputs.log_probs), entropies, router_logits[-1] if router else None
 
     def _dummy_pass(self, model, last: bool | None = None) -> None:
         """A one-token pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
@@ -321,14 +354,13 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return self._dynbsz_enabled
 
     # ------------------------------------------------------------------ stock features kept exact
-    def _high_entropy_mask(self, model, batch: StepBatch) -> torch.Tensor:
-        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from one no-grad entropy pass.
+    def _high_entropy_mask(self, batch: StepBatch, entropies: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from the entropies of one no-grad pass.
 
         Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so the
         mask must be known before the first pass: TRL's own ``get_high_entropy_mask`` is applied slice by slice to
         the entropies of a no-grad pass over the step (the same gathers on every rank: one per slice).
         """
-        _, entropies = self._no_grad_passes(model, batch.table, batch.width, True, batch.stock_microbatch_tokens)
         high_entropy = torch.zeros_like(batch.loss_mask)
         slice_ids = batch.slice_ids.to(batch.loss_mask.device)
         for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
@@ -370,6 +402,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             mixed_precision=str(self.accelerator.mixed_precision),
             layout=self._dynbsz_scheduler.layout if self._dynbsz_enabled else "stock (dynamic batching off)",
             vision_language=self._dynbsz_vision if self._dynbsz_enabled else None,
+            router_aux=self._dynbsz_capabilities.support.router_aux_mode(
+                self.router_aux_loss_coef if self.aux_loss_enabled else 0.0),
         )
         logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
 

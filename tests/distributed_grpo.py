@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--balance", choices=["on", "off"], default="on")
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
+    parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
     cli = parser.parse_args()
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
@@ -110,7 +111,7 @@ def train(cli, loss_type: str, out: str):
 
     overrides = dict(loss_type=loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
                      max_steps=cli.max_steps, top_entropy_quantile=cli.top_entropy_quantile,
-                     entropy_coef=cli.entropy_coef)
+                     entropy_coef=cli.entropy_coef, router_aux_loss_coef=cli.router_aux_loss_coef)
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)
@@ -155,8 +156,9 @@ def train(cli, loss_type: str, out: str):
         params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics,
-                   "rewards": rewards}
+                   "rewards": rewards, "aux_losses": aux_losses}
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
     if accelerator.is_main_process:

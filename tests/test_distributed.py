@@ -161,6 +161,26 @@ def test_tool_and_environment_rollouts_match_stock(rollout, tmp_path, model_dir,
         assert relative_difference(our_params, stock_params) <= 1e-5, loss_type
 
 
+# ---- mixture-of-experts with TRL's router aux loss: every long completion on rank 1, samples moved -------------
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-moe-model")), architecture="qwen3_moe")
+
+
+@pytest.mark.parametrize(("backend", "settings"), [
+    ("ddp", dict(loss_type="grpo", num_iterations=2)), ("zero2", dict(loss_type="dapo", num_iterations=1))])
+def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, settings, tmp_path, moe_model_dir):
+    """Stock slices' expert counts are summed over the processes and each moved sample keeps its own slice's: the
+    parameters and the logged aux_loss equal stock's (coefficient 1, so a mis-weighted aux loss would show)."""
+    config, _ = BACKENDS[backend]
+    ours = compare(config, tmp_path, moe_model_dir, router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, **settings)
+    stock = [json.loads(Path(f"{tmp_path / 'stock'}.rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
+        assert len(ours[rank]["aux_losses"]) == len(stock[rank]["aux_losses"]) == 3
+        assert ours[rank]["aux_losses"] == pytest.approx(stock[rank]["aux_losses"], rel=1e-5)
+
+
 def test_a_diffu_variable_set_on_one_process_only_stops_every_process_clearly(tmp_path, model_dir):
     """DIFFU_* variables come from each process's environment; a node without the export must not hang the run."""
     with pytest.raises(AssertionError) as failed:

@@ -402,34 +402,8 @@ def test_moe_model_without_router_aux_loss_is_repacked_and_matches_stock(moe_mod
     assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)
 
 
-def test_moe_router_aux_loss_runs_stocks_micro_batches(moe_model_dir, tmp_path, caplog):
-    # The aux loss is a function of each micro-batch's routing: only stock's micro-batches give stock's value.
-    overrides = dict(loss_type="dapo", router_aux_loss_coef=0.01)
-    _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, moe_model_dir, str(tmp_path / "s"),
-                                                  **overrides)
-    with caplog.at_level("WARNING", logger="hf_dynbsz"):
-        _, ours, completions, history = run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, moe_model_dir,
-                                                     str(tmp_path / "o"), max_tokens_per_microbatch=SMALL_BUDGET,
-                                                     **overrides)
-    assert completions == stock_completions
-    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
-    assert any("stock GRPOTrainer math runs because the MoE router aux loss" in m for m in caplog.messages)
+def test_moe_router_aux_loss_is_repacked_and_matches_stock(moe_model_dir, tmp_path):
+    # The aux loss of each stock micro-batch, per sample, from its expert counts (tests/test_router_loss.py has more).
+    history = compare_with_stock(moe_model_dir, tmp_path, loss_type="dapo", router_aux_loss_coef=0.5)
     assert any("aux_loss" in entry for entry in history)
-    assert not any("dynbsz/microbatches" in entry for entry in history)
-
-
-# ---- bad input -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("rows", [0, 1])
-def test_a_dataset_too_small_for_one_generation_round_is_refused(model_dir, tmp_path, rows):
-    from datasets import Dataset
-
-    dataset = Dataset.from_dict({"prompt": ["abc", "dab"][:rows]})  # one round: 4 x 2 samples / 4 = 2 prompts
-    with pytest.raises(ValueError, match=rf"train_dataset has {rows} rows \(prompts\), fewer than the 2 prompts one "
-                                         r"generation round takes .* would not take a single step"):
-        run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"),
-                     dataset=dataset)
-    # What stock does with it: "trains" without taking a step, and says so only in a log line.
-    *_, history = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), dataset=dataset)
-    assert [entry for entry in history if "loss" in entry] == []
+    assert all(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history if "dynbsz/microbatches" in entry)

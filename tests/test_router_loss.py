@@ -1,0 +1,152 @@
+"""Specification of hf_dynbsz.router_loss: stock's MoE router aux loss, repacked per sample, equals stock's.
+
+Stock TRL adds, per fixed slice, ``coef x aux(slice) / GA`` with the load-balancing loss its fused LM head computes.
+The plugin computes each sample's share of it in whatever pass the sample runs in, from the expert counts of its
+stock slice (one no-grad router pass per optimizer step). Checked against stock: the value and gradients of one
+slice's aux loss, split over passes; the parameters after training and the logged ``aux_loss`` with a coefficient
+large enough that a mis-weighted aux loss shows; and a run whose samples take another slice's counts fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head, pad
+
+from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+from hf_dynbsz.attention import segment_attention, use_segments
+from hf_dynbsz.packing import SequenceTable, build_microbatch
+from hf_dynbsz.router_loss import RouterAuxLoss, captured_router_logits, router_statistics
+from hf_dynbsz.testing import (
+    RecordingReward,
+    ScriptedRollout,
+    base_config_kwargs,
+    build_char_tokenizer,
+    prompt_dataset,
+    relative_difference,
+    update_difference,
+)
+from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+
+PAD = 0
+#: Large enough that the aux loss moves the parameters far more than the tolerance (stock's default is 0.001).
+COEF = 1.0
+
+
+def batch_of(prompt_lengths, completion_lengths, repeats, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length, count in zip(prompt_lengths, repeats):
+        prompts += [torch.randint(3, 60, (length,), generator=generator)] * count
+    completions = [torch.randint(3, 60, (n,), generator=generator) for n in completion_lengths]
+    return (pad(prompts, padding_value=PAD, padding_side="left"),
+            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+            pad(completions, padding_value=PAD, padding_side="right"),
+            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(model_type):
+    """A stock slice of 6 samples (left-padded prompts, prompt groups): the aux loss TRL's fused head computes on its
+    padded forward, against the plugin's: counts from one no-grad pass, then the per-sample terms of three
+    padding-free passes with shared prompts, each holding some of the slice's samples."""
+    model = build_tiny_causal_lm_of_type(model_type)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    experts, top_k = model.config.num_experts if model_type != "mixtral" else model.config.num_local_experts, 2
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_of([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1])
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None and "gate" in name}
+
+    stock = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                  output_router_logits=True).aux_loss
+    expected = gradients(stock)
+
+    table = SequenceTable.from_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    groups = table.prompt_groups()
+    aux = RouterAuxLoss(coef=1.0, num_experts=experts, top_k=top_k, num_slices=1, gradient_accumulation_steps=1,
+                        device="cpu")
+
+    def run(indices, grad):
+        mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention="sdpa", groups=groups)
+        with segment_attention(model), captured_router_logits(model) as captured, torch.set_grad_enabled(grad):
+            use_segments(mb.segments)
+            model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True, output_router_logits=True)
+        return mb, captured[-1]
+
+    everyone = list(range(len(table)))
+    mb, logits = run(everyone, grad=False)
+    counts, _ = router_statistics(logits, *mb.token_rows, len(everyone), top_k, experts)
+    tokens = torch.bincount(mb.token_rows[1], minlength=len(everyone)).double().unsqueeze(1)
+    aux.add_counts(torch.zeros(len(everyone), dtype=torch.long), torch.cat([counts, tokens], 1))
+    assert int(tokens.sum()) == int(attention_mask.sum())  # each sample counts its prompt, as stock's mask does
+    total = torch.zeros(())
+    for part in ([0, 3], [1, 4, 5], [2]):  # siblings split across passes
+        mb, logits = run(part, grad=True)
+        total = total + aux.term(logits, mb.token_rows, torch.zeros(len(part), dtype=torch.long))
+    assert torch.allclose(total, stock, rtol=1e-5, atol=0)
+    got = gradients(total)
+    assert expected.keys() == got.keys() and expected
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], rtol=1e-4, atol=1e-7), name
+
+
+def train(trainer_cls, config_cls, model_type, output_dir, coef=COEF, **overrides):
+    rollout = ScriptedRollout(lambda rng, n, rank: rng.geometric(0.1, n), lambda rng: rng.integers(3, 12),
+                              max_completion_length=24, seed=0, token_low=3, token_high=60, eos_id=1)
+    model = build_tiny_causal_lm_of_type(model_type)
+    args = config_cls(**base_config_kwargs(output_dir, router_aux_loss_coef=coef, **overrides))
+    trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
+                          processing_class=build_char_tokenizer(), rollout_func=rollout)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return initial, final, trainer.state.log_history, trainer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("model_type", "loss_type", "num_iterations"), [
+    ("qwen3_moe", "grpo", 1), ("qwen3_moe", "dapo", 2), ("qwen3_moe", "bnpo", 1), ("mixtral", "dapo", 1),
+    ("olmoe", "grpo", 2), ("gpt_oss", "bnpo", 1)])
+def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, num_iterations, tmp_path):
+    settings = dict(loss_type=loss_type, num_iterations=num_iterations, max_steps=3)
+    initial, stock, stock_history, _ = train(GRPOTrainer, GRPOConfig, model_type, str(tmp_path / "s"), **settings)
+    _, ours, history, trainer = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_type, str(tmp_path / "o"),
+                                      max_tokens_per_microbatch=48, **settings)
+    assert trainer._dynbsz_enabled and trainer._dynbsz_capabilities.router_aux
+    assert trainer._dynbsz_scheduler.share_prompts  # padding-free rows with shared prompts
+    assert any(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history)  # really repacked
+    assert relative_difference(ours, stock) <= 1e-5
+    assert update_difference(initial, ours, stock) <= 1e-3
+    stock_aux = [entry["aux_loss"] for entry in stock_history if "aux_loss" in entry]
+    our_aux = [entry["aux_loss"] for entry in history if "aux_loss" in entry]
+    assert len(our_aux) == len(stock_aux) == 3 and our_aux == pytest.approx(stock_aux, rel=1e-5)
+
+
+def test_the_aux_loss_moves_the_parameters_and_a_wrong_slices_counts_are_caught(tmp_path, monkeypatch):
+    """The comparison is sensitive: without the aux loss, or with each sample weighted by the next slice's counts,
+    the parameters leave stock's by far more than the tolerance."""
+    settings = dict(loss_type="dapo", max_steps=2)
+    initial, stock, _, _ = train(GRPOTrainer, GRPOConfig, "qwen3_moe", str(tmp_path / "s"), **settings)
+    _, without, _, _ = train(GRPOTrainer, GRPOConfig, "qwen3_moe", str(tmp_path / "n"), coef=0.0, **settings)
+    assert update_difference(initial, without, stock) > 1e-2
+    weights = RouterAuxLoss.weights
+    monkeypatch.setattr(RouterAuxLoss, "weights",
+                        lambda self, slice_ids: weights(self, (slice_ids + 1) % self.counts.size(0)))
+    _, wrong, _, _ = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, "qwen3_moe", str(tmp_path / "w"),
+                           max_tokens_per_microbatch=48, **settings)
+    assert relative_difference(wrong, stock) > 1e-4
+    assert update_difference(initial, wrong, stock) > 1e-3
