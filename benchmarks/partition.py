@@ -13,7 +13,7 @@ Compares, for the same sequence lengths (the long-tailed, bimodal and uniform mi
   average (fewer micro-batches, but over budget whenever long sequences meet);
 * ``sorted greedy``: sort by length (longest first), fill micro-batches in that order, open a new one
   when the next sequence does not fit (next-fit decreasing);
-* ``first-fit decreasing``: ``hf_dynbsz.partition.first_fit_decreasing``.
+* ``first-fit decreasing``: ``hf_dynbsz.testing.first_fit_decreasing``.
 
 Each is run on "steps" of ``--step-size`` sequences (default 256, one device's samples of one optimizer step,
 the way the trainer calls the partitioner), over ``--n`` sequences in total (default 100,000), in both
@@ -31,10 +31,10 @@ own longest row).  Reported per mix, layout and algorithm:
 * time per 100,000 sequences: the wall time of all the per-step calls, scaled to 100,000 sequences
   (median of ``--repeats`` passes).
 
-A second table times single calls on all ``--n`` lengths at once (this folds in the former
-``benchmarks/partition_speed.py``): ``min_num_microbatches``, ``partition_by_token_budget`` with
-``num_microbatches=None``, with the minimum count (what the trainer passes after its all-reduce) and with
-the minimum + 32, and the baselines.  The partitioner's target is well under 0.5 s for 100,000 lengths.
+A second table times what the scheduler runs per optimizer step of one process, on steps of 4,096 sequences
+(more than one device's step holds in practice): ``min_num_microbatches``, then ``partition_by_token_budget`` at
+that count (the busiest process), at one more and at 32 more (processes waiting for a busier one), each step on
+new lengths.  The target is under 5 ms per step.
 
 Usage (from the repository root; numpy only, no torch)::
 
@@ -69,9 +69,9 @@ from common import (  # noqa: E402
 )
 
 ensure_repo_on_path()
+from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
 from hf_dynbsz.partition import (  # noqa: E402
     WorkloadModel,
-    first_fit_decreasing,
     microbatch_tokens,
     min_num_microbatches,
     partition_by_token_budget,
@@ -186,35 +186,33 @@ def evaluate(lengths: np.ndarray, step_size: int, max_tokens: int, layout: str, 
     }
 
 
-def time_single_calls(lengths: np.ndarray, max_tokens: int, layout: str, safe_rows: int, mean_rows: int,
-                      repeats: int) -> list[tuple[str, int, float, float]]:
-    """(call, micro-batches, median s, worst s) for single calls on all lengths."""
-    rows = []
+#: Samples of one device's optimizer step the planning time is measured at (a few thousand at most in practice).
+STEP_SAMPLES = 4096
+#: Target: the scheduler's per-step partitioning work at STEP_SAMPLES samples stays under this (ms).
+STEP_TARGET_MS = 5.0
 
-    def timed(label, function):
-        seconds, result = [], None
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = function()
-            seconds.append(time.perf_counter() - start)
-        count = result if isinstance(result, int) else len([mb for mb in result if mb])
-        rows.append((label, count, statistics.median(seconds), max(seconds)))
 
-    minimum = min_num_microbatches(lengths, max_tokens, layout=layout)
+def time_steps(mix: str, max_tokens: int, layout: str, max_completion_length: int, steps: int,
+               seed: int) -> list[tuple[str, int, float, float]]:
+    """(what, micro-batches, median ms, worst ms) per optimizer step of STEP_SAMPLES sequences, each step new data:
+    the scheduler's count (:func:`min_num_microbatches`) and partition at that count (what a process that needs the
+    most passes runs), at one more and at 32 more (processes that wait for a busier one)."""
     attention = "varlen" if layout == "padding_free" else "dense"
-    timed("min_num_microbatches", lambda: min_num_microbatches(lengths, max_tokens, layout=layout))
-    timed("ours, num_microbatches=None",
-          lambda: partition_by_token_budget(lengths, max_tokens, layout=layout, attention=attention))
-    timed("ours, num_microbatches=minimum (trainer, after all-reduce)",
-          lambda: partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum, layout=layout,
-                                            attention=attention))
-    timed("ours, num_microbatches=minimum + 32",
-          lambda: partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum + 32, layout=layout,
-                                            attention=attention))
-    timed("first-fit decreasing", lambda: first_fit_decreasing(lengths, max_tokens, layout))
-    timed("sorted greedy", lambda: sorted_greedy(lengths, max_tokens, layout))
-    timed("fixed count, safe B", lambda: fixed_count(lengths, safe_rows))
-    return rows
+    timings = {extra: [] for extra in (0, 1, 32)}
+    counts = {extra: [] for extra in (0, 1, 32)}
+    for step in range(steps):
+        base = sequence_lengths(mix, STEP_SAMPLES, max_completion_length, seed + 1000 + step)
+        for extra in timings:
+            lengths = base.copy()
+            lengths[0] += extra + 1  # other data for each timing: each counts its own first-fit, as a new step does
+            start = time.perf_counter()
+            minimum = min_num_microbatches(lengths, max_tokens, layout=layout)
+            result = partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum + extra, layout=layout,
+                                               attention=attention)
+            timings[extra].append(1000 * (time.perf_counter() - start))
+            counts[extra].append(len(result))
+    return [(f"count + partition at minimum + {extra}", round(statistics.fmean(counts[extra])),
+             statistics.median(timings[extra]), max(timings[extra])) for extra in timings]
 
 
 # -------------------------------------------------------------------------------------------------- output
@@ -296,8 +294,8 @@ def main() -> None:
                 print(f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
                       f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
                       f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k", flush=True)
-            speed_tables.append((mix, layout, time_single_calls(lengths, budget, layout, safe_rows, mean_rows,
-                                                                repeats)))
+            speed_tables.append((mix, layout, time_steps(mix, budget, layout, args.max_completion_length,
+                                                         steps=3 if args.quick else 12, seed=args.seed)))
 
     header = ["mix", "layout", "algorithm", "micro-batches", "/ lower bound", "computed / real tokens",
               "over budget (worst excess tokens)", "imbalance max/mean (worst step)", "ms per 100k sequences"]
@@ -317,9 +315,11 @@ def main() -> None:
     quality = markdown_table(header, body)
     speed_body = []
     for mix, layout, timings in speed_tables:
-        for label, count, median_s, worst_s in timings:
-            speed_body.append([MIX_LABELS[mix], layout, label, count, f"{median_s:.3f}", f"{worst_s:.3f}"])
-    speed = markdown_table(["mix", "layout", "call", "micro-batches", "median s", "worst s"], speed_body)
+        for label, count, median_ms, worst_ms in timings:
+            speed_body.append([MIX_LABELS[mix], layout, label, count, f"{median_ms:.1f}", f"{worst_ms:.1f}"])
+    speed = markdown_table(["mix", "layout", "calls per step", "micro-batches", "median ms", "worst ms"],
+                           speed_body)
+    worst_median = max(median for _, _, timings in speed_tables for _, _, median, _ in timings)
 
     settings = (f"{n:,} sequences per mix (prompt {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens + completion, "
                 f"max_completion_length {args.max_completion_length}), budget {budget} tokens per micro-batch, "
@@ -341,8 +341,11 @@ def main() -> None:
         "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
         "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
         "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing.",
-        f"## Single calls on all {n:,} lengths",
+        f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
         speed,
+        f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
+        f"process agreed on (each step new data, so first-fit is computed once per step as in training). Target: "
+        f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
     ]) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = "partition_quick" if args.quick else "partition"

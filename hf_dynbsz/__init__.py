@@ -3,12 +3,15 @@
 Layers, bottom up (the README's "Architecture" section says what each module decides):
 
 * planning core, no torch/TRL imports: :mod:`hf_dynbsz.settings`, :mod:`hf_dynbsz.env`, :mod:`hf_dynbsz.plan`,
-  :mod:`hf_dynbsz.partition`, :mod:`hf_dynbsz.schedule`, :mod:`hf_dynbsz._trl_compat`;
+  :mod:`hf_dynbsz.balance`, :mod:`hf_dynbsz.partition`, :mod:`hf_dynbsz.model_support`, :mod:`hf_dynbsz.schedule`,
+  :mod:`hf_dynbsz._trl_compat`;
 * configuration: :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``);
-* torch layer: :mod:`hf_dynbsz.batch`, :mod:`hf_dynbsz.packing`, :mod:`hf_dynbsz.loss`, :mod:`hf_dynbsz.metrics`,
-  :mod:`hf_dynbsz.tiling`, :mod:`hf_dynbsz.distributed`;
+* torch layer: :mod:`hf_dynbsz.batch`, :mod:`hf_dynbsz.packing`, :mod:`hf_dynbsz.attention`,
+  :mod:`hf_dynbsz.self_check`, :mod:`hf_dynbsz.loss`, :mod:`hf_dynbsz.router_loss`, :mod:`hf_dynbsz.metrics`,
+  :mod:`hf_dynbsz.tiling`, :mod:`hf_dynbsz.distributed`, :mod:`hf_dynbsz.capabilities`;
 * trainer layer: :mod:`hf_dynbsz.trainer` (``DynamicBatchGRPOTrainer``);
-* tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``), :mod:`hf_dynbsz.testing` (shared by tests, benchmarks, examples).
+* tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``), :mod:`hf_dynbsz.testing` (shared by tests, benchmarks, examples),
+  :mod:`hf_dynbsz.zoo` (tiny models of transformers' causal-LM architectures).
 
 Heavy imports (torch, TRL) happen lazily, so ``import hf_dynbsz`` for the planning core stays cheap.
 """

@@ -44,6 +44,7 @@ import torch
 from transformers import AttentionInterface
 
 from .model_support import VARLEN_ATTENTION_PREFIXES
+from .partition import text_config_of
 
 __all__ = ["ATTENTION_NAME", "Segment", "SegmentLayout", "segment_attention", "segment_attention_forward",
            "use_segments"]
@@ -294,7 +295,7 @@ def segment_attention(model, enabled: bool = True):
     if not enabled:
         yield
         return
-    config = model.config.get_text_config()
+    config = text_config_of(model.config)
     previous = config._attn_implementation
     config._attn_implementation = ATTENTION_NAME
     try:

@@ -1,25 +1,30 @@
-"""Cross-rank balancing: which process runs which samples of an optimizer step (pure Python).
+"""Balancing: items with costs into ``k`` bins, the one routine for passes and for processes (pure Python).
 
-Under DDP and DeepSpeed every process runs as many passes as the busiest one needs and synchronises at the end of
-the step (ZeRO-3 and ZeRO-2 even in every pass), so a process whose share of the step holds the long completions
-makes every other process wait. Before the passes of a step, every process learns the lengths of all processes'
-samples (a small all-gather of lengths, not of data) and calls :func:`assign` with the same input: every process
-computes the same assignment of *units* (a sample, or samples that must stay together, e.g. sharing a prompt) to
-processes, with no broadcast. The samples then move with everything that belongs to them
-(:mod:`hf_dynbsz.distributed`), and their loss weights were fixed on the process they came from, so the summed
-gradient, and the parameters, stay stock's.
+Two decisions spread work over bins: which samples of a device's optimizer step share a pass
+(:func:`hf_dynbsz.partition.partition_by_token_budget`, bins with a *capacity*, the token budget) and which process
+runs which samples (:func:`assign`, cross-rank balancing, no capacity). Both call :func:`balance`:
 
-The objective is the largest per-process cost, a unit's cost being that of the partitioner's workload model
-(:func:`hf_dynbsz.partition.item_costs`: tokens plus the attention term, padded rows where the layout pads).
-:func:`assign` takes the better of two deterministic schedules, each then improved by moves and swaps from the
-most to the least loaded process:
+1. **longest first with a room check**: items by decreasing cost (ties by index), each to the least loaded bin that
+   has room for its tokens (longest-processing-time-first, Graham 1969: the largest load at most ``4/3 - 1/(3k)``
+   times the optimum without a capacity);
+2. **a bounded improvement** (:func:`improve`): moves and swaps between the most and the least loaded bin, each
+   lowering the larger of the two loads and keeping every bin within its capacity, so the largest load never rises.
 
-* the current placement (nothing moves unless it helps, so the result is never worse than no balancing);
-* longest-processing-time-first (LPT), its bins renamed to keep as many units as possible where they are. LPT's
-  largest load is at most ``(4/3 - 1/(3P))`` times the optimum (Graham, 1969); moves and swaps never raise it.
+With a capacity, longest-first can strand an item that fits no bin any more (a tight budget); the caller then
+improves a first-fit-decreasing assignment instead, which always fits (:mod:`hf_dynbsz.partition`).
 
-Ties are broken by process number and unit order, never by hashing or timing. When the predicted gain is below
-:data:`MIN_RELATIVE_GAIN` of the largest load, nothing moves (the exchange would not pay).
+Cross-rank balancing (:func:`assign`): under DDP and DeepSpeed every process runs as many passes as the busiest one
+needs and synchronises at the end of the step (ZeRO-3 and ZeRO-2 even in every pass), so a process whose share of the
+step holds the long completions makes every other process wait. Before the passes of a step, every process learns
+the lengths of all processes' samples (a small all-gather of lengths, not of data) and calls :func:`assign` with the
+same input, computing the same assignment of *units* (a sample, or samples that share a prompt) to processes, with
+no broadcast. It takes the better of two schedules: the current placement improved (nothing moves unless it helps,
+so the result is never worse than no balancing), and longest-first with its bins renamed to keep as much work as
+possible where it is. The samples then move with everything that belongs to them (:mod:`hf_dynbsz.distributed`);
+their loss weights were fixed on the process they came from, so the summed gradient, and the parameters, stay
+stock's. When the predicted gain is below :data:`MIN_RELATIVE_GAIN` of the largest load, nothing moves.
+
+Everything is deterministic: ties are broken by bin number and item order, never by hashing or timing.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MIN_RELATIVE_GAIN", "Assignment", "assign", "imbalance"]
+__all__ = ["MIN_RELATIVE_GAIN", "Assignment", "assign", "balance", "imbalance", "improve"]
 
 #: Smallest predicted reduction of the largest per-process cost, relative to it, worth exchanging samples for.
 #: Below it the exchange (two all-to-alls of a few hundred bytes per token moved) would cost about what it saves.
@@ -40,6 +45,141 @@ def imbalance(loads: Sequence[float]) -> float:
     """Largest load over the mean load (1.0 = perfectly even; 1.0 for no work at all)."""
     total = sum(loads)
     return max(loads) * len(loads) / total if total > 0 else 1.0
+
+
+def balance(costs: Sequence[float], bins: int, sizes: Sequence[int] | None = None,
+            capacity: int | None = None, close_enough: float = 0.0) -> list[int] | None:
+    """Bin (``0 .. bins - 1``) of each item: longest first with a room check, then :func:`improve`.
+
+    ``costs``: what the bins' loads sum; ``sizes``/``capacity``: the tokens of each item and the most a bin holds
+    (None: no capacity); ``close_enough`` as in :func:`improve`. Returns None when, with a capacity, some item fits
+    no bin on the way.
+    """
+    order = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)  # stable: ties keep item order
+    by_load = [(0.0, number) for number in range(bins)]  # (load, bin), lightest on top
+    destination = [0] * len(costs)
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+    if capacity is None:
+        for item in order:
+            load, number = by_load[0]
+            destination[item] = number
+            heapreplace(by_load, (load + costs[item], number))
+        return improve(destination, costs, bins, sizes, capacity, close_enough)
+    room = [capacity] * bins
+    full: list[tuple[int, int, float]] = []  # (-room, bin, load): bins set aside until an item fits their room
+    for item in order:
+        size = sizes[item]
+        while full and -full[0][0] >= size:
+            _, number, load = heappop(full)
+            heappush(by_load, (load, number))
+        while by_load and room[by_load[0][1]] < size:
+            load, number = heappop(by_load)
+            heappush(full, (-room[number], number, load))
+        if not by_load:
+            return None
+        load, number = by_load[0]
+        room[number] -= size
+        destination[item] = number
+        heapreplace(by_load, (load + costs[item], number))
+    loads = [load for load, _ in by_load] + [load for _, _, load in full]
+    if max(loads) <= (1.0 + close_enough) * sum(loads) / bins:
+        return destination  # already even: nothing to improve
+    return improve(destination, costs, bins, sizes, capacity, close_enough)
+
+
+def improve(destination: list[int], costs: Sequence[float], bins: int, sizes: Sequence[int] | None = None,
+            capacity: int | None = None, close_enough: float = 0.0) -> list[int]:
+    """Moves and swaps between the most loaded bin holding two items or more (a bin of one item cannot get lighter)
+    and the least loaded bin, while they lower the larger of the two loads.
+
+    A move gives the least loaded bin an item of cost ``c < gap`` (``gap``: the difference of the two loads), a swap
+    exchanges items whose costs differ by ``0 < d < gap``; either picks the change closest to ``gap / 2`` among those
+    that keep both bins within ``capacity``. Both lower the heavier load and keep the lighter one below it, so the
+    sum of squared loads strictly falls and the loop ends; the largest load never rises. Stops early once the
+    heaviest load is within ``close_enough`` (relative) of the mean. Returns ``destination`` (changed in place).
+    """
+    members: list[list[int]] = [[] for _ in range(bins)]
+    loads = [0.0] * bins
+    tokens = [0] * bins
+    for item, number in enumerate(destination):
+        members[number].append(item)
+        loads[number] += costs[item]
+        if sizes is not None:
+            tokens[number] += sizes[item]
+    good_enough = (1.0 + close_enough) * sum(loads) / max(bins, 1)
+    heaviest = [(-loads[number], -number) for number in range(bins) if len(members[number]) > 1]
+    lightest = [(loads[number], number) for number in range(bins)]
+    heapq.heapify(heaviest)
+    heapq.heapify(lightest)  # both with stale entries, skipped when their load is no longer the bin's
+    for _ in range(4 * len(costs) + 4):
+        while heaviest and (-heaviest[0][0] != loads[-heaviest[0][1]] or len(members[-heaviest[0][1]]) < 2):
+            heapq.heappop(heaviest)  # a bin of one item cannot get lighter
+        while lightest[0][0] != loads[lightest[0][1]]:
+            heapq.heappop(lightest)
+        if not heaviest or -heaviest[0][0] <= good_enough:
+            break
+        heavy, light = -heaviest[0][1], lightest[0][1]
+        change = _best_change(members[heavy], members[light], costs, loads[heavy] - loads[light], sizes,
+                              None if capacity is None else (capacity - tokens[heavy], capacity - tokens[light]))
+        if change is None:
+            break
+        for item, source, target in ((change[0], heavy, light), (change[1], light, heavy)):
+            if item is None:
+                continue
+            members[source].remove(item)
+            members[target].append(item)
+            destination[item] = target
+            loads[source] -= costs[item]
+            loads[target] += costs[item]
+            if sizes is not None:
+                tokens[source] -= sizes[item]
+                tokens[target] += sizes[item]
+        for number in (heavy, light):
+            heapq.heappush(lightest, (loads[number], number))
+            if len(members[number]) > 1:
+                heapq.heappush(heaviest, (-loads[number], -number))
+    return destination
+
+
+def _best_change(heavy: list[int], light: list[int], costs: Sequence[float], gap: float,
+                 sizes: Sequence[int] | None, free: tuple[int, int] | None):
+    """(item to give, item to take back or None) whose cost difference is in (0, gap) and closest to gap / 2, within
+    the ``free`` room of the heavy and the light bin (None: no capacity)."""
+    if gap <= 0:
+        return None
+
+    def fits(give: int, take: int | None) -> bool:
+        if free is None:
+            return True
+        moved = sizes[give] - (sizes[take] if take is not None else 0)
+        return moved <= free[1] and -moved <= free[0]
+
+    half, slack = gap / 2, 1e-12 * gap
+    best, best_score = None, half
+    for item in heavy:  # moves
+        cost = costs[item]
+        if 0 < cost < gap and abs(half - cost) < best_score - slack and fits(item, None):
+            best, best_score = (item, None), abs(half - cost)
+    by_cost = sorted(light, key=lambda item: (costs[item], item))
+    light_costs = [costs[item] for item in by_cost]
+    count = len(by_cost)
+    for item in heavy:  # swaps: light items by closeness of their cost to costs[item] - gap / 2, the first that fits
+        cost = costs[item]
+        target = cost - half
+        below = bisect.bisect_left(light_costs, target) - 1
+        above = below + 1
+        while below >= 0 or above < count:
+            if above >= count or (below >= 0 and target - light_costs[below] <= light_costs[above] - target):
+                candidate, below = below, below - 1
+            else:
+                candidate, above = above, above + 1
+            difference = cost - light_costs[candidate]
+            if abs(half - difference) >= best_score - slack:
+                break  # the rest are further from gap / 2
+            if 0 < difference < gap and fits(item, by_cost[candidate]):
+                best, best_score = (item, by_cost[candidate]), abs(half - difference)
+                break
+    return best
 
 
 @dataclass(frozen=True)
@@ -82,10 +222,8 @@ def assign(unit_costs: Sequence[Sequence[float]], min_relative_gain: float = MIN
     unchanged = Assignment(origin, list(origin), before, before)
     if num_processes < 2 or not costs:
         return unchanged
-    candidates = [
-        _improve(list(origin), costs, num_processes),
-        _improve(_renamed(_longest_first(costs, num_processes), origin, costs, num_processes), costs, num_processes),
-    ]
+    longest_first = _renamed(balance(costs, num_processes), origin, costs, num_processes)
+    candidates = [improve(list(origin), costs, num_processes), longest_first]
     best = min(candidates, key=lambda destination: (max(_loads(destination, costs, num_processes)),
                                                     sum(a != b for a, b in zip(destination, origin))))
     after = _loads(best, costs, num_processes)
@@ -101,18 +239,6 @@ def _loads(destination: Sequence[int], costs: Sequence[float], num_processes: in
     return loads
 
 
-def _longest_first(costs: Sequence[float], num_processes: int) -> list[int]:
-    """LPT: units by decreasing cost (ties by unit order), each to the least loaded bin (ties: lowest bin)."""
-    order = sorted(range(len(costs)), key=lambda unit: (-costs[unit], unit))
-    bins = [(0.0, number) for number in range(num_processes)]
-    destination = [0] * len(costs)
-    for unit in order:
-        load, number = heapq.heappop(bins)
-        destination[unit] = number
-        heapq.heappush(bins, (load + costs[unit], number))
-    return destination
-
-
 def _renamed(bins: list[int], origin: list[int], costs: Sequence[float], num_processes: int) -> list[int]:
     """Bins renamed to processes so that the most work stays where it is (greedy on the overlap, deterministic)."""
     overlap = [[0.0] * num_processes for _ in range(num_processes)]
@@ -125,56 +251,3 @@ def _renamed(bins: list[int], origin: list[int], costs: Sequence[float], num_pro
             name[number] = process
             taken.add(process)
     return [name[number] for number in bins]
-
-
-def _improve(destination: list[int], costs: Sequence[float], num_processes: int) -> list[int]:
-    """Moves and swaps between the most and the least loaded process while they lower the larger of the two.
-
-    A move gives the least loaded process a unit of cost ``c < gap`` (``gap`` = difference of the two loads), a
-    swap exchanges units whose costs differ by ``0 < d < gap``; either picks the change closest to ``gap / 2``.
-    Both lower the heavier load and keep the lighter one below it, so the sum of squared loads strictly falls
-    and the loop ends; the largest load never rises.
-    """
-    members: list[list[int]] = [[] for _ in range(num_processes)]
-    for unit, process in enumerate(destination):
-        members[process].append(unit)
-    loads = _loads(destination, costs, num_processes)
-    for _ in range(4 * len(costs) + 4):
-        heavy = max(range(num_processes), key=lambda process: (loads[process], -process))
-        light = min(range(num_processes), key=lambda process: (loads[process], process))
-        gap = loads[heavy] - loads[light]
-        change = _best_change(members[heavy], members[light], costs, gap)
-        if change is None:
-            break
-        give, take = change
-        for unit, source, target in ((give, heavy, light), (take, light, heavy)):
-            if unit is None:
-                continue
-            members[source].remove(unit)
-            members[target].append(unit)
-            destination[unit] = target
-            loads[source] -= costs[unit]
-            loads[target] += costs[unit]
-    return destination
-
-
-def _best_change(heavy: list[int], light: list[int], costs: Sequence[float], gap: float):
-    """(unit to give, unit to take back or None) whose cost difference is in (0, gap) and closest to gap / 2."""
-    if gap <= 0:
-        return None
-    best, best_score = None, gap / 2
-    for unit in heavy:  # moves
-        cost = costs[unit]
-        if 0 < cost < gap and abs(gap / 2 - cost) < best_score - 1e-12 * gap:
-            best, best_score = (unit, None), abs(gap / 2 - cost)
-    by_cost = sorted(light, key=lambda unit: (costs[unit], unit))
-    light_costs = [costs[unit] for unit in by_cost]
-    for unit in heavy:  # swaps: the light unit whose cost is closest to costs[unit] - gap / 2
-        target = costs[unit] - gap / 2
-        position = bisect.bisect_left(light_costs, target)
-        for candidate in (position - 1, position):
-            if 0 <= candidate < len(by_cost):
-                difference = costs[unit] - light_costs[candidate]
-                if 0 < difference < gap and abs(gap / 2 - difference) < best_score - 1e-12 * gap:
-                    best, best_score = (unit, by_cost[candidate]), abs(gap / 2 - difference)
-    return best

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .env import ENV_OVERRIDES, env_sources
+from .env import env_sources
 from .model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport
 from .schedule import RankGroup, Scheduler
+from .settings import ENV_SETTINGS
 
 __all__ = ["Capabilities", "check_same_on_every_process"]
 
 #: Settings every process must hold equal: each one's DIFFU_* variable is read by every process from its own
 #: environment, so a variable exported on one machine only would split them (and the processes' collectives).
-SHARED_SETTINGS = tuple(override.field for override in ENV_OVERRIDES)
+SHARED_SETTINGS = tuple(spec.name for spec in ENV_SETTINGS)
 
 
 def check_same_on_every_process(args, group: RankGroup) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from .model_support import ModelSupport, router_aux_loss_coef
 from .partition import token_lower_bound
+from .plan import text_table
 from .schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
@@ -193,72 +194,34 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class SimulatedStep:
-    """One optimizer step of ``--lengths``: its samples and the schedule training would run for them."""
-
-    lengths: list[int]  # prompt + completion tokens per sample
-    stock_row_tokens: int  # the padded width of stock TRL's rows (longest prompt + longest completion)
-    schedule: StepSchedule
-    partial: bool  # fewer samples than a full optimizer step
-
-
-def simulate_steps(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) -> list[SimulatedStep]:
-    """The schedule of each optimizer step of ``lengths`` (one device's samples in training order).
-
-    Samples are grouped into optimizer steps of ``per_device_train_batch_size x gradient_accumulation_steps``
-    (the last group may be partial) and scheduled by ``scheduler``, exactly as the trainer schedules a step:
-    with ``max_tokens_per_microbatch`` unset, the budget is the automatic one, ``per_device_train_batch_size``
-    rows of stock TRL's padded width. Stock pads to the whole generation batch; equal to the optimizer step's
-    when ``steps_per_generation == gradient_accumulation_steps`` (the default).
-    """
-    step_size = plan.per_device_samples_per_optimizer_step
-    steps = []
-    for start in range(0, len(lengths), step_size):
-        group = lengths[start : start + step_size]
-        totals = [total for total, _, _ in group]
-        prompts = [prompt or 0 for _, prompt, _ in group]  # totals only: the whole sample counts as completion
-        row = stock_microbatch_tokens(1, prompts, [t - p for t, p in zip(totals, prompts)], plan.pad_to_multiple_of)
-        budget = scheduler.budget(plan.per_device_train_batch_size * row)
-        schedule = scheduler.plan(totals, budget, prompt_lengths=prompts, groups=_groups(group, plan.num_generations))
-        steps.append(SimulatedStep(totals, row, schedule, len(group) < step_size))
-    return steps
-
-
-def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], totals_only: bool,
+def render_simulation(plan, scheduler: Scheduler, rounds: list[SimulatedRound], totals_only: bool,
                       layout_note: str = "") -> str:
-    """The table of :func:`simulate_steps`: micro-batches vs stock TRL's padded micro-batches, per step."""
+    """The table of :func:`simulate` on one process: micro-batches vs stock TRL's padded micro-batches, per step."""
+    steps = [(step.lengths[0], step.balanced[0], step.stock_tokens, step.partial) for step in rounds]
     pad = plan.pad_to_multiple_of
     header = ("step", "samples", "real tokens", "budget", "micro-batches", "lower bound", "utilisation",
               "computed tokens", "stock tokens", "saved")
     rows: list[tuple[str, ...]] = []
     totals = dict.fromkeys(("samples", "real", "capacity", "count", "bound", "dynamic", "stock"), 0)
-    for number, step in enumerate(steps, start=1):
-        schedule = step.schedule
-        count, bound = schedule.passes, token_lower_bound(step.lengths, schedule.budget)
-        dynamic = sum(schedule.pass_tokens)
-        stock, real = len(step.lengths) * step.stock_row_tokens, sum(step.lengths)
+    for number, (lengths, schedule, stock, partial) in enumerate(steps, start=1):
+        count, bound = schedule.passes, token_lower_bound(lengths, schedule.budget)
+        dynamic, real = sum(schedule.pass_tokens), sum(lengths)
         # Utilisation is of the micro-batches under the budget: an oversize sequence's pass is over it, by design.
         fitting = [batch for batch in schedule.microbatches if not set(batch) & set(schedule.oversize)]
-        fitting_real = sum(step.lengths[i] for batch in fitting for i in batch)
+        fitting_real = sum(lengths[i] for batch in fitting for i in batch)
         capacity = len(fitting) * schedule.budget
-        rows.append((str(number) + ("*" if step.partial else ""), str(len(step.lengths)), str(real),
+        rows.append((str(number) + ("*" if partial else ""), str(len(lengths)), str(real),
                      str(schedule.budget), str(count), str(bound),
                      f"{fitting_real / capacity:.1%}" if capacity else "-",
                      str(dynamic), str(stock), f"{1 - dynamic / stock:.1%}" if stock else "-"))
-        for key, value in (("samples", len(step.lengths)), ("real", fitting_real), ("capacity", capacity),
+        for key, value in (("samples", len(lengths)), ("real", fitting_real), ("capacity", capacity),
                            ("count", count), ("bound", bound), ("dynamic", dynamic), ("stock", stock)):
             totals[key] += value
-    rows.append(("total", str(totals["samples"]), str(sum(sum(step.lengths) for step in steps)), "-",
+    rows.append(("total", str(totals["samples"]), str(sum(sum(lengths) for lengths, _, _, _ in steps)), "-",
                  str(totals["count"]), str(totals["bound"]),
                  f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-", str(totals["dynamic"]),
                  str(totals["stock"]),
                  f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-"))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-
     if plan.max_tokens_per_microbatch:
         budget_text = f"{plan.max_tokens_per_microbatch} tokens"
     elif totals_only:
@@ -268,7 +231,7 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         )
     else:
         budget_text = f"auto = {plan.per_device_train_batch_size} x (longest prompt + longest completion) of the step"
-    samples = sum(len(step.lengths) for step in steps)
+    samples = sum(len(lengths) for lengths, _, _, _ in steps)
     notes = [
         f"Simulated {samples} samples of one device, {plan.per_device_samples_per_optimizer_step} per optimizer step "
         f"(per_device_train_batch_size {plan.per_device_train_batch_size} x gradient_accumulation_steps "
@@ -279,16 +242,16 @@ def render_simulation(plan, scheduler: Scheduler, steps: list[SimulatedStep], to
         "TRL's micro-batches of per_device_train_batch_size samples padded to the step's longest row.",
     ]
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False) for note in notes]
-    if any(step.partial for step in steps):
+    if any(partial for _, _, _, partial in steps):
         notes.append("* partial optimizer step (fewer samples than a full step).")
-    oversize = [step.lengths[i] for step in steps for i in step.schedule.oversize]
+    oversize = [lengths[i] for lengths, schedule, _, _ in steps for i in schedule.oversize]
     if oversize:
-        budget = max(step.schedule.budget for step in steps if step.schedule.oversize)
+        budget = max(schedule.budget for _, schedule, _, _ in steps if schedule.oversize)
         notes.append("warning: " + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
                      + " (oversize_policy='warn')")
         notes.append("Their passes count in micro-batches and lower bound and are left out of utilisation; "
                      "oversize_policy='error' stops training instead.")
-    return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+    return "\n".join([*notes, "", *text_table(header, rows, ">" * len(header))])
 
 
 @dataclass
@@ -302,10 +265,14 @@ class SimulatedRound:
     partial: bool
 
 
-def simulate_processes_steps(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) -> list[SimulatedRound]:
-    """Like :func:`simulate_steps` for ``plan.num_processes`` processes: each optimizer step takes
-    ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples, process 0's first, and
-    is scheduled as every process would schedule it, with and without cross-rank balancing."""
+def simulate(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) -> list[SimulatedRound]:
+    """The schedules of each optimizer step of ``lengths`` (samples in training order), as every process computes
+    them: a step takes ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples (the
+    last may be partial), process 0's first, and is scheduled by ``scheduler`` exactly as the trainer schedules it,
+    with and without cross-rank balancing. With ``max_tokens_per_microbatch`` unset, each process's budget is the
+    automatic one, ``per_device_train_batch_size`` rows of stock TRL's padded width. Stock pads to the whole
+    generation batch; equal to the optimizer step's when ``steps_per_generation == gradient_accumulation_steps``
+    (the default)."""
     per_process, processes = plan.per_device_samples_per_optimizer_step, plan.num_processes
     rounds = []
     for start in range(0, len(lengths), per_process * processes):
@@ -346,11 +313,6 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
                      str(sum(map(sum, step.lengths))), str(active[0].budget), str(step.unbalanced[0].passes),
                      str(step.balanced[0].passes), f"{balance.imbalance_before:.2f}", f"{balance.imbalance_after:.2f}",
                      str(step.balanced[0].samples_moved), str(computed), str(step.stock_tokens)))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-
     note = (
         f"Simulated {sum(sum(map(len, r.lengths)) for r in rounds)} samples over {plan.num_processes} processes, "
         f"{plan.per_device_samples_per_optimizer_step} per process per optimizer step (process 0's first in each "
@@ -361,7 +323,7 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False)]
     if any(step.partial for step in rounds):
         notes.append("* partial optimizer step (fewer samples than a full step).")
-    return "\n".join([*notes, "", line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+    return "\n".join([*notes, "", *text_table(header, rows, ">" * len(header))])
 
 
 def processes_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
@@ -381,11 +343,12 @@ def processes_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
     } for step in rounds]
 
 
-def simulation_as_dict(steps: list[SimulatedStep]) -> list[dict[str, Any]]:
-    """``--json``: per optimizer step, the lengths, budget and micro-batches (sample indices within the step)."""
-    return [{"lengths": step.lengths, "budget": step.schedule.budget, "microbatches": step.schedule.microbatches,
-             "passes_needed": step.schedule.passes_needed, "oversize": step.schedule.oversize,
-             "partial": step.partial} for step in steps]
+def simulation_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
+    """``--json`` on one process: per optimizer step, the lengths, budget and micro-batches (sample indices within
+    the step)."""
+    return [{"lengths": step.lengths[0], "budget": step.balanced[0].budget,
+             "microbatches": step.balanced[0].microbatches, "passes_needed": step.balanced[0].passes_needed,
+             "oversize": step.balanced[0].oversize, "partial": step.partial} for step in rounds]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -542,10 +505,7 @@ def _run_plan(argv: list[str]) -> int:
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
             scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            if plan.num_processes > 1:
-                steps = simulate_processes_steps(plan, scheduler, lengths)
-            else:
-                steps = simulate_steps(plan, scheduler, lengths)
+            steps = simulate(plan, scheduler, lengths)
         if namespace.json:
             document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
             if steps is not None:

@@ -16,14 +16,11 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from .settings import ENV_SETTINGS
+from .settings import ENV_SETTINGS, Setting
 
 __all__ = [
-    "ENV_OVERRIDES",
-    "EnvOverride",
     "apply_env_overrides",
     "env_sources",
     "read_env_overrides",
@@ -33,17 +30,6 @@ __all__ = [
 logger = logging.getLogger("hf_dynbsz")
 
 
-@dataclass(frozen=True)
-class EnvOverride:
-    """One supported environment variable and the configuration field it overrides."""
-
-    variable: str
-    field: str
-    expected: str  # what a valid value is, for error messages
-
-
-ENV_OVERRIDES: tuple[EnvOverride, ...] = tuple(EnvOverride(s.env, s.name, s.expected) for s in ENV_SETTINGS)
-
 _DIGITS = re.compile(r"[0-9]+")
 
 # (variable, value, field) triples already logged in this process: a sweep applies the same override to
@@ -51,12 +37,12 @@ _DIGITS = re.compile(r"[0-9]+")
 _LOGGED: set[tuple[str, int, str]] = set()
 
 
-def _parse_positive_int(override: EnvOverride, raw: str) -> int:
+def _parse_positive_int(spec: Setting, raw: str) -> int:
     text = raw.strip()
     if not _DIGITS.fullmatch(text) or int(text) < 1:
         raise ValueError(
-            f"{override.variable}={raw!r} is not valid: expected {override.expected} "
-            f"(it overrides {override.field}). Unset the variable to keep the configured value."
+            f"{spec.env}={raw!r} is not valid: expected {spec.expected} "
+            f"(it overrides {spec.name}). Unset the variable to keep the configured value."
         )
     return int(text)
 
@@ -71,9 +57,9 @@ def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tu
     if environ is None:
         environ = os.environ
     overrides: dict[str, tuple[str, int]] = {}
-    for override in ENV_OVERRIDES:
-        if override.variable in environ:
-            overrides[override.field] = (override.variable, _parse_positive_int(override, environ[override.variable]))
+    for spec in ENV_SETTINGS:
+        if spec.env in environ:
+            overrides[spec.name] = (spec.env, _parse_positive_int(spec, environ[spec.env]))
     return overrides
 
 

@@ -37,6 +37,7 @@ from .batch import SampleRows
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
+#: Loss types with a clipped ratio (stock also logs clip_ratio/low_min and clip_ratio/high_max for them).
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 

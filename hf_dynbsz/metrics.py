@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
+from .loss import CLIPPED_LOSSES
 from .packing import SequenceTable
 from .partition import ModelFlops
 from .schedule import RankGroup, StepSchedule
@@ -94,8 +95,6 @@ class PeakMemory:
 
 # Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).
 _TOKEN_MEAN_METRICS = ("kl", "vespo/phi_seq_mean", "cispo_clip_ratio")
-# Loss types for which stock logs clip_ratio/low_min and clip_ratio/high_max.
-_SEQUENCE_CLIP_METRIC_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 class StepMeters:
@@ -188,7 +187,7 @@ class StepMetrics:
         totals = totals.tolist()
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
-        if self.sequence_low or loss_type in _SEQUENCE_CLIP_METRIC_LOSSES:
+        if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
             for name, values, pick in (("clip_ratio/low_min", self.sequence_low, nanmin),
                                        ("clip_ratio/high_max", self.sequence_high, nanmax)):
                 local_values = torch.cat(values) if values else torch.zeros(0, device=device)

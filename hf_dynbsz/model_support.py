@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .partition import GENERIC_DECODER, ModelFlops
+from .partition import GENERIC_DECODER, ModelFlops, text_config_of
 
 __all__ = [
     "Layout",
@@ -28,7 +28,6 @@ __all__ = [
     "ModelSupport",
     "REPACKED_VISION_MODEL_TYPES",
     "VARLEN_ATTENTION_PREFIXES",
-    "text_config_of",
     "vision_language_mode",
 ]
 
@@ -68,16 +67,6 @@ def _read(config: Any, name: str, default: Any = None) -> Any:
     except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError: a per-layer value
         return default
     return default if value is None else value
-
-
-def text_config_of(config: Any) -> Any:
-    """The language model's config of a transformers config (itself for a text model, and where none is clear)."""
-    if config is not None and callable(getattr(config, "get_text_config", None)):
-        try:
-            return config.get_text_config()
-        except Exception:  # noqa: BLE001 - several candidate text configs (encoder-decoder audio models)
-            return config
-    return config
 
 
 def vision_language_mode(config: Any) -> str | None:

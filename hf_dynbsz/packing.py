@@ -34,6 +34,7 @@ import torch
 
 from .multimodal import join_media
 from .partition import LAYOUTS, round_up
+from .schedule import prompt_segments
 
 
 @dataclass
@@ -198,7 +199,8 @@ def build_microbatch(
     if layout == "padding_free":
         pieces, positions, labels, segments = [], [], [], []
         offset = 0
-        for members in _segment_members(indices, prompt_lengths, groups):
+        groups_here = None if groups is None else [groups[i] for i in indices]
+        for members in prompt_segments(range(len(indices)), prompt_lengths, groups_here):
             first = members[0]
             prefix = prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
             if prefix:
@@ -290,18 +292,6 @@ def build_microbatch(
         segments=segment_layout,
         token_rows=(torch.cat(token_index).to(device), torch.cat(row_index).to(device)),
     )
-
-
-def _segment_members(indices: list[int], prompt_lengths: list[int], groups) -> list[list[int]]:
-    """Positions in ``indices`` per segment, in order of first appearance: samples of one prompt group (with a
-    prompt of at least 2 tokens, so there is a prefix to share) together, every other sample alone."""
-    if groups is None:
-        return [[j] for j in range(len(indices))]
-    members: dict = {}
-    for j, i in enumerate(indices):
-        key = groups[i] if prompt_lengths[j] > 1 else ("alone", j)
-        members.setdefault(key, []).append(j)
-    return list(members.values())
 
 
 def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None,

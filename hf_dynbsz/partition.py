@@ -31,46 +31,28 @@ Units
 
 Algorithm
 ---------
-1. **How many micro-batches.**  The count is the number of bins of
-   first-fit-decreasing (FFD) bin packing of the lengths into bins of
-   ``max_tokens`` (for the padded layout FFD on the length-sorted list is the
-   optimal "contiguous runs" packing).  It never exceeds FFD's count, and is at
-   least the trivial bound ``ceil(sum(lengths) / max_tokens)``.  The count does
-   not depend on the workload model, so a distributed trainer can all-reduce the
-   maximum of :func:`min_num_microbatches` over ranks and ask every rank for
-   exactly that many micro-batches.
-2. **Which sequence goes where (padding_free).**  Sequences are taken longest first
-   and each goes to the micro-batch with the lowest cost so far among those that
-   still have room for it (longest-processing-time-first with a capacity
-   check).  This is done in vectorised rounds -- the next sequences go to the
-   lightest micro-batches, one each, for as long as that is what the
-   one-at-a-time rule would do -- and one at a time with heaps near the end
-   (micro-batches without room wait in a heap keyed by free room and come back
-   once the sequences get short enough).  Spreading evens out the free room
-   too, which strands the last short sequences when the budget is tight (total
-   free room small next to the shortest sequence); then only the long head of
-   the list (the first 40%, else 15%, of the tokens) is spread and the short
-   tail is packed best-fit (into the fullest micro-batch that can take it).
-   If that fails too, the FFD packing is used, rebalanced by single-sequence
-   moves that keep the cap.
-3. **Which sequence goes where (padded).**  Sequences are sorted by length and
-   cut into contiguous runs (similar lengths share a micro-batch, so little
-   padding is wasted).  The cut points minimise the cost of the most expensive
-   run (bisection on that maximum with a greedy feasibility test), then the
-   most expensive runs are split until there are exactly as many runs as asked.
-4. Every micro-batch lists its sequence indices in ascending order; the
-   micro-batches are ordered by their smallest index, and empty micro-batches
-   (only when asked for more micro-batches than there are sequences) come last.
+1. **How many micro-batches**: the count of first-fit-decreasing (FFD) bin packing of the lengths into bins of
+   ``max_tokens`` (:func:`min_num_microbatches`; in the padded layout FFD on the sorted lengths is the optimal
+   "contiguous runs" packing). It does not depend on the workload model, so every process can all-reduce the
+   maximum and ask for exactly that many micro-batches (exact-k; any count at least the minimum is accepted).
+2. **padding_free**: :func:`hf_dynbsz.balance.balance`, the routine cross-rank balancing uses too: longest first,
+   each sequence to the least costly micro-batch with room for it, then moves and swaps between the costliest and
+   the cheapest; when a tight budget strands a sequence that way, the FFD packing improved by the same moves and
+   swaps (it always fits).
+3. **padded**: a different problem (a padded micro-batch costs its rows times its longest row, not a sum over its
+   sequences), solved by cutting the length-sorted sequences into contiguous runs (similar lengths share a
+   micro-batch, so little padding is wasted): bisection on the costliest run's cost with a greedy feasibility test,
+   then the costliest runs split until there are exactly as many runs as asked.
+4. Every micro-batch lists its sequence indices in ascending order; the micro-batches are ordered by their smallest
+   index, and empty micro-batches (only when asked for more micro-batches than there are sequences) come last.
 
-Everything is deterministic: ties are broken by sequence index (stable sorts)
-and by micro-batch number, never by hashing or randomness.  Sorting, heaps, a
-segment tree for first-fit and grouping of equal lengths keep 100,000 lengths
-well below half a second (see ``benchmarks/partition.py``).
+Everything is deterministic: ties are broken by sequence index (stable sorts) and by micro-batch number, never by
+hashing or randomness. A step of 4,096 sequences is partitioned in a few milliseconds (``benchmarks/partition.py``).
 """
 
 from __future__ import annotations
 
-import bisect
+import functools
 import heapq
 import math
 import numbers
@@ -80,6 +62,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from .balance import balance, improve
 from .settings import setting
 
 __all__ = [
@@ -92,21 +75,15 @@ __all__ = [
     "oversize_error",
     "oversize_indices",
     "token_lower_bound",
-    "first_fit_decreasing",
     "min_num_microbatches",
     "partition_by_token_budget",
 ]
 
 LAYOUTS = ("padding_free", "padded")  # the user-facing names of packing_layout
+#: Passes stop being evened out once the costliest is within this fraction of the mean cost: 0.5% of a pass is
+#: below the run-to-run noise of its own time, and the planning of a step of thousands of samples stays at a few ms.
+CLOSE_ENOUGH = 5e-3
 ATTENTION_KINDS = ("varlen", "dense")
-OVERSIZE_POLICIES = setting("oversize_policy").choices
-
-# Fractions of the tokens of the head of the length-sorted list that are spread
-# by cost before the remaining tail is packed best-fit, tried in this order when
-# spreading everything by cost cannot fit into the requested count.
-_SPREAD_FRACTIONS_WHEN_TIGHT = (0.4, 0.15)
-# Below this many sequences, spreading all of them is always tried first (it is cheap).
-_ALWAYS_TRY_SPREADING_ALL_UP_TO = 2048
 
 Lengths = Union[Sequence[int], np.ndarray]  # tokens per sequence
 
@@ -114,7 +91,7 @@ Lengths = Union[Sequence[int], np.ndarray]  # tokens per sequence
 class OversizeSequenceError(ValueError):
     """A single sequence is longer than the per-micro-batch token budget.
 
-    Raised by :func:`partition_by_token_budget` with ``oversize_policy="error"``.
+    Raised by the scheduler (:class:`hf_dynbsz.schedule.Scheduler`) with ``oversize_policy="error"``.
     Attributes (``None`` when raised with a bare message): ``index`` (position
     of the sequence in ``lengths``), ``length`` (its tokens), ``max_tokens``
     (the budget) and ``required_tokens`` (the smallest budget that fits every
@@ -146,6 +123,19 @@ GENERIC_DECODER = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, 
 _GATED_MLP_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
 
 
+def text_config_of(config):
+    """The language model's config of a config: a transformers config's ``get_text_config()`` (itself for a text
+    model, and where none is clear), or a namespace's ``text_config`` when it has no ``hidden_size`` of its own."""
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        try:
+            return config.get_text_config()
+        except Exception:  # noqa: BLE001 - several candidate text configs (encoder-decoder audio models)
+            return config
+    if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
+        return config.text_config
+    return config
+
+
 def _config_int(config, name: str, default=None) -> int | None:
     value = getattr(config, name, None)
     if value is None:
@@ -172,8 +162,7 @@ class ModelFlops:
     @classmethod
     def from_model_config(cls, config) -> "ModelFlops":
         """From a transformers config (a multimodal one is read through its ``text_config``) or a namespace."""
-        if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
-            config = config.text_config
+        config = text_config_of(config)
         hidden = _config_int(config, "hidden_size")
         layers = _config_int(config, "num_hidden_layers")
         if hidden is None or layers is None:
@@ -300,19 +289,29 @@ class WorkloadModel:
             pairs = tokens * tokens
         else:
             pairs = sum(v * v for v in values)
-        return float(self.linear_weight * tokens + self.quadratic_weight * pairs)
+        return float(self.of(tokens, pairs))
+
+    def of(self, tokens, pairs):
+        """The one cost formula, ``linear x tokens + quadratic x pairs`` (numbers or numpy arrays): of a pass in
+        :meth:`cost`, of an item in :func:`item_costs`."""
+        return self.linear_weight * tokens + self.quadratic_weight * pairs
 
 
 # --------------------------------------------------------------------------- #
 # Token accounting
 # --------------------------------------------------------------------------- #
+def ceil_div(numerator, denominator):
+    """``ceil(numerator / denominator)`` of positive integers (or integer numpy arrays), exactly."""
+    return -(-numerator // denominator)
+
+
 def round_up(length: int, multiple: int | None) -> int:
     """``length`` rounded up to a multiple of ``multiple`` (unchanged when ``multiple`` is None or 1)."""
     if multiple is None or multiple == 1:
         return int(length)
     if multiple < 1:
         raise ValueError(f"pad_to_multiple_of must be an integer >= 1 or None, got {multiple!r}")
-    return -(-int(length) // int(multiple)) * int(multiple)
+    return ceil_div(int(length), int(multiple)) * int(multiple)
 
 
 def microbatch_tokens(lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None) -> int:
@@ -375,12 +374,12 @@ def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention
     values = _validate_lengths(lengths).astype(np.float64)
     if layout == "padded":
         multiple = pad_to_multiple_of or 1
-        values = -(-values // multiple) * multiple
+        values = ceil_div(values, multiple) * multiple
     elif attention == "dense":
         return values
     elif pairs is not None:
-        return workload.linear_weight * values + workload.quadratic_weight * np.asarray(pairs, dtype=np.float64)
-    return workload.linear_weight * values + workload.quadratic_weight * values * values
+        return workload.of(values, np.asarray(pairs, dtype=np.float64))
+    return workload.of(values, values * values)
 
 
 def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
@@ -393,39 +392,19 @@ def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
     values = _validate_lengths(lengths)
     max_tokens = _check_positive_int("max_tokens", max_tokens)
     over = values > max_tokens
-    return int(over.sum()) + (-(-int(values[~over].sum()) // max_tokens))
+    return int(over.sum()) + ceil_div(int(values[~over].sum()), max_tokens)
 
 
 # --------------------------------------------------------------------------- #
 # Public partitioning functions
 # --------------------------------------------------------------------------- #
-def first_fit_decreasing(lengths: Lengths, max_tokens: int, layout: str = "padding_free",
-                         pad_to_multiple_of: int | None = None) -> list[list[int]]:
-    """Baseline: first-fit-decreasing bin packing under the token budget.
-
-    Sequences are visited longest first (ties by index) and each goes into the
-    first micro-batch (in opening order) where it fits; a sequence over the
-    budget gets a micro-batch of its own.  Returns lists of indices, ordered
-    like :func:`partition_by_token_budget` output (ascending inside, micro-batches
-    by smallest index).  Exposed for tests and benchmarks; the trainer uses
-    :func:`partition_by_token_budget`.
-    """
-    problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
-    if problem.layout == "padding_free":
-        bin_of_sorted, num_bins = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
-    else:
-        runs = _fewest_padded_runs(problem.sorted_sizes, problem.capacity)
-        bin_of_sorted, num_bins = _contiguous_runs_to_bins(runs)
-    return problem.assemble(bin_of_sorted, num_bins)
-
-
 def min_num_microbatches(lengths: Lengths, max_tokens: int, *, layout: str = "padding_free",
                          pad_to_multiple_of: int | None = None) -> int:
     """Number of micro-batches partition_by_token_budget uses when num_microbatches is None.
 
     The trainer all-reduces the MAX of this across ranks and then calls
     ``partition_by_token_budget(..., num_microbatches=that max)``.  Equal to
-    the number of micro-batches of :func:`first_fit_decreasing` (one per
+    the number of micro-batches of first-fit-decreasing (one per
     oversize sequence included); any ``num_microbatches`` at least this large
     is accepted by :func:`partition_by_token_budget`.  Does not depend on the
     workload model, so every rank can compute it from lengths alone.
@@ -443,7 +422,6 @@ def partition_by_token_budget(
     pad_to_multiple_of: int | None = None,
     workload: WorkloadModel | None = None,
     attention: str = "varlen",
-    oversize_policy: str = "warn",
     pairs=None,
 ) -> list[list[int]]:
     """Partition sequence indices into micro-batches of at most ``max_tokens`` tokens each, balancing compute.
@@ -466,10 +444,8 @@ def partition_by_token_budget(
         attention: ``"varlen"`` (each packed sequence attends to itself) or
             ``"dense"`` (one packed row attends as a whole); picks the cost the
             balancing evens out for packed rows.  Ignored for ``"padded"``.
-        oversize_policy: ``"warn"``: a sequence over the budget gets a
-            micro-batch of its own (no warning is emitted here; the caller
-            warns once).  ``"error"``: raise :class:`OversizeSequenceError`
-            before doing anything else.
+        A sequence over the budget gets a micro-batch of its own (the scheduler
+        decides whether that is allowed, see ``oversize_policy``).
         pairs: attention pairs per item for the ``"varlen"`` cost (default
             ``lengths**2``); an item may be a shared-prompt segment, whose
             blocks do not attend to each other.
@@ -481,7 +457,6 @@ def partition_by_token_budget(
     """
     layout = _check_choice("layout", layout, LAYOUTS)
     attention = _check_choice("attention", attention, ATTENTION_KINDS)
-    oversize_policy = _check_choice("oversize_policy", oversize_policy, OVERSIZE_POLICIES)
     if workload is None:
         workload = WorkloadModel.default(layout=layout, attention=attention)
     elif not isinstance(workload, WorkloadModel):
@@ -490,8 +465,6 @@ def partition_by_token_budget(
         num_microbatches = _check_positive_int("num_microbatches", num_microbatches, minimum=0)
 
     problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
-    if oversize_policy == "error" and problem.num_oversize:
-        raise problem.oversize_error()
 
     if layout == "padding_free":
         ffd_bin_of_sorted, fitting_minimum = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
@@ -614,7 +587,7 @@ class _Problem:
             sizes = values
         else:
             capacity = max_tokens
-            sizes = -(-values // multiple) * multiple
+            sizes = ceil_div(values, multiple) * multiple
         fits = sizes <= capacity
         fitting = np.flatnonzero(fits)
         # Longest first, ties by index.  Sizes never decrease with length, so this also sorts the sizes
@@ -638,18 +611,6 @@ class _Problem:
     @property
     def num_oversize(self) -> int:
         return int(self.oversize_indices.size)
-
-    def oversize_error(self, setting: str = "max_tokens_per_microbatch") -> OversizeSequenceError:
-        index = int(self.oversize_indices[0])
-        oversize_lengths = self.lengths[self.oversize_indices]
-        others = ""
-        if self.num_oversize > 1:
-            longest = int(self.oversize_indices[int(np.argmax(oversize_lengths))])
-            others = (f"; {self.num_oversize - 1} more sequence(s) are over the budget too, the longest is "
-                      f"sequence {longest} with {int(self.lengths[longest])} tokens")
-        return oversize_error(f"sequence {index}", int(self.lengths[index]), self.max_tokens, layout=self.layout,
-                              pad_to_multiple_of=self.pad_to_multiple_of, longest=int(oversize_lengths.max()),
-                              others=others, setting=setting, index=index)
 
     def assemble(self, bin_of_sorted: np.ndarray, num_fitting_bins: int) -> list[list[int]]:
         """Turn micro-batch numbers of the sorted fitting sequences into the public output format."""
@@ -685,6 +646,22 @@ def _min_bins_for_fitting(problem: _Problem) -> int:
 # --------------------------------------------------------------------------- #
 def _first_fit_decreasing_sorted(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     """First-fit of ``sizes`` (sorted descending, each <= capacity) into bins of ``capacity`` tokens.
+
+    The last few results are remembered: the scheduler counts a step's passes (:func:`min_num_microbatches`) and then
+    partitions the same sizes, and this is the costliest part of both.
+    """
+    return _remembered_first_fit(sizes.tobytes(), int(capacity))
+
+
+@functools.lru_cache(maxsize=8)
+def _remembered_first_fit(sizes_bytes: bytes, capacity: int) -> tuple[np.ndarray, int]:
+    bin_of_sorted, bins = _first_fit(np.frombuffer(sizes_bytes, dtype=np.int64), capacity)
+    bin_of_sorted.flags.writeable = False  # shared between callers
+    return bin_of_sorted, bins
+
+
+def _first_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
+    """The first-fit of :func:`_first_fit_decreasing_sorted`.
 
     Returns (bin number per position, number of bins).  Equal sizes are placed
     as a group: the leftmost bin with room takes as many as fit, then the next
@@ -742,234 +719,19 @@ def _first_fit_decreasing_sorted(sizes: np.ndarray, capacity: int) -> tuple[np.n
     return bin_of_sorted, bins_used
 
 
-# Spreading hands out sequences in vectorised rounds while at least this many bins can take the next one
-# (and while the rounds stay cheap); the rest is spread one sequence at a time with heaps.
-_MIN_BINS_PER_ROUND = 32
-_ROUND_WORK_PER_SEQUENCE = 16
-
-
-def _spread_then_best_fit(sizes: np.ndarray, weights: np.ndarray, num_bins: int, capacity: int,
-                          spread_count: int) -> np.ndarray | None:
-    """Greedy assignment of sorted sequences into ``num_bins`` bins of ``capacity`` tokens.
-
-    Positions ``[0, spread_count)`` are *spread*: each goes to the bin with the
-    lowest total weight that still has room for it (longest-processing-time-
-    first with a cap).  Positions from ``spread_count`` on are packed
-    *best-fit*: into the bin with the least free room that still fits.
-    ``sizes`` are sorted descending and ``weights`` are their costs.  Returns
-    the bin per position, or None when some sequence fits in no bin.
-    """
-    n = int(sizes.size)
-    spread_count = min(spread_count, n)
-    bin_of = np.empty(n, dtype=np.int64)
-    loads = np.zeros(num_bins, dtype=np.float64)
-    rooms = np.full(num_bins, capacity, dtype=np.int64)
-    position = _spread_in_rounds(sizes, weights, spread_count, loads, rooms, bin_of)
-    if not _spread_one_by_one(sizes, weights, position, spread_count, loads, rooms, bin_of):
-        return None
-    if not _best_fit_by_groups(sizes, spread_count, rooms, bin_of):
-        return None
-    return bin_of
-
-
-def _spread_in_rounds(sizes: np.ndarray, weights: np.ndarray, stop: int, loads: np.ndarray, rooms: np.ndarray,
-                      bin_of: np.ndarray) -> int:
-    """Spread positions from 0 on in rounds; returns the first position not placed (at most ``stop``).
-
-    A round sorts the bins that have room for the next (longest) sequence by
-    weight and gives the j-th next sequence to the j-th lightest bin, as long
-    as that is what one-at-a-time spreading would do: none of the bins already
-    served in this round may have become lighter than the j-th bin.  Each bin
-    gets at most one sequence per round, so the cap holds.  Rounds end when
-    too few bins have room, or after ~_ROUND_WORK_PER_SEQUENCE bin visits per
-    sequence (then the one-by-one path is cheaper).
-    """
-    position = 0
-    work_left = _ROUND_WORK_PER_SEQUENCE * stop
-    while position < stop and work_left > 0:
-        open_bins = np.flatnonzero(rooms >= sizes[position])
-        if open_bins.size < _MIN_BINS_PER_ROUND:
-            break
-        work_left -= open_bins.size
-        count = min(open_bins.size, stop - position)
-        lightest = open_bins[np.argsort(loads[open_bins], kind="stable")[:count]]
-        loads_after = loads[lightest] + weights[position:position + count]
-        overtaken = np.flatnonzero(np.minimum.accumulate(loads_after)[:-1] < loads[lightest[1:]])
-        if overtaken.size:
-            count = int(overtaken[0]) + 1
-            lightest = lightest[:count]
-            loads_after = loads_after[:count]
-        bin_of[position:position + count] = lightest
-        loads[lightest] = loads_after
-        rooms[lightest] -= sizes[position:position + count]
-        position += count
-    return position
-
-
-def _spread_one_by_one(sizes: np.ndarray, weights: np.ndarray, start: int, stop: int, loads: np.ndarray,
-                       rooms: np.ndarray, bin_of: np.ndarray) -> bool:
-    """Spread positions ``[start, stop)`` one at a time; False if one fits nowhere.
-
-    ``by_load`` is a heap of (weight, bin) over bins that may have room; a bin
-    without room for the current size moves to ``too_full`` (a heap keyed by
-    free room) and comes back once the sizes get small enough.  Updates
-    ``loads``, ``rooms`` and ``bin_of`` in place.
-    """
-    if start >= stop:
-        return True
-    room = rooms.tolist()
-    by_load = list(zip(loads.tolist(), range(len(room))))
-    heapq.heapify(by_load)
-    too_full: list[tuple[int, int, float]] = []  # (-free room, bin, weight)
-    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    chosen: list[int] = []
-    for size, weight in zip(sizes[start:stop].tolist(), weights[start:stop].tolist()):
-        while too_full and -too_full[0][0] >= size:
-            _, bin_number, load = heappop(too_full)
-            heappush(by_load, (load, bin_number))
-        while True:
-            if not by_load:
-                return False
-            load, bin_number = by_load[0]
-            if room[bin_number] >= size:
-                break
-            heappop(by_load)
-            heappush(too_full, (-room[bin_number], bin_number, load))
-        room[bin_number] -= size
-        heapreplace(by_load, (load + weight, bin_number))
-        chosen.append(bin_number)
-    bin_of[start:stop] = chosen
-    for load, bin_number in by_load:
-        loads[bin_number] = load
-    for _, bin_number, load in too_full:
-        loads[bin_number] = load
-    rooms[:] = room
-    return True
-
-
-def _best_fit_by_groups(sizes: np.ndarray, start: int, rooms: np.ndarray, bin_of: np.ndarray) -> bool:
-    """Best-fit positions from ``start`` on, a group of equal sizes at a time; False if one fits nowhere.
-
-    The bin with the least free room that fits takes as many sequences of the
-    group as fit -- exactly what one-by-one best-fit would do, since it stays
-    the tightest bin that fits.  Ties go to the lower bin number.
-    """
-    n = int(sizes.size)
-    if start >= n:
-        return True
-    tail = sizes[start:]
-    group_starts = np.concatenate(([0], np.flatnonzero(np.diff(tail)) + 1))
-    group_counts = np.diff(np.append(group_starts, tail.size)).tolist()
-    by_room = sorted(zip(rooms.tolist(), range(rooms.size)))
-    bisect_left, insort = bisect.bisect_left, bisect.insort
-    run_bins: list[int] = []
-    run_counts: list[int] = []
-    for size, remaining in zip(tail[group_starts].tolist(), group_counts):
-        while remaining:
-            slot = bisect_left(by_room, (size, -1))
-            if slot == len(by_room):
-                return False
-            free, bin_number = by_room.pop(slot)
-            placed = free // size
-            if placed > remaining:
-                placed = remaining
-            remaining -= placed
-            insort(by_room, (free - placed * size, bin_number))
-            run_bins.append(bin_number)
-            run_counts.append(placed)
-    bin_of[start:] = np.repeat(np.asarray(run_bins, dtype=np.int64), np.asarray(run_counts, dtype=np.int64))
-    return True
-
-
-def _rebalance_by_moves(bin_of: np.ndarray, sizes: np.ndarray, weights: np.ndarray, num_bins: int,
-                        capacity: int, max_moves: int) -> np.ndarray:
-    """Even out a feasible assignment by moving single sequences from the heaviest to the lightest bin.
-
-    The heaviest bin holding at least two sequences gives the lightest bin the
-    sequence that best halves their weight gap, provided it fits the lightest
-    bin's free room and weighs less than the gap.  So the sum of squared bin
-    weights strictly drops (no cycles), and empty bins are always filled first
-    (any bin with two or more sequences can give one to an empty bin).  Stops
-    when the heaviest bin has nothing to give the lightest, or after
-    ``max_moves`` moves.  Heaps with lazy deletion keep a move O(log bins).
-    """
-    bin_of = bin_of.copy()
-    members: list[list[int]] = [[] for _ in range(num_bins)]
-    for position, bin_number in enumerate(bin_of.tolist()):
-        members[bin_number].append(position)
-    loads = np.bincount(bin_of, weights=weights, minlength=num_bins).tolist()
-    tokens = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64).tolist()
-    size_list, weight_list = sizes.tolist(), weights.tolist()
-    heaviest_first = [(-loads[b], b) for b in range(num_bins) if len(members[b]) >= 2]
-    lightest_first = [(loads[b], b) for b in range(num_bins)]
-    heapq.heapify(heaviest_first)
-    heapq.heapify(lightest_first)
-    for _ in range(max_moves):
-        while heaviest_first and (len(members[heaviest_first[0][1]]) < 2
-                                  or -heaviest_first[0][0] != loads[heaviest_first[0][1]]):
-            heapq.heappop(heaviest_first)
-        while lightest_first[0][0] != loads[lightest_first[0][1]]:
-            heapq.heappop(lightest_first)
-        if not heaviest_first:
-            break
-        heaviest, lightest = heaviest_first[0][1], lightest_first[0][1]
-        gap = loads[heaviest] - loads[lightest]
-        if not gap > 0:
-            break
-        free = capacity - tokens[lightest]
-        best_position, best_score = -1, math.inf
-        for position in members[heaviest]:
-            weight = weight_list[position]
-            if size_list[position] <= free and weight < gap:
-                score = abs(gap / 2 - weight)
-                if score < best_score:
-                    best_position, best_score = position, score
-        if best_position < 0:
-            break
-        members[heaviest].remove(best_position)
-        members[lightest].append(best_position)
-        bin_of[best_position] = lightest
-        for bin_number, sign in ((heaviest, -1), (lightest, 1)):
-            loads[bin_number] += sign * weight_list[best_position]
-            tokens[bin_number] += sign * size_list[best_position]
-            heapq.heappush(lightest_first, (loads[bin_number], bin_number))
-            if len(members[bin_number]) >= 2:
-                heapq.heappush(heaviest_first, (-loads[bin_number], bin_number))
-    return bin_of
-
-
 def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel, attention: str,
                                 ffd_bin_of: np.ndarray, pairs: np.ndarray | None = None) -> np.ndarray:
-    """Bin number (0..num_bins-1) per sorted fitting sequence for the padding_free layout.
-
-    ``ffd_bin_of`` is the first-fit-decreasing assignment of the same sorted
-    sequences; it uses at most ``num_bins`` bins and is the last resort.
-    """
-    sizes = problem.sorted_sizes
-    n = int(sizes.size)
-    if n == 0:
+    """Bin number (0..num_bins-1) per sorted fitting sequence for the padding_free layout: :func:`balance`'s
+    longest-first with the budget as room, or, when a tight budget strands a sequence that way, the
+    first-fit-decreasing assignment ``ffd_bin_of`` (which fits in ``num_bins`` by construction) improved."""
+    sizes = problem.sorted_sizes.tolist()
+    if not sizes:
         return np.zeros(0, dtype=np.int64)
-    weights = item_costs(sizes, "padding_free", workload, attention, pairs=pairs)
-
-    # Spreading everything by cost leaves every bin with a similar sliver of free room; that rarely works
-    # when the free room left in total (slack) is small next to the shortest sequences, so large batches
-    # skip that attempt then.  The next attempts spread only the long head and pack the tail best-fit.
-    # Every attempt spreads at least the first num_bins sequences, so no bin stays empty.
-    cumulative_tokens = np.cumsum(sizes)
-    slack = num_bins * problem.capacity - int(cumulative_tokens[-1])
-    loose = slack >= num_bins * int(sizes[-1])
-    spread_counts = [n] if loose or n <= _ALWAYS_TRY_SPREADING_ALL_UP_TO else []
-    for fraction in _SPREAD_FRACTIONS_WHEN_TIGHT:
-        head = int(np.searchsorted(cumulative_tokens, fraction * cumulative_tokens[-1]))
-        spread_counts.append(max(head, min(num_bins, n)))
-    for spread_count in dict.fromkeys(spread_counts):
-        assignment = _spread_then_best_fit(sizes, weights, num_bins, problem.capacity, spread_count)
-        if assignment is not None:
-            return assignment
-
-    # FFD always fits (num_bins >= its bin count); open the extra bins and even out by moves.
-    return _rebalance_by_moves(ffd_bin_of, sizes, weights, num_bins, problem.capacity,
-                               max_moves=2 * num_bins + 16)
+    weights = item_costs(problem.sorted_sizes, "padding_free", workload, attention, pairs=pairs).tolist()
+    assignment = balance(weights, num_bins, sizes, problem.capacity, CLOSE_ENOUGH)
+    if assignment is None:
+        assignment = improve(ffd_bin_of.tolist(), weights, num_bins, sizes, problem.capacity, CLOSE_ENOUGH)
+    return np.asarray(assignment, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- #

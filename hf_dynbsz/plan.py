@@ -19,12 +19,13 @@ the configuration class and the command line share it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
 from .env import env_sources
+from .partition import ceil_div
 from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
 
 __all__ = [
@@ -569,7 +570,7 @@ class BatchSizePlan:
 
     @property
     def generation_chunks_per_device(self) -> int:
-        return -(-self.per_device_generation_share // self.generation_chunk_size)
+        return ceil_div(self.per_device_generation_share, self.generation_chunk_size)
 
     @property
     def effective_tensor_batch_size(self) -> int:
@@ -788,17 +789,22 @@ class BatchSizePlan:
 
     def render(self) -> str:
         """An aligned plain-text table: setting | per device | global | meaning."""
-        header = ("setting", "per device", "global", "meaning")
-        rows = [header, *self.rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        return "\n".join(text_table(("setting", "per device", "global", "meaning"), self.rows(), "<>>-"))
 
-        def line(row: tuple[str, str, str, str]) -> str:
-            return "  ".join(
-                [row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2]), row[3]]
-            ).rstrip()
 
-        rule = "  ".join(["-" * widths[0], "-" * widths[1], "-" * widths[2], "-" * len(header[3])])
-        return "\n".join([line(header), rule, *(line(row) for row in rows[1:])])
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """The lines of an aligned plain-text table (header, a rule, the rows), columns two spaces apart: ``align`` has
+    one character per column, ``<`` left, ``>`` right, ``-`` left and not padded (a last free-text column)."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    free = [i for i, kind in enumerate(align) if kind == "-"]
+    rule_widths = [len(header[i]) if i in free else width for i, width in enumerate(widths)]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [cell if kind == "-" else cell.ljust(width) if kind == "<" else cell.rjust(width)
+                 for cell, width, kind in zip(row, widths, align, strict=True)]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * width for width in rule_widths]), *(line(row) for row in rows)]
 
 
 class _FieldView:

@@ -48,6 +48,8 @@ __all__ = [
     "StepSchedule",
     "Unit",
     "build_units",
+    "prompt_segments",
+    "row_tokens",
     "segment_tokens",
     "simulate_processes",
     "stock_microbatch_tokens",
@@ -139,30 +141,50 @@ class Unit:
     pairs: int
 
 
+def prompt_segments(samples: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int] | None
+                    ) -> list[list[int]]:
+    """The segments of a padding-free row holding ``samples`` (the one shared-prompt rule; the budget, the units and
+    the collator all call it): the samples of one prompt group (equal ``groups`` ids) whose prompt has at least 2
+    tokens share one copy of it, ``[prompt without its last token | last token + completion | ...]``; every other
+    sample is a segment alone. Segments in order of their first sample, samples in ``samples`` order. ``groups``
+    None: every sample alone."""
+    members: dict = {}
+    for i in samples:
+        key = groups[i] if groups is not None and prompt_lengths[i] > 1 else ("alone", i)
+        members.setdefault(key, []).append(i)
+    return list(members.values())
+
+
+def segment_tokens(members: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> int:
+    """Tokens of one segment of :func:`prompt_segments`: ``P - 1 + sum(completion + 1)`` for a shared prompt of
+    ``P`` tokens, which is ``P + completion`` for a segment of one sample."""
+    prefix = prompt_lengths[members[0]] - 1
+    return prefix + sum(completion_lengths[i] + 1 for i in members)
+
+
+def row_tokens(samples: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+               groups: Sequence[int] | None) -> int:
+    """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once."""
+    return sum(segment_tokens(members, prompt_lengths, completion_lengths)
+               for members in prompt_segments(samples, prompt_lengths, groups))
+
+
 def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None,
                 budget: int) -> list[Unit]:
     """The units of one process's samples, ordered by their first sample.
 
-    Without ``groups`` every sample is a unit. With ``groups`` (equal ids = identical prompts) the samples of a group
-    whose prompt has at least 2 tokens share it: their blocks (prompt's last token + completion) are packed
-    first-fit-decreasing into as few pieces as fit ``budget`` with the shared prefix; a block that fits with no other
-    runs alone (as a plain sequence, longer than the budget if it must).
+    Every segment of :func:`prompt_segments` is a unit; one that does not fit ``budget`` splits into pieces, each
+    carrying the prompt once: its blocks (prompt's last token + completion) packed first-fit-decreasing into as few
+    pieces as fit the budget with the shared prefix; a block that fits with no other runs alone (as a plain sequence,
+    longer than the budget if it must). ``pairs`` is the attention term (a shared segment's blocks do not attend to
+    each other).
     """
-    if groups is None:
-        return [Unit((i,), p + c, (p + c) ** 2) for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))]
-    members: dict[int, list[int]] = {}
-    for i, group in enumerate(groups):
-        members.setdefault(group, []).append(i)
     units = []
-    for samples in members.values():
-        prefix = prompt_lengths[samples[0]] - 1
-        if prefix < 1 or len(samples) == 1:
-            units += [Unit((i,), prompt_lengths[i] + completion_lengths[i],
-                           (prompt_lengths[i] + completion_lengths[i]) ** 2) for i in samples]
-            continue
+    for members in prompt_segments(range(len(prompt_lengths)), prompt_lengths, groups):
+        prefix = prompt_lengths[members[0]] - 1 if len(members) > 1 else 0
         pieces: list[list[int]] = []
         room: list[int] = []
-        for i in sorted(samples, key=lambda i: (-completion_lengths[i], i)):
+        for i in sorted(members, key=lambda i: (-completion_lengths[i], i)):
             block = completion_lengths[i] + 1
             piece = next((n for n, free in enumerate(room) if free >= block), None)
             if piece is None:
@@ -172,30 +194,12 @@ def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int]
             pieces[piece].append(i)
             room[piece] -= block
         for piece in pieces:
-            blocks = [completion_lengths[i] + 1 for i in piece]
-            units.append(Unit(tuple(sorted(piece)), prefix + sum(blocks),
-                              prefix * prefix + sum(b * b + 2 * prefix * b for b in blocks)))
+            tokens = segment_tokens(piece, prompt_lengths, completion_lengths)
+            shared = prompt_lengths[piece[0]] - 1 if len(piece) > 1 else 0
+            blocks = [tokens - shared] if len(piece) == 1 else [completion_lengths[i] + 1 for i in piece]
+            units.append(Unit(tuple(sorted(piece)), tokens,
+                              shared * shared + sum(b * b + 2 * shared * b for b in blocks)))
     return sorted(units, key=lambda unit: unit.samples[0])
-
-
-def segment_tokens(samples: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
-                   groups: Sequence[int] | None) -> int:
-    """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once.
-
-    The packing collator lays the row out the same way (:func:`hf_dynbsz.packing.build_microbatch`).
-    """
-    if groups is None:
-        return sum(prompt_lengths[i] + completion_lengths[i] for i in samples)
-    by_group: dict = {}
-    for i in samples:
-        by_group.setdefault(groups[i] if prompt_lengths[i] > 1 else ("alone", i), []).append(i)
-    total = 0
-    for members in by_group.values():
-        if len(members) == 1:
-            total += prompt_lengths[members[0]] + completion_lengths[members[0]]
-        else:
-            total += prompt_lengths[members[0]] - 1 + sum(completion_lengths[i] + 1 for i in members)
-    return total
 
 
 @dataclass(frozen=True)
@@ -412,7 +416,7 @@ class Scheduler:
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples)
                         for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))]
         lengths = [p + c for p, c in zip(prompts, completions)]
-        shared = [segment_tokens(group, prompts, completions, groups) for group in microbatches if group]
+        shared = [row_tokens(group, prompts, completions, groups) for group in microbatches if group]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
         else:
@@ -425,11 +429,16 @@ class Scheduler:
                         elsewhere: str):
         """The error every process raises when some sample is over the budget (``oversize_policy="error"``)."""
         oversize = sorted(self._oversize(units, budget))
-        where, length = elsewhere, longest_anywhere
+        where, length, index, others = elsewhere, longest_anywhere, None, ""
         if oversize:
-            where, length = f"sequence {oversize[0]} of this process's step", lengths[oversize[0]]
+            index = oversize[0]
+            where, length = f"sequence {index} of this process's step", lengths[index]
+        if len(oversize) > 1:
+            longest = max(oversize, key=lambda i: (lengths[i], -i))
+            others = (f"; {len(oversize) - 1} more sequence(s) of this process are over the budget too, the longest "
+                      f"is sequence {longest} with {lengths[longest]} tokens")
         return oversize_error(where, length, budget, layout=self.layout, pad_to_multiple_of=self.pad_to_multiple_of,
-                              longest=longest_anywhere, setting=BUDGET_SETTINGS[kind])
+                              longest=longest_anywhere, others=others, setting=BUDGET_SETTINGS[kind], index=index)
 
     @staticmethod
     def oversize_warning(count: int, longest: int, budget: int, kind: str = "training") -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
     "build_tiny_vision_language_model",
+    "first_fit_decreasing",
     "image_prompt_dataset",
     "load_tokenizer",
     "prompt_dataset",
@@ -570,6 +571,25 @@ def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     labels[:, :-logits_to_keep] = -100
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
+
+def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None):
+    """Baseline for tests and benchmarks: first-fit-decreasing bin packing under the token budget, what fixes the
+    pass count of :func:`hf_dynbsz.partition.partition_by_token_budget` (its count is
+    :func:`~hf_dynbsz.partition.min_num_microbatches`).
+
+    Sequences are visited longest first (ties by index) and each goes into the first micro-batch (in opening order)
+    where it fits; a sequence over the budget gets a micro-batch of its own. Returns lists of indices, ordered like
+    ``partition_by_token_budget``'s output (ascending inside, micro-batches by smallest index).
+    """
+    from .partition import _contiguous_runs_to_bins, _fewest_padded_runs, _first_fit_decreasing_sorted, _Problem
+
+    problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
+    if problem.layout == "padding_free":
+        bin_of_sorted, num_bins = _first_fit_decreasing_sorted(problem.sorted_sizes, problem.capacity)
+    else:
+        bin_of_sorted, num_bins = _contiguous_runs_to_bins(_fewest_padded_runs(problem.sorted_sizes, problem.capacity))
+    return problem.assemble(bin_of_sorted, num_bins)
 
 
 def segment_mask(prefix: int, blocks: tuple[int, ...]):

@@ -24,7 +24,7 @@ from hf_dynbsz.attention import (
     use_segments,
 )
 from hf_dynbsz.packing import SequenceTable, build_microbatch
-from hf_dynbsz.schedule import segment_tokens
+from hf_dynbsz.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
     build_tiny_causal_lm,
@@ -111,7 +111,7 @@ def test_shared_prompts_give_stocks_logprobs_and_entropies(model, request, kerne
         assert len(calls) == model.config.num_hidden_layers  # every layer took the varlen formulation
     # each prompt computed once: 8 + 3 (prefixes of the shared prompts) + 13 (the lone sample, a plain sequence)
     real = 8 + sum(COMPLETIONS[:4]) + 4 + 3 + sum(COMPLETIONS[4:7]) + 3 + 13 + COMPLETIONS[7]
-    assert mb.real_tokens == real == segment_tokens(order, table.prompt_lengths.tolist(),
+    assert mb.real_tokens == real == row_tokens(order, table.prompt_lengths.tolist(),
                                                     table.completion_lengths.tolist(), groups)
 
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from hf_dynbsz import env
-from hf_dynbsz.env import ENV_OVERRIDES, apply_env_overrides, read_env_overrides
+from hf_dynbsz.env import apply_env_overrides, read_env_overrides
+from hf_dynbsz.settings import ENV_SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def make_args(**overrides):
 
 
 def test_each_variable_maps_to_its_field():
-    assert {o.variable: o.field for o in ENV_OVERRIDES} == {
+    assert {spec.env: spec.name for spec in ENV_SETTINGS} == {
         "DIFFU_TRAIN_BATCH_SIZE": "per_device_train_batch_size",
         "DIFFU_BATCH_SIZE": "per_device_generation_batch_size",
         "DIFFU_TENSOR_BATCH_SIZE": "tensor_batch_size",

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_dynbsz.testing import first_fit_decreasing
 from hf_dynbsz.partition import (
     OversizeSequenceError,
     WorkloadModel,
-    first_fit_decreasing,
     microbatch_tokens,
     min_num_microbatches,
     partition_by_token_budget,
@@ -272,7 +272,7 @@ def test_hard_cap_except_lonely_oversize_sequences(batch, layout, pad, attention
     k = min_num_microbatches(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad) + extra
     for num_microbatches in (None, k):
         result = partition_by_token_budget(lengths, max_tokens, num_microbatches=num_microbatches, layout=layout,
-                                           pad_to_multiple_of=pad, attention=attention, oversize_policy="warn")
+                                           pad_to_multiple_of=pad, attention=attention)
         for microbatch in result:
             if tokens_of(microbatch, lengths, layout, pad) > max_tokens:
                 assert len(microbatch) == 1
@@ -422,13 +422,13 @@ def test_large_tight_batch_keeps_the_cap_and_count():
     assert sorted(flat_indices(result)) == list(range(len(lengths)))
 
 
-def test_move_rebalancing_fills_empty_microbatches_within_the_cap():
-    # Internal last resort: FFD packing plus extra empty bins, evened out by single moves.
-    from hf_dynbsz.partition import _rebalance_by_moves
+def test_improving_an_assignment_fills_empty_microbatches_within_the_cap():
+    # The tight-budget path: the FFD packing plus extra empty bins, evened out by moves and swaps.
+    from hf_dynbsz.balance import improve
 
-    sizes = np.array([9, 8, 5, 3, 2, 2, 1], dtype=np.int64)
-    packed = np.array([0, 1, 1, 0, 0, 1, 0], dtype=np.int64)  # bins of 15 and 15 tokens, capacity 16
-    moved = _rebalance_by_moves(packed, sizes, sizes.astype(float), num_bins=4, capacity=16, max_moves=100)
+    sizes = [9, 8, 5, 3, 2, 2, 1]
+    packed = [0, 1, 1, 0, 0, 1, 0]  # bins of 15 and 15 tokens, capacity 16
+    moved = np.array(improve(list(packed), [float(s) for s in sizes], 4, sizes, 16))
     tokens = np.bincount(moved, weights=sizes, minlength=4)
     assert (tokens > 0).all() and tokens.max() <= 16
     assert tokens.max() < 15
@@ -471,15 +471,23 @@ def test_padded_exact_k_splits_the_costliest_runs():
 
 # --------------------------------------------------------------------------- oversize sequences
 def test_oversize_warn_gives_a_microbatch_of_its_own():
-    result = partition_by_token_budget([100, 5000, 200, 300], 1000, oversize_policy="warn")
+    result = partition_by_token_budget([100, 5000, 200, 300], 1000)
     assert [1] in result
     assert sorted(flat_indices(result)) == [0, 1, 2, 3]
     assert min_num_microbatches([100, 5000, 200, 300], 1000) == len(result) == 2
 
 
+def oversize_scheduler(pad_to_multiple_of=None):
+    """The one place an oversize sequence stops a run: the scheduler with oversize_policy="error"."""
+    from hf_dynbsz.schedule import Scheduler
+
+    return Scheduler(layout="padding_free", attention="varlen", workload=WorkloadModel.default(),
+                     oversize_policy="error", pad_to_multiple_of=pad_to_multiple_of, balance_across_ranks=False)
+
+
 def test_oversize_error_names_index_length_budget_and_fix():
     with pytest.raises(OversizeSequenceError) as info:
-        partition_by_token_budget([100, 5000, 200], 1000, oversize_policy="error")
+        oversize_scheduler().plan([100, 5000, 200], 1000)
     message = str(info.value)
     assert "sequence 1" in message and "5000 tokens" in message and "1000" in message
     assert "max_tokens_per_microbatch to >= 5000" in message and 'oversize_policy="warn"' in message
@@ -489,15 +497,15 @@ def test_oversize_error_names_index_length_budget_and_fix():
 
 def test_oversize_error_accounts_for_rounding_and_several_sequences():
     with pytest.raises(OversizeSequenceError, match=r">= 1024") as info:
-        partition_by_token_budget([1000, 10, 1001], 1000, pad_to_multiple_of=64, oversize_policy="error")
+        oversize_scheduler(pad_to_multiple_of=64).plan([1000, 10, 1001], 1000)
     assert "1024 after rounding" in str(info.value) and "1 more" in str(info.value)
     assert info.value.required_tokens == 1024
 
 
 def test_oversize_error_comes_before_any_other_work():
-    # Even an impossible num_microbatches is not looked at first.
+    # Every process stops before its first pass: the error is raised at planning, not at partitioning.
     with pytest.raises(OversizeSequenceError):
-        partition_by_token_budget([10, 2000, 10], 1000, num_microbatches=1, oversize_policy="error")
+        oversize_scheduler().plan([10, 2000, 10], 1000)
 
 
 def test_oversize_error_can_carry_a_plain_message():
@@ -520,8 +528,6 @@ def test_oversize_error_can_carry_a_plain_message():
         (dict(lengths=5, max_tokens=10), r"lengths must be a sequence"),
         (dict(lengths=[1], max_tokens=10, layout="ragged"), r"layout must be 'padding_free' or 'padded', got 'ragged'"),
         (dict(lengths=[1], max_tokens=10, attention="flash"), r"attention must be 'varlen' or 'dense'"),
-        (dict(lengths=[1], max_tokens=10, oversize_policy="skip"),
-         r"oversize_policy must be 'warn' or 'error', got 'skip'"),
         (dict(lengths=[1], max_tokens=10, pad_to_multiple_of=0), r"pad_to_multiple_of must be an integer >= 1"),
         (dict(lengths=[1], max_tokens=10, num_microbatches=-1), r"num_microbatches must be an integer >= 0"),
         (dict(lengths=[1], max_tokens=10, num_microbatches=0), r"num_microbatches=0 is too small"),

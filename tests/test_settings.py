@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynbsz.env import ENV_OVERRIDES
+from hf_dynbsz.env import read_env_overrides
 from hf_dynbsz.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -46,7 +46,9 @@ def test_config_fields_come_from_the_table():
 
 
 def test_environment_variables_come_from_the_table():
-    assert {(o.variable, o.field) for o in ENV_OVERRIDES} == {(s.env, s.name) for s in SETTINGS if s.env}
+    environ = {s.env: "3" for s in SETTINGS if s.env}
+    assert {field: variable for field, (variable, _) in read_env_overrides(environ).items()} == {
+        s.name: s.env for s in SETTINGS if s.env}
 
 
 def test_command_line_help_is_the_settings_help(capsys):
