@@ -93,6 +93,13 @@ class RouterAuxLoss:
         """Values per sample of the router pass: expert counts, then tokens."""
         return self.num_experts + 1
 
+    def pass_statistics(self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
+        """``(rows, width)`` statistics of one pass of the router pass: each sample's expert counts, then tokens."""
+        token_index, row_index = token_rows
+        counts, _ = router_statistics(router_logits, token_index, row_index, rows, self.top_k, self.num_experts)
+        tokens = torch.bincount(row_index, minlength=rows).to(counts).unsqueeze(1)
+        return torch.cat([counts, tokens], dim=1)
+
     def add_counts(self, slice_ids: torch.Tensor, statistics: torch.Tensor) -> None:
         """This process's samples' ``(samples, width)`` statistics of the router pass, into their stock slices."""
         self.counts.index_add_(0, slice_ids.to(self.counts.device), statistics.to(self.counts))

@@ -33,6 +33,7 @@ __all__ = [
     "build_tiny_moe_lm",
     "build_tiny_vision_language_model",
     "first_fit_decreasing",
+    "grpo_batch",
     "image_prompt_dataset",
     "load_tokenizer",
     "prompt_dataset",
@@ -571,6 +572,26 @@ def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     labels[:, :-logits_to_keep] = -100
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
+
+def grpo_batch(prompt_lengths, completion_lengths, repeats, *, seed: int = 0, token_high: int = 40, pad_id: int = 0):
+    """TRL-style tensors of a generation batch: ``(prompt_ids, prompt_mask, completion_ids, completion_mask)``,
+    prompts left-padded and completions right-padded; prompt ``k`` (of ``prompt_lengths[k]`` random tokens) repeated
+    ``repeats[k]`` times, one completion of each of ``completion_lengths``; token ids in ``[3, token_high)``."""
+    import torch
+    from trl.trainer.utils import pad
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length, count in zip(prompt_lengths, repeats):
+        prompts += [torch.randint(3, token_high, (int(length),), generator=generator)] * count
+    completions = [torch.randint(3, token_high, (int(n),), generator=generator) for n in completion_lengths]
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts (repeats) for {len(completions)} completions")
+    return (pad(prompts, padding_value=pad_id, padding_side="left"),
+            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+            pad(completions, padding_value=pad_id, padding_side="right"),
+            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
 
 
 def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None):

@@ -40,7 +40,7 @@ from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
-from .router_loss import RouterAuxLoss, captured_router_logits, router_statistics
+from .router_loss import RouterAuxLoss, captured_router_logits
 from .plan import BatchSizePlan, validate_train_dataset_size
 from .schedule import Scheduler
 from .self_check import alone_microbatch, run_self_check, tolerance
@@ -244,11 +244,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     if compute_entropy:
                         results[group, 1, : entropies.size(1)] = entropies.float()
                     if router is not None:
-                        token_index, row_index = mb.token_rows
-                        counts, _ = router_statistics(router_logits, token_index, row_index, len(group),
-                                                      router.top_k, router.num_experts)
-                        tokens = torch.bincount(row_index, minlength=len(group)).double().unsqueeze(1)
-                        statistics[group] = torch.cat([counts, tokens], dim=1)
+                        statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
             if schedule.exchange is not None:  # the results go back to the process that owns each sample
                 rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
                 results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
@@ -275,13 +271,14 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         enabled = (scheduler or self._dynbsz_scheduler).segment_attention is not None
         return segment_attention(self.accelerator.unwrap_model(model), enabled)
 
-    def _forward(self, model, mb, compute_entropy: bool, router: bool = False):
+    def _forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True):
         """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits
-        (per layer; or None) of one micro-batch."""
+        (per layer; or None) of one micro-batch; under the accelerator's autocast unless ``autocast`` is False."""
         use_segments(mb.segments)
         extra = {"output_router_logits": True} if router else {}
         capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
-        with self.accelerator.autocast(), capture as router_logits:
+        precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
+        with precision, capture as router_logits:
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True, **extra)
         entropies = mb.to_completion_layout(outputs.entropy) if compute_entropy else None
         return mb.to_completion_layout(outputs.log_probs), entropies, router_logits[-1] if router else None
@@ -337,14 +334,15 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             scheduler = schedulers[layouts.index(layout)]
             groups = table.prompt_groups() if scheduler.share_prompts else None
             with self._segments(model, scheduler):
-                return self._forward(model, self._microbatch(table, indices, groups, scheduler), False)[0]
+                return self._forward(model, self._microbatch(table, indices, groups, scheduler), False,
+                                     autocast=False)[0]
 
         def run_alone(index):
             mb = alone_microbatch(table, index, self._tokenizer.pad_token_id, self.accelerator.device)
-            return self._forward(model, mb, False)[0]
+            return self._forward(model, mb, False, autocast=False)[0]
 
-        dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
-        with self._tiles(), torch.autocast(self.accelerator.device.type, enabled=False):  # the weights' precision
+        dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype  # the check runs in the weights'
+        with self._tiles():
             result = run_self_check(layouts, table, run_layout, run_alone, tolerance(dtype),
                                     agree=lambda index: group.all_reduce_max([index])[0])
         logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", result.summary(layouts))

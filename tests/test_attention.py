@@ -27,6 +27,7 @@ from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
+    grpo_batch,
     build_tiny_causal_lm,
     reference_varlen_attention,
     segment_mask,
@@ -34,21 +35,6 @@ from hf_dynbsz.testing import (
 )
 
 PAD = 0
-
-
-def grpo_batch(prompt_lengths, completion_lengths, repeats, seed=0):
-    """TRL-style left-padded prompts / right-padded completions; prompt k repeated ``repeats[k]`` times."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for length, count in zip(prompt_lengths, repeats):
-        prompt = torch.randint(3, 40, (length,), generator=generator)
-        prompts += [prompt] * count
-    completions = [torch.randint(3, 40, (n,), generator=generator) for n in completion_lengths]
-    assert len(prompts) == len(completions)
-    return (pad(prompts, padding_value=PAD, padding_side="left"),
-            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-            pad(completions, padding_value=PAD, padding_side="right"),
-            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
 
 
 def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):
@@ -117,14 +103,8 @@ def test_shared_prompts_give_stocks_logprobs_and_entropies(model, request, kerne
 
 def test_groups_split_across_passes_and_duplicate_prompts_of_other_groups(model):
     # two dataset rows with the same prompt (ids equal): one group; the group split over two micro-batches
-    generator = torch.Generator().manual_seed(3)
-    prompt = torch.randint(3, 40, (11,), generator=generator)
-    prompts = [prompt] * 6
-    completions = [torch.randint(3, 40, (n,), generator=generator) for n in (4, 9, 2, 7, 1, 5)]
-    batch = (pad(prompts, padding_value=PAD, padding_side="left"),
-             pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-             pad(completions, padding_value=PAD, padding_side="right"),
-             pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+    completion_lengths = (4, 9, 2, 7, 1, 5)
+    batch = grpo_batch([11], completion_lengths, [6], seed=3)
     table = SequenceTable.from_padded(*batch)
     assert table.prompt_groups() == [0] * 6
     with torch.no_grad():
@@ -132,7 +112,7 @@ def test_groups_split_across_passes_and_duplicate_prompts_of_other_groups(model)
         for part in ([0, 2, 4], [1, 3, 5]):
             _, logps, _ = packed_logps(model, table, part, table.prompt_groups(), model.config._attn_implementation)
             for row, sample in enumerate(part):
-                n = completions[sample].numel()
+                n = completion_lengths[sample]
                 assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0)
 
 

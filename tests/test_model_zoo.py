@@ -368,32 +368,25 @@ def per_sample_error(trainer) -> float:
     """Largest difference between the plugin's log-probs of a step (varied prompt lengths, prompt groups of 3, the
     trainer's layout and schedule) and each sample computed alone; 0 for stock math."""
     import torch
-    from trl.trainer.utils import pad
 
     from hf_dynbsz.packing import SequenceTable
-    from hf_dynbsz.testing import stock_logps
+    from hf_dynbsz.testing import grpo_batch, stock_logps
 
     if not trainer._dynbsz_enabled:
         return 0.0
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 60, (int(n),), generator=generator) for n in (3, 9, 5, 12)]
-    prompts = [prompt for prompt in prompts for _ in range(3)]  # each prompt with 3 completions
-    completions = [torch.randint(3, 60, (int(n),), generator=generator) for n in (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)]
-    batch = (pad(prompts, padding_value=0, padding_side="left"),
-             pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-             pad(completions, padding_value=0, padding_side="right"),
-             pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+    completion_lengths = (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)
+    batch = grpo_batch((3, 9, 5, 12), completion_lengths, (3, 3, 3, 3), seed=5, token_high=60)  # 3 completions each
     table = SequenceTable.from_padded(*batch)
     model = trainer.model
     model.eval()
     with torch.no_grad():
         logps, _, _ = trainer._no_grad_passes(model, table, batch[2].size(1), False, stock_tokens=40)
         error = 0.0
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):  # alone: no padding, no position ids
-            ones = torch.ones(1, prompt.numel() + completion.numel(), dtype=torch.long)
-            alone, _ = stock_logps(model, prompt[None], ones[:, : prompt.numel()], completion[None],
-                                   ones[:, prompt.numel():])
-            error = max(error, float((logps[i, : completion.numel()] - alone[0]).abs().max()))
+        for i, tokens in enumerate(table.tokens):  # alone: no padding, no position ids
+            p, c = int(table.prompt_lengths[i]), int(table.completion_lengths[i])
+            ones = torch.ones(1, p + c, dtype=torch.long)
+            alone, _ = stock_logps(model, tokens[None, :p], ones[:, :p], tokens[None, p:], ones[:, p:])
+            error = max(error, float((logps[i, :c] - alone[0]).abs().max()))
     return error
 
 

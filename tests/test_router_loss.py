@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head, pad
+from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.attention import segment_attention, use_segments
@@ -23,6 +23,7 @@ from hf_dynbsz.testing import (
     ScriptedRollout,
     base_config_kwargs,
     build_char_tokenizer,
+    grpo_batch,
     prompt_dataset,
     relative_difference,
     update_difference,
@@ -34,18 +35,6 @@ PAD = 0
 COEF = 1.0
 
 
-def batch_of(prompt_lengths, completion_lengths, repeats, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for length, count in zip(prompt_lengths, repeats):
-        prompts += [torch.randint(3, 60, (length,), generator=generator)] * count
-    completions = [torch.randint(3, 60, (n,), generator=generator) for n in completion_lengths]
-    return (pad(prompts, padding_value=PAD, padding_side="left"),
-            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-            pad(completions, padding_value=PAD, padding_side="right"),
-            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
-
-
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(model_type):
     """A stock slice of 6 samples (left-padded prompts, prompt groups): the aux loss TRL's fused head computes on its
@@ -54,7 +43,8 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
     model = build_tiny_causal_lm_of_type(model_type)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     experts, top_k = model.config.num_experts if model_type != "mixtral" else model.config.num_local_experts, 2
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_of([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1])
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grpo_batch([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1],
+                                                                           token_high=60)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     labels = input_ids.masked_fill(attention_mask == 0, -100)

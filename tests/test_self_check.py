@@ -8,13 +8,19 @@ import math
 
 import pytest
 import torch
-from trl.trainer.utils import add_fused_lm_head, pad
+from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.attention import segment_attention, use_segments
 from hf_dynbsz.model_support import Layout
 from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.self_check import pick_samples, run_self_check, tolerance
-from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, build_tiny_hybrid_lm, stock_logps
+from hf_dynbsz.testing import (
+    build_char_tokenizer,
+    build_tiny_causal_lm,
+    build_tiny_hybrid_lm,
+    grpo_batch,
+    stock_logps,
+)
 
 PAD = 0
 SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
@@ -24,16 +30,7 @@ MASKED = Layout("padded", attention_mask=True)
 
 
 def table_of(prompt_lengths, completion_lengths, repeats, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for length, count in zip(prompt_lengths, repeats):
-        prompts += [torch.randint(3, 40, (length,), generator=generator)] * count
-    completions = [torch.randint(3, 40, (n,), generator=generator) for n in completion_lengths]
-    return SequenceTable.from_padded(pad(prompts, padding_value=PAD, padding_side="left"),
-                                     pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-                                     pad(completions, padding_value=PAD, padding_side="right"),
-                                     pad([torch.ones_like(c) for c in completions], padding_value=0,
-                                         padding_side="right"))
+    return SequenceTable.from_padded(*grpo_batch(prompt_lengths, completion_lengths, repeats, seed=seed))
 
 
 def runners(model, table):
