@@ -3,8 +3,9 @@
 Each run is read from its ``trainer_state.json`` (``trainer.save_state()`` writes it to the output directory; every
 checkpoint holds one too, so a run that stopped early is read from its latest checkpoint). The report is a
 markdown table, one row per run (printed, and written with ``--markdown``), and a PNG with one panel per figure
-and one line per run: padding fraction, tokens per second, peak memory, micro-batches and dummy passes per
-step, and, when the runs logged them, rank imbalance and prompt tokens saved. The typical use is a ``DIFFU_*``
+and one line per run: the reward (mean and std: the first curve to check that a run learns) and the mean completion
+length beside the efficiency figures: padding fraction, tokens per second, peak memory, micro-batches and dummy
+passes per step, and, when the runs logged them, rank imbalance and prompt tokens saved. The typical use is a ``DIFFU_*``
 sweep (``examples/sweep.sh``): which budget gives the most tokens per second within the memory you have.
 
 Pure reading and plotting: no torch, no TRL (matplotlib for the PNG).
@@ -101,6 +102,7 @@ COLUMNS = (
     ("rank imbalance", "dynbsz/rank_imbalance_after", "mean", ".3f"),
     ("prompt tokens saved/step", "dynbsz/prompt_tokens_saved", "mean", ",.0f"),
     ("reward (last)", "reward", "last", ".3f"),
+    ("completion length (mean)", "completions/mean_length", "mean", ",.1f"),
 )
 
 
@@ -122,6 +124,8 @@ def markdown_table(runs: Sequence[Run]) -> str:
 
 #: The PNG's panels: (title, metrics drawn in it); a panel no run logged is left out.
 PANELS = (
+    ("reward: mean (solid) and std (dashed)", ("reward", "reward_std")),
+    ("completion length (mean tokens)", ("completions/mean_length",)),
     ("padding fraction", ("dynbsz/padding_fraction",)),
     ("tokens per second", ("dynbsz/tokens_per_second",)),
     ("peak memory (MiB)", ("dynbsz/peak_memory_mib",)),

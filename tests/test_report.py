@@ -26,6 +26,7 @@ def write_state(directory: Path, steps: list[dict]) -> Path:
 
 def step(tokens_per_second, memory, reward, **more):
     return {"dynbsz/tokens_per_second": tokens_per_second, "dynbsz/peak_memory_mib": memory, "reward": reward,
+            "reward_std": 0.05, "completions/mean_length": 12.0 * reward,
             "dynbsz/padding_fraction": 0.25, "dynbsz/microbatches_max_over_ranks": 3.0, "dynbsz/dummy_passes": 0.0,
             "dynbsz/train_seconds": 0.5, "dynbsz/prompt_tokens_saved": 10.0, **more}
 
@@ -58,6 +59,7 @@ def test_runs_are_compared_in_one_table_and_one_png(tmp_path, capsys):
     assert rows["budget-512"]["tokens/s"] == "2,000" and rows["budget-2048"]["tokens/s"] == "5,000"  # means
     assert rows["budget-512"]["peak memory MiB"] == "700" and rows["budget-2048"]["peak memory MiB"] == "900"  # max
     assert rows["budget-512"]["reward (last)"] == "0.300"
+    assert rows["budget-512"]["completion length (mean)"] == "2.4"  # mean of 1.2 and 3.6
     assert rows["budget-512"]["padding"] == "25.0%"
     assert rows["budget-512"]["rank imbalance"] == "-" and rows["budget-2048"]["rank imbalance"] == "1.030"
     assert "MFU" not in rows["budget-512"]  # no run logged it: no column
@@ -115,3 +117,15 @@ def test_sweep_script_runs_the_example_per_budget_and_reports(tmp_path):
     assert "DIFFU_TENSOR_BATCH_SIZE=256 overrides tensor_batch_size=1024" in log
     assert (tmp_path / "sweep" / "report.png").stat().st_size > 20_000
     assert (tmp_path / "sweep" / "report.md").read_text().count("| max_tokens-") == 2
+
+
+def test_the_png_draws_the_reward_and_the_completion_length_first(tmp_path, monkeypatch):
+    """What an RL user looks at first: the reward (mean and std) and the completion length, beside the efficiency."""
+    from hf_dynbsz import report as report_module
+
+    drawn = []
+    monkeypatch.setattr("matplotlib.axes.Axes.set_title", lambda self, title, *a, **k: drawn.append(title))
+    run = report_module.read_run(write_state(tmp_path / "run", [step(1000, 500, 0.1), step(2000, 600, 0.5)]))
+    report_module.plot_runs([run], tmp_path / "report.png")
+    assert drawn[:2] == ["reward: mean (solid) and std (dashed)", "completion length (mean tokens)"]
+    assert "padding fraction" in drawn
