@@ -9,6 +9,7 @@ support. Both sides compute every record's size from the all-gathered lengths, s
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,29 @@ from .batch import StepBatch
 from .packing import SequenceTable
 from .schedule import Exchange
 
-__all__ = ["ProcessGroup"]
+__all__ = ["ProcessGroup", "destroy_process_group_at_exit"]
+
+_EXIT_HANDLER: list[bool] = [False]  # registered in this process
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while it is still alive (once per process).
+
+    A script that trains and returns, as TRL's own scripts do, never calls ``trainer.end()``: gloo's worker threads
+    can then still hold work objects with tensors when the interpreter is torn down, and releasing them aborts the
+    process ("terminate called without an active exception", SIGABRT) after training succeeded (pytorch PR #179291
+    describes the race). Destroying the group from an ``atexit`` handler, which runs before finalization, leaves
+    nothing behind; it is a no-op when the script destroyed the group itself (``trainer.end()``).
+    """
+    if _EXIT_HANDLER[0] or not (dist.is_available() and dist.is_initialized()):
+        return
+    _EXIT_HANDLER[0] = True
+    atexit.register(_destroy_if_initialized)
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class ProcessGroup:

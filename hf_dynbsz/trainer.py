@@ -35,7 +35,7 @@ from .attention import segment_attention, use_segments
 from .batch import StepBatch
 from .capabilities import Capabilities
 from .config import trainer_config
-from .distributed import ProcessGroup
+from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
@@ -90,6 +90,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                                          str(self.accelerator.mixed_precision), self.args.peak_tflops_per_device)
         self._dynbsz_warned: set[str] = set()
         self.add_callback(_LogPlanAtTrainBegin(self))
+        destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (gloo)
 
     # ------------------------------------------------------------------ TRL hooks
     def training_step(self, model, inputs, num_items_in_batch):

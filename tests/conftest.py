@@ -19,13 +19,18 @@ def _clear_diffu_environment(monkeypatch):
     yield
 
 
+#: Markers of long runs that run only when asked for with ``-m``: the whole model zoo (its ``representative`` subset
+#: runs by default, see tests/test_model_zoo.py) and 30 launches of a training script checking every exit status.
+OPT_IN_MARKERS = ("zoo", "exits")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The whole model zoo (marker ``zoo``) runs only when asked for with ``-m zoo``; by default its representative
-    subset (marker ``representative``) stands for it (see tests/test_model_zoo.py)."""
-    if "zoo" in (config.getoption("-m") or ""):
-        return
-    skipped = [item for item in items
-               if item.get_closest_marker("zoo") is not None and item.get_closest_marker("representative") is None]
+    """Leave out the tests of :data:`OPT_IN_MARKERS` unless ``-m`` names their marker."""
+    selection = config.getoption("-m") or ""
+    skipped = [item for item in items if item.get_closest_marker("representative") is None
+               and any(item.get_closest_marker(marker) is not None and marker not in selection
+                       for marker in OPT_IN_MARKERS)]
     if skipped:
         config.hook.pytest_deselected(items=skipped)
-        items[:] = [item for item in items if item not in skipped]
+        left = set(map(id, skipped))
+        items[:] = [item for item in items if id(item) not in left]

@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
+    parser.add_argument("--plain_exit", action="store_true",
+                        help="return from the script as a user's script does: no trainer.end(), no os._exit")
     cli = parser.parse_args()
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
@@ -94,6 +96,8 @@ def main() -> None:
     for loss_type in loss_types:
         suffix = f".{loss_type}" if cli.loss_types else ""
         trainer = train(cli, loss_type, cli.out + suffix)
+    if cli.plain_exit:
+        return
     trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
     # ... and they still can, rarely, during interpreter finalization (a torch/gloo teardown race, pytorch#190489):
     # every result is written and closed by now, so leave without finalization.

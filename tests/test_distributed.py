@@ -189,3 +189,23 @@ def test_a_diffu_variable_set_on_one_process_only_stops_every_process_clearly(tm
     assert "did not finish" not in message  # no hang: every process stopped at construction
     assert "max_tokens_per_microbatch differs between processes (process 0: 40, process 1: 64)" in message
     assert "here it came from DIFFU_MAX_TOKENS=64" in message  # process 1 names its variable
+
+
+# ---- a user's script, without trainer.end(), exits cleanly every time -------------------------------------------
+LAUNCHES = 30
+
+
+@pytest.mark.exits
+def test_a_script_without_trainer_end_exits_cleanly_every_time(tmp_path, model_dir):
+    """TRL's own scripts return after trainer.train(): the plugin destroys the process group at exit, so gloo's
+    threads cannot abort a process during interpreter finalization ("terminate called without an active
+    exception"). Every one of LAUNCHES launches must exit 0 (run_with_timeout raises on any other status)."""
+    for launch_number in range(LAUNCHES):
+        out = tmp_path / f"run{launch_number}"
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
+                   "--trainer", "dynamic", "--model_dir", model_dir, "--out", str(out), "--plain_exit",
+                   "--max_steps", "1", "--rollout", "lopsided", "--budget", "64"]
+        output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"launch {launch_number} without trainer.end()")
+        assert "terminate called" not in output, output[-2000:]
+        assert all(Path(f"{out}.rank{rank}.json").exists() for rank in range(2))
