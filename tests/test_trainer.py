@@ -407,3 +407,39 @@ def test_moe_router_aux_loss_is_repacked_and_matches_stock(moe_model_dir, tmp_pa
     history = compare_with_stock(moe_model_dir, tmp_path, loss_type="dapo", router_aux_loss_coef=0.5)
     assert any("aux_loss" in entry for entry in history)
     assert all(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history if "dynbsz/microbatches" in entry)
+
+
+# ---- long runs ---------------------------------------------------------------------------------------------------
+def footprint(value, seen=None) -> int:
+    """Elements held by ``value``, counted through containers and objects' attributes (shared objects once)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), torch.Tensor)):
+        return 0
+    seen.add(id(value))
+    if isinstance(value, dict):
+        return len(value) + sum(footprint(item, seen) for pair in value.items() for item in pair)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return len(value) + sum(footprint(item, seen) for item in value)
+    if hasattr(value, "__dict__") and type(value).__module__.startswith("hf_dynbsz"):
+        return footprint(vars(value), seen)
+    return 0
+
+
+def test_nothing_the_trainer_keeps_grows_with_the_steps(model_dir, tmp_path):
+    """Everything the plugin keeps on the trainer (its _dynbsz_* state, and what that references), after 3 and after
+    9 optimizer steps: the same size, so a long run cannot accumulate it (the automatic budget: no oversize warning
+    to remember on one run and not the other)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
+
+    sizes = []
+    for steps in (3, 9):
+        args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path / str(steps)), max_steps=steps))
+        trainer = DynamicBatchGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+                                          reward_funcs=RecordingReward(), args=args,
+                                          train_dataset=prompt_dataset(64), processing_class=load_tokenizer(model_dir))
+        trainer.train()
+        state = {name: value for name, value in vars(trainer).items() if name.startswith("_dynbsz")}
+        sizes.append(footprint(state))
+    assert sizes[0] == sizes[1] > 0, sizes
