@@ -38,7 +38,7 @@ def test_installed_trl_is_inside_the_tested_range():
         assert hf_dynbsz.check_trl_version() is True
 
 
-@pytest.mark.parametrize("version", ["1.14.2", "1.17.0", "2.0.0"])
+@pytest.mark.parametrize("version", ["1.15.0", "1.17.0", "2.0.0"])
 def test_untested_trl_versions_warn_clearly(version, monkeypatch):
     monkeypatch.setattr(hf_dynbsz._trl_compat, "_checked", False)
     with pytest.warns(RuntimeWarning, match=rf"trl {version} is installed.*private GRPOTrainer hooks"):

@@ -3,9 +3,12 @@
 # own (.venv-trl-VERSION, reused when present): the checked private names and signatures, training against stock
 # for every loss type, MoE, the self-check and the model-zoo subset.
 #
-#   tests/trl_range.sh 1.15.0 1.16.0        # from the repository root
+#   tests/trl_range.sh 1.16.0        # from the repository root
 #
-# hf_dynbsz._trl_compat.TESTED_TRL_RANGE and pyproject.toml's trl requirement say which releases this covers.
+# hf_dynbsz._trl_compat.TESTED_TRL_RANGE and pyproject.toml's trl requirement say which releases it covered. TRL 1.15
+# needs a machine with Triton (a GPU): its fused LM head has no PyTorch fallback, so without Triton stock
+# GRPOTrainer fails in its first training forward ('NoneType' object has no attribute 'apply') and there is nothing
+# to compare the plugin with.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ "$#" -gt 0 ] || { echo "usage: tests/trl_range.sh TRL_VERSION [TRL_VERSION ...]" >&2; exit 2; }
