@@ -241,13 +241,17 @@ def _loads(destination: Sequence[int], costs: Sequence[float], num_processes: in
 
 def _renamed(bins: list[int], origin: list[int], costs: Sequence[float], num_processes: int) -> list[int]:
     """Bins renamed to processes so that the most work stays where it is (greedy on the overlap, deterministic)."""
-    overlap = [[0.0] * num_processes for _ in range(num_processes)]
+    overlap: dict[tuple[int, int], float] = {}  # (bin, process) -> cost of the bin's units from that process
     for unit, number in enumerate(bins):
-        overlap[number][origin[unit]] += costs[unit]
-    pairs = sorted(((-overlap[b][p], b, p) for b in range(num_processes) for p in range(num_processes)))
+        overlap[number, origin[unit]] = overlap.get((number, origin[unit]), 0.0) + costs[unit]
+    pairs = sorted((-cost, b, p) for (b, p), cost in overlap.items() if cost)
     name, taken = {}, set()
     for _, number, process in pairs:
         if number not in name and process not in taken:
             name[number] = process
             taken.add(process)
+    free = iter(p for p in range(num_processes) if p not in taken)  # bins sharing no work with any free process
+    for number in range(num_processes):
+        if number not in name:
+            name[number] = next(free)
     return [name[number] for number in bins]

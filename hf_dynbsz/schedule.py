@@ -181,7 +181,11 @@ def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int]
     """
     units = []
     for members in prompt_segments(range(len(prompt_lengths)), prompt_lengths, groups):
-        prefix = prompt_lengths[members[0]] - 1 if len(members) > 1 else 0
+        if len(members) == 1:  # a plain sequence: one unit, whatever the budget
+            tokens = prompt_lengths[members[0]] + completion_lengths[members[0]]
+            units.append(Unit((members[0],), tokens, tokens * tokens))
+            continue
+        prefix = prompt_lengths[members[0]] - 1
         pieces: list[list[int]] = []
         room: list[int] = []
         for i in sorted(members, key=lambda i: (-completion_lengths[i], i)):
@@ -469,6 +473,7 @@ def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], b
 
     count = len(lengths)
     posted: dict[tuple[int, int], list[int]] = {}  # (collective number, process) -> values
+    arrived: dict[int, int] = {}  # collective number -> processes that posted
     failed: list[int] = []
     condition = threading.Condition()
 
@@ -482,10 +487,12 @@ def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], b
             call, self.calls = self.calls, self.calls + 1
             with condition:
                 posted[call, self.rank] = list(values)
-                condition.notify_all()
-                if not condition.wait_for(lambda: failed or all((call, p) in posted for p in range(count)), 60):
+                arrived[call] = arrived.get(call, 0) + 1
+                if arrived[call] == count:  # the last one wakes the others (not every arrival: P^2 wake-ups)
+                    condition.notify_all()
+                if not condition.wait_for(lambda: failed or arrived[call] == count, 60):
                     raise TimeoutError("a simulated process did not reach the collective")
-                if failed and not all((call, p) in posted for p in range(count)):
+                if arrived[call] < count:
                     raise RuntimeError(f"simulated process {failed[0]} failed before the collective")
                 return [list(posted[call, p]) for p in range(count)]
 
