@@ -63,7 +63,6 @@ from typing import Sequence, Union
 import numpy as np
 
 from .balance import balance, improve
-from .settings import setting
 
 __all__ = [
     "OversizeSequenceError",

@@ -38,8 +38,6 @@ __all__ = [
     "validate_train_dataset_size",
 ]
 
-#: Defaults of the fields that :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` adds to ``GRPOConfig``.
-
 #: Name of the attribute where ``DynamicBatchGRPOConfig`` records the ``generation_batch_size`` and
 #: ``steps_per_generation`` the user gave, before TRL derives one from the other for its world size.
 USER_BATCH_SETTINGS_ATTR = "_hf_dynbsz_user_batch_settings"

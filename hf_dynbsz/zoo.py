@@ -96,9 +96,6 @@ NONE_OK = ("head_dim", "num_experts_per_tok", "n_routed_experts", "intermediate_
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_blocks")
 # per-layer lists holding layer *indices* (not one entry per layer)
 INDEX_LISTS = ("moe_layers", "full_attn_idxs", "mlp_only_layers", "hybrid_layer_ids", "attn_layer_indices")
-# attributes holding a layer-type description, reported by the zoo check
-LAYER_TYPE_ATTRS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types", "attention_layers",
-                    "attn_layers", "indexer_types", "full_attn_idxs", "moe_layers", "no_rope_layers")
 
 
 def _is_dropout(name: str) -> bool:

@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from trl.trainer.utils import add_fused_lm_head, pad
+from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz import attention
 from hf_dynbsz.attention import (
