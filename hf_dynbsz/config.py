@@ -51,6 +51,8 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     share_prompt_prefix: bool = _field("share_prompt_prefix")
     self_check: bool = _field("self_check")
     peak_tflops_per_device: float | None = _field("peak_tflops_per_device")
+    max_memory_per_device_mib: int | None = _field("max_memory_per_device_mib")
+    max_memory_fraction_per_device: float | None = _field("max_memory_fraction_per_device")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.

@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
+from .device_memory import release_cached_memory
 from .loss import CLIPPED_LOSSES
 from .packing import SequenceTable
 from .partition import ModelFlops
@@ -70,12 +71,44 @@ class StepClock:
 
 class PeakMemory:
     """Peak memory of this process since :meth:`reset`, in MiB: the accelerator's peak allocated memory on GPU,
-    the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs``) on CPU."""
+    the process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs``) on CPU.
+
+    :meth:`held` measures what the process holds before a pass and restarts the peak there (:meth:`pass_peak`
+    reads it after the pass); the highest peak before such a restart is carried, so :meth:`mib` stays the peak
+    since :meth:`reset`.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.carried = 0.0
 
     def reset(self) -> None:
+        self.carried = 0.0
+        self._restart()
+
+    def held(self) -> float:
+        """MiB the process holds now, after giving freed memory back (CUDA: allocated; CPU: resident set)."""
+        self.carried = max(self.carried, self.pass_peak())
+        release_cached_memory(self.device)
+        self._restart()
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / 2**20
+        return _status_mib("VmRSS") or 0.0
+
+    def pass_peak(self) -> float:
+        """The peak since the last :meth:`held` (or :meth:`reset`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        peak = _status_mib("VmHWM")
+        if peak is not None:
+            return peak
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+    def mib(self) -> float:
+        return max(self.carried, self.pass_peak())
+
+    def _restart(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -83,15 +116,15 @@ class PeakMemory:
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
 
-    def mib(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        try:
-            with open("/proc/self/status") as handle:
-                return int(re.search(r"VmHWM:\s+(\d+) kB", handle.read()).group(1)) / 1024
-        except (OSError, AttributeError):
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-            return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+def _status_mib(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as handle:
+            match = re.search(rf"{key}:\s+(\d+) kB", handle.read())
+    except OSError:
+        return None
+    return int(match.group(1)) / 1024 if match else None
+
 
 # Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).
 _TOKEN_MEAN_METRICS = ("kl", "vespo/phi_seq_mean", "cispo_clip_ratio")
@@ -106,10 +139,18 @@ class StepMeters:
         self.clock, self.memory = StepClock(), PeakMemory(device)
         self.flops = flops  # the model's (hf_dynbsz.model_support); None when its config gives none: no MFU
         self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
+        self.predicted_peak_mib: float | None = None  # with a memory limit: the highest predicted pass peak
+        self.oom_retries = 0  # the step's passes re-planned after running out of memory
 
     def start(self) -> None:
         self.clock = StepClock()
         self.memory.reset()
+        self.predicted_peak_mib = None
+        self.oom_retries = 0
+
+    def predicted(self, mib: float) -> None:
+        """A pass's predicted whole-process peak (:mod:`hf_dynbsz.memory`)."""
+        self.predicted_peak_mib = max(self.predicted_peak_mib or 0.0, mib)
 
 
 class StepMetrics:
@@ -170,7 +211,8 @@ class StepMetrics:
         ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
         ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
         ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (see :class:`StepClock`) and
-        ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``; ``tokens_per_second``, the prompt + completion
+        ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit ``predicted_peak_memory_mib``
+        (:mod:`hf_dynbsz.memory`), and ``oom_retries`` (the step's re-plans after running out of memory); ``tokens_per_second``, the prompt + completion
         tokens of the samples all processes trained (shared prompts counted for each of their samples, as stock
         computes them) over ``train_seconds``; ``mfu``, the model FLOPs of the passes over the samples of ``table`` (the
         ones this process ran, see :meth:`hf_dynbsz.partition.ModelFlops.training_flops`), summed over processes,
@@ -196,14 +238,18 @@ class StepMetrics:
                 store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
         real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:]
         phases = ("train", "logprob", "generation")
-        *microseconds, peak_kib = group.all_reduce_max([round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
-                                                       + [round(meters.memory.mib() * 1024)])
+        *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
+            [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
+            + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries])
         seconds = dict(zip(phases, (value / 1e6 for value in microseconds)))
         for phase in phases:
             store[f"dynbsz/{phase}_seconds"].append(seconds[phase])
         trained = real_all + saved_all  # the samples' tokens: a shared prompt counts for each of its samples
         store["dynbsz/tokens_per_second"].append(trained / seconds["train"] if seconds["train"] else 0.0)
         store["dynbsz/peak_memory_mib"].append(peak_kib / 1024)
+        if predicted_kib > 0:
+            store["dynbsz/predicted_peak_memory_mib"].append(predicted_kib / 1024)
+        store["dynbsz/oom_retries"].append(float(retries))
         if meters.peak_tflops and meters.flops is not None and seconds["train"]:
             store["dynbsz/mfu"].append(flops_all / (seconds["train"] * group.num_processes * meters.peak_tflops * 1e12))
         used = self.pass_real_tokens

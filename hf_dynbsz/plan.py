@@ -203,6 +203,10 @@ def validate_dynamic_batch_fields(args: Any) -> None:
         value = coerce_setting(spec, getattr(args, spec.name, spec.default))
         if hasattr(args, spec.name):
             setattr(args, spec.name, value)
+    fraction = getattr(args, "max_memory_fraction_per_device", None)
+    if fraction is not None and not 0 < float(fraction) <= 1:
+        raise ValueError(f"max_memory_fraction_per_device must be {setting('max_memory_fraction_per_device').expected},"
+                         f" got {fraction!r}: {setting('max_memory_fraction_per_device').fix}")
     budget = getattr(args, "max_tokens_per_microbatch", None)
     multiple = _coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None))
     if budget is not None and multiple is not None and int(budget) < multiple:

@@ -218,7 +218,9 @@ class StepSchedule:
     samples longer than the budget (each ran alone). ``groups``: with shared prompts, one id per sample (equal ids:
     one copy of the prompt within a pass), else None. ``pass_tokens``: the tokens each real pass computes (shared
     prompts once, padding included); ``prompt_tokens_saved``: the prompt tokens not computed thanks to shared
-    prompts. ``balance``: the cross-rank assignment when balancing ran.
+    prompts. ``balance``: the cross-rank assignment when balancing ran. ``pass_pairs``: each real pass's attention
+    term (squared sequence lengths, as :class:`Unit` counts them; rows x width^2 for padded passes), which the
+    memory model reads.
     """
 
     microbatches: list[list[int]]
@@ -228,6 +230,7 @@ class StepSchedule:
     lengths: list[int]
     pass_tokens: list[int]
     prompt_tokens_saved: int = 0
+    pass_pairs: list[int] | None = None
     groups: list[int] | None = None
     exchange: Exchange | None = None
     balance: Assignment | None = None
@@ -303,7 +306,8 @@ class Scheduler:
             group=group,
         )
 
-    def budget(self, stock_tokens: int, kind: str = "training") -> int:
+    def budget(self, stock_tokens: int, kind: str = "training", fits: int | None = None, cap: int | None = None,
+               agree: bool = False) -> int:
         """Tokens per pass of ``kind`` ("training" or "logprob"), per device.
 
         ``stock_tokens`` is the size of stock TRL's own micro-batch for the same samples (rows x padded width,
@@ -311,13 +315,25 @@ class Scheduler:
         so memory is never worse than stock's. No-grad passes keep no activations for backward: their default is
         twice the training budget. With cross-rank balancing, :meth:`plan` raises an automatic budget to the
         largest of all processes' (stock's peak memory is that of its largest micro-batch on any device).
+
+        ``fits``: with a memory limit, the largest budget of ``kind`` whose passes fit it
+        (:meth:`hf_dynbsz.memory.MemoryModel.budget`): it replaces the automatic budget (a setting given by the user
+        still wins). ``cap``: a budget a pass that ran out of memory left (:meth:`MemoryModel.record_failure`): no
+        budget exceeds it. ``agree``: every process takes the smallest of all processes' budgets (one all-reduce;
+        every process must pass the same ``agree``).
         """
+        if kind not in BUDGET_SETTINGS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, BUDGET_SETTINGS))}, got {kind!r}")
         training = self.max_tokens_per_microbatch or stock_tokens
         if kind == "training":
-            return training
-        if kind == "logprob":
-            return self.max_tokens_per_microbatch_logprob or 2 * training
-        raise ValueError(f"kind must be one of {', '.join(map(repr, BUDGET_SETTINGS))}, got {kind!r}")
+            budget = self.max_tokens_per_microbatch or fits or stock_tokens
+        else:
+            budget = self.max_tokens_per_microbatch_logprob or (
+                fits if fits is not None and not self.max_tokens_per_microbatch else 2 * training)
+        budget = min(budget, cap) if cap is not None else budget
+        if agree and self.group.num_processes > 1:
+            budget = -self.group.all_reduce_max([-budget])[0]
+        return budget
 
     def plan(self, lengths: Sequence[int], budget: int, kind: str = "training",
              prompt_lengths: Sequence[int] | None = None, groups: Sequence[int] | None = None) -> StepSchedule:
@@ -421,13 +437,17 @@ class Scheduler:
                         for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))]
         lengths = [p + c for p, c in zip(prompts, completions)]
         shared = [row_tokens(group, prompts, completions, groups) for group in microbatches if group]
+        real = [b for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b)) if bins[b]]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
+            pass_pairs = [sum(units[u].pairs for u in bins[b]) for b in real]
         else:
             pass_tokens = [microbatch_tokens([lengths[i] for i in group], layout, pad) for group in microbatches if group]
+            pass_pairs = [tokens * tokens // max(len(group), 1)
+                          for tokens, group in zip(pass_tokens, (g for g in microbatches if g))]
         return StepSchedule(microbatches=microbatches, budget=budget, passes_needed=needed,
                             oversize=sorted(self._oversize(units, budget)), lengths=lengths, pass_tokens=pass_tokens,
-                            prompt_tokens_saved=sum(lengths) - sum(shared), groups=groups)
+                            prompt_tokens_saved=sum(lengths) - sum(shared), groups=groups, pass_pairs=pass_pairs)
 
     def _oversize_error(self, units: list[Unit], lengths: list[int], longest_anywhere: int, budget: int, kind: str,
                         elsewhere: str):

@@ -205,7 +205,8 @@ SETTINGS: tuple[Setting, ...] = (
         "model allows (padding-free with shared prompts, padding-free, padded, padded with an attention mask) and "
         "compare the completion log-probs with each sample computed alone; keep the fastest layout within tolerance "
         "(1e-4 in fp32, 5e-2 in bf16/fp16: the check runs in the weights' precision) and log why the others were "
-        "left. When none passes, stock GRPOTrainer math runs. Costs a few small forwards once per run; False skips it and trusts the decision read off the model.",
+        "left. When none passes, stock GRPOTrainer math runs. Costs a few small forwards once per run; False skips "
+        "it and trusts the decision read off the model.",
         expected="true or false",
     ),
     Setting(
@@ -221,6 +222,38 @@ SETTINGS: tuple[Setting, ...] = (
         "CPU included, dynbsz/mfu is logged only when this is set.",
         expected="a positive number of TFLOP/s (per device)",
         fix="give your device's peak at the training precision, e.g. 989 for an H100 SXM in bf16, or leave it unset.",
+    ),
+    Setting(
+        name="max_memory_per_device_mib",
+        type="int | None",
+        default=None,
+        kind="count",
+        unit="MiB per device",
+        summary="memory one process may use: sets the automatic token budgets and recovers from out-of-memory",
+        help="Memory one process (device) may use, in MiB: the whole process's resident set on CPU, allocated memory "
+        "on GPU. With max_tokens_per_microbatch (or max_tokens_per_microbatch_logprob) left unset, each step's "
+        "budget is the largest whose predicted peak fits this limit less a tenth kept free (hf_dynbsz.memory: a model "
+        "of a pass's memory refitted from every measured pass), the same on every process; each step logs "
+        "dynbsz/predicted_peak_memory_mib beside dynbsz/peak_memory_mib. A pass that runs out of memory is "
+        "re-planned with a smaller budget and the step runs again, with stock's math (single process and DDP). "
+        "None: budgets as documented above, and out-of-memory errors are recovered in a single process only.",
+        env="DIFFU_MAX_MEMORY_MIB",
+        expected="a positive integer number of MiB per device",
+        fix="give the memory one process may use (e.g. 70000 on an 80 GB GPU), set max_memory_fraction_per_device "
+        "on a GPU, or leave it unset.",
+    ),
+    Setting(
+        name="max_memory_fraction_per_device",
+        type="float | None",
+        default=None,
+        kind="number",
+        unit="fraction of the device's memory",
+        summary="on a GPU: max_memory_per_device_mib as a fraction of the device's total memory",
+        help="On a GPU, the memory limit as a fraction (0 < f <= 1) of the device's total memory, e.g. 0.9; "
+        "max_memory_per_device_mib wins when both are set. Needs a CUDA device.",
+        env="DIFFU_MAX_MEMORY_FRACTION",
+        expected="a fraction of the device's memory, 0 < f <= 1",
+        fix="give e.g. 0.9, or set max_memory_per_device_mib in MiB (on CPU), or leave it unset.",
     ),
     # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.
     Setting(

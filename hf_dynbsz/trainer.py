@@ -35,8 +35,10 @@ from .attention import segment_attention, use_segments
 from .batch import StepBatch
 from .capabilities import Capabilities
 from .config import trainer_config
+from .device_memory import injected_fault, is_out_of_memory, pending_gradient_mib, release_cached_memory
 from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
+from .memory import MemoryModel, OutOfMemoryBudgetError
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
@@ -89,8 +91,33 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz_meters = StepMeters(capabilities.support.model_flops, self.accelerator.device,
                                          str(self.accelerator.mixed_precision), self.args.peak_tflops_per_device)
         self._dynbsz_warned: set[str] = set()
+        self._setup_memory(model, capabilities)
         self.add_callback(_LogPlanAtTrainBegin(self))
         destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (gloo)
+
+    def _setup_memory(self, model, capabilities: Capabilities) -> None:
+        """The memory model (:mod:`hf_dynbsz.memory`) and whether an out-of-memory pass is recovered here."""
+        args, accelerator = self.args, self.accelerator
+        limit = args.max_memory_per_device_mib
+        if limit is None and args.max_memory_fraction_per_device is not None:
+            if accelerator.device.type != "cuda":
+                raise ValueError(f"max_memory_fraction_per_device={args.max_memory_fraction_per_device} needs a CUDA "
+                                 f"device, this process runs on {accelerator.device}: set max_memory_per_device_mib "
+                                 "(MiB per process) instead, or leave both unset.")
+            total = torch.cuda.get_device_properties(accelerator.device).total_memory / 2**20
+            limit = args.max_memory_fraction_per_device * total
+        mixed = str(accelerator.mixed_precision) in ("bf16", "fp16")
+        checkpointing = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing",
+                                                                                       False))
+        self._dynbsz_memory = MemoryModel.from_config(
+            model.config, limit, activation_bytes=2 if mixed else next(model.parameters()).element_size(),
+            gradient_checkpointing=checkpointing, tensor_batch_size=args.tensor_batch_size,
+            attn_implementation=capabilities.support.attn_implementation)
+        # Recovery re-plans a step on every process: DDP needs its gradients synchronised apart (after every process
+        # agreed that none failed), DeepSpeed's engine keeps accumulated gradients where they cannot be discarded.
+        self._dynbsz_recover = accelerator.distributed_type != DistributedType.DEEPSPEED and (
+            accelerator.num_processes == 1 or limit is not None)
+        self._dynbsz_failures_alone = 0
 
     # ------------------------------------------------------------------ TRL hooks
     def training_step(self, model, inputs, num_items_in_batch):
@@ -189,18 +216,19 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
                 num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
             )
-            schedule = self._plan(batch.table, scheduler.budget(batch.stock_microbatch_tokens), "training")
-            self._warn_oversize(schedule, "training")
-            if schedule.exchange is not None:  # cross-rank balancing: run the samples this process was given
-                batch = scheduler.group.move_batch(batch, schedule.exchange)
-            bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
-            metrics, total_loss = StepMetrics(), torch.zeros((), device=device)
-            with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
-                for position, group in enumerate(schedule.microbatches):
-                    last = position == schedule.passes - 1
-                    if not group:
-                        self._dummy_pass(model, last)
-                        continue
+            own = batch
+            while True:  # once, or again with a smaller budget after a pass ran out of memory
+                budget = self._budget(model, own.table, own.stock_microbatch_tokens, "training")
+                schedule = self._plan(own.table, budget, "training")
+                self._warn_oversize(schedule, "training")
+                # cross-rank balancing: run the samples this process was given
+                batch = own if schedule.exchange is None else scheduler.group.move_batch(own, schedule.exchange)
+                bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
+                metrics, losses = StepMetrics(), []
+                if aux is not None:
+                    aux.probabilities.zero_()
+
+                def run_pass(group, last, batch=batch, bonus=bonus, metrics=metrics, losses=losses, schedule=schedule):
                     mb = self._microbatch(batch.table, group, schedule.groups)
                     logps, entropies, router_logits = self._forward(model, mb, True, router=aux is not None)
                     rows = batch.rows(group, logps.size(1))
@@ -208,8 +236,15 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     if aux is not None:
                         loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
                     self._backward(model, loss, last)
-                    total_loss += loss.detach()
+                    losses.append(loss.detach())
                     metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
+
+                with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
+                    failure = self._run_passes(model, schedule, "training", run_pass)
+                if failure is None:
+                    break
+                self._recover(model, failure)
+            total_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
             if bonus is not None:
                 bonus.finish(self, ga)
             if aux is not None:
@@ -227,18 +262,16 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         order."""
         with self._dynbsz_meters.clock.phase("logprob"):
             scheduler = self._dynbsz_scheduler
-            schedule = self._plan(table, scheduler.budget(stock_tokens, "logprob"), "logprob")
-            self._warn_oversize(schedule, "logprob")
-            run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
-            columns = max([width, *run.completion_lengths.tolist()])
-            results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
-            statistics = None if router is None else torch.zeros(len(run), router.width, dtype=torch.float64,
-                                                                   device=self.accelerator.device)
-            with self._tiles(), self._segments(model):
-                for group in schedule.microbatches:
-                    if not group:
-                        self._dummy_pass(model)
-                        continue
+            while True:  # once, or again with a smaller budget after a pass ran out of memory
+                schedule = self._plan(table, self._budget(model, table, stock_tokens, "logprob"), "logprob")
+                self._warn_oversize(schedule, "logprob")
+                run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
+                columns = max([width, *run.completion_lengths.tolist()])
+                results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
+                statistics = None if router is None else torch.zeros(len(run), router.width, dtype=torch.float64,
+                                                                       device=self.accelerator.device)
+
+                def run_pass(group, last, run=run, results=results, statistics=statistics, schedule=schedule):
                     mb = self._microbatch(run, group, schedule.groups)
                     logps, entropies, router_logits = self._forward(model, mb, compute_entropy, router is not None)
                     results[group, 0, : logps.size(1)] = logps.float()
@@ -246,6 +279,12 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                         results[group, 1, : entropies.size(1)] = entropies.float()
                     if router is not None:
                         statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
+
+                with self._tiles(), self._segments(model):
+                    failure = self._run_passes(model, schedule, "logprob", run_pass)
+                if failure is None:
+                    break
+                self._recover(model, failure)
             if schedule.exchange is not None:  # the results go back to the process that owns each sample
                 rows = [results[j, :, :c] for j, c in enumerate(run.completion_lengths.tolist())]
                 results = scheduler.group.return_rows(rows, schedule.exchange, columns, results.size(1))
@@ -253,6 +292,92 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     statistics = torch.stack(scheduler.group.send_to_owners(
                         list(statistics), schedule.exchange, lambda prompt, completion: router.width))
             return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None, statistics
+
+    def _budget(self, model, table: SequenceTable, stock_tokens: int, kind: str) -> int:
+        """The token budget of ``kind``'s passes (:meth:`Scheduler.budget`), with a memory limit the largest whose
+        predicted peak fits (:meth:`MemoryModel.budget`), agreed by every process."""
+        memory, fits = self._dynbsz_memory, None
+        if memory.limit_mib is not None:
+            fits = memory.budget(kind, self._held(model, kind), max(table.lengths.tolist(), default=1))
+        return self._dynbsz_scheduler.budget(stock_tokens, kind, fits=fits, cap=memory.caps.get(kind),
+                                             agree=memory.limit_mib is not None)
+
+    def _held(self, model, kind: str) -> float:
+        """MiB this process holds before a pass of ``kind``, the gradients its backward will allocate included
+        (restarts the pass's peak measurement)."""
+        held = self._dynbsz_meters.memory.held()
+        if kind == "training" and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            held += pending_gradient_mib(model)
+        return held
+
+    def _run_passes(self, model, schedule, kind: str, run_pass) -> _PassFailure | None:
+        """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.
+
+        Training passes synchronise gradients on the last, or, where an out-of-memory error is recovered across
+        processes, in a dummy pass after every process agreed that none failed. With a memory limit each pass is
+        measured and teaches the memory model. Returns None, or the failure (here, or agreed from another process)
+        after which the step is re-planned (:meth:`_recover`).
+        """
+        training, processes = kind == "training", self.accelerator.num_processes
+        sync_apart = training and self._dynbsz_recover and processes > 1
+        memory, meters, rank = self._dynbsz_memory, self._dynbsz_meters, self.accelerator.process_index
+        unwrapped = self.accelerator.unwrap_model(model)
+        failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
+        for position, group in enumerate(schedule.microbatches):
+            last = position == schedule.passes - 1 and not sync_apart
+            if failure is not None and processes == 1:
+                break
+            shape = next(shapes) if group else None
+            if not group or failure is not None:  # a failed process keeps the others' collectives going
+                self._dummy_pass(model, last if training and failure is None else None)
+                continue
+            held = None
+            if memory.limit_mib is not None:
+                held = self._held(model, kind)
+                meters.predicted(memory.peak(kind, *shape, held))
+            try:
+                with injected_fault(unwrapped, kind, rank):
+                    run_pass(group, last)
+            except Exception as error:  # noqa: BLE001 - only an allocator's out-of-memory error is caught
+                if not (self._dynbsz_recover and is_out_of_memory(error)):
+                    raise
+                longest = max(schedule.lengths[i] for i in group)
+                failure = _PassFailure(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
+                del error
+                release_cached_memory(self.accelerator.device)
+                continue
+            if held is not None:
+                memory.observe(kind, *shape, meters.memory.pass_peak() - held)
+        if self._dynbsz_recover and processes > 1:  # every process learns whether one failed, or gave up
+            hopeless = failure is not None and failure.samples == 1 and self._dynbsz_failures_alone >= 1
+            agreed = self._dynbsz_scheduler.group.all_reduce_max([2 if hopeless else int(failure is not None)])[0]
+            if agreed and failure is None:
+                failure = _PassFailure(kind, 0, 0, None, 0, 0, "a pass of another process ran out of memory")
+            if agreed == 2:
+                failure.hopeless = True
+        if sync_apart and failure is None:
+            self._dummy_pass(model, True)
+        if failure is None:
+            self._dynbsz_failures_alone = 0
+        return failure
+
+    def _recover(self, model, failure: _PassFailure) -> None:
+        """After a pass ran out of memory: discard the step's gradients, teach the memory model the failed point,
+        and (the caller re-plans the step) or stop when one sequence alone failed again."""
+        self._dynbsz_meters.oom_retries += 1
+        if failure.kind == "training":
+            model.zero_grad(set_to_none=True)  # the step's gradients so far: the step runs again from none
+        release_cached_memory(self.accelerator.device)
+        memory = self._dynbsz_memory
+        if failure.samples:
+            held = failure.held if failure.held is not None else self._held(model, failure.kind)
+            memory.record_failure(failure.kind, failure.tokens, failure.pairs, held)
+        if failure.samples == 1:
+            self._dynbsz_failures_alone += 1
+        if failure.hopeless or (self.accelerator.num_processes == 1 and self._dynbsz_failures_alone >= 2):
+            raise OutOfMemoryBudgetError(failure.explain(memory))
+        logger.warning("hf_dynbsz: %s; the step's passes are re-planned with a smaller budget (%s retry this step).",
+                       failure.explain(memory), self._dynbsz_meters.oom_retries)
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
@@ -405,6 +530,30 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 self.router_aux_loss_coef if self.aux_loss_enabled else 0.0),
         )
         logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
+
+
+class _PassFailure:
+    """A pass that ran out of memory: its kind, ``tokens`` and ``pairs`` as planned, what the process held before it
+    (None unmeasured), its samples and longest sequence (0: the failure was on another process)."""
+
+    def __init__(self, kind: str, tokens: int, pairs: int, held: float | None, samples: int, longest: int,
+                 message: str) -> None:
+        self.kind, self.tokens, self.pairs, self.held = kind, tokens, pairs, held
+        self.samples, self.longest, self.message, self.hopeless = samples, longest, message, False
+
+    def explain(self, memory: MemoryModel) -> str:
+        if not self.samples:
+            return f"a {self.kind} pass of another process ran out of memory"
+        what = (f"a {self.kind} pass of {self.samples} sequence(s), {self.tokens} tokens (the longest {self.longest}), "
+                f"ran out of memory ({self.message})")
+        if self.samples > 1:
+            return what
+        needed = memory.increment(self.kind, self.tokens, self.pairs)
+        limit = "" if memory.limit_mib is None else f" of the {memory.limit_mib:.0f} MiB limit"
+        held = "" if self.held is None else f" while the process held {self.held:.0f} MiB{limit}"
+        return (f"{what}: one sequence of {self.longest} tokens alone needs about {needed:.0f} MiB more{held}, twice, "
+                "and cannot be split. Lower max_completion_length, turn on gradient checkpointing, lower "
+                "tensor_batch_size, or give the process more memory (max_memory_per_device_mib).")
 
 
 class _LogPlanAtTrainBegin(TrainerCallback):

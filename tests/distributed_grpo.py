@@ -83,12 +83,19 @@ def main() -> None:
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
+    parser.add_argument("--max_memory_mib", type=int, default=None, help="max_memory_per_device_mib (budget from memory)")
+    parser.add_argument("--inject_oom", default=None, help="kind:phase:after:rank of an injected out-of-memory error")
     parser.add_argument("--plain_exit", action="store_true",
                         help="return from the script as a user's script does: no trainer.end(), no os._exit")
     cli = parser.parse_args()
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
         os.environ[name] = value
+    if cli.inject_oom:
+        from hf_dynbsz.device_memory import inject_out_of_memory
+
+        kind, phase, after, rank = cli.inject_oom.split(":")
+        inject_out_of_memory(kind, phase, int(after), int(rank))
     if cli.mutate != "none":
         corrupt_moved_samples(cli.mutate)
     loss_types = cli.loss_types.split(",") if cli.loss_types else [cli.loss_type]
@@ -127,8 +134,9 @@ def train(cli, loss_type: str, out: str):
                                                                          **overrides))
     else:
         trainer_cls = DynamicBatchGRPOTrainer
-        args = DynamicBatchGRPOConfig(**base_config_kwargs(out + "-run", max_tokens_per_microbatch=cli.budget,
-                                                           balance_across_ranks=cli.balance == "on", **overrides))
+        args = DynamicBatchGRPOConfig(**base_config_kwargs(out + "-run", max_tokens_per_microbatch=cli.budget or None,
+                                                           balance_across_ranks=cli.balance == "on",
+                                                           max_memory_per_device_mib=cli.max_memory_mib, **overrides))
     reward = RecordingReward()
     model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
     kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=load_tokenizer(cli.model_dir),

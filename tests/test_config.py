@@ -25,6 +25,8 @@ NEW_FIELDS = (
     "share_prompt_prefix",
     "self_check",
     "peak_tflops_per_device",
+    "max_memory_per_device_mib",
+    "max_memory_fraction_per_device",
 )
 
 

@@ -39,6 +39,8 @@ def test_each_variable_maps_to_its_field():
         "DIFFU_BATCH_SIZE": "per_device_generation_batch_size",
         "DIFFU_TENSOR_BATCH_SIZE": "tensor_batch_size",
         "DIFFU_MAX_TOKENS": "max_tokens_per_microbatch",
+        "DIFFU_MAX_MEMORY_MIB": "max_memory_per_device_mib",
+        "DIFFU_MAX_MEMORY_FRACTION": "max_memory_fraction_per_device",
     }
 
 

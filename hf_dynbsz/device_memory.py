@@ -1,0 +1,132 @@
+"""Device memory, measured around each pass; out-of-memory errors recognised; and injected ones, for tests.
+
+The torch side of :mod:`hf_dynbsz.memory` (which models and decides, without torch):
+
+* :func:`release_cached_memory` gives freed memory back before a pass is measured (the measuring itself is
+  :class:`hf_dynbsz.metrics.PeakMemory`), :func:`pending_gradient_mib` the gradients a backward will allocate.
+* :func:`is_out_of_memory` recognises an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and
+  the injected ones), the CPU allocator's ``RuntimeError`` ("can't allocate memory"), ``MemoryError``.
+* :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, or
+  a no-grad log-prob pass), raised from inside the model (the middle decoder layer) so that the pass fails with a
+  partial graph and, in backward, with some gradients already accumulated. ``HF_DYNBSZ_INJECT_OOM`` arms one in a
+  launched process: ``kind:phase:pass[:rank]`` (e.g. ``training:backward:2:1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["inject_out_of_memory", "injected_fault", "is_out_of_memory", "pending_gradient_mib",
+           "release_cached_memory"]
+
+_OUT_OF_MEMORY_TEXT = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator running out of memory (CUDA or CPU), not a bug."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error).lower() for text in _OUT_OF_MEMORY_TEXT)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give memory freed by the last pass back (CUDA's cache; glibc's free heap pages), so what is measured next is
+    what the process holds, and a pass retried after running out of memory starts from it."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+def pending_gradient_mib(model: torch.nn.Module) -> float:
+    """MiB of the gradients a backward would allocate now: trainable parameters whose ``.grad`` is None (DeepSpeed
+    keeps its own gradient buffers, allocated at start and so part of what the process holds)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None) / 2**20
+
+
+# ---------------------------------------------------------------------- injected faults (tests)
+@dataclass
+class _Fault:
+    kind: str  # "training" or "logprob"
+    phase: str  # "forward" or "backward" ("forward" only for "logprob")
+    remaining: int  # passes of this kind to let through first
+    rank: int | None = None
+
+
+_FAULTS: list[_Fault] = []
+
+
+def inject_out_of_memory(kind: str = "training", phase: str = "forward", after: int = 0,
+                         rank: int | None = None) -> None:
+    """Arm one ``torch.OutOfMemoryError`` in the pass of ``kind`` after ``after`` passes of that kind, in its
+    ``phase``, on process ``rank`` (None: any). For tests of the recovery; fires once."""
+    if kind not in ("training", "logprob") or phase not in ("forward", "backward") or (
+            kind == "logprob" and phase == "backward"):
+        raise ValueError(f"an injected fault is training:forward, training:backward or logprob:forward, got "
+                         f"{kind}:{phase}")
+    _FAULTS.append(_Fault(kind, phase, int(after), rank))
+
+
+def _arm_from_environment() -> None:
+    value = os.environ.pop("HF_DYNBSZ_INJECT_OOM", None)
+    if value:
+        kind, phase, after, *rank = value.split(":")
+        inject_out_of_memory(kind, phase, int(after), int(rank[0]) if rank else None)
+
+
+class _InjectedOutOfMemory(torch.OutOfMemoryError):
+    pass
+
+
+def _decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
+    layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block", "Layer"))
+              and any(True for _ in m.parameters())]
+    return layers[len(layers) // 2] if layers else model
+
+
+@contextlib.contextmanager
+def injected_fault(model: torch.nn.Module, kind: str, rank: int):
+    """Around one pass of ``kind``: raise an armed fault from inside ``model`` (its middle decoder layer)."""
+    _arm_from_environment()
+    fault = next((f for f in _FAULTS if f.kind == kind and f.rank in (None, rank)), None)
+    if fault is not None and fault.remaining > 0:
+        fault.remaining -= 1
+        fault = None
+    if fault is None:
+        yield
+        return
+    _FAULTS.remove(fault)
+    message = f"injected out-of-memory error ({kind} {fault.phase}, process {rank})"
+
+    def raise_in_backward(grad):
+        raise _InjectedOutOfMemory(message)
+
+    def hook(module, args, output):
+        if fault.phase == "forward":
+            raise _InjectedOutOfMemory(message)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(raise_in_backward)
+
+    handle = _decoder_layer(model).register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()

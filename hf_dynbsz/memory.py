@@ -1,0 +1,239 @@
+"""The budget from memory: how much a pass needs, and the largest token budget that fits a device's memory.
+
+A pass's peak memory (MiB per device) is modelled as what the process holds before it plus what the pass adds::
+
+    peak = held + pending_gradients + fixed + per_token x tokens + per_pair x pairs
+
+``tokens`` are the token positions the pass computes (as the budget counts them), ``pairs`` its attention term
+(the sum of squared sequence lengths, an upper bound for padded rows); ``held`` is measured before the pass
+(parameters, gradients, optimizer state, everything else the process holds: on CPU its resident set) and
+``pending_gradients`` are the gradients the first backward of a step allocates. ``fixed`` (the LM head's tile,
+workspace), ``per_token`` (activations kept for backward, or one layer's live activations in a no-grad pass) and
+``per_pair`` (the attention scores of an eager kernel; about 0 for sdpa and flash kernels) start from a prior read
+off the model config, precision, gradient checkpointing and ``tensor_batch_size``, and are refitted from every
+measured pass by least squares, separately for training and no-grad passes: a wrong first guess corrects itself
+within a few steps. What it assumes: the increment of a pass is linear in its tokens and attention pairs (true of
+a transformer's activations; the LM head's tile makes it piecewise linear below ``tensor_batch_size`` tokens), and
+what the process holds between passes changes slowly (measured again before every plan).
+
+:meth:`MemoryModel.budget` is the largest budget whose predicted whole-process peak fits ``limit x (1 -
+MEMORY_HEADROOM)``, given the longest sequence of the step (a pass of ``B`` tokens whose sequences are at most
+``L`` long has at most ``B x min(B, L)`` pairs). A pass that ran out of memory teaches the model its point
+(:meth:`MemoryModel.record_failure`) and caps later budgets below it.
+
+Pure Python (no torch): the planner (``hf-dynbsz plan --max_memory_mib``) uses the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "MemoryModel", "OutOfMemoryBudgetError"]
+
+#: Share of the memory limit kept free: the model's error, allocator fragmentation, what changes between plans.
+MEMORY_HEADROOM = 0.10
+#: Pass kinds with a model of their own: a training forward/backward, and a no-grad log-prob pass.
+KINDS = ("training", "logprob")
+#: A pass that ran out of memory caps later budgets of its kind at this share of its tokens.
+FAILURE_SHRINK = 0.7
+#: Observations kept per kind (the newest; older ones describe a process that held other things).
+OBSERVATIONS_KEPT = 128
+_MIB = 2**20
+_FUSED_HEAD_COLUMNS = 8192  # vocabulary columns per tile of the tiled LM head (hf_dynbsz.tiling)
+
+
+class OutOfMemoryBudgetError(RuntimeError):
+    """A pass ran out of memory at the smallest budget there is: its longest sequence alone does not fit."""
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What a pass adds to the memory the process holds, in MiB: ``fixed + per_token x tokens + per_pair x pairs``."""
+
+    fixed: float
+    per_token: float
+    per_pair: float
+
+    def increment(self, tokens: int, pairs: int) -> float:
+        return self.fixed + self.per_token * tokens + self.per_pair * pairs
+
+    def scaled(self, factor: float) -> Coefficients:
+        return Coefficients(self.fixed * factor, self.per_token * factor, self.per_pair * factor)
+
+    def describe(self) -> str:
+        return (f"{self.fixed:.0f} MiB + {self.per_token * 1024:.1f} KiB/token"
+                + (f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else ""))
+
+
+def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gradient_checkpointing: bool = False,
+                       tensor_batch_size: int | None = 1024, attn_implementation: str | None = None) -> Coefficients:
+    """A first guess of a pass's increment from a transformers config (or namespace), before any pass is measured.
+
+    Per layer and token, a decoder keeps about ``18 x hidden + 4 x intermediate`` activations for backward
+    (projections, norms, the MLP's gated product); gradient checkpointing keeps only each layer's input and
+    recomputes one layer at a time; a no-grad pass holds about one layer's activations. An eager attention kernel
+    holds its score matrices (``heads`` values per pair and layer); sdpa and flash kernels do not. The LM head's
+    tile is ``tensor_batch_size`` tokens x 8192 columns of fp32 (logits, log-softmax and its gradient).
+    """
+    from .partition import text_config_of  # the config readers of the cost model (pure Python too)
+
+    text = text_config_of(config)
+    hidden = int(getattr(text, "hidden_size", 0) or 4096)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 32)
+    intermediate = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(text, "num_attention_heads", 0) or max(1, hidden // 128))
+    vocab = int(getattr(text, "vocab_size", 0) or 32000)
+    per_layer = (18 * hidden + 4 * intermediate) * activation_bytes
+    eager = attn_implementation in (None, "eager")
+    tile_tokens = tensor_batch_size or 4096
+    tile = tile_tokens * min(vocab, _FUSED_HEAD_COLUMNS if tensor_batch_size else 32768) * 4 * 3
+    if kind == "training":
+        kept = layers * hidden * activation_bytes + 2 * per_layer if gradient_checkpointing else layers * per_layer
+        per_token = kept + 4 * hidden * activation_bytes
+        per_pair = (2 if gradient_checkpointing else 2 * layers) * heads * activation_bytes if eager else 0
+    elif kind == "logprob":
+        per_token = per_layer + 2 * hidden * activation_bytes
+        per_pair = 2 * heads * activation_bytes if eager else 0
+    else:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    return Coefficients(fixed=tile / _MIB, per_token=per_token / _MIB, per_pair=per_pair / _MIB)
+
+
+@dataclass
+class _Observation:
+    tokens: int
+    pairs: int
+    increment: float  # MiB the pass added to what the process held
+
+
+@dataclass
+class MemoryModel:
+    """Predicts the peak memory of a pass and chooses the largest token budget that fits ``limit_mib``.
+
+    ``limit_mib``: the memory one process (device) may use, in MiB (None: predict only, choose nothing).
+    ``priors``: per kind (:data:`KINDS`), the coefficients before any measurement (:func:`prior_coefficients`).
+    The model learns from :meth:`observe` (a measured pass) and :meth:`record_failure` (a pass that ran out of
+    memory); :meth:`coefficients` is the current fit.
+    """
+
+    priors: dict[str, Coefficients]
+    limit_mib: float | None = None
+    headroom: float = MEMORY_HEADROOM
+    observations: dict[str, deque] = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
+    _fits: dict[str, Coefficients] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Any, limit_mib: float | None = None, **prior_options) -> MemoryModel:
+        """The model of a transformers config; ``prior_options`` go to :func:`prior_coefficients`."""
+        return cls({kind: prior_coefficients(config, kind, **prior_options) for kind in KINDS}, limit_mib)
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, kind: str, tokens: int, pairs: int, increment_mib: float) -> None:
+        """A measured pass of ``kind``: ``tokens`` and ``pairs`` as planned, ``increment_mib`` its measured peak minus
+        what the process held before it (and minus the gradients its backward allocated for the first time)."""
+        self.observations.setdefault(kind, deque(maxlen=OBSERVATIONS_KEPT)).append(
+            _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0)))
+        self._fits.pop(kind, None)
+
+    def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float) -> None:
+        """A pass of ``tokens`` (``pairs``) ran out of memory while the process held ``held_mib``: it needed more
+        than the limit leaves, so the fit learns that point and later budgets of ``kind`` stay below
+        ``FAILURE_SHRINK x tokens``."""
+        self.caps[kind] = min(self.caps.get(kind, tokens), max(1, int(tokens * FAILURE_SHRINK)))
+        if self.limit_mib is not None:
+            self.observe(kind, tokens, pairs, self.limit_mib - held_mib)
+
+    def coefficients(self, kind: str) -> Coefficients:
+        """The current fit of ``kind``: the prior scaled to the measurements while they cannot separate the terms,
+        then least squares (non-negative) over the kept observations."""
+        if kind not in self._fits:
+            self._fits[kind] = self._fit(kind)
+        return self._fits[kind]
+
+    def _fit(self, kind: str) -> Coefficients:
+        prior = self.priors[kind]
+        points = list(self.observations.get(kind, ()))
+        if not points:
+            return prior
+        if len({p.tokens for p in points}) < 2:  # one size seen: keep the prior's shape, match its magnitude
+            worst = max(points, key=lambda p: p.increment / max(prior.increment(p.tokens, p.pairs), 1e-9))
+            return prior.scaled(worst.increment / max(prior.increment(worst.tokens, worst.pairs), 1e-9))
+        use_pairs = prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3
+        columns = ["fixed", "per_token"] + (["per_pair"] if use_pairs else [])
+        fitted = _least_squares(points, columns)
+        if not use_pairs:  # the pairs term keeps the prior's share, scaled like the tokens term
+            scale = fitted["per_token"] / prior.per_token if prior.per_token else 1.0
+            fitted["per_pair"] = prior.per_pair * scale
+        return Coefficients(fitted["fixed"], fitted["per_token"], fitted["per_pair"])
+
+    # ------------------------------------------------------------------ predicting and choosing
+    def increment(self, kind: str, tokens: int, pairs: int) -> float:
+        """MiB a pass of ``tokens`` and ``pairs`` adds to what the process holds."""
+        return self.coefficients(kind).increment(tokens, pairs)
+
+    def peak(self, kind: str, tokens: int, pairs: int, held_mib: float) -> float:
+        """Predicted whole-process peak (MiB) of a pass while the process holds ``held_mib`` (pending gradients
+        included)."""
+        return held_mib + self.increment(kind, tokens, pairs)
+
+    def room(self, held_mib: float) -> float | None:
+        """MiB a pass may add while the process holds ``held_mib`` (None without a limit)."""
+        if self.limit_mib is None:
+            return None
+        return self.limit_mib * (1.0 - self.headroom) - held_mib
+
+    def budget(self, kind: str, held_mib: float, longest: int) -> int | None:
+        """The largest token budget whose passes fit: ``increment(B, B x min(B, longest)) <= room(held_mib)``.
+
+        ``longest``: the longest sequence (tokens) of the step. None without a limit. At least 1: when even one
+        token does not fit, every sequence runs alone (and :meth:`oversize_message` says why it cannot fit).
+        Never above the cap a failed pass left (:meth:`record_failure`).
+        """
+        room = self.room(held_mib)
+        if room is None:
+            return None
+        c = self.coefficients(kind)
+        longest = max(int(longest), 1)
+        available = room - c.fixed
+        best = 1
+        if available > 0:
+            long_rate = c.per_token + c.per_pair * longest  # every pass at least as long as the longest sequence
+            best = available / long_rate if long_rate > 0 else math.inf
+            if best < longest:  # passes shorter than the longest sequence: pairs <= B^2
+                best = _largest_root(c.per_pair, c.per_token, -available)
+        best = max(1, int(min(best, 2**40)))
+        return min(best, self.caps.get(kind, best))
+
+    def describe(self, kind: str) -> str:
+        fits = "fitted" if self.observations.get(kind) else "prior"
+        return f"{self.coefficients(kind).describe()} ({fits})"
+
+
+def _least_squares(points: list[_Observation], columns: list[str]) -> dict[str, float]:
+    """Non-negative least squares of the increments over the named terms (few terms: drop a negative one, refit)."""
+    import numpy as np
+
+    features = {"fixed": lambda p: 1.0, "per_token": lambda p: float(p.tokens), "per_pair": lambda p: float(p.pairs)}
+    active = list(columns)
+    y = np.array([p.increment for p in points])
+    while True:
+        x = np.array([[features[name](p) for name in active] for p in points])
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        solution = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
+        negative = [name for name, value in zip(active, solution) if value < 0]
+        if not negative or len(active) == 1:
+            values = dict(zip(active, np.maximum(solution, 0.0).tolist()))
+            return {name: values.get(name, 0.0) for name in columns}
+        active.remove(negative[0])
+
+
+def _largest_root(a: float, b: float, c: float) -> float:
+    """The largest ``x`` with ``a x^2 + b x + c <= 0`` (``a, b >= 0``, ``c < 0``)."""
+    if a <= 0:
+        return -c / b if b > 0 else math.inf
+    return -2 * c / (b + math.sqrt(b * b - 4 * a * c))  # the root's stable form (no cancellation for small a)

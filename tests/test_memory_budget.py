@@ -1,0 +1,57 @@
+"""The budget from memory (hf_dynbsz.memory, hf_dynbsz.device_memory) in training, against stock TRL.
+
+With ``max_memory_per_device_mib`` the trainer chooses each step's budget from a model of a pass's memory, and a
+pass that runs out of memory is re-planned with a smaller budget: in both cases the parameters after training
+must equal stock GRPOTrainer's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+from hf_dynbsz.device_memory import inject_out_of_memory
+
+PARAM_TOLERANCE = 1e-5
+UPDATE_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def stock_run(model_dir, tmp_path_factory):
+    return run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path_factory.mktemp("stock")), beta=0.1,
+                        num_iterations=2, max_steps=3)
+
+
+def ours(model_dir, tmp_path, **overrides):
+    overrides = dict(dict(beta=0.1, num_iterations=2, max_steps=3), **overrides)
+    return run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path), **overrides)
+
+
+def assert_matches(stock_run, our_run):
+    initial, stock, stock_completions, _ = stock_run
+    _, params, completions, history = our_run
+    assert completions == stock_completions
+    assert relative_difference(params, stock) <= PARAM_TOLERANCE
+    assert update_difference(initial, params, stock) <= UPDATE_TOLERANCE
+    return [entry for entry in history if "dynbsz/microbatches" in entry]
+
+
+def test_memory_chosen_budget_matches_stock_and_logs_its_prediction(model_dir, stock_run, tmp_path):
+    steps = assert_matches(stock_run, ours(model_dir, tmp_path, max_memory_per_device_mib=100_000))
+    assert all(entry["dynbsz/predicted_peak_memory_mib"] > 0 for entry in steps)
+    assert all(entry["dynbsz/oom_retries"] == 0 for entry in steps)
+
+
+@pytest.mark.parametrize("kind, phase, after", [("training", "forward", 1), ("training", "backward", 2),
+                                                ("logprob", "forward", 1)])
+def test_an_out_of_memory_pass_is_replanned_and_matches_stock(model_dir, stock_run, tmp_path, kind, phase, after):
+    inject_out_of_memory(kind, phase, after)
+    steps = assert_matches(stock_run, ours(model_dir, tmp_path, max_tokens_per_microbatch=60))
+    assert sum(entry["dynbsz/oom_retries"] for entry in steps) == 1
