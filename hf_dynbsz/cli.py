@@ -401,6 +401,14 @@ def _plan_parser():
         "sample indices within the step) instead of the tables.",
     )
     group.add_argument(
+        "--held_mib",
+        type=float,
+        default=None,
+        help="With max_memory_per_device_mib: MiB a training process holds before its passes (weights, gradients, "
+        "optimizer state, CUDA context). Default: 16 bytes per parameter of --model_config (fp32 weights, gradients "
+        "and AdamW moments), ZeRO's shards divided among the processes.",
+    )
+    group.add_argument(
         "--attn_implementation",
         default=None,
         help="Attention implementation, to resolve packing_layout='auto' (default: model_init_kwargs' "
@@ -461,6 +469,35 @@ def _check_as_training(namespace: argparse.Namespace, plan) -> None:
         DynamicBatchGRPOConfig(**values)
 
 
+def _memory_rows(namespace: argparse.Namespace, model_config, attn_implementation: str | None, lengths,
+                 num_processes: int, zero_stage: int | None, mixed_precision: str | None) -> list:
+    """With ``max_memory_per_device_mib``: the plan rows answering "what budget fits in N MiB for this model?"
+    (:func:`hf_dynbsz.memory.plan_rows`, the trainer's model before any pass is measured)."""
+    from .memory import MemoryModel, estimated_held_mib, plan_rows
+    from .partition import GENERIC_DECODER
+
+    limit = getattr(namespace, "max_memory_per_device_mib", None)
+    if limit is None:
+        return []
+    config = model_config if model_config is not None else GENERIC_DECODER
+    half = (mixed_precision or ("bf16" if namespace.bf16 else "fp16" if namespace.fp16 else "no")) in ("bf16", "fp16")
+    memory = MemoryModel.from_config(config, limit, activation_bytes=2 if half else 4,
+                                     gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
+                                     tensor_batch_size=namespace.tensor_batch_size,
+                                     attn_implementation=attn_implementation or "sdpa")
+    if namespace.held_mib is not None:
+        held, source = namespace.held_mib, "--held_mib"
+    else:
+        held = estimated_held_mib(config, num_processes, zero_stage)
+        source = ("16 bytes per parameter of " + ("--model_config" if model_config is not None else
+                                                   "a generic 7B-class decoder") + "; --held_mib to give it")
+    if lengths:
+        longest = max(total for total, _, _ in lengths)
+    else:
+        longest = namespace.max_completion_length
+    return plan_rows(memory, held, source, longest)
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
@@ -485,6 +522,9 @@ def _run_plan(argv: list[str]) -> int:
         shown_layout = None
         if namespace.packing_layout != "auto" or attn_implementation:
             shown_layout = layouts[0].name
+        lengths = read_lengths(namespace.lengths) if namespace.lengths else None
+        memory_rows = _memory_rows(namespace, model_config, attn_implementation, lengths, num_processes, zero_stage,
+                                   launcher.get("mixed_precision"))
         try:
             plan = BatchSizePlan.from_args(
                 namespace,
@@ -496,11 +536,11 @@ def _run_plan(argv: list[str]) -> int:
                 router_aux=support.router_aux_mode(router_aux_loss_coef(model_config,
                                                                         getattr(namespace, "router_aux_loss_coef",
                                                                                 None))),
+                memory_rows=memory_rows,
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None
         _check_as_training(namespace, plan)
-        lengths = read_lengths(namespace.lengths) if namespace.lengths else None
         steps = None
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does

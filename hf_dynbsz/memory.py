@@ -31,7 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "MemoryModel", "OutOfMemoryBudgetError"]
+__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "MemoryModel", "OutOfMemoryBudgetError", "estimated_held_mib",
+           "plan_rows"]
 
 #: Share of the memory limit kept free: the model's error, allocator fragmentation, what changes between plans.
 MEMORY_HEADROOM = 0.10
@@ -39,6 +40,12 @@ MEMORY_HEADROOM = 0.10
 KINDS = ("training", "logprob")
 #: A pass that ran out of memory caps later budgets of its kind at this share of its tokens.
 FAILURE_SHRINK = 0.7
+#: Passes whose token counts differ by less than this factor cannot tell the fixed term from the per-token one:
+#: until they do, the prior's shape is kept and only its scale is fitted.
+MIN_TOKEN_SPREAD = 1.5
+#: The prior errs high by this factor: before any pass is measured, a budget too small is slower, one too large
+#: runs out of memory.
+PRIOR_SAFETY = 1.2
 #: Observations kept per kind (the newest; older ones describe a process that held other things).
 OBSERVATIONS_KEPT = 128
 _MIB = 2**20
@@ -99,7 +106,7 @@ def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gra
         per_pair = 2 * heads * activation_bytes if eager else 0
     else:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    return Coefficients(fixed=tile / _MIB, per_token=per_token / _MIB, per_pair=per_pair / _MIB)
+    return Coefficients(fixed=tile / _MIB, per_token=per_token / _MIB, per_pair=per_pair / _MIB).scaled(PRIOR_SAFETY)
 
 
 @dataclass
@@ -124,6 +131,9 @@ class MemoryModel:
     headroom: float = MEMORY_HEADROOM
     observations: dict[str, deque] = field(default_factory=dict)
     caps: dict[str, int] = field(default_factory=dict)
+    #: ``(kind, tokens, pairs, held, predicted peak, measured peak)`` of the newest measured passes (MiB), the
+    #: prediction made before the pass ran: what ``benchmarks/memory_budget.py`` reports.
+    history: deque = field(default_factory=lambda: deque(maxlen=4096))
     _fits: dict[str, Coefficients] = field(default_factory=dict)
 
     @classmethod
@@ -138,6 +148,13 @@ class MemoryModel:
         self.observations.setdefault(kind, deque(maxlen=OBSERVATIONS_KEPT)).append(
             _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0)))
         self._fits.pop(kind, None)
+
+    def measured(self, kind: str, tokens: int, pairs: int, held_mib: float, peak_mib: float) -> None:
+        """A pass that ran while the process held ``held_mib`` and peaked at ``peak_mib`` (whole process): recorded
+        beside what the model predicted for it (:attr:`history`), then learnt (:meth:`observe`)."""
+        predicted = self.peak(kind, tokens, pairs, held_mib)
+        self.history.append((kind, int(tokens), int(pairs), held_mib, predicted, peak_mib))
+        self.observe(kind, tokens, pairs, peak_mib - held_mib)
 
     def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float) -> None:
         """A pass of ``tokens`` (``pairs``) ran out of memory while the process held ``held_mib``: it needed more
@@ -159,7 +176,9 @@ class MemoryModel:
         points = list(self.observations.get(kind, ()))
         if not points:
             return prior
-        if len({p.tokens for p in points}) < 2:  # one size seen: keep the prior's shape, match its magnitude
+        sizes = [p.tokens for p in points]
+        if max(sizes) < MIN_TOKEN_SPREAD * max(min(sizes), 1):  # sizes too close to part fixed from per-token
+            # keep the prior's shape, scaled to the measurement it underestimates most
             worst = max(points, key=lambda p: p.increment / max(prior.increment(p.tokens, p.pairs), 1e-9))
             return prior.scaled(worst.increment / max(prior.increment(worst.tokens, worst.pairs), 1e-9))
         use_pairs = prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3
@@ -211,6 +230,36 @@ class MemoryModel:
     def describe(self, kind: str) -> str:
         fits = "fitted" if self.observations.get(kind) else "prior"
         return f"{self.coefficients(kind).describe()} ({fits})"
+
+
+def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: int) -> list[tuple[str, str, str]]:
+    """``(setting, per-device value, meaning)`` rows of the plan table for a memory limit: the limit, what the
+    process holds, each kind's model and the budget that fits with sequences up to ``longest`` tokens."""
+    rows = [("max_memory_per_device_mib", f"{memory.limit_mib:.0f}",
+             f"MiB one process may use; automatic budgets fit it less {memory.headroom:.0%}"),
+            ("memory held before passes", f"{held_mib:.0f} MiB", held_source)]
+    for kind, label in (("training", "training"), ("logprob", "no-grad")):
+        rows.append((f"memory of a {label} pass", memory.describe(kind),
+                     "on top of what the process holds; refitted from every measured pass"))
+        fits = memory.room(held_mib) > memory.coefficients(kind).fixed
+        rows.append((f"budget that fits, {label}", str(memory.budget(kind, held_mib, longest)) if fits else "none",
+                     f"tokens per pass whose predicted peak fits, sequences up to {longest} tokens" if fits else
+                     "what the process holds leaves no room for a pass: raise the limit, or shard with ZeRO"))
+    return rows
+
+
+def estimated_held_mib(config: Any, num_processes: int = 1, zero_stage: int | None = None) -> float:
+    """What a training process holds before its passes when only the config is known (the planner): fp32
+    weights, gradients and AdamW's two moments, 16 bytes per parameter, the parts ZeRO shards divided among
+    ``num_processes``. Parameters are read off the config (layers' projections and MLP, embeddings, an untied LM
+    head)."""
+    from .partition import ModelFlops, text_config_of
+
+    flops = ModelFlops.from_model_config(config)
+    tied = bool(getattr(text_config_of(config), "tie_word_embeddings", False))
+    parameters = flops.per_token + flops.per_logit_token * (1 if tied else 2)
+    shards = {None: (16, 0), 0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}[zero_stage]
+    return parameters * (shards[0] + shards[1] / max(num_processes, 1)) / _MIB
 
 
 def _least_squares(points: list[_Observation], columns: list[str]) -> dict[str, float]:

@@ -411,6 +411,8 @@ class BatchSizePlan:
     vision_language: str | None = None
     #: the MoE router aux loss TRL trains: None (none), "repacked", or why stock math runs
     router_aux: str | None = None
+    #: with a memory limit: ``(setting, per-device value, meaning)`` rows of :func:`hf_dynbsz.memory.plan_rows`
+    memory_rows: tuple = ()
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -424,6 +426,7 @@ class BatchSizePlan:
         layout: str | None = None,
         vision_language: str | None = None,
         router_aux: str | None = None,
+        memory_rows: Sequence[tuple[str, str, str]] = (),
     ) -> BatchSizePlan:
         """Plan the batch sizes of ``args`` on ``num_processes`` processes.
 
@@ -440,7 +443,8 @@ class BatchSizePlan:
         read from ``args.deepspeed`` (a dict) and ``args.fp16``/``args.bf16``. ``layout`` is the concrete packing
         layout if known; None shows ``args.packing_layout``. ``vision_language`` (see
         :func:`hf_dynbsz.model_support.vision_language_mode`) adds a row saying how image steps train, and
-        ``router_aux`` ("repacked", or why not) one saying how the MoE router aux loss trains.
+        ``router_aux`` ("repacked", or why not) one saying how the MoE router aux loss trains. ``memory_rows``
+        (:func:`hf_dynbsz.memory.plan_rows`) show a memory limit's model and budgets.
 
         Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
         DeepSpeed requires does not hold.
@@ -522,6 +526,7 @@ class BatchSizePlan:
             env_sources=dict(env_sources(args)),
             vision_language=vision_language,
             router_aux=router_aux,
+            memory_rows=tuple(tuple(row) for row in memory_rows),
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------
@@ -785,6 +790,7 @@ class BatchSizePlan:
                 "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
                 if repacked else self.router_aux,
             ))
+        rows.extend((name, value, "-", meaning) for name, value, meaning in self.memory_rows)
         # Values a DIFFU_* variable set say so, where the user looks for them.
         return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources
                  else meaning) for name, device, total, meaning in rows]

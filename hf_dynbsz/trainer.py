@@ -38,7 +38,7 @@ from .config import trainer_config
 from .device_memory import injected_fault, is_out_of_memory, pending_gradient_mib, release_cached_memory
 from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
-from .memory import MemoryModel, OutOfMemoryBudgetError
+from .memory import MemoryModel, OutOfMemoryBudgetError, plan_rows
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
@@ -336,7 +336,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 held = self._held(model, kind)
                 meters.predicted(memory.peak(kind, *shape, held))
             try:
-                with injected_fault(unwrapped, kind, rank):
+                with self._no_sync(model, last or not training), injected_fault(unwrapped, kind, rank):
                     run_pass(group, last)
             except Exception as error:  # noqa: BLE001 - only an allocator's out-of-memory error is caught
                 if not (self._dynbsz_recover and is_out_of_memory(error)):
@@ -347,7 +347,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 release_cached_memory(self.accelerator.device)
                 continue
             if held is not None:
-                memory.observe(kind, *shape, meters.memory.pass_peak() - held)
+                memory.measured(kind, *shape, held, meters.memory.pass_peak())
         if self._dynbsz_recover and processes > 1:  # every process learns whether one failed, or gave up
             hopeless = failure is not None and failure.samples == 1 and self._dynbsz_failures_alone >= 1
             agreed = self._dynbsz_scheduler.group.all_reduce_max([2 if hopeless else int(failure is not None)])[0]
@@ -418,19 +418,25 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device, scheduler.segment_attention,
                               scheduler.attention_mask, scheduler.position_offset)
         use_segments(mb.segments)
-        with self.accelerator.autocast():
+        with self._no_sync(model, last is None or last), self.accelerator.autocast():
             outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-        if last is not None:
-            self._backward(model, outputs.log_probs.sum() * 0.0, last)
+            if last is not None:
+                self._backward(model, outputs.log_probs.sum() * 0.0, last)
+
+    def _no_sync(self, model, last: bool):
+        """Around a training pass's forward AND backward (DDP decides in the forward whether the backward
+        all-reduces): no gradient synchronisation unless ``last``. DeepSpeed decides at its boundary instead."""
+        if last or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
 
     def _backward(self, model, loss, last: bool) -> None:
-        """One backward of a multi-pass optimizer step; gradients sync (and DeepSpeed steps) on the last only."""
+        """One backward of a multi-pass optimizer step (inside :meth:`_no_sync` unless ``last``); gradients sync (and
+        DeepSpeed steps) on the last only."""
         is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
         self.accelerator.gradient_state._set_sync_gradients(last)
         try:
-            context = contextlib.nullcontext() if last or is_deepspeed else self.accelerator.no_sync(model)
-            with context:
-                self.accelerator.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed else {}))
+            self.accelerator.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed else {}))
         finally:
             self.accelerator.gradient_state._set_sync_gradients(True)
 
@@ -509,9 +515,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                            "micro-batches.")
         total = torch.zeros((), device=self.accelerator.device)
         for position, inputs in enumerate(window):
-            with self.compute_loss_context_manager(), self._tiles():
-                loss = self.compute_loss(model, inputs)
-            self._backward(model, loss, position == len(window) - 1)
+            with self._no_sync(model, position == len(window) - 1):
+                with self.compute_loss_context_manager(), self._tiles():
+                    loss = self.compute_loss(model, inputs)
+                self._backward(model, loss, position == len(window) - 1)
             total += loss.detach()
         return total
 
@@ -528,8 +535,17 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             vision_language=self._dynbsz_vision if self._dynbsz_enabled else None,
             router_aux=self._dynbsz_capabilities.support.router_aux_mode(
                 self.router_aux_loss_coef if self.aux_loss_enabled else 0.0),
+            memory_rows=self._memory_rows(),
         )
         logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
+
+    def _memory_rows(self) -> list:
+        memory = self._dynbsz_memory
+        if memory.limit_mib is None or not self._dynbsz_enabled:
+            return []
+        held = self._held(self.model, "training")
+        return plan_rows(memory, held, "measured at start (weights, gradients to come, what else the process holds)",
+                         self.args.max_completion_length)
 
 
 class _PassFailure:

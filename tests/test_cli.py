@@ -405,3 +405,25 @@ def test_vision_language_model_config_shows_how_image_steps_train(tmp_path, plan
                               "--packing_layout", "padding_free")
     assert refused.returncode == 2
     assert "a vision-language model computes its own (multimodal) position ids" in refused.stderr
+
+
+def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_process):
+    from transformers import Qwen2Config
+
+    from hf_dynbsz.memory import MemoryModel
+
+    config = Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=32000)
+    config.save_pretrained(tmp_path)
+    options = ("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
+               "--max_completion_length", 4096, "--max_memory_per_device_mib", 20000, "--held_mib", 3000)
+    result = plan_in_process(*options)
+    assert result.returncode == 0, result.stderr
+    memory = MemoryModel.from_config(config, 20000, activation_bytes=4, tensor_batch_size=1024,
+                                     gradient_checkpointing=True, attn_implementation="sdpa")  # GRPOConfig's default
+    assert table_row(result.stdout, "budget that fits, training")[0] == str(memory.budget("training", 3000, 4096))
+    assert table_row(result.stdout, "memory held before passes")[:2] == ["3000", "MiB"]
+    more = plan_in_process(*options[:-4], "--max_memory_per_device_mib", 40000, "--held_mib", 3000)
+    assert int(table_row(more.stdout, "budget that fits, training")[0]) > int(
+        table_row(result.stdout, "budget that fits, training")[0])
+    assert "budget that fits" not in plan_in_process(*options[:-4]).stdout

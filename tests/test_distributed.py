@@ -215,10 +215,10 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(tmp_path, model_d
 @pytest.mark.parametrize("inject_oom", ["training:backward:1:1", "logprob:forward:1:0"])
 def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_stock(inject_oom, tmp_path, model_dir):
     """DDP with a memory limit: one process's pass raises, every process re-plans the step, the update is stock's."""
-    ours = compare("cpu_ddp.yaml", tmp_path, model_dir, loss_type="grpo", beta=0.1, num_iterations=2, budget=0,
-                   max_memory_mib=200_000, inject_oom=inject_oom, **LOPSIDED_ROLLOUT)
+    ours = compare("cpu_ddp.yaml", tmp_path, model_dir, loss_type="grpo", beta=0.1, num_iterations=2,
+                   max_memory_mib=200_000, inject_oom=inject_oom, **dict(LOPSIDED_ROLLOUT, budget=0))
     for rank in range(2):
         steps = ours[rank]["metrics"]
         assert sum(step["dynbsz/oom_retries"] for step in steps) == 1
         assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
-        assert [step["dynbsz/budget_tokens"] for step in steps] == [step["dynbsz/budget_tokens"] for step in ours[0]["metrics"]]
+        assert [step["dynbsz/budget_tokens"] for step in steps] == [s["dynbsz/budget_tokens"] for s in ours[0]["metrics"]]

@@ -106,3 +106,21 @@ def test_describe_names_whether_the_coefficients_are_fitted():
     assert memory.describe("training").endswith("(prior)")
     memory.observe("training", 1000, 0, 300.0)
     assert memory.describe("training").endswith("(fitted)")
+
+
+def test_plan_rows_answer_what_budget_fits():
+    from hf_dynbsz.memory import plan_rows
+
+    rows = dict((name, value) for name, value, _ in plan_rows(model(limit=2000.0), 500.0, "given", longest=100))
+    assert rows["max_memory_per_device_mib"] == "2000"
+    assert rows["budget that fits, training"] == str(model(limit=2000.0).budget("training", 500.0, 100))
+    full = dict((name, value) for name, value, _ in plan_rows(model(limit=2000.0), 1900.0, "given", longest=100))
+    assert full["budget that fits, training"] == "none"
+
+
+def test_held_estimate_shards_with_zero():
+    from hf_dynbsz.memory import estimated_held_mib
+
+    alone = estimated_held_mib(CONFIG)
+    assert estimated_held_mib(CONFIG, num_processes=8, zero_stage=3) == pytest.approx(alone / 8)
+    assert alone / 8 < estimated_held_mib(CONFIG, num_processes=8, zero_stage=2) < alone

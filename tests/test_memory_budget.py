@@ -55,3 +55,30 @@ def test_an_out_of_memory_pass_is_replanned_and_matches_stock(model_dir, stock_r
     inject_out_of_memory(kind, phase, after)
     steps = assert_matches(stock_run, ours(model_dir, tmp_path, max_tokens_per_microbatch=60))
     assert sum(entry["dynbsz/oom_retries"] for entry in steps) == 1
+
+
+def capped_run(limit, tmp_path) -> dict:
+    import json
+    import sys
+    from pathlib import Path
+
+    from hf_dynbsz.testing import run_with_timeout
+
+    root = Path(__file__).resolve().parents[1]
+    output = run_with_timeout([sys.executable, str(root / "tests" / "memory_capped_run.py"), str(limit),
+                               str(tmp_path / f"run-{limit}")], root, 600, f"capped run at {limit} MiB")
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{\"peak_mib")))
+
+
+@pytest.mark.slow
+def test_a_real_memory_cap_holds_and_a_higher_one_buys_larger_passes(tmp_path):
+    """Fresh processes on this machine: the default budget's run peaks above the cap; under the cap the run stays
+    below it (whole-process peak, VmHWM) and trains; with the cap raised the budget grows."""
+    uncapped = capped_run("none", tmp_path)
+    cap = int(uncapped["peak_mib"]) - 300
+    capped = capped_run(cap, tmp_path)
+    assert capped["peak_mib"] <= cap, (capped, cap)
+    assert len(capped["budgets"]) == 3 and max(capped["passes"]) > 1  # it trained, in more passes than one
+    raised = capped_run(cap + 600, tmp_path)
+    assert sum(raised["budgets"]) > sum(capped["budgets"])
+    assert raised["peak_mib"] <= cap + 600

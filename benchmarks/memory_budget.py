@@ -1,0 +1,250 @@
+"""The budget from memory: predicted vs measured peaks, the budget chosen under a limit, and its speed.
+
+Every run is a fresh process (its whole-process peak is its own) training a tiny decoder whose activations count
+(4 layers, hidden 512 or 1024, vocabulary 4000) on scripted completions (no generation cost):
+
+1. **Prediction**: with ``max_memory_per_device_mib`` set, every training pass's predicted whole-process peak
+   (what the process held before it + the memory model's increment, predicted before the pass ran) against the
+   measured one, over hidden sizes and gradient checkpointing; the first step runs on the prior alone.
+2. **Budget and limit**: fixed budgets swept to find the largest whose run stays under each limit (measured like
+   the limited runs: with a limit far above, so that freed heap is given back before each pass as there); the run
+   with the memory-chosen budget at that limit: its whole-process peak, and its budget over the largest that fits.
+3. **Speed**: step time of stock GRPOTrainer, the default budget (stock's micro-batch size) and the memory-chosen
+   budget at two limits, on long-tailed and on short completions.
+
+Writes ``benchmarks/results/memory_budget.md``, ``memory_budget.png`` and ``memory_budget.json``.
+Run: ``python benchmarks/memory_budget.py`` (about 15 minutes on 2 CPU cores), ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import RESULTS_DIR, ensure_repo_on_path, machine_description, markdown_table
+
+MIX = {"long_tailed": 2048, "short": 256}  # max completion length of each mix
+LIMITS_MIB = (1300, 1800)
+SWEEP_BUDGETS = (512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+def status_mib(key: str) -> float:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def worker(spec: dict) -> dict:
+    """One training run in this (fresh) process."""
+    ensure_repo_on_path()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    hidden, longest = spec["hidden"], MIX[spec["mix"]]
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=hidden // 64,
+                                 num_key_value_heads=hidden // 64, intermediate_size=3 * hidden, vocab_size=4000,
+                                 max_position_embeddings=longest + 128, attn_implementation="sdpa", seed=0)
+    median = longest / 7 if spec["mix"] == "long_tailed" else longest / 3
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: np.clip(rng.lognormal(np.log(median), 1.0 if spec["mix"] == "long_tailed" else 0.4, n),
+                                     8, longest).astype(int),
+        lambda rng: int(rng.integers(32, 96)), max_completion_length=longest, seed=spec["seed"], token_low=3,
+        token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                  num_generations=8, max_completion_length=longest, max_steps=spec["steps"], learning_rate=1e-5,
+                  beta=0.0, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
+                  disable_tqdm=True, gradient_checkpointing=spec["checkpointing"], seed=spec["seed"])
+    if spec["trainer"] == "stock":
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
+    else:
+        trainer_cls = DynamicBatchGRPOTrainer
+        args = DynamicBatchGRPOConfig(**common, max_tokens_per_microbatch=spec.get("budget"),
+                                      max_memory_per_device_mib=spec.get("limit"))
+    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(8 * spec["steps"] + 8)]})
+    trainer = trainer_cls(model=model, reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
+                          args=args, train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout)
+    start = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - start
+    steps = [e for e in trainer.state.log_history if "step_time" in e]
+    result = {"spec": spec, "run_peak_mib": status_mib("VmHWM"), "train_s": elapsed,
+              "step_times": [e["step_time"] for e in steps],
+              "budgets": [e.get("dynbsz/budget_tokens") for e in steps],
+              "passes": [e.get("dynbsz/microbatches") for e in steps]}
+    memory = getattr(trainer, "_dynbsz_memory", None)
+    if memory is not None:
+        result["history"] = [list(h) for h in memory.history]
+        result["model"] = {kind: memory.describe(kind) for kind in ("training", "logprob")}
+    return result
+
+
+def run(spec: dict, timeout: float = 1200) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dynbsz-memory-") as tmp:
+        spec = dict(spec, output_dir=tmp)
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, __file__, "--worker", json.dumps(spec), "--out", str(out)]
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if completed.returncode:
+            raise RuntimeError(f"run {spec} failed:\n{completed.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def prediction_rows(runs: list[dict]) -> list[list]:
+    rows = []
+    for result in runs:
+        history = [h for h in result["history"] if h[0] == "training"]
+        first_step = len([p for p in result["passes"][:1] for _ in range(int(p or 0))]) or 1
+        errors = [(h[4] - h[5]) / h[5] for h in history]
+        increments = [(h[4] - h[3]) / max(h[5] - h[3], 1e-9) - 1 for h in history]
+        later = errors[first_step:] or errors
+        spec = result["spec"]
+        rows.append([spec["hidden"], "on" if spec["checkpointing"] else "off", len(history),
+                     f"{min(h[1] for h in history)}-{max(h[1] for h in history)}",
+                     f"{max(errors[:first_step], key=abs):+.1%}", f"{statistics.median(abs(e) for e in later):.1%}",
+                     f"{max(later, key=abs):+.1%}",
+                     f"{statistics.median(abs(e) for e in increments[first_step:] or increments):.1%}",
+                     result["model"]["training"]])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker")
+    parser.add_argument("--out")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few steps, fewer runs")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", action="store_true", help="only write the tables again from memory_budget.json")
+    cli = parser.parse_args()
+    if cli.worker:
+        Path(cli.out).write_text(json.dumps(worker(json.loads(cli.worker))))
+        return
+    if cli.render:
+        results = json.loads((cli.out_dir / "memory_budget.json").read_text())
+        return report(results, cli.out_dir, results.get("quick", False), results.get("seconds", 0.0))
+    steps = 3 if cli.quick else 8
+    base = dict(hidden=512, checkpointing=False, mix="long_tailed", steps=steps, seed=0, trainer="ours")
+    started = time.time()
+    results: dict = {"prediction": [], "sweep": [], "speed": [], "quick": cli.quick, "steps": steps}
+
+    # 1. prediction over hidden sizes and gradient checkpointing
+    for hidden, checkpointing in ([(512, False)] if cli.quick else [(512, False), (512, True), (1024, False),
+                                                                     (1024, True)]):
+        limit = {512: 1300, 1024: 2600}[hidden]
+        results["prediction"].append(run(dict(base, hidden=hidden, checkpointing=checkpointing, limit=limit)))
+        print("prediction", hidden, checkpointing, flush=True)
+
+    # 2. largest fixed budget under each limit, and the memory-chosen budget there
+    for budget in (SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS):
+        # measured as the memory-limited runs are (a limit far away: passes measured, freed heap given back)
+        results["sweep"].append(run(dict(base, budget=budget, limit=10**6)))
+        print("sweep", budget, flush=True)
+    # 3. speed: stock, default budget, memory-chosen budget at two limits, per mix
+    for mix in ("long_tailed", "short"):
+        for label, extra in (("stock", dict(trainer="stock")), ("default budget", {}),
+                             *((f"memory, {limit} MiB", dict(limit=limit)) for limit in LIMITS_MIB)):
+            if cli.quick and mix == "short":
+                continue
+            results["speed"].append(dict(run(dict(base, mix=mix, **extra)), label=label))
+            print("speed", mix, label, flush=True)
+
+    results["seconds"] = time.time() - started
+    cli.out_dir.mkdir(parents=True, exist_ok=True)
+    (cli.out_dir / "memory_budget.json").write_text(json.dumps(results))
+    report(results, cli.out_dir, cli.quick, results["seconds"])
+
+
+def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
+    steps = results.get("steps", 8)
+    lines = [f"# The budget from memory ({'quick' if quick else 'full'} run)", "",
+             f"{machine_description()}; {seconds:.0f} s. Tiny decoder, 4 layers, vocabulary 4000, "
+             "sdpa, fp32; per_device_train_batch_size 2, gradient_accumulation_steps 4 (8 samples per step), "
+             f"{steps} steps, scripted completions. `python benchmarks/memory_budget.py`.", "",
+             "## 1. Predicted vs measured peak of every training pass", "",
+             "Whole-process peak (resident set on CPU) predicted before each pass from what the process held and "
+             "the memory model, against the measured one. The first step runs on the prior (read off the config); "
+             "later steps on the model refitted from the passes measured so far.", "",
+             markdown_table(["hidden", "checkpointing", "passes", "pass tokens", "first step (prior) max error",
+                             "later: median error", "later: max error", "increment median error",
+                             "fitted model"], prediction_rows(results["prediction"])), ""]
+    sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
+    lines += ["## 2. The budget chosen under a limit, against the largest that fits", "",
+              "Fixed budgets (tokens per pass) and each run's whole-process peak:", "",
+              markdown_table(["budget", "run peak (MiB)", "mean step (s)"],
+                             [[r["spec"]["budget"], f"{r['run_peak_mib']:.0f}",
+                               f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}"] for r in sweep]), ""]
+    rows = []
+    for limit in LIMITS_MIB:
+        fitting = [r["spec"]["budget"] for r in sweep if r["run_peak_mib"] <= limit]
+        chosen = next((r for r in results["speed"] if r["spec"]["mix"] == "long_tailed"
+                       and r["spec"].get("limit") == limit), None)
+        if chosen is None:
+            continue
+        budgets = [b for b in chosen["budgets"] if b]
+        largest = max(fitting, default=None)
+        rows.append([limit, f"{chosen['run_peak_mib']:.0f}", "yes" if chosen["run_peak_mib"] <= limit else "NO",
+                     largest if largest else "none", f"{min(budgets):.0f}-{max(budgets):.0f}",
+                     f"{statistics.median(budgets) / largest:.2f}" if largest else "-"])
+    lines += ["Memory-chosen budget (long-tailed mix):", "",
+              markdown_table(["limit (MiB)", "run peak (MiB)", "under the limit", "largest fixed budget under it",
+                              "chosen budgets", "median chosen / largest"], rows), ""]
+    speed_rows = []
+    for mix in ("long_tailed", "short"):
+        runs = [r for r in results["speed"] if r["spec"]["mix"] == mix]
+        stock = next((r for r in runs if r["label"] == "stock"), None)
+        for r in runs:
+            mean = statistics.mean(r["step_times"][1:] or r["step_times"])
+            stock_mean = statistics.mean(stock["step_times"][1:] or stock["step_times"]) if stock else None
+            budgets = [b for b in r["budgets"] if b]
+            speed_rows.append([mix, r["label"], f"{mean:.2f}", f"{stock_mean / mean:.2f}x" if stock_mean else "-",
+                               f"{statistics.mean(p for p in r['passes'] if p):.1f}" if budgets else "-",
+                               f"{statistics.median(budgets):.0f}" if budgets else "-", f"{r['run_peak_mib']:.0f}"])
+    lines += ["## 3. Step time", "", "Mean step time after the first step; passes per step and median budget.", "",
+              markdown_table(["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget",
+                              "run peak (MiB)"], speed_rows), ""]
+    (out_dir / "memory_budget.md").write_text("\n".join(lines))
+    plot(results, out_dir / "memory_budget.png")
+    print("\n".join(lines))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    for result in results["prediction"]:
+        history = [h for h in result["history"] if h[0] == "training"]
+        spec = result["spec"]
+        axis.scatter([h[5] for h in history], [h[4] for h in history], s=12,
+                     label=f"hidden {spec['hidden']}, checkpointing {'on' if spec['checkpointing'] else 'off'}")
+    low, high = axis.get_xlim()
+    axis.plot([low, high], [low, high], color="grey", linewidth=1)
+    axis.plot([low, high], [low * 1.1, high * 1.1], color="grey", linewidth=0.5, linestyle="--")
+    axis.plot([low, high], [low * 0.9, high * 0.9], color="grey", linewidth=0.5, linestyle="--")
+    axis.set_xlabel("measured pass peak (MiB, whole process)")
+    axis.set_ylabel("predicted before the pass (MiB)")
+    axis.set_title("Memory model: predicted vs measured (±10%)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
