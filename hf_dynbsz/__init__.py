@@ -33,6 +33,8 @@ _LAZY = {
     "partition_by_token_budget": "hf_dynbsz.partition",
     "WorkloadModel": "hf_dynbsz.partition",
     "OversizeSequenceError": "hf_dynbsz.partition",
+    "MemoryModel": "hf_dynbsz.memory",
+    "OutOfMemoryBudgetError": "hf_dynbsz.memory",
     "DynamicBatchGRPOTrainer": "hf_dynbsz.trainer",
 }
 

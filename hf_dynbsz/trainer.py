@@ -339,7 +339,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 with self._no_sync(model, last or not training), injected_fault(unwrapped, kind, rank):
                     run_pass(group, last)
             except Exception as error:  # noqa: BLE001 - only an allocator's out-of-memory error is caught
-                if not (self._dynbsz_recover and is_out_of_memory(error)):
+                if not is_out_of_memory(error):
+                    raise
+                if not self._dynbsz_recover:
+                    error.add_note(self._unrecovered_reason())
                     raise
                 longest = max(schedule.lengths[i] for i in group)
                 failure = _PassFailure(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
@@ -360,6 +363,17 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         if failure is None:
             self._dynbsz_failures_alone = 0
         return failure
+
+    def _unrecovered_reason(self) -> str:
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            why = ("under DeepSpeed, whose engine keeps the step's accumulated gradients (and, under ZeRO-3, the other "
+                   "processes' parameter gathers) where they cannot be discarded: this process stops and the launcher "
+                   "stops the others")
+        else:
+            why = ("on several processes without max_memory_per_device_mib (recovery needs every process to agree "
+                   "before gradients synchronise, which a memory limit turns on)")
+        return (f"hf_dynbsz: this out-of-memory error is not recovered {why}. Set max_memory_per_device_mib so that "
+                "budgets are chosen to fit, or lower max_tokens_per_microbatch.")
 
     def _recover(self, model, failure: _PassFailure) -> None:
         """After a pass ran out of memory: discard the step's gradients, teach the memory model the failed point,

@@ -357,3 +357,10 @@ def test_deepspeed_without_accelerator_defaults_to_gloo():
 
 def test_no_deepspeed_keeps_ddp_backend_unset(tmp_path):
     assert make_config(tmp_path).ddp_backend is None
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
+def test_a_memory_fraction_outside_zero_to_one_is_refused(tmp_path, fraction):
+    with pytest.raises(ValueError, match=r"max_memory_fraction_per_device must be a (fraction of the device's memory,"
+                                         r" 0 < f <= 1|positive)"):
+        make_config(tmp_path, max_memory_fraction_per_device=fraction)

@@ -222,3 +222,13 @@ def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_st
         assert sum(step["dynbsz/oom_retries"] for step in steps) == 1
         assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
         assert [step["dynbsz/budget_tokens"] for step in steps] == [s["dynbsz/budget_tokens"] for s in ours[0]["metrics"]]
+
+
+def test_an_out_of_memory_pass_under_zero3_stops_every_process_with_the_reason(tmp_path, model_dir):
+    """DeepSpeed does not let a step's gradients be discarded: the failing process stops with why, and the launcher
+    stops the other (which waits in a parameter gather): no process hangs."""
+    with pytest.raises(AssertionError) as failed:
+        launch("cpu_zero3.yaml", tmp_path / "ours", model_dir, "dynamic", inject_oom="training:forward:1:1",
+               max_memory_mib=200_000)
+    assert "did not finish" not in str(failed.value)
+    assert "is not recovered under DeepSpeed" in str(failed.value)

@@ -82,3 +82,19 @@ def test_a_real_memory_cap_holds_and_a_higher_one_buys_larger_passes(tmp_path):
     raised = capped_run(cap + 600, tmp_path)
     assert sum(raised["budgets"]) > sum(capped["budgets"])
     assert raised["peak_mib"] <= cap + 600
+
+
+def test_one_sequence_that_runs_out_of_memory_twice_stops_with_its_length(model_dir, tmp_path):
+    from hf_dynbsz import OutOfMemoryBudgetError
+
+    inject_out_of_memory("training", "forward", 0)
+    inject_out_of_memory("training", "forward", 0)
+    with pytest.raises(OutOfMemoryBudgetError, match=r"one sequence of \d+ tokens alone needs about .* and cannot be "
+                                                     r"split\. Lower max_completion_length"):
+        ours(model_dir, tmp_path, max_tokens_per_microbatch=1, max_steps=1)
+
+
+def test_a_memory_fraction_needs_a_cuda_device(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_memory_fraction_per_device=0.5 needs a CUDA device, this process runs "
+                                         "on cpu: set max_memory_per_device_mib"):
+        ours(model_dir, tmp_path, max_memory_fraction_per_device=0.5)

@@ -50,6 +50,19 @@ def test_peak_memory_on_cpu_is_the_process_peak_since_reset():
     assert after - before >= 200  # the new 512 MiB block raised the peak above the 256 MiB one
 
 
+def test_a_pass_peak_restarts_at_held_and_the_step_peak_survives_it():
+    meter = PeakMemory(torch.device("cpu"))
+    meter.reset()
+    block = bytearray(300 * 2**20)  # a first pass's 300 MiB
+    del block
+    held = meter.held()  # the freed 300 MiB given back: the next pass's peak starts here
+    assert meter.pass_peak() - held < 100
+    block = bytearray(100 * 2**20)
+    assert 80 <= meter.pass_peak() - held < 200
+    del block
+    assert meter.mib() - held >= 250  # the step's peak still counts the first pass
+
+
 def test_no_mfu_on_cpu_unless_the_peak_is_given():
     assert device_peak_tflops(torch.device("cpu"), "bf16", None) is None
     assert device_peak_tflops(torch.device("cpu"), "no", 12.5) == 12.5
