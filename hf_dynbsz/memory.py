@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "MemoryModel", "OutOfMemoryBudgetError", "estimated_held_mib",
-           "plan_rows"]
+__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "FailedPass", "MemoryModel", "OutOfMemoryBudgetError",
+           "estimated_held_mib", "plan_rows"]
 
 #: Share of the memory limit kept free: the model's error, allocator fragmentation, what changes between plans.
 MEMORY_HEADROOM = 0.10
@@ -230,6 +230,37 @@ class MemoryModel:
     def describe(self, kind: str) -> str:
         fits = "fitted" if self.observations.get(kind) else "prior"
         return f"{self.coefficients(kind).describe()} ({fits})"
+
+
+@dataclass
+class FailedPass:
+    """A pass that ran out of memory: its ``kind``, ``tokens`` and ``pairs`` as planned, what the process held before
+    it (None: unmeasured), its ``samples`` and ``longest`` sequence (``samples`` 0: it failed on another process),
+    the error's first line; ``hopeless`` when every process agreed that it cannot be retried."""
+
+    kind: str
+    tokens: int
+    pairs: int
+    held: float | None
+    samples: int
+    longest: int
+    message: str
+    hopeless: bool = False
+
+    def explain(self, memory: MemoryModel) -> str:
+        """What failed, for the log line of a retry and for :class:`OutOfMemoryBudgetError`."""
+        if not self.samples:
+            return f"a {self.kind} pass of another process ran out of memory"
+        what = (f"a {self.kind} pass of {self.samples} sequence(s), {self.tokens} tokens (the longest {self.longest}), "
+                f"ran out of memory ({self.message})")
+        if self.samples > 1:
+            return what
+        needed = memory.increment(self.kind, self.tokens, self.pairs)
+        limit = "" if memory.limit_mib is None else f" of the {memory.limit_mib:.0f} MiB limit"
+        held = "" if self.held is None else f" while the process held {self.held:.0f} MiB{limit}"
+        return (f"{what}: one sequence of {self.longest} tokens alone needs about {needed:.0f} MiB more{held}, twice, "
+                "and cannot be split. Lower max_completion_length, turn on gradient checkpointing, lower "
+                "tensor_batch_size, or give the process more memory (max_memory_per_device_mib).")
 
 
 def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: int) -> list[tuple[str, str, str]]:

@@ -38,7 +38,7 @@ from .config import trainer_config
 from .device_memory import injected_fault, is_out_of_memory, pending_gradient_mib, release_cached_memory
 from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
-from .memory import MemoryModel, OutOfMemoryBudgetError, plan_rows
+from .memory import FailedPass, MemoryModel, OutOfMemoryBudgetError, plan_rows
 from .metrics import StepMeters, StepMetrics
 from .multimodal import TOKEN_FIELDS, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
@@ -310,7 +310,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             held += pending_gradient_mib(model)
         return held
 
-    def _run_passes(self, model, schedule, kind: str, run_pass) -> _PassFailure | None:
+    def _run_passes(self, model, schedule, kind: str, run_pass) -> FailedPass | None:
         """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.
 
         Training passes synchronise gradients on the last, or, where an out-of-memory error is recovered across
@@ -345,7 +345,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     error.add_note(self._unrecovered_reason())
                     raise
                 longest = max(schedule.lengths[i] for i in group)
-                failure = _PassFailure(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
+                failure = FailedPass(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
                 del error
                 release_cached_memory(self.accelerator.device)
                 continue
@@ -355,7 +355,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             hopeless = failure is not None and failure.samples == 1 and self._dynbsz_failures_alone >= 1
             agreed = self._dynbsz_scheduler.group.all_reduce_max([2 if hopeless else int(failure is not None)])[0]
             if agreed and failure is None:
-                failure = _PassFailure(kind, 0, 0, None, 0, 0, "a pass of another process ran out of memory")
+                failure = FailedPass(kind, 0, 0, None, 0, 0, "a pass of another process ran out of memory")
             if agreed == 2:
                 failure.hopeless = True
         if sync_apart and failure is None:
@@ -375,7 +375,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return (f"hf_dynbsz: this out-of-memory error is not recovered {why}. Set max_memory_per_device_mib so that "
                 "budgets are chosen to fit, or lower max_tokens_per_microbatch.")
 
-    def _recover(self, model, failure: _PassFailure) -> None:
+    def _recover(self, model, failure: FailedPass) -> None:
         """After a pass ran out of memory: discard the step's gradients, teach the memory model the failed point,
         and (the caller re-plans the step) or stop when one sequence alone failed again."""
         self._dynbsz_meters.oom_retries += 1
@@ -560,30 +560,6 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         held = self._held(self.model, "training")
         return plan_rows(memory, held, "measured at start (weights, gradients to come, what else the process holds)",
                          self.args.max_completion_length)
-
-
-class _PassFailure:
-    """A pass that ran out of memory: its kind, ``tokens`` and ``pairs`` as planned, what the process held before it
-    (None unmeasured), its samples and longest sequence (0: the failure was on another process)."""
-
-    def __init__(self, kind: str, tokens: int, pairs: int, held: float | None, samples: int, longest: int,
-                 message: str) -> None:
-        self.kind, self.tokens, self.pairs, self.held = kind, tokens, pairs, held
-        self.samples, self.longest, self.message, self.hopeless = samples, longest, message, False
-
-    def explain(self, memory: MemoryModel) -> str:
-        if not self.samples:
-            return f"a {self.kind} pass of another process ran out of memory"
-        what = (f"a {self.kind} pass of {self.samples} sequence(s), {self.tokens} tokens (the longest {self.longest}), "
-                f"ran out of memory ({self.message})")
-        if self.samples > 1:
-            return what
-        needed = memory.increment(self.kind, self.tokens, self.pairs)
-        limit = "" if memory.limit_mib is None else f" of the {memory.limit_mib:.0f} MiB limit"
-        held = "" if self.held is None else f" while the process held {self.held:.0f} MiB{limit}"
-        return (f"{what}: one sequence of {self.longest} tokens alone needs about {needed:.0f} MiB more{held}, twice, "
-                "and cannot be split. Lower max_completion_length, turn on gradient checkpointing, lower "
-                "tensor_batch_size, or give the process more memory (max_memory_per_device_mib).")
 
 
 class _LogPlanAtTrainBegin(TrainerCallback):
