@@ -55,7 +55,7 @@ def worker(spec: dict) -> dict:
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    hidden, longest = spec["hidden"], MIX[spec["mix"]]
+    hidden, longest = spec["hidden"], spec.get("max_completion", MIX[spec["mix"]])
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=hidden // 64,
                                  num_key_value_heads=hidden // 64, intermediate_size=3 * hidden, vocab_size=4000,
@@ -66,7 +66,8 @@ def worker(spec: dict) -> dict:
                                      8, longest).astype(int),
         lambda rng: int(rng.integers(32, 96)), max_completion_length=longest, seed=spec["seed"], token_low=3,
         token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
-    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=2, gradient_accumulation_steps=4,
+    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=spec.get("batch", 2),
+                  gradient_accumulation_steps=spec.get("accum", 4),
                   num_generations=8, max_completion_length=longest, max_steps=spec["steps"], learning_rate=1e-5,
                   beta=0.0, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
                   disable_tqdm=True, gradient_checkpointing=spec["checkpointing"], seed=spec["seed"])
@@ -76,7 +77,8 @@ def worker(spec: dict) -> dict:
         trainer_cls = DynamicBatchGRPOTrainer
         args = DynamicBatchGRPOConfig(**common, max_tokens_per_microbatch=spec.get("budget"),
                                       max_memory_per_device_mib=spec.get("limit"))
-    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(8 * spec["steps"] + 8)]})
+    samples = spec.get("batch", 2) * spec.get("accum", 4)
+    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(samples * spec["steps"] // 8 + 8)]})
     trainer = trainer_cls(model=model, reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
                           args=args, train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout)
     start = time.perf_counter()
@@ -140,7 +142,7 @@ def main() -> None:
     steps = 3 if cli.quick else 8
     base = dict(hidden=512, checkpointing=False, mix="long_tailed", steps=steps, seed=0, trainer="ours")
     started = time.time()
-    results: dict = {"prediction": [], "sweep": [], "speed": [], "quick": cli.quick, "steps": steps}
+    results: dict = {"prediction": [], "sweep": [], "limited": [], "speed": [], "quick": cli.quick, "steps": steps}
 
     # 1. prediction over hidden sizes and gradient checkpointing
     for hidden, checkpointing in ([(512, False)] if cli.quick else [(512, False), (512, True), (1024, False),
@@ -149,11 +151,16 @@ def main() -> None:
         results["prediction"].append(run(dict(base, hidden=hidden, checkpointing=checkpointing, limit=limit)))
         print("prediction", hidden, checkpointing, flush=True)
 
-    # 2. largest fixed budget under each limit, and the memory-chosen budget there
+    # 2. largest fixed budget under each limit, and the memory-chosen budget there: 32 samples per step, so that
+    # passes fill their budget
+    full = dict(base, batch=8, accum=4, max_completion=1024, steps=3)
     for budget in (SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS):
         # measured as the memory-limited runs are (a limit far away: passes measured, freed heap given back)
-        results["sweep"].append(run(dict(base, budget=budget, limit=10**6)))
+        results["sweep"].append(run(dict(full, budget=budget, limit=10**6)))
         print("sweep", budget, flush=True)
+    for limit in LIMITS_MIB:
+        results["limited"].append(run(dict(full, limit=limit)))
+        print("limited", limit, flush=True)
     # 3. speed: stock, default budget, memory-chosen budget at two limits, per mix
     for mix in ("long_tailed", "short"):
         for label, extra in (("stock", dict(trainer="stock")), ("default budget", {}),
@@ -184,15 +191,16 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
                              "fitted model"], prediction_rows(results["prediction"])), ""]
     sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
     lines += ["## 2. The budget chosen under a limit, against the largest that fits", "",
-              "Fixed budgets (tokens per pass) and each run's whole-process peak:", "",
+              "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
+              "completions up to 1024 tokens, 3 steps, hidden 512: passes fill their budget. Fixed budgets (tokens "
+              "per pass) and each run's whole-process peak (VmHWM since the process started):", "",
               markdown_table(["budget", "run peak (MiB)", "mean step (s)"],
                              [[r["spec"]["budget"], f"{r['run_peak_mib']:.0f}",
                                f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}"] for r in sweep]), ""]
     rows = []
     for limit in LIMITS_MIB:
         fitting = [r["spec"]["budget"] for r in sweep if r["run_peak_mib"] <= limit]
-        chosen = next((r for r in results["speed"] if r["spec"]["mix"] == "long_tailed"
-                       and r["spec"].get("limit") == limit), None)
+        chosen = next((r for r in results["limited"] if r["spec"].get("limit") == limit), None)
         if chosen is None:
             continue
         budgets = [b for b in chosen["budgets"] if b]
@@ -200,7 +208,7 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         rows.append([limit, f"{chosen['run_peak_mib']:.0f}", "yes" if chosen["run_peak_mib"] <= limit else "NO",
                      largest if largest else "none", f"{min(budgets):.0f}-{max(budgets):.0f}",
                      f"{statistics.median(budgets) / largest:.2f}" if largest else "-"])
-    lines += ["Memory-chosen budget (long-tailed mix):", "",
+    lines += ["The run with the memory-chosen budget at each limit:", "",
               markdown_table(["limit (MiB)", "run peak (MiB)", "under the limit", "largest fixed budget under it",
                               "chosen budgets", "median chosen / largest"], rows), ""]
     speed_rows = []

@@ -43,6 +43,8 @@ FAILURE_SHRINK = 0.7
 #: Passes whose token counts differ by less than this factor cannot tell the fixed term from the per-token one:
 #: until they do, the prior's shape is kept and only its scale is fitted.
 MIN_TOKEN_SPREAD = 1.5
+#: Measured passes needed before all terms are fitted (before that, one scale of the prior's load terms).
+MIN_POINTS_FOR_FIT = 6
 #: The prior errs high by this factor: before any pass is measured, a budget too small is slower, one too large
 #: runs out of memory.
 PRIOR_SAFETY = 1.2
@@ -177,10 +179,13 @@ class MemoryModel:
         if not points:
             return prior
         sizes = [p.tokens for p in points]
-        if max(sizes) < MIN_TOKEN_SPREAD * max(min(sizes), 1):  # sizes too close to part fixed from per-token
-            # keep the prior's shape, scaled to the measurement it underestimates most
-            worst = max(points, key=lambda p: p.increment / max(prior.increment(p.tokens, p.pairs), 1e-9))
-            return prior.scaled(worst.increment / max(prior.increment(worst.tokens, worst.pairs), 1e-9))
+        if len(points) < MIN_POINTS_FOR_FIT or max(sizes) < MIN_TOKEN_SPREAD * max(min(sizes), 1):
+            # too few, or too alike, to part the fixed term from the per-token one (measurements are noisy): keep
+            # the prior's fixed term and fit one scale of its per-token and per-pair terms
+            load = [prior.per_token * p.tokens + prior.per_pair * p.pairs for p in points]
+            scale = sum(x * (p.increment - prior.fixed) for x, p in zip(load, points)) / max(sum(x * x for x in load),
+                                                                                             1e-12)
+            return Coefficients(prior.fixed, prior.per_token * max(scale, 0.0), prior.per_pair * max(scale, 0.0))
         use_pairs = prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3
         columns = ["fixed", "per_token"] + (["per_pair"] if use_pairs else [])
         fitted = _least_squares(points, columns)

@@ -218,6 +218,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             )
             own = batch
             while True:  # once, or again with a smaller budget after a pass ran out of memory
+                self._allocate_gradients(model)
                 budget = self._budget(model, own.table, own.stock_microbatch_tokens, "training")
                 schedule = self._plan(own.table, budget, "training")
                 self._warn_oversize(schedule, "training")
@@ -309,6 +310,15 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         if kind == "training" and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
             held += pending_gradient_mib(model)
         return held
+
+    def _allocate_gradients(self, model) -> None:
+        """With a memory limit, the step's gradients exist (as zeros) before its first pass, so that every pass
+        starts from the same memory and the model learns one increment (accumulating into zeros is exact)."""
+        if self._dynbsz_memory.limit_mib is None or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
 
     def _run_passes(self, model, schedule, kind: str, run_pass) -> FailedPass | None:
         """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.

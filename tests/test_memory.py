@@ -40,17 +40,21 @@ def test_without_a_limit_nothing_is_chosen():
     assert model().room(100.0) is None
 
 
-def test_one_measured_size_scales_the_prior():
+def test_few_measurements_keep_the_priors_fixed_term_and_scale_its_load():
     memory = model()
     memory.observe("training", 1000, 0, 600.0)  # the prior says 300
-    assert memory.coefficients("training") == Coefficients(100.0, 0.5, 0.0)
+    assert memory.coefficients("training") == Coefficients(50.0, 0.55, 0.0)
     assert memory.coefficients("logprob") == Coefficients(50.0, 0.25, 0.0)  # kinds learn apart
+    for tokens in (500, 2000, 4000, 8000):  # five, of all sizes: still too few for a full fit
+        memory.observe("training", tokens, 0, 50.0 + 0.55 * tokens)
+    assert memory.coefficients("training") == Coefficients(50.0, pytest.approx(0.55), 0.0)
 
 
 def test_measured_passes_refit_the_coefficients():
     memory = model(per_pair=1e-6)
     truth = Coefficients(120.0, 0.3, 2e-6)
-    for tokens, pairs in [(500, 10_000), (1000, 400_000), (2000, 90_000), (4000, 2_000_000)]:
+    for tokens, pairs in [(500, 10_000), (1000, 400_000), (2000, 90_000), (4000, 2_000_000), (3000, 50_000),
+                          (800, 600_000)]:
         memory.observe("training", tokens, pairs, truth.increment(tokens, pairs))
     fitted = memory.coefficients("training")
     assert fitted.fixed == pytest.approx(120.0, rel=1e-6)
@@ -60,7 +64,8 @@ def test_measured_passes_refit_the_coefficients():
 
 def test_a_fit_never_goes_negative():
     memory = model()
-    for tokens, increment in [(1000, 100.0), (2000, 400.0), (3000, 700.0)]:  # a line through -200 MiB at 0
+    for tokens in (1000, 1500, 2000, 2500, 3000, 3500):  # a line through -200 MiB at 0
+        increment = 0.3 * tokens - 200.0
         memory.observe("training", tokens, 0, increment)
     assert memory.coefficients("training").fixed == 0.0
     assert memory.coefficients("training").per_token > 0
