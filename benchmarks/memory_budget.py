@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: few steps, fewer runs")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", action="store_true", help="only write the tables again from memory_budget.json")
+    parser.add_argument("--only", help="comma-separated sections to run again (prediction, limit, speed); the others "
+                                       "are kept from memory_budget.json")
     cli = parser.parse_args()
     if cli.worker:
         Path(cli.out).write_text(json.dumps(worker(json.loads(cli.worker))))
@@ -143,9 +145,16 @@ def main() -> None:
     base = dict(hidden=512, checkpointing=False, mix="long_tailed", steps=steps, seed=0, trainer="ours")
     started = time.time()
     results: dict = {"prediction": [], "sweep": [], "limited": [], "speed": [], "quick": cli.quick, "steps": steps}
+    sections = set(cli.only.split(",")) if cli.only else {"prediction", "limit", "speed"}
+    if cli.only:
+        rerun = {key for section in sections
+                 for key in {"prediction": ["prediction"], "limit": ["sweep", "limited"], "speed": ["speed"]}[section]}
+        kept = json.loads((cli.out_dir / "memory_budget.json").read_text())
+        results.update({key: value for key, value in kept.items() if key in ("prediction", "sweep", "limited", "speed")
+                        and key not in rerun})
 
     # 1. prediction over hidden sizes and gradient checkpointing
-    for hidden, checkpointing in ([(512, False)] if cli.quick else [(512, False), (512, True), (1024, False),
+    for hidden, checkpointing in ([] if "prediction" not in sections else [(512, False)] if cli.quick else [(512, False), (512, True), (1024, False),
                                                                      (1024, True)]):
         limit = {512: 1300, 1024: 2600}[hidden]
         results["prediction"].append(run(dict(base, hidden=hidden, checkpointing=checkpointing, limit=limit)))
@@ -154,15 +163,15 @@ def main() -> None:
     # 2. largest fixed budget under each limit, and the memory-chosen budget there: 32 samples per step, so that
     # passes fill their budget
     full = dict(base, batch=8, accum=4, max_completion=1024, steps=3)
-    for budget in (SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS):
+    for budget in ([] if "limit" not in sections else SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS):
         # measured as the memory-limited runs are (a limit far away: passes measured, freed heap given back)
         results["sweep"].append(run(dict(full, budget=budget, limit=10**6)))
         print("sweep", budget, flush=True)
-    for limit in LIMITS_MIB:
+    for limit in (LIMITS_MIB if "limit" in sections else []):
         results["limited"].append(run(dict(full, limit=limit)))
         print("limited", limit, flush=True)
     # 3. speed: stock, default budget, memory-chosen budget at two limits, per mix
-    for mix in ("long_tailed", "short"):
+    for mix in (("long_tailed", "short") if "speed" in sections else ()):
         for label, extra in (("stock", dict(trainer="stock")), ("default budget", {}),
                              *((f"memory, {limit} MiB", dict(limit=limit)) for limit in LIMITS_MIB)):
             if cli.quick and mix == "short":
