@@ -548,6 +548,8 @@ def _run_plan(argv: list[str]) -> int:
             steps = simulate(plan, scheduler, lengths)
         if namespace.json:
             document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
+            if plan.memory_rows:
+                document["memory"] = {name: value for name, value, _ in plan.memory_rows}
             if steps is not None:
                 document["layout"] = scheduler.layout
                 multi = plan.num_processes > 1

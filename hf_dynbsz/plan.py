@@ -596,8 +596,9 @@ class BatchSizePlan:
 
     def as_dict(self) -> dict[str, Any]:
         """Settings and derived quantities as plain JSON-friendly values (fractions become int or float); the
-        ``DIFFU_*`` sources are in :attr:`env_sources`."""
-        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "env_sources"}
+        ``DIFFU_*`` sources are in :attr:`env_sources`, a memory limit's rows in :attr:`memory_rows`."""
+        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                  if f.name not in ("env_sources", "memory_rows")}
         for name in (
             "global_train_batch_size",
             "per_device_samples_per_optimizer_step",

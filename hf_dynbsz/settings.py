@@ -232,7 +232,7 @@ SETTINGS: tuple[Setting, ...] = (
         summary="memory one process may use: sets the automatic token budgets and recovers from out-of-memory",
         help="Memory one process (device) may use, in MiB: the whole process's resident set on CPU, allocated memory "
         "on GPU. With max_tokens_per_microbatch (or max_tokens_per_microbatch_logprob) left unset, each step's "
-        "budget is the largest whose predicted peak fits this limit less a tenth kept free (hf_dynbsz.memory: a model "
+        "budget is the largest whose predicted peak fits this limit (hf_dynbsz.memory: a model "
         "of a pass's memory refitted from every measured pass), the same on every process; each step logs "
         "dynbsz/predicted_peak_memory_mib beside dynbsz/peak_memory_mib. A pass that runs out of memory is "
         "re-planned with a smaller budget and the step runs again, with stock's math (single process and DDP). "
