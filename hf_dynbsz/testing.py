@@ -697,3 +697,47 @@ def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: di
     if process.returncode != 0:
         raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
     return output
+
+
+class ResidentSetSampler:
+    """The process's peak resident set (MiB), sampled every ``interval`` seconds in a thread: independent of
+    ``/proc/self/clear_refs`` resets (which the trainer makes before each pass when a memory limit is set, so that
+    ``VmHWM`` at the end of a run is not the run's peak). Use as a context manager; :attr:`peak_mib` after."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+
+        self.interval, self.peak_mib = interval, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> float:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, self._read())
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, self._read())
+
+
+def run_peak_mib(log_history: list[dict], sampler: ResidentSetSampler | None = None) -> float:
+    """A run's whole-process peak (MiB): the largest of the sampled resident set, every logged step peak
+    (``dynbsz/peak_memory_mib``, carried across the trainer's per-pass resets) and ``VmHWM`` now."""
+    with open("/proc/self/status") as handle:
+        hwm = next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmHWM:"))
+    logged = [entry["dynbsz/peak_memory_mib"] for entry in log_history if "dynbsz/peak_memory_mib" in entry]
+    return max([hwm, *logged, sampler.peak_mib if sampler is not None else 0.0])
+

@@ -74,14 +74,14 @@ def capped_run(limit, tmp_path) -> dict:
 def test_a_real_memory_cap_holds_and_a_higher_one_buys_larger_passes(tmp_path):
     """Fresh processes on this machine: the default budget's run peaks above the cap; under the cap the run stays
     below it (whole-process peak, VmHWM) and trains; with the cap raised the budget grows."""
-    uncapped = capped_run("none", tmp_path)
-    cap = int(uncapped["peak_mib"]) - 300
+    uncapped = capped_run("none", tmp_path)  # one pass of 16 samples; the longest alone needs a fifth of it
+    cap = int(uncapped["peak_mib"]) - 500
     capped = capped_run(cap, tmp_path)
     assert capped["peak_mib"] <= cap, (capped, cap)
     assert len(capped["budgets"]) == 3 and max(capped["passes"]) > 1  # it trained, in more passes than one
-    raised = capped_run(cap + 600, tmp_path)
+    raised = capped_run(cap + 300, tmp_path)
     assert sum(raised["budgets"]) > sum(capped["budgets"])
-    assert raised["peak_mib"] <= cap + 600
+    assert raised["peak_mib"] <= cap + 300, (raised, cap + 300)
 
 
 def test_one_sequence_that_runs_out_of_memory_twice_stops_with_its_length(model_dir, tmp_path):
