@@ -473,6 +473,13 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             self._dynbsz_warned.add(kind)
             longest = max(schedule.lengths[i] for i in schedule.oversize)
             message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
+            memory = self._dynbsz_memory
+            if memory.limit_mib is not None:  # the budget came from memory: say what the sequence needs
+                message += (f" The budget follows max_memory_per_device_mib={memory.limit_mib:.0f}: a sequence of "
+                            f"{longest} tokens alone is predicted to add about "
+                            f"{memory.increment(kind, longest, longest * longest):.0f} MiB to what the process holds, "
+                            "which may not fit; lower max_completion_length, turn on gradient checkpointing or raise "
+                            "the limit.")
             warnings.warn(message + " This warning is shown once.", stacklevel=3)
 
     @torch.no_grad()

@@ -98,3 +98,10 @@ def test_a_memory_fraction_needs_a_cuda_device(model_dir, tmp_path):
     with pytest.raises(ValueError, match="max_memory_fraction_per_device=0.5 needs a CUDA device, this process runs "
                                          "on cpu: set max_memory_per_device_mib"):
         ours(model_dir, tmp_path, max_memory_fraction_per_device=0.5)
+
+
+def test_a_limit_no_pass_fits_warns_what_a_sequence_needs_and_still_matches_stock(model_dir, stock_run, tmp_path):
+    with pytest.warns(UserWarning, match=r"The budget follows max_memory_per_device_mib=100: a sequence of \d+ tokens "
+                                         r"alone is predicted to add about \d+ MiB"):
+        run = ours(model_dir, tmp_path, max_memory_per_device_mib=100)  # less than the process holds
+    assert_matches(stock_run, run)
