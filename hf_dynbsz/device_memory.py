@@ -18,12 +18,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["inject_out_of_memory", "injected_fault", "is_out_of_memory", "pending_gradient_mib",
-           "release_cached_memory"]
+           "release_cached_memory", "status_mib"]
 
 _OUT_OF_MEMORY_TEXT = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
 
@@ -44,6 +45,16 @@ def _libc():
 
 
 _LIBC = _libc()
+
+
+def status_mib(key: str) -> float | None:
+    """A ``/proc/self/status`` memory figure in MiB (``VmRSS``, ``VmHWM``, ...); None where there is none."""
+    try:
+        with open("/proc/self/status") as handle:
+            match = re.search(rf"{key}:\s+(\d+) kB", handle.read())
+    except OSError:
+        return None
+    return int(match.group(1)) / 1024 if match else None
 
 
 def release_cached_memory(device: torch.device) -> None:
@@ -91,6 +102,9 @@ def _arm_from_environment() -> None:
         inject_out_of_memory(kind, phase, int(after), int(rank[0]) if rank else None)
 
 
+_arm_from_environment()  # a launched process's HF_DYNBSZ_INJECT_OOM, once
+
+
 class _InjectedOutOfMemory(torch.OutOfMemoryError):
     pass
 
@@ -104,7 +118,6 @@ def _decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def injected_fault(model: torch.nn.Module, kind: str, rank: int):
     """Around one pass of ``kind``: raise an armed fault from inside ``model`` (its middle decoder layer)."""
-    _arm_from_environment()
     fault = next((f for f in _FAULTS if f.kind == kind and f.rank in (None, rank)), None)
     if fault is not None and fault.remaining > 0:
         fault.remaining -= 1

@@ -162,12 +162,12 @@ class MemoryModel:
         self.history.append((kind, int(tokens), int(pairs), held_mib, predicted, peak_mib))
         self.observe(kind, tokens, pairs, peak_mib - held_mib)
 
-    def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float) -> None:
-        """A pass of ``tokens`` (``pairs``) ran out of memory while the process held ``held_mib``: it needed more
-        than the limit leaves, so the fit learns that point and later budgets of ``kind`` stay below
-        ``FAILURE_SHRINK x tokens``."""
+    def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float | None) -> None:
+        """A pass of ``tokens`` (``pairs``) ran out of memory while the process held ``held_mib`` (None: not
+        measured, without a limit): later budgets of ``kind`` stay below ``FAILURE_SHRINK x tokens`` and, with a
+        limit, the fit learns that the pass needed more than the limit left."""
         self.caps[kind] = min(self.caps.get(kind, tokens), max(1, int(tokens * FAILURE_SHRINK)))
-        if self.limit_mib is not None:
+        if self.limit_mib is not None and held_mib is not None:
             self.observe(kind, tokens, pairs, self.limit_mib - held_mib)
 
     def coefficients(self, kind: str) -> Coefficients:

@@ -11,7 +11,6 @@ throughput, peak memory, MFU), all named here; :class:`StepClock` and :class:`Pe
 from __future__ import annotations
 
 import contextlib
-import re
 import resource
 import sys
 import time
@@ -20,7 +19,7 @@ from collections import defaultdict
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .device_memory import release_cached_memory
+from .device_memory import release_cached_memory, status_mib
 from .loss import CLIPPED_LOSSES
 from .packing import SequenceTable
 from .partition import ModelFlops
@@ -94,13 +93,13 @@ class PeakMemory:
         self._restart()
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / 2**20
-        return _status_mib("VmRSS") or 0.0
+        return status_mib("VmRSS") or 0.0
 
     def pass_peak(self) -> float:
         """The peak since the last :meth:`held` (or :meth:`reset`)."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
-        peak = _status_mib("VmHWM")
+        peak = status_mib("VmHWM")
         if peak is not None:
             return peak
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -116,15 +115,6 @@ class PeakMemory:
         with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak then counts from process start
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
-
-
-def _status_mib(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as handle:
-            match = re.search(rf"{key}:\s+(\d+) kB", handle.read())
-    except OSError:
-        return None
-    return int(match.group(1)) / 1024 if match else None
 
 
 # Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).

@@ -433,18 +433,18 @@ class Scheduler:
                                          layout=layout, pad_to_multiple_of=pad, workload=self.workload,
                                          attention=self.attention, pairs=[unit.pairs for unit in units])
         costs = [sum(self._unit_costs([units[u] for u in b])) for b in bins]
-        microbatches = [sorted(i for u in bins[b] for i in units[u].samples)
-                        for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))]
+        order = sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))
+        microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
         lengths = [p + c for p, c in zip(prompts, completions)]
-        shared = [row_tokens(group, prompts, completions, groups) for group in microbatches if group]
-        real = [b for b in sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b)) if bins[b]]
+        real = [b for b in order if bins[b]]
+        shared = [row_tokens(microbatches[position], prompts, completions, groups) for position in range(len(real))]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
             pass_pairs = [sum(units[u].pairs for u in bins[b]) for b in real]
         else:
-            pass_tokens = [microbatch_tokens([lengths[i] for i in group], layout, pad) for group in microbatches if group]
-            pass_pairs = [tokens * tokens // max(len(group), 1)
-                          for tokens, group in zip(pass_tokens, (g for g in microbatches if g))]
+            pass_tokens = [microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
+                           for position in range(len(real))]
+            pass_pairs = [tokens * tokens // len(microbatches[position]) for position, tokens in enumerate(pass_tokens)]
         return StepSchedule(microbatches=microbatches, budget=budget, passes_needed=needed,
                             oversize=sorted(self._oversize(units, budget)), lengths=lengths, pass_tokens=pass_tokens,
                             prompt_tokens_saved=sum(lengths) - sum(shared), groups=groups, pass_pairs=pass_pairs)

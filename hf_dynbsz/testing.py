@@ -675,11 +675,13 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     return float(num / den)
 
 
-def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: dict | None = None) -> str:
+def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: dict | None = None,
+                     expect_failure: bool = False) -> str:
     """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
 
     Raises :class:`AssertionError` on a non-zero exit, and on timeout kills the whole group (every rank) and raises.
-    ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables.
+    ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables. ``expect_failure``: the command
+    must exit non-zero (the whole output is returned then; exiting 0 raises).
     """
     environ = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
@@ -694,6 +696,10 @@ def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: di
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}") from None
+    if expect_failure:
+        if process.returncode == 0:
+            raise AssertionError(f"{what} was expected to fail and exited 0:\n{output[-6000:]}")
+        return output
     if process.returncode != 0:
         raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
     return output
@@ -711,16 +717,11 @@ class ResidentSetSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> float:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
     def _run(self) -> None:
+        from .device_memory import status_mib
+
         while not self._stop.is_set():
-            self.peak_mib = max(self.peak_mib, self._read())
+            self.peak_mib = max(self.peak_mib, status_mib("VmRSS") or 0.0)
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -728,16 +729,19 @@ class ResidentSetSampler:
         return self
 
     def __exit__(self, *exc):
+        from .device_memory import status_mib
+
         self._stop.set()
         self._thread.join()
-        self.peak_mib = max(self.peak_mib, self._read())
+        self.peak_mib = max(self.peak_mib, status_mib("VmRSS") or 0.0)
 
 
 def run_peak_mib(log_history: list[dict], sampler: ResidentSetSampler | None = None) -> float:
     """A run's whole-process peak (MiB): the largest of the sampled resident set, every logged step peak
     (``dynbsz/peak_memory_mib``, carried across the trainer's per-pass resets) and ``VmHWM`` now."""
-    with open("/proc/self/status") as handle:
-        hwm = next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmHWM:"))
+    from .device_memory import status_mib
+
+    hwm = status_mib("VmHWM") or 0.0
     logged = [entry["dynbsz/peak_memory_mib"] for entry in log_history if "dynbsz/peak_memory_mib" in entry]
     return max([hwm, *logged, sampler.peak_mib if sampler is not None else 0.0])
 

@@ -299,21 +299,13 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         predicted peak fits (:meth:`MemoryModel.budget`), agreed by every process."""
         memory, fits = self._dynbsz_memory, None
         if memory.limit_mib is not None:
-            fits = memory.budget(kind, self._held(model, kind), max(table.lengths.tolist(), default=1))
+            fits = memory.budget(kind, self._dynbsz_meters.memory.held(), max(table.lengths.tolist(), default=1))
         return self._dynbsz_scheduler.budget(stock_tokens, kind, fits=fits, cap=memory.caps.get(kind),
                                              agree=memory.limit_mib is not None)
 
-    def _held(self, model, kind: str) -> float:
-        """MiB this process holds before a pass of ``kind``, the gradients its backward will allocate included
-        (restarts the pass's peak measurement)."""
-        held = self._dynbsz_meters.memory.held()
-        if kind == "training" and self.accelerator.distributed_type != DistributedType.DEEPSPEED:
-            held += pending_gradient_mib(model)
-        return held
-
     def _allocate_gradients(self, model) -> None:
-        """With a memory limit, the step's gradients exist (as zeros) before its first pass, so that every pass
-        starts from the same memory and the model learns one increment (accumulating into zeros is exact)."""
+        """With a memory limit, the step's gradients exist (as zeros) before it is planned, so that what the process
+        holds includes them and every pass starts from the same memory (accumulating into zeros is exact)."""
         if self._dynbsz_memory.limit_mib is None or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             return
         for parameter in model.parameters():
@@ -343,7 +335,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 continue
             held = None
             if memory.limit_mib is not None:
-                held = self._held(model, kind)
+                held = meters.memory.held()
                 meters.predicted(memory.peak(kind, *shape, held))
             try:
                 with self._no_sync(model, last or not training), injected_fault(unwrapped, kind, rank):
@@ -394,8 +386,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         release_cached_memory(self.accelerator.device)
         memory = self._dynbsz_memory
         if failure.samples:
-            held = failure.held if failure.held is not None else self._held(model, failure.kind)
-            memory.record_failure(failure.kind, failure.tokens, failure.pairs, held)
+            memory.record_failure(failure.kind, failure.tokens, failure.pairs, failure.held)
         if failure.samples == 1:
             self._dynbsz_failures_alone += 1
         if failure.hopeless or (self.accelerator.num_processes == 1 and self._dynbsz_failures_alone >= 2):
@@ -574,7 +565,9 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         memory = self._dynbsz_memory
         if memory.limit_mib is None or not self._dynbsz_enabled:
             return []
-        held = self._held(self.model, "training")
+        held = self._dynbsz_meters.memory.held()  # the gradients are allocated with the first step: counted here
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            held += pending_gradient_mib(self.model)
         return plan_rows(memory, held, "measured at start (weights, gradients to come, what else the process holds)",
                          self.args.max_completion_length)
 
