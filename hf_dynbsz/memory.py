@@ -80,6 +80,15 @@ class Coefficients:
                 + (f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else ""))
 
 
+def _size(config: Any, name: str) -> int:
+    """A config size read as one int: the largest of a per-layer list (Gemma-3n's ``intermediate_size``), 0 when it
+    is missing or not a number (the caller's default then applies)."""
+    value = getattr(config, name, 0)
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, (int, float))), default=0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
 def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gradient_checkpointing: bool = False,
                        tensor_batch_size: int | None = 1024, attn_implementation: str | None = None) -> Coefficients:
     """A first guess of a pass's increment from a transformers config (or namespace), before any pass is measured.
@@ -93,11 +102,11 @@ def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gra
     from .partition import text_config_of  # the config readers of the cost model (pure Python too)
 
     text = text_config_of(config)
-    hidden = int(getattr(text, "hidden_size", 0) or 4096)
-    layers = int(getattr(text, "num_hidden_layers", 0) or 32)
-    intermediate = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
-    heads = int(getattr(text, "num_attention_heads", 0) or max(1, hidden // 128))
-    vocab = int(getattr(text, "vocab_size", 0) or 32000)
+    hidden = _size(text, "hidden_size") or 4096
+    layers = _size(text, "num_hidden_layers") or 32
+    intermediate = _size(text, "intermediate_size") or 4 * hidden
+    heads = _size(text, "num_attention_heads") or max(1, hidden // 128)
+    vocab = _size(text, "vocab_size") or 32000
     per_layer = (18 * hidden + 4 * intermediate) * activation_bytes
     eager = attn_implementation in (None, "eager")
     tile_tokens = tensor_batch_size or 4096

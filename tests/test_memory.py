@@ -28,6 +28,14 @@ def test_prior_grows_with_the_model_and_shrinks_with_checkpointing_and_no_grad()
     assert prior_coefficients(CONFIG, "training", activation_bytes=2).per_token < base.per_token
 
 
+def test_prior_reads_per_layer_sizes_and_unreadable_ones():
+    # Gemma-3n lists intermediate_size per layer: the prior takes the largest; a size that is no number falls back.
+    per_layer = types.SimpleNamespace(**dict(vars(CONFIG), intermediate_size=[1376, 688, 1376, 688]))
+    assert prior_coefficients(per_layer, "training") == prior_coefficients(CONFIG, "training")
+    unreadable = types.SimpleNamespace(**dict(vars(CONFIG), intermediate_size="auto", vocab_size=None))
+    assert prior_coefficients(unreadable, "training").per_token > 0
+
+
 def test_prior_counts_attention_pairs_only_for_eager_kernels():
     assert prior_coefficients(CONFIG, "training", attn_implementation="eager").per_pair > 0
     assert prior_coefficients(CONFIG, "training", attn_implementation="sdpa").per_pair == 0
