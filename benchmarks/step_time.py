@@ -113,8 +113,11 @@ CONFIGS = {
 HALF_BUDGET_MIXES = ("long_tailed", "bimodal")
 #: ``--model qwen2_vl``: the longest prompt (2 images of 256 image tokens and the text), for the "half" budget.
 VISION_PROMPT_TOKENS = 2 * 256 + 32
-#: ``--model qwen2_vl`` defaults: vision-language models train in padded micro-batches only.
-VISION_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padded_half,padded_trl_tile")
+#: ``--model qwen2_vl`` defaults: the long-tailed mix and a prompt-heavy one (large images, short answers), stock vs
+#: padded rows vs padding-free rows without and with shared (image) prompts.
+VISION_DEFAULTS = dict(mixes="long_tailed,prompt_heavy", configs="stock,padded,padding_free_no_share,padding_free")
+#: ``--model qwen2_vl``: image sides (pixels) of the prompt-heavy mix (144-256 image tokens each) and of the others.
+VISION_SIDES = {"prompt_heavy": (336, 448), "default": (28, 56, 112, 224, 448)}
 #: ``--model qwen3_moe`` defaults: the router aux loss on (TRL's default for MoE models), long-tailed completions.
 MOE_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padding_free")
 #: ``--model qwen3_moe``: experts, experts per token, router aux loss coefficient (Qwen3-MoE's default).
@@ -341,7 +344,8 @@ def num_prompts(spec: dict) -> int:
 
 def run_vision_worker(spec: dict, fingerprint: str) -> dict:
     """The same measurement on a tiny Qwen2-VL: 1-2 images per prompt of 28-448 pixels a side (1-256 image tokens
-    each, on top of a short text), the completions of ``spec["mix"]``."""
+    each, on top of a short text; 336-448 pixels, 144-256 tokens, for the prompt-heavy mix), the completions of
+    ``spec["mix"]``."""
     import numpy as np
 
     from hf_dynbsz.testing import VisionScriptedRollout, build_tiny_vision_language_model, image_prompt_dataset
@@ -357,7 +361,7 @@ def run_vision_worker(spec: dict, fingerprint: str) -> dict:
                                     token_high=processor.tokenizer.convert_tokens_to_ids("<|im_start|>"),
                                     eos_id=processor.tokenizer.eos_token_id)
     counts = np.random.default_rng(spec["seed"]).integers(1, 3, num_prompts(spec)).tolist()
-    dataset = image_prompt_dataset(counts, seed=spec["seed"], sizes=(28, 56, 112, 224, 448))
+    dataset = image_prompt_dataset(counts, seed=spec["seed"], sizes=VISION_SIDES.get(mix, VISION_SIDES["default"]))
     return train_and_measure(spec, fingerprint, model, processor, rollout, dataset, num_params)
 
 
@@ -649,8 +653,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model", choices=("qwen2", "qwen2_vl", "qwen3_moe"), default="qwen2",
                         help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
-                             "vlm_step_time.*; default mixes/configs: long_tailed / stock,padded,padded_half,"
-                             "padded_trl_tile); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
+                             "vlm_step_time.*; default mixes/configs: long_tailed,prompt_heavy / stock,padded,"
+                             "padding_free_no_share,padding_free); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
                              "moe_step_time.*; default long_tailed / stock,padded,padding_free)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -715,7 +719,8 @@ def main() -> None:
     vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
     setup = (
         ("Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
-         "i.e. 1-256 image tokens each, and 1-6 text characters), language model" if vision else
+         "i.e. 1-256 image tokens each, and 1-6 text characters; prompt-heavy: images of 336-448 pixels, 144-256 "
+         "image tokens each, completions of median ~40 tokens), language model" if vision else
          f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * settings['hidden_size'] // MOE_TOP_K} per layer, "
          f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer adds "
          "one no-grad router pass per optimizer step)," if moe else

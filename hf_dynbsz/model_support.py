@@ -52,7 +52,13 @@ STATEFUL_MODULE = re.compile(r"Mamba|Mixer|SSM|Ssm|RWKV|Rwkv|LSTM|Lstm|Recurrent
 #: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
 REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
 
-#: Why a vision-language model trains in padded micro-batches only.
+#: Repacked vision-language model types that position their tokens in three dimensions (M-RoPE: time, height,
+#: width) with their own ``get_rope_index``: a padding-free row carries each sample's positions as that function
+#: computes them for the sample alone (:func:`hf_dynbsz.multimodal.rope_positions`). The other repacked types
+#: position image tokens like text.
+MULTIMODAL_ROPE_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+#: Why a vision-language model outside :data:`REPACKED_VISION_MODEL_TYPES` trains in padded micro-batches only.
 VISION_LANGUAGE_PADDED = ("a vision-language model computes its own (multimodal) position ids from the attention mask, "
                           "which a padding-free row does not carry")
 
@@ -71,8 +77,8 @@ def _read(config: Any, name: str, default: Any = None) -> Any:
 
 def vision_language_mode(config: Any) -> str | None:
     """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
-    :data:`REPACKED_VISION_MODEL_TYPES` (padded layout, no cross-rank balancing: image inputs stay on their
-    process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
+    :data:`REPACKED_VISION_MODEL_TYPES` (any layout, image prompts shared; no cross-rank balancing: image inputs
+    stay on their process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
     repacked)."""
     if config is None or _read(config, "vision_config") is None:
         return None
@@ -117,7 +123,7 @@ class ModelSupport:
     Each ``*_blocker`` is None when the feature can run, else why not (one line, logged once):
 
     * ``padding_free_blocker``: a padding-free row would mix its sequences (layers that carry state along the row,
-      a vision-language model positioning its own tokens);
+      a vision-language model outside :data:`REPACKED_VISION_MODEL_TYPES` positioning its own tokens);
     * ``segment_attention_blocker``: segment attention cannot run the model (attention not dispatched through
       transformers' ``AttentionInterface``, a base implementation it does not wrap, bidirectional attention, ...);
     * ``unmasked_padding_blocker``: right padding without an attention mask can reach real tokens (bidirectional
@@ -128,7 +134,8 @@ class ModelSupport:
       ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.router_loss`).
 
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
-    ``padding_idx + 1``). ``model_flops``: the FLOPs read off the config (None when it gives none: :attr:`flops` is
+    ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
+    (:data:`MULTIMODAL_ROPE_MODEL_TYPES`). ``model_flops``: the FLOPs read off the config (None when it gives none: :attr:`flops` is
     then a generic decoder's, see ``notes``). ``attn_implementation`` is the model's own attention implementation.
     """
 
@@ -142,6 +149,7 @@ class ModelSupport:
     router_aux: tuple[int, int] | None = None
     router_aux_blocker: str | None = None
     position_offset: int = 0
+    multimodal_rope: bool = False
     model_flops: ModelFlops | None = None
     notes: tuple[str, ...] = ()
 
@@ -167,12 +175,13 @@ class ModelSupport:
         flops, notes = _flops(text)
         support = cls(model_type=_read(config, "model_type"), attn_implementation=attn_implementation,
                       vision_language=vision, model_flops=flops, notes=notes)
-        padding_free = VISION_LANGUAGE_PADDED if vision else _state_carrying_layers(text, model)
+        decoder = _language_model(model) if vision else model  # what a padding-free row runs through
+        padding_free = VISION_LANGUAGE_PADDED if vision == "stock" else _state_carrying_layers(text, decoder)
         if padding_free is None and model is not None and not _takes_position_ids(model):
             padding_free = "its forward takes no position ids, so positions would run on along a padding-free row"
-        segment = _segment_attention_blocker(config, text, model, attn_implementation)
+        segment = _segment_attention_blocker(config, text, decoder, attn_implementation)
         unmasked = "image inputs are positioned from the attention mask" if vision else None
-        bidirectional = _bidirectional(text, model)
+        bidirectional = _bidirectional(text, decoder)
         if bidirectional:
             segment = segment or bidirectional
             unmasked = bidirectional
@@ -180,7 +189,8 @@ class ModelSupport:
         return replace(support, padding_free_blocker=padding_free, segment_attention_blocker=segment,
                        unmasked_padding_blocker=unmasked, repacking_blocker=_content_selected_keys(text),
                        router_aux=router_aux, router_aux_blocker=router_blocker,
-                       position_offset=_position_offset(model))
+                       position_offset=_position_offset(model),
+                       multimodal_rope=vision == "repacked" and _read(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES)
 
     # ------------------------------------------------------------------ what a run uses
     def layouts(self, packing_layout: str = "auto", share_prompt_prefix: bool = True) -> tuple[list[Layout],
@@ -324,7 +334,7 @@ def _segment_attention_blocker(config: Any, text_config: Any, model: Any, attn_i
     base = attn_implementation or "eager"
     if not (base in SEGMENT_ATTENTION_BASES or base.startswith(VARLEN_ATTENTION_PREFIXES)):
         return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
-    if vision_language_mode(config):
+    if vision_language_mode(config) == "stock":
         return "multimodal models compute position ids of their own"
     if model is not None and not _dispatches_through_interface(model):
         return f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface"
@@ -347,6 +357,15 @@ def _dispatches_through_interface(model: Any) -> bool:
         return True
     modules = _self_attention_modules(model)
     return bool(modules) and all("ALL_ATTENTION_FUNCTIONS" in _source(type(module).forward) for module in modules)
+
+
+def _language_model(model: Any) -> Any:
+    """The text decoder of a vision-language ``model`` (``get_decoder()``): what attention, state and causality are
+    read from (the vision tower attends both ways and never sees a packed row). ``model`` itself when unreadable."""
+    try:
+        return model.get_decoder() if model is not None else None
+    except Exception:  # noqa: BLE001 - a model without one is read whole
+        return model
 
 
 def _takes_position_ids(model: Any) -> bool:

@@ -20,13 +20,20 @@ micro-batch the schedule puts it in (:func:`split_media`), and concatenates them
 Token-aligned fields (``token_type_ids``, ``mm_token_type_ids``: one value per prompt + completion position) are
 not media: :class:`~hf_dynbsz.packing.SequenceTable` strips and re-pads them like the token ids
 (:data:`TOKEN_FIELDS`).
+
+For padding-free rows: :func:`media_digest` tells two samples' images apart (prompt sharing compares prompts by it as
+well as by their tokens), and :func:`rope_positions` computes each sample's M-RoPE positions with the model's own
+``get_rope_index``, as stock's forward computes them over the padded batch (one sample's are independent of the
+others').
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "split_media"]
+__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "media_digest", "rope_positions", "split_media"]
 
 #: The image inputs TRL passes to the model besides the tokens (``num_images``/``num_tiles`` only slice them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
@@ -102,3 +109,38 @@ def join_media(pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     if joined.get("pixel_values") is None or joined["pixel_values"].numel() == 0:
         return {}
     return joined
+
+
+def media_digest(piece: dict[str, torch.Tensor]) -> str:
+    """A digest of one sample's image inputs (every field's dtype, shape and bytes): equal for equal images."""
+    digest = hashlib.sha1()
+    for key in sorted(piece):
+        value = piece[key].detach().cpu().contiguous()
+        digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
+        digest.update(value.view(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def rope_positions(model, tokens: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None,
+                   media: list[dict[str, torch.Tensor]] | None) -> list[torch.Tensor]:
+    """Per sample, its M-RoPE positions ``(3, len(tokens[i]))`` (CPU): ``get_rope_index`` of ``model`` (unwrapped;
+    the function is on the model or its ``.model``) over the sample alone, its ``mm_token_type_ids`` and its images'
+    ``image_grid_thw``. A sample without images gets text positions (what the model gives a text-only batch)."""
+    owner = model if callable(getattr(model, "get_rope_index", None)) else getattr(model, "model", None)
+    if not callable(getattr(owner, "get_rope_index", None)):
+        raise TypeError(f"{type(model).__name__} has no get_rope_index: its M-RoPE positions cannot be computed")
+    types = (token_fields or {}).get("mm_token_type_ids")
+    positions = []
+    with torch.no_grad():
+        for i, ids in enumerate(tokens):
+            grid = (media[i] if media is not None else {}).get("image_grid_thw")
+            if grid is None or grid.numel() == 0:
+                positions.append(torch.arange(ids.numel()).expand(3, -1))
+                continue
+            if types is None:
+                raise ValueError("image inputs come without mm_token_type_ids: the model cannot position them (stock "
+                                 "GRPOTrainer's forward raises on this batch too)")
+            position_ids, _ = owner.get_rope_index(ids.unsqueeze(0), types[i].unsqueeze(0).to(ids.device),
+                                                   image_grid_thw=grid.to(ids.device))
+            positions.append(position_ids[:, 0].cpu())
+    return positions

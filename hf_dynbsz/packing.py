@@ -17,6 +17,11 @@ a chosen set of sequences in one of two layouts:
   instead of ``position_ids``, their image inputs (:func:`hf_dynbsz.multimodal.join_media`) and their token
   fields: these models compute their own (multimodal) positions from the mask, as in stock's forward.
 
+Vision-language samples in a padding-free row carry their image inputs and token fields along the row (a shared
+prompt's images once, so the vision tower encodes them once per pass) and, for M-RoPE models, each sample's own
+3-D positions (:attr:`SequenceTable.positions`) under a first row of text positions: ``position_ids`` of shape
+``(4, 1, width)``, the form Qwen2-VL's text model reads as "packed".
+
 ``position_offset`` is added to every position id (RoBERTa-style models number positions from ``padding_idx + 1``).
 
 In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .multimodal import join_media
+from .multimodal import join_media, media_digest
 from .partition import LAYOUTS, round_up
 from .schedule import prompt_segments
 
@@ -53,6 +58,9 @@ class SequenceTable:
     media: list[dict[str, torch.Tensor]] | None = None
     #: token-aligned fields (``mm_token_type_ids``...): per field, per sample, one value per token of ``tokens[i]``
     token_fields: dict[str, list[torch.Tensor]] | None = None
+    #: per sample, its M-RoPE positions ``(3, len(tokens[i]))`` as the model computes them for the sample alone
+    #: (:func:`hf_dynbsz.multimodal.rope_positions`); None for models whose tokens count positions like text
+    positions: list[torch.Tensor] | None = None
 
     @property
     def multimodal(self) -> bool:
@@ -87,9 +95,12 @@ class SequenceTable:
                    media=media, token_fields=fields or None)
 
     def prompt_groups(self) -> list[int]:
-        """One id per sample, shared by the samples whose prompt tokens are identical (numbered by first appearance).
+        """One id per sample, shared by the samples whose prompts are identical (numbered by first appearance).
 
-        Compares the unpadded prompt ids, so duplicate prompts of different dataset rows share an id too.
+        Compares the unpadded prompt ids and, for vision-language samples, the image inputs (image tokens are one id
+        whatever the picture), so duplicate prompts of different dataset rows share an id too. A sample whose last
+        prompt token is an image token (a token field not 0 there) is alone: a shared prompt's last token is
+        repeated in every completion's block, and an image must be encoded once.
         """
         prompt_lengths = self.prompt_lengths.tolist()
         if not prompt_lengths:
@@ -97,8 +108,13 @@ class SequenceTable:
         flat = torch.cat([tokens[:p] for tokens, p in zip(self.tokens, prompt_lengths)]).cpu().tolist()
         ids: dict[tuple, int] = {}
         groups, offset = [], 0
-        for p in prompt_lengths:
-            groups.append(ids.setdefault(tuple(flat[offset : offset + p]), len(ids)))
+        for i, p in enumerate(prompt_lengths):
+            key: tuple = tuple(flat[offset : offset + p])
+            if self.media is not None:
+                key += (media_digest(self.media[i]),)
+            if any(int(values[i][p - 1]) for values in (self.token_fields or {}).values()):
+                key = ("alone", i)
+            groups.append(ids.setdefault(key, len(ids)))
             offset += p
         return groups
 
@@ -111,12 +127,17 @@ class SequenceTable:
         names = {name for table in tables for name in (table.token_fields or {})}
         fields = {name: [values for table in tables for values in (table.token_fields or {}).get(
             name, [torch.zeros_like(tokens) for tokens in table.tokens])] for name in sorted(names)}
+        positions = None
+        if any(table.positions is not None for table in tables):
+            positions = [piece for table in tables for piece in (table.positions or [
+                torch.arange(tokens.numel()).expand(3, -1) for tokens in table.tokens])]
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
             media=media,
             token_fields=fields or None,
+            positions=positions,
         )
 
 
@@ -181,8 +202,6 @@ def build_microbatch(
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
     if groups is not None and (layout != "padding_free" or attention is None):
         raise ValueError("shared prompts need the padding_free layout and segment attention")
-    if table.multimodal and layout != "padded":
-        raise ValueError("vision-language samples compute their own positions: they need the padded layout")
     prompt_lengths = table.prompt_lengths[indices].tolist()
     completion_lengths = table.completion_lengths[indices].tolist()
     seq_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
@@ -198,6 +217,17 @@ def build_microbatch(
 
     if layout == "padding_free":
         pieces, positions, labels, segments = [], [], [], []
+        shown: list[int] = []  # samples whose prompt (and images) the row holds, in row order
+        rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
+        fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
+
+        def carry(i: int, start: int, end: int | None = None) -> None:
+            """Sample ``i``'s token fields and M-RoPE positions for its tokens ``start:end``, appended to the row."""
+            for name, values in fields.items():
+                values.append(table.token_fields[name][i][start:end].cpu())
+            if table.positions is not None:
+                rope.append(table.positions[i][:, start:end].cpu())
+
         offset = 0
         groups_here = None if groups is None else [groups[i] for i in indices]
         for members in prompt_segments(range(len(indices)), prompt_lengths, groups_here):
@@ -208,6 +238,8 @@ def build_microbatch(
                     token_index.append(torch.arange(offset, offset + prefix))
                     row_index.append(torch.full((prefix,), j))
                 pieces.append(table.tokens[indices[first]][:prefix].cpu())
+                carry(indices[first], 0, prefix)
+                shown.append(indices[first])
                 positions.append(torch.arange(prefix))
                 labels.append(torch.full((prefix,), -100, dtype=torch.long))
             blocks = []
@@ -217,6 +249,9 @@ def build_microbatch(
                 block = seq[prefix:]  # a plain sequence, or the prompt's last token + the completion
                 lead = p - 1 - prefix  # block position whose next token is the first completion token
                 pieces.append(block)
+                carry(indices[j], prefix)
+                if not prefix:
+                    shown.append(indices[j])
                 token_index.append(torch.arange(offset, offset + block.numel()))
                 row_index.append(torch.full((block.numel(),), j))
                 positions.append(torch.arange(prefix, prefix + block.numel()))
@@ -239,8 +274,19 @@ def build_microbatch(
             positions.append(torch.arange(width - total))
             labels.append(torch.full((width - total,), -100, dtype=torch.long))
             segments.append((total, 0, (width - total,)))
+            for values in fields.values():
+                values.append(torch.zeros(width - total, dtype=values[0].dtype))
+            if rope:
+                rope.append(torch.arange(width - total).expand(3, -1))
         input_ids = torch.cat(pieces).unsqueeze(0)
         position_ids = torch.cat(positions).unsqueeze(0)
+        if rope:  # (4, 1, width): text positions (segment boundaries), then the 3 M-RoPE rows
+            position_ids = torch.cat([position_ids, torch.cat(rope, dim=1)]).unsqueeze(1)
+        for name, values in fields.items():
+            model_inputs[name] = torch.cat(values).unsqueeze(0).to(device)
+        if table.media is not None:
+            model_inputs.update({key: value.to(device) for key, value in join_media(
+                [table.media[i] for i in shown]).items()})
         shift_labels = torch.cat(labels).unsqueeze(0)
         if attention is not None:
             from .attention import Segment, SegmentLayout

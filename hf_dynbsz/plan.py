@@ -778,7 +778,8 @@ class BatchSizePlan:
                 "image inputs",
                 self.vision_language,
                 "-",
-                "each sample's images move with it into its micro-batch (padded layout, no cross-rank balancing)"
+                "each sample's images move with it into its micro-batch; a shared prompt's images are encoded once "
+                "per pass (no cross-rank balancing)"
                 if self.vision_language == "repacked" else
                 "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
             ))

@@ -465,10 +465,11 @@ def build_tiny_vision_language_model(family: str = "qwen2_vl", *, seed: int = 0,
     return _seeded_model(model_class, config, tokenizer, seed), processor
 
 
-def image_prompt_dataset(image_counts, *, seed: int = 0, sizes=(28, 56, 84, 112)):
+def image_prompt_dataset(image_counts, *, seed: int = 0, sizes=(28, 56, 84, 112), same_text: bool = False):
     """Conversational prompts with an ``images`` column: prompt ``i`` has ``image_counts[i]`` random RGB images, each
     square with a side drawn from ``sizes`` (pixels). Keep each generation batch either all without images or all
-    with at least one: TRL's processor cannot batch a prompt without images with prompts that have some."""
+    with at least one: TRL's processor cannot batch a prompt without images with prompts that have some.
+    ``same_text``: every prompt has the same text (prompts of equal image sizes then differ in their pixels only)."""
     import numpy as np
     from datasets import Dataset
     from PIL import Image
@@ -480,7 +481,7 @@ def image_prompt_dataset(image_counts, *, seed: int = 0, sizes=(28, 56, 84, 112)
         for _ in range(count):
             side = int(rng.choice(sizes))
             images.append(Image.fromarray((rng.random((side, side, 3)) * 255).astype("uint8")))
-        text = "".join(rng.choice(list(TEST_ALPHABET), size=1 + i % 6))
+        text = "".join(rng.choice(list(TEST_ALPHABET), size=1 + i % 6)) if not same_text else "abc"
         rows.append({"prompt": [{"role": "user", "content": text}], "images": images})
     return Dataset.from_list(rows)
 

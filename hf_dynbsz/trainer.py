@@ -40,7 +40,7 @@ from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .memory import FailedPass, MemoryModel, OutOfMemoryBudgetError, plan_rows
 from .metrics import StepMeters, StepMetrics
-from .multimodal import TOKEN_FIELDS, split_media
+from .multimodal import TOKEN_FIELDS, rope_positions, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .router_loss import RouterAuxLoss, captured_router_logits
 from .plan import BatchSizePlan, validate_train_dataset_size
@@ -402,6 +402,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
     def _microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
         scheduler = scheduler or self._dynbsz_scheduler
+        if (scheduler.layout == "padding_free" and table.positions is None
+                and self._dynbsz_capabilities.support.multimodal_rope):  # once per table: each sample's own M-RoPE
+            model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            table.positions = rope_positions(self.accelerator.unwrap_model(model), table.tokens, table.token_fields,
+                                             table.media)
         return build_microbatch(table, group, layout=scheduler.layout, pad_token_id=self._tokenizer.pad_token_id,
                                 pad_to_multiple_of=self.args.pad_to_multiple_of, device=self.accelerator.device,
                                 attention=scheduler.segment_attention, groups=groups,

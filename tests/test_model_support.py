@@ -87,10 +87,15 @@ def test_indexed_sparse_attention_runs_stock_math():
     assert layouts == [] and notes[0].startswith("dynamic batching is off, stock GRPOTrainer math runs")
 
 
-def test_vision_language_models_pad_with_a_mask():
+def test_repacked_vision_language_models_share_image_prompts_in_padding_free_rows():
     support = support_of("qwen2_vl")
-    assert support.vision_language == "repacked"
-    assert names(support.layouts()[0]) == [("padded", False, None, True, "dense")]
+    assert support.vision_language == "repacked" and support.multimodal_rope
+    assert names(support.layouts()[0])[0] == ("padding_free", True, "sdpa", False, "varlen")
+    assert names(support.layouts()[0])[-1] == ("padded", False, None, True, "dense")  # padded rows keep their mask
+    assert not support_of("llava").multimodal_rope  # image tokens positioned like text
+    other = support_of("idefics3")  # a family outside REPACKED_VISION_MODEL_TYPES: padded, with a mask
+    assert other.vision_language == "stock" and "position ids" in other.padding_free_blocker
+    assert names(other.layouts()[0]) == [("padded", False, None, True, "dense")]
 
 
 def test_model_only_checks(tmp_path):

@@ -1,9 +1,11 @@
 """Vision-language rollouts: each sample's image inputs travel with it into its micro-batch.
 
 Specification of :mod:`hf_dynbsz.multimodal` (splitting TRL's flattened image inputs per sample and joining them per
-micro-batch, by the slicing rules of TRL's own ``_get_per_token_logps_and_entropies``), and of the trainer on tiny
-vision-language models of each repacked family: parameters after training equal stock GRPOTrainer's, with samples of
-0, 1 and 2 images and long-tailed completions, while the steps run repacked micro-batches.
+micro-batch, by the slicing rules of TRL's own ``_get_per_token_logps_and_entropies``; telling images apart; each
+sample's M-RoPE positions), of padding-free rows of image samples (a shared prompt's images once), and of the trainer
+on tiny vision-language models of each repacked family: parameters after training equal stock GRPOTrainer's, with
+samples of 0, 1 and 2 images and long-tailed completions, in padding-free rows with shared prompts and in padded
+rows, while the vision tower encodes a shared prompt's images once per pass.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.data_utils import prepare_multimodal_messages
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, model_support
-from hf_dynbsz.multimodal import join_media, split_media
+from hf_dynbsz.multimodal import join_media, media_digest, rope_positions, split_media
 from hf_dynbsz.packing import SequenceTable, build_microbatch
 from hf_dynbsz.testing import (
     VISION_LANGUAGE_FAMILIES,
@@ -138,8 +141,74 @@ def test_vision_language_micro_batches_are_padded_rows_with_mask_token_fields_an
     assert "position_ids" not in mb.model_inputs
     assert torch.equal(mb.model_inputs["image_grid_thw"], torch.cat([media[1]["image_grid_thw"],
                                                                      media[0]["image_grid_thw"]]))
-    with pytest.raises(ValueError, match="padded layout"):
-        build_microbatch(table, [0], layout="padding_free", pad_token_id=0)
+
+
+def test_a_padding_free_row_holds_a_shared_prompts_images_once_and_each_samples_own_positions():
+    # Samples 0, 1: one prompt [image, image, text] and one picture; sample 2: the same tokens, another picture.
+    prompt_ids = torch.tensor([[5, 5, 6]] * 3)
+    completion_ids = torch.tensor([[3, 4, 0], [7, 0, 0], [8, 9, 2]])
+    inputs = grid_inputs([1, 1, 1])
+    inputs["image_grid_thw"] = torch.tensor([[1, 2, 2]] * 3)
+    inputs["pixel_values"] = torch.cat([torch.ones(4, 6), torch.ones(4, 6), torch.zeros(4, 6)])
+    media = split_media(inputs, 3)
+    fields = torch.tensor([[1, 1, 0, 0, 0, 0]] * 3)
+    table = SequenceTable.from_padded(prompt_ids, torch.ones_like(prompt_ids), completion_ids,
+                                      (completion_ids > 0).long(), media=media,
+                                      token_fields={"mm_token_type_ids": fields})
+    assert table.prompt_groups() == [0, 0, 1]  # equal tokens, another picture: not the same prompt
+    table.positions = [torch.arange(n).expand(3, -1) * (i + 1) for i, n in enumerate(table.lengths.tolist())]
+    mb = build_microbatch(table, [0, 1, 2], layout="padding_free", pad_token_id=0, attention="sdpa",
+                          groups=table.prompt_groups(), pad_to_multiple_of=4)
+    # [5 5 | 6 3 4 | 6 7] then sample 2 alone [5 5 6 8 9 2], then 3 rounding pads (20 positions)
+    assert mb.model_inputs["input_ids"].tolist() == [[5, 5, 6, 3, 4, 6, 7, 5, 5, 6, 8, 9, 2, 0, 0, 0]]
+    assert mb.model_inputs["mm_token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
+    positions = mb.model_inputs["position_ids"]
+    assert positions.shape == (4, 1, 16)
+    assert positions[0, 0].tolist() == [0, 1, 2, 3, 4, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2]  # text positions
+    assert positions[1, 0].tolist() == [0, 1, 2, 3, 4, 4, 6, 0, 3, 6, 9, 12, 15, 0, 1, 2]  # each sample's own
+    assert torch.equal(mb.model_inputs["pixel_values"], inputs["pixel_values"][[0, 1, 2, 3, 8, 9, 10, 11]])
+    assert mb.model_inputs["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]  # one per prompt shown
+    assert mb.computed_tokens == 16 and mb.real_tokens == 13
+
+
+def test_a_prompt_ending_in_an_image_token_is_never_shared():
+    prompt_ids = torch.tensor([[6, 5], [6, 5]])
+    completion_ids = torch.tensor([[3], [4]])
+    media = split_media(grid_inputs([1, 1]) | {"pixel_values": torch.ones(8, 6),
+                                               "image_grid_thw": torch.tensor([[1, 2, 2]] * 2)}, 2)
+    table = SequenceTable.from_padded(prompt_ids, torch.ones_like(prompt_ids), completion_ids,
+                                      torch.ones_like(completion_ids), media=media,
+                                      token_fields={"mm_token_type_ids": torch.tensor([[0, 1, 0]] * 2)})
+    assert table.prompt_groups() == [0, 1]
+
+
+def test_media_digest_tells_images_apart():
+    inputs = grid_inputs([1, 1])
+    first, second = split_media(inputs, 2)
+    assert media_digest(first) == media_digest({key: value.clone() for key, value in first.items()})
+    assert media_digest(first) != media_digest(second)
+    assert media_digest(first) != media_digest({**first, "pixel_values": first["pixel_values"].double()})
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_rope_positions_are_what_the_model_computes_for_the_padded_batch(family):
+    """Each sample's M-RoPE positions, computed alone, equal those get_rope_index gives it in stock's padded batch."""
+    model, processor = build_tiny_vision_language_model(family)
+    dataset = image_prompt_dataset([1, 2, 1])
+    texts = [processor.apply_chat_template(prepare_multimodal_messages(row["prompt"], row["images"]), tokenize=False,
+                                           add_generation_prompt=True) for row in dataset]
+    batch = processor(text=texts, images=[row["images"] for row in dataset], return_tensors="pt", padding=True,
+                      padding_side="left")
+    expected, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                             image_grid_thw=batch["image_grid_thw"],
+                                             attention_mask=batch["attention_mask"])
+    mask = batch["attention_mask"].bool()
+    tokens = [ids[row] for ids, row in zip(batch["input_ids"], mask)]
+    fields = {"mm_token_type_ids": [types[row] for types, row in zip(batch["mm_token_type_ids"], mask)]}
+    media = split_media({**batch, "num_images": [1, 2, 1]}, 3)
+    for i, positions in enumerate(rope_positions(model, tokens, fields, media)):
+        assert torch.equal(positions, expected[:, i, mask[i]])
+    assert torch.equal(rope_positions(model, tokens[:1], None, None)[0], torch.arange(len(tokens[0])).expand(3, -1))
 
 
 # ---------------------------------------------------------------------------------------------- against stock TRL
@@ -149,8 +218,27 @@ def long_tailed_rollout(processor):
                                  seed=0, token_low=3, token_high=30, eos_id=processor.tokenizer.eos_token_id)
 
 
-def train(trainer_cls, config_cls, family, tmp_path, scripted=True, **overrides):
+def vision_tower(model):
+    return getattr(model.model, "visual", None) or model.model.vision_tower
+
+
+def count_encoded_images(model) -> list[int]:
+    """Images the vision tower of ``model`` encodes, one entry per call (Qwen-VL towers take ``grid_thw``, one row per
+    image; CLIP takes one pixel tensor per image)."""
+    calls = []
+
+    def hook(module, args, kwargs, output):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        calls.append(int(grid.size(0)) if grid is not None else int((args[0] if args else kwargs["pixel_values"]).size(0)))
+
+    vision_tower(model).register_forward_hook(hook, with_kwargs=True)
+    return calls
+
+
+def train(trainer_cls, config_cls, family, tmp_path, scripted=True, dataset=None, encoded=None, **overrides):
     model, processor = build_tiny_vision_language_model(family)
+    if encoded is not None:
+        encoded.extend([count_encoded_images(model)])
     if overrides.get("beta"):  # TRL loads the reference model from the policy's directory
         model.save_pretrained(tmp_path / "model")
         model = str(tmp_path / "model")
@@ -160,18 +248,20 @@ def train(trainer_cls, config_cls, family, tmp_path, scripted=True, **overrides)
                                   max_completion_length=40 if scripted else 16)
     settings.update(overrides)
     trainer = trainer_cls(model=model, reward_funcs=reward, args=config_cls(**settings),
-                          train_dataset=image_prompt_dataset(IMAGE_COUNTS), processing_class=processor, **kwargs)
+                          train_dataset=dataset or image_prompt_dataset(IMAGE_COUNTS), processing_class=processor,
+                          **kwargs)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, reward.completions, trainer.state.log_history
 
 
-def compare(family, tmp_path, scripted=True, budget=60, **overrides):
+def compare(family, tmp_path, scripted=True, budget=60, dataset=None, ours_settings=None, **overrides):
     initial, stock, stock_completions, _ = train(GRPOTrainer, GRPOConfig, family, tmp_path / "stock", scripted,
-                                                 **overrides)
+                                                 dataset, **overrides)
     _, ours, completions, history = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, family, tmp_path / "ours",
-                                          scripted, max_tokens_per_microbatch=budget, **overrides)
+                                          scripted, dataset, max_tokens_per_microbatch=budget,
+                                          **(ours_settings or {}), **overrides)
     assert completions == stock_completions
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
@@ -183,19 +273,29 @@ def repacked_steps(history):
 
 
 @pytest.mark.parametrize("family", VISION_LANGUAGE_FAMILIES)
-def test_image_rollouts_are_repacked_and_train_as_stock(family, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(family, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
         history = compare(family, tmp_path, num_iterations=2, steps_per_generation=4)
     steps = repacked_steps(history)
     assert len(steps) == 4  # every optimizer step, image steps included, ran repacked micro-batches...
     assert max(step["dynbsz/microbatches"] for step in steps) > 2  # ...more of them than stock's 2 slices
+    assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)  # ...padding-free...
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
+    assert "self-check passed: padding_free, shared prompts, segment attention" in caplog.text
     assert "stock micro-batches" not in caplog.text
     assert "image inputs" in caplog.text and "repacked" in caplog.text  # the plan table's row
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
-def test_image_rollouts_match_stock_for_other_loss_types(tmp_path, loss_type):
-    compare("qwen2_vl", tmp_path, loss_type=loss_type)
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_image_rollouts_train_as_stock_in_padded_rows(family, tmp_path):
+    history = compare(family, tmp_path, ours_settings={"packing_layout": "padded"})
+    assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in repacked_steps(history))
+
+
+@pytest.mark.parametrize("family, loss_type", [("qwen2_vl", "dapo"), ("qwen2_vl", "bnpo"), ("qwen2_5_vl", "grpo"),
+                                               ("llava", "dapo")])
+def test_image_rollouts_match_stock_for_other_loss_types(tmp_path, family, loss_type):
+    compare(family, tmp_path, loss_type=loss_type, beta=0.1 if family == "qwen2_5_vl" else 0.0)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
@@ -203,6 +303,31 @@ def test_generated_image_rollouts_with_a_reference_model_match_stock(family, tmp
     """The model's own generations (TRL's generate path with images) and reference log-probs by the schedule."""
     history = compare(family, tmp_path, scripted=False, budget=100, beta=0.1, num_iterations=2)
     assert repacked_steps(history)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_prompts_of_equal_text_and_other_pictures_are_not_shared(family, tmp_path):
+    """Every prompt has the same text and image size, only the pixels differ: a completion that saw another prompt's
+    image features (prompts shared by their tokens alone) would move the parameters away from stock's."""
+    history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True),
+                      budget=400)
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in repacked_steps(history))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_the_vision_tower_encodes_a_shared_prompts_images_once_per_pass(family, tmp_path):
+    """One pass per step (a budget every step fits in): the tower encodes each distinct prompt's images once, where
+    stock encodes them once per completion (num_generations = 4 times)."""
+    stock_calls, our_calls = [], []  # one list of per-call counts each
+    counts = [1, 2, 2, 1, 1, 1, 2, 2]
+    dataset = image_prompt_dataset(counts)
+    train(GRPOTrainer, GRPOConfig, family, tmp_path / "stock", dataset=dataset, encoded=stock_calls)
+    _, _, _, history = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, family, tmp_path / "ours",
+                             dataset=dataset, encoded=our_calls, max_tokens_per_microbatch=4000)
+    assert [step["dynbsz/microbatches"] for step in repacked_steps(history)] == [1, 1, 1, 1]
+    per_step = [counts[2 * step] + counts[2 * step + 1] for step in range(4)]  # 2 prompts per step
+    assert our_calls[0][-4:] == per_step  # (before them: the self-check's passes, at the first step)
+    assert sum(stock_calls[0]) == 4 * sum(per_step)
 
 
 def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_path, caplog, monkeypatch):
@@ -215,7 +340,9 @@ def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_
     assert len(repacked_steps(history)) == 2
 
 
-def test_padding_free_layout_is_refused_for_vision_language_models(tmp_path):
+def test_padding_free_layout_is_refused_for_vision_language_models_outside_the_repacked_families(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())
     model, processor = build_tiny_vision_language_model("qwen2_vl")
     args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), packing_layout="padding_free"))
     with pytest.raises(ValueError, match="packing_layout='padding_free' cannot train this model exactly: a "

@@ -356,17 +356,20 @@ def test_balancing_moves_a_prompt_group_piece_whole():
             o1 == o2 for o1 in origin_groups for o2 in origin_groups]
 
 
-def test_vision_language_models_train_padded_and_unbalanced_and_name_the_families_repacked():
+def test_vision_language_models_train_unbalanced_and_other_families_padded():
     from transformers import CONFIG_MAPPING
 
     qwen_vl, idefics = CONFIG_MAPPING["qwen2_vl"](), CONFIG_MAPPING["idefics3"]()
     assert ModelSupport.of(qwen_vl).vision_language == "repacked"
     assert ModelSupport.of(idefics).vision_language == "stock"
     assert ModelSupport.of(qwen_vl.get_text_config()).vision_language is None  # the language model alone: text
-    assert "position ids" in ModelSupport.of(qwen_vl).padding_free_blocker
+    assert ModelSupport.of(qwen_vl).padding_free_blocker is None  # repacked: padding-free rows carry M-RoPE
+    assert "position ids" in ModelSupport.of(idefics).padding_free_blocker
     args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
                            max_tokens_per_microbatch_logprob=None, balance_across_ranks=True, share_prompt_prefix=True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
+    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", False, True)
+    scheduler = Scheduler.from_args(args, ModelSupport.of(idefics, attn_implementation="flash_attention_2"))
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
     assert scheduler.attention_mask  # image inputs are positioned from the mask
     assert Scheduler.from_args(args, ModelSupport.of(qwen_vl.get_text_config())).balance_across_ranks
