@@ -178,10 +178,7 @@ class StepBatch:
 
     def records(self) -> list[torch.Tensor]:
         """One float64 record per sample (everything that belongs to it), exact for ids, masks, fp32 and fp64."""
-        if self.table.multimodal:
-            raise RuntimeError("vision-language samples are not moved between processes: their image inputs are not "
-                               "part of a record (the trainer turns cross-rank balancing off for these models)")
-        records = []
+        records = []  # (image inputs and token fields travel apart: SequenceTable.media_records)
         for i, tokens in enumerate(self.table.tokens):
             length = int(self.table.completion_lengths[i])
             pieces = [tokens.double()]

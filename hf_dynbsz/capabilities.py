@@ -83,9 +83,8 @@ class Capabilities:
             notes.append(f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
                          f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
                          "are repacked")
-        if enabled and vision_language and args.balance_across_ranks and group.num_processes > 1:
-            notes.append("balance_across_ranks is not applied: a vision-language sample's image inputs stay on its "
-                         "process")
+        if enabled and vision_language == "stock" and args.balance_across_ranks and group.num_processes > 1:
+            notes.append("balance_across_ranks is not applied: the image inputs of this family stay on their process")
         if args.per_device_generation_batch_size is not None and external_generation:
             notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
                          "vLLM / continuous batching schedule their own generation batches")

@@ -77,12 +77,17 @@ class ProcessGroup:
         return [tensor[:size].tolist() for tensor, size in zip(gathered, sizes)]
 
     def send_to_runners(self, records: list[torch.Tensor], exchange: Exchange,
-                        size: Callable[[int, int], int]) -> list[torch.Tensor]:
+                        size: Callable[[int, int], int] | None = None) -> list[torch.Tensor]:
         """This process's records (one per sample, local order) to the processes that run them.
 
         Returns the records of the samples this process runs, in :attr:`Exchange.incoming` order. ``size(prompt,
-        completion)`` is the length of a record.
+        completion)`` is the length of a record; None: records of any length, whose lengths travel first.
         """
+        if size is None:
+            lengths = iter(int(length) for length in self.send_to_runners(
+                [torch.tensor([float(record.numel())], dtype=torch.float64) for record in records], exchange,
+                lambda prompt, completion: 1))
+            size = lambda prompt, completion: next(lengths)  # noqa: E731 - in incoming order, as sent
         outgoing = [[records[i] for i in indices] for indices in exchange.outgoing]
         incoming = [[size(*exchange.shapes[origin][i]) for i, target in enumerate(targets) if target == self.rank]
                     for origin, targets in enumerate(exchange.destination)]
@@ -106,18 +111,24 @@ class ProcessGroup:
                 result[i] = record
         return result
 
-    def move_batch(self, batch: StepBatch, exchange: Exchange) -> StepBatch:
-        """The training samples this process runs, each with everything that belongs to it."""
+    def move_batch(self, batch: StepBatch, exchange: Exchange, media: bool = False) -> StepBatch:
+        """The training samples this process runs, each with everything that belongs to it (with ``media``, the same
+        on every process, their image inputs and token fields too)."""
         records = self.send_to_runners(batch.records(), exchange, batch.record_size)
-        return batch.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
+        moved = batch.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
+        if media:
+            moved.table = moved.table.with_media_records(self.send_to_runners(batch.table.media_records(), exchange))
+        return moved
 
-    def move_table(self, table: SequenceTable, exchange: Exchange) -> SequenceTable:
-        """The samples (token ids) of a no-grad pass this process runs."""
+    def move_table(self, table: SequenceTable, exchange: Exchange, media: bool = False) -> SequenceTable:
+        """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
+        process runs. ``media`` must be the same on every process (the model is vision-language)."""
         records = self.send_to_runners([tokens.double() for tokens in table.tokens], exchange, lambda p, c: p + c)
         shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
-        return SequenceTable(tokens=[record.long() for record in records],
-                             prompt_lengths=torch.tensor([p for p, _ in shapes]),
-                             completion_lengths=torch.tensor([c for _, c in shapes]))
+        moved = SequenceTable(tokens=[record.long() for record in records],
+                              prompt_lengths=torch.tensor([p for p, _ in shapes]),
+                              completion_lengths=torch.tensor([c for _, c in shapes]))
+        return moved.with_media_records(self.send_to_runners(table.media_records(), exchange)) if media else moved
 
     def return_rows(self, rows: list[torch.Tensor], exchange: Exchange, width: int, k: int) -> torch.Tensor:
         """Per-token results of the samples this process ran (``rows``: one ``(k, completion)`` tensor each, in

@@ -21,6 +21,9 @@ Token-aligned fields (``token_type_ids``, ``mm_token_type_ids``: one value per p
 not media: :class:`~hf_dynbsz.packing.SequenceTable` strips and re-pads them like the token ids
 (:data:`TOKEN_FIELDS`).
 
+Cross-rank balancing moves a sample's image inputs and token fields with it as one self-describing float64 record
+(:func:`media_record`, :func:`read_media_record`): exact for every dtype these inputs come in.
+
 For padding-free rows: :func:`media_digest` tells two samples' images apart (prompt sharing compares prompts by it as
 well as by their tokens), and :func:`rope_positions` computes each sample's M-RoPE positions with the model's own
 ``get_rope_index``, as stock's forward computes them over the padded batch (one sample's are independent of the
@@ -33,7 +36,8 @@ import hashlib
 
 import torch
 
-__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "media_digest", "rope_positions", "split_media"]
+__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "media_digest", "media_record", "read_media_record",
+           "rope_positions", "split_media"]
 
 #: The image inputs TRL passes to the model besides the tokens (``num_images``/``num_tiles`` only slice them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
@@ -93,10 +97,11 @@ def split_media(inputs: dict, samples: int) -> list[dict[str, torch.Tensor]] | N
 def join_media(pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The model inputs of the samples ``pieces`` (in micro-batch row order): each field concatenated along dim 0,
     per-sample fields zero-padded to the largest piece (as the processor pads a batch). Empty when none of the
-    samples has an image (the model then runs as on text, like stock's chunk without images)."""
+    samples has an image (the model then runs as on text, like stock's chunk without images). A sample of a text-only
+    slice (no fields at all, ``{}``) adds nothing."""
     joined = {}
-    for key in pieces[0]:
-        values = [piece[key] for piece in pieces]
+    for key in dict.fromkeys(key for piece in pieces for key in piece):
+        values = [piece[key] for piece in pieces if key in piece]
         shape = [max(sizes) for sizes in zip(*(value.shape[1:] for value in values))]
         padded = []
         for value in values:
@@ -144,3 +149,39 @@ def rope_positions(model, tokens: list[torch.Tensor], token_fields: dict[str, li
                                                    image_grid_thw=grid.to(ids.device))
             positions.append(position_ids[:, 0].cpu())
     return positions
+
+
+#: What a media record may hold (its index is the record's name code) and the dtypes it restores.
+_RECORD_NAMES = MEDIA_KEYS + TOKEN_FIELDS
+_RECORD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+                  torch.uint8)
+
+
+def media_record(piece: dict[str, torch.Tensor] | None, fields: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """One sample's image inputs ``piece`` and token fields ``fields`` as one float64 record (CPU):
+    ``[entries, (name code, dtype code, ndim, *shape, *values) per entry]``. Exact: float64 holds every value of
+    these dtypes (ids and grid sizes are far below 2**53)."""
+    parts = [torch.zeros(1, dtype=torch.float64)]
+    for name, value in [*(piece or {}).items(), *(fields or {}).items()]:
+        value = value.detach().cpu()
+        header = [_RECORD_NAMES.index(name), _RECORD_DTYPES.index(value.dtype), value.dim(), *value.shape]
+        parts += [torch.tensor(header, dtype=torch.float64), value.reshape(-1).to(torch.float64)]
+        parts[0] += 1
+    return torch.cat(parts)
+
+
+def read_media_record(record: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The ``(image inputs, token fields)`` of one :func:`media_record` (CPU tensors of their own dtypes)."""
+    values = record.cpu().tolist()
+    media, fields, offset = {}, {}, 1
+    for _ in range(int(values[0])):
+        name, dtype, ndim = (int(v) for v in values[offset : offset + 3])
+        shape = [int(v) for v in values[offset + 3 : offset + 3 + ndim]]
+        offset += 3 + ndim
+        count = 1
+        for size in shape:
+            count *= size
+        value = record[offset : offset + count].cpu().to(_RECORD_DTYPES[dtype]).reshape(shape)
+        offset += count
+        (fields if _RECORD_NAMES[name] in TOKEN_FIELDS else media)[_RECORD_NAMES[name]] = value
+    return media, fields

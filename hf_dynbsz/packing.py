@@ -32,12 +32,13 @@ output back to completion-aligned ``(rows, completion_width)`` tensors in the mi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .multimodal import join_media, media_digest
+from .multimodal import join_media, media_digest, media_record, read_media_record
 from .partition import LAYOUTS, round_up
 from .schedule import prompt_segments
 
@@ -117,6 +118,23 @@ class SequenceTable:
             groups.append(ids.setdefault(key, len(ids)))
             offset += p
         return groups
+
+    def media_records(self) -> list[torch.Tensor]:
+        """Per sample, its image inputs and token fields as one float64 record (:func:`~hf_dynbsz.multimodal.
+        media_record`): what travels with it to another process."""
+        fields = self.token_fields or {}
+        return [media_record(self.media[i] if self.media is not None else None,
+                             {name: values[i] for name, values in fields.items()}) for i in range(len(self))]
+
+    def with_media_records(self, records: list[torch.Tensor]) -> SequenceTable:
+        """This table with the image inputs and token fields of ``records`` (one :meth:`media_records` record per
+        sample, in table order); a field a sample lacks is zeros, as in :meth:`concat`."""
+        read = [read_media_record(record) for record in records]
+        media = [piece for piece, _ in read] if any(piece for piece, _ in read) else None
+        names = sorted({name for _, fields in read for name in fields})
+        fields = {name: [sample.get(name, torch.zeros(tokens.numel(), dtype=torch.long)) for (_, sample), tokens
+                         in zip(read, self.tokens)] for name in names}
+        return dataclasses.replace(self, media=media, token_fields=fields or None, positions=None)
 
     @classmethod
     def concat(cls, tables: list[SequenceTable]) -> SequenceTable:

@@ -758,11 +758,11 @@ class BatchSizePlan:
             ),
             (
                 "balance_across_ranks",
-                ("on" if self.balance_across_ranks and self.vision_language is None else "off")
+                ("on" if self.balance_across_ranks and self.vision_language != "stock" else "off")
                 + (" (1 process)" if n == 1 else ""),
                 "-",
-                "no-op on one process" if n == 1 else ("image inputs stay on their process"
-                                                       if self.vision_language is not None
+                "no-op on one process" if n == 1 else ("this family's image inputs stay on their process"
+                                                       if self.vision_language == "stock"
                                                        else setting("balance_across_ranks").summary),
             ),
             (
@@ -778,8 +778,8 @@ class BatchSizePlan:
                 "image inputs",
                 self.vision_language,
                 "-",
-                "each sample's images move with it into its micro-batch; a shared prompt's images are encoded once "
-                "per pass (no cross-rank balancing)"
+                "each sample's images move with it (into its micro-batch, to another process); padding-free rows "
+                "hold a shared prompt's images once (encoded once per pass)"
                 if self.vision_language == "repacked" else
                 "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
             ))

@@ -298,7 +298,7 @@ class Scheduler:
             oversize_policy=args.oversize_policy,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
-            balance_across_ranks=bool(balance) and support.vision_language is None,
+            balance_across_ranks=bool(balance) and support.vision_language != "stock",
             share_prompts=layout.share_prompts,
             segment_attention=layout.segment_attention,
             attention_mask=layout.attention_mask,

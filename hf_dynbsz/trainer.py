@@ -136,7 +136,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
-            stock, batch = self._media_not_repacked(window[0]), None
+            stock, batch = any(self._media_not_repacked(inputs) for inputs in window), None
             if not stock:
                 batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
                 stock = not self._self_check(model, batch.table)
@@ -223,7 +223,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 schedule = self._plan(own.table, budget, "training")
                 self._warn_oversize(schedule, "training")
                 # cross-rank balancing: run the samples this process was given
-                batch = own if schedule.exchange is None else scheduler.group.move_batch(own, schedule.exchange)
+                batch = own if schedule.exchange is None else scheduler.group.move_batch(own, schedule.exchange,
+                                                                                         self._moves_media)
                 bonus = EntropyBonus(self, len(batch.slice_rows), device) if self._entropy_bonus_enabled else None
                 metrics, losses = StepMetrics(), []
                 if aux is not None:
@@ -266,7 +267,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             while True:  # once, or again with a smaller budget after a pass ran out of memory
                 schedule = self._plan(table, self._budget(model, table, stock_tokens, "logprob"), "logprob")
                 self._warn_oversize(schedule, "logprob")
-                run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange)
+                run = table if schedule.exchange is None else scheduler.group.move_table(table, schedule.exchange,
+                                                                                         self._moves_media)
                 columns = max([width, *run.completion_lengths.tolist()])
                 results = torch.zeros(len(run), 2 if compute_entropy else 1, columns, device=self.accelerator.device)
                 statistics = None if router is None else torch.zeros(len(run), router.width, dtype=torch.float64,
@@ -525,6 +527,11 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             selected = self.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], 1 - self.top_entropy_quantile)
             high_entropy[rows] = selected.to(batch.loss_mask.dtype)
         return high_entropy
+
+    @property
+    def _moves_media(self) -> bool:
+        """Samples moved between processes carry their image inputs (the same answer on every process)."""
+        return self._dynbsz_vision == "repacked"
 
     def _media_not_repacked(self, inputs: dict) -> bool:
         """Whether ``inputs`` carry image inputs (or, for a model not known as vision-language, token-type fields)

@@ -26,7 +26,10 @@ from hf_dynbsz.testing import (
     MultiTurnRollout,
     RecordingReward,
     ScriptedRollout,
+    VisionScriptedRollout,
     base_config_kwargs,
+    build_tiny_vision_language_model,
+    image_prompt_dataset,
     load_tokenizer,
     prompt_dataset,
 )
@@ -50,8 +53,8 @@ def corrupt_moved_samples(what: str) -> None:
 
     move_batch = ProcessGroup.move_batch
 
-    def damaged(self, batch, exchange):
-        moved = move_batch(self, batch, exchange)
+    def damaged(self, batch, exchange, media=False):
+        moved = move_batch(self, batch, exchange, media)
         arrived = torch.tensor([origin != self.rank for origin, _ in exchange.incoming])
         if what == "advantage":
             moved.advantages[arrived] = -moved.advantages[arrived]
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
     parser.add_argument("--max_memory_mib", type=int, default=None, help="max_memory_per_device_mib (budget from memory)")
     parser.add_argument("--inject_oom", default=None, help="kind:phase:after:rank of an injected out-of-memory error")
+    parser.add_argument("--vision", default=None, help="a tiny vision-language model of this family (built here, not "
+                                                       "loaded), image prompts, lopsided completions")
     parser.add_argument("--plain_exit", action="store_true",
                         help="return from the script as a user's script does: no trainer.end(), no os._exit")
     cli = parser.parse_args()
@@ -128,6 +133,8 @@ def train(cli, loss_type: str, out: str):
                          num_generations=4)
     if cli.rollout == "environment":
         overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
+    if cli.vision:  # a pass without images leaves the vision tower without gradients: DDP must be told
+        overrides.update(ddp_find_unused_parameters=True, max_completion_length=24)
     if cli.trainer == "stock":
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
         trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo",
@@ -138,9 +145,18 @@ def train(cli, loss_type: str, out: str):
                                                            balance_across_ranks=cli.balance == "on",
                                                            max_memory_per_device_mib=cli.max_memory_mib, **overrides))
     reward = RecordingReward()
-    model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
-    kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=load_tokenizer(cli.model_dir),
-                  train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset())
+    if cli.vision:
+        model, processor = build_tiny_vision_language_model(cli.vision)
+        kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=processor,
+                      train_dataset=image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1]),
+                      rollout_func=VisionScriptedRollout(
+                          processor, lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
+                          max_completion_length=24, seed=1, token_low=3, token_high=30,
+                          eos_id=processor.tokenizer.eos_token_id))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
+        kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=load_tokenizer(cli.model_dir),
+                      train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset())
     if cli.rollout == "lopsided":
         kwargs["rollout_func"] = ScriptedRollout(
             lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),

@@ -127,6 +127,17 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
 
 
+# ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_balancing_moves_image_samples_with_their_images_and_matches_stock(family, tmp_path, model_dir):
+    """Rank 1 gets every long completion: samples (their images, token fields and, for Qwen2-VL, M-RoPE positions
+    computed where they run) move to rank 0, in the training passes and the old-policy pass (num_iterations 2)."""
+    ours = compare("cpu_ddp.yaml", tmp_path, model_dir, vision=family, loss_type="grpo", num_iterations=2,
+                   max_steps=2, budget=120)
+    moved = [step.get("dynbsz/samples_moved", 0) for record in ours for step in record["metrics"]]
+    assert max(moved) > 0, moved
+
+
 # ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
 ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
 

@@ -149,6 +149,7 @@ def test_dynbsz_metrics_reach_tensorboard_event_files(tensorboard_run):
                  "dynbsz/microbatches", "dynbsz/computed_tokens"):
         assert name in names
     for name in names:
+        assert f"train/{name}" in tags, name
         written = {event.step: event.value for event in events.Scalars(f"train/{name}")}
         logged = {entry["step"]: entry[name] for entry in steps}
         assert written.keys() == logged.keys(), name

@@ -123,6 +123,8 @@ def test_samples_joined_in_any_order_carry_their_own_images():
 def test_a_micro_batch_of_samples_without_images_gets_no_image_inputs():
     pieces = split_media(grid_inputs([0, 1, 0]), 3)
     assert join_media([pieces[0], pieces[2]]) == {}
+    # a sample of a text-only slice (no image fields at all) first, then one with an image: the image is kept
+    assert torch.equal(join_media([{}, pieces[1]])["image_grid_thw"], pieces[1]["image_grid_thw"])
     assert split_media({"input_ids": torch.ones(2, 3)}, 2) is None
 
 
@@ -188,6 +190,33 @@ def test_media_digest_tells_images_apart():
     assert media_digest(first) == media_digest({key: value.clone() for key, value in first.items()})
     assert media_digest(first) != media_digest(second)
     assert media_digest(first) != media_digest({**first, "pixel_values": first["pixel_values"].double()})
+
+
+@pytest.mark.parametrize("make_inputs", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_samples_images_and_token_fields_survive_the_trip_to_another_process(make_inputs):
+    """What cross-rank balancing sends: one float64 record per sample, read back bit for bit, dtypes included."""
+    inputs = make_inputs([1, 0, 2])
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16) if "image_sizes" in inputs else inputs[
+        "pixel_values"]
+    media = split_media(inputs, 3)
+    prompt_ids, completion_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 4, 4]]), torch.tensor([[3, 0], [3, 2], [1, 0]])
+    fields = torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    table = SequenceTable.from_padded(prompt_ids, (prompt_ids > 0).long(), completion_ids, (completion_ids > 0).long(),
+                                      media=media, token_fields={"mm_token_type_ids": fields})
+    records = table.media_records()
+    assert all(record.dtype == torch.float64 and record.dim() == 1 for record in records)
+    bare = SequenceTable(tokens=table.tokens, prompt_lengths=table.prompt_lengths,
+                         completion_lengths=table.completion_lengths)
+    moved = bare.with_media_records(records[::-1][::-1])
+    for before, after in zip(table.media, moved.media):
+        assert before.keys() == after.keys()
+        for key in before:
+            assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
+    for before, after in zip(table.token_fields["mm_token_type_ids"], moved.token_fields["mm_token_type_ids"]):
+        assert torch.equal(before, after)
+    text_only = SequenceTable(tokens=table.tokens, prompt_lengths=table.prompt_lengths,
+                              completion_lengths=table.completion_lengths)
+    assert bare.with_media_records(text_only.media_records()).multimodal is False
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

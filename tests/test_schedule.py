@@ -356,7 +356,7 @@ def test_balancing_moves_a_prompt_group_piece_whole():
             o1 == o2 for o1 in origin_groups for o2 in origin_groups]
 
 
-def test_vision_language_models_train_unbalanced_and_other_families_padded():
+def test_repacked_vision_language_models_train_padding_free_and_balanced_other_families_padded():
     from transformers import CONFIG_MAPPING
 
     qwen_vl, idefics = CONFIG_MAPPING["qwen2_vl"](), CONFIG_MAPPING["idefics3"]()
@@ -368,7 +368,7 @@ def test_vision_language_models_train_unbalanced_and_other_families_padded():
     args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
                            max_tokens_per_microbatch_logprob=None, balance_across_ranks=True, share_prompt_prefix=True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
-    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", False, True)
+    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", True, True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(idefics, attn_implementation="flash_attention_2"))
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
     assert scheduler.attention_mask  # image inputs are positioned from the mask
