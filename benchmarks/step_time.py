@@ -745,8 +745,7 @@ def main() -> None:
         " (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "") + "."
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = ("vlm_" if vision else "moe_" if moe else "") + ("step_time_quick" if args.quick else "step_time")
-    command = ("python benchmarks/step_time.py" + (f" --model {args.model}" if vision or moe else "")
-               + (" --quick" if args.quick else ""))
+    command = " ".join(["python benchmarks/step_time.py", *sys.argv[1:]])  # as run, every option given
     markdown = "\n\n".join([
         f"# Training-step time{', vision-language' if vision else ', mixture of experts' if moe else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
         f"{' (quick run)' if args.quick else ''}",

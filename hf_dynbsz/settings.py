@@ -186,12 +186,14 @@ SETTINGS: tuple[Setting, ...] = (
         kind="bool",
         unit="-",
         summary="compute each prompt once per pass for all its completions there (exact)",
-        help="In a padding-free pass, samples whose prompt tokens are identical (a GRPO prompt's num_generations "
-        "completions, or duplicate prompts) share one copy of the prompt: [prompt | completion 1 | completion 2 ...], "
-        "each completion attending to the prompt and to itself only, through segment attention, so every log-prob "
-        "is stock's. The token budget counts the prompt once. Not applied, with one logged reason, where it cannot "
-        "be exact: the padded layout, multimodal inputs, models whose attention does not go through transformers' "
-        "AttentionInterface or whose layers carry state along a row.",
+        help="In a padding-free pass, samples whose prompts are identical (a GRPO prompt's num_generations "
+        "completions, or duplicate prompts; for vision-language models, the same tokens and the same pictures) share "
+        "one copy of the prompt: [prompt | completion 1 | completion 2 ...], each completion attending to the prompt "
+        "and to itself only, through segment attention, so every log-prob is stock's. The token budget counts the "
+        "prompt once, and a shared prompt's images are encoded once per pass. Not applied, with one logged reason, "
+        "where it cannot be exact: the padded layout, vision-language families other than Qwen2-VL, Qwen2.5-VL and "
+        "LLaVA, models whose attention does not go through transformers' AttentionInterface or whose layers carry "
+        "state along a row.",
         expected="true or false",
     ),
     Setting(
