@@ -8,6 +8,7 @@ datasets are imported inside the functions, so importing this module is cheap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import string
@@ -676,6 +677,23 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     return float(num / den)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from ``/proc``), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
 def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: dict | None = None,
                      expect_failure: bool = False) -> str:
     """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
@@ -694,8 +712,15 @@ def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: di
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        ranks = _descendants(process.pid)  # torch's launcher starts each rank in a session of its own
         os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            output = "(no output: a process kept the pipe open after the kill)"
         raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}") from None
     if expect_failure:
         if process.returncode == 0:

@@ -85,6 +85,10 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz_enabled = capabilities.enabled
         self._dynbsz_capabilities, self._dynbsz_scheduler = capabilities, capabilities.scheduler
         self._dynbsz_vision = capabilities.vision_language
+        if self._dynbsz_enabled and self._dynbsz_vision == "repacked" and self._images_stock_under_zero3:
+            logger.warning("hf_dynbsz: image steps run stock GRPOTrainer micro-batches under ZeRO-3 on several "
+                           "processes: ZeRO-3 gathers the vision tower in every forward that runs it, and repacked "
+                           "passes differ between processes in how many run it. Text-only steps are repacked.")
         self._dynbsz_checked = not self.args.self_check
         self._dynbsz_loss_settings = LossSettings.from_trainer(self)
         self._dynbsz_window: list[dict] = []
@@ -136,7 +140,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:
             window, self._dynbsz_window = self._dynbsz_window, []
-            stock, batch = any(self._media_not_repacked(inputs) for inputs in window), None
+            stock, batch = self._media_not_repacked(*window), None
             if not stock:
                 batch = StepBatch.from_slices(window, self.accelerator.process_index, self.accelerator.num_processes)
                 stock = not self._self_check(model, batch.table)
@@ -161,7 +165,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         token_fields = {name: value for name, value in (("token_type_ids", token_type_ids),
                                                         ("mm_token_type_ids", mm_token_type_ids)) if value is not None}
         stock = (not self._dynbsz_enabled or torch.is_grad_enabled() or compute_aux_loss
-                 or self._media_not_repacked({**media, **token_fields}))
+                 or self._media_not_repacked({**media, **token_fields}))  # (the last: the same on every process)
         if not stock:
             prompt_width = input_ids.size(1) - logits_to_keep
             table = SequenceTable.from_padded(input_ids[:, :prompt_width], attention_mask[:, :prompt_width],
@@ -533,13 +537,25 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         """Samples moved between processes carry their image inputs (the same answer on every process)."""
         return self._dynbsz_vision == "repacked"
 
-    def _media_not_repacked(self, inputs: dict) -> bool:
-        """Whether ``inputs`` carry image inputs (or, for a model not known as vision-language, token-type fields)
-        that this run does not repack: those passes run stock's micro-batches."""
-        if self._dynbsz_vision == "repacked":
-            return False
-        return inputs.get("pixel_values") is not None or (
-            self._dynbsz_vision is None and any(inputs.get(name) is not None for name in TOKEN_FIELDS))
+    def _media_not_repacked(self, *slices: dict) -> bool:
+        """Whether ``slices`` carry image inputs (or, for a model not known as vision-language, token-type fields)
+        that this run does not repack: those passes run stock's micro-batches. For a vision-language model the answer
+        is agreed by every process (one all-reduce): a process taking stock's path while another repacks would split
+        their collectives. Image steps of a repacked family run stock's too under ZeRO-3 on several processes
+        (:attr:`_images_stock_under_zero3`)."""
+        images = any(inputs.get("pixel_values") is not None for inputs in slices)
+        if self._dynbsz_vision is None:
+            return images or any(inputs.get(name) is not None for inputs in slices for name in TOKEN_FIELDS)
+        local = images and (self._dynbsz_vision == "stock" or self._images_stock_under_zero3)
+        return bool(self._dynbsz_scheduler.group.all_reduce_max([int(local)])[0])
+
+    @property
+    def _images_stock_under_zero3(self) -> bool:
+        """ZeRO-3 gathers the vision tower's parameters in every forward that runs it, so every process must run it
+        equally often; repacked passes differ between processes in that (a lockstep pass has no image), so image steps
+        keep stock's slices there."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return plugin is not None and plugin.zero_stage == 3 and self.accelerator.num_processes > 1
 
     def _train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
         """Stock math for a step that cannot be repacked (images of a family not repacked): one pass per stock slice."""

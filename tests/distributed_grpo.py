@@ -135,6 +135,8 @@ def train(cli, loss_type: str, out: str):
         overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
     if cli.vision:  # a pass without images leaves the vision tower without gradients: DDP must be told
         overrides.update(ddp_find_unused_parameters=True, max_completion_length=24)
+        # built before the config: under ZeRO-3 a config makes models built afterwards partitioned at birth
+        vision_model, processor = build_tiny_vision_language_model(cli.vision)
     if cli.trainer == "stock":
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
         trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo",
@@ -146,8 +148,7 @@ def train(cli, loss_type: str, out: str):
                                                            max_memory_per_device_mib=cli.max_memory_mib, **overrides))
     reward = RecordingReward()
     if cli.vision:
-        model, processor = build_tiny_vision_language_model(cli.vision)
-        kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=processor,
+        kwargs = dict(model=vision_model, reward_funcs=reward, args=args, processing_class=processor,
                       train_dataset=image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1]),
                       rollout_func=VisionScriptedRollout(
                           processor, lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),

@@ -138,6 +138,20 @@ def test_balancing_moves_image_samples_with_their_images_and_matches_stock(famil
     assert max(moved) > 0, moved
 
 
+def test_image_steps_keep_stocks_slices_under_zero3_and_every_process_finishes(tmp_path, model_dir):
+    """ZeRO-3 gathers the vision tower in every forward that runs it. Repacked passes differ between the processes in
+    how many run it (lopsided completions, balancing off: the short rank pads with lockstep passes, which have no
+    image), which hung every process; image steps now keep stock's slices there, and match stock."""
+    options = dict(vision="qwen2_vl", loss_type="grpo", num_iterations=2, max_steps=2, budget=60, balance="off")
+    stock = launch("cpu_zero3.yaml", tmp_path / "stock", model_dir, "stock", **options)
+    ours = launch("cpu_zero3.yaml", tmp_path / "ours", model_dir, "dynamic", **options)
+    for rank in range(2):
+        assert ours[rank]["completions"] == stock[rank]["completions"]
+        assert not ours[rank]["metrics"]  # every step of this run has images: none was repacked
+    assert relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"),
+                               torch.load(f"{tmp_path / 'stock'}.params.pt")) <= 1e-5
+
+
 # ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
 ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
 
