@@ -82,8 +82,10 @@ class Coefficients:
 
 def _size(config: Any, name: str) -> int:
     """A config size read as one int: the largest of a per-layer list (Gemma-3n's ``intermediate_size``), 0 when it
-    is missing or not a number (the caller's default then applies)."""
-    value = getattr(config, name, 0)
+    is missing, unreadable or not a number (the caller's default then applies)."""
+    from .model_support import _read  # the one config reader: per-layer attributes raise on global access
+
+    value = _read(config, name, 0)
     if isinstance(value, (list, tuple)):
         value = max((v for v in value if isinstance(v, (int, float))), default=0)
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0

@@ -77,9 +77,9 @@ def _read(config: Any, name: str, default: Any = None) -> Any:
 
 def vision_language_mode(config: Any) -> str | None:
     """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
-    :data:`REPACKED_VISION_MODEL_TYPES` (any layout, image prompts shared; no cross-rank balancing: image inputs
-    stay on their process), ``"stock"`` for other vision-language models (stock's fixed micro-batches; their text-only steps are
-    repacked)."""
+    :data:`REPACKED_VISION_MODEL_TYPES` (any layout, image prompts shared, samples balanced across processes with
+    their images), ``"stock"`` for other vision-language models (stock's fixed micro-batches, image inputs stay on
+    their process; their text-only steps are repacked)."""
     if config is None or _read(config, "vision_config") is None:
         return None
     return "repacked" if _read(config, "model_type") in REPACKED_VISION_MODEL_TYPES else "stock"

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,8 +60,11 @@ class SequenceTable:
     #: token-aligned fields (``mm_token_type_ids``...): per field, per sample, one value per token of ``tokens[i]``
     token_fields: dict[str, list[torch.Tensor]] | None = None
     #: per sample, its M-RoPE positions ``(3, len(tokens[i]))`` as the model computes them for the sample alone
-    #: (:func:`hf_dynbsz.multimodal.rope_positions`); None for models whose tokens count positions like text
+    #: (:func:`hf_dynbsz.multimodal.rope_positions`); None for models whose tokens count positions like text, and
+    #: until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
+    #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
+    _groups: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def multimodal(self) -> bool:
@@ -103,6 +106,8 @@ class SequenceTable:
         prompt token is an image token (a token field not 0 there) is alone: a shared prompt's last token is
         repeated in every completion's block, and an image must be encoded once.
         """
+        if self._groups is not None:
+            return self._groups
         prompt_lengths = self.prompt_lengths.tolist()
         if not prompt_lengths:
             return []
@@ -117,6 +122,7 @@ class SequenceTable:
                 key = ("alone", i)
             groups.append(ids.setdefault(key, len(ids)))
             offset += p
+        self._groups = groups
         return groups
 
     def media_records(self) -> list[torch.Tensor]:
@@ -134,7 +140,7 @@ class SequenceTable:
         names = sorted({name for _, fields in read for name in fields})
         fields = {name: [sample.get(name, torch.zeros(tokens.numel(), dtype=torch.long)) for (_, sample), tokens
                          in zip(read, self.tokens)] for name in names}
-        return dataclasses.replace(self, media=media, token_fields=fields or None, positions=None)
+        return dataclasses.replace(self, media=media, token_fields=fields or None)
 
     @classmethod
     def concat(cls, tables: list[SequenceTable]) -> SequenceTable:
@@ -145,17 +151,12 @@ class SequenceTable:
         names = {name for table in tables for name in (table.token_fields or {})}
         fields = {name: [values for table in tables for values in (table.token_fields or {}).get(
             name, [torch.zeros_like(tokens) for tokens in table.tokens])] for name in sorted(names)}
-        positions = None
-        if any(table.positions is not None for table in tables):
-            positions = [piece for table in tables for piece in (table.positions or [
-                torch.arange(tokens.numel()).expand(3, -1) for tokens in table.tokens])]
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
             media=media,
             token_fields=fields or None,
-            positions=positions,
         )
 
 
@@ -333,10 +334,10 @@ def build_microbatch(
             model_inputs["attention_mask"] = mask.to(device)
         if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
             for name, values in (table.token_fields or {}).items():
-                field = torch.zeros(rows, width, dtype=values[0].dtype)
+                aligned = torch.zeros(rows, width, dtype=values[0].dtype)
                 for j, i in enumerate(indices):
-                    field[j, : seq_lengths[j]] = values[i].cpu()
-                model_inputs[name] = field.to(device)
+                    aligned[j, : seq_lengths[j]] = values[i].cpu()
+                model_inputs[name] = aligned.to(device)
             if table.media is not None:
                 model_inputs.update({key: value.to(device) for key, value in join_media(
                     [table.media[i] for i in indices]).items()})
