@@ -369,6 +369,15 @@ def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_
     assert len(repacked_steps(history)) == 2
 
 
+def test_a_step_whose_later_slice_has_images_runs_stock_for_an_unrepacked_family(tmp_path, monkeypatch):
+    """One prompt per slice (steps_per_generation 1), two slices per step: every step's first slice is text-only and
+    its second has images, so every step must keep stock's slices (deciding on the first slice repacked them all)."""
+    monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())
+    history = compare("qwen2_vl", tmp_path, dataset=image_prompt_dataset([0, 1, 0, 2, 0, 1, 0, 1]),
+                      steps_per_generation=1)
+    assert repacked_steps(history) == []
+
+
 def test_padding_free_layout_is_refused_for_vision_language_models_outside_the_repacked_families(tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())
