@@ -288,16 +288,17 @@ AttentionInterface.register(ATTENTION_NAME, segment_attention_forward)
 
 
 @contextlib.contextmanager
-def segment_attention(model, enabled: bool = True):
+def segment_attention(model, enabled: bool = True, name: str = ATTENTION_NAME):
     """Run ``model``'s attention through :func:`segment_attention_forward` inside the context (forward AND backward:
     gradient checkpointing recomputes the forward during backward). The layouts of the passes are given by
-    :func:`use_segments`; the active one is cleared on exit."""
+    :func:`use_segments`; the active one is cleared on exit. ``name``: the registered implementation to switch to
+    (:data:`hf_dynbsz.sequence_parallel.ULYSSES_ATTENTION_NAME` wraps this one for sharded rows)."""
     if not enabled:
         yield
         return
     config = text_config_of(model.config)
     previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = name
     try:
         yield
     finally:

@@ -25,7 +25,8 @@ from .plan import (
 )
 from .settings import DEFAULTS, config_docstring, setting
 
-__all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "trainer_config"]
+__all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "take_sequence_parallelism",
+           "trainer_config"]
 
 
 def _field(name: str):
@@ -53,6 +54,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
     peak_tflops_per_device: float | None = _field("peak_tflops_per_device")
     max_memory_per_device_mib: int | None = _field("max_memory_per_device_mib")
     max_memory_fraction_per_device: float | None = _field("max_memory_fraction_per_device")
+    sequence_parallel_size: int = _field("sequence_parallel_size")
 
     def __post_init__(self):
         # 1. Environment first: DIFFU_TRAIN_BATCH_SIZE must feed TRL's derivation of generation_batch_size.
@@ -67,6 +69,8 @@ class DynamicBatchGRPOConfig(GRPOConfig):
             {"generation_batch_size": self.generation_batch_size, "steps_per_generation": self.steps_per_generation},
         )
         try:
+            # Sequence parallelism is ours to run (stock's __post_init__ refuses it): see take_sequence_parallelism.
+            take_sequence_parallelism(self)
             # 3. The generation round with the planner's messages (named values, valid neighbours), before TRL's.
             resolve_generation_round(
                 per_device_train_batch_size=self.per_device_train_batch_size,
@@ -83,6 +87,37 @@ class DynamicBatchGRPOConfig(GRPOConfig):
             validate_grpo_fields(self)
         except ValueError as error:  # name the DIFFU_* variables behind the values
             raise with_env_sources(error, self) from None
+
+
+def take_sequence_parallelism(args) -> None:
+    """Move ``parallelism_config.sp_size`` into ``sequence_parallel_size``, in place.
+
+    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.sequence_parallel`): accelerate then
+    sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
+    GRPO does not have, and TRL's ``GRPOConfig`` refuses it). Raises for what only accelerate's path would run.
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is None or (config.sp_size or 1) <= 1:
+        if config is not None and (config.cp_size or 1) > 1:
+            raise ValueError(f"parallelism_config.cp_size={config.cp_size}: context parallelism is not run by GRPO "
+                             "(stock or hf-dynbsz); use parallelism_config=ParallelismConfig(sp_backend='deepspeed', "
+                             "sp_size=N) for sequence parallelism (DeepSpeed Ulysses) instead, or cp_size=1.")
+        return
+    if args.sequence_parallel_size not in (1, config.sp_size):
+        raise ValueError(f"sequence_parallel_size={args.sequence_parallel_size} and parallelism_config.sp_size="
+                         f"{config.sp_size} disagree: set one of them (or both to the same value).")
+    others = {name: getattr(config, name) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+              if (getattr(config, name) or 1) > 1}
+    if others:
+        raise ValueError(f"parallelism_config={others} with sp_size={config.sp_size}: hf-dynbsz's sequence "
+                         "parallelism combines with DDP and DeepSpeed ZeRO data parallelism (over all processes) "
+                         "only; leave the other sizes at 1.")
+    if not args.dynamic_batching:
+        raise ValueError(f"parallelism_config.sp_size={config.sp_size} needs dynamic_batching=True: sequence "
+                         "parallelism runs in hf-dynbsz's packed passes (dynamic_batching=False is stock "
+                         "GRPOTrainer, which has none).")
+    args.sequence_parallel_size = config.sp_size
+    args.parallelism_config = None
 
 
 def default_ddp_backend(ddp_backend: str | None, environ=None, accelerator_available: bool | None = None):

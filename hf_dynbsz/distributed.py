@@ -45,11 +45,15 @@ def _destroy_if_initialized() -> None:
 
 
 class ProcessGroup:
-    """All processes of the accelerator's run. Every process must make the same calls in the same order."""
+    """All processes of the accelerator's run, or with ``group`` (a ``torch.distributed`` group this process belongs
+    to) the processes of that group: ``rank`` and ``num_processes`` are then within it (under sequence parallelism,
+    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.sequence_parallel`). Every process
+    of the group must make the same calls in the same order."""
 
-    def __init__(self, accelerator) -> None:
-        self.num_processes = accelerator.num_processes
-        self.rank = accelerator.process_index
+    def __init__(self, accelerator, group=None) -> None:
+        self.group = group
+        self.num_processes = accelerator.num_processes if group is None else dist.get_world_size(group)
+        self.rank = accelerator.process_index if group is None else dist.get_rank(group)
         self.device = accelerator.device
 
     @property
@@ -60,7 +64,7 @@ class ProcessGroup:
         if not self._distributed:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.long, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
@@ -68,12 +72,12 @@ class ProcessGroup:
             return [list(values)]
         size = torch.tensor([len(values)], dtype=torch.long, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
-        dist.all_gather(sizes, size)
+        dist.all_gather(sizes, size, group=self.group)
         sizes = [int(s) for s in sizes]
         padded = torch.zeros(max(sizes), dtype=torch.long, device=self.device)
         padded[: len(values)] = torch.tensor(values, dtype=torch.long)
         gathered = [torch.empty_like(padded) for _ in range(self.num_processes)]
-        dist.all_gather(gathered, padded)
+        dist.all_gather(gathered, padded, group=self.group)
         return [tensor[:size].tolist() for tensor, size in zip(gathered, sizes)]
 
     def send_to_runners(self, records: list[torch.Tensor], exchange: Exchange,
@@ -147,6 +151,7 @@ class ProcessGroup:
         send_splits = [int(part.numel()) for part in send]
         receive_splits = [sum(sizes) for sizes in incoming_sizes]
         received = torch.empty(sum(receive_splits), dtype=torch.float64, device=self.device)
-        dist.all_to_all_single(received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits)
+        dist.all_to_all_single(received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits,
+                               group=self.group)
         parts = received.split(receive_splits)
         return [list(part.split(sizes)) if sizes else [] for part, sizes in zip(parts, incoming_sizes)]

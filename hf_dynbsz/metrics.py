@@ -189,7 +189,8 @@ class StepMetrics:
             self.sequence_high.append(sequence_mean(high))
 
     def publish(self, store: dict[str, list], accelerator, *, loss_type: str, schedule: StepSchedule,
-                stock_computed_tokens: int, group: RankGroup, meters: StepMeters, table: SequenceTable) -> None:
+                stock_computed_tokens: int, group: RankGroup, meters: StepMeters, table: SequenceTable,
+                replicas: int = 1) -> None:
         """Reduce over processes (one reduce, and two gathers for the clip extremes) and append to ``store``.
 
         ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time).
@@ -207,7 +208,8 @@ class StepMetrics:
         tokens of the samples all processes trained (shared prompts counted for each of their samples, as stock
         computes them) over ``train_seconds``; ``mfu``, the model FLOPs of the passes over the samples of ``table`` (the
         ones this process ran, see :meth:`hf_dynbsz.partition.ModelFlops.training_flops`), summed over processes,
-        over ``train_seconds`` x processes x the device's peak, logged only when that peak is known.
+        over ``train_seconds`` x processes x the device's peak, logged only when that peak is known. ``replicas``:
+        processes that ran the same samples (the sequence-parallel group size), counted once.
         """
         flops = meters.flops.training_flops(table.prompt_lengths.tolist(), table.completion_lengths.tolist(),
                                             schedule.prompt_tokens_saved) if meters.flops is not None else 0.0
@@ -215,6 +217,7 @@ class StepMetrics:
         local = [value for name in names for value in (self.sums[name], self.counts[name])]
         local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved,
                   flops]
+        local = [value / replicas for value in local]  # each sample counted once (sequence parallelism: per group)
         device = accelerator.device
         totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
         totals = totals.tolist()

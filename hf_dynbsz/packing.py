@@ -360,23 +360,24 @@ def build_microbatch(
 
 
 def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None,
-                     attention_mask: bool = False, position_offset: int = 0) -> MicroBatch:
-    """A two-token micro-batch for zero-weight lockstep passes (a rank with fewer sequences than passes).
+                     attention_mask: bool = False, position_offset: int = 0, width: int = 2) -> MicroBatch:
+    """A ``width``-token (at least two) micro-batch for zero-weight lockstep passes (a rank with fewer sequences than
+    passes; under sequence parallelism one token per process of the group).
 
     Its forward still runs every layer, so ZeRO-3 gathers and DDP/ZeRO-2 reductions happen on every rank.
     ``attention``, ``attention_mask`` and ``position_offset`` as in :func:`build_microbatch`.
     """
-    input_ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
-    shift_labels = torch.tensor([[pad_token_id, -100]], dtype=torch.long)
+    input_ids = torch.full((1, width), pad_token_id, dtype=torch.long)
+    shift_labels = torch.tensor([[pad_token_id] * (width - 1) + [-100]], dtype=torch.long)
     model_inputs = {"input_ids": input_ids.to(device),
-                    "position_ids": (torch.arange(2) + position_offset).unsqueeze(0).to(device)}
+                    "position_ids": (torch.arange(width) + position_offset).unsqueeze(0).to(device)}
     if attention_mask:
-        model_inputs["attention_mask"] = torch.ones(1, 2, dtype=torch.long, device=device)
+        model_inputs["attention_mask"] = torch.ones(1, width, dtype=torch.long, device=device)
     segment_layout = None
     if attention is not None:
         from .attention import Segment, SegmentLayout
 
-        segment_layout = SegmentLayout([Segment(0, 0, (2,))], attention)
+        segment_layout = SegmentLayout([Segment(0, 0, (width,))], attention)
     return MicroBatch(
         indices=[],
         model_inputs=model_inputs,

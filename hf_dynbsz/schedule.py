@@ -276,6 +276,8 @@ class Scheduler:
     attention_mask: bool = False
     position_offset: int = 0
     group: RankGroup = SINGLE_PROCESS
+    #: processes sharing each pass's row (:mod:`hf_dynbsz.sequence_parallel`): a pass holds this many budgets
+    sequence_parallel_size: int = 1
 
     @classmethod
     def from_args(cls, args: Any, support: ModelSupport | None = None, group: RankGroup = SINGLE_PROCESS,
@@ -304,11 +306,13 @@ class Scheduler:
             attention_mask=layout.attention_mask,
             position_offset=support.position_offset,
             group=group,
+            sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
         )
 
     def budget(self, stock_tokens: int, kind: str = "training", fits: int | None = None, cap: int | None = None,
                agree: bool = False) -> int:
-        """Tokens per pass of ``kind`` ("training" or "logprob"), per device.
+        """Tokens per pass of ``kind`` ("training" or "logprob"): per device, times ``sequence_parallel_size`` (a
+        sharded pass's row spans its group's devices).
 
         ``stock_tokens`` is the size of stock TRL's own micro-batch for the same samples (rows x padded width,
         see :func:`stock_microbatch_tokens`): the training budget when ``max_tokens_per_microbatch`` is unset,
@@ -330,6 +334,7 @@ class Scheduler:
         else:
             budget = self.max_tokens_per_microbatch_logprob or (
                 fits if fits is not None and not self.max_tokens_per_microbatch else 2 * training)
+        budget *= self.sequence_parallel_size  # the budgets are per device; a sharded pass spans its group
         budget = min(budget, cap) if cap is not None else budget
         if agree and self.group.num_processes > 1:
             budget = -self.group.all_reduce_max([-budget])[0]

@@ -257,6 +257,23 @@ SETTINGS: tuple[Setting, ...] = (
         expected="a fraction of the device's memory, 0 < f <= 1",
         fix="give e.g. 0.9, or set max_memory_per_device_mib in MiB (on CPU), or leave it unset.",
     ),
+    Setting(
+        name="sequence_parallel_size",
+        type="int",
+        default=1,
+        kind="count",
+        unit="processes per sequence",
+        summary="processes that share each packed row (DeepSpeed Ulysses sequence parallelism)",
+        help="Processes that share each packed row along the sequence (DeepSpeed Ulysses, UlyssesSPAttentionHF): "
+        "the processes of a group pool their samples, every pass's row is cut into this many shards, and attention "
+        "exchanges heads across the group, so a group fits this many times longer rows (the token budgets stay per "
+        "device; a pass holds budget x this many tokens). Data parallelism runs across groups. Also set by "
+        "parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size=N), which stock GRPOConfig refuses. "
+        "Needs padding-free rows (a text model whose attention segment attention runs) and a number of processes "
+        "it divides. 1: off.",
+        expected="a positive integer number of processes that divides the number of processes",
+        fix="set 1 (off) or the number of processes that should share one sequence, e.g. 2.",
+    ),
     # A GRPOConfig field: only its DIFFU_* variable belongs to the plugin.
     Setting(
         name="per_device_train_batch_size",

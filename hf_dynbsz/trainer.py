@@ -20,8 +20,10 @@ in :mod:`hf_dynbsz._trl_compat`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
+import math
 import time
 import warnings
 
@@ -31,7 +33,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ._trl_compat import check_trl_version
-from .attention import segment_attention, use_segments
+from .attention import ATTENTION_NAME, segment_attention, use_segments
 from .batch import StepBatch
 from .capabilities import Capabilities
 from .config import trainer_config
@@ -44,8 +46,10 @@ from .multimodal import TOKEN_FIELDS, rope_positions, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .router_loss import RouterAuxLoss, captured_router_logits
 from .plan import BatchSizePlan, validate_train_dataset_size
+from .partition import text_config_of
 from .schedule import Scheduler
 from .self_check import alone_microbatch, run_self_check, tolerance
+from .sequence_parallel import ULYSSES_ATTENTION_NAME, SequenceParallel, gather_shards, sequence_parallel_blocker
 from .tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
@@ -78,10 +82,12 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
     def _setup_dynamic_batching(self) -> None:
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        capabilities = Capabilities.of(self.args, model, ProcessGroup(self.accelerator), aux_loss=self.aux_loss_enabled,
+        self._dynbsz_world = ProcessGroup(self.accelerator)  # every process (decisions all must agree on)
+        capabilities = Capabilities.of(self.args, model, self._dynbsz_world, aux_loss=self.aux_loss_enabled,
                                        external_generation=self.use_vllm or self.use_transformers_continuous_batching)
         for note in capabilities.notes:
             logger.warning("hf_dynbsz: %s.", note)
+        self._dynbsz_sequence_parallel = self._setup_sequence_parallel(model, capabilities)
         self._dynbsz_enabled = capabilities.enabled
         self._dynbsz_capabilities, self._dynbsz_scheduler = capabilities, capabilities.scheduler
         self._dynbsz_vision = capabilities.vision_language
@@ -98,6 +104,24 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._setup_memory(model, capabilities)
         self.add_callback(_LogPlanAtTrainBegin(self))
         destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (gloo)
+
+    def _setup_sequence_parallel(self, model, capabilities: Capabilities) -> SequenceParallel | None:
+        """``sequence_parallel_size`` > 1: check the run allows it (raise before any work), form the groups and plan
+        passes between groups (:mod:`hf_dynbsz.sequence_parallel`)."""
+        size = int(getattr(self.args, "sequence_parallel_size", 1) or 1)
+        if size <= 1:
+            return None
+        blocker = sequence_parallel_blocker(
+            size, self.accelerator.num_processes, layouts=capabilities.layouts if capabilities.enabled else [],
+            support=capabilities.support, vision_language=capabilities.vision_language,
+            router_aux=capabilities.router_aux, entropy_bonus=bool(self._entropy_bonus_enabled),
+            text_config=text_config_of(model.config))
+        if blocker is not None:
+            raise ValueError(f"hf_dynbsz: {blocker}.")
+        parallel = SequenceParallel.setup(model, size)
+        capabilities.scheduler = dataclasses.replace(capabilities.scheduler,
+                                                     group=ProcessGroup(self.accelerator, parallel.peers))
+        return parallel
 
     def _setup_memory(self, model, capabilities: Capabilities) -> None:
         """The memory model (:mod:`hf_dynbsz.memory`) and whether an out-of-memory pass is recovered here."""
@@ -119,8 +143,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             attn_implementation=capabilities.support.attn_implementation)
         # Recovery re-plans a step on every process: DDP needs its gradients synchronised apart (after every process
         # agreed that none failed), DeepSpeed's engine keeps accumulated gradients where they cannot be discarded.
-        self._dynbsz_recover = accelerator.distributed_type != DistributedType.DEEPSPEED and (
-            accelerator.num_processes == 1 or limit is not None)
+        self._dynbsz_recover = (accelerator.distributed_type != DistributedType.DEEPSPEED and (
+            accelerator.num_processes == 1 or limit is not None) and self._dynbsz_sequence_parallel is None)
         self._dynbsz_failures_alone = 0
 
     # ------------------------------------------------------------------ TRL hooks
@@ -220,6 +244,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 gradient_accumulation_steps=ga, steps_per_generation=self.args.steps_per_generation,
                 num_processes=self.accelerator.num_processes, entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
             )
+            if self._sharded:  # the group's samples, each with its stock weights: every process of it runs them all
+                batch = self._dynbsz_sequence_parallel.pool_batch(batch)
             own = batch
             while True:  # once, or again with a smaller budget after a pass ran out of memory
                 self._allocate_gradients(model)
@@ -236,7 +262,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
                 def run_pass(group, last, batch=batch, bonus=bonus, metrics=metrics, losses=losses, schedule=schedule):
                     mb = self._microbatch(batch.table, group, schedule.groups)
-                    logps, entropies, router_logits = self._forward(model, mb, True, router=aux is not None)
+                    logps, entropies, router_logits = self._forward(model, mb, True, router=aux is not None,
+                                                                    sharded=self._sharded)
                     rows = batch.rows(group, logps.size(1))
                     loss, loss_metrics = microbatch_loss(self._dynbsz_loss_settings, logps, entropies, rows, bonus)
                     if aux is not None:
@@ -245,19 +272,21 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                     losses.append(loss.detach())
                     metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
 
-                with self.compute_loss_context_manager(), self._tiles(), self._segments(model):
+                with self.compute_loss_context_manager(), self._tiles(), self._segments(model, sharded=self._sharded):
                     failure = self._run_passes(model, schedule, "training", run_pass)
                 if failure is None:
                     break
                 self._recover(model, failure)
             total_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+            replicas = self._dynbsz_sequence_parallel.size if self._sharded else 1
+            total_loss = total_loss / replicas  # a group's processes each hold its whole loss: logged once
             if bonus is not None:
                 bonus.finish(self, ga)
             if aux is not None:
                 aux.publish(self._metrics["train"], self.accelerator)
         metrics.publish(self._metrics["train"], self.accelerator, loss_type=self.loss_type, schedule=schedule,
                         stock_computed_tokens=batch.stock_computed_tokens, group=scheduler.group,
-                        meters=self._dynbsz_meters, table=batch.table)
+                        meters=self._dynbsz_meters, table=batch.table, replicas=replicas)
         return total_loss
 
     @torch.no_grad()
@@ -267,7 +296,9 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         statistics (expert counts, tokens; or None) of every sample of ``table``, ``(samples, width)``, in table
         order."""
         with self._dynbsz_meters.clock.phase("logprob"):
-            scheduler = self._dynbsz_scheduler
+            scheduler, own = self._dynbsz_scheduler, None
+            if self._sharded:  # the group's samples (results: this process's own)
+                table, own = self._dynbsz_sequence_parallel.pool_table(table)
             while True:  # once, or again with a smaller budget after a pass ran out of memory
                 schedule = self._plan(table, self._budget(model, table, stock_tokens, "logprob"), "logprob")
                 self._warn_oversize(schedule, "logprob")
@@ -280,14 +311,15 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
                 def run_pass(group, last, run=run, results=results, statistics=statistics, schedule=schedule):
                     mb = self._microbatch(run, group, schedule.groups)
-                    logps, entropies, router_logits = self._forward(model, mb, compute_entropy, router is not None)
+                    logps, entropies, router_logits = self._forward(model, mb, compute_entropy, router is not None,
+                                                                    sharded=self._sharded)
                     results[group, 0, : logps.size(1)] = logps.float()
                     if compute_entropy:
                         results[group, 1, : entropies.size(1)] = entropies.float()
                     if router is not None:
                         statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
 
-                with self._tiles(), self._segments(model):
+                with self._tiles(), self._segments(model, sharded=self._sharded):
                     failure = self._run_passes(model, schedule, "logprob", run_pass)
                 if failure is None:
                     break
@@ -298,6 +330,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
                 if statistics is not None:
                     statistics = torch.stack(scheduler.group.send_to_owners(
                         list(statistics), schedule.exchange, lambda prompt, completion: router.width))
+            if own is not None:
+                results = results[own]
             return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None, statistics
 
     def _budget(self, model, table: SequenceTable, stock_tokens: int, kind: str) -> int:
@@ -413,39 +447,60 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             table.positions = rope_positions(self.accelerator.unwrap_model(model), table.tokens, table.token_fields,
                                              table.media)
+        multiple = self.args.pad_to_multiple_of
+        if self._sharded:  # a sharded row splits evenly over its group
+            multiple = math.lcm(multiple or 1, self._dynbsz_sequence_parallel.size)
         return build_microbatch(table, group, layout=scheduler.layout, pad_token_id=self._tokenizer.pad_token_id,
-                                pad_to_multiple_of=self.args.pad_to_multiple_of, device=self.accelerator.device,
+                                pad_to_multiple_of=multiple, device=self.accelerator.device,
                                 attention=scheduler.segment_attention, groups=groups,
                                 attention_mask=scheduler.attention_mask, position_offset=scheduler.position_offset)
 
-    def _segments(self, model, scheduler: Scheduler | None = None):
-        """Segment attention for the passes (forward and backward) when padding-free rows use it."""
-        enabled = (scheduler or self._dynbsz_scheduler).segment_attention is not None
-        return segment_attention(self.accelerator.unwrap_model(model), enabled)
+    @property
+    def _sharded(self) -> bool:
+        """Whether the passes are sharded over sequence-parallel groups (:mod:`hf_dynbsz.sequence_parallel`)."""
+        return self._dynbsz_sequence_parallel is not None
 
-    def _forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True):
+    def _segments(self, model, scheduler: Scheduler | None = None, sharded: bool = False):
+        """Segment attention for the passes (forward and backward) when padding-free rows use it; ``sharded``:
+        through DeepSpeed Ulysses (each process runs its shard of the row)."""
+        enabled = (scheduler or self._dynbsz_scheduler).segment_attention is not None
+        return segment_attention(self.accelerator.unwrap_model(model), enabled,
+                                 ULYSSES_ATTENTION_NAME if sharded else ATTENTION_NAME)
+
+    def _forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True,
+                 sharded: bool = False):
         """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits
-        (per layer; or None) of one micro-batch; under the accelerator's autocast unless ``autocast`` is False."""
+        (per layer; or None) of one micro-batch; under the accelerator's autocast unless ``autocast`` is False.
+        ``sharded``: this process runs its shard of the row and the shards' outputs are gathered."""
         use_segments(mb.segments)
         extra = {"output_router_logits": True} if router else {}
         capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
         precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
+        inputs, labels = mb.model_inputs, mb.shift_labels
+        if sharded:
+            inputs, labels = self._dynbsz_sequence_parallel.shard(inputs, labels)
         with precision, capture as router_logits:
-            outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True, **extra)
-        entropies = mb.to_completion_layout(outputs.entropy) if compute_entropy else None
-        return mb.to_completion_layout(outputs.log_probs), entropies, router_logits[-1] if router else None
+            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True, **extra)
+        log_probs, entropy = outputs.log_probs, outputs.entropy if compute_entropy else None
+        if sharded:
+            log_probs = gather_shards(log_probs, self._dynbsz_sequence_parallel)
+            entropy = gather_shards(entropy, self._dynbsz_sequence_parallel) if compute_entropy else None
+        entropies = mb.to_completion_layout(entropy) if compute_entropy else None
+        return mb.to_completion_layout(log_probs), entropies, router_logits[-1] if router else None
 
     def _dummy_pass(self, model, last: bool | None = None) -> None:
         """A one-token pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
 
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
-        scheduler = self._dynbsz_scheduler
+        scheduler, parallel = self._dynbsz_scheduler, self._dynbsz_sequence_parallel
         mb = dummy_microbatch(self._tokenizer.pad_token_id, self.accelerator.device, scheduler.segment_attention,
-                              scheduler.attention_mask, scheduler.position_offset)
+                              scheduler.attention_mask, scheduler.position_offset, width=parallel.size if parallel else 2)
         use_segments(mb.segments)
+        inputs, labels = (mb.model_inputs, mb.shift_labels) if parallel is None else parallel.shard(mb.model_inputs,
+                                                                                                    mb.shift_labels)
         with self._no_sync(model, last is None or last), self.accelerator.autocast():
-            outputs = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
+            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
             if last is not None:
                 self._backward(model, outputs.log_probs.sum() * 0.0, last)
 
@@ -509,8 +564,12 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype  # the check runs in the weights'
         with self._tiles():
             result = run_self_check(layouts, table, run_layout, run_alone, tolerance(dtype),
-                                    agree=lambda index: group.all_reduce_max([index])[0])
+                                    agree=lambda index: self._dynbsz_world.all_reduce_max([index])[0])
         logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", result.summary(layouts))
+        if self._sharded and result.chosen:
+            raise RuntimeError(f"hf_dynbsz: sequence_parallel_size={self._dynbsz_sequence_parallel.size} shards "
+                               f"padding-free rows, and the self-check found them not exact for this model "
+                               f"({result.summary(layouts)}): set sequence_parallel_size=1.")
         self._dynbsz_enabled = result.chosen < len(layouts)
         if self._dynbsz_enabled and result.chosen:
             self._dynbsz_scheduler = schedulers[result.chosen]
@@ -547,7 +606,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         if self._dynbsz_vision is None:
             return images or any(inputs.get(name) is not None for inputs in slices for name in TOKEN_FIELDS)
         local = images and (self._dynbsz_vision == "stock" or self._images_stock_under_zero3)
-        return bool(self._dynbsz_scheduler.group.all_reduce_max([int(local)])[0])
+        return bool(self._dynbsz_world.all_reduce_max([int(local)])[0])
 
     @property
     def _images_stock_under_zero3(self) -> bool:

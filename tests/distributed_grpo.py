@@ -90,6 +90,11 @@ def main() -> None:
     parser.add_argument("--inject_oom", default=None, help="kind:phase:after:rank of an injected out-of-memory error")
     parser.add_argument("--vision", default=None, help="a tiny vision-language model of this family (built here, not "
                                                        "loaded), image prompts, lopsided completions")
+    parser.add_argument("--sequence_parallel", type=int, default=1,
+                        help="parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size=N) (ours only)")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--oversize_policy", choices=["warn", "error"], default="warn")
+    parser.add_argument("--tensor_batch_size", type=int, default=None)
     parser.add_argument("--plain_exit", action="store_true",
                         help="return from the script as a user's script does: no trainer.end(), no os._exit")
     cli = parser.parse_args()
@@ -131,6 +136,8 @@ def train(cli, loss_type: str, out: str):
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)
+    if cli.gradient_checkpointing:
+        overrides.update(gradient_checkpointing=True)
     if cli.rollout == "environment":
         overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
     if cli.vision:  # a pass without images leaves the vision tower without gradients: DDP must be told
@@ -143,7 +150,13 @@ def train(cli, loss_type: str, out: str):
                                                                          **overrides))
     else:
         trainer_cls = DynamicBatchGRPOTrainer
+        if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
+            from accelerate.parallelism_config import ParallelismConfig
+
+            overrides.update(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel))
         args = DynamicBatchGRPOConfig(**base_config_kwargs(out + "-run", max_tokens_per_microbatch=cli.budget or None,
+                                                           tensor_batch_size=cli.tensor_batch_size,
+                                                           oversize_policy=cli.oversize_policy,
                                                            balance_across_ranks=cli.balance == "on",
                                                            max_memory_per_device_mib=cli.max_memory_mib, **overrides))
     reward = RecordingReward()
