@@ -1,0 +1,190 @@
+"""Sequence parallelism (hf_dynbsz/sequence_parallel.py): DeepSpeed Ulysses on packed rows, exact.
+
+Single-process specifications: the config takes accelerate's ``ParallelismConfig(sp_size=N)`` (stock's refuses it),
+what cannot run is refused at start naming the setting and the fix, a pass's budget spans the group. Multi-process
+runs (marked slow): per-token log-probs and gradients of sharded rows equal unsharded ones, and training with
+``sp_size=2`` equals stock GRPOTrainer (no sequence parallelism, same samples) under DDP, ZeRO-2 and ZeRO-3, with
+long-tailed completions, shared prompts and sequences longer than one device's budget; on 4 processes, 2 groups
+balanced against each other.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.parallelism_config import ParallelismConfig
+from hf_dynbsz import DynamicBatchGRPOConfig
+from hf_dynbsz.model_support import Layout
+from hf_dynbsz.packing import dummy_microbatch
+from hf_dynbsz.schedule import Scheduler
+from hf_dynbsz.sequence_parallel import sequence_parallel_blocker
+from hf_dynbsz.testing import base_config_kwargs, relative_difference, run_with_timeout, save_tiny_model
+from trl import GRPOConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 300
+
+
+def config(**overrides):
+    return DynamicBatchGRPOConfig(**base_config_kwargs("/tmp/hf-dynbsz-sp-test", **overrides))
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+def test_stock_grpo_config_refuses_sp_size_and_ours_takes_it():
+    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
+        GRPOConfig(**base_config_kwargs("/tmp/x", parallelism_config=ParallelismConfig(sp_backend="deepspeed",
+                                                                                        sp_size=2)))
+    args = config(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    assert args.sequence_parallel_size == 2
+    assert args.parallelism_config is None  # accelerate runs plain data parallelism; the trainer runs Ulysses
+    assert config(sequence_parallel_size=2).sequence_parallel_size == 2
+    assert config().sequence_parallel_size == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(parallelism_config=ParallelismConfig(cp_size=2)), "cp_size=2"),
+    (dict(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2), sequence_parallel_size=4),
+     "sequence_parallel_size=4 and parallelism_config.sp_size=2 disagree"),
+    (dict(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2), dynamic_batching=False),
+     "needs dynamic_batching=True"),
+    (dict(sequence_parallel_size=0), "sequence_parallel_size must be a positive integer"),
+])
+def test_what_cannot_run_is_refused_with_the_setting_and_a_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
+
+
+def blocker(size=2, processes=2, **overrides):
+    support = SimpleNamespace(padding_free_blocker=None)
+    kwargs = dict(layouts=[Layout("padding_free", segment_attention="sdpa", attention="varlen")], support=support,
+                  vision_language=None, router_aux=False, entropy_bonus=False,
+                  text_config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2))
+    kwargs.update(overrides)
+    return sequence_parallel_blocker(size, processes, **kwargs)
+
+
+def test_the_runs_sequence_parallelism_cannot_shard_are_named():
+    assert blocker() is None
+    assert "does not divide the 3 processes" in blocker(processes=3)
+    assert "vision-language" in blocker(vision_language="repacked")
+    assert "padding-free rows" in blocker(layouts=[Layout("padded")])
+    assert "router aux loss" in blocker(router_aux=True)
+    assert "entropy bonus" in blocker(entropy_bonus=True)
+    assert "must divide the attention heads" in blocker(size=4, processes=4, text_config=SimpleNamespace(num_attention_heads=6,
+                                                                                            num_key_value_heads=2))
+    # fewer key/value heads than processes: DeepSpeed replicates them
+    assert blocker(size=4, processes=4, text_config=SimpleNamespace(num_attention_heads=8, num_key_value_heads=2)) \
+        is None
+    for reason in (blocker(processes=3), blocker(router_aux=True)):
+        assert "sequence_parallel_size=1" in reason  # the fix
+
+
+def test_a_pass_budget_spans_the_group():
+    args = config(max_tokens_per_microbatch=100, sequence_parallel_size=2)
+    scheduler = Scheduler.from_args(args)
+    assert scheduler.budget(50, "training") == 200
+    assert scheduler.budget(50, "logprob") == 400
+    assert Scheduler.from_args(config(max_tokens_per_microbatch=100)).budget(50, "training") == 100
+
+
+def test_a_lockstep_pass_gives_every_process_of_a_group_a_token():
+    mb = dummy_microbatch(0, width=4, attention="sdpa")
+    assert mb.model_inputs["input_ids"].shape == (1, 4)
+    assert mb.shift_labels.tolist() == [[0, 0, 0, -100]]
+    assert mb.segments.width == 4
+
+
+def test_one_process_cannot_form_a_group_of_two(tmp_path):
+    from hf_dynbsz import DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import RecordingReward, load_tokenizer, prompt_dataset
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_model(str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the 1 processes"):
+        DynamicBatchGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=RecordingReward(),
+                                args=config(sequence_parallel_size=2), processing_class=load_tokenizer(model_dir),
+                                train_dataset=prompt_dataset())
+
+
+# ---- multi-process ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+def launch(script: str, config_file: str, out: Path, *arguments: str, processes: int = 2) -> list[dict]:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / config_file), "--num_processes", str(processes),
+               str(ROOT / "tests" / script), "--out", str(out), *arguments]
+    run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{script} under {config_file}")
+    records = []
+    for rank in range(processes):
+        path = Path(f"{out}.rank{rank}.json")
+        assert path.exists(), f"rank {rank} did not finish ({script}, {config_file})"
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+@pytest.mark.slow
+def test_sharded_rows_give_every_token_its_log_prob_and_each_shards_gradient_once(tmp_path, model_dir):
+    """Fails when a token at a shard boundary is lost or misplaced (log-probs, entropies against stock's own method)
+    and when a shard's loss counts twice or not at all (the group's summed gradients against the unsharded pass)."""
+    for record in launch("sequence_parallel_logprobs.py", "cpu_ddp.yaml", tmp_path / "logprobs", "--model_dir",
+                         model_dir):
+        assert record["row_width"] % 2 == 0
+        assert record["logprob"] <= 1e-5 and record["entropy"] <= 1e-5, record
+        assert record["gradient"] <= 1e-5, record
+
+
+LONG_TAILED = ("--rollout", "lopsided", "--max_steps", "3")  # rank 1 gets every long completion (18-24 tokens)
+SEQUENCE_PARALLEL_RUNS = {
+    # name: (accelerate config, processes, options)
+    "ddp-grpo": ("cpu_ddp.yaml", 2, ("--loss_type", "grpo", "--budget", "20", "--oversize_policy", "error")),
+    # 2 groups of 2: data parallelism and cross-rank balancing between groups (rank 1's group has every long one)
+    "zero2-4-processes-dapo": ("cpu_zero2.yaml", 4, ("--loss_type", "dapo", "--budget", "64", "--num_iterations",
+                                                     "2")),
+    "zero3-dr_grpo": ("cpu_zero3.yaml", 2, ("--loss_type", "dr_grpo", "--budget", "64", "--beta", "0.1",
+                                            "--gradient_checkpointing", "--tensor_batch_size", "8")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SEQUENCE_PARALLEL_RUNS))
+def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
+    config_file, processes, options = SEQUENCE_PARALLEL_RUNS[name]
+    arguments = ("--model_dir", model_dir, *LONG_TAILED, *options)
+    stock = launch("distributed_grpo.py", config_file, tmp_path / "stock", "--trainer", "stock", *arguments,
+                   processes=processes)
+    ours = launch("distributed_grpo.py", config_file, tmp_path / "ours", "--trainer", "dynamic",
+                  "--sequence_parallel", "2", *arguments, processes=processes)
+    for rank in range(processes):
+        assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
+        steps = ours[rank]["metrics"]
+        assert len(steps) == 3
+        for step in steps:
+            assert step["dynbsz/prompt_tokens_saved"] > 0  # shared prompts ran sharded too
+            assert step["dynbsz/padding_fraction"] < 0.05
+            if processes == 4:
+                assert step["dynbsz/samples_moved"] > 0 and step["dynbsz/rank_imbalance_after"] < 1.1, step
+    difference = relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"),
+                                     torch.load(f"{tmp_path / 'stock'}.params.pt"))
+    assert difference <= 1e-5, difference
+
+
+@pytest.mark.slow
+def test_a_sequence_over_one_devices_budget_trains_with_sp_size_2_only(tmp_path, model_dir):
+    """budget 20 tokens per device: the long completions (up to 33 tokens with their prompts) are oversize on one
+    device (oversize_policy='error' stops the run) and fit a group of two (40 tokens), as the ddp-grpo run above
+    shows by matching stock."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
+               "--trainer", "dynamic", "--model_dir", model_dir, "--out", str(tmp_path / "alone"), *LONG_TAILED,
+               "--loss_type", "grpo", "--budget", "20", "--oversize_policy", "error"]
+    output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, "the same run without sequence parallelism",
+                              expect_failure=True)
+    assert "more than the micro-batch budget max_tokens_per_microbatch=20" in output, output[-3000:]
