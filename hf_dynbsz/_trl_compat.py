@@ -96,6 +96,9 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
                  "tensor_batch_size: vocabulary columns per tile of the fused LM head"),
     InternalName("trl.trainer.utils.add_fused_lm_head", "fused_lm_head", "passes",
                  "log-probs and entropies of a packed row without full logits", ("fused_lm_head", "shift_labels")),
+    # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/sequence_parallel.py)
+    InternalName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_release_sequence_parallel_groups", "calls",
+                 "a second trainer in one process forms DeepSpeed's sequence-parallel groups anew (they are global)"),
 )
 
 _checked = False

@@ -413,6 +413,8 @@ class BatchSizePlan:
     router_aux: str | None = None
     #: with a memory limit: ``(setting, per-device value, meaning)`` rows of :func:`hf_dynbsz.memory.plan_rows`
     memory_rows: tuple = ()
+    #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.sequence_parallel`); 1 = off
+    sequence_parallel_size: int = 1
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -527,6 +529,7 @@ class BatchSizePlan:
             vision_language=vision_language,
             router_aux=router_aux,
             memory_rows=tuple(tuple(row) for row in memory_rows),
+            sequence_parallel_size=int(dynamic.sequence_parallel_size or 1),
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------
@@ -792,6 +795,14 @@ class BatchSizePlan:
                 "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
                 if repacked else self.router_aux,
             ))
+        size = self.sequence_parallel_size
+        if size > 1:
+            rows.append(("sequence_parallel_size", str(size), f"{max(n // size, 1)} group(s)",
+                         "processes sharing each packed row (DeepSpeed Ulysses); data parallelism across groups"))
+            for name, budget, default in (("training", train_budget, "auto"), ("logprob", logprob_budget, "2 x auto")):
+                rows.append((f"tokens per {name} pass (group)", f"{size} x {default}" if budget is None else
+                             str(size * budget), "-", f"the longest sequence one {name} pass holds without running "
+                             f"oversize: {size} x the per-device budget, each process holding 1/{size} of the row"))
         rows.extend((name, value, "-", meaning) for name, value, meaning in self.memory_rows)
         # Values a DIFFU_* variable set say so, where the user looks for them.
         return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources

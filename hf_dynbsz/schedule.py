@@ -466,6 +466,11 @@ class Scheduler:
             longest = max(oversize, key=lambda i: (lengths[i], -i))
             others = (f"; {len(oversize) - 1} more sequence(s) of this process are over the budget too, the longest "
                       f"is sequence {longest} with {lengths[longest]} tokens")
+        size = self.sequence_parallel_size
+        if size > 1:  # the setting is per device: a pass spans the group
+            others += (f"; sequence_parallel_size={size} shares each pass over {size} processes: {budget} tokens "
+                       "per pass")
+            budget, longest_anywhere = budget // size, -(-longest_anywhere // size)
         return oversize_error(where, length, budget, layout=self.layout, pad_to_multiple_of=self.pad_to_multiple_of,
                               longest=longest_anywhere, others=others, setting=BUDGET_SETTINGS[kind], index=index)
 

@@ -188,3 +188,24 @@ def test_a_sequence_over_one_devices_budget_trains_with_sp_size_2_only(tmp_path,
     output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, "the same run without sequence parallelism",
                               expect_failure=True)
     assert "more than the micro-batch budget max_tokens_per_microbatch=20" in output, output[-3000:]
+
+
+def test_an_oversize_error_names_the_per_device_setting_and_the_pass_of_the_group():
+    scheduler = Scheduler.from_args(config(max_tokens_per_microbatch=20, sequence_parallel_size=2,
+                                           oversize_policy="error"))
+    with pytest.raises(ValueError) as raised:
+        scheduler.plan([50, 10], scheduler.budget(10), prompt_lengths=[5, 5])
+    message = str(raised.value)
+    assert "max_tokens_per_microbatch=20" in message and "shares each pass over 2 processes: 40 tokens" in message
+    assert "Raise max_tokens_per_microbatch to >= 25" in message  # 50 tokens over a group of 2
+
+
+def test_the_plan_table_shows_the_groups_and_the_longest_sequence_a_pass_holds():
+    from hf_dynbsz.plan import BatchSizePlan
+
+    rows = {row[0]: row for row in BatchSizePlan.from_args(
+        config(max_tokens_per_microbatch=8192, sequence_parallel_size=2), num_processes=4).rows()}
+    assert rows["sequence_parallel_size"][1:3] == ("2", "2 group(s)")
+    assert rows["tokens per training pass (group)"][1] == "16384"
+    assert rows["tokens per logprob pass (group)"][1] == "32768"
+    assert "sequence_parallel_size" not in {row[0] for row in BatchSizePlan.from_args(config(), 4).rows()}

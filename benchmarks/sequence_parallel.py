@@ -1,0 +1,191 @@
+"""Sequence parallelism (DeepSpeed Ulysses): peak memory per process and step time for long completions, and the
+longest completion that trains under a per-process memory cap, with ``sequence_parallel_size`` 1 and 2.
+
+Run from the repository root (about 20 minutes on 2 CPU cores; ``--quick`` for a smaller run):
+
+    python benchmarks/sequence_parallel.py
+
+Every configuration is a fresh ``accelerate launch`` (DDP over gloo on CPU). Both train the same GRPO steps: one
+prompt (16 tokens) with 2 completions of exactly ``L`` tokens per step (scripted rollouts, so no generation time),
+each training pass holding one sequence: ``sp_size=1`` is 1 process with ``per_device_train_batch_size=2`` and a
+budget of one sequence; ``sp_size=2`` is 2 processes (one group) with ``per_device_train_batch_size=1`` and half that
+budget per device, so a pass's row spans the group. The model is a Qwen2-style decoder whose activations count (hidden
+256, 2 layers, 8 heads, 2 key/value heads, a 64-token vocabulary), fp32, sdpa, no gradient checkpointing;
+each process runs 1 thread (2 cores: ``sp_size=2`` uses both, ``sp_size=1`` one).
+
+Peak memory is each process's resident-set high-water mark over the whole run (sampled, and ``VmHWM``), the largest
+over processes: the figure a per-process memory cap applies to. The increment is that peak minus the process's
+resident set just before training (the weights, optimizer and libraries). Step time is the median ``step_time`` of
+the steps after the first. The longest completion under a cap: the largest ``L`` of a ladder whose measured peak is at
+most ``--cap_mib`` (measured, not enforced: a run over the cap is not killed).
+
+Writes ``benchmarks/results/sequence_parallel.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PROMPT_TOKENS = 16
+
+
+def worker(length: int, sequence_parallel_size: int, steps: int, out: str) -> None:
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.device_memory import status_mib
+    from hf_dynbsz.testing import ResidentSetSampler, ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                 num_key_value_heads=2, intermediate_size=768, vocab_size=64,
+                                 max_position_embeddings=length + PROMPT_TOKENS + 8, attn_implementation="sdpa",
+                                 seed=0)
+    rollout = ScriptedRollout(lambda rng, n, rank: np.full(n, length), lambda rng: PROMPT_TOKENS,
+                              max_completion_length=length, seed=0, token_low=3, token_high=len(tokenizer),
+                              eos_id=tokenizer.eos_token_id)
+    per_device = 2 // sequence_parallel_size
+    budget = -(-(length + PROMPT_TOKENS) // sequence_parallel_size)  # one sequence per pass, over the group
+    args = DynamicBatchGRPOConfig(
+        output_dir=out + "-run", per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+        num_generations=2, max_completion_length=length, max_steps=steps, beta=0.0, learning_rate=1e-6,
+        report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
+        max_tokens_per_microbatch=budget, max_tokens_per_microbatch_logprob=budget, self_check=False,
+        sequence_parallel_size=sequence_parallel_size, dataloader_num_workers=0)
+    trainer = DynamicBatchGRPOTrainer(
+        model=model, reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
+        args=args, train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
+        processing_class=tokenizer, rollout_func=rollout)
+    before = status_mib("VmRSS")
+    with ResidentSetSampler() as sampler:
+        trainer.train()
+    peak = max(sampler.peak_mib, status_mib("VmHWM") or 0.0)
+    steps_logged = [e for e in trainer.state.log_history if "step_time" in e]
+    record = {"rank": trainer.accelerator.process_index, "peak_mib": peak, "before_mib": before,
+              "step_times": [e["step_time"] for e in steps_logged],
+              "passes": [e.get("dynbsz/microbatches") for e in steps_logged],
+              "tokens_per_pass": [e.get("dynbsz/tokens_per_microbatch_max") for e in steps_logged]}
+    with open(f"{out}.rank{record['rank']}.json", "w") as f:
+        json.dump(record, f)
+    trainer.end()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run(length: int, size: int, steps: int, scratch: Path) -> dict:
+    out = scratch / f"L{length}-sp{size}"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", str(size),
+               str(Path(__file__).resolve()), "--worker", "--length", str(length), "--size", str(size), "--steps",
+               str(steps), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if result.returncode != 0:
+        raise RuntimeError(f"L={length} sp={size} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(size)]
+    times = sorted(t for t in records[0]["step_times"][1:])
+    return {"length": length, "sp_size": size, "peak_mib": max(r["peak_mib"] for r in records),
+            "increment_mib": max(r["peak_mib"] - r["before_mib"] for r in records),
+            "step_seconds": times[len(times) // 2], "passes": records[0]["passes"],
+            "tokens_per_pass": records[0]["tokens_per_pass"], "wall_seconds": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--lengths", default="2048,4096,8192,16384", help="completion lengths of the table")
+    parser.add_argument("--ladder", default="2048,3072,4096,6144,8192,12288,16384,24576",
+                        help="completion lengths tried for the longest under the cap")
+    parser.add_argument("--cap_mib", type=float, default=None,
+                        help="per-process memory cap, MiB (default: the sp_size=1 peak at the second table length)")
+    parser.add_argument("--quick", action="store_true", help="lengths 1024,2048,4096; ladder up to 8192")
+    cli = parser.parse_args()
+    if cli.worker:
+        worker(cli.length, cli.size, cli.steps, cli.out)
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import machine_description, markdown_table
+
+    if cli.quick:
+        cli.lengths, cli.ladder = "1024,2048,4096", "1024,1536,2048,3072,4096,6144,8192"
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
+    scratch.mkdir(parents=True, exist_ok=True)
+    lengths = [int(v) for v in cli.lengths.split(",")]
+    results = {}
+    for length in lengths:
+        for size in (1, 2):
+            results[length, size] = run(length, size, cli.steps, scratch)
+            print(json.dumps(results[length, size]), flush=True)
+    cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
+    longest = {}
+    for size in (1, 2):
+        longest[size] = None
+        for length in [int(v) for v in cli.ladder.split(",")]:
+            record = results.get((length, size)) or run(length, size, 2, scratch)
+            results[length, size] = record
+            print(json.dumps(record), flush=True)
+            if record["peak_mib"] > cap:
+                break
+            longest[size] = length
+    rows = []
+    for length in lengths:
+        one, two = results[length, 1], results[length, 2]
+        rows.append([length + PROMPT_TOKENS, f"{one['peak_mib']:.0f}", f"{two['peak_mib']:.0f}",
+                     f"{one['increment_mib']:.0f}", f"{two['increment_mib']:.0f}",
+                     f"{two['increment_mib'] / one['increment_mib']:.2f}x", f"{one['step_seconds']:.2f}",
+                     f"{two['step_seconds']:.2f}", f"{one['step_seconds'] / two['step_seconds']:.2f}x"])
+    table = markdown_table(["tokens per sequence", "peak MiB/process, sp 1", "sp 2", "increment MiB, sp 1", "sp 2",
+                            "increment sp 2 / sp 1", "s/step, sp 1", "sp 2", "speed-up"], rows)
+    ratio = (longest[2] / longest[1]) if longest[1] and longest[2] else None
+    summary = (f"Longest completion whose measured per-process peak stays under {cap:.0f} MiB: sp_size=1: "
+               f"{longest[1]} tokens, sp_size=2: {longest[2]} tokens"
+               + (f" ({ratio:.2f}x)." if ratio else "."))
+    command = "python benchmarks/sequence_parallel.py" + (" --quick" if cli.quick else "")
+    text = (f"# Sequence parallelism (DeepSpeed Ulysses): sp_size 1 vs 2\n\n`{command}` on {machine_description()}.\n\n"
+            f"Two completions of L tokens (prompt {PROMPT_TOKENS}) per step, one sequence per training pass; "
+            "see the script's docstring for the setup.\n\n" + table + "\n\n" + summary + "\n")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "sequence_parallel.md").write_text(text)
+    (RESULTS / "sequence_parallel.json").write_text(json.dumps(
+        {"cap_mib": cap, "longest": longest, "runs": [results[key] for key in sorted(results)]}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for size in (1, 2):
+            points = sorted((length, record["peak_mib"]) for (length, s), record in results.items() if s == size)
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"sp_size={size}")
+        axis.axhline(cap, color="gray", linestyle="--", label=f"cap {cap:.0f} MiB")
+        axis.set_xlabel("completion tokens")
+        axis.set_ylabel("peak MiB per process")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(RESULTS / "sequence_parallel.png", dpi=120)
+    except ImportError:
+        pass
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
