@@ -1,7 +1,7 @@
 """Sequence parallelism (DeepSpeed Ulysses): peak memory per process and step time for long completions, and the
 longest completion that trains under a per-process memory cap, with ``sequence_parallel_size`` 1 and 2.
 
-Run from the repository root (about 20 minutes on 2 CPU cores; ``--quick`` for a smaller run):
+Run from the repository root (about 25 minutes on 2 CPU cores; ``--quick`` for a smaller run):
 
     python benchmarks/sequence_parallel.py
 
@@ -10,14 +10,17 @@ prompt (16 tokens) with 2 completions of exactly ``L`` tokens per step (scripted
 each training pass holding one sequence: ``sp_size=1`` is 1 process with ``per_device_train_batch_size=2`` and a
 budget of one sequence; ``sp_size=2`` is 2 processes (one group) with ``per_device_train_batch_size=1`` and half that
 budget per device, so a pass's row spans the group. The model is a Qwen2-style decoder whose activations count (hidden
-256, 2 layers, 8 heads, 2 key/value heads, a 64-token vocabulary), fp32, sdpa, no gradient checkpointing;
-each process runs 1 thread (2 cores: ``sp_size=2`` uses both, ``sp_size=1`` one).
+256, 4 layers, 8 heads, 2 key/value heads, a 64-token vocabulary), fp32, sdpa, gradient checkpointing off (TRL's
+default is on); each process runs 1 thread (2 cores: ``sp_size=2`` uses both, ``sp_size=1`` one), and glibc returns
+freed blocks over 128 KiB to the system (``MALLOC_MMAP_THRESHOLD_``), so that the resident set is what the process
+uses, not what its heap kept.
 
 Peak memory is each process's resident-set high-water mark over the whole run (sampled, and ``VmHWM``), the largest
 over processes: the figure a per-process memory cap applies to. The increment is that peak minus the process's
 resident set just before training (the weights, optimizer and libraries). Step time is the median ``step_time`` of
-the steps after the first. The longest completion under a cap: the largest ``L`` of a ladder whose measured peak is at
-most ``--cap_mib`` (measured, not enforced: a run over the cap is not killed).
+the steps after the first. The longest completion under a cap: the largest ``L`` (to ``--resolution`` tokens, by
+doubling then bisection) whose measured peak is at most ``--cap_mib`` (default: the ``sp_size=1`` peak at the second
+table length); measured, not enforced: a run over the cap is not killed.
 
 Writes ``benchmarks/results/sequence_parallel.{md,json,png}``.
 """
@@ -37,7 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PROMPT_TOKENS = 16
 
 
-def worker(length: int, sequence_parallel_size: int, steps: int, out: str) -> None:
+def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int) -> None:
     import numpy as np
     import torch
     from datasets import Dataset
@@ -50,7 +53,7 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str) -> No
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+    model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
                                  num_key_value_heads=2, intermediate_size=768, vocab_size=64,
                                  max_position_embeddings=length + PROMPT_TOKENS + 8, attn_implementation="sdpa",
                                  seed=0)
@@ -64,7 +67,8 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str) -> No
         num_generations=2, max_completion_length=length, max_steps=steps, beta=0.0, learning_rate=1e-6,
         report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
         max_tokens_per_microbatch=budget, max_tokens_per_microbatch_logprob=budget, self_check=False,
-        sequence_parallel_size=sequence_parallel_size, dataloader_num_workers=0)
+        sequence_parallel_size=sequence_parallel_size, dataloader_num_workers=0, gradient_checkpointing=False,
+        activation_checkpointing=False)
     trainer = DynamicBatchGRPOTrainer(
         model=model, reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
         args=args, train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
@@ -85,13 +89,14 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str) -> No
     os._exit(0)
 
 
-def run(length: int, size: int, steps: int, scratch: Path) -> dict:
+def run(length: int, size: int, steps: int, scratch: Path, layers: int = 4) -> dict:
     out = scratch / f"L{length}-sp{size}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", str(size),
                str(Path(__file__).resolve()), "--worker", "--length", str(length), "--size", str(size), "--steps",
-               str(steps), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
+               str(steps), "--out", str(out), "--layers", str(layers)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1",
+           "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed large blocks go back to the system: the resident set is use
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
@@ -104,6 +109,28 @@ def run(length: int, size: int, steps: int, scratch: Path) -> dict:
             "tokens_per_pass": records[0]["tokens_per_pass"], "wall_seconds": time.perf_counter() - started}
 
 
+def longest_under(cap: float, size: int, results: dict, scratch: Path, layers: int, resolution: int) -> int | None:
+    """The longest completion (a multiple of ``resolution``) whose measured peak is at most ``cap``: doubling from
+    the shortest length measured, then bisection (runs of 2 steps; each measured run is kept in ``results``)."""
+
+    def fits(length: int) -> bool:
+        if (length, size) not in results:
+            results[length, size] = run(length, size, 2, scratch, layers)
+            print(json.dumps(results[length, size]), flush=True)
+        return results[length, size]["peak_mib"] <= cap
+
+    low = min(length for length, s in results if s == size)
+    if not fits(low):
+        return None
+    high = low * 2
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > resolution:
+        middle = (low + high) // 2 // resolution * resolution
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -111,40 +138,31 @@ def main() -> None:
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
-    parser.add_argument("--lengths", default="2048,4096,8192,16384", help="completion lengths of the table")
-    parser.add_argument("--ladder", default="2048,3072,4096,6144,8192,12288,16384,24576",
-                        help="completion lengths tried for the longest under the cap")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
+    parser.add_argument("--lengths", default="2048,4096,8192", help="completion lengths of the table")
+    parser.add_argument("--resolution", type=int, default=256, help="tokens: the longest under the cap is found to this")
     parser.add_argument("--cap_mib", type=float, default=None,
                         help="per-process memory cap, MiB (default: the sp_size=1 peak at the second table length)")
-    parser.add_argument("--quick", action="store_true", help="lengths 1024,2048,4096; ladder up to 8192")
+    parser.add_argument("--quick", action="store_true", help="lengths 1024,2048, 2 layers, resolution 512")
     cli = parser.parse_args()
     if cli.worker:
-        worker(cli.length, cli.size, cli.steps, cli.out)
+        worker(cli.length, cli.size, cli.steps, cli.out, cli.layers)
         return
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import machine_description, markdown_table
 
     if cli.quick:
-        cli.lengths, cli.ladder = "1024,2048,4096", "1024,1536,2048,3072,4096,6144,8192"
+        cli.lengths, cli.layers, cli.resolution = "1024,2048", 2, 512
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
     scratch.mkdir(parents=True, exist_ok=True)
     lengths = [int(v) for v in cli.lengths.split(",")]
     results = {}
     for length in lengths:
         for size in (1, 2):
-            results[length, size] = run(length, size, cli.steps, scratch)
+            results[length, size] = run(length, size, cli.steps, scratch, cli.layers)
             print(json.dumps(results[length, size]), flush=True)
     cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
-    longest = {}
-    for size in (1, 2):
-        longest[size] = None
-        for length in [int(v) for v in cli.ladder.split(",")]:
-            record = results.get((length, size)) or run(length, size, 2, scratch)
-            results[length, size] = record
-            print(json.dumps(record), flush=True)
-            if record["peak_mib"] > cap:
-                break
-            longest[size] = length
+    longest = {size: longest_under(cap, size, results, scratch, cli.layers, cli.resolution) for size in (1, 2)}
     rows = []
     for length in lengths:
         one, two = results[length, 1], results[length, 2]
