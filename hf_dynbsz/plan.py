@@ -497,6 +497,10 @@ class BatchSizePlan:
         # Dynamic-batching fields: validate a copy so that a namespace or config is not modified here.
         dynamic = _FieldView(args)
         validate_dynamic_batch_fields(dynamic)
+        size = int(dynamic.sequence_parallel_size or 1)
+        if num_processes % size:
+            raise ValueError(f"sequence_parallel_size={size} does not divide num_processes={num_processes}: "
+                             f"{setting('sequence_parallel_size').fix}")
         if zero_stage is not None:
             zero_stage = int(zero_stage)
             if zero_stage not in (0, 1, 2, 3):

@@ -5,7 +5,8 @@ shuffles and slices them). Instead of one forward/backward per fixed slice, the 
 slices into a :class:`~hf_dynbsz.batch.StepBatch`, asks :mod:`hf_dynbsz.schedule` for its passes (budget,
 layout, lockstep), runs them with the packing collator (:mod:`hf_dynbsz.packing`) and the per-sample loss
 weights of :mod:`hf_dynbsz.loss`, and logs through :mod:`hf_dynbsz.metrics`. No-grad log-prob passes run by
-the same schedule.
+the same schedule. With ``sequence_parallel_size`` > 1 a group of processes pools its samples and each pass's row is
+sharded over the group (:mod:`hf_dynbsz.sequence_parallel`).
 
 TRL hooks overridden, and why:
 
@@ -370,6 +371,8 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             if failure is not None and processes == 1:
                 break
             shape = next(shapes) if group else None
+            if shape is not None and self._sharded:  # the memory model is per process: each holds 1/size of the row
+                shape = tuple(value / self._dynbsz_sequence_parallel.size for value in shape)
             if not group or failure is not None:  # a failed process keeps the others' collectives going
                 self._dummy_pass(model, last if training and failure is None else None)
                 continue

@@ -209,3 +209,10 @@ def test_the_plan_table_shows_the_groups_and_the_longest_sequence_a_pass_holds()
     assert rows["tokens per training pass (group)"][1] == "16384"
     assert rows["tokens per logprob pass (group)"][1] == "32768"
     assert "sequence_parallel_size" not in {row[0] for row in BatchSizePlan.from_args(config(), 4).rows()}
+
+
+def test_planning_a_group_size_that_does_not_divide_the_processes_is_refused():
+    from hf_dynbsz.plan import BatchSizePlan
+
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide num_processes=3"):
+        BatchSizePlan.from_args(config(sequence_parallel_size=2), num_processes=3)
