@@ -27,6 +27,7 @@ NEW_FIELDS = (
     "peak_tflops_per_device",
     "max_memory_per_device_mib",
     "max_memory_fraction_per_device",
+    "sequence_parallel_size",
 )
 
 
