@@ -245,7 +245,8 @@ class StepMetrics:
             store["dynbsz/predicted_peak_memory_mib"].append(predicted_kib / 1024)
         store["dynbsz/oom_retries"].append(float(retries))
         if meters.peak_tflops and meters.flops is not None and seconds["train"]:
-            store["dynbsz/mfu"].append(flops_all / (seconds["train"] * group.num_processes * meters.peak_tflops * 1e12))
+            devices = accelerator.num_processes  # every device (a sequence-parallel group's too)
+            store["dynbsz/mfu"].append(flops_all / (seconds["train"] * devices * meters.peak_tflops * 1e12))
         used = self.pass_real_tokens
         store["dynbsz/microbatches"].append(float(len(used)))
         store["dynbsz/microbatches_needed"].append(float(schedule.passes_needed))
