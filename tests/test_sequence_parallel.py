@@ -144,7 +144,8 @@ def test_sharded_rows_give_every_token_its_log_prob_and_each_shards_gradient_onc
 LONG_TAILED = ("--rollout", "lopsided", "--max_steps", "3")  # rank 1 gets every long completion (18-24 tokens)
 SEQUENCE_PARALLEL_RUNS = {
     # name: (accelerate config, processes, options)
-    "ddp-grpo": ("cpu_ddp.yaml", 2, ("--loss_type", "grpo", "--budget", "20", "--oversize_policy", "error")),
+    "ddp-grpo": ("cpu_ddp.yaml", 2, ("--loss_type", "grpo", "--budget", "20", "--oversize_policy", "error",
+                                     "--top_entropy_quantile", "0.5")),
     # 2 groups of 2: data parallelism and cross-rank balancing between groups (rank 1's group has every long one)
     "zero2-4-processes-dapo": ("cpu_zero2.yaml", 4, ("--loss_type", "dapo", "--budget", "64", "--num_iterations",
                                                      "2")),
