@@ -533,7 +533,7 @@ class BatchSizePlan:
             vision_language=vision_language,
             router_aux=router_aux,
             memory_rows=tuple(tuple(row) for row in memory_rows),
-            sequence_parallel_size=int(dynamic.sequence_parallel_size or 1),
+            sequence_parallel_size=size,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------------------

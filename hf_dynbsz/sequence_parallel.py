@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .attention import ATTENTION_NAME, segment_attention_forward
+from .model_support import _read
 from .partition import text_config_of
 
 __all__ = ["ULYSSES_ATTENTION_NAME", "SequenceParallel", "gather_shards", "sequence_parallel_blocker"]
@@ -62,8 +63,8 @@ def sequence_parallel_blocker(size: int, num_processes: int, *, layouts, support
         return f"sequence_parallel_size={size} does not repack the MoE router aux loss: {fix}"
     if entropy_bonus:
         return f"sequence_parallel_size={size} does not repack the entropy bonus: {fix}"
-    heads = getattr(text_config, "num_attention_heads", None)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    heads = _read(text_config, "num_attention_heads")  # (a per-layer count reads as None: refused)
+    kv_heads = _read(text_config, "num_key_value_heads", heads)
     if not isinstance(heads, int) or heads % size or not isinstance(kv_heads, int) or (kv_heads % size and
                                                                                        size % kv_heads):
         return (f"sequence_parallel_size={size} must divide the attention heads (num_attention_heads={heads}, and "
