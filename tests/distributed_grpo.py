@@ -92,7 +92,8 @@ def main() -> None:
                                                        "loaded), image prompts, lopsided completions")
     parser.add_argument("--sequence_parallel", type=int, default=1,
                         help="parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size=N) (ours only)")
-    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--no_gradient_checkpointing", action="store_true",
+                        help="gradient_checkpointing=False (GRPOConfig's default is True)")
     parser.add_argument("--oversize_policy", choices=["warn", "error"], default="warn")
     parser.add_argument("--tensor_batch_size", type=int, default=None)
     parser.add_argument("--plain_exit", action="store_true",
@@ -136,8 +137,8 @@ def train(cli, loss_type: str, out: str):
     if cli.lopsided:
         overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          num_generations=4)
-    if cli.gradient_checkpointing:
-        overrides.update(gradient_checkpointing=True)
+    if cli.no_gradient_checkpointing:
+        overrides.update(gradient_checkpointing=False)
     if cli.rollout == "environment":
         overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
     if cli.vision:  # a pass without images leaves the vision tower without gradients: DDP must be told

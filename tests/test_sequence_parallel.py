@@ -148,9 +148,10 @@ SEQUENCE_PARALLEL_RUNS = {
                                      "--top_entropy_quantile", "0.5")),
     # 2 groups of 2: data parallelism and cross-rank balancing between groups (rank 1's group has every long one)
     "zero2-4-processes-dapo": ("cpu_zero2.yaml", 4, ("--loss_type", "dapo", "--budget", "64", "--num_iterations",
-                                                     "2")),
+                                                     "2", "--no_gradient_checkpointing")),
+    # gradient checkpointing is on in the runs above and this one (GRPOConfig's default), off in the 4-process run
     "zero3-dr_grpo": ("cpu_zero3.yaml", 2, ("--loss_type", "dr_grpo", "--budget", "64", "--beta", "0.1",
-                                            "--gradient_checkpointing", "--tensor_batch_size", "8")),
+                                            "--tensor_batch_size", "8")),
 }
 
 
