@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .env import env_sources
-from .model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport
+from .model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport, images_stay_on_their_process
 from .schedule import RankGroup, Scheduler
 from .settings import ENV_SETTINGS
 
@@ -83,7 +83,8 @@ class Capabilities:
             notes.append(f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
                          f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
                          "are repacked")
-        if enabled and vision_language == "stock" and args.balance_across_ranks and group.num_processes > 1:
+        if (enabled and images_stay_on_their_process(vision_language) and args.balance_across_ranks
+                and group.num_processes > 1):
             notes.append("balance_across_ranks is not applied: the image inputs of this family stay on their process")
         if args.per_device_generation_batch_size is not None and external_generation:
             notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "

@@ -28,6 +28,8 @@ __all__ = [
     "ModelSupport",
     "REPACKED_VISION_MODEL_TYPES",
     "VARLEN_ATTENTION_PREFIXES",
+    "base_model",
+    "images_stay_on_their_process",
     "vision_language_mode",
 ]
 
@@ -83,6 +85,17 @@ def vision_language_mode(config: Any) -> str | None:
     if config is None or _read(config, "vision_config") is None:
         return None
     return "repacked" if _read(config, "model_type") in REPACKED_VISION_MODEL_TYPES else "stock"
+
+
+def images_stay_on_their_process(vision_language: str | None) -> bool:
+    """Whether cross-rank balancing is off for a model of this :func:`vision_language_mode`: a family whose image
+    steps run stock's micro-batches keeps its samples (and their image inputs) on their process."""
+    return vision_language == "stock"
+
+
+def base_model(model: Any) -> Any:
+    """The model under PEFT's wrapper (``get_base_model()``), or ``model`` itself."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Any
 
 from .env import env_sources
+from .model_support import images_stay_on_their_process
 from .partition import ceil_div
 from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
 
@@ -626,6 +627,7 @@ class BatchSizePlan:
     def rows(self) -> list[tuple[str, str, str, str]]:
         """The table of :meth:`render` as ``(setting, per device, global, meaning)`` rows."""
         n = self.num_processes
+        stay = images_stay_on_their_process(self.vision_language)  # this family's samples are not balanced
         train_budget = self.max_tokens_per_microbatch
         logprob_budget = self.effective_max_tokens_per_microbatch_logprob
         if self.per_device_generation_batch_size is None:
@@ -765,11 +767,11 @@ class BatchSizePlan:
             ),
             (
                 "balance_across_ranks",
-                ("on" if self.balance_across_ranks and self.vision_language != "stock" else "off")
+                ("on" if self.balance_across_ranks and not stay else "off")
                 + (" (1 process)" if n == 1 else ""),
                 "-",
                 "no-op on one process" if n == 1 else ("this family's image inputs stay on their process"
-                                                       if self.vision_language == "stock"
+                                                       if stay
                                                        else setting("balance_across_ranks").summary),
             ),
             (

@@ -30,6 +30,8 @@ import contextlib
 
 import torch
 
+from .model_support import base_model
+
 __all__ = ["RouterAuxLoss", "captured_router_logits", "router_statistics"]
 
 
@@ -39,7 +41,7 @@ def captured_router_logits(model):
     forward). TRL's fused LM head returns the aux loss of the whole pass but not the logits, so they are taken from
     the output of the model's backbone (what the fused head reads them from) by a forward hook. ``model``: the
     unwrapped model (PEFT's wrapper or the causal LM)."""
-    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    causal_lm = base_model(model)
     captured: list = []
     handle = causal_lm.base_model.register_forward_hook(
         lambda module, args, output: captured.append(output.router_logits))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .balance import Assignment, assign
-from .model_support import Layout, ModelSupport
+from .model_support import Layout, ModelSupport, images_stay_on_their_process
 from .partition import (
     WorkloadModel,
     item_costs,
@@ -300,7 +300,7 @@ class Scheduler:
             oversize_policy=args.oversize_policy,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
-            balance_across_ranks=bool(balance) and support.vision_language != "stock",
+            balance_across_ranks=bool(balance) and not images_stay_on_their_process(support.vision_language),
             share_prompts=layout.share_prompts,
             segment_attention=layout.segment_attention,
             attention_mask=layout.attention_mask,

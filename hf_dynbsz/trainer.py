@@ -43,6 +43,7 @@ from .distributed import ProcessGroup, destroy_process_group_at_exit
 from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from .memory import FailedPass, MemoryModel, OutOfMemoryBudgetError, plan_rows
 from .metrics import StepMeters, StepMetrics
+from .model_support import base_model
 from .multimodal import TOKEN_FIELDS, rope_positions, split_media
 from .packing import SequenceTable, build_microbatch, dummy_microbatch
 from .router_loss import RouterAuxLoss, captured_router_logits
@@ -82,7 +83,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     __init__.__signature__ = _STOCK_INIT
 
     def _setup_dynamic_batching(self) -> None:
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        model = base_model(self.model)
         self._dynbsz_world = ProcessGroup(self.accelerator)  # every process (decisions all must agree on)
         capabilities = Capabilities.of(self.args, model, self._dynbsz_world, aux_loss=self.aux_loss_enabled,
                                        external_generation=self.use_vllm or self.use_transformers_continuous_batching)
@@ -447,8 +448,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         scheduler = scheduler or self._dynbsz_scheduler
         if (scheduler.layout == "padding_free" and table.positions is None
                 and self._dynbsz_capabilities.support.multimodal_rope):  # once per table: each sample's own M-RoPE
-            model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            table.positions = rope_positions(self.accelerator.unwrap_model(model), table.tokens, table.token_fields,
+            table.positions = rope_positions(self.accelerator.unwrap_model(base_model(self.model)), table.tokens, table.token_fields,
                                              table.media)
         multiple = self.args.pad_to_multiple_of
         if self._sharded:  # a sharded row splits evenly over its group
