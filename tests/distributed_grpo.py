@@ -200,8 +200,9 @@ def train(cli, loss_type: str, out: str):
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics,
-                   "rewards": rewards, "aux_losses": aux_losses}
+                   "rewards": rewards, "aux_losses": aux_losses, "losses": losses}
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
     if accelerator.is_main_process:

@@ -173,6 +173,9 @@ def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
             assert step["dynbsz/padding_fraction"] < 0.05
             if processes == 4:
                 assert step["dynbsz/samples_moved"] > 0 and step["dynbsz/rank_imbalance_after"] < 1.1, step
+    # the logged loss counts each group once (each of its processes holds the group's whole loss); it is not near 0
+    # in the ZeRO runs, so a loss counted per process (x2) fails here
+    assert ours[0]["losses"] == pytest.approx(stock[0]["losses"], rel=1e-3, abs=1e-6)
     difference = relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"),
                                      torch.load(f"{tmp_path / 'stock'}.params.pt"))
     assert difference <= 1e-5, difference
