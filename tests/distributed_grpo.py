@@ -96,6 +96,7 @@ def main() -> None:
                         help="gradient_checkpointing=False (GRPOConfig's default is True)")
     parser.add_argument("--oversize_policy", choices=["warn", "error"], default="warn")
     parser.add_argument("--tensor_batch_size", type=int, default=None)
+    parser.add_argument("--long_rank", type=int, default=1, help="--rollout lopsided: the process given the long ones")
     parser.add_argument("--plain_exit", action="store_true",
                         help="return from the script as a user's script does: no trainer.end(), no os._exit")
     cli = parser.parse_args()
@@ -174,7 +175,7 @@ def train(cli, loss_type: str, out: str):
                       train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset())
     if cli.rollout == "lopsided":
         kwargs["rollout_func"] = ScriptedRollout(
-            lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
+            lambda rng, n, rank: rng.integers(18, 25, n) if rank == cli.long_rank else rng.integers(1, 4, n),
             lambda rng: rng.integers(3, 9), max_completion_length=24, seed=1, token_low=3, token_high=7, eos_id=1)
     elif cli.rollout == "multiturn":
         kwargs["rollout_func"] = MultiTurnRollout(
@@ -207,7 +208,9 @@ def train(cli, loss_type: str, out: str):
         json.dump(rank_record, f)
     if accelerator.is_main_process:
         torch.save(params, f"{out}.params.pt")
-    accelerator.wait_for_everyone()
+    if not cli.plain_exit:
+        accelerator.wait_for_everyone()
+    # --plain_exit: as a user's script, no barrier: process 0 still saves while the others return and exit
     return trainer
 
 

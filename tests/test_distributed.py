@@ -217,23 +217,35 @@ def test_a_diffu_variable_set_on_one_process_only_stops_every_process_clearly(tm
 
 
 # ---- a user's script, without trainer.end(), exits cleanly every time -------------------------------------------
-LAUNCHES = 30
+EXIT_SERIES = {
+    # name: (accelerate config, extra options, launches)
+    "ddp": ("cpu_ddp.yaml", {}, 50),
+    "zero2": ("cpu_zero2.yaml", {}, 10),
+    "sequence_parallel": ("cpu_ddp.yaml", {"sequence_parallel": 2}, 10),
+}
 
 
 @pytest.mark.exits
-def test_a_script_without_trainer_end_exits_cleanly_every_time(tmp_path, model_dir):
-    """TRL's own scripts return after trainer.train(): the plugin destroys the process group at exit, so gloo's
-    threads cannot abort a process during interpreter finalization ("terminate called without an active
-    exception"). Every one of LAUNCHES launches must exit 0 (run_with_timeout raises on any other status)."""
-    for launch_number in range(LAUNCHES):
+@pytest.mark.parametrize("series", list(EXIT_SERIES))
+def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path, model_dir):
+    """TRL's own scripts return after trainer.train(). Here process 0 gets every long completion, so balancing moves
+    samples every step, and with ``--plain_exit`` there is no barrier at the end: process 0 still gathers and saves the
+    parameters while process 1 returns and exits. Every launch must exit 0 (run_with_timeout raises on any other
+    status) and print no abort."""
+    config, extra, launches = EXIT_SERIES[series]
+    for launch_number in range(launches):
         out = tmp_path / f"run{launch_number}"
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
+                   str(ROOT / "accelerate_configs" / config), str(ROOT / "tests" / "distributed_grpo.py"),
                    "--trainer", "dynamic", "--model_dir", model_dir, "--out", str(out), "--plain_exit",
-                   "--max_steps", "1", "--rollout", "lopsided", "--budget", "64"]
-        output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"launch {launch_number} without trainer.end()")
+                   "--max_steps", "3", "--rollout", "lopsided", "--long_rank", "0", "--budget", "64"]
+        for key, value in extra.items():
+            command += [f"--{key}", str(value)]
+        output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{series} launch {launch_number} without trainer.end()")
         assert "terminate called" not in output, output[-2000:]
-        assert all(Path(f"{out}.rank{rank}.json").exists() for rank in range(2))
+        records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
+        if series != "sequence_parallel":  # one group of two: nothing to balance between groups
+            assert all(step["dynbsz/samples_moved"] > 0 for step in records[0]["metrics"]), "balancing moved nothing"
 
 
 # ---- the budget from memory, and an out-of-memory pass recovered across processes --------------------------------
