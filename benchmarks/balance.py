@@ -12,7 +12,7 @@ repeats; runs interleave the configurations. Goal: lopsided / even <= 1.10 with 
 
 Part 2, simulation: each step, every one of ``P`` processes holds 16 samples of the long-tailed mix of
 ``benchmarks/common.py`` (max completion 4096 tokens, prompts 32-96). The processes' schedules are computed by
-:func:`hf_dynbsz.schedule.simulate_processes` (the trainer's own scheduling code, the processes meeting at real
+:func:`hf_dynbsz.planning.schedule.simulate_processes` (the trainer's own scheduling code, the processes meeting at real
 collectives in threads) for a 7B-class decoder (the partitioner's default workload model) with padding-free rows
 on a varlen kernel and a budget of 16,384 tokens per pass. A process's predicted time is the sum of its passes'
 costs; a step's predicted time is that of the slowest process (every process waits for it at the gradient
@@ -158,8 +158,8 @@ def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: i
     import numpy as np
     from common import sequence_lengths
 
-    from hf_dynbsz.partition import WorkloadModel
-    from hf_dynbsz.schedule import Scheduler, simulate_processes
+    from hf_dynbsz.planning.partition import WorkloadModel
+    from hf_dynbsz.planning.schedule import Scheduler, simulate_processes
 
     workload = WorkloadModel.default("padding_free", "varlen")
     rows = []

@@ -52,7 +52,7 @@ def measure_logprob(tokens_per_tile: int | None, tokens: int, hidden: int) -> di
     import torch
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_dynbsz.tiling import lm_head_tiles
+    from hf_dynbsz.execution.tiling import lm_head_tiles
     from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     torch.manual_seed(0)

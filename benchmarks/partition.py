@@ -3,7 +3,7 @@
 Compares, for the same sequence lengths (the long-tailed, bimodal and uniform mixes of
 ``benchmarks/common.py``, at full scale: ``max_completion_length`` 2048 by default):
 
-* ``ours``: ``hf_dynbsz.partition.partition_by_token_budget`` (the count of first-fit-decreasing, then
+* ``ours``: ``hf_dynbsz.planning.partition.partition_by_token_budget`` (the count of first-fit-decreasing, then
   micro-batches balanced by the workload model; what the trainer calls);
 * ``fixed count, safe B``: stock TRL's fixed micro-batch of ``B`` consecutive sequences, with ``B = budget //
   (longest possible sequence)``, the largest per_device_train_batch_size that can never exceed the budget.
@@ -70,7 +70,7 @@ from common import (  # noqa: E402
 
 ensure_repo_on_path()
 from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
-from hf_dynbsz.partition import (  # noqa: E402
+from hf_dynbsz.planning.partition import (  # noqa: E402
     WorkloadModel,
     microbatch_tokens,
     min_num_microbatches,

@@ -47,7 +47,7 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layer
     from transformers.utils import logging as hf_logging
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.device_memory import status_mib
+    from hf_dynbsz.execution.device_memory import status_mib
     from hf_dynbsz.testing import ResidentSetSampler, ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
 
     hf_logging.set_verbosity_error()

@@ -1,17 +1,16 @@
 """hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, with exactly stock TRL's training math.
 
-Layers, bottom up (the README's "Architecture" section says what each module decides):
+Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
-* planning core, no torch/TRL imports: :mod:`hf_dynbsz.settings`, :mod:`hf_dynbsz.env`, :mod:`hf_dynbsz.plan`,
-  :mod:`hf_dynbsz.balance`, :mod:`hf_dynbsz.partition`, :mod:`hf_dynbsz.model_support`, :mod:`hf_dynbsz.schedule`,
-  :mod:`hf_dynbsz._trl_compat`;
-* configuration: :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``);
-* torch layer: :mod:`hf_dynbsz.batch`, :mod:`hf_dynbsz.packing`, :mod:`hf_dynbsz.attention`,
-  :mod:`hf_dynbsz.self_check`, :mod:`hf_dynbsz.loss`, :mod:`hf_dynbsz.router_loss`, :mod:`hf_dynbsz.metrics`,
-  :mod:`hf_dynbsz.tiling`, :mod:`hf_dynbsz.distributed`, :mod:`hf_dynbsz.capabilities`;
-* trainer layer: :mod:`hf_dynbsz.trainer` (``DynamicBatchGRPOTrainer``);
-* tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``), :mod:`hf_dynbsz.testing` (shared by tests, benchmarks, examples),
-  :mod:`hf_dynbsz.zoo` (tiny models of transformers' causal-LM architectures).
+* :mod:`hf_dynbsz.planning`: the pure planning core (settings, environment overrides, the batch-size plan, cost
+  model, partition, balance, schedule, memory model, model support); no torch, TRL or transformers imports;
+* :mod:`hf_dynbsz.execution`: the torch layer (step batch, packing, segment attention, tiling, loss weights, router
+  loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
+* :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
+* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``) and :mod:`hf_dynbsz.trainer` (``DynamicBatchGRPOTrainer``):
+  TRL's hooks over the executor; :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
+* tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
+  oracles and process tools shared by tests, benchmarks and examples).
 
 Heavy imports (torch, TRL) happen lazily, so ``import hf_dynbsz`` for the planning core stays cheap.
 """
@@ -20,21 +19,21 @@ from __future__ import annotations
 
 import importlib
 
-from ._trl_compat import TESTED_TRL_RANGE, check_trl_version
+from hf_dynbsz._trl_compat import TESTED_TRL_RANGE, check_trl_version
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "DynamicBatchGRPOConfig": "hf_dynbsz.config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
-    "apply_env_overrides": "hf_dynbsz.env",
-    "BatchSizePlan": "hf_dynbsz.plan",
-    "Scheduler": "hf_dynbsz.schedule",
-    "partition_by_token_budget": "hf_dynbsz.partition",
-    "WorkloadModel": "hf_dynbsz.partition",
-    "OversizeSequenceError": "hf_dynbsz.partition",
-    "MemoryModel": "hf_dynbsz.memory",
-    "OutOfMemoryBudgetError": "hf_dynbsz.memory",
+    "apply_env_overrides": "hf_dynbsz.planning.env",
+    "BatchSizePlan": "hf_dynbsz.planning.plan",
+    "Scheduler": "hf_dynbsz.planning.schedule",
+    "partition_by_token_budget": "hf_dynbsz.planning.partition",
+    "WorkloadModel": "hf_dynbsz.planning.partition",
+    "OversizeSequenceError": "hf_dynbsz.planning.partition",
+    "MemoryModel": "hf_dynbsz.planning.memory",
+    "OutOfMemoryBudgetError": "hf_dynbsz.planning.memory",
     "DynamicBatchGRPOTrainer": "hf_dynbsz.trainer",
 }
 

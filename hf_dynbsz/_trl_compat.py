@@ -68,7 +68,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
     # ---- transformers
     InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "writes",
                  "read: the attention implementation decides the layout; switched to segment attention around the "
-                 "plugin's padding-free passes (hf_dynbsz.attention.segment_attention)"),
+                 "plugin's padding-free passes (hf_dynbsz.execution.attention.segment_attention)"),
     InternalName("transformers.PreTrainedModel", "_supports_attention_backend", "reads",
                  "segment attention runs only models whose attention dispatches through AttentionInterface"),
     InternalName("transformers.modeling_flash_attention_utils", "_flash_attention_forward", "calls",
@@ -96,7 +96,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
                  "tensor_batch_size: vocabulary columns per tile of the fused LM head"),
     InternalName("trl.trainer.utils.add_fused_lm_head", "fused_lm_head", "passes",
                  "log-probs and entropies of a packed row without full logits", ("fused_lm_head", "shift_labels")),
-    # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/sequence_parallel.py)
+    # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/parallel/sequence_parallel.py)
     InternalName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_release_sequence_parallel_groups", "calls",
                  "a second trainer in one process forms DeepSpeed's sequence-parallel groups anew (they are global)"),
 )

@@ -1,7 +1,7 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
 ``hf-dynbsz plan [GRPOConfig options] [--num_processes N] [--config_file ACCELERATE_YAML] [--lengths FILE]``
-prints the batch-size plan (:class:`~hf_dynbsz.plan.BatchSizePlan`) of a training command: every
+prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command: every
 ``GRPOConfig``/``DynamicBatchGRPOConfig`` option is accepted by its config name (``--output_dir`` is not
 required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
 micro-batches of a list of sample lengths and compares them with stock TRL's padded micro-batches.
@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .model_support import ModelSupport, router_aux_loss_coef
-from .partition import token_lower_bound
-from .plan import text_table
-from .schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.model_support import ModelSupport, router_aux_loss_coef
+from hf_dynbsz.planning.partition import token_lower_bound
+from hf_dynbsz.planning.plan import text_table
+from hf_dynbsz.planning.schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
 
@@ -359,7 +359,7 @@ def simulation_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
 def _plan_parser():
     from transformers import HfArgumentParser
 
-    from .config import DynamicBatchGRPOConfig
+    from hf_dynbsz.config import DynamicBatchGRPOConfig
 
     parser = HfArgumentParser(
         DynamicBatchGRPOConfig,
@@ -454,7 +454,7 @@ def _check_as_training(namespace: argparse.Namespace, plan) -> None:
     checked by the launcher, not here), and the generation round is the one planned for ``plan.num_processes``
     (this process is one process, the run may be many).
     """
-    from .config import DynamicBatchGRPOConfig
+    from hf_dynbsz.config import DynamicBatchGRPOConfig
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -472,9 +472,9 @@ def _check_as_training(namespace: argparse.Namespace, plan) -> None:
 def _memory_rows(namespace: argparse.Namespace, model_config, attn_implementation: str | None, lengths,
                  num_processes: int, zero_stage: int | None, mixed_precision: str | None) -> list:
     """With ``max_memory_per_device_mib``: the plan rows answering "what budget fits in N MiB for this model?"
-    (:func:`hf_dynbsz.memory.plan_rows`, the trainer's model before any pass is measured)."""
-    from .memory import MemoryModel, estimated_held_mib, plan_rows
-    from .partition import GENERIC_DECODER
+    (:func:`hf_dynbsz.planning.memory.plan_rows`, the trainer's model before any pass is measured)."""
+    from hf_dynbsz.planning.memory import MemoryModel, estimated_held_mib, plan_rows
+    from hf_dynbsz.planning.partition import GENERIC_DECODER
 
     limit = getattr(namespace, "max_memory_per_device_mib", None)
     if limit is None:
@@ -502,8 +502,8 @@ def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
-    from .env import apply_env_overrides, with_env_sources
-    from .plan import BatchSizePlan, validate_dynamic_batch_fields
+    from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
+    from hf_dynbsz.planning.plan import BatchSizePlan, validate_dynamic_batch_fields
 
     try:
         launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
@@ -587,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(argv[:1])  # prints help (exit 0) or a usage error (exit 2)
         return _EXIT_USAGE
     if argv[0] == "report":
-        from .report import main as report
+        from hf_dynbsz.report import main as report
 
         return report(argv[1:])
     return _run_plan(argv[1:])

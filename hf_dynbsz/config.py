@@ -4,7 +4,7 @@ Units: *samples* are completions; *tokens* are prompt + completion tokens; *per 
 *global* means all processes. TRL's ``generation_batch_size`` keeps its meaning: GLOBAL samples per
 generation round.
 
-Precedence of every setting: ``DIFFU_*`` environment variables (see :mod:`hf_dynbsz.env`) over arguments over
+Precedence of every setting: ``DIFFU_*`` environment variables (see :mod:`hf_dynbsz.planning.env`) over arguments over
 defaults. The environment is applied before TRL's own ``__post_init__`` so that ``DIFFU_TRAIN_BATCH_SIZE``
 feeds TRL's derivation of ``generation_batch_size``.
 """
@@ -16,21 +16,21 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .env import apply_env_overrides, with_env_sources
-from .plan import (
+from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
+from hf_dynbsz.planning.plan import (
     USER_BATCH_SETTINGS_ATTR,
     resolve_generation_round,
     validate_dynamic_batch_fields,
     validate_grpo_fields,
 )
-from .settings import DEFAULTS, config_docstring, setting
+from hf_dynbsz.planning.settings import DEFAULTS, config_docstring, setting
 
 __all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "take_sequence_parallelism",
            "trainer_config"]
 
 
 def _field(name: str):
-    """A dataclass field whose default and help come from :data:`hf_dynbsz.settings.SETTINGS`."""
+    """A dataclass field whose default and help come from :data:`hf_dynbsz.planning.settings.SETTINGS`."""
     spec = setting(name)
     help_text = spec.help + (f" Environment override: {spec.env}." if spec.env else "")
     metadata = {"help": help_text}
@@ -62,7 +62,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
         # DeepSpeed on a machine without an accelerator only agrees with accelerate on the world size over gloo.
         self.ddp_backend = default_ddp_backend(self.ddp_backend)
         # 2. Record what the user asked for before TRL derives one from the other for this world size; the batch
-        #    plan needs it to plan another world size (see hf_dynbsz.plan).
+        #    plan needs it to plan another world size (see hf_dynbsz.planning.plan).
         setattr(
             self,
             USER_BATCH_SETTINGS_ATTR,
@@ -92,7 +92,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
 def take_sequence_parallelism(args) -> None:
     """Move ``parallelism_config.sp_size`` into ``sequence_parallel_size``, in place.
 
-    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.sequence_parallel`): accelerate then
+    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.parallel.sequence_parallel`): accelerate then
     sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
     GRPO does not have, and TRL's ``GRPOConfig`` refuses it). Raises for what only accelerate's path would run.
     """
@@ -187,7 +187,7 @@ def _rederive_and_validate(args, previous_per_device_train_batch_size: int) -> N
 
 DynamicBatchGRPOConfig.__doc__ = f"""
     Configuration of [`~hf_dynbsz.DynamicBatchGRPOTrainer`]: every [`~trl.GRPOConfig`] parameter plus the ones
-    below (written once, in `hf_dynbsz.settings`). With `dynamic_batching=False` the trainer behaves exactly like
+    below (written once, in `hf_dynbsz.planning.settings`). With `dynamic_batching=False` the trainer behaves exactly like
     TRL's `GRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
 
     Parameters:

@@ -2,11 +2,11 @@
 
 An optimizer step consumes exactly stock's samples (stock's ``_prepare_inputs`` still generates, scores,
 shuffles and slices them). Instead of one forward/backward per fixed slice, the trainer collects the step's
-slices into a :class:`~hf_dynbsz.batch.StepBatch`, asks :mod:`hf_dynbsz.schedule` for its passes (budget,
-layout, lockstep), runs them with the packing collator (:mod:`hf_dynbsz.packing`) and the per-sample loss
-weights of :mod:`hf_dynbsz.loss`, and logs through :mod:`hf_dynbsz.metrics`. No-grad log-prob passes run by
+slices into a :class:`~hf_dynbsz.execution.batch.StepBatch`, asks :mod:`hf_dynbsz.planning.schedule` for its passes (budget,
+layout, lockstep), runs them with the packing collator (:mod:`hf_dynbsz.execution.packing`) and the per-sample loss
+weights of :mod:`hf_dynbsz.execution.loss`, and logs through :mod:`hf_dynbsz.execution.metrics`. No-grad log-prob passes run by
 the same schedule. With ``sequence_parallel_size`` > 1 a group of processes pools its samples and each pass's row is
-sharded over the group (:mod:`hf_dynbsz.sequence_parallel`).
+sharded over the group (:mod:`hf_dynbsz.parallel.sequence_parallel`).
 
 TRL hooks overridden, and why:
 
@@ -33,26 +33,26 @@ from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from ._trl_compat import check_trl_version
-from .attention import ATTENTION_NAME, segment_attention, use_segments
-from .batch import StepBatch
-from .capabilities import Capabilities
-from .config import trainer_config
-from .device_memory import injected_fault, is_out_of_memory, pending_gradient_mib, release_cached_memory
-from .distributed import ProcessGroup, destroy_process_group_at_exit
-from .loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
-from .memory import FailedPass, MemoryModel, OutOfMemoryBudgetError, plan_rows
-from .metrics import StepMeters, StepMetrics
-from .model_support import base_model
-from .multimodal import TOKEN_FIELDS, rope_positions, split_media
-from .packing import SequenceTable, build_microbatch, dummy_microbatch
-from .router_loss import RouterAuxLoss, captured_router_logits
-from .plan import BatchSizePlan, validate_train_dataset_size
-from .partition import text_config_of
-from .schedule import Scheduler
-from .self_check import alone_microbatch, run_self_check, tolerance
-from .sequence_parallel import ULYSSES_ATTENTION_NAME, SequenceParallel, gather_shards, sequence_parallel_blocker
-from .tiling import lm_head_tiles
+from hf_dynbsz._trl_compat import check_trl_version
+from hf_dynbsz.execution.attention import ATTENTION_NAME, segment_attention, use_segments
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.planning.capabilities import Capabilities
+from hf_dynbsz.config import trainer_config
+from hf_dynbsz.execution.device_memory import injected_fault, is_out_of_memory, pending_gradient_mib, release_cached_memory
+from hf_dynbsz.parallel.distributed import ProcessGroup, destroy_process_group_at_exit
+from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.planning.memory import FailedPass, MemoryModel, OutOfMemoryBudgetError, plan_rows
+from hf_dynbsz.execution.metrics import StepMeters, StepMetrics
+from hf_dynbsz.planning.model_support import base_model
+from hf_dynbsz.execution.multimodal import TOKEN_FIELDS, rope_positions, split_media
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
+from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
+from hf_dynbsz.planning.plan import BatchSizePlan, validate_train_dataset_size
+from hf_dynbsz.planning.partition import text_config_of
+from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.execution.self_check import alone_microbatch, run_self_check, tolerance
+from hf_dynbsz.parallel.sequence_parallel import ULYSSES_ATTENTION_NAME, SequenceParallel, gather_shards, sequence_parallel_blocker
+from hf_dynbsz.execution.tiling import lm_head_tiles
 
 logger = logging.getLogger("hf_dynbsz")
 check_trl_version()
@@ -109,7 +109,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
     def _setup_sequence_parallel(self, model, capabilities: Capabilities) -> SequenceParallel | None:
         """``sequence_parallel_size`` > 1: check the run allows it (raise before any work), form the groups and plan
-        passes between groups (:mod:`hf_dynbsz.sequence_parallel`)."""
+        passes between groups (:mod:`hf_dynbsz.parallel.sequence_parallel`)."""
         size = int(getattr(self.args, "sequence_parallel_size", 1) or 1)
         if size <= 1:
             return None
@@ -126,7 +126,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         return parallel
 
     def _setup_memory(self, model, capabilities: Capabilities) -> None:
-        """The memory model (:mod:`hf_dynbsz.memory`) and whether an out-of-memory pass is recovered here."""
+        """The memory model (:mod:`hf_dynbsz.planning.memory`) and whether an out-of-memory pass is recovered here."""
         args, accelerator = self.args, self.accelerator
         limit = args.max_memory_per_device_mib
         if limit is None and args.max_memory_fraction_per_device is not None:
@@ -460,7 +460,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
 
     @property
     def _sharded(self) -> bool:
-        """Whether the passes are sharded over sequence-parallel groups (:mod:`hf_dynbsz.sequence_parallel`)."""
+        """Whether the passes are sharded over sequence-parallel groups (:mod:`hf_dynbsz.parallel.sequence_parallel`)."""
         return self._dynbsz_sequence_parallel is not None
 
     def _segments(self, model, scheduler: Scheduler | None = None, sharded: bool = False):
@@ -545,7 +545,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def _self_check(self, model, table: SequenceTable) -> bool:
         """Once per run, before its first pass: keep the fastest layout whose log-probs equal each sample's own
-        (:mod:`hf_dynbsz.self_check`); when none does, stock math runs. Returns whether dynamic batching stays on."""
+        (:mod:`hf_dynbsz.execution.self_check`); when none does, stock math runs. Returns whether dynamic batching stays on."""
         if self._dynbsz_checked:
             return self._dynbsz_enabled
         self._dynbsz_checked = True

@@ -49,7 +49,7 @@ def lopsided_dataset(num_blocks: int = 8):
 
 def corrupt_moved_samples(what: str) -> None:
     """Make ProcessGroup.move_batch damage ``what`` of every sample that arrives from another process."""
-    from hf_dynbsz.distributed import ProcessGroup
+    from hf_dynbsz.parallel.distributed import ProcessGroup
 
     move_batch = ProcessGroup.move_batch
 
@@ -104,7 +104,7 @@ def main() -> None:
         name, value = cli.rank1_env.split("=", 1)
         os.environ[name] = value
     if cli.inject_oom:
-        from hf_dynbsz.device_memory import inject_out_of_memory
+        from hf_dynbsz.execution.device_memory import inject_out_of_memory
 
         kind, phase, after, rank = cli.inject_oom.split(":")
         inject_out_of_memory(kind, phase, int(after), int(rank))

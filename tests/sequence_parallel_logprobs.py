@@ -50,7 +50,7 @@ def main() -> None:
     from trl import GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.packing import SequenceTable
+    from hf_dynbsz.execution.packing import SequenceTable
 
     args = DynamicBatchGRPOConfig(**base_config_kwargs(
         cli.out + "-run", max_tokens_per_microbatch=24,

@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.attention: shared prompts and padding-free rows give stock's log-probs, on every kernel.
+"""Specification of hf_dynbsz.execution.attention: shared prompts and padding-free rows give stock's log-probs, on every kernel.
 
 Each padding-free row is built by the packing collator (with prompt groups where prompts are shared) and run
 through segment attention; the log-probs, entropies and gradients must equal those of stock TRL's padded forward of
@@ -14,8 +14,8 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_dynbsz import attention
-from hf_dynbsz.attention import (
+from hf_dynbsz.execution import attention
+from hf_dynbsz.execution.attention import (
     ATTENTION_NAME,
     Segment,
     SegmentLayout,
@@ -23,8 +23,8 @@ from hf_dynbsz.attention import (
     segment_attention_forward,
     use_segments,
 )
-from hf_dynbsz.packing import SequenceTable, build_microbatch
-from hf_dynbsz.schedule import row_tokens
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
     grpo_batch,
@@ -296,7 +296,7 @@ def test_families_of_the_zoo_keep_each_sequence_its_own(model_type, kernel, requ
     arguments to its attention (Nemotron): shared-prompt rows equal stock's padded forward, natively and through the
     flash formulation (the reference varlen kernel draws the window as flash-attention does; sinks have no
     reference kernel)."""
-    from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
     if kernel == "flash":
         request.getfixturevalue("flash_formulation")

@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.balance: which process runs which units, decided identically everywhere."""
+"""Specification of hf_dynbsz.planning.balance: which process runs which units, decided identically everywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.balance import MIN_RELATIVE_GAIN, assign, imbalance
+from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN, assign, imbalance
 
 costs_per_process = st.lists(st.lists(st.floats(0.5, 1000.0), max_size=12), min_size=1, max_size=6)
 

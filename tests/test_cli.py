@@ -413,7 +413,7 @@ def test_vision_language_model_config_shows_how_image_steps_train(tmp_path, plan
 def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_process):
     from transformers import Qwen2Config
 
-    from hf_dynbsz.memory import MemoryModel
+    from hf_dynbsz.planning.memory import MemoryModel
 
     config = Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                          num_key_value_heads=4, vocab_size=32000)

@@ -8,10 +8,10 @@ import logging
 import pytest
 from trl import GRPOConfig
 
-from hf_dynbsz import env
+from hf_dynbsz.planning import env
 from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
-from hf_dynbsz.plan import BatchSizePlan
-from hf_dynbsz.settings import DEFAULTS
+from hf_dynbsz.planning.plan import BatchSizePlan
+from hf_dynbsz.planning.settings import DEFAULTS
 
 NEW_FIELDS = (
     "dynamic_batching",

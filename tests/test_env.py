@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.env: DIFFU_* environment overrides for batch-size sweeps."""
+"""Specification of hf_dynbsz.planning.env: DIFFU_* environment overrides for batch-size sweeps."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_dynbsz import env
-from hf_dynbsz.env import apply_env_overrides, read_env_overrides
-from hf_dynbsz.settings import ENV_SETTINGS
+from hf_dynbsz.planning import env
+from hf_dynbsz.planning.env import apply_env_overrides, read_env_overrides
+from hf_dynbsz.planning.settings import ENV_SETTINGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_each_override_is_logged_once_per_process(caplog):
 
 
 def test_module_is_pure_python():
-    code = "import sys, hf_dynbsz.env; print('torch' in sys.modules, 'trl' in sys.modules)"
+    code = "import sys, hf_dynbsz.planning.env; print('torch' in sys.modules, 'trl' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True
     )

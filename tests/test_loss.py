@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.loss: per-sample weights that reproduce stock's normalisation, for every loss type.
+"""Specification of hf_dynbsz.execution.loss: per-sample weights that reproduce stock's normalisation, for every loss type.
 
 Checked against stock TRL, not against a formula written again: a real ``trl.GRPOTrainer`` computes each
 slice's loss with its own ``_compute_loss`` on the same tensors, and the sum of our weighted per-sample losses
@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_dynbsz import loss as loss_module
-from hf_dynbsz.batch import StepBatch
-from hf_dynbsz.loss import EntropyBonus, LossSettings, microbatch_loss, per_token_policy_loss, sample_weights
-from hf_dynbsz.packing import build_microbatch
+from hf_dynbsz.execution import loss as loss_module
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, per_token_policy_loss, sample_weights
+from hf_dynbsz.execution.packing import build_microbatch
 from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]

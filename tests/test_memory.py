@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.memory: the model of a pass's memory and the largest token budget that fits."""
+"""Specification of hf_dynbsz.planning.memory: the model of a pass's memory and the largest token budget that fits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.memory import FAILURE_SHRINK, KINDS, Coefficients, MemoryModel, prior_coefficients
+from hf_dynbsz.planning.memory import FAILURE_SHRINK, KINDS, Coefficients, MemoryModel, prior_coefficients
 
 CONFIG = types.SimpleNamespace(hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8,
                                vocab_size=4000)
@@ -123,7 +123,7 @@ def test_describe_names_whether_the_coefficients_are_fitted():
 
 
 def test_plan_rows_answer_what_budget_fits():
-    from hf_dynbsz.memory import plan_rows
+    from hf_dynbsz.planning.memory import plan_rows
 
     rows = dict((name, value) for name, value, _ in plan_rows(model(limit=2000.0), 500.0, "given", longest=100))
     assert rows["max_memory_per_device_mib"] == "2000"
@@ -133,7 +133,7 @@ def test_plan_rows_answer_what_budget_fits():
 
 
 def test_held_estimate_shards_with_zero():
-    from hf_dynbsz.memory import estimated_held_mib
+    from hf_dynbsz.planning.memory import estimated_held_mib
 
     alone = estimated_held_mib(CONFIG)
     assert estimated_held_mib(CONFIG, num_processes=8, zero_stage=3) == pytest.approx(alone / 8)

@@ -1,4 +1,4 @@
-"""The budget from memory (hf_dynbsz.memory, hf_dynbsz.device_memory) in training, against stock TRL.
+"""The budget from memory (hf_dynbsz.planning.memory, hf_dynbsz.execution.device_memory) in training, against stock TRL.
 
 With ``max_memory_per_device_mib`` the trainer chooses each step's budget from a model of a pass's memory, and a
 pass that runs out of memory is re-planned with a smaller budget: in both cases the parameters after training
@@ -12,7 +12,7 @@ from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-from hf_dynbsz.device_memory import inject_out_of_memory
+from hf_dynbsz.execution.device_memory import inject_out_of_memory
 
 PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-3

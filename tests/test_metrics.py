@@ -1,4 +1,4 @@
-"""Specification of :mod:`hf_dynbsz.metrics`: the ``dynbsz/*`` figures of each optimizer step, what they measure,
+"""Specification of :mod:`hf_dynbsz.execution.metrics`: the ``dynbsz/*`` figures of each optimizer step, what they measure,
 and that they reach a real reporter (TensorBoard event files, read back)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-from hf_dynbsz.metrics import PeakMemory, StepClock, device_peak_tflops
-from hf_dynbsz.partition import ModelFlops
+from hf_dynbsz.execution.metrics import PeakMemory, StepClock, device_peak_tflops
+from hf_dynbsz.planning.partition import ModelFlops
 from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm, run_training, save_tiny_model
 
 PEAK_TFLOPS = 0.05  # a made-up device peak, so that dynbsz/mfu is logged on CPU
@@ -20,7 +20,7 @@ PEAK_TFLOPS = 0.05  # a made-up device peak, so that dynbsz/mfu is logged on CPU
 
 def test_clock_counts_each_second_once_in_the_innermost_phase(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("hf_dynbsz.metrics.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("hf_dynbsz.execution.metrics.time.perf_counter", lambda: now[0])
     clock = StepClock()
     with clock.phase("generation"):
         now[0] += 5.0  # generating

@@ -1,6 +1,6 @@
 """Every causal-LM architecture of the installed transformers, trained by stock TRL and by the plugin.
 
-Each architecture is built tiny from its default config (:mod:`hf_dynbsz.zoo`: random weights, offline, its own
+Each architecture is built tiny from its default config (:mod:`hf_dynbsz.testing.zoo`: random weights, offline, its own
 features kept on: sliding windows of 8, multi-head latent attention, sinks, soft-capping, MoE routers, recurrent
 and state-space layers) and trained for two optimizer steps with default settings by stock ``GRPOTrainer`` and by
 ``DynamicBatchGRPOTrainer`` on the same scripted long-tailed rollouts. What is checked, per architecture:
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: python tests/test_model_zoo.py README.md
     sys.path.insert(0, str(ROOT))
 
-from hf_dynbsz.settings import readme_block, with_readme_block  # noqa: E402
-from hf_dynbsz.zoo import TinyConfigUnavailable, causal_lm_types, tiny_causal_lm_config  # noqa: E402
+from hf_dynbsz.planning.settings import readme_block, with_readme_block  # noqa: E402
+from hf_dynbsz.testing.zoo import TinyConfigUnavailable, causal_lm_types, tiny_causal_lm_config  # noqa: E402
 
 PARAM_TOLERANCE = 1e-5
 LOGPROB_TOLERANCE = 1e-4
@@ -57,7 +57,7 @@ class Expect:
     why: str = ""
 
 
-# Why an architecture trains in a slower layout (read off the model by hf_dynbsz.model_support, or found by the
+# Why an architecture trains in a slower layout (read off the model by hf_dynbsz.planning.model_support, or found by the
 # self-check); the README's table shows them.
 _NO_BACKEND = "attention not dispatched through transformers' AttentionInterface"
 _NO_POSITIONS = "its forward takes no position ids (positions would run on along a padding-free row)"
@@ -340,7 +340,7 @@ def _rollout(equal_prompts: bool):
 def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool):
     """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type``: ``(initial, final parameters, trainer)``."""
     from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_char_tokenizer, prompt_dataset
-    from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
     model = build_tiny_causal_lm_of_type(model_type, seed=0)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
@@ -358,7 +358,7 @@ def trained_layout(trainer) -> str:
     if not trainer._dynbsz_enabled:
         return STOCK
     scheduler = trainer._dynbsz_scheduler
-    from hf_dynbsz.model_support import Layout
+    from hf_dynbsz.planning.model_support import Layout
 
     return Layout(scheduler.layout, scheduler.share_prompts, scheduler.segment_attention,
                   scheduler.attention_mask).describe()
@@ -369,7 +369,7 @@ def per_sample_error(trainer) -> float:
     trainer's layout and schedule) and each sample computed alone; 0 for stock math."""
     import torch
 
-    from hf_dynbsz.packing import SequenceTable
+    from hf_dynbsz.execution.packing import SequenceTable
     from hf_dynbsz.testing import grpo_batch, stock_logps
 
     if not trainer._dynbsz_enabled:

@@ -1,6 +1,6 @@
 """Vision-language rollouts: each sample's image inputs travel with it into its micro-batch.
 
-Specification of :mod:`hf_dynbsz.multimodal` (splitting TRL's flattened image inputs per sample and joining them per
+Specification of :mod:`hf_dynbsz.execution.multimodal` (splitting TRL's flattened image inputs per sample and joining them per
 micro-batch, by the slicing rules of TRL's own ``_get_per_token_logps_and_entropies``; telling images apart; each
 sample's M-RoPE positions), of padding-free rows of image samples (a shared prompt's images once), and of the trainer
 on tiny vision-language models of each repacked family: parameters after training equal stock GRPOTrainer's, with
@@ -18,9 +18,10 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import prepare_multimodal_messages
 
-from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, model_support
-from hf_dynbsz.multimodal import join_media, media_digest, rope_positions, split_media
-from hf_dynbsz.packing import SequenceTable, build_microbatch
+from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+from hf_dynbsz.planning import model_support
+from hf_dynbsz.execution.multimodal import join_media, media_digest, rope_positions, split_media
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.testing import (
     VISION_LANGUAGE_FAMILIES,
     RecordingReward,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head, pad
 
-from hf_dynbsz.packing import SequenceTable, build_microbatch, dummy_microbatch
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
 from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm, stock_logps
 
 PAD = 0

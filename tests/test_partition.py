@@ -1,4 +1,4 @@
-"""Specification of ``hf_dynbsz.partition``: token-budget micro-batches for one device.
+"""Specification of ``hf_dynbsz.planning.partition``: token-budget micro-batches for one device.
 
 Units throughout: a *length* is the real tokens of one sequence (prompt + completion);
 ``max_tokens`` is the budget per micro-batch per device as counted by ``microbatch_tokens``.
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynbsz.testing import first_fit_decreasing
-from hf_dynbsz.partition import (
+from hf_dynbsz.planning.partition import (
     OversizeSequenceError,
     WorkloadModel,
     microbatch_tokens,
@@ -424,7 +424,7 @@ def test_large_tight_batch_keeps_the_cap_and_count():
 
 def test_improving_an_assignment_fills_empty_microbatches_within_the_cap():
     # The tight-budget path: the FFD packing plus extra empty bins, evened out by moves and swaps.
-    from hf_dynbsz.balance import improve
+    from hf_dynbsz.planning.balance import improve
 
     sizes = [9, 8, 5, 3, 2, 2, 1]
     packed = [0, 1, 1, 0, 0, 1, 0]  # bins of 15 and 15 tokens, capacity 16
@@ -479,7 +479,7 @@ def test_oversize_warn_gives_a_microbatch_of_its_own():
 
 def oversize_scheduler(pad_to_multiple_of=None):
     """The one place an oversize sequence stops a run: the scheduler with oversize_policy="error"."""
-    from hf_dynbsz.schedule import Scheduler
+    from hf_dynbsz.planning.schedule import Scheduler
 
     return Scheduler(layout="padding_free", attention="varlen", workload=WorkloadModel.default(),
                      oversize_policy="error", pad_to_multiple_of=pad_to_multiple_of, balance_across_ranks=False)

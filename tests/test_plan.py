@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.plan: the batch-size arithmetic of a GRPO run, per device and global."""
+"""Specification of hf_dynbsz.planning.plan: the batch-size arithmetic of a GRPO run, per device and global."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_dynbsz.plan import (
+from hf_dynbsz.planning.plan import (
     TRL_TENSOR_TILE_TOKENS,
     USER_BATCH_SETTINGS_ATTR,
     BatchSizePlan,
@@ -367,7 +367,7 @@ def test_validate_dynamic_batch_fields_errors(field, value, phrase):
 
 
 def test_module_is_pure_python():
-    code = "import sys, hf_dynbsz.plan; print('torch' in sys.modules, 'trl' in sys.modules)"
+    code = "import sys, hf_dynbsz.planning.plan; print('torch' in sys.modules, 'trl' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True
     )

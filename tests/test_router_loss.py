@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.router_loss: stock's MoE router aux loss, repacked per sample, equals stock's.
+"""Specification of hf_dynbsz.execution.router_loss: stock's MoE router aux loss, repacked per sample, equals stock's.
 
 Stock TRL adds, per fixed slice, ``coef x aux(slice) / GA`` with the load-balancing loss its fused LM head computes.
 The plugin computes each sample's share of it in whatever pass the sample runs in, from the expert counts of its
@@ -15,9 +15,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-from hf_dynbsz.attention import segment_attention, use_segments
-from hf_dynbsz.packing import SequenceTable, build_microbatch
-from hf_dynbsz.router_loss import RouterAuxLoss, captured_router_logits, router_statistics
+from hf_dynbsz.execution.attention import segment_attention, use_segments
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits, router_statistics
 from hf_dynbsz.testing import (
     RecordingReward,
     ScriptedRollout,
@@ -28,7 +28,7 @@ from hf_dynbsz.testing import (
     relative_difference,
     update_difference,
 )
-from hf_dynbsz.zoo import build_tiny_causal_lm_of_type
+from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
 PAD = 0
 #: Large enough that the aux loss moves the parameters far more than the tolerance (stock's default is 0.001).

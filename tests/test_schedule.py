@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.schedule: budget, layout, oversize policy and lockstep, decided in one place."""
+"""Specification of hf_dynbsz.planning.schedule: budget, layout, oversize policy and lockstep, decided in one place."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.model_support import ModelSupport
-from hf_dynbsz.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
-from hf_dynbsz.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.model_support import ModelSupport
+from hf_dynbsz.planning.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
+from hf_dynbsz.planning.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
 
 
 class OtherProcesses:
@@ -33,7 +33,7 @@ def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, balance_
                      group=group, balance_across_ranks=balance_across_ranks, **settings_)
 
 
-# ---- layout (decided by hf_dynbsz.model_support, see tests/test_model_support.py) ---------------------------
+# ---- layout (decided by hf_dynbsz.planning.model_support, see tests/test_model_support.py) ---------------------------
 def test_from_args_reads_the_config_and_the_model():
     args = SimpleNamespace(packing_layout="auto", pad_to_multiple_of=8, oversize_policy="error",
                            max_tokens_per_microbatch=512, max_tokens_per_microbatch_logprob=None)
@@ -277,7 +277,7 @@ def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention()
 
 
 def test_units_share_a_prompt_and_split_into_pieces_that_fit():
-    from hf_dynbsz.schedule import build_units
+    from hf_dynbsz.planning.schedule import build_units
 
     prompts, completions = [10, 10, 10, 10, 10, 1, 1, 7], [5, 20, 3, 30, 8, 4, 6, 9]
     groups = [0, 0, 0, 0, 0, 1, 1, 2]
@@ -301,7 +301,7 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
     """For random prompt groups the collator's rows are exactly the tokens the schedule planned, within budget."""
     import torch
 
-    from hf_dynbsz.packing import SequenceTable, build_microbatch
+    from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 
     count = data.draw(st.integers(1, 16))
     prompt_of = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
@@ -332,7 +332,7 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
 
 
 def test_balancing_moves_a_prompt_group_piece_whole():
-    from hf_dynbsz.schedule import build_units
+    from hf_dynbsz.planning.schedule import build_units
 
     lengths = [[40] * 8, [400] * 8]
     prompts = [[30] * 8, [30] * 8]

@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.self_check: the layouts a run may use are checked against each sample alone at start,
+"""Specification of hf_dynbsz.execution.self_check: the layouts a run may use are checked against each sample alone at start,
 and a layout that differs (or fails) is left for the next, on every process alike."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_dynbsz.attention import segment_attention, use_segments
-from hf_dynbsz.model_support import Layout
-from hf_dynbsz.packing import SequenceTable, build_microbatch
-from hf_dynbsz.self_check import pick_samples, run_self_check, tolerance
+from hf_dynbsz.execution.attention import segment_attention, use_segments
+from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.self_check import pick_samples, run_self_check, tolerance
 from hf_dynbsz.testing import (
     build_char_tokenizer,
     build_tiny_causal_lm,
@@ -148,7 +148,7 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.schedule import Scheduler
+    from hf_dynbsz.planning.schedule import Scheduler
     from hf_dynbsz.testing import (RecordingReward, ScriptedRollout, base_config_kwargs, prompt_dataset,
                                    relative_difference)
 

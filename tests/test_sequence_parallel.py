@@ -1,4 +1,4 @@
-"""Sequence parallelism (hf_dynbsz/sequence_parallel.py): DeepSpeed Ulysses on packed rows, exact.
+"""Sequence parallelism (hf_dynbsz/parallel/sequence_parallel.py): DeepSpeed Ulysses on packed rows, exact.
 
 Single-process specifications: the config takes accelerate's ``ParallelismConfig(sp_size=N)`` (stock's refuses it),
 what cannot run is refused at start naming the setting and the fix, a pass's budget spans the group. Multi-process
@@ -19,10 +19,10 @@ import pytest
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 from hf_dynbsz import DynamicBatchGRPOConfig
-from hf_dynbsz.model_support import Layout
-from hf_dynbsz.packing import dummy_microbatch
-from hf_dynbsz.schedule import Scheduler
-from hf_dynbsz.sequence_parallel import sequence_parallel_blocker
+from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.execution.packing import dummy_microbatch
+from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.parallel.sequence_parallel import sequence_parallel_blocker
 from hf_dynbsz.testing import base_config_kwargs, relative_difference, run_with_timeout, save_tiny_model
 from trl import GRPOConfig
 
@@ -206,7 +206,7 @@ def test_an_oversize_error_names_the_per_device_setting_and_the_pass_of_the_grou
 
 
 def test_the_plan_table_shows_the_groups_and_the_longest_sequence_a_pass_holds():
-    from hf_dynbsz.plan import BatchSizePlan
+    from hf_dynbsz.planning.plan import BatchSizePlan
 
     rows = {row[0]: row for row in BatchSizePlan.from_args(
         config(max_tokens_per_microbatch=8192, sequence_parallel_size=2), num_processes=4).rows()}
@@ -217,7 +217,7 @@ def test_the_plan_table_shows_the_groups_and_the_longest_sequence_a_pass_holds()
 
 
 def test_planning_a_group_size_that_does_not_divide_the_processes_is_refused():
-    from hf_dynbsz.plan import BatchSizePlan
+    from hf_dynbsz.planning.plan import BatchSizePlan
 
     with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide num_processes=3"):
         BatchSizePlan.from_args(config(sequence_parallel_size=2), num_processes=3)

@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.settings: every setting written once, and everything else derived from it."""
+"""Specification of hf_dynbsz.planning.settings: every setting written once, and everything else derived from it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynbsz.env import read_env_overrides
-from hf_dynbsz.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
+from hf_dynbsz.planning.env import read_env_overrides
+from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -17,7 +17,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_tables_are_the_generated_ones(marker):
     expected = markdown_tables()[marker]
     assert readme_block(README.read_text(), marker) == expected, (
-        f"README.md's {marker} differs from hf_dynbsz.settings: run `python -m hf_dynbsz.settings README.md`"
+        f"README.md's {marker} differs from hf_dynbsz.planning.settings: run `python -m hf_dynbsz.planning.settings README.md`"
     )
 
 
@@ -61,7 +61,7 @@ def test_command_line_help_is_the_settings_help(capsys):
 
 
 def test_plan_table_meaning_column_is_the_summary():
-    from hf_dynbsz.plan import BatchSizePlan
+    from hf_dynbsz.planning.plan import BatchSizePlan
 
     rows = {row[0]: row[3] for row in BatchSizePlan.from_args(
         dataclasses.make_dataclass("Args", [("per_device_train_batch_size", int, 4), ("num_generations", int, 4)])(),

@@ -8,7 +8,7 @@ import trl.kernels.chunked_logprob as kernel
 import trl.trainer.utils as trl_utils
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_dynbsz.tiling import VOCAB_COLUMNS_PER_TILE, lm_head_tiles
+from hf_dynbsz.execution.tiling import VOCAB_COLUMNS_PER_TILE, lm_head_tiles
 from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
 ROWS, WIDTH = 4, 25  # 4 x 24 = 96 scored positions after the shift

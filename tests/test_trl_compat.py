@@ -89,8 +89,8 @@ def private_names_used(path: Path) -> set[str]:
 
 
 def names_defined_by_the_plugin() -> set[str]:
-    defined = {path.stem for path in PACKAGE.glob("*.py")}
-    for path in PACKAGE.glob("*.py"):
+    defined = {path.stem for path in PACKAGE.rglob("*.py")}
+    for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         defined |= set(re.findall(r"^\s*(?:def|class)\s+(_\w+)", text, re.MULTILINE))
         defined |= set(re.findall(r"^(_\w+)\s*[:=]", text, re.MULTILINE))
@@ -103,7 +103,7 @@ def test_every_internal_name_the_plugin_touches_is_listed():
     listed = {entry.name for entry in INTERNAL_NAMES}
     defined = names_defined_by_the_plugin()
     unlisted = {}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for name in private_names_used(path) - defined - listed:
             if not name.startswith("_dynbsz") and not name.startswith("_hf_dynbsz"):
                 unlisted.setdefault(name, []).append(path.name)

@@ -18,7 +18,7 @@ micro-batch the schedule puts it in (:func:`split_media`), and concatenates them
 * ``image_sizes``: per image.
 
 Token-aligned fields (``token_type_ids``, ``mm_token_type_ids``: one value per prompt + completion position) are
-not media: :class:`~hf_dynbsz.packing.SequenceTable` strips and re-pads them like the token ids
+not media: :class:`~hf_dynbsz.execution.packing.SequenceTable` strips and re-pads them like the token ids
 (:data:`TOKEN_FIELDS`).
 
 Cross-rank balancing moves a sample's image inputs and token fields with it as one self-describing float64 record

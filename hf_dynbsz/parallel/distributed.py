@@ -1,8 +1,8 @@
 """The collectives of the schedule over ``torch.distributed`` (torch layer).
 
-:class:`ProcessGroup` implements :class:`hf_dynbsz.schedule.RankGroup` for a run under ``accelerate launch``
+:class:`ProcessGroup` implements :class:`hf_dynbsz.planning.schedule.RankGroup` for a run under ``accelerate launch``
 (NCCL on GPUs, gloo on CPU; on one process it does no communication) and moves samples as a balanced
-:class:`~hf_dynbsz.schedule.Exchange` says: each sample travels as one flat float64 record (ids, masks, fp32 and
+:class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids, masks, fp32 and
 fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and NCCL both
 support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .batch import StepBatch
-from .packing import SequenceTable
-from .schedule import Exchange
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.planning.schedule import Exchange
 
 __all__ = ["ProcessGroup", "destroy_process_group_at_exit"]
 
@@ -47,7 +47,7 @@ def _destroy_if_initialized() -> None:
 class ProcessGroup:
     """All processes of the accelerator's run, or with ``group`` (a ``torch.distributed`` group this process belongs
     to) the processes of that group: ``rank`` and ``num_processes`` are then within it (under sequence parallelism,
-    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.sequence_parallel`). Every process
+    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.parallel.sequence_parallel`). Every process
     of the group must make the same calls in the same order."""
 
     def __init__(self, accelerator, group=None) -> None:

@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from .model_support import base_model
+from hf_dynbsz.planning.model_support import base_model
 
 __all__ = ["RouterAuxLoss", "captured_router_logits", "router_statistics"]
 
@@ -57,7 +57,7 @@ def router_statistics(router_logits, token_index: torch.Tensor, row_index: torch
     layers and the row's tokens.
 
     ``router_logits``: the model's per-layer ``(tokens of the pass, experts)`` logits; ``(token_index, row_index)``
-    pairs say which flat token position counts for which row (:attr:`hf_dynbsz.packing.MicroBatch.token_rows`: a
+    pairs say which flat token position counts for which row (:attr:`hf_dynbsz.execution.packing.MicroBatch.token_rows`: a
     shared prompt's tokens for every sample sharing it, padding for none). ``counts`` are the top-k assignments
     (float64, no gradient); ``probabilities`` keep the gradient.
     """
@@ -78,7 +78,7 @@ class RouterAuxLoss:
     """The router aux loss of one optimizer step: stock's slices' counts, each sample's weights, the logged value.
 
     ``num_slices``: stock slices of the step over all processes (slice ``s`` of process ``p`` is ``p x slices +
-    s``, as :class:`hf_dynbsz.batch.StepBatch` numbers them); ``coef``: TRL's ``router_aux_loss_coef``;
+    s``, as :class:`hf_dynbsz.execution.batch.StepBatch` numbers them); ``coef``: TRL's ``router_aux_loss_coef``;
     ``gradient_accumulation_steps``: stock's divisor of the aux loss.
     """
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
-from .env import env_sources
-from .model_support import images_stay_on_their_process
-from .partition import ceil_div
-from .settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
+from hf_dynbsz.planning.env import env_sources
+from hf_dynbsz.planning.model_support import images_stay_on_their_process
+from hf_dynbsz.planning.partition import ceil_div
+from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, TRL_TENSOR_TILE_TOKENS, Setting, setting
 
 __all__ = [
     "BatchSizePlan",
@@ -196,7 +196,7 @@ def validate_dynamic_batch_fields(args: Any) -> None:
     Works on a ``DynamicBatchGRPOConfig``, on a plain ``GRPOConfig`` after
     :func:`~hf_dynbsz.config.ensure_dynamic_batch_fields`, and on an ``argparse.Namespace``. Missing fields are
     read as their defaults (and not set). String values (command line, YAML) are converted to ``int``/``bool``.
-    Raises :class:`ValueError` naming the setting, the value and a fix (the texts of :mod:`hf_dynbsz.settings`).
+    Raises :class:`ValueError` naming the setting, the value and a fix (the texts of :mod:`hf_dynbsz.planning.settings`).
     """
     for spec in SETTINGS:
         if spec.trl_field:
@@ -412,9 +412,9 @@ class BatchSizePlan:
     vision_language: str | None = None
     #: the MoE router aux loss TRL trains: None (none), "repacked", or why stock math runs
     router_aux: str | None = None
-    #: with a memory limit: ``(setting, per-device value, meaning)`` rows of :func:`hf_dynbsz.memory.plan_rows`
+    #: with a memory limit: ``(setting, per-device value, meaning)`` rows of :func:`hf_dynbsz.planning.memory.plan_rows`
     memory_rows: tuple = ()
-    #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.sequence_parallel`); 1 = off
+    #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.parallel.sequence_parallel`); 1 = off
     sequence_parallel_size: int = 1
 
     # ---- construction ----------------------------------------------------------------------------------------
@@ -445,9 +445,9 @@ class BatchSizePlan:
         ``zero_stage`` and ``mixed_precision`` describe the launcher (accelerate/DeepSpeed); when None they are
         read from ``args.deepspeed`` (a dict) and ``args.fp16``/``args.bf16``. ``layout`` is the concrete packing
         layout if known; None shows ``args.packing_layout``. ``vision_language`` (see
-        :func:`hf_dynbsz.model_support.vision_language_mode`) adds a row saying how image steps train, and
+        :func:`hf_dynbsz.planning.model_support.vision_language_mode`) adds a row saying how image steps train, and
         ``router_aux`` ("repacked", or why not) one saying how the MoE router aux loss trains. ``memory_rows``
-        (:func:`hf_dynbsz.memory.plan_rows`) show a memory limit's model and budgets.
+        (:func:`hf_dynbsz.planning.memory.plan_rows`) show a memory limit's model and budgets.
 
         Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
         DeepSpeed requires does not hold.

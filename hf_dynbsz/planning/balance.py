@@ -1,7 +1,7 @@
 """Balancing: items with costs into ``k`` bins, the one routine for passes and for processes (pure Python).
 
 Two decisions spread work over bins: which samples of a device's optimizer step share a pass
-(:func:`hf_dynbsz.partition.partition_by_token_budget`, bins with a *capacity*, the token budget) and which process
+(:func:`hf_dynbsz.planning.partition.partition_by_token_budget`, bins with a *capacity*, the token budget) and which process
 runs which samples (:func:`assign`, cross-rank balancing, no capacity). Both call :func:`balance`:
 
 1. **longest first with a room check**: items by decreasing cost (ties by index), each to the least loaded bin that
@@ -11,7 +11,7 @@ runs which samples (:func:`assign`, cross-rank balancing, no capacity). Both cal
    lowering the larger of the two loads and keeping every bin within its capacity, so the largest load never rises.
 
 With a capacity, longest-first can strand an item that fits no bin any more (a tight budget); the caller then
-improves a first-fit-decreasing assignment instead, which always fits (:mod:`hf_dynbsz.partition`).
+improves a first-fit-decreasing assignment instead, which always fits (:mod:`hf_dynbsz.planning.partition`).
 
 Cross-rank balancing (:func:`assign`): under DDP and DeepSpeed every process runs as many passes as the busiest one
 needs and synchronises at the end of the step (ZeRO-3 and ZeRO-2 even in every pass), so a process whose share of the
@@ -20,7 +20,7 @@ the lengths of all processes' samples (a small all-gather of lengths, not of dat
 same input, computing the same assignment of *units* (a sample, or samples that share a prompt) to processes, with
 no broadcast. It takes the better of two schedules: the current placement improved (nothing moves unless it helps,
 so the result is never worse than no balancing), and longest-first with its bins renamed to keep as much work as
-possible where it is. The samples then move with everything that belongs to them (:mod:`hf_dynbsz.distributed`);
+possible where it is. The samples then move with everything that belongs to them (:mod:`hf_dynbsz.parallel.distributed`);
 their loss weights were fixed on the process they came from, so the summed gradient, and the parameters, stay
 stock's. When the predicted gain is below :data:`MIN_RELATIVE_GAIN` of the largest load, nothing moves.
 

@@ -35,7 +35,7 @@ Algorithm
    ``max_tokens`` (:func:`min_num_microbatches`; in the padded layout FFD on the sorted lengths is the optimal
    "contiguous runs" packing). It does not depend on the workload model, so every process can all-reduce the
    maximum and ask for exactly that many micro-batches (exact-k; any count at least the minimum is accepted).
-2. **padding_free**: :func:`hf_dynbsz.balance.balance`, the routine cross-rank balancing uses too: longest first,
+2. **padding_free**: :func:`hf_dynbsz.planning.balance.balance`, the routine cross-rank balancing uses too: longest first,
    each sequence to the least costly micro-batch with room for it, then moves and swaps between the costliest and
    the cheapest; when a tight budget strands a sequence that way, the FFD packing improved by the same moves and
    swaps (it always fits).
@@ -62,7 +62,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from .balance import balance, improve
+from hf_dynbsz.planning.balance import balance, improve
 
 __all__ = [
     "OversizeSequenceError",
@@ -90,7 +90,7 @@ Lengths = Union[Sequence[int], np.ndarray]  # tokens per sequence
 class OversizeSequenceError(ValueError):
     """A single sequence is longer than the per-micro-batch token budget.
 
-    Raised by the scheduler (:class:`hf_dynbsz.schedule.Scheduler`) with ``oversize_policy="error"``.
+    Raised by the scheduler (:class:`hf_dynbsz.planning.schedule.Scheduler`) with ``oversize_policy="error"``.
     Attributes (``None`` when raised with a bare message): ``index`` (position
     of the sequence in ``lengths``), ``length`` (its tokens), ``max_tokens``
     (the budget) and ``required_tokens`` (the smallest budget that fits every

@@ -6,14 +6,14 @@ For the training passes and the no-grad log-prob passes (old policy, reference m
 * the **token budget** of a pass (:meth:`Scheduler.budget`): ``max_tokens_per_microbatch``, or stock TRL's own
   micro-batch size when it is unset; ``max_tokens_per_microbatch_logprob``, or twice the training budget, for
   no-grad passes;
-* the **layout** (the first rung of :meth:`hf_dynbsz.model_support.ModelSupport.layouts`, stepped down by the
+* the **layout** (the first rung of :meth:`hf_dynbsz.planning.model_support.ModelSupport.layouts`, stepped down by the
   self-check): padding-free rows or padded micro-batches, shared prompts, and whether attention is computed per
   sequence (varlen kernels, segment attention) or densely over a row;
 * the **oversize policy**: a sequence longer than the budget gets a pass of its own, or stops the run with the
-  one message of :func:`hf_dynbsz.partition.oversize_error`;
+  one message of :func:`hf_dynbsz.planning.partition.oversize_error`;
 * **lockstep**: the number of passes every process runs (the maximum any process needs, agreed through an
   injected :class:`RankGroup`), the exact-k partition of this process's samples into that many passes
-  (:func:`hf_dynbsz.partition.partition_by_token_budget`) and the empty (dummy) passes that fill the gap.
+  (:func:`hf_dynbsz.planning.partition.partition_by_token_budget`) and the empty (dummy) passes that fill the gap.
 
 The result is a :class:`StepSchedule`: the passes as lists of sample indices (an empty list is a dummy pass),
 the budget, and the pass counts. The trainer executes it and the metrics read it; ``hf-dynbsz plan --lengths``
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .balance import Assignment, assign
-from .model_support import Layout, ModelSupport, images_stay_on_their_process
-from .partition import (
+from hf_dynbsz.planning.balance import Assignment, assign
+from hf_dynbsz.planning.model_support import Layout, ModelSupport, images_stay_on_their_process
+from hf_dynbsz.planning.partition import (
     WorkloadModel,
     item_costs,
     microbatch_tokens,
@@ -39,7 +39,7 @@ from .partition import (
     partition_by_token_budget,
     round_up,
 )
-from .settings import setting
+from hf_dynbsz.planning.settings import setting
 
 __all__ = [
     "RankGroup",
@@ -213,7 +213,7 @@ class StepSchedule:
     ``microbatches``: sample indices per pass, in execution order; an empty list is a dummy pass that keeps this
     process in lockstep with busier ones. Indices refer to the samples this process runs: its own, or after a
     cross-rank ``exchange`` (None when nothing moves) those of :attr:`Exchange.incoming`, whose token counts are
-    ``lengths``. ``budget``: tokens per pass (per device), as :func:`~hf_dynbsz.partition.microbatch_tokens`
+    ``lengths``. ``budget``: tokens per pass (per device), as :func:`~hf_dynbsz.planning.partition.microbatch_tokens`
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
     samples longer than the budget (each ran alone). ``groups``: with shared prompts, one id per sample (equal ids:
     one copy of the prompt within a pass), else None. ``pass_tokens``: the tokens each real pass computes (shared
@@ -276,7 +276,7 @@ class Scheduler:
     attention_mask: bool = False
     position_offset: int = 0
     group: RankGroup = SINGLE_PROCESS
-    #: processes sharing each pass's row (:mod:`hf_dynbsz.sequence_parallel`): a pass holds this many budgets
+    #: processes sharing each pass's row (:mod:`hf_dynbsz.parallel.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
 
     @classmethod
@@ -321,7 +321,7 @@ class Scheduler:
         largest of all processes' (stock's peak memory is that of its largest micro-batch on any device).
 
         ``fits``: with a memory limit, the largest budget of ``kind`` whose passes fit it
-        (:meth:`hf_dynbsz.memory.MemoryModel.budget`): it replaces the automatic budget (a setting given by the user
+        (:meth:`hf_dynbsz.planning.memory.MemoryModel.budget`): it replaces the automatic budget (a setting given by the user
         still wins). ``cap``: a budget a pass that ran out of memory left (:meth:`MemoryModel.record_failure`): no
         budget exceeds it. ``agree``: every process takes the smallest of all processes' budgets (one all-reduce;
         every process must pass the same ``agree``).
@@ -350,7 +350,7 @@ class Scheduler:
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
         sample's lengths lets every process compute the same assignment of units to processes
-        (:mod:`hf_dynbsz.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the same
+        (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the same
         message, before any pass runs.
         """
         lengths = [int(length) for length in lengths]

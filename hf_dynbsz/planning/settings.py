@@ -3,8 +3,8 @@
 Everything that describes a setting is derived from :data:`SETTINGS`: the fields and docstring of
 :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
 ``examples/grpo.py --help``, which read the fields' ``metadata["help"]``), the ``DIFFU_*`` overrides of
-:mod:`hf_dynbsz.env`, the validation of :func:`hf_dynbsz.plan.validate_dynamic_batch_fields`, the meaning
-column of the plan table and the README's settings tables (``python -m hf_dynbsz.settings README.md`` rewrites
+:mod:`hf_dynbsz.planning.env`, the validation of :func:`hf_dynbsz.planning.plan.validate_dynamic_batch_fields`, the meaning
+column of the plan table and the README's settings tables (``python -m hf_dynbsz.planning.settings README.md`` rewrites
 them; ``tests/test_settings.py`` fails when the README differs).
 
 Units: *samples* are completions (one prompt with ``num_generations`` completions is ``num_generations``
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .balance import MIN_RELATIVE_GAIN
+from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN
 
 __all__ = ["SETTINGS", "Setting", "DEFAULTS", "ENV_SETTINGS", "setting", "markdown_tables", "update_readme"]
 
@@ -234,7 +234,7 @@ SETTINGS: tuple[Setting, ...] = (
         summary="memory one process may use: sets the automatic token budgets and recovers from out-of-memory",
         help="Memory one process (device) may use, in MiB: the whole process's resident set on CPU, allocated memory "
         "on GPU. With max_tokens_per_microbatch (or max_tokens_per_microbatch_logprob) left unset, each step's "
-        "budget is the largest whose predicted peak fits this limit (hf_dynbsz.memory: a model "
+        "budget is the largest whose predicted peak fits this limit (hf_dynbsz.planning.memory: a model "
         "of a pass's memory refitted from every measured pass), the same on every process; each step logs "
         "dynbsz/predicted_peak_memory_mib beside dynbsz/peak_memory_mib. A pass that runs out of memory is "
         "re-planned with a smaller budget and the step runs again, with stock's math (single process and DDP). "
@@ -325,7 +325,7 @@ def _markdown_default(s: Setting) -> str:
 def markdown_tables() -> dict[str, str]:
     """The README's generated tables by marker name: the plugin's fields, and the DIFFU_* variables.
 
-    In the README each sits between ``<!-- NAME -->`` and ``<!-- /NAME -->``; ``python -m hf_dynbsz.settings
+    In the README each sits between ``<!-- NAME -->`` and ``<!-- /NAME -->``; ``python -m hf_dynbsz.planning.settings
     README.md`` rewrites them, and ``tests/test_settings.py`` fails when they differ from these.
     """
     fields = ["| field | default | unit | meaning |", "|---|---|---|---|"]

@@ -29,7 +29,7 @@ query heads, sliding windows, GQA, dtype handling) is the model's own:
   sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
   tested on CPU with a reference varlen kernel (:mod:`hf_dynbsz.testing`) standing in for the kernel.
 
-Which models it may run is decided in :mod:`hf_dynbsz.model_support`; the self-check (:mod:`hf_dynbsz.self_check`)
+Which models it may run is decided in :mod:`hf_dynbsz.planning.model_support`; the self-check (:mod:`hf_dynbsz.execution.self_check`)
 verifies it on the first step's samples.
 """
 
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from .model_support import VARLEN_ATTENTION_PREFIXES
-from .partition import text_config_of
+from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES
+from hf_dynbsz.planning.partition import text_config_of
 
 __all__ = ["ATTENTION_NAME", "Segment", "SegmentLayout", "segment_attention", "segment_attention_forward",
            "use_segments"]
@@ -292,7 +292,7 @@ def segment_attention(model, enabled: bool = True, name: str = ATTENTION_NAME):
     """Run ``model``'s attention through :func:`segment_attention_forward` inside the context (forward AND backward:
     gradient checkpointing recomputes the forward during backward). The layouts of the passes are given by
     :func:`use_segments`; the active one is cleared on exit. ``name``: the registered implementation to switch to
-    (:data:`hf_dynbsz.sequence_parallel.ULYSSES_ATTENTION_NAME` wraps this one for sharded rows)."""
+    (:data:`hf_dynbsz.parallel.sequence_parallel.ULYSSES_ATTENTION_NAME` wraps this one for sharded rows)."""
     if not enabled:
         yield
         return

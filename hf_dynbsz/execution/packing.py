@@ -12,9 +12,9 @@ a chosen set of sequences in one of two layouts:
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
   attention mask is needed either; ``position_ids`` count from 0 in every row. With ``attention_mask=True``
-  (models whose padding would otherwise reach real tokens, see :mod:`hf_dynbsz.model_support`) the rows carry
+  (models whose padding would otherwise reach real tokens, see :mod:`hf_dynbsz.planning.model_support`) the rows carry
   one. Vision-language samples (a table with image inputs or token-aligned fields) get an ``attention_mask``
-  instead of ``position_ids``, their image inputs (:func:`hf_dynbsz.multimodal.join_media`) and their token
+  instead of ``position_ids``, their image inputs (:func:`hf_dynbsz.execution.multimodal.join_media`) and their token
   fields: these models compute their own (multimodal) positions from the mask, as in stock's forward.
 
 Vision-language samples in a padding-free row carry their image inputs and token fields along the row (a shared
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .multimodal import join_media, media_digest, media_record, read_media_record
-from .partition import LAYOUTS, round_up
-from .schedule import prompt_segments
+from hf_dynbsz.execution.multimodal import join_media, media_digest, media_record, read_media_record
+from hf_dynbsz.planning.partition import LAYOUTS, round_up
+from hf_dynbsz.planning.schedule import prompt_segments
 
 
 @dataclass
@@ -55,12 +55,12 @@ class SequenceTable:
     tokens: list[torch.Tensor]
     prompt_lengths: torch.Tensor  # (N,) long, CPU
     completion_lengths: torch.Tensor  # (N,) long, CPU
-    #: per sample, its image inputs (:func:`hf_dynbsz.multimodal.split_media`); None for text
+    #: per sample, its image inputs (:func:`hf_dynbsz.execution.multimodal.split_media`); None for text
     media: list[dict[str, torch.Tensor]] | None = None
     #: token-aligned fields (``mm_token_type_ids``...): per field, per sample, one value per token of ``tokens[i]``
     token_fields: dict[str, list[torch.Tensor]] | None = None
     #: per sample, its M-RoPE positions ``(3, len(tokens[i]))`` as the model computes them for the sample alone
-    #: (:func:`hf_dynbsz.multimodal.rope_positions`); None for models whose tokens count positions like text, and
+    #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like text, and
     #: until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
     #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
@@ -126,7 +126,7 @@ class SequenceTable:
         return groups
 
     def media_records(self) -> list[torch.Tensor]:
-        """Per sample, its image inputs and token fields as one float64 record (:func:`~hf_dynbsz.multimodal.
+        """Per sample, its image inputs and token fields as one float64 record (:func:`~hf_dynbsz.execution.multimodal.
         media_record`): what travels with it to another process."""
         fields = self.token_fields or {}
         return [media_record(self.media[i] if self.media is not None else None,
@@ -167,8 +167,8 @@ class MicroBatch:
     ``indices``: which samples of the :class:`SequenceTable` (in row order). ``model_inputs`` holds
     ``input_ids`` and ``position_ids`` (and an ``attention_mask`` for padded rows that need one), or for
     vision-language samples ``input_ids``, ``attention_mask``, their token fields and image inputs. ``segments``:
-    the :class:`~hf_dynbsz.attention.SegmentLayout` of a padding-free row run through segment attention (give it to
-    :func:`~hf_dynbsz.attention.use_segments` before the forward), else None. ``token_rows``: ``(token_index,
+    the :class:`~hf_dynbsz.execution.attention.SegmentLayout` of a padding-free row run through segment attention (give it to
+    :func:`~hf_dynbsz.execution.attention.use_segments` before the forward), else None. ``token_rows``: ``(token_index,
     row_index)`` pairs, each flat token position with every row (sample) it counts for, as stock's attention mask
     counts it: a shared prompt's tokens for each sample sharing it, padding for none (the MoE router aux loss reads
     them). ``shift_labels`` has the shape of
@@ -210,7 +210,7 @@ def build_microbatch(
     """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
 
     ``attention``: the base attention implementation when the padding-free row runs through segment attention
-    (:mod:`hf_dynbsz.attention`; the inputs then carry its :class:`~hf_dynbsz.attention.SegmentLayout`), None for
+    (:mod:`hf_dynbsz.execution.attention`; the inputs then carry its :class:`~hf_dynbsz.execution.attention.SegmentLayout`), None for
     the model's own attention. ``groups`` (one id per sample of ``table``; needs segment attention): samples of this
     micro-batch with the same id have identical prompts and share one copy of it. ``attention_mask``: padded rows
     carry an attention mask. ``position_offset``: added to every position id.
@@ -308,7 +308,7 @@ def build_microbatch(
                 [table.media[i] for i in shown]).items()})
         shift_labels = torch.cat(labels).unsqueeze(0)
         if attention is not None:
-            from .attention import Segment, SegmentLayout
+            from hf_dynbsz.execution.attention import Segment, SegmentLayout
 
             segment_layout = SegmentLayout([Segment(*segment) for segment in segments], attention)
         computed, real = width, total
@@ -375,7 +375,7 @@ def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", atte
         model_inputs["attention_mask"] = torch.ones(1, width, dtype=torch.long, device=device)
     segment_layout = None
     if attention is not None:
-        from .attention import Segment, SegmentLayout
+        from hf_dynbsz.execution.attention import Segment, SegmentLayout
 
         segment_layout = SegmentLayout([Segment(0, 0, (width,))], attention)
     return MicroBatch(

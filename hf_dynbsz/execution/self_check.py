@@ -1,6 +1,6 @@
 """The self-check at start: each layout a run may use, against every sample computed alone (torch layer).
 
-:mod:`hf_dynbsz.model_support` decides from the model which layouts can be exact; this module verifies it on real
+:mod:`hf_dynbsz.planning.model_support` decides from the model which layouts can be exact; this module verifies it on real
 samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).
 It runs one no-grad pass over a few of those samples in each layout, fastest first, and compares their completion
 log-probs with the *per-sample reference*: each sample alone, as one unpadded row through the model's own attention
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_support import Layout
-from .packing import MicroBatch, SequenceTable, build_microbatch
+from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
 
 __all__ = ["CheckResult", "alone_microbatch", "pick_samples", "run_self_check", "tolerance"]
 

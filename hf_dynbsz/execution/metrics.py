@@ -19,11 +19,11 @@ from collections import defaultdict
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .device_memory import release_cached_memory, status_mib
-from .loss import CLIPPED_LOSSES
-from .packing import SequenceTable
-from .partition import ModelFlops
-from .schedule import RankGroup, StepSchedule
+from hf_dynbsz.execution.device_memory import release_cached_memory, status_mib
+from hf_dynbsz.execution.loss import CLIPPED_LOSSES
+from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.planning.partition import ModelFlops
+from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
 __all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
 
@@ -128,7 +128,7 @@ class StepMeters:
     def __init__(self, flops: ModelFlops | None, device: torch.device, mixed_precision: str,
                  peak_tflops_per_device: float | None) -> None:
         self.clock, self.memory = StepClock(), PeakMemory(device)
-        self.flops = flops  # the model's (hf_dynbsz.model_support); None when its config gives none: no MFU
+        self.flops = flops  # the model's (hf_dynbsz.planning.model_support); None when its config gives none: no MFU
         self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
         self.predicted_peak_mib: float | None = None  # with a memory limit: the highest predicted pass peak
         self.oom_retries = 0  # the step's passes re-planned after running out of memory
@@ -140,7 +140,7 @@ class StepMeters:
         self.oom_retries = 0
 
     def predicted(self, mib: float) -> None:
-        """A pass's predicted whole-process peak (:mod:`hf_dynbsz.memory`)."""
+        """A pass's predicted whole-process peak (:mod:`hf_dynbsz.planning.memory`)."""
         self.predicted_peak_mib = max(self.predicted_peak_mib or 0.0, mib)
 
 
@@ -157,7 +157,7 @@ class StepMetrics:
 
     def add_pass(self, real_tokens: int, computed_tokens: int, loss_metrics: dict[str, torch.Tensor],
                  entropies: torch.Tensor, mask: torch.Tensor) -> None:
-        """One real pass: its token counts and the per-token tensors of :func:`hf_dynbsz.loss.per_token_policy_loss`."""
+        """One real pass: its token counts and the per-token tensors of :func:`hf_dynbsz.execution.loss.per_token_policy_loss`."""
         self.pass_real_tokens.append(real_tokens)
         self.computed_tokens += computed_tokens
         mask = mask.float()
@@ -204,10 +204,10 @@ class StepMetrics:
         ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
         ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (see :class:`StepClock`) and
         ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit ``predicted_peak_memory_mib``
-        (:mod:`hf_dynbsz.memory`), and ``oom_retries`` (the step's re-plans after running out of memory); ``tokens_per_second``, the prompt + completion
+        (:mod:`hf_dynbsz.planning.memory`), and ``oom_retries`` (the step's re-plans after running out of memory); ``tokens_per_second``, the prompt + completion
         tokens of the samples all processes trained (shared prompts counted for each of their samples, as stock
         computes them) over ``train_seconds``; ``mfu``, the model FLOPs of the passes over the samples of ``table`` (the
-        ones this process ran, see :meth:`hf_dynbsz.partition.ModelFlops.training_flops`), summed over processes,
+        ones this process ran, see :meth:`hf_dynbsz.planning.partition.ModelFlops.training_flops`), summed over processes,
         over ``train_seconds`` x processes x the device's peak, logged only when that peak is known. ``replicas``:
         processes that ran the same samples (the sequence-parallel group size), counted once.
         """

@@ -1,9 +1,9 @@
 """Device memory, measured around each pass; out-of-memory errors recognised; and injected ones, for tests.
 
-The torch side of :mod:`hf_dynbsz.memory` (which models and decides, without torch):
+The torch side of :mod:`hf_dynbsz.planning.memory` (which models and decides, without torch):
 
 * :func:`release_cached_memory` gives freed memory back before a pass is measured (the measuring itself is
-  :class:`hf_dynbsz.metrics.PeakMemory`), :func:`pending_gradient_mib` the gradients a backward will allocate.
+  :class:`hf_dynbsz.execution.metrics.PeakMemory`), :func:`pending_gradient_mib` the gradients a backward will allocate.
 * :func:`is_out_of_memory` recognises an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and
   the injected ones), the CPU allocator's ``RuntimeError`` ("can't allocate memory"), ``MemoryError``.
 * :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, or

@@ -2,11 +2,11 @@
 
 Every decision that depends on the model is taken by :meth:`ModelSupport.of`: which layouts can keep each sample's
 log-probs equal to the sample computed alone (padding-free rows, shared prompts, padded rows with or without an
-attention mask), whether segment attention (:mod:`hf_dynbsz.attention`) can run the model, which position ids a
+attention mask), whether segment attention (:mod:`hf_dynbsz.execution.attention`) can run the model, which position ids a
 sample needs, how image inputs train, and the FLOPs model the partitioner balances. It reads the config (and, in
 training, the model: its attention modules, embeddings and layer classes) by attribute and never raises: what it
 does not understand turns the feature off, with one reason each. The layouts it allows are tried at start by the
-self-check (:mod:`hf_dynbsz.self_check`), fastest first; a layout whose log-probs differ from the per-sample
+self-check (:mod:`hf_dynbsz.execution.self_check`), fastest first; a layout whose log-probs differ from the per-sample
 reference is left for the next.
 
 Pure Python: no torch import (the planner reads a config on any machine).
@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .partition import GENERIC_DECODER, ModelFlops, text_config_of
+from hf_dynbsz.planning.partition import GENERIC_DECODER, ModelFlops, text_config_of
 
 __all__ = [
     "Layout",
@@ -56,7 +56,7 @@ REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
 
 #: Repacked vision-language model types that position their tokens in three dimensions (M-RoPE: time, height,
 #: width) with their own ``get_rope_index``: a padding-free row carries each sample's positions as that function
-#: computes them for the sample alone (:func:`hf_dynbsz.multimodal.rope_positions`). The other repacked types
+#: computes them for the sample alone (:func:`hf_dynbsz.execution.multimodal.rope_positions`). The other repacked types
 #: position image tokens like text.
 MULTIMODAL_ROPE_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
@@ -144,7 +144,7 @@ class ModelSupport:
     * ``repacking_blocker``: no layout can be exact, stock math runs (a sample's log-probs depend on the row it is
       padded to, in stock's own forward too);
     * ``router_aux_blocker``: the MoE router aux loss (when TRL trains one) cannot be repacked;
-      ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.router_loss`).
+      ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.execution.router_loss`).
 
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
     ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
@@ -403,7 +403,7 @@ def router_aux_loss_coef(config: Any, configured: float | None = None) -> float:
 def _router_aux_form(text_config: Any, model: Any) -> tuple[tuple[int, int] | None, str | None]:
     """``((experts, experts per token), None)``: the numbers TRL's fused LM head gives transformers' standard
     load-balancing loss (Mixtral's ``load_balancing_loss_func``, whatever the model's own forward computes), which
-    :mod:`hf_dynbsz.router_loss` repacks; ``(None, why not)`` when they cannot be read (stock fails then too)."""
+    :mod:`hf_dynbsz.execution.router_loss` repacks; ``(None, why not)`` when they cannot be read (stock fails then too)."""
     experts, top_k = _read(text_config, "num_experts"), _read(text_config, "num_experts_per_tok")
     if _read(text_config, "model_type") == "gpt_oss" and model is not None:  # TRL reads the model's on gpt_oss
         experts = _read(model, "num_experts", experts)

@@ -598,14 +598,14 @@ def grpo_batch(prompt_lengths, completion_lengths, repeats, *, seed: int = 0, to
 
 def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None):
     """Baseline for tests and benchmarks: first-fit-decreasing bin packing under the token budget, what fixes the
-    pass count of :func:`hf_dynbsz.partition.partition_by_token_budget` (its count is
-    :func:`~hf_dynbsz.partition.min_num_microbatches`).
+    pass count of :func:`hf_dynbsz.planning.partition.partition_by_token_budget` (its count is
+    :func:`~hf_dynbsz.planning.partition.min_num_microbatches`).
 
     Sequences are visited longest first (ties by index) and each goes into the first micro-batch (in opening order)
     where it fits; a sequence over the budget gets a micro-batch of its own. Returns lists of indices, ordered like
     ``partition_by_token_budget``'s output (ascending inside, micro-batches by smallest index).
     """
-    from .partition import _contiguous_runs_to_bins, _fewest_padded_runs, _first_fit_decreasing_sorted, _Problem
+    from hf_dynbsz.planning.partition import _contiguous_runs_to_bins, _fewest_padded_runs, _first_fit_decreasing_sorted, _Problem
 
     problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
     if problem.layout == "padding_free":
@@ -617,7 +617,7 @@ def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free",
 
 def segment_mask(prefix: int, blocks: tuple[int, ...]):
     """The rule of a shared segment written as a dense ``(L, L)`` bool mask (True = may attend): prefix causal, each
-    block on the prefix and causally on itself. A test oracle for :mod:`hf_dynbsz.attention`."""
+    block on the prefix and causally on itself. A test oracle for :mod:`hf_dynbsz.execution.attention`."""
     import torch
 
     length = prefix + sum(blocks)
@@ -744,7 +744,7 @@ class ResidentSetSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from .device_memory import status_mib
+        from hf_dynbsz.execution.device_memory import status_mib
 
         while not self._stop.is_set():
             self.peak_mib = max(self.peak_mib, status_mib("VmRSS") or 0.0)
@@ -755,7 +755,7 @@ class ResidentSetSampler:
         return self
 
     def __exit__(self, *exc):
-        from .device_memory import status_mib
+        from hf_dynbsz.execution.device_memory import status_mib
 
         self._stop.set()
         self._thread.join()
@@ -765,7 +765,7 @@ class ResidentSetSampler:
 def run_peak_mib(log_history: list[dict], sampler: ResidentSetSampler | None = None) -> float:
     """A run's whole-process peak (MiB): the largest of the sampled resident set, every logged step peak
     (``dynbsz/peak_memory_mib``, carried across the trainer's per-pass resets) and ``VmHWM`` now."""
-    from .device_memory import status_mib
+    from hf_dynbsz.execution.device_memory import status_mib
 
     hwm = status_mib("VmHWM") or 0.0
     logged = [entry["dynbsz/peak_memory_mib"] for entry in log_history if "dynbsz/peak_memory_mib" in entry]

@@ -1,19 +1,19 @@
 """What the plugin does for one run, decided at start from the config and the model (torch layer).
 
 Every feature either runs exactly or does not run, with a reason the trainer logs once: dynamic batching itself
-(stock's math for what cannot be repacked), the layouts the model allows (decided in :mod:`hf_dynbsz.model_support`,
-verified on the first step by :mod:`hf_dynbsz.self_check`), and the generation chunk size. The scheduling decisions
-proper live in :mod:`hf_dynbsz.schedule`; this module only gathers what the model and the config allow.
+(stock's math for what cannot be repacked), the layouts the model allows (decided in :mod:`hf_dynbsz.planning.model_support`,
+verified on the first step by :mod:`hf_dynbsz.execution.self_check`), and the generation chunk size. The scheduling decisions
+proper live in :mod:`hf_dynbsz.planning.schedule`; this module only gathers what the model and the config allow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .env import env_sources
-from .model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport, images_stay_on_their_process
-from .schedule import RankGroup, Scheduler
-from .settings import ENV_SETTINGS
+from hf_dynbsz.planning.env import env_sources
+from hf_dynbsz.planning.model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport, images_stay_on_their_process
+from hf_dynbsz.planning.schedule import RankGroup, Scheduler
+from hf_dynbsz.planning.settings import ENV_SETTINGS
 
 __all__ = ["Capabilities", "check_same_on_every_process"]
 
@@ -43,7 +43,7 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
 @dataclass
 class Capabilities:
     """The run's features: ``enabled`` (dynamic batching; False: stock math), ``support`` (what the model allows,
-    :class:`~hf_dynbsz.model_support.ModelSupport`), ``layouts`` (the layouts training may use, fastest first: it
+    :class:`~hf_dynbsz.planning.model_support.ModelSupport`), ``layouts`` (the layouts training may use, fastest first: it
     starts with the first and the self-check steps down), the :class:`Scheduler` of the first layout, and ``notes``
     (one line per feature asked for but not applied, or not applicable)."""
 
@@ -52,12 +52,12 @@ class Capabilities:
     layouts: list[Layout]
     scheduler: Scheduler
     notes: list[str] = field(default_factory=list)
-    #: the MoE router aux loss TRL trains is repacked per sample (:mod:`hf_dynbsz.router_loss`)
+    #: the MoE router aux loss TRL trains is repacked per sample (:mod:`hf_dynbsz.execution.router_loss`)
     router_aux: bool = False
 
     @property
     def vision_language(self) -> str | None:
-        """How image steps train (:func:`~hf_dynbsz.model_support.vision_language_mode`)."""
+        """How image steps train (:func:`~hf_dynbsz.planning.model_support.vision_language_mode`)."""
         return self.support.vision_language
 
     @classmethod

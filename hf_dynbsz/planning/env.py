@@ -3,8 +3,8 @@
 A sweep driver can change batch sizes without editing the training script by
 exporting ``DIFFU_*`` variables. Each variable overrides one configuration
 field; the precedence is **environment over arguments over defaults**. The
-variables and their fields are listed once, in :data:`hf_dynbsz.settings.SETTINGS`
-(``python -m hf_dynbsz.settings`` prints the table).
+variables and their fields are listed once, in :data:`hf_dynbsz.planning.settings.SETTINGS`
+(``python -m hf_dynbsz.planning.settings`` prints the table).
 
 This module is pure Python (no torch, no TRL) so that the command-line planner
 and the configuration share one implementation.
@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .settings import ENV_SETTINGS, Setting
+from hf_dynbsz.planning.settings import ENV_SETTINGS, Setting
 
 __all__ = [
     "apply_env_overrides",

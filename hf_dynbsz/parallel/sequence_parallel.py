@@ -3,15 +3,15 @@
 With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``, see
 :mod:`hf_dynbsz.config`) the processes form groups of N consecutive ranks (DeepSpeed's ``parallel_state_sp``):
 
-* **pool**: the processes of a group pool their samples (the step's :class:`~hf_dynbsz.batch.StepBatch`, each
+* **pool**: the processes of a group pool their samples (the step's :class:`~hf_dynbsz.execution.batch.StepBatch`, each
   sample with its stock loss weights, or a no-grad pass's table), so every process of a group holds the same samples
   and plans the same passes; a group's pass holds up to N x the per-device token budget;
 * **shard**: a pass's padding-free row (its width rounded up to a multiple of N) is cut into N contiguous shards;
   process k of the group runs shard k: its input ids, position ids and shift labels (a shard's last label is the
   next shard's first token: no boundary token is lost);
-* **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.attention`) under
+* **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.execution.attention`) under
   :data:`ULYSSES_ATTENTION_NAME`: its all-to-all gives each process the whole row for 1/N of the heads, the whole
-  row's :class:`~hf_dynbsz.attention.SegmentLayout` applies (plain sequences, shared prompts), and a second
+  row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (plain sequences, shared prompts), and a second
   all-to-all returns the shard;
 * **loss**: the shards' per-token log-probs (and entropies) are gathered (:func:`gather_shards`: forward an
   all-gather, backward each process keeps its shard's gradient), every process of the group computes the pass's loss
@@ -21,7 +21,7 @@ With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backen
   stock's, since a group's loss is the sum of its processes' samples' stock-weighted losses;
 * **data parallelism** across groups: a group's passes are planned with the processes that run the same shard in
   the other groups (:attr:`SequenceParallel.peers`): the lockstep (equal pass counts) and cross-rank balancing of
-  :mod:`hf_dynbsz.schedule` run between groups.
+  :mod:`hf_dynbsz.planning.schedule` run between groups.
 
 accelerate applies Ulysses to a ``DataLoader`` of token batches (``UlyssesSPDataLoaderAdapter``) and hands DeepSpeed
 a sequence-parallel ``mpu``; GRPO's batches are prompts whose model inputs exist only after generation (why TRL
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention import ATTENTION_NAME, segment_attention_forward
-from .model_support import _read
-from .partition import text_config_of
+from hf_dynbsz.execution.attention import ATTENTION_NAME, segment_attention_forward
+from hf_dynbsz.planning.model_support import _read
+from hf_dynbsz.planning.partition import text_config_of
 
 __all__ = ["ULYSSES_ATTENTION_NAME", "SequenceParallel", "gather_shards", "sequence_parallel_blocker"]
 
@@ -160,7 +160,7 @@ class SequenceParallel:
     def pool_table(self, table):
         """``(pooled, own)``: the group's samples (token ids) for a no-grad pass, and the positions of this
         process's own samples in it."""
-        from .packing import SequenceTable
+        from hf_dynbsz.execution.packing import SequenceTable
 
         members = self._gather_objects(([tokens.cpu() for tokens in table.tokens], table.prompt_lengths.cpu(),
                                         table.completion_lengths.cpu()))

@@ -33,7 +33,7 @@ import torch
 
 from trl import GRPOTrainer
 
-from .batch import SampleRows
+from hf_dynbsz.execution.batch import SampleRows
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")

@@ -3,7 +3,7 @@
 TRL's ``_prepare_inputs`` hands the trainer one fixed *slice* of ``per_device_train_batch_size`` samples per
 accumulation step, every tensor padded to the longest row of the generation batch. :class:`StepBatch` flattens
 the ``gradient_accumulation_steps`` slices of an optimizer step into per-sample rows with the padding of the
-token ids stripped (:class:`~hf_dynbsz.packing.SequenceTable`, with each sample's image inputs) and everything
+token ids stripped (:class:`~hf_dynbsz.execution.packing.SequenceTable`, with each sample's image inputs) and everything
 that belongs to a sample beside it: its loss mask, advantage, per-token fields (old/reference/sampling
 log-probs, importance ratios), the stock slice it came from and, once computed, its loss weights and
 ``top_entropy_quantile`` mask. Per-token tensors are completion-aligned, ``(samples, width)`` with ``width`` the
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .multimodal import TOKEN_FIELDS, split_media
-from .packing import SequenceTable
+from hf_dynbsz.execution.multimodal import TOKEN_FIELDS, split_media
+from hf_dynbsz.execution.packing import SequenceTable
 
 __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
 
@@ -59,7 +59,7 @@ class StepBatch:
     ``num_items_in_batch`` (global loss tokens of the generation round) each sample's slice saw.
     ``stock_microbatch_tokens`` is the token positions of stock's largest slice (rows x padded width) and
     ``stock_computed_tokens`` those of all slices together. ``policy_weights``/``entropy_weights`` (float64,
-    from :func:`hf_dynbsz.loss.sample_weights`) and ``high_entropy`` are filled in before the passes run.
+    from :func:`hf_dynbsz.execution.loss.sample_weights`) and ``high_entropy`` are filled in before the passes run.
     """
 
     table: SequenceTable

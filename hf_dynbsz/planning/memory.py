@@ -54,7 +54,7 @@ PRIOR_SAFETY = 1.2
 #: Observations kept per kind (the newest; older ones describe a process that held other things).
 OBSERVATIONS_KEPT = 128
 _MIB = 2**20
-_FUSED_HEAD_COLUMNS = 8192  # vocabulary columns per tile of the tiled LM head (hf_dynbsz.tiling)
+_FUSED_HEAD_COLUMNS = 8192  # vocabulary columns per tile of the tiled LM head (hf_dynbsz.execution.tiling)
 
 
 class OutOfMemoryBudgetError(RuntimeError):
@@ -83,7 +83,7 @@ class Coefficients:
 def _size(config: Any, name: str) -> int:
     """A config size read as one int: the largest of a per-layer list (Gemma-3n's ``intermediate_size``), 0 when it
     is missing, unreadable or not a number (the caller's default then applies)."""
-    from .model_support import _read  # the one config reader: per-layer attributes raise on global access
+    from hf_dynbsz.planning.model_support import _read  # the one config reader: per-layer attributes raise on global access
 
     value = _read(config, name, 0)
     if isinstance(value, (list, tuple)):
@@ -101,7 +101,7 @@ def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gra
     holds its score matrices (``heads`` values per pair and layer); sdpa and flash kernels do not. The LM head's
     tile is ``tensor_batch_size`` tokens x 8192 columns of fp32 (logits, log-softmax and its gradient).
     """
-    from .partition import text_config_of  # the config readers of the cost model (pure Python too)
+    from hf_dynbsz.planning.partition import text_config_of  # the config readers of the cost model (pure Python too)
 
     text = text_config_of(config)
     hidden = _size(text, "hidden_size") or 4096
@@ -306,7 +306,7 @@ def estimated_held_mib(config: Any, num_processes: int = 1, zero_stage: int | No
     weights, gradients and AdamW's two moments, 16 bytes per parameter, the parts ZeRO shards divided among
     ``num_processes``. Parameters are read off the config (layers' projections and MLP, embeddings, an untied LM
     head)."""
-    from .partition import ModelFlops, text_config_of
+    from hf_dynbsz.planning.partition import ModelFlops, text_config_of
 
     flops = ModelFlops.from_model_config(config)
     tied = bool(getattr(text_config_of(config), "tie_word_embeddings", False))

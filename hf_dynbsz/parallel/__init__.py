@@ -1,0 +1,1 @@
+"""Across processes (torch.distributed): collectives of the schedule and sequence parallelism."""
