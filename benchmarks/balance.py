@@ -68,29 +68,61 @@ def worker(spec: dict) -> None:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=384, vocab_size=4096,
-                                 max_position_embeddings=1024, seed=0)
+    model = build_tiny_causal_lm(
+        tokenizer,
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+        seed=0,
+    )
 
     def completion_lengths(rng, n, rank):
         if spec["lengths"] == "lopsided":
             return np.full(n, LONG if rank == 1 else SHORT)
         return np.array([LONG if i % 2 == 0 else SHORT for i in range(n)])
 
-    rollout = ScriptedRollout(completion_lengths, lambda rng: PROMPT, max_completion_length=LONG + 1, seed=0,
-                              token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    rollout = ScriptedRollout(
+        completion_lengths,
+        lambda rng: PROMPT,
+        max_completion_length=LONG + 1,
+        seed=0,
+        token_low=3,
+        token_high=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+    )
     args = DynamicBatchGRPOConfig(
-        output_dir=spec["output_dir"], per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_generations=4, max_completion_length=LONG + 1, max_steps=spec["steps"], learning_rate=1e-5,
-        lr_scheduler_type="constant", seed=0, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True,
-        bf16=False, dataloader_num_workers=0, disable_tqdm=True, balance_across_ranks=spec["balance"],
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=LONG + 1,
+        max_steps=spec["steps"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        seed=0,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        balance_across_ranks=spec["balance"],
         activation_checkpointing=False,
     )
     dataset = Dataset.from_dict({"prompt": [f"prompt-{i}" for i in range(8 * spec["steps"] + 8)]})
-    trainer = DynamicBatchGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [len(c) % 7 / 7.0
-                                                                                           for c in completions],
-                                      args=args, train_dataset=dataset, processing_class=tokenizer,
-                                      rollout_func=rollout)
+    trainer = DynamicBatchGRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [len(c) % 7 / 7.0 for c in completions],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
     timings = []
     train_step = trainer._train_step
 
@@ -105,10 +137,16 @@ def worker(spec: dict) -> None:
     history = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     if trainer.accelerator.is_main_process:
         with open(spec["result"], "w") as handle:
-            json.dump({"train_s": timings, "moved": [e.get("dynbsz/samples_moved", 0.0) for e in history],
-                       "imbalance_before": [e.get("dynbsz/rank_imbalance_before") for e in history],
-                       "imbalance_after": [e.get("dynbsz/rank_imbalance_after") for e in history],
-                       "passes": [e["dynbsz/microbatches_max_over_ranks"] for e in history]}, handle)
+            json.dump(
+                {
+                    "train_s": timings,
+                    "moved": [e.get("dynbsz/samples_moved", 0.0) for e in history],
+                    "imbalance_before": [e.get("dynbsz/rank_imbalance_before") for e in history],
+                    "imbalance_after": [e.get("dynbsz/rank_imbalance_after") for e in history],
+                    "passes": [e["dynbsz/microbatches_max_over_ranks"] for e in history],
+                },
+                handle,
+            )
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
 
@@ -117,10 +155,23 @@ def run_config(name: str, steps: int, timeout: float) -> dict:
     lengths, balance = CONFIGS[name]
     config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "cpu_ddp.yaml"
     with tempfile.TemporaryDirectory(prefix="dynbsz-balance-") as tmp:
-        spec = {"lengths": lengths, "balance": balance, "steps": steps, "output_dir": os.path.join(tmp, "out"),
-                "result": os.path.join(tmp, "result.json")}
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+        spec = {
+            "lengths": lengths,
+            "balance": balance,
+            "steps": steps,
+            "output_dir": os.path.join(tmp, "out"),
+            "result": os.path.join(tmp, "result.json"),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(spec),
+        ]
         run_with_timeout(command, Path(tmp), timeout, f"balance benchmark run {name}")
         with open(spec["result"]) as handle:
             return json.load(handle)
@@ -133,23 +184,32 @@ def real_runs(repeats: int, steps: int, timeout: float) -> list[dict]:
         for name in order:
             result = run_config(name, steps, timeout)
             runs[name].append(result)
-            print(f"repeat {repeat} {name:26s} train s/step {statistics.median(result['train_s'][1:]):.3f}  "
-                  f"load {load_average()}", flush=True)
+            print(
+                f"repeat {repeat} {name:26s} train s/step {statistics.median(result['train_s'][1:]):.3f}  "
+                f"load {load_average()}",
+                flush=True,
+            )
     rows = []
     for name, results in runs.items():
-        rows.append({
-            "config": name,
-            "train_s": statistics.median(statistics.median(r["train_s"][1:]) for r in results),
-            "passes": statistics.median(p for r in results for p in r["passes"][1:]),
-            "moved": statistics.median(m for r in results for m in r["moved"][1:]),
-            "imbalance_before": statistics.median(v for r in results for v in r["imbalance_before"][1:] if v),
-            "imbalance_after": statistics.median(v for r in results for v in r["imbalance_after"][1:] if v),
-        } if results[0]["imbalance_before"][0] is not None else {
-            "config": name,
-            "train_s": statistics.median(statistics.median(r["train_s"][1:]) for r in results),
-            "passes": statistics.median(p for r in results for p in r["passes"][1:]),
-            "moved": 0.0, "imbalance_before": None, "imbalance_after": None,
-        })
+        rows.append(
+            {
+                "config": name,
+                "train_s": statistics.median(statistics.median(r["train_s"][1:]) for r in results),
+                "passes": statistics.median(p for r in results for p in r["passes"][1:]),
+                "moved": statistics.median(m for r in results for m in r["moved"][1:]),
+                "imbalance_before": statistics.median(v for r in results for v in r["imbalance_before"][1:] if v),
+                "imbalance_after": statistics.median(v for r in results for v in r["imbalance_after"][1:] if v),
+            }
+            if results[0]["imbalance_before"][0] is not None
+            else {
+                "config": name,
+                "train_s": statistics.median(statistics.median(r["train_s"][1:]) for r in results),
+                "passes": statistics.median(p for r in results for p in r["passes"][1:]),
+                "moved": 0.0,
+                "imbalance_before": None,
+                "imbalance_after": None,
+            }
+        )
     return rows
 
 
@@ -171,50 +231,112 @@ def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: i
             per_process = [lengths[p * samples : (p + 1) * samples].tolist() for p in range(processes)]
             prompts = [[32] * samples for _ in range(processes)]
             for balance in (True, False):
-                scheduler = Scheduler(layout="padding_free", attention="varlen", workload=workload,
-                                      balance_across_ranks=balance)
+                scheduler = Scheduler(
+                    layout="padding_free", attention="varlen", workload=workload, balance_across_ranks=balance
+                )
                 start = time.perf_counter()
                 schedules = simulate_processes(scheduler, per_process, [budget] * processes, prompts)
                 if balance:
                     planning.append((time.perf_counter() - start) / processes)
-                times = [sum(workload.cost([s.lengths[i] for i in group]) for group in s.microbatches if group)
-                         for s in schedules]
+                times = [
+                    sum(workload.cost([s.lengths[i] for i in group]) for group in s.microbatches if group)
+                    for s in schedules
+                ]
                 ratios[balance].append(max(times) / (sum(times) / processes))
-        rows.append({"processes": processes, "without": float(np.mean(ratios[False])),
-                     "without_worst": float(np.max(ratios[False])), "with": float(np.mean(ratios[True])),
-                     "with_worst": float(np.max(ratios[True])), "planning_ms": 1000 * float(np.median(planning))})
-        print(f"P={processes:4d} predicted step / perfect: {rows[-1]['without']:.3f} without, "
-              f"{rows[-1]['with']:.3f} with balancing", flush=True)
+        rows.append(
+            {
+                "processes": processes,
+                "without": float(np.mean(ratios[False])),
+                "without_worst": float(np.max(ratios[False])),
+                "with": float(np.mean(ratios[True])),
+                "with_worst": float(np.max(ratios[True])),
+                "planning_ms": 1000 * float(np.median(planning)),
+            }
+        )
+        print(
+            f"P={processes:4d} predicted step / perfect: {rows[-1]['without']:.3f} without, "
+            f"{rows[-1]['with']:.3f} with balancing",
+            flush=True,
+        )
     return rows
 
 
 # --------------------------------------------------------------------------------------------------- report
 def render(real: list[dict], simulated: list[dict], seconds: float) -> str:
     by_name = {row["config"]: row for row in real}
-    lines = ["# Cross-rank balancing", "",
-             f"Generated by `python benchmarks/balance.py` in {seconds / 60:.1f} min. Machine: {machine_description()}.",
-             "", "## Two real processes (DDP on CPU): lopsided against even work", ""]
+    lines = [
+        "# Cross-rank balancing",
+        "",
+        f"Generated by `python benchmarks/balance.py` in {seconds / 60:.1f} min. Machine: {machine_description()}.",
+        "",
+        "## Two real processes (DDP on CPU): lopsided against even work",
+        "",
+    ]
     body = []
     for row in real:
         even = by_name["even, balancing on" if "on" in row["config"] else "even, balancing off"]
-        body.append([row["config"], f"{row['train_s']:.3f}", f"{row['train_s'] / even['train_s']:.2f}",
-                     f"{row['passes']:.0f}", f"{row['moved']:.0f}",
-                     "-" if row["imbalance_before"] is None else f"{row['imbalance_before']:.2f}",
-                     "-" if row["imbalance_after"] is None else f"{row['imbalance_after']:.2f}"])
-    lines.append(markdown_table(["work", "train s/step", "vs even (same setting)", "passes/step", "samples moved",
-                                 "rank imbalance before", "after"], body))
+        body.append(
+            [
+                row["config"],
+                f"{row['train_s']:.3f}",
+                f"{row['train_s'] / even['train_s']:.2f}",
+                f"{row['passes']:.0f}",
+                f"{row['moved']:.0f}",
+                "-" if row["imbalance_before"] is None else f"{row['imbalance_before']:.2f}",
+                "-" if row["imbalance_after"] is None else f"{row['imbalance_after']:.2f}",
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "work",
+                "train s/step",
+                "vs even (same setting)",
+                "passes/step",
+                "samples moved",
+                "rank imbalance before",
+                "after",
+            ],
+            body,
+        )
+    )
     lopsided = by_name["lopsided, balancing on"]["train_s"] / by_name["even, balancing on"]["train_s"]
     off = by_name["lopsided, balancing off"]["train_s"] / by_name["even, balancing off"]["train_s"]
-    lines += ["", f"Lopsided / even: **{lopsided:.2f}** with balancing on (goal <= 1.10: "
-              f"{'met' if lopsided <= 1.10 else 'missed'}), {off:.2f} with it off.", "",
-              "## Simulation: predicted step time over perfect balance", ""]
-    body = [[row["processes"], f"{row['without']:.3f} ({row['without_worst']:.3f})",
-             f"{row['with']:.3f} ({row['with_worst']:.3f})", f"{row['planning_ms']:.1f}"] for row in simulated]
-    lines.append(markdown_table(["processes", "without balancing: mean (worst step)", "with balancing: mean (worst step)",
-                                 "planning ms per process per step"], body))
+    lines += [
+        "",
+        f"Lopsided / even: **{lopsided:.2f}** with balancing on (goal <= 1.10: "
+        f"{'met' if lopsided <= 1.10 else 'missed'}), {off:.2f} with it off.",
+        "",
+        "## Simulation: predicted step time over perfect balance",
+        "",
+    ]
+    body = [
+        [
+            row["processes"],
+            f"{row['without']:.3f} ({row['without_worst']:.3f})",
+            f"{row['with']:.3f} ({row['with_worst']:.3f})",
+            f"{row['planning_ms']:.1f}",
+        ]
+        for row in simulated
+    ]
+    lines.append(
+        markdown_table(
+            [
+                "processes",
+                "without balancing: mean (worst step)",
+                "with balancing: mean (worst step)",
+                "planning ms per process per step",
+            ],
+            body,
+        )
+    )
     largest = simulated[-1]
-    lines += ["", f"At {largest['processes']} processes balancing is within {100 * (largest['with'] - 1):.1f}% of "
-              f"perfect on average (goal 5%: {'met' if largest['with'] <= 1.05 else 'missed'}).", ""]
+    lines += [
+        "",
+        f"At {largest['processes']} processes balancing is within {100 * (largest['with'] - 1):.1f}% of "
+        f"perfect on average (goal 5%: {'met' if largest['with'] <= 1.05 else 'missed'}).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -226,8 +348,11 @@ def plot(real: list[dict], simulated: list[dict], path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [row["config"] for row in real]
-    left.bar(range(len(names)), [row["train_s"] for row in real],
-             color=["#1f77b4", "#d62728", "#2ca02c", "#7f7f7f"][: len(names)])
+    left.bar(
+        range(len(names)),
+        [row["train_s"] for row in real],
+        color=["#1f77b4", "#d62728", "#2ca02c", "#7f7f7f"][: len(names)],
+    )
     left.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     left.set_title("2 processes: training phase, s / optimizer step", fontsize=10)
     counts = [row["processes"] for row in simulated]

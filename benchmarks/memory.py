@@ -56,8 +56,14 @@ def measure_logprob(tokens_per_tile: int | None, tokens: int, hidden: int) -> di
     from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     torch.manual_seed(0)
-    model = build_tiny_causal_lm(build_char_tokenizer(), hidden_size=hidden, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+    model = build_tiny_causal_lm(
+        build_char_tokenizer(),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     rows = 4
     input_ids = torch.randint(0, VOCAB, (rows, tokens // rows))
@@ -80,16 +86,25 @@ def measure_generation(chunk: int | None, samples: int, new_tokens: int) -> dict
     from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                                 num_key_value_heads=8, vocab_size=VOCAB)
+    model = build_tiny_causal_lm(
+        tokenizer, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=VOCAB
+    )
     args = DynamicBatchGRPOConfig(
-        output_dir="/tmp/hf-dynbsz-memory-bench", report_to="none", use_cpu=True, per_device_train_batch_size=samples,
-        num_generations=samples, max_completion_length=new_tokens, per_device_generation_batch_size=chunk,
+        output_dir="/tmp/hf-dynbsz-memory-bench",
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=samples,
+        num_generations=samples,
+        max_completion_length=new_tokens,
+        per_device_generation_batch_size=chunk,
         generation_kwargs={"min_new_tokens": new_tokens},  # every sample is max length: comparable peaks
     )
     trainer = DynamicBatchGRPOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["abc"]}), processing_class=tokenizer,
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["abc"]}),
+        processing_class=tokenizer,
     )
     prompts = [tokenizer("hello world " * 4).input_ids] * samples
     torch.manual_seed(0)
@@ -105,8 +120,13 @@ def _child(kind: str, value, options: dict) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps({"kind": kind, "value": value, **options})]
     # Large blocks straight from mmap and returned at free: the resident set then follows torch's live
     # allocations instead of what glibc's heap happens to retain from model construction.
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "MALLOC_TRIM_THRESHOLD_": "0",
+    }
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{kind}={value} failed:\n{done.stderr[-3000:]}")
@@ -129,34 +149,51 @@ def main() -> None:
 
     logprob_options = {"tokens": 1024 if cli.quick else 4096, "hidden": 64}
     generation_options = {"samples": 16 if cli.quick else 32, "new_tokens": 32 if cli.quick else 64}
-    lines = ["# Peak memory: stock TRL vs hf_dynbsz memory knobs", "",
-             f"Command: `python benchmarks/memory.py{' --quick' if cli.quick else ''}` (2 CPU cores, fp32). "
-             "Peak = resident-set high-water mark during the measured work minus the resident set before it, "
-             "one fresh subprocess per row.", ""]
+    lines = [
+        "# Peak memory: stock TRL vs hf_dynbsz memory knobs",
+        "",
+        f"Command: `python benchmarks/memory.py{' --quick' if cli.quick else ''}` (2 CPU cores, fp32). "
+        "Peak = resident-set high-water mark during the measured work minus the resident set before it, "
+        "one fresh subprocess per row.",
+        "",
+    ]
 
-    lines += [f"## Log-prob + backward, {logprob_options['tokens']} tokens, vocabulary {VOCAB:,}, hidden "
-              f"{logprob_options['hidden']}, 2 layers", "",
-              "| setting | tile (tokens x vocab columns) | peak MB | vs stock | seconds |", "|---|---|---:|---:|---:|"]
+    lines += [
+        f"## Log-prob + backward, {logprob_options['tokens']} tokens, vocabulary {VOCAB:,}, hidden "
+        f"{logprob_options['hidden']}, 2 layers",
+        "",
+        "| setting | tile (tokens x vocab columns) | peak MB | vs stock | seconds |",
+        "|---|---|---:|---:|---:|",
+    ]
     stock = _child("logprob", None, logprob_options)
     lines.append(f"| stock TRL | 4096 x 32768 | {stock['peak_mb']:.0f} | 1.00 | {stock['seconds']:.1f} |")
     for tile in (8192, 2048, 1024, 512):
         result = _child("logprob", tile, logprob_options)
-        lines.append(f"| tensor_batch_size={tile} | {tile} x 8192 | {result['peak_mb']:.0f} | "
-                     f"{result['peak_mb'] / stock['peak_mb']:.3f} | {result['seconds']:.1f} |")
+        lines.append(
+            f"| tensor_batch_size={tile} | {tile} x 8192 | {result['peak_mb']:.0f} | "
+            f"{result['peak_mb'] / stock['peak_mb']:.3f} | {result['seconds']:.1f} |"
+        )
         print(lines[-1], flush=True)
 
     samples = generation_options["samples"]
-    lines += ["", f"## Generation, {samples} samples per device x {generation_options['new_tokens']} new tokens, "
-              f"vocabulary {VOCAB:,}, hidden 256, 4 layers", "",
-              "| setting | generate calls | peak MB | vs stock | seconds |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"## Generation, {samples} samples per device x {generation_options['new_tokens']} new tokens, "
+        f"vocabulary {VOCAB:,}, hidden 256, 4 layers",
+        "",
+        "| setting | generate calls | peak MB | vs stock | seconds |",
+        "|---|---:|---:|---:|---:|",
+    ]
     stock = _child("generation", None, generation_options)
     lines.append(f"| stock (whole share at once) | 1 | {stock['peak_mb']:.0f} | 1.00 | {stock['seconds']:.1f} |")
     for chunk in (16, 8, 4):
         if chunk >= samples:
             continue
         result = _child("generation", chunk, generation_options)
-        lines.append(f"| per_device_generation_batch_size={chunk} | {-(-samples // chunk)} | {result['peak_mb']:.0f} | "
-                     f"{result['peak_mb'] / stock['peak_mb']:.3f} | {result['seconds']:.1f} |")
+        lines.append(
+            f"| per_device_generation_batch_size={chunk} | {-(-samples // chunk)} | {result['peak_mb']:.0f} | "
+            f"{result['peak_mb'] / stock['peak_mb']:.3f} | {result['seconds']:.1f} |"
+        )
         print(lines[-1], flush=True)
 
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -47,46 +47,90 @@ def worker(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import (ResidentSetSampler, ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm,
-                                   run_peak_mib)
+    from hf_dynbsz.testing import (
+        ResidentSetSampler,
+        ScriptedRollout,
+        build_char_tokenizer,
+        build_tiny_causal_lm,
+        run_peak_mib,
+    )
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     hidden, longest = spec["hidden"], spec.get("max_completion", MIX[spec["mix"]])
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=hidden // 64,
-                                 num_key_value_heads=hidden // 64, intermediate_size=3 * hidden, vocab_size=4000,
-                                 max_position_embeddings=longest + 128, attn_implementation="sdpa", seed=0)
+    model = build_tiny_causal_lm(
+        tokenizer,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        intermediate_size=3 * hidden,
+        vocab_size=4000,
+        max_position_embeddings=longest + 128,
+        attn_implementation="sdpa",
+        seed=0,
+    )
     median = longest / 7 if spec["mix"] == "long_tailed" else longest / 3
     rollout = ScriptedRollout(
-        lambda rng, n, rank: np.clip(rng.lognormal(np.log(median), 1.0 if spec["mix"] == "long_tailed" else 0.4, n),
-                                     8, longest).astype(int),
-        lambda rng: int(rng.integers(32, 96)), max_completion_length=longest, seed=spec["seed"], token_low=3,
-        token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
-    common = dict(output_dir=spec["output_dir"], per_device_train_batch_size=spec.get("batch", 2),
-                  gradient_accumulation_steps=spec.get("accum", 4),
-                  num_generations=8, max_completion_length=longest, max_steps=spec["steps"], learning_rate=1e-5,
-                  beta=0.0, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
-                  disable_tqdm=True, gradient_checkpointing=spec["checkpointing"], seed=spec["seed"])
+        lambda rng, n, rank: np.clip(
+            rng.lognormal(np.log(median), 1.0 if spec["mix"] == "long_tailed" else 0.4, n), 8, longest
+        ).astype(int),
+        lambda rng: int(rng.integers(32, 96)),
+        max_completion_length=longest,
+        seed=spec["seed"],
+        token_low=3,
+        token_high=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+    )
+    common = dict(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec.get("batch", 2),
+        gradient_accumulation_steps=spec.get("accum", 4),
+        num_generations=8,
+        max_completion_length=longest,
+        max_steps=spec["steps"],
+        learning_rate=1e-5,
+        beta=0.0,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        gradient_checkpointing=spec["checkpointing"],
+        seed=spec["seed"],
+    )
     if spec["trainer"] == "stock":
         trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
     else:
         trainer_cls = DynamicBatchGRPOTrainer
-        args = DynamicBatchGRPOConfig(**common, max_tokens_per_microbatch=spec.get("budget"),
-                                      max_memory_per_device_mib=spec.get("limit"))
+        args = DynamicBatchGRPOConfig(
+            **common, max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit")
+        )
     samples = spec.get("batch", 2) * spec.get("accum", 4)
     dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(samples * spec["steps"] // 8 + 8)]})
-    trainer = trainer_cls(model=model, reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
-                          args=args, train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
     start = time.perf_counter()
     with ResidentSetSampler() as sampler:  # with a limit the trainer resets VmHWM before each pass
         trainer.train()
     elapsed = time.perf_counter() - start
     steps = [e for e in trainer.state.log_history if "step_time" in e]
-    result = {"spec": spec, "run_peak_mib": run_peak_mib(trainer.state.log_history, sampler), "train_s": elapsed,
-              "step_times": [e["step_time"] for e in steps],
-              "budgets": [e.get("dynbsz/budget_tokens") for e in steps],
-              "passes": [e.get("dynbsz/microbatches") for e in steps]}
+    result = {
+        "spec": spec,
+        "run_peak_mib": run_peak_mib(trainer.state.log_history, sampler),
+        "train_s": elapsed,
+        "step_times": [e["step_time"] for e in steps],
+        "budgets": [e.get("dynbsz/budget_tokens") for e in steps],
+        "passes": [e.get("dynbsz/microbatches") for e in steps],
+    }
     memory = getattr(trainer, "_dynbsz_memory", None)
     if memory is not None:
         result["history"] = [list(h) for h in memory.history]
@@ -114,12 +158,19 @@ def prediction_rows(runs: list[dict]) -> list[list]:
         increments = [(h[4] - h[3]) / max(h[5] - h[3], 1e-9) - 1 for h in history]
         later = errors[first_step:] or errors
         spec = result["spec"]
-        rows.append([spec["hidden"], "on" if spec["checkpointing"] else "off", len(history),
-                     f"{min(h[1] for h in history)}-{max(h[1] for h in history)}",
-                     f"{max(errors[:first_step], key=abs):+.1%}", f"{statistics.median(abs(e) for e in later):.1%}",
-                     f"{max(later, key=abs):+.1%}",
-                     f"{statistics.median(abs(e) for e in increments[first_step:] or increments):.1%}",
-                     result["model"]["training"]])
+        rows.append(
+            [
+                spec["hidden"],
+                "on" if spec["checkpointing"] else "off",
+                len(history),
+                f"{min(h[1] for h in history)}-{max(h[1] for h in history)}",
+                f"{max(errors[:first_step], key=abs):+.1%}",
+                f"{statistics.median(abs(e) for e in later):.1%}",
+                f"{max(later, key=abs):+.1%}",
+                f"{statistics.median(abs(e) for e in increments[first_step:] or increments):.1%}",
+                result["model"]["training"],
+            ]
+        )
     return rows
 
 
@@ -130,8 +181,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: few steps, fewer runs")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--render", action="store_true", help="only write the tables again from memory_budget.json")
-    parser.add_argument("--only", help="comma-separated sections to run again (prediction, limit, speed); the others "
-                                       "are kept from memory_budget.json")
+    parser.add_argument(
+        "--only",
+        help="comma-separated sections to run again (prediction, limit, speed); the others "
+        "are kept from memory_budget.json",
+    )
     cli = parser.parse_args()
     if cli.worker:
         Path(cli.out).write_text(json.dumps(worker(json.loads(cli.worker))))
@@ -145,15 +199,28 @@ def main() -> None:
     results: dict = {"prediction": [], "sweep": [], "limited": [], "speed": [], "quick": cli.quick, "steps": steps}
     sections = set(cli.only.split(",")) if cli.only else {"prediction", "limit", "speed"}
     if cli.only:
-        rerun = {key for section in sections
-                 for key in {"prediction": ["prediction"], "limit": ["sweep", "limited"], "speed": ["speed"]}[section]}
+        rerun = {
+            key
+            for section in sections
+            for key in {"prediction": ["prediction"], "limit": ["sweep", "limited"], "speed": ["speed"]}[section]
+        }
         kept = json.loads((cli.out_dir / "memory_budget.json").read_text())
-        results.update({key: value for key, value in kept.items() if key in ("prediction", "sweep", "limited", "speed")
-                        and key not in rerun})
+        results.update(
+            {
+                key: value
+                for key, value in kept.items()
+                if key in ("prediction", "sweep", "limited", "speed") and key not in rerun
+            }
+        )
 
     # 1. prediction over hidden sizes and gradient checkpointing
-    for hidden, checkpointing in ([] if "prediction" not in sections else [(512, False)] if cli.quick else [(512, False), (512, True), (1024, False),
-                                                                     (1024, True)]):
+    for hidden, checkpointing in (
+        []
+        if "prediction" not in sections
+        else [(512, False)]
+        if cli.quick
+        else [(512, False), (512, True), (1024, False), (1024, True)]
+    ):
         limit = {512: 1300, 1024: 2600}[hidden]
         results["prediction"].append(run(dict(base, hidden=hidden, checkpointing=checkpointing, limit=limit)))
         print("prediction", hidden, checkpointing, flush=True)
@@ -161,17 +228,20 @@ def main() -> None:
     # 2. largest fixed budget under each limit, and the memory-chosen budget there: 32 samples per step, so that
     # passes fill their budget
     full = dict(base, batch=8, accum=4, max_completion=1024, steps=3)
-    for budget in ([] if "limit" not in sections else SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS):
+    for budget in [] if "limit" not in sections else SWEEP_BUDGETS[::3] if cli.quick else SWEEP_BUDGETS:
         # measured as the memory-limited runs are (a limit far away: passes measured, freed heap given back)
         results["sweep"].append(run(dict(full, budget=budget, limit=10**6)))
         print("sweep", budget, flush=True)
-    for limit in (LIMITS_MIB if "limit" in sections else []):
+    for limit in LIMITS_MIB if "limit" in sections else []:
         results["limited"].append(run(dict(full, limit=limit, steps=5)))
         print("limited", limit, flush=True)
     # 3. speed: stock, default budget, memory-chosen budget at two limits, per mix
-    for mix in (("long_tailed", "short") if "speed" in sections else ()):
-        for label, extra in (("stock", dict(trainer="stock")), ("default budget", {}),
-                             *((f"memory, {limit} MiB", dict(limit=limit)) for limit in SPEED_LIMITS_MIB)):
+    for mix in ("long_tailed", "short") if "speed" in sections else ():
+        for label, extra in (
+            ("stock", dict(trainer="stock")),
+            ("default budget", {}),
+            *((f"memory, {limit} MiB", dict(limit=limit)) for limit in SPEED_LIMITS_MIB),
+        ):
             if cli.quick and mix == "short":
                 continue
             results["speed"].append(dict(run(dict(base, mix=mix, **extra)), label=label))
@@ -185,25 +255,56 @@ def main() -> None:
 
 def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
     steps = results.get("steps", 8)
-    lines = [f"# The budget from memory ({'quick' if quick else 'full'} run)", "",
-             f"{machine_description()}; {seconds:.0f} s. Tiny decoder, 4 layers, vocabulary 4000, "
-             "sdpa, fp32; per_device_train_batch_size 2, gradient_accumulation_steps 4 (8 samples per step), "
-             f"{steps} steps, scripted completions. `python benchmarks/memory_budget.py`.", "",
-             "## 1. Predicted vs measured peak of every training pass", "",
-             "Whole-process peak (resident set on CPU) predicted before each pass from what the process held and "
-             "the memory model, against the measured one. The first step runs on the prior (read off the config); "
-             "later steps on the model refitted from the passes measured so far.", "",
-             markdown_table(["hidden", "checkpointing", "passes", "pass tokens", "first step (prior) max error",
-                             "later: median error", "later: max error", "increment median error",
-                             "fitted model"], prediction_rows(results["prediction"])), ""]
+    lines = [
+        f"# The budget from memory ({'quick' if quick else 'full'} run)",
+        "",
+        f"{machine_description()}; {seconds:.0f} s. Tiny decoder, 4 layers, vocabulary 4000, "
+        "sdpa, fp32; per_device_train_batch_size 2, gradient_accumulation_steps 4 (8 samples per step), "
+        f"{steps} steps, scripted completions. `python benchmarks/memory_budget.py`.",
+        "",
+        "## 1. Predicted vs measured peak of every training pass",
+        "",
+        "Whole-process peak (resident set on CPU) predicted before each pass from what the process held and "
+        "the memory model, against the measured one. The first step runs on the prior (read off the config); "
+        "later steps on the model refitted from the passes measured so far.",
+        "",
+        markdown_table(
+            [
+                "hidden",
+                "checkpointing",
+                "passes",
+                "pass tokens",
+                "first step (prior) max error",
+                "later: median error",
+                "later: max error",
+                "increment median error",
+                "fitted model",
+            ],
+            prediction_rows(results["prediction"]),
+        ),
+        "",
+    ]
     sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
-    lines += ["## 2. The budget chosen under a limit, against the largest that fits", "",
-              "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
-              "completions up to 1024 tokens, 3 steps, hidden 512: passes fill their budget. Fixed budgets (tokens "
-              "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks and VmHWM):", "",
-              markdown_table(["budget", "run peak (MiB)", "mean step (s)"],
-                             [[r["spec"]["budget"], f"{r['run_peak_mib']:.0f}",
-                               f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}"] for r in sweep]), ""]
+    lines += [
+        "## 2. The budget chosen under a limit, against the largest that fits",
+        "",
+        "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
+        "completions up to 1024 tokens, 3 steps, hidden 512: passes fill their budget. Fixed budgets (tokens "
+        "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks and VmHWM):",
+        "",
+        markdown_table(
+            ["budget", "run peak (MiB)", "mean step (s)"],
+            [
+                [
+                    r["spec"]["budget"],
+                    f"{r['run_peak_mib']:.0f}",
+                    f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}",
+                ]
+                for r in sweep
+            ],
+        ),
+        "",
+    ]
     rows = []
     for limit in LIMITS_MIB:
         fitting = [r["spec"]["budget"] for r in sweep if r["run_peak_mib"] <= limit]
@@ -213,12 +314,34 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         budgets = [b for b in chosen["budgets"] if b]
         learnt = budgets[1:] or budgets  # after the first step, which runs on the prior
         largest = max(fitting, default=None)
-        rows.append([limit, f"{chosen['run_peak_mib']:.0f}", "yes" if chosen["run_peak_mib"] <= limit else "NO",
-                     largest if largest else "none", f"{budgets[0]:.0f}", f"{min(learnt):.0f}-{max(learnt):.0f}",
-                     f"{statistics.median(learnt) / largest:.2f}" if largest else "-"])
-    lines += ["The run with the memory-chosen budget at each limit:", "",
-              markdown_table(["limit (MiB)", "run peak (MiB)", "under the limit", "largest fixed budget under it",
-                              "first step's budget (prior)", "later budgets", "median later / largest"], rows), ""]
+        rows.append(
+            [
+                limit,
+                f"{chosen['run_peak_mib']:.0f}",
+                "yes" if chosen["run_peak_mib"] <= limit else "NO",
+                largest if largest else "none",
+                f"{budgets[0]:.0f}",
+                f"{min(learnt):.0f}-{max(learnt):.0f}",
+                f"{statistics.median(learnt) / largest:.2f}" if largest else "-",
+            ]
+        )
+    lines += [
+        "The run with the memory-chosen budget at each limit:",
+        "",
+        markdown_table(
+            [
+                "limit (MiB)",
+                "run peak (MiB)",
+                "under the limit",
+                "largest fixed budget under it",
+                "first step's budget (prior)",
+                "later budgets",
+                "median later / largest",
+            ],
+            rows,
+        ),
+        "",
+    ]
     speed_rows = []
     for mix in ("long_tailed", "short"):
         runs = [r for r in results["speed"] if r["spec"]["mix"] == mix]
@@ -227,12 +350,27 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
             mean = statistics.mean(r["step_times"][1:] or r["step_times"])
             stock_mean = statistics.mean(stock["step_times"][1:] or stock["step_times"]) if stock else None
             budgets = [b for b in r["budgets"] if b]
-            speed_rows.append([mix, r["label"], f"{mean:.2f}", f"{stock_mean / mean:.2f}x" if stock_mean else "-",
-                               f"{statistics.mean(p for p in r['passes'] if p):.1f}" if budgets else "-",
-                               f"{statistics.median(budgets):.0f}" if budgets else "-", f"{r['run_peak_mib']:.0f}"])
-    lines += ["## 3. Step time", "", "Mean step time after the first step; passes per step and median budget.", "",
-              markdown_table(["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget",
-                              "run peak (MiB)"], speed_rows), ""]
+            speed_rows.append(
+                [
+                    mix,
+                    r["label"],
+                    f"{mean:.2f}",
+                    f"{stock_mean / mean:.2f}x" if stock_mean else "-",
+                    f"{statistics.mean(p for p in r['passes'] if p):.1f}" if budgets else "-",
+                    f"{statistics.median(budgets):.0f}" if budgets else "-",
+                    f"{r['run_peak_mib']:.0f}",
+                ]
+            )
+    lines += [
+        "## 3. Step time",
+        "",
+        "Mean step time after the first step; passes per step and median budget.",
+        "",
+        markdown_table(
+            ["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget", "run peak (MiB)"], speed_rows
+        ),
+        "",
+    ]
     (out_dir / "memory_budget.md").write_text("\n".join(lines))
     plot(results, out_dir / "memory_budget.png")
     print("\n".join(lines))
@@ -248,8 +386,12 @@ def plot(results: dict, path: Path) -> None:
     for result in results["prediction"]:
         history = [h for h in result["history"] if h[0] == "training"]
         spec = result["spec"]
-        axis.scatter([h[5] for h in history], [h[4] for h in history], s=12,
-                     label=f"hidden {spec['hidden']}, checkpointing {'on' if spec['checkpointing'] else 'off'}")
+        axis.scatter(
+            [h[5] for h in history],
+            [h[4] for h in history],
+            s=12,
+            label=f"hidden {spec['hidden']}, checkpointing {'on' if spec['checkpointing'] else 'off'}",
+        )
     low, high = axis.get_xlim()
     axis.plot([low, high], [low, high], color="grey", linewidth=1)
     axis.plot([low, high], [low * 1.1, high * 1.1], color="grey", linewidth=0.5, linestyle="--")

@@ -69,7 +69,6 @@ from common import (  # noqa: E402
 )
 
 ensure_repo_on_path()
-from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
 from hf_dynbsz.planning.partition import (  # noqa: E402
     WorkloadModel,
     microbatch_tokens,
@@ -77,6 +76,7 @@ from hf_dynbsz.planning.partition import (  # noqa: E402
     partition_by_token_budget,
     token_lower_bound,
 )
+from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
 
 LAYOUTS = ("padding_free", "padded")
 ALGORITHMS = ("ours", "ffd", "sorted_greedy", "fixed_safe", "fixed_mean")
@@ -122,8 +122,9 @@ def sorted_greedy(lengths, max_tokens: int, layout: str) -> list[list[int]]:
 
 def run_algorithm(name: str, lengths, max_tokens: int, layout: str, safe_rows: int, mean_rows: int):
     if name == "ours":
-        return partition_by_token_budget(lengths, max_tokens, layout=layout,
-                                         attention="varlen" if layout == "padding_free" else "dense")
+        return partition_by_token_budget(
+            lengths, max_tokens, layout=layout, attention="varlen" if layout == "padding_free" else "dense"
+        )
     if name == "ffd":
         return first_fit_decreasing(lengths, max_tokens, layout)
     if name == "sorted_greedy":
@@ -136,10 +137,18 @@ def run_algorithm(name: str, lengths, max_tokens: int, layout: str, safe_rows: i
 
 
 # ------------------------------------------------------------------------------------------- measurement
-def evaluate(lengths: np.ndarray, step_size: int, max_tokens: int, layout: str, algorithm: str, safe_rows: int,
-             mean_rows: int, repeats: int) -> dict:
+def evaluate(
+    lengths: np.ndarray,
+    step_size: int,
+    max_tokens: int,
+    layout: str,
+    algorithm: str,
+    safe_rows: int,
+    mean_rows: int,
+    repeats: int,
+) -> dict:
     workload = WorkloadModel.default(layout=layout, attention="varlen")
-    steps = [lengths[start:start + step_size] for start in range(0, len(lengths), step_size)]
+    steps = [lengths[start : start + step_size] for start in range(0, len(lengths), step_size)]
     step_lists = [step.tolist() for step in steps]
     seconds = []
     results = None
@@ -192,8 +201,9 @@ STEP_SAMPLES = 4096
 STEP_TARGET_MS = 5.0
 
 
-def time_steps(mix: str, max_tokens: int, layout: str, max_completion_length: int, steps: int,
-               seed: int) -> list[tuple[str, int, float, float]]:
+def time_steps(
+    mix: str, max_tokens: int, layout: str, max_completion_length: int, steps: int, seed: int
+) -> list[tuple[str, int, float, float]]:
     """(what, micro-batches, median ms, worst ms) per optimizer step of STEP_SAMPLES sequences, each step new data:
     the scheduler's count (:func:`min_num_microbatches`) and partition at that count (what a process that needs the
     most passes runs), at one more and at 32 more (processes that wait for a busier one)."""
@@ -207,12 +217,20 @@ def time_steps(mix: str, max_tokens: int, layout: str, max_completion_length: in
             lengths[0] += extra + 1  # other data for each timing: each counts its own first-fit, as a new step does
             start = time.perf_counter()
             minimum = min_num_microbatches(lengths, max_tokens, layout=layout)
-            result = partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum + extra, layout=layout,
-                                               attention=attention)
+            result = partition_by_token_budget(
+                lengths, max_tokens, num_microbatches=minimum + extra, layout=layout, attention=attention
+            )
             timings[extra].append(1000 * (time.perf_counter() - start))
             counts[extra].append(len(result))
-    return [(f"count + partition at minimum + {extra}", round(statistics.fmean(counts[extra])),
-             statistics.median(timings[extra]), max(timings[extra])) for extra in timings]
+    return [
+        (
+            f"count + partition at minimum + {extra}",
+            round(statistics.fmean(counts[extra])),
+            statistics.median(timings[extra]),
+            max(timings[extra]),
+        )
+        for extra in timings
+    ]
 
 
 # -------------------------------------------------------------------------------------------------- output
@@ -222,13 +240,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"ours": "#1f77b4", "ffd": "#ff7f0e", "sorted_greedy": "#2ca02c", "fixed_safe": "#7f7f7f",
-               "fixed_mean": "#d62728"}
+    colours = {
+        "ours": "#1f77b4",
+        "ffd": "#ff7f0e",
+        "sorted_greedy": "#2ca02c",
+        "fixed_safe": "#7f7f7f",
+        "fixed_mean": "#d62728",
+    }
     mixes = [m for m in MIXES if any(r["mix"] == m for r in rows)]
-    panels = [("count_ratio", "micro-batches / lower bound", False),
-              ("worst_over", "worst excess over budget, tokens", False),
-              ("imbalance", "cost imbalance (max / mean)", False),
-              ("ms_per_100k", "ms per 100,000 sequences (log)", True)]
+    panels = [
+        ("count_ratio", "micro-batches / lower bound", False),
+        ("worst_over", "worst excess over budget, tokens", False),
+        ("imbalance", "cost imbalance (max / mean)", False),
+        ("ms_per_100k", "ms per 100,000 sequences (log)", True),
+    ]
     figure, axes = plt.subplots(len(LAYOUTS), len(panels), figsize=(19, 7.5))
     width = 0.8 / len(ALGORITHMS)
     for r_index, layout in enumerate(LAYOUTS):
@@ -237,15 +262,21 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             for position, algorithm in enumerate(ALGORITHMS):
                 xs, ys = [], []
                 for m_index, mix in enumerate(mixes):
-                    match = [r for r in rows if r["mix"] == mix and r["layout"] == layout and r["algorithm"] == algorithm]
+                    match = [
+                        r for r in rows if r["mix"] == mix and r["layout"] == layout and r["algorithm"] == algorithm
+                    ]
                     if match:
                         xs.append(m_index + (position - (len(ALGORITHMS) - 1) / 2) * width)
                         ys.append(match[0][key])
                 bars = axis.bar(xs, ys, width, color=colours[algorithm], label=ALGORITHM_LABELS[algorithm])
                 for bar, value in zip(bars, ys):
-                    axis.annotate(f"{value:.2f}" if value < 10 and value != int(value) else f"{value:.0f}",
-                                  (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                                  fontsize=6)
+                    axis.annotate(
+                        f"{value:.2f}" if value < 10 and value != int(value) else f"{value:.0f}",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                    )
             if log:
                 axis.set_yscale("log")
             axis.set_xticks(range(len(mixes)), [MIX_LABELS[m] for m in mixes], fontsize=8)
@@ -258,8 +289,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="10,000 sequences, 1 repeat")
     parser.add_argument("--n", type=int, help="sequences in total per mix (default 100000)")
     parser.add_argument("--step-size", type=int, default=256, help="sequences per partitioner call (one step)")
@@ -282,23 +314,51 @@ def main() -> None:
         lengths = sequence_lengths(mix, n, args.max_completion_length, args.seed)
         safe_rows = max(1, budget // longest_possible)
         mean_rows = max(1, int(budget // lengths.mean()))
-        print(f"{mix}: {n} lengths, median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max "
-              f"{lengths.max()}; safe B={safe_rows}, mean B={mean_rows}", flush=True)
+        print(
+            f"{mix}: {n} lengths, median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max "
+            f"{lengths.max()}; safe B={safe_rows}, mean B={mean_rows}",
+            flush=True,
+        )
         for layout in LAYOUTS:
             for algorithm in ALGORITHMS:
                 result = evaluate(lengths, args.step_size, budget, layout, algorithm, safe_rows, mean_rows, repeats)
-                result.update(mix=mix, layout=layout, algorithm=algorithm, safe_rows=safe_rows, mean_rows=mean_rows,
-                              count_ratio=result["microbatches"] / result["lower_bound"],
-                              ms_per_100k=result["seconds_per_100k"] * 1000)
+                result.update(
+                    mix=mix,
+                    layout=layout,
+                    algorithm=algorithm,
+                    safe_rows=safe_rows,
+                    mean_rows=mean_rows,
+                    count_ratio=result["microbatches"] / result["lower_bound"],
+                    ms_per_100k=result["seconds_per_100k"] * 1000,
+                )
                 rows.append(result)
-                print(f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
-                      f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
-                      f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k", flush=True)
-            speed_tables.append((mix, layout, time_steps(mix, budget, layout, args.max_completion_length,
-                                                         steps=3 if args.quick else 12, seed=args.seed)))
+                print(
+                    f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
+                    f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
+                    f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k",
+                    flush=True,
+                )
+            speed_tables.append(
+                (
+                    mix,
+                    layout,
+                    time_steps(
+                        mix, budget, layout, args.max_completion_length, steps=3 if args.quick else 12, seed=args.seed
+                    ),
+                )
+            )
 
-    header = ["mix", "layout", "algorithm", "micro-batches", "/ lower bound", "computed / real tokens",
-              "over budget (worst excess tokens)", "imbalance max/mean (worst step)", "ms per 100k sequences"]
+    header = [
+        "mix",
+        "layout",
+        "algorithm",
+        "micro-batches",
+        "/ lower bound",
+        "computed / real tokens",
+        "over budget (worst excess tokens)",
+        "imbalance max/mean (worst step)",
+        "ms per 100k sequences",
+    ]
     body = []
     for row in rows:
         label = ALGORITHM_LABELS[row["algorithm"]]
@@ -309,44 +369,60 @@ def main() -> None:
         over = f"{row['over_count']} ({row['worst_over']})"
         if row["oversize_singletons"]:
             over += f" + {row['oversize_singletons']} oversize singletons"
-        body.append([MIX_LABELS[row["mix"]], row["layout"], label, row["microbatches"], f"{row['count_ratio']:.3f}",
-                     f"{row['computed_over_real']:.3f}", over,
-                     f"{row['imbalance']:.3f} ({row['imbalance_worst']:.2f})", f"{row['ms_per_100k']:.0f}"])
+        body.append(
+            [
+                MIX_LABELS[row["mix"]],
+                row["layout"],
+                label,
+                row["microbatches"],
+                f"{row['count_ratio']:.3f}",
+                f"{row['computed_over_real']:.3f}",
+                over,
+                f"{row['imbalance']:.3f} ({row['imbalance_worst']:.2f})",
+                f"{row['ms_per_100k']:.0f}",
+            ]
+        )
     quality = markdown_table(header, body)
     speed_body = []
     for mix, layout, timings in speed_tables:
         for label, count, median_ms, worst_ms in timings:
             speed_body.append([MIX_LABELS[mix], layout, label, count, f"{median_ms:.1f}", f"{worst_ms:.1f}"])
-    speed = markdown_table(["mix", "layout", "calls per step", "micro-batches", "median ms", "worst ms"],
-                           speed_body)
+    speed = markdown_table(["mix", "layout", "calls per step", "micro-batches", "median ms", "worst ms"], speed_body)
     worst_median = max(median for _, _, timings in speed_tables for _, _, median, _ in timings)
 
-    settings = (f"{n:,} sequences per mix (prompt {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens + completion, "
-                f"max_completion_length {args.max_completion_length}), budget {budget} tokens per micro-batch, "
-                f"partitioned in steps of {args.step_size} sequences; timings: median of {repeats} pass(es).")
+    settings = (
+        f"{n:,} sequences per mix (prompt {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens + completion, "
+        f"max_completion_length {args.max_completion_length}), budget {budget} tokens per micro-batch, "
+        f"partitioned in steps of {args.step_size} sequences; timings: median of {repeats} pass(es)."
+    )
     command = "python benchmarks/partition.py" + (" --quick" if args.quick else "")
-    markdown = "\n\n".join([
-        f"# Partitioner vs baselines{' (quick run)' if args.quick else ''}",
-        f"Generated by `{command}` in {time.perf_counter() - started:.0f} s. {settings}",
-        f"Machine: {machine_description()}; load average {load_average()} (shared machine).",
-        "## Quality and speed, per optimizer step of " + str(args.step_size) + " sequences",
-        quality,
-        "*micro-batches / lower bound*: total micro-batches over the sum of per-step `token_lower_bound` "
-        "(ceil(tokens / budget)). *computed / real tokens*: positions computed (padding included) over real "
-        "tokens. *over budget*: micro-batches with more computed tokens than the budget (largest excess in "
-        "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
-        "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled. The lower "
-        "bound counts tokens only, so the padded layout cannot reach it (a padded micro-batch computes rows x "
-        "its longest row); there first-fit decreasing on the sorted lengths is already the fewest micro-batches, "
-        "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
-        "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
-        "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing.",
-        f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
-        speed,
-        f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
-        f"process agreed on (each step new data, so first-fit is computed once per step as in training). Target: "
-        f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
-    ]) + "\n"
+    markdown = (
+        "\n\n".join(
+            [
+                f"# Partitioner vs baselines{' (quick run)' if args.quick else ''}",
+                f"Generated by `{command}` in {time.perf_counter() - started:.0f} s. {settings}",
+                f"Machine: {machine_description()}; load average {load_average()} (shared machine).",
+                "## Quality and speed, per optimizer step of " + str(args.step_size) + " sequences",
+                quality,
+                "*micro-batches / lower bound*: total micro-batches over the sum of per-step `token_lower_bound` "
+                "(ceil(tokens / budget)). *computed / real tokens*: positions computed (padding included) over real "
+                "tokens. *over budget*: micro-batches with more computed tokens than the budget (largest excess in "
+                "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
+                "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled. The lower "
+                "bound counts tokens only, so the padded layout cannot reach it (a padded micro-batch computes rows x "
+                "its longest row); there first-fit decreasing on the sorted lengths is already the fewest micro-batches, "
+                "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
+                "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
+                "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing.",
+                f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
+                speed,
+                f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
+                f"process agreed on (each step new data, so first-fit is computed once per step as in training). Target: "
+                f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
+            ]
+        )
+        + "\n"
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = "partition_quick" if args.quick else "partition"
     (args.out_dir / f"{name}.md").write_text(markdown)

@@ -53,35 +53,73 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layer
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=256, num_hidden_layers=layers, num_attention_heads=8,
-                                 num_key_value_heads=2, intermediate_size=768, vocab_size=64,
-                                 max_position_embeddings=length + PROMPT_TOKENS + 8, attn_implementation="sdpa",
-                                 seed=0)
-    rollout = ScriptedRollout(lambda rng, n, rank: np.full(n, length), lambda rng: PROMPT_TOKENS,
-                              max_completion_length=length, seed=0, token_low=3, token_high=len(tokenizer),
-                              eos_id=tokenizer.eos_token_id)
+    model = build_tiny_causal_lm(
+        tokenizer,
+        hidden_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        vocab_size=64,
+        max_position_embeddings=length + PROMPT_TOKENS + 8,
+        attn_implementation="sdpa",
+        seed=0,
+    )
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: np.full(n, length),
+        lambda rng: PROMPT_TOKENS,
+        max_completion_length=length,
+        seed=0,
+        token_low=3,
+        token_high=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+    )
     per_device = 2 // sequence_parallel_size
     budget = -(-(length + PROMPT_TOKENS) // sequence_parallel_size)  # one sequence per pass, over the group
     args = DynamicBatchGRPOConfig(
-        output_dir=out + "-run", per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
-        num_generations=2, max_completion_length=length, max_steps=steps, beta=0.0, learning_rate=1e-6,
-        report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
-        max_tokens_per_microbatch=budget, max_tokens_per_microbatch_logprob=budget, self_check=False,
-        sequence_parallel_size=sequence_parallel_size, dataloader_num_workers=0, gradient_checkpointing=False,
-        activation_checkpointing=False)
+        output_dir=out + "-run",
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=1,
+        num_generations=2,
+        max_completion_length=length,
+        max_steps=steps,
+        beta=0.0,
+        learning_rate=1e-6,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        max_tokens_per_microbatch=budget,
+        max_tokens_per_microbatch_logprob=budget,
+        self_check=False,
+        sequence_parallel_size=sequence_parallel_size,
+        dataloader_num_workers=0,
+        gradient_checkpointing=False,
+        activation_checkpointing=False,
+    )
     trainer = DynamicBatchGRPOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
-        args=args, train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
-        processing_class=tokenizer, rollout_func=rollout)
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
     before = status_mib("VmRSS")
     with ResidentSetSampler() as sampler:
         trainer.train()
     peak = max(sampler.peak_mib, status_mib("VmHWM") or 0.0)
     steps_logged = [e for e in trainer.state.log_history if "step_time" in e]
-    record = {"rank": trainer.accelerator.process_index, "peak_mib": peak, "before_mib": before,
-              "step_times": [e["step_time"] for e in steps_logged],
-              "passes": [e.get("dynbsz/microbatches") for e in steps_logged],
-              "tokens_per_pass": [e.get("dynbsz/tokens_per_microbatch_max") for e in steps_logged]}
+    record = {
+        "rank": trainer.accelerator.process_index,
+        "peak_mib": peak,
+        "before_mib": before,
+        "step_times": [e["step_time"] for e in steps_logged],
+        "passes": [e.get("dynbsz/microbatches") for e in steps_logged],
+        "tokens_per_pass": [e.get("dynbsz/tokens_per_microbatch_max") for e in steps_logged],
+    }
     with open(f"{out}.rank{record['rank']}.json", "w") as f:
         json.dump(record, f)
     trainer.end()
@@ -91,22 +129,50 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layer
 
 def run(length: int, size: int, steps: int, scratch: Path, layers: int = 4) -> dict:
     out = scratch / f"L{length}-sp{size}"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", str(size),
-               str(Path(__file__).resolve()), "--worker", "--length", str(length), "--size", str(size), "--steps",
-               str(steps), "--out", str(out), "--layers", str(layers)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1",
-           "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed large blocks go back to the system: the resident set is use
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
+        "--num_processes",
+        str(size),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--length",
+        str(length),
+        "--size",
+        str(size),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--layers",
+        str(layers),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+    }  # freed large blocks go back to the system: the resident set is use
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise RuntimeError(f"L={length} sp={size} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(size)]
     times = sorted(t for t in records[0]["step_times"][1:])
-    return {"length": length, "sp_size": size, "peak_mib": max(r["peak_mib"] for r in records),
-            "increment_mib": max(r["peak_mib"] - r["before_mib"] for r in records),
-            "step_seconds": times[len(times) // 2], "passes": records[0]["passes"],
-            "tokens_per_pass": records[0]["tokens_per_pass"], "wall_seconds": time.perf_counter() - started}
+    return {
+        "length": length,
+        "sp_size": size,
+        "peak_mib": max(r["peak_mib"] for r in records),
+        "increment_mib": max(r["peak_mib"] - r["before_mib"] for r in records),
+        "step_seconds": times[len(times) // 2],
+        "passes": records[0]["passes"],
+        "tokens_per_pass": records[0]["tokens_per_pass"],
+        "wall_seconds": time.perf_counter() - started,
+    }
 
 
 def longest_under(cap: float, size: int, results: dict, scratch: Path, layers: int, resolution: int) -> int | None:
@@ -140,9 +206,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
     parser.add_argument("--lengths", default="2048,4096,8192", help="completion lengths of the table")
-    parser.add_argument("--resolution", type=int, default=256, help="tokens: the longest under the cap is found to this")
-    parser.add_argument("--cap_mib", type=float, default=None,
-                        help="per-process memory cap, MiB (default: the sp_size=1 peak at the second table length)")
+    parser.add_argument(
+        "--resolution", type=int, default=256, help="tokens: the longest under the cap is found to this"
+    )
+    parser.add_argument(
+        "--cap_mib",
+        type=float,
+        default=None,
+        help="per-process memory cap, MiB (default: the sp_size=1 peak at the second table length)",
+    )
     parser.add_argument("--quick", action="store_true", help="lengths 1024,2048, 2 layers, resolution 512")
     cli = parser.parse_args()
     if cli.worker:
@@ -166,24 +238,49 @@ def main() -> None:
     rows = []
     for length in lengths:
         one, two = results[length, 1], results[length, 2]
-        rows.append([length + PROMPT_TOKENS, f"{one['peak_mib']:.0f}", f"{two['peak_mib']:.0f}",
-                     f"{one['increment_mib']:.0f}", f"{two['increment_mib']:.0f}",
-                     f"{two['increment_mib'] / one['increment_mib']:.2f}x", f"{one['step_seconds']:.2f}",
-                     f"{two['step_seconds']:.2f}", f"{one['step_seconds'] / two['step_seconds']:.2f}x"])
-    table = markdown_table(["tokens per sequence", "peak MiB/process, sp 1", "sp 2", "increment MiB, sp 1", "sp 2",
-                            "increment sp 2 / sp 1", "s/step, sp 1", "sp 2", "speed-up"], rows)
+        rows.append(
+            [
+                length + PROMPT_TOKENS,
+                f"{one['peak_mib']:.0f}",
+                f"{two['peak_mib']:.0f}",
+                f"{one['increment_mib']:.0f}",
+                f"{two['increment_mib']:.0f}",
+                f"{two['increment_mib'] / one['increment_mib']:.2f}x",
+                f"{one['step_seconds']:.2f}",
+                f"{two['step_seconds']:.2f}",
+                f"{one['step_seconds'] / two['step_seconds']:.2f}x",
+            ]
+        )
+    table = markdown_table(
+        [
+            "tokens per sequence",
+            "peak MiB/process, sp 1",
+            "sp 2",
+            "increment MiB, sp 1",
+            "sp 2",
+            "increment sp 2 / sp 1",
+            "s/step, sp 1",
+            "sp 2",
+            "speed-up",
+        ],
+        rows,
+    )
     ratio = (longest[2] / longest[1]) if longest[1] and longest[2] else None
-    summary = (f"Longest completion whose measured per-process peak stays under {cap:.0f} MiB: sp_size=1: "
-               f"{longest[1]} tokens, sp_size=2: {longest[2]} tokens"
-               + (f" ({ratio:.2f}x)." if ratio else "."))
+    summary = (
+        f"Longest completion whose measured per-process peak stays under {cap:.0f} MiB: sp_size=1: "
+        f"{longest[1]} tokens, sp_size=2: {longest[2]} tokens" + (f" ({ratio:.2f}x)." if ratio else ".")
+    )
     command = "python benchmarks/sequence_parallel.py" + (" --quick" if cli.quick else "")
-    text = (f"# Sequence parallelism (DeepSpeed Ulysses): sp_size 1 vs 2\n\n`{command}` on {machine_description()}.\n\n"
-            f"Two completions of L tokens (prompt {PROMPT_TOKENS}) per step, one sequence per training pass; "
-            "see the script's docstring for the setup.\n\n" + table + "\n\n" + summary + "\n")
+    text = (
+        f"# Sequence parallelism (DeepSpeed Ulysses): sp_size 1 vs 2\n\n`{command}` on {machine_description()}.\n\n"
+        f"Two completions of L tokens (prompt {PROMPT_TOKENS}) per step, one sequence per training pass; "
+        "see the script's docstring for the setup.\n\n" + table + "\n\n" + summary + "\n"
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sequence_parallel.md").write_text(text)
-    (RESULTS / "sequence_parallel.json").write_text(json.dumps(
-        {"cap_mib": cap, "longest": longest, "runs": [results[key] for key in sorted(results)]}, indent=1))
+    (RESULTS / "sequence_parallel.json").write_text(
+        json.dumps({"cap_mib": cap, "longest": longest, "runs": [results[key] for key in sorted(results)]}, indent=1)
+    )
     try:
         import matplotlib
 

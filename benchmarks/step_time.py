@@ -88,8 +88,8 @@ from common import (  # noqa: E402
     RESULTS_DIR,
     completion_lengths,
     ensure_repo_on_path,
-    longest_prompt,
     load_average,
+    longest_prompt,
     machine_description,
     markdown_table,
     median,
@@ -103,12 +103,24 @@ CONFIGS = {
     "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
     "padded": {"label": "dynamic, padded", "layout": "padded", "budget": "auto"},
     "padding_free": {"label": "dynamic, padding_free, shared prompts", "layout": "padding_free", "budget": "auto"},
-    "padding_free_no_share": {"label": "dynamic, padding_free, prompts not shared", "layout": "padding_free",
-                              "budget": "auto", "share_prompt_prefix": False},
+    "padding_free_no_share": {
+        "label": "dynamic, padding_free, prompts not shared",
+        "layout": "padding_free",
+        "budget": "auto",
+        "share_prompt_prefix": False,
+    },
     "padded_half": {"label": "dynamic, padded, budget B/2 x max length", "layout": "padded", "budget": "half"},
-    "padding_free_half": {"label": "dynamic, padding_free, budget B/2 x max length", "layout": "padding_free", "budget": "half"},
-    "padded_trl_tile": {"label": "dynamic, padded, TRL's LM-head tile", "layout": "padded", "budget": "auto",
-                        "tensor_batch_size": None},
+    "padding_free_half": {
+        "label": "dynamic, padding_free, budget B/2 x max length",
+        "layout": "padding_free",
+        "budget": "half",
+    },
+    "padded_trl_tile": {
+        "label": "dynamic, padded, TRL's LM-head tile",
+        "layout": "padded",
+        "budget": "auto",
+        "tensor_batch_size": None,
+    },
 }
 HALF_BUDGET_MIXES = ("long_tailed", "bimodal")
 #: ``--model qwen2_vl``: the longest prompt (2 images of 256 image tokens and the text), for the "half" budget.
@@ -126,20 +138,49 @@ MOE_EXPERTS, MOE_TOP_K, MOE_AUX_COEF = 8, 2, 0.001
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
     "quick": dict(
-        mixes="long_tailed,uniform", configs="stock,padded,padding_free", repeats=1, rounds=2,
-        max_completion_length=256, hidden_size=64, num_layers=2, vocab_size=1024,
-        batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4,
+        mixes="long_tailed,uniform",
+        configs="stock,padded,padding_free",
+        repeats=1,
+        rounds=2,
+        max_completion_length=256,
+        hidden_size=64,
+        num_layers=2,
+        vocab_size=1024,
+        batch_size=4,
+        grad_accum=2,
+        steps_per_generation=4,
+        num_iterations=1,
+        num_generations=4,
     ),
     # the default run: < ~20 minutes on 2 CPU cores.
     "default": dict(
         mixes="long_tailed,bimodal,uniform",
         configs="stock,padded,padding_free,padding_free_no_share,padding_free_half,padded_trl_tile",
-        repeats=3, rounds=3, max_completion_length=1024, hidden_size=128, num_layers=3, vocab_size=4096,
-        batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4,
+        repeats=3,
+        rounds=3,
+        max_completion_length=1024,
+        hidden_size=128,
+        num_layers=3,
+        vocab_size=4096,
+        batch_size=4,
+        grad_accum=2,
+        steps_per_generation=4,
+        num_iterations=1,
+        num_generations=4,
     ),
 }
-SPEC_KEYS = ("rounds", "max_completion_length", "hidden_size", "num_layers", "vocab_size", "batch_size", "grad_accum",
-             "steps_per_generation", "num_iterations", "num_generations")
+SPEC_KEYS = (
+    "rounds",
+    "max_completion_length",
+    "hidden_size",
+    "num_layers",
+    "vocab_size",
+    "batch_size",
+    "grad_accum",
+    "steps_per_generation",
+    "num_iterations",
+    "num_generations",
+)
 
 
 # --------------------------------------------------------------------------------------------------- worker
@@ -188,8 +229,13 @@ class Probe:
 
         def timed_generate(*args, **kwargs):
             probe._reset_peak()
-            probe._round = {"logprob_s": 0.0, "logprob_cpu_s": 0.0, "logprob_tokens": 0, "logprob_real_tokens": 0,
-                            "logprob_passes": 0}
+            probe._round = {
+                "logprob_s": 0.0,
+                "logprob_cpu_s": 0.0,
+                "logprob_tokens": 0,
+                "logprob_real_tokens": 0,
+                "logprob_passes": 0,
+            }
             start, cpu_start = time.perf_counter(), time.process_time()
             result = generate(*args, **kwargs)
             elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
@@ -241,8 +287,16 @@ class Probe:
         class StepClock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
                 probe._reset_peak()
-                probe.current = {"generation_s": 0.0, "generation_cpu_s": 0.0, "train_tokens": 0,
-                                 "train_real_tokens": 0, "train_passes": 0, "round": None, "begin": time.perf_counter(), "cpu_begin": time.process_time()}
+                probe.current = {
+                    "generation_s": 0.0,
+                    "generation_cpu_s": 0.0,
+                    "train_tokens": 0,
+                    "train_real_tokens": 0,
+                    "train_passes": 0,
+                    "round": None,
+                    "begin": time.perf_counter(),
+                    "cpu_begin": time.process_time(),
+                }
 
             def on_step_end(self, args, state, control, **kwargs):
                 record = probe.current
@@ -310,9 +364,15 @@ def run_worker(spec: dict) -> dict:
             seed=0,
         )
     num_params = sum(p.numel() for p in model.parameters())
-    rollout = ScriptedRollout(lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
-                              lambda rng: prompt_lengths(mix, 1, rng)[0], max_completion_length=max_len,
-                              seed=spec["seed"], token_low=3, token_high=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
+        lambda rng: prompt_lengths(mix, 1, rng)[0],
+        max_completion_length=max_len,
+        seed=spec["seed"],
+        token_low=3,
+        token_high=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+    )
     dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]})
     return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
 
@@ -325,13 +385,23 @@ def build_moe_model(spec: dict, tokenizer_size: int):
 
     hidden = spec["hidden_size"]
     config = Qwen3MoeConfig(
-        vocab_size=max(spec["vocab_size"], tokenizer_size), hidden_size=hidden, intermediate_size=3 * hidden,
-        moe_intermediate_size=3 * hidden // MOE_TOP_K, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
-        num_hidden_layers=spec["num_layers"], num_attention_heads=max(2, hidden // 32),
-        num_key_value_heads=max(1, hidden // 64), head_dim=32 if hidden >= 64 else hidden // 2,
+        vocab_size=max(spec["vocab_size"], tokenizer_size),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        moe_intermediate_size=3 * hidden // MOE_TOP_K,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=max(2, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32 if hidden >= 64 else hidden // 2,
         max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
-        router_aux_loss_coef=MOE_AUX_COEF, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=False)
+        router_aux_loss_coef=MOE_AUX_COEF,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(config)
@@ -350,16 +420,25 @@ def run_vision_worker(spec: dict, fingerprint: str) -> dict:
 
     from hf_dynbsz.testing import VisionScriptedRollout, build_tiny_vision_language_model, image_prompt_dataset
 
-    model, processor = build_tiny_vision_language_model("qwen2_vl", hidden_size=spec["hidden_size"],
-                                                        num_hidden_layers=spec["num_layers"],
-                                                        vocab_size=spec["vocab_size"], max_image_side=448)
+    model, processor = build_tiny_vision_language_model(
+        "qwen2_vl",
+        hidden_size=spec["hidden_size"],
+        num_hidden_layers=spec["num_layers"],
+        vocab_size=spec["vocab_size"],
+        max_image_side=448,
+    )
     num_params = sum(p.numel() for p in model.parameters())
     mix, max_len = spec["mix"], spec["max_completion_length"]
     # Completion tokens are characters only: an image token in a completion would break the model.
-    rollout = VisionScriptedRollout(processor, lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
-                                    max_completion_length=max_len, seed=spec["seed"], token_low=3,
-                                    token_high=processor.tokenizer.convert_tokens_to_ids("<|im_start|>"),
-                                    eos_id=processor.tokenizer.eos_token_id)
+    rollout = VisionScriptedRollout(
+        processor,
+        lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
+        max_completion_length=max_len,
+        seed=spec["seed"],
+        token_low=3,
+        token_high=processor.tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_id=processor.tokenizer.eos_token_id,
+    )
     counts = np.random.default_rng(spec["seed"]).integers(1, 3, num_prompts(spec)).tolist()
     dataset = image_prompt_dataset(counts, seed=spec["seed"], sizes=VISION_SIDES.get(mix, VISION_SIDES["default"]))
     return train_and_measure(spec, fingerprint, model, processor, rollout, dataset, num_params)
@@ -402,11 +481,18 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         if config["budget"] == "half":
             longest = VISION_PROMPT_TOKENS if spec.get("model") == "qwen2_vl" else longest_prompt(spec["mix"])
             budget = spec["batch_size"] // 2 * (longest + spec["max_completion_length"])
-        args = DynamicBatchGRPOConfig(**common, packing_layout=config["layout"], max_tokens_per_microbatch=budget,
-                                      **extra)
+        args = DynamicBatchGRPOConfig(
+            **common, packing_layout=config["layout"], max_tokens_per_microbatch=budget, **extra
+        )
         trainer_cls = DynamicBatchGRPOTrainer
-    trainer = trainer_cls(model=model, reward_funcs=reward_by_content, args=args, train_dataset=dataset,
-                          processing_class=processing_class, rollout_func=rollout)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward_by_content,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processing_class,
+        rollout_func=rollout,
+    )
     probe = Probe(trainer, rollout)
     baseline_kb = _read_status_kb("VmRSS")
     start = time.perf_counter()
@@ -434,11 +520,22 @@ def run_one(spec: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="dynbsz-bench-") as tmp:
         spec = dict(spec, output_dir=os.path.join(tmp, "out"))
         result_path = os.path.join(tmp, "result.json")
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--worker-out",
-                   result_path]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(spec),
+            "--worker-out",
+            result_path,
+        ]
         threads = str(spec.get("threads") or 1)
-        run_with_timeout(command, Path(tmp), timeout, f"worker for {spec['mix']}/{spec['config']}",
-                         env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+        run_with_timeout(
+            command,
+            Path(tmp),
+            timeout,
+            f"worker for {spec['mix']}/{spec['config']}",
+            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
+        )
         with open(result_path) as handle:
             return json.load(handle)
 
@@ -474,30 +571,33 @@ def summarise(results: list[dict]) -> list[dict]:
             train_peaks.append(train_peak - run["baseline_rss_mb"])
         train_tokens = _per_index(runs, "steps", "train_tokens", 1)
         passes = _per_index(runs, "steps", "train_passes", 1)
-        rows.append({
-            "mix": mix,
-            "config": config,
-            "train_s": _mean(_per_index(runs, "steps", "train_s", 1)),
-            "train_cpu_s": _mean(_per_index(runs, "steps", "train_cpu_s", 1)),
-            "logprob_s": _mean(_per_index(runs, "rounds", "logprob_s", 1)),
-            "logprob_cpu_s": _mean(_per_index(runs, "rounds", "logprob_cpu_s", 1)),
-            "rollout_s": _mean(_per_index(runs, "rounds", "rollout_and_rewards_s", 1)),
-            "train_tokens": _mean(train_tokens),
-            "padding": 1 - _mean(_per_index(runs, "steps", "train_real_tokens", 1)) / _mean(train_tokens),
-            "train_passes": _mean(passes),
-            "tokens_per_pass": _mean([t / max(p, 1) for t, p in zip(train_tokens, passes)]),
-            "logprob_tokens": _mean(_per_index(runs, "rounds", "logprob_tokens", 1)),
-            "logprob_passes": _mean(_per_index(runs, "rounds", "logprob_passes", 1)),
-            "round_real_tokens": _mean(_per_index(runs, "rounds", "real_tokens", 1)),
-            "peak_mb": median(peaks),
-            "train_peak_mb": median(train_peaks),
-            "budget": _mean([median(values) for values in list(zip(*[run["budget_tokens"] for run in runs]))[1:]])
-            if config != "stock" else None,
-            "num_steps": min(len(run["steps"]) for run in runs) - 1,
-            "num_rounds": min(len(run["rounds"]) for run in runs) - 1,
-            "repeats": len(runs),
-            "baseline_mb": median([run["baseline_rss_mb"] for run in runs]),
-        })
+        rows.append(
+            {
+                "mix": mix,
+                "config": config,
+                "train_s": _mean(_per_index(runs, "steps", "train_s", 1)),
+                "train_cpu_s": _mean(_per_index(runs, "steps", "train_cpu_s", 1)),
+                "logprob_s": _mean(_per_index(runs, "rounds", "logprob_s", 1)),
+                "logprob_cpu_s": _mean(_per_index(runs, "rounds", "logprob_cpu_s", 1)),
+                "rollout_s": _mean(_per_index(runs, "rounds", "rollout_and_rewards_s", 1)),
+                "train_tokens": _mean(train_tokens),
+                "padding": 1 - _mean(_per_index(runs, "steps", "train_real_tokens", 1)) / _mean(train_tokens),
+                "train_passes": _mean(passes),
+                "tokens_per_pass": _mean([t / max(p, 1) for t, p in zip(train_tokens, passes)]),
+                "logprob_tokens": _mean(_per_index(runs, "rounds", "logprob_tokens", 1)),
+                "logprob_passes": _mean(_per_index(runs, "rounds", "logprob_passes", 1)),
+                "round_real_tokens": _mean(_per_index(runs, "rounds", "real_tokens", 1)),
+                "peak_mb": median(peaks),
+                "train_peak_mb": median(train_peaks),
+                "budget": _mean([median(values) for values in list(zip(*[run["budget_tokens"] for run in runs]))[1:]])
+                if config != "stock"
+                else None,
+                "num_steps": min(len(run["steps"]) for run in runs) - 1,
+                "num_rounds": min(len(run["rounds"]) for run in runs) - 1,
+                "repeats": len(runs),
+                "baseline_mb": median([run["baseline_rss_mb"] for run in runs]),
+            }
+        )
     stock = {row["mix"]: row for row in rows if row["config"] == "stock"}
     for row in rows:
         base = stock.get(row["mix"])
@@ -518,8 +618,17 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 STEP_FIELDS = ("round", "train_s", "train_cpu_s", "train_tokens", "train_real_tokens", "train_passes", "peak_kb")
-ROUND_FIELDS = ("logprob_s", "logprob_cpu_s", "logprob_tokens", "logprob_real_tokens", "logprob_passes",
-                "rollout_and_rewards_s", "real_tokens", "samples", "peak_kb")
+ROUND_FIELDS = (
+    "logprob_s",
+    "logprob_cpu_s",
+    "logprob_tokens",
+    "logprob_real_tokens",
+    "logprob_passes",
+    "rollout_and_rewards_s",
+    "real_tokens",
+    "samples",
+    "peak_kb",
+)
 
 
 def compact_run(result: dict) -> dict:
@@ -552,9 +661,22 @@ def _fmt(value, pattern="{:.2f}"):
 
 
 def render_table(rows: list[dict]) -> str:
-    header = ["workload", "trainer", "budget (tokens)", "train s/step", "speed-up", "token limit", "of limit",
-              "train CPU s/step (speed-up)", "train tokens/step (padding)", "passes/step", "log-prob s/round",
-              "log-prob speed-up (limit)", "peak RSS over baseline MB (vs stock)", "training-phase peak MB (vs stock)"]
+    header = [
+        "workload",
+        "trainer",
+        "budget (tokens)",
+        "train s/step",
+        "speed-up",
+        "token limit",
+        "of limit",
+        "train CPU s/step (speed-up)",
+        "train tokens/step (padding)",
+        "passes/step",
+        "log-prob s/round",
+        "log-prob speed-up (limit)",
+        "peak RSS over baseline MB (vs stock)",
+        "training-phase peak MB (vs stock)",
+    ]
     body = []
     for row in rows:
         if row["config"] == "stock":
@@ -562,22 +684,24 @@ def render_table(rows: list[dict]) -> str:
         else:
             budget = _fmt(row["budget"], "{:.0f}")
         limit = row.get("limit")
-        body.append([
-            MIX_LABELS[row["mix"]],
-            CONFIGS[row["config"]]["label"],
-            budget,
-            _fmt(row["train_s"]),
-            _fmt(row.get("speedup"), "{:.2f}x"),
-            _fmt(limit, "{:.2f}x"),
-            _fmt(row["speedup"] / limit if limit else None, "{:.0%}"),
-            f"{_fmt(row['train_cpu_s'])} ({_fmt(row.get('speedup_cpu'), '{:.2f}x')})",
-            f"{row['train_tokens']:.0f} ({row['padding']:.0%})",
-            _fmt(row["train_passes"], "{:.1f}"),
-            _fmt(row["logprob_s"]),
-            f"{_fmt(row.get('logprob_speedup'), '{:.2f}x')} ({_fmt(row.get('logprob_limit'), '{:.2f}x')})",
-            f"{row['peak_mb']:.0f} ({_fmt(row.get('memory_ratio'), '{:.2f}x')})",
-            f"{row['train_peak_mb']:.0f} ({_fmt(row.get('train_memory_ratio'), '{:.2f}x')})",
-        ])
+        body.append(
+            [
+                MIX_LABELS[row["mix"]],
+                CONFIGS[row["config"]]["label"],
+                budget,
+                _fmt(row["train_s"]),
+                _fmt(row.get("speedup"), "{:.2f}x"),
+                _fmt(limit, "{:.2f}x"),
+                _fmt(row["speedup"] / limit if limit else None, "{:.0%}"),
+                f"{_fmt(row['train_cpu_s'])} ({_fmt(row.get('speedup_cpu'), '{:.2f}x')})",
+                f"{row['train_tokens']:.0f} ({row['padding']:.0%})",
+                _fmt(row["train_passes"], "{:.1f}"),
+                _fmt(row["logprob_s"]),
+                f"{_fmt(row.get('logprob_speedup'), '{:.2f}x')} ({_fmt(row.get('logprob_limit'), '{:.2f}x')})",
+                f"{row['peak_mb']:.0f} ({_fmt(row.get('memory_ratio'), '{:.2f}x')})",
+                f"{row['train_peak_mb']:.0f} ({_fmt(row.get('train_memory_ratio'), '{:.2f}x')})",
+            ]
+        )
     return markdown_table(header, body)
 
 
@@ -589,11 +713,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     mixes = [m for m in MIX_LABELS if any(r["mix"] == m for r in rows)]
     configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    colours = {"stock": "#7f7f7f", "padded": "#1f77b4", "padding_free": "#ff7f0e", "padded_half": "#2ca02c",
-               "padding_free_half": "#d62728", "padded_trl_tile": "#9467bd"}
+    colours = {
+        "stock": "#7f7f7f",
+        "padded": "#1f77b4",
+        "padding_free": "#ff7f0e",
+        "padded_half": "#2ca02c",
+        "padding_free_half": "#d62728",
+        "padded_trl_tile": "#9467bd",
+    }
     figure, axes = plt.subplots(1, 3, figsize=(16, 5))
-    panels = [("train_s", "training phase, s / optimizer step"), ("logprob_s", "no-grad log-prob pass, s / round"),
-              ("peak_mb", "peak RSS over baseline, MB")]
+    panels = [
+        ("train_s", "training phase, s / optimizer step"),
+        ("logprob_s", "no-grad log-prob pass, s / round"),
+        ("peak_mb", "peak RSS over baseline, MB"),
+    ]
     width = 0.8 / len(configs)
     for axis, (key, label) in zip(axes, panels):
         for position, config in enumerate(configs):
@@ -605,9 +738,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                     ys.append(match[0][key])
             bars = axis.bar(xs, ys, width, label=CONFIGS[config]["label"], color=colours.get(config))
             for bar, value in zip(bars, ys):
-                axis.annotate(f"{value:.2f}" if value < 10 else f"{value:.0f}",
-                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                              fontsize=6)
+                axis.annotate(
+                    f"{value:.2f}" if value < 10 else f"{value:.0f}",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
         axis.set_xticks(range(len(mixes)), [MIX_LABELS[m] for m in mixes], fontsize=8)
         axis.set_title(label, fontsize=10)
     axes[0].legend(fontsize=7)
@@ -620,18 +757,21 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def git_state() -> str:
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_dynbsz"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "hf_dynbsz"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown commit"
     return f"commit {commit}" + (" with uncommitted changes in hf_dynbsz/" if dirty else "")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run (~1-2 minutes)")
     parser.add_argument("--mixes", help="comma-separated: long_tailed,bimodal,uniform")
     parser.add_argument("--configs", help=f"comma-separated, from {','.join(CONFIGS)}")
@@ -646,16 +786,24 @@ def main() -> None:
     parser.add_argument("--steps-per-generation", type=int)
     parser.add_argument("--num-iterations", type=int)
     parser.add_argument("--num-generations", type=int)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per worker (default 1, see the README; 0: torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (default 1, see the README; 0: torch's default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--model", choices=("qwen2", "qwen2_vl", "qwen3_moe"), default="qwen2",
-                        help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
-                             "vlm_step_time.*; default mixes/configs: long_tailed,prompt_heavy / stock,padded,"
-                             "padding_free_no_share,padding_free); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
-                             "moe_step_time.*; default long_tailed / stock,padded,padding_free)")
+    parser.add_argument(
+        "--model",
+        choices=("qwen2", "qwen2_vl", "qwen3_moe"),
+        default="qwen2",
+        help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
+        "vlm_step_time.*; default mixes/configs: long_tailed,prompt_heavy / stock,padded,"
+        "padding_free_no_share,padding_free); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
+        "moe_step_time.*; default long_tailed / stock,padded,padding_free)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -696,16 +844,20 @@ def main() -> None:
                 tick = time.perf_counter()
                 result = run_one(spec, args.timeout)
                 measured = [s["train_s"] for s in result["steps"][1:]]
-                print(f"[{time.perf_counter() - started:6.0f}s] repeat {repeat} {mix:11s} {config:17s} "
-                      f"train s/step {_mean(measured):6.2f}  peak {max(s['peak_kb'] for s in result['steps']) / 1024 - result['baseline_rss_mb']:5.0f} MB  "
-                      f"process {time.perf_counter() - tick:4.0f}s  load {load_average()}", flush=True)
+                print(
+                    f"[{time.perf_counter() - started:6.0f}s] repeat {repeat} {mix:11s} {config:17s} "
+                    f"train s/step {_mean(measured):6.2f}  peak {max(s['peak_kb'] for s in result['steps']) / 1024 - result['baseline_rss_mb']:5.0f} MB  "
+                    f"process {time.perf_counter() - tick:4.0f}s  load {load_average()}",
+                    flush=True,
+                )
                 results.append(result)
         loads.append(load_average())
 
     # Same data for every configuration and the same plug-in code in every process.
     for mix in mixes:
-        fingerprints = {json.dumps([r["fingerprint"] for r in res["rounds"]]) for res in results
-                        if res["spec"]["mix"] == mix}
+        fingerprints = {
+            json.dumps([r["fingerprint"] for r in res["rounds"]]) for res in results if res["spec"]["mix"] == mix
+        }
         if len(fingerprints) != 1:
             raise RuntimeError(f"configurations saw different data for mix {mix}")
     code_versions = sorted({res["code"] for res in results})
@@ -718,13 +870,18 @@ def main() -> None:
     steps_per_round = settings["steps_per_generation"] * settings["num_iterations"] // settings["grad_accum"]
     vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
     setup = (
-        ("Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
-         "i.e. 1-256 image tokens each, and 1-6 text characters; prompt-heavy: images of 336-448 pixels, 144-256 "
-         "image tokens each, completions of median ~40 tokens), language model" if vision else
-         f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * settings['hidden_size'] // MOE_TOP_K} per layer, "
-         f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer adds "
-         "one no-grad router pass per optimizer step)," if moe else
-         "Model: Qwen2-style,") + f" hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
+        (
+            "Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
+            "i.e. 1-256 image tokens each, and 1-6 text characters; prompt-heavy: images of 336-448 pixels, 144-256 "
+            "image tokens each, completions of median ~40 tokens), language model"
+            if vision
+            else f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * settings['hidden_size'] // MOE_TOP_K} per layer, "
+            f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer adds "
+            "one no-grad router pass per optimizer step),"
+            if moe
+            else "Model: Qwen2-style,"
+        )
+        + f" hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
         f"{max(2, settings['hidden_size'] // 32)} heads ({max(1, settings['hidden_size'] // 64)} KV), MLP "
         f"{(2 if vision else 3) * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
         f"parameters, fp32, sdpa, CPU, {first['threads']} torch thread(s) per process. GRPO (TRL defaults "
@@ -739,40 +896,60 @@ def main() -> None:
         + f"{settings['repeats']} fresh process(es) per configuration x {settings['rounds']} rounds; "
         f"{rows[0]['num_steps']} measured optimizer steps and {rows[0]['num_rounds']} measured rounds per process."
     )
-    machine = (f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
-               f"{' | '.join(loads)} (a shared machine: other jobs ran during the measurement).")
-    code = f"Code: {git_state()}; hf_dynbsz source hash {', '.join(code_versions)}" + (
-        " (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "") + "."
+    machine = (
+        f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
+        f"{' | '.join(loads)} (a shared machine: other jobs ran during the measurement)."
+    )
+    code = (
+        f"Code: {git_state()}; hf_dynbsz source hash {', '.join(code_versions)}"
+        + (" (CHANGED DURING THE RUN)" if len(code_versions) > 1 else "")
+        + "."
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = ("vlm_" if vision else "moe_" if moe else "") + ("step_time_quick" if args.quick else "step_time")
     command = " ".join(["python benchmarks/step_time.py", *sys.argv[1:]])  # as run, every option given
-    markdown = "\n\n".join([
-        f"# Training-step time{', vision-language' if vision else ', mixture of experts' if moe else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
-        f"{' (quick run)' if args.quick else ''}",
-        f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
-        setup,
-        machine,
-        code,
-        table,
-        "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
-        "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
-        "step); both averaged over the measured steps. *train s/step*: wall time of the training phase of one "
-        "optimizer step (forward, backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
-        "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
-        "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
-        "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
-        "*train tokens/step*: positions computed by the training forwards of one step, padding included "
-        "(share of padding). *log-prob*: the no-grad old-policy pass, once per generation round. *peak RSS over "
-        "baseline*: process high-water mark minus the RSS before `train()`, over the whole run (training, "
-        "generation and log-prob phases), median over repeats; *training-phase peak*: the same over the "
-        "training phases only.",
-    ]) + "\n"
+    markdown = (
+        "\n\n".join(
+            [
+                f"# Training-step time{', vision-language' if vision else ', mixture of experts' if moe else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
+                f"{' (quick run)' if args.quick else ''}",
+                f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
+                setup,
+                machine,
+                code,
+                table,
+                "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
+                "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
+                "step); both averaged over the measured steps. *train s/step*: wall time of the training phase of one "
+                "optimizer step (forward, backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
+                "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
+                "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
+                "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
+                "*train tokens/step*: positions computed by the training forwards of one step, padding included "
+                "(share of padding). *log-prob*: the no-grad old-policy pass, once per generation round. *peak RSS over "
+                "baseline*: process high-water mark minus the RSS before `train()`, over the whole run (training, "
+                "generation and log-prob phases), median over repeats; *training-phase peak*: the same over the "
+                "training phases only.",
+            ]
+        )
+        + "\n"
+    )
     (args.out_dir / f"{name}.md").write_text(markdown)
     raw_runs = [compact_run(res) for res in results]
-    (args.out_dir / f"{name}.json").write_text(json.dumps(_rounded({"settings": settings, "rows": rows,
-                                                                    "step_fields": STEP_FIELDS,
-                                                                    "round_fields": ROUND_FIELDS,
-                                                                    "runs": raw_runs}), separators=(",", ":")))
+    (args.out_dir / f"{name}.json").write_text(
+        json.dumps(
+            _rounded(
+                {
+                    "settings": settings,
+                    "rows": rows,
+                    "step_fields": STEP_FIELDS,
+                    "round_fields": ROUND_FIELDS,
+                    "runs": raw_runs,
+                }
+            ),
+            separators=(",", ":"),
+        )
+    )
     plot(rows, args.out_dir / f"{name}.png", setup)
     print()
     print(table)

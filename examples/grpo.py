@@ -199,8 +199,15 @@ def build_tiny_model_and_tokenizer(seed: int):
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode to "abc", not "a b c"
-    model = build_tiny_causal_lm(tokenizer, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256, seed=seed)
+    model = build_tiny_causal_lm(
+        tokenizer,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        seed=seed,
+    )
     with torch.no_grad():
         model.lm_head.weight.mul_(0.01)
     model.config._name_or_path = "hf-dynbsz-tiny"
@@ -213,8 +220,9 @@ def build_tiny_dataset(num_prompts: int, seed: int):
 
     rng = random.Random(seed)
     words = [rng.choice(list(TINY_TASKS)) for _ in range(num_prompts)]
-    return Dataset.from_dict({"prompt": [f"{word}:" for word in words],
-                              "target_length": [TINY_TASKS[word] for word in words]})
+    return Dataset.from_dict(
+        {"prompt": [f"{word}:" for word in words], "target_length": [TINY_TASKS[word] for word in words]}
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -290,27 +298,42 @@ def summarize(log_history: list[dict], stock_passes: int, num_processes: int, se
     if rewards:
         k = max(1, min(10, len(rewards) // 2))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        lines.append(f"  reward           first {k} logged steps {first:.3f} -> last {k} {last:.3f} "
-                     f"({last - first:+.3f})")
+        lines.append(
+            f"  reward           first {k} logged steps {first:.3f} -> last {k} {last:.3f} ({last - first:+.3f})"
+        )
     # Passes per process: every process runs the same number (the most any process needs; the others add empty
     # lock-step passes, counted in dynbsz/dummy_passes).
-    runs = [(entry.get("dynbsz/microbatches_max_over_ranks", entry["dynbsz/microbatches"]),
-             entry.get("dynbsz/dummy_passes", 0.0), n) for entry, n in records if "dynbsz/microbatches" in entry]
+    runs = [
+        (
+            entry.get("dynbsz/microbatches_max_over_ranks", entry["dynbsz/microbatches"]),
+            entry.get("dynbsz/dummy_passes", 0.0),
+            n,
+        )
+        for entry, n in records
+        if "dynbsz/microbatches" in entry
+    ]
     if runs:
         ran = sum(value * n for value, _, n in runs)
         dummies = sum(value * n for _, value, n in runs)
         stock = stock_passes * sum(n for _, _, n in runs)
         empty = f" ({dummies:,.0f} of them empty lock-step passes on the main process)" if dummies else ""
-        lines.append(f"  micro-batches    {ran:,.0f} run per process vs {stock:,} with stock's fixed "
-                     f"{stock_passes} per optimizer step{empty}")
-    tokens = [(entry["dynbsz/computed_tokens"], entry["dynbsz/stock_computed_tokens"], n)
-              for entry, n in records if "dynbsz/computed_tokens" in entry]
+        lines.append(
+            f"  micro-batches    {ran:,.0f} run per process vs {stock:,} with stock's fixed "
+            f"{stock_passes} per optimizer step{empty}"
+        )
+    tokens = [
+        (entry["dynbsz/computed_tokens"], entry["dynbsz/stock_computed_tokens"], n)
+        for entry, n in records
+        if "dynbsz/computed_tokens" in entry
+    ]
     if tokens:
         computed = sum(c * n for c, _, n in tokens)
         stock = sum(s * n for _, s, n in tokens)
         change = f" ({100 * (computed / stock - 1):+.1f}%)" if stock else ""
-        lines.append(f"  tokens computed  {computed:,.0f} vs {stock:,.0f} with stock batching{change} "
-                     "(training passes, all processes)")
+        lines.append(
+            f"  tokens computed  {computed:,.0f} vs {stock:,.0f} with stock batching{change} "
+            "(training passes, all processes)"
+        )
     if not runs and not tokens:
         lines.append("  no dynbsz/ metrics: dynamic batching was off (stock GRPOTrainer micro-batches)")
     return "\n".join(lines)
@@ -385,16 +408,25 @@ def load_named(script_args, training_args, model_args):
 
     if not script_args.dataset_name:
         raise ValueError("--model_name_or_path needs --dataset_name (a Hub dataset or a local path).")
-    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs  # the trainer loads the model from its name with these
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              trust_remote_code=training_args.trust_remote_code, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        padding_side="left",
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config,
-                           streaming=script_args.dataset_streaming)[script_args.dataset_train_split]
+    dataset = load_dataset(
+        script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+    )[script_args.dataset_train_split]
     if script_args.prompt_column != "prompt":
         dataset = dataset.rename_column(script_args.prompt_column, "prompt")
     peft_config = None
@@ -456,8 +488,11 @@ def main(argv: list[str] | None = None):
     accelerator.print(f"Model, tokenizer and trainer_state.json saved to {training_args.output_dir}")
     accelerator.print(summarize(trainer.state.log_history, stock_passes, accelerator.num_processes, seconds))
     if accelerator.num_processes > 1:
-        print(f"[process {accelerator.process_index} of {accelerator.num_processes}] finished at optimizer step "
-              f"{trainer.state.global_step}", flush=True)
+        print(
+            f"[process {accelerator.process_index} of {accelerator.num_processes}] finished at optimizer step "
+            f"{trainer.state.global_step}",
+            flush=True,
+        )
     accelerator.wait_for_everyone()
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
         trainer.end()

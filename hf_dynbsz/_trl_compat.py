@@ -22,8 +22,18 @@ __all__ = ["INTERNAL_NAMES", "InternalName", "TESTED_TRL_RANGE", "check_trl_vers
 #: Triton: its fused LM head has no PyTorch fallback, so stock GRPOTrainer itself does not train there.
 TESTED_TRL_RANGE = ("1.16.0", "1.17.0")
 
-_MULTIMODAL_PARAMETERS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_MULTIMODAL_PARAMETERS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 @dataclass(frozen=True)
@@ -45,60 +55,154 @@ class InternalName:
 
 INTERNAL_NAMES: tuple[InternalName, ...] = (
     # ---- GRPOTrainer hooks the trainer overrides
-    InternalName("trl.GRPOTrainer", "_get_per_token_logps_and_entropies", "overrides",
-                 "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
-                 ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-                  "compute_aux_loss", *_MULTIMODAL_PARAMETERS)),
-    InternalName("trl.GRPOTrainer", "_generate_single_turn", "overrides",
-                 "generates a device's samples in chunks of per_device_generation_batch_size",
-                 ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
+    InternalName(
+        "trl.GRPOTrainer",
+        "_get_per_token_logps_and_entropies",
+        "overrides",
+        "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
+        (
+            "model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+            "batch_size",
+            "compute_entropy",
+            "compute_aux_loss",
+            *_MULTIMODAL_PARAMETERS,
+        ),
+    ),
+    InternalName(
+        "trl.GRPOTrainer",
+        "_generate_single_turn",
+        "overrides",
+        "generates a device's samples in chunks of per_device_generation_batch_size",
+        ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+    ),
     # ---- GRPOTrainer methods and state the trainer uses
-    InternalName("trl.GRPOTrainer", "_prepare_inputs", "calls",
-                 "stock generation, scoring, shuffling and slicing of each accumulation step", ("generation_batch",)),
+    InternalName(
+        "trl.GRPOTrainer",
+        "_prepare_inputs",
+        "calls",
+        "stock generation, scoring, shuffling and slicing of each accumulation step",
+        ("generation_batch",),
+    ),
     InternalName("GRPOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
     InternalName("GRPOTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"),
-    InternalName("GRPOTrainer instance", "_current_train_step_time", "writes",
-                 "the step_time metric, as stock training_step keeps it"),
+    InternalName(
+        "GRPOTrainer instance",
+        "_current_train_step_time",
+        "writes",
+        "the step_time metric, as stock training_step keeps it",
+    ),
     InternalName("GRPOTrainer instance", "_entropy_bonus_enabled", "reads", "whether stock adds the entropy bonus"),
-    InternalName("GRPOTrainer instance", "_last_world_entropy", "writes",
-                 "the adaptive entropy controller's state, updated at the optimizer-step boundary as stock does"),
+    InternalName(
+        "GRPOTrainer instance",
+        "_last_world_entropy",
+        "writes",
+        "the adaptive entropy controller's state, updated at the optimizer-step boundary as stock does",
+    ),
     InternalName("GRPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
-    InternalName("GRPOTrainer instance", "aux_loss_enabled", "reads",
-                 "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample"),
+    InternalName(
+        "GRPOTrainer instance",
+        "aux_loss_enabled",
+        "reads",
+        "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
+    ),
     # ---- transformers
-    InternalName("transformers.PretrainedConfig instance", "_attn_implementation", "writes",
-                 "read: the attention implementation decides the layout; switched to segment attention around the "
-                 "plugin's padding-free passes (hf_dynbsz.execution.attention.segment_attention)"),
-    InternalName("transformers.PreTrainedModel", "_supports_attention_backend", "reads",
-                 "segment attention runs only models whose attention dispatches through AttentionInterface"),
-    InternalName("transformers.modeling_flash_attention_utils", "_flash_attention_forward", "calls",
-                 "the flash-attention varlen kernel of segment attention (the base implementation's own)",
-                 ("query_states", "key_states", "value_states", "attention_mask", "query_length", "is_causal",
-                  "dropout", "softmax_scale", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                  "target_dtype", "attn_implementation", "sliding_window", "softcap")),  # s_aux: through **kwargs
-    InternalName("transformers.integrations.sdpa_attention", "sdpa_attention_forward", "calls",
-                 "segment attention runs each span of a padding-free row through transformers' own sdpa function",
-                 ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal")),
-    InternalName("transformers.models.llama.modeling_llama", "eager_attention_forward", "calls",
-                 "segment attention runs each span through the model's own eager function, found next to its attention "
-                 "module (Llama's checked here; every model of the zoo test exercises its own)",
-                 ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")),
-    InternalName("transformers.integrations.flash_attention", "get_target_dtype", "calls",
-                 "the dtype flash-attention needs when PEFT left the activations in fp32", ("query", "module")),
+    InternalName(
+        "transformers.PretrainedConfig instance",
+        "_attn_implementation",
+        "writes",
+        "read: the attention implementation decides the layout; switched to segment attention around the "
+        "plugin's padding-free passes (hf_dynbsz.execution.attention.segment_attention)",
+    ),
+    InternalName(
+        "transformers.PreTrainedModel",
+        "_supports_attention_backend",
+        "reads",
+        "segment attention runs only models whose attention dispatches through AttentionInterface",
+    ),
+    InternalName(
+        "transformers.modeling_flash_attention_utils",
+        "_flash_attention_forward",
+        "calls",
+        "the flash-attention varlen kernel of segment attention (the base implementation's own)",
+        (
+            "query_states",
+            "key_states",
+            "value_states",
+            "attention_mask",
+            "query_length",
+            "is_causal",
+            "dropout",
+            "softmax_scale",
+            "cu_seq_lens_q",
+            "cu_seq_lens_k",
+            "max_length_q",
+            "max_length_k",
+            "target_dtype",
+            "attn_implementation",
+            "sliding_window",
+            "softcap",
+        ),
+    ),  # s_aux: through **kwargs
+    InternalName(
+        "transformers.integrations.sdpa_attention",
+        "sdpa_attention_forward",
+        "calls",
+        "segment attention runs each span of a padding-free row through transformers' own sdpa function",
+        ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal"),
+    ),
+    InternalName(
+        "transformers.models.llama.modeling_llama",
+        "eager_attention_forward",
+        "calls",
+        "segment attention runs each span through the model's own eager function, found next to its attention "
+        "module (Llama's checked here; every model of the zoo test exercises its own)",
+        ("module", "query", "key", "value", "attention_mask", "scaling", "dropout"),
+    ),
+    InternalName(
+        "transformers.integrations.flash_attention",
+        "get_target_dtype",
+        "calls",
+        "the dtype flash-attention needs when PEFT left the activations in fp32",
+        ("query", "module"),
+    ),
     # ---- accelerate
-    InternalName("accelerate.state.GradientState", "_set_sync_gradients", "calls",
-                 "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",
-                 ("sync_gradients",)),
+    InternalName(
+        "accelerate.state.GradientState",
+        "_set_sync_gradients",
+        "calls",
+        "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",
+        ("sync_gradients",),
+    ),
     # ---- TRL's fused LM head
-    InternalName("trl.kernels.chunked_logprob", "TOKEN_CHUNK_SIZE", "writes",
-                 "tensor_batch_size: tokens per tile of the fused LM head"),
-    InternalName("trl.trainer.utils", "_CHUNKED_LOGPROB_CHUNK_SIZE", "writes",
-                 "tensor_batch_size: vocabulary columns per tile of the fused LM head"),
-    InternalName("trl.trainer.utils.add_fused_lm_head", "fused_lm_head", "passes",
-                 "log-probs and entropies of a packed row without full logits", ("fused_lm_head", "shift_labels")),
+    InternalName(
+        "trl.kernels.chunked_logprob",
+        "TOKEN_CHUNK_SIZE",
+        "writes",
+        "tensor_batch_size: tokens per tile of the fused LM head",
+    ),
+    InternalName(
+        "trl.trainer.utils",
+        "_CHUNKED_LOGPROB_CHUNK_SIZE",
+        "writes",
+        "tensor_batch_size: vocabulary columns per tile of the fused LM head",
+    ),
+    InternalName(
+        "trl.trainer.utils.add_fused_lm_head",
+        "fused_lm_head",
+        "passes",
+        "log-probs and entropies of a packed row without full logits",
+        ("fused_lm_head", "shift_labels"),
+    ),
     # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/parallel/sequence_parallel.py)
-    InternalName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_release_sequence_parallel_groups", "calls",
-                 "a second trainer in one process forms DeepSpeed's sequence-parallel groups anew (they are global)"),
+    InternalName(
+        "deepspeed.runtime.sequence_parallel.parallel_state_sp",
+        "_release_sequence_parallel_groups",
+        "calls",
+        "a second trainer in one process forms DeepSpeed's sequence-parallel groups anew (they are global)",
+    ),
 )
 
 _checked = False

@@ -155,8 +155,9 @@ def read_lengths(path: str) -> list[tuple[int, int | None, int | None]]:
     if not lengths:
         raise UsageError(f"--lengths {path!r} holds no lengths.")
     if len({(prompt is None, group is None) for _, prompt, group in lengths}) > 1:
-        raise UsageError(f"--lengths {path!r}: mix of formats (totals, PROMPT COMPLETION, PROMPT COMPLETION GROUP); "
-                         "use one.")
+        raise UsageError(
+            f"--lengths {path!r}: mix of formats (totals, PROMPT COMPLETION, PROMPT COMPLETION GROUP); use one."
+        )
     return lengths
 
 
@@ -194,13 +195,24 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def render_simulation(plan, scheduler: Scheduler, rounds: list[SimulatedRound], totals_only: bool,
-                      layout_note: str = "") -> str:
+def render_simulation(
+    plan, scheduler: Scheduler, rounds: list[SimulatedRound], totals_only: bool, layout_note: str = ""
+) -> str:
     """The table of :func:`simulate` on one process: micro-batches vs stock TRL's padded micro-batches, per step."""
     steps = [(step.lengths[0], step.balanced[0], step.stock_tokens, step.partial) for step in rounds]
     pad = plan.pad_to_multiple_of
-    header = ("step", "samples", "real tokens", "budget", "micro-batches", "lower bound", "utilisation",
-              "computed tokens", "stock tokens", "saved")
+    header = (
+        "step",
+        "samples",
+        "real tokens",
+        "budget",
+        "micro-batches",
+        "lower bound",
+        "utilisation",
+        "computed tokens",
+        "stock tokens",
+        "saved",
+    )
     rows: list[tuple[str, ...]] = []
     totals = dict.fromkeys(("samples", "real", "capacity", "count", "bound", "dynamic", "stock"), 0)
     for number, (lengths, schedule, stock, partial) in enumerate(steps, start=1):
@@ -210,18 +222,44 @@ def render_simulation(plan, scheduler: Scheduler, rounds: list[SimulatedRound], 
         fitting = [batch for batch in schedule.microbatches if not set(batch) & set(schedule.oversize)]
         fitting_real = sum(lengths[i] for batch in fitting for i in batch)
         capacity = len(fitting) * schedule.budget
-        rows.append((str(number) + ("*" if partial else ""), str(len(lengths)), str(real),
-                     str(schedule.budget), str(count), str(bound),
-                     f"{fitting_real / capacity:.1%}" if capacity else "-",
-                     str(dynamic), str(stock), f"{1 - dynamic / stock:.1%}" if stock else "-"))
-        for key, value in (("samples", len(lengths)), ("real", fitting_real), ("capacity", capacity),
-                           ("count", count), ("bound", bound), ("dynamic", dynamic), ("stock", stock)):
+        rows.append(
+            (
+                str(number) + ("*" if partial else ""),
+                str(len(lengths)),
+                str(real),
+                str(schedule.budget),
+                str(count),
+                str(bound),
+                f"{fitting_real / capacity:.1%}" if capacity else "-",
+                str(dynamic),
+                str(stock),
+                f"{1 - dynamic / stock:.1%}" if stock else "-",
+            )
+        )
+        for key, value in (
+            ("samples", len(lengths)),
+            ("real", fitting_real),
+            ("capacity", capacity),
+            ("count", count),
+            ("bound", bound),
+            ("dynamic", dynamic),
+            ("stock", stock),
+        ):
             totals[key] += value
-    rows.append(("total", str(totals["samples"]), str(sum(sum(lengths) for lengths, _, _, _ in steps)), "-",
-                 str(totals["count"]), str(totals["bound"]),
-                 f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-", str(totals["dynamic"]),
-                 str(totals["stock"]),
-                 f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-"))
+    rows.append(
+        (
+            "total",
+            str(totals["samples"]),
+            str(sum(sum(lengths) for lengths, _, _, _ in steps)),
+            "-",
+            str(totals["count"]),
+            str(totals["bound"]),
+            f"{totals['real'] / totals['capacity']:.1%}" if totals["capacity"] else "-",
+            str(totals["dynamic"]),
+            str(totals["stock"]),
+            f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-",
+        )
+    )
     if plan.max_tokens_per_microbatch:
         budget_text = f"{plan.max_tokens_per_microbatch} tokens"
     elif totals_only:
@@ -247,10 +285,15 @@ def render_simulation(plan, scheduler: Scheduler, rounds: list[SimulatedRound], 
     oversize = [lengths[i] for lengths, schedule, _, _ in steps for i in schedule.oversize]
     if oversize:
         budget = max(schedule.budget for _, schedule, _, _ in steps if schedule.oversize)
-        notes.append("warning: " + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
-                     + " (oversize_policy='warn')")
-        notes.append("Their passes count in micro-batches and lower bound and are left out of utilisation; "
-                     "oversize_policy='error' stops training instead.")
+        notes.append(
+            "warning: "
+            + scheduler.oversize_warning(len(oversize), max(oversize), budget).split(": ", 1)[1]
+            + " (oversize_policy='warn')"
+        )
+        notes.append(
+            "Their passes count in micro-batches and lower bound and are left out of utilisation; "
+            "oversize_policy='error' stops training instead."
+        )
     return "\n".join([*notes, "", *text_table(header, rows, ">" * len(header))])
 
 
@@ -282,37 +325,63 @@ def simulate(plan, scheduler: Scheduler, lengths: list[tuple[int, int | None]]) 
         totals = [[total for total, _, _ in part] for part in parts]
         prompts = [[prompt or 0 for _, prompt, _ in part] for part in parts]
         groups = [_groups(part, plan.num_generations) for part in parts]
-        rows = [stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
-                for ts, p in zip(totals, prompts)]
+        rows = [
+            stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
+            for ts, p in zip(totals, prompts)
+        ]
         budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
         schedules = {}
         for balance in (True, False):
             planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
-            results = simulate_processes(planner, totals, budgets, prompts, groups=None if groups[0] is None else groups)
+            results = simulate_processes(
+                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups
+            )
             errors = [result for result in results if isinstance(result, Exception)]
             if errors:
                 raise errors[0]
             schedules[balance] = results
         stock = sum(len(ts) * row for ts, row in zip(totals, rows))
-        rounds.append(SimulatedRound(totals, stock, schedules[True], schedules[False],
-                                     len(step) < per_process * processes))
+        rounds.append(
+            SimulatedRound(totals, stock, schedules[True], schedules[False], len(step) < per_process * processes)
+        )
     return rounds
 
 
 def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -> str:
     """The table of :func:`simulate_processes_steps`: passes and rank imbalance without and with balancing."""
-    header = ("step", "samples", "real tokens", "budget", "passes (no balancing)", "passes (balanced)",
-              "rank imbalance (no balancing)", "rank imbalance (balanced)", "samples moved", "computed tokens",
-              "stock tokens")
+    header = (
+        "step",
+        "samples",
+        "real tokens",
+        "budget",
+        "passes (no balancing)",
+        "passes (balanced)",
+        "rank imbalance (no balancing)",
+        "rank imbalance (balanced)",
+        "samples moved",
+        "computed tokens",
+        "stock tokens",
+    )
     rows = []
     for number, step in enumerate(rounds, start=1):
         active = step.balanced if scheduler.balance_across_ranks else step.unbalanced
         balance = step.balanced[0].balance
         computed = sum(sum(s.pass_tokens) for s in active)
-        rows.append((str(number) + ("*" if step.partial else ""), str(sum(map(len, step.lengths))),
-                     str(sum(map(sum, step.lengths))), str(active[0].budget), str(step.unbalanced[0].passes),
-                     str(step.balanced[0].passes), f"{balance.imbalance_before:.2f}", f"{balance.imbalance_after:.2f}",
-                     str(step.balanced[0].samples_moved), str(computed), str(step.stock_tokens)))
+        rows.append(
+            (
+                str(number) + ("*" if step.partial else ""),
+                str(sum(map(len, step.lengths))),
+                str(sum(map(sum, step.lengths))),
+                str(active[0].budget),
+                str(step.unbalanced[0].passes),
+                str(step.balanced[0].passes),
+                f"{balance.imbalance_before:.2f}",
+                f"{balance.imbalance_after:.2f}",
+                str(step.balanced[0].samples_moved),
+                str(computed),
+                str(step.stock_tokens),
+            )
+        )
     note = (
         f"Simulated {sum(sum(map(len, r.lengths)) for r in rounds)} samples over {plan.num_processes} processes, "
         f"{plan.per_device_samples_per_optimizer_step} per process per optimizer step (process 0's first in each "
@@ -328,27 +397,39 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
 
 def processes_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
     """``--json`` with several processes: per step, each process's micro-batches with and without balancing."""
-    return [{
-        "lengths": step.lengths,
-        "budget": step.balanced[0].budget,
-        "passes_without_balancing": step.unbalanced[0].passes,
-        "passes": step.balanced[0].passes,
-        "rank_imbalance_before": step.balanced[0].balance.imbalance_before,
-        "rank_imbalance_after": step.balanced[0].balance.imbalance_after,
-        "samples_moved": step.balanced[0].samples_moved,
-        "processes": [{"lengths": s.lengths, "microbatches": s.microbatches} for s in step.balanced],
-        "processes_without_balancing": [{"lengths": s.lengths, "microbatches": s.microbatches}
-                                        for s in step.unbalanced],
-        "partial": step.partial,
-    } for step in rounds]
+    return [
+        {
+            "lengths": step.lengths,
+            "budget": step.balanced[0].budget,
+            "passes_without_balancing": step.unbalanced[0].passes,
+            "passes": step.balanced[0].passes,
+            "rank_imbalance_before": step.balanced[0].balance.imbalance_before,
+            "rank_imbalance_after": step.balanced[0].balance.imbalance_after,
+            "samples_moved": step.balanced[0].samples_moved,
+            "processes": [{"lengths": s.lengths, "microbatches": s.microbatches} for s in step.balanced],
+            "processes_without_balancing": [
+                {"lengths": s.lengths, "microbatches": s.microbatches} for s in step.unbalanced
+            ],
+            "partial": step.partial,
+        }
+        for step in rounds
+    ]
 
 
 def simulation_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
     """``--json`` on one process: per optimizer step, the lengths, budget and micro-batches (sample indices within
     the step)."""
-    return [{"lengths": step.lengths[0], "budget": step.balanced[0].budget,
-             "microbatches": step.balanced[0].microbatches, "passes_needed": step.balanced[0].passes_needed,
-             "oversize": step.balanced[0].oversize, "partial": step.partial} for step in rounds]
+    return [
+        {
+            "lengths": step.lengths[0],
+            "budget": step.balanced[0].budget,
+            "microbatches": step.balanced[0].microbatches,
+            "passes_needed": step.balanced[0].passes_needed,
+            "oversize": step.balanced[0].oversize,
+            "partial": step.partial,
+        }
+        for step in rounds
+    ]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -436,13 +517,17 @@ def _num_processes(namespace: argparse.Namespace, launcher: dict[str, Any]) -> i
     else:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{where} must be a positive integer (data-parallel processes over all machines), got "
-                         f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs.")
+        raise UsageError(
+            f"{where} must be a positive integer (data-parallel processes over all machines), got "
+            f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs."
+        )
     machines = launcher.get("num_machines", 1)
     if namespace.num_processes is None and (not isinstance(machines, int) or machines < 1 or value % machines):
-        raise UsageError(f"num_processes={value} of --config_file {namespace.config_file!r} is not a multiple of its "
-                         f"num_machines={machines!r}: accelerate's num_processes counts every process on every "
-                         "machine (e.g. 2 machines x 8 GPUs = 16).")
+        raise UsageError(
+            f"num_processes={value} of --config_file {namespace.config_file!r} is not a multiple of its "
+            f"num_machines={machines!r}: accelerate's num_processes counts every process on every "
+            "machine (e.g. 2 machines x 8 GPUs = 16)."
+        )
     return value
 
 
@@ -460,17 +545,36 @@ def _check_as_training(namespace: argparse.Namespace, plan) -> None:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
     # The options the user gave (defaults left to the config, so deprecated fields stay quiet).
-    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(DynamicBatchGRPOConfig)
-              if f.init and hasattr(namespace, f.name) and getattr(namespace, f.name) != default(f)}
-    values.update(bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False,
-                  eval_strategy="no", generation_batch_size=plan.generation_batch_size, steps_per_generation=None)
+    values = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(DynamicBatchGRPOConfig)
+        if f.init and hasattr(namespace, f.name) and getattr(namespace, f.name) != default(f)
+    }
+    values.update(
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        deepspeed=None,
+        report_to="none",
+        do_eval=False,
+        eval_strategy="no",
+        generation_batch_size=plan.generation_batch_size,
+        steps_per_generation=None,
+    )
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)
         DynamicBatchGRPOConfig(**values)
 
 
-def _memory_rows(namespace: argparse.Namespace, model_config, attn_implementation: str | None, lengths,
-                 num_processes: int, zero_stage: int | None, mixed_precision: str | None) -> list:
+def _memory_rows(
+    namespace: argparse.Namespace,
+    model_config,
+    attn_implementation: str | None,
+    lengths,
+    num_processes: int,
+    zero_stage: int | None,
+    mixed_precision: str | None,
+) -> list:
     """With ``max_memory_per_device_mib``: the plan rows answering "what budget fits in N MiB for this model?"
     (:func:`hf_dynbsz.planning.memory.plan_rows`, the trainer's model before any pass is measured)."""
     from hf_dynbsz.planning.memory import MemoryModel, estimated_held_mib, plan_rows
@@ -481,16 +585,23 @@ def _memory_rows(namespace: argparse.Namespace, model_config, attn_implementatio
         return []
     config = model_config if model_config is not None else GENERIC_DECODER
     half = (mixed_precision or ("bf16" if namespace.bf16 else "fp16" if namespace.fp16 else "no")) in ("bf16", "fp16")
-    memory = MemoryModel.from_config(config, limit, activation_bytes=2 if half else 4,
-                                     gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
-                                     tensor_batch_size=namespace.tensor_batch_size,
-                                     attn_implementation=attn_implementation or "sdpa")
+    memory = MemoryModel.from_config(
+        config,
+        limit,
+        activation_bytes=2 if half else 4,
+        gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
+        tensor_batch_size=namespace.tensor_batch_size,
+        attn_implementation=attn_implementation or "sdpa",
+    )
     if namespace.held_mib is not None:
         held, source = namespace.held_mib, "--held_mib"
     else:
         held = estimated_held_mib(config, num_processes, zero_stage)
-        source = ("16 bytes per parameter of " + ("--model_config" if model_config is not None else
-                                                   "a generic 7B-class decoder") + "; --held_mib to give it")
+        source = (
+            "16 bytes per parameter of "
+            + ("--model_config" if model_config is not None else "a generic 7B-class decoder")
+            + "; --held_mib to give it"
+        )
     if lengths:
         longest = max(total for total, _, _ in lengths)
     else:
@@ -523,8 +634,15 @@ def _run_plan(argv: list[str]) -> int:
         if namespace.packing_layout != "auto" or attn_implementation:
             shown_layout = layouts[0].name
         lengths = read_lengths(namespace.lengths) if namespace.lengths else None
-        memory_rows = _memory_rows(namespace, model_config, attn_implementation, lengths, num_processes, zero_stage,
-                                   launcher.get("mixed_precision"))
+        memory_rows = _memory_rows(
+            namespace,
+            model_config,
+            attn_implementation,
+            lengths,
+            num_processes,
+            zero_stage,
+            launcher.get("mixed_precision"),
+        )
         try:
             plan = BatchSizePlan.from_args(
                 namespace,
@@ -533,9 +651,9 @@ def _run_plan(argv: list[str]) -> int:
                 mixed_precision=launcher.get("mixed_precision"),
                 layout=shown_layout,
                 vision_language=support.vision_language,
-                router_aux=support.router_aux_mode(router_aux_loss_coef(model_config,
-                                                                        getattr(namespace, "router_aux_loss_coef",
-                                                                                None))),
+                router_aux=support.router_aux_mode(
+                    router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
+                ),
                 memory_rows=memory_rows,
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
@@ -565,8 +683,7 @@ def _run_plan(argv: list[str]) -> int:
             if namespace.packing_layout == "auto":
                 layout_note = f" (packing_layout auto, attn_implementation {attn_implementation or 'sdpa (default)'})"
             print()
-            print(render_simulation(plan, scheduler, steps, totals_only=lengths[0][1] is None,
-                                    layout_note=layout_note))
+            print(render_simulation(plan, scheduler, steps, totals_only=lengths[0][1] is None, layout_note=layout_note))
     except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
         print(f"{_PROG} plan: error: {error}", file=sys.stderr)
         return _EXIT_USAGE
@@ -581,8 +698,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Token-budget micro-batching for TRL's GRPOTrainer.",
         epilog=f"Run '{_PROG} plan --help' or '{_PROG} report --help' for a command's options.",
     )
-    top.add_argument("command", choices=["plan", "report"],
-                     help="plan: print the batch-size plan of a GRPO run; report: compare runs' dynbsz/ metrics")
+    top.add_argument(
+        "command",
+        choices=["plan", "report"],
+        help="plan: print the batch-size plan of a GRPO run; report: compare runs' dynbsz/ metrics",
+    )
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("plan", "report"):
         top.parse_args(argv[:1])  # prints help (exit 0) or a usage error (exit 2)
         return _EXIT_USAGE

@@ -25,8 +25,13 @@ from hf_dynbsz.planning.plan import (
 )
 from hf_dynbsz.planning.settings import DEFAULTS, config_docstring, setting
 
-__all__ = ["DynamicBatchGRPOConfig", "default_ddp_backend", "ensure_dynamic_batch_fields", "take_sequence_parallelism",
-           "trainer_config"]
+__all__ = [
+    "DynamicBatchGRPOConfig",
+    "default_ddp_backend",
+    "ensure_dynamic_batch_fields",
+    "take_sequence_parallelism",
+    "trainer_config",
+]
 
 
 def _field(name: str):
@@ -99,23 +104,34 @@ def take_sequence_parallelism(args) -> None:
     config = getattr(args, "parallelism_config", None)
     if config is None or (config.sp_size or 1) <= 1:
         if config is not None and (config.cp_size or 1) > 1:
-            raise ValueError(f"parallelism_config.cp_size={config.cp_size}: context parallelism is not run by GRPO "
-                             "(stock or hf-dynbsz); use parallelism_config=ParallelismConfig(sp_backend='deepspeed', "
-                             "sp_size=N) for sequence parallelism (DeepSpeed Ulysses) instead, or cp_size=1.")
+            raise ValueError(
+                f"parallelism_config.cp_size={config.cp_size}: context parallelism is not run by GRPO "
+                "(stock or hf-dynbsz); use parallelism_config=ParallelismConfig(sp_backend='deepspeed', "
+                "sp_size=N) for sequence parallelism (DeepSpeed Ulysses) instead, or cp_size=1."
+            )
         return
     if args.sequence_parallel_size not in (1, config.sp_size):
-        raise ValueError(f"sequence_parallel_size={args.sequence_parallel_size} and parallelism_config.sp_size="
-                         f"{config.sp_size} disagree: set one of them (or both to the same value).")
-    others = {name: getattr(config, name) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-              if (getattr(config, name) or 1) > 1}
+        raise ValueError(
+            f"sequence_parallel_size={args.sequence_parallel_size} and parallelism_config.sp_size="
+            f"{config.sp_size} disagree: set one of them (or both to the same value)."
+        )
+    others = {
+        name: getattr(config, name)
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+        if (getattr(config, name) or 1) > 1
+    }
     if others:
-        raise ValueError(f"parallelism_config={others} with sp_size={config.sp_size}: hf-dynbsz's sequence "
-                         "parallelism combines with DDP and DeepSpeed ZeRO data parallelism (over all processes) "
-                         "only; leave the other sizes at 1.")
+        raise ValueError(
+            f"parallelism_config={others} with sp_size={config.sp_size}: hf-dynbsz's sequence "
+            "parallelism combines with DDP and DeepSpeed ZeRO data parallelism (over all processes) "
+            "only; leave the other sizes at 1."
+        )
     if not args.dynamic_batching:
-        raise ValueError(f"parallelism_config.sp_size={config.sp_size} needs dynamic_batching=True: sequence "
-                         "parallelism runs in hf-dynbsz's packed passes (dynamic_batching=False is stock "
-                         "GRPOTrainer, which has none).")
+        raise ValueError(
+            f"parallelism_config.sp_size={config.sp_size} needs dynamic_batching=True: sequence "
+            "parallelism runs in hf-dynbsz's packed passes (dynamic_batching=False is stock "
+            "GRPOTrainer, which has none)."
+        )
     args.sequence_parallel_size = config.sp_size
     args.parallelism_config = None
 

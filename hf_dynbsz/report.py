@@ -63,8 +63,11 @@ def find_trainer_state(directory: str | Path) -> Path:
     state = directory / "trainer_state.json"
     if state.is_file():
         return state
-    checkpoints = [path for path in directory.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", path.name)
-                   and (path / "trainer_state.json").is_file()]
+    checkpoints = [
+        path
+        for path in directory.glob("checkpoint-*")
+        if re.fullmatch(r"checkpoint-\d+", path.name) and (path / "trainer_state.json").is_file()
+    ]
     if not checkpoints:
         raise ReportError(
             f"{str(directory)!r} holds no trainer_state.json and no checkpoint-N/trainer_state.json: call "
@@ -81,11 +84,16 @@ def read_run(directory: str | Path, name: str | None = None) -> Run:
         history = json.loads(state_file.read_text(encoding="utf-8")).get("log_history", [])
     except (OSError, json.JSONDecodeError, AttributeError) as error:
         raise ReportError(f"cannot read {str(state_file)!r}: {error}") from None
-    steps = [entry for entry in history if isinstance(entry, dict) and "step" in entry
-             and any(key.startswith("dynbsz/") for key in entry)]
+    steps = [
+        entry
+        for entry in history
+        if isinstance(entry, dict) and "step" in entry and any(key.startswith("dynbsz/") for key in entry)
+    ]
     if not steps:
-        raise ReportError(f"{str(state_file)!r} has no dynbsz/ metrics: the run did not use DynamicBatchGRPOTrainer "
-                          "with dynamic_batching on, or logged nothing (logging_steps).")
+        raise ReportError(
+            f"{str(state_file)!r} has no dynbsz/ metrics: the run did not use DynamicBatchGRPOTrainer "
+            "with dynamic_batching on, or logged nothing (logging_steps)."
+        )
     return Run(name or Path(directory).resolve().name, state_file, sorted(steps, key=lambda entry: entry["step"]))
 
 
@@ -110,14 +118,14 @@ def markdown_table(runs: Sequence[Run]) -> str:
     """One row per run: step counts, means over steps (maximum for memory, last for reward); "-" where a run did
     not log the metric (MFU without a known device peak, rank imbalance on one process)."""
     columns = [column for column in COLUMNS if column[1] is None or any(run.values(column[1]) for run in runs)]
-    lines = ["| run | " + " | ".join(header for header, *_ in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
+    lines = ["| run | " + " | ".join(header for header, *_ in columns) + " |", "|---|" + "---:|" * len(columns)]
     for run in runs:
         cells = []
         for _, metric, how, spec in columns:
             value = len(run.steps) if metric is None else getattr(run, {"max": "maximum"}.get(how, how))(metric)
-            cells.append("-" if value is None or (isinstance(value, float) and math.isnan(value))
-                         else format(value, spec))
+            cells.append(
+                "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+            )
         lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -129,8 +137,10 @@ PANELS = (
     ("padding fraction", ("dynbsz/padding_fraction",)),
     ("tokens per second", ("dynbsz/tokens_per_second",)),
     ("peak memory (MiB)", ("dynbsz/peak_memory_mib",)),
-    ("micro-batches (solid) and dummy passes (dashed) per step",
-     ("dynbsz/microbatches_max_over_ranks", "dynbsz/dummy_passes")),
+    (
+        "micro-batches (solid) and dummy passes (dashed) per step",
+        ("dynbsz/microbatches_max_over_ranks", "dynbsz/dummy_passes"),
+    ),
     ("rank imbalance (largest process cost / mean)", ("dynbsz/rank_imbalance_after",)),
     ("prompt tokens saved per step", ("dynbsz/prompt_tokens_saved",)),
 )
@@ -155,13 +165,19 @@ def plot_runs(runs: Sequence[Run], path: str | Path) -> None:
                 points = run.values(metric)
                 if points:
                     steps, values = zip(*points)
-                    axis.plot(steps, values, style, color=colours[index % len(colours)], marker=".",
-                              label=run.name if style == "-" else None)
+                    axis.plot(
+                        steps,
+                        values,
+                        style,
+                        color=colours[index % len(colours)],
+                        marker=".",
+                        label=run.name if style == "-" else None,
+                    )
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("optimizer step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncol=min(len(runs), 4), fontsize=9)
@@ -176,12 +192,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Compare training runs from the dynbsz/ metrics of their trainer_state.json: a markdown table "
         "(printed) and a PNG of the figures per optimizer step.",
     )
-    parser.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR",
-                        help="a run's output_dir (its trainer_state.json, else its latest checkpoint's)")
+    parser.add_argument(
+        "output_dirs",
+        nargs="+",
+        metavar="OUTPUT_DIR",
+        help="a run's output_dir (its trainer_state.json, else its latest checkpoint's)",
+    )
     parser.add_argument("--png", default="dynbsz_report.png", help="where to write the PNG (default: %(default)s)")
     parser.add_argument("--markdown", default=None, help="also write the table to this markdown file")
-    parser.add_argument("--names", default=None,
-                        help="comma-separated run names, one per OUTPUT_DIR (default: the directories' names)")
+    parser.add_argument(
+        "--names", default=None, help="comma-separated run names, one per OUTPUT_DIR (default: the directories' names)"
+    )
     return parser
 
 
@@ -191,8 +212,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         names = options.names.split(",") if options.names else [None] * len(options.output_dirs)
         if len(names) != len(options.output_dirs):
-            raise ReportError(f"--names gives {len(names)} names for {len(options.output_dirs)} OUTPUT_DIRs: give "
-                              "one per directory, in the same order.")
+            raise ReportError(
+                f"--names gives {len(names)} names for {len(options.output_dirs)} OUTPUT_DIRs: give "
+                "one per directory, in the same order."
+            )
         runs = [read_run(directory, name) for directory, name in zip(options.output_dirs, names)]
     except ReportError as error:
         print(f"hf-dynbsz report: error: {error}", file=sys.stderr)
@@ -204,8 +227,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         plot_runs(runs, options.png)
     except ImportError:
-        print("hf-dynbsz report: PNG not written: matplotlib is not installed (pip install 'hf-dynbsz[report]').",
-              file=sys.stderr)
+        print(
+            "hf-dynbsz report: PNG not written: matplotlib is not installed (pip install 'hf-dynbsz[report]').",
+            file=sys.stderr,
+        )
         return 0
     print(f"\nPlot written to {options.png}")
     return 0

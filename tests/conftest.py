@@ -27,9 +27,12 @@ OPT_IN_MARKERS = ("zoo", "exits")
 def pytest_collection_modifyitems(config, items):
     """Leave out the tests of :data:`OPT_IN_MARKERS` unless ``-m`` names their marker."""
     selection = config.getoption("-m") or ""
-    skipped = [item for item in items if item.get_closest_marker("representative") is None
-               and any(item.get_closest_marker(marker) is not None and marker not in selection
-                       for marker in OPT_IN_MARKERS)]
+    skipped = [
+        item
+        for item in items
+        if item.get_closest_marker("representative") is None
+        and any(item.get_closest_marker(marker) is not None and marker not in selection for marker in OPT_IN_MARKERS)
+    ]
     if skipped:
         config.hook.pytest_deselected(items=skipped)
         left = set(map(id, skipped))

@@ -86,19 +86,35 @@ def main() -> None:
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
-    parser.add_argument("--max_memory_mib", type=int, default=None, help="max_memory_per_device_mib (budget from memory)")
+    parser.add_argument(
+        "--max_memory_mib", type=int, default=None, help="max_memory_per_device_mib (budget from memory)"
+    )
     parser.add_argument("--inject_oom", default=None, help="kind:phase:after:rank of an injected out-of-memory error")
-    parser.add_argument("--vision", default=None, help="a tiny vision-language model of this family (built here, not "
-                                                       "loaded), image prompts, lopsided completions")
-    parser.add_argument("--sequence_parallel", type=int, default=1,
-                        help="parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size=N) (ours only)")
-    parser.add_argument("--no_gradient_checkpointing", action="store_true",
-                        help="gradient_checkpointing=False (GRPOConfig's default is True)")
+    parser.add_argument(
+        "--vision",
+        default=None,
+        help="a tiny vision-language model of this family (built here, not "
+        "loaded), image prompts, lopsided completions",
+    )
+    parser.add_argument(
+        "--sequence_parallel",
+        type=int,
+        default=1,
+        help="parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size=N) (ours only)",
+    )
+    parser.add_argument(
+        "--no_gradient_checkpointing",
+        action="store_true",
+        help="gradient_checkpointing=False (GRPOConfig's default is True)",
+    )
     parser.add_argument("--oversize_policy", choices=["warn", "error"], default="warn")
     parser.add_argument("--tensor_batch_size", type=int, default=None)
     parser.add_argument("--long_rank", type=int, default=1, help="--rollout lopsided: the process given the long ones")
-    parser.add_argument("--plain_exit", action="store_true",
-                        help="return from the script as a user's script does: no trainer.end(), no os._exit")
+    parser.add_argument(
+        "--plain_exit",
+        action="store_true",
+        help="return from the script as a user's script does: no trainer.end(), no os._exit",
+    )
     cli = parser.parse_args()
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
@@ -132,12 +148,19 @@ def train(cli, loss_type: str, out: str):
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 
-    overrides = dict(loss_type=loss_type, beta=cli.beta, num_iterations=cli.num_iterations,
-                     max_steps=cli.max_steps, top_entropy_quantile=cli.top_entropy_quantile,
-                     entropy_coef=cli.entropy_coef, router_aux_loss_coef=cli.router_aux_loss_coef)
+    overrides = dict(
+        loss_type=loss_type,
+        beta=cli.beta,
+        num_iterations=cli.num_iterations,
+        max_steps=cli.max_steps,
+        top_entropy_quantile=cli.top_entropy_quantile,
+        entropy_coef=cli.entropy_coef,
+        router_aux_loss_coef=cli.router_aux_loss_coef,
+    )
     if cli.lopsided:
-        overrides.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                         num_generations=4)
+        overrides.update(
+            shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
+        )
     if cli.no_gradient_checkpointing:
         overrides.update(gradient_checkpointing=False)
     if cli.rollout == "environment":
@@ -148,40 +171,74 @@ def train(cli, loss_type: str, out: str):
         vision_model, processor = build_tiny_vision_language_model(cli.vision)
     if cli.trainer == "stock":
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo",
-                                                                         **overrides))
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo", **overrides))
     else:
         trainer_cls = DynamicBatchGRPOTrainer
         if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
             from accelerate.parallelism_config import ParallelismConfig
 
-            overrides.update(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel))
-        args = DynamicBatchGRPOConfig(**base_config_kwargs(out + "-run", max_tokens_per_microbatch=cli.budget or None,
-                                                           tensor_batch_size=cli.tensor_batch_size,
-                                                           oversize_policy=cli.oversize_policy,
-                                                           balance_across_ranks=cli.balance == "on",
-                                                           max_memory_per_device_mib=cli.max_memory_mib, **overrides))
+            overrides.update(
+                parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel)
+            )
+        args = DynamicBatchGRPOConfig(
+            **base_config_kwargs(
+                out + "-run",
+                max_tokens_per_microbatch=cli.budget or None,
+                tensor_batch_size=cli.tensor_batch_size,
+                oversize_policy=cli.oversize_policy,
+                balance_across_ranks=cli.balance == "on",
+                max_memory_per_device_mib=cli.max_memory_mib,
+                **overrides,
+            )
+        )
     reward = RecordingReward()
     if cli.vision:
-        kwargs = dict(model=vision_model, reward_funcs=reward, args=args, processing_class=processor,
-                      train_dataset=image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1]),
-                      rollout_func=VisionScriptedRollout(
-                          processor, lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
-                          max_completion_length=24, seed=1, token_low=3, token_high=30,
-                          eos_id=processor.tokenizer.eos_token_id))
+        kwargs = dict(
+            model=vision_model,
+            reward_funcs=reward,
+            args=args,
+            processing_class=processor,
+            train_dataset=image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1]),
+            rollout_func=VisionScriptedRollout(
+                processor,
+                lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
+                max_completion_length=24,
+                seed=1,
+                token_low=3,
+                token_high=30,
+                eos_id=processor.tokenizer.eos_token_id,
+            ),
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
-        kwargs = dict(model=model, reward_funcs=reward, args=args, processing_class=load_tokenizer(cli.model_dir),
-                      train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset())
+        kwargs = dict(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            processing_class=load_tokenizer(cli.model_dir),
+            train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset(),
+        )
     if cli.rollout == "lopsided":
         kwargs["rollout_func"] = ScriptedRollout(
             lambda rng, n, rank: rng.integers(18, 25, n) if rank == cli.long_rank else rng.integers(1, 4, n),
-            lambda rng: rng.integers(3, 9), max_completion_length=24, seed=1, token_low=3, token_high=7, eos_id=1)
+            lambda rng: rng.integers(3, 9),
+            max_completion_length=24,
+            seed=1,
+            token_low=3,
+            token_high=7,
+            eos_id=1,
+        )
     elif cli.rollout == "multiturn":
         kwargs["rollout_func"] = MultiTurnRollout(
-            turn_lengths=lambda rng: rng.integers(1, 7), env_lengths=lambda rng: rng.integers(2, 9),
-            prompt_length=lambda rng: rng.integers(3, 12), max_completion_length=24, seed=2, token_low=3,
-            token_high=7, eos_id=1)
+            turn_lengths=lambda rng: rng.integers(1, 7),
+            env_lengths=lambda rng: rng.integers(2, 9),
+            prompt_length=lambda rng: rng.integers(3, 12),
+            max_completion_length=24,
+            seed=2,
+            token_low=3,
+            token_high=7,
+            eos_id=1,
+        )
     elif cli.rollout == "environment":  # the environment owns the prompts (no dataset) and the reward
         CountingEnvironment.restart()
         kwargs.update(environment_factory=CountingEnvironment, reward_funcs=None, train_dataset=None)
@@ -202,8 +259,14 @@ def train(cli, loss_type: str, out: str):
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    rank_record = {"rank": accelerator.process_index, "completions": reward.completions, "metrics": metrics,
-                   "rewards": rewards, "aux_losses": aux_losses, "losses": losses}
+    rank_record = {
+        "rank": accelerator.process_index,
+        "completions": reward.completions,
+        "metrics": metrics,
+        "rewards": rewards,
+        "aux_losses": aux_losses,
+        "losses": losses,
+    }
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
     if accelerator.is_main_process:

@@ -33,8 +33,8 @@ def padded(rows: list[tuple[list[int], list[int]]], pad: int):
     completion_ids = torch.full((len(rows), completion_width), pad)
     completion_mask = torch.zeros_like(completion_ids)
     for i, (prompt, completion) in enumerate(rows):
-        prompt_ids[i, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[i, prompt_width - len(prompt):] = 1
+        prompt_ids[i, prompt_width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[i, prompt_width - len(prompt) :] = 1
         completion_ids[i, : len(completion)] = torch.tensor(completion)
         completion_mask[i, : len(completion)] = 1
     return prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -52,13 +52,22 @@ def main() -> None:
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
     from hf_dynbsz.execution.packing import SequenceTable
 
-    args = DynamicBatchGRPOConfig(**base_config_kwargs(
-        cli.out + "-run", max_tokens_per_microbatch=24,
-        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)))
+    args = DynamicBatchGRPOConfig(
+        **base_config_kwargs(
+            cli.out + "-run",
+            max_tokens_per_microbatch=24,
+            parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2),
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(cli.model_dir)
-    trainer = DynamicBatchGRPOTrainer(model=model, reward_funcs=RecordingReward(), args=args,
-                                      processing_class=tokenizer, train_dataset=prompt_dataset())
+    trainer = DynamicBatchGRPOTrainer(
+        model=model,
+        reward_funcs=RecordingReward(),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=prompt_dataset(),
+    )
     rank = trainer.accelerator.process_index
     generator = torch.Generator().manual_seed(rank)
 
@@ -72,11 +81,12 @@ def main() -> None:
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     width = completion_ids.size(1)
     with torch.no_grad():
-        ours, our_entropy = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, width,
-                                                                       compute_entropy=True)[:2]
-        stock, stock_entropy = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids,
-                                                                              attention_mask, width,
-                                                                              compute_entropy=True)[:2]
+        ours, our_entropy = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, width, compute_entropy=True
+        )[:2]
+        stock, stock_entropy = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, input_ids, attention_mask, width, compute_entropy=True
+        )[:2]
     mask = completion_mask.bool()
     logprob_difference = (ours - stock)[mask].abs().max().item()
     entropy_difference = (our_entropy - stock_entropy)[mask].abs().max().item()
@@ -100,10 +110,16 @@ def main() -> None:
     for grad in sharded:
         dist.all_reduce(grad)
     whole = gradients(False)
-    gradient_difference = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-                              for a, b in zip(sharded, whole))
-    record = {"rank": rank, "logprob": logprob_difference, "entropy": entropy_difference,
-              "gradient": gradient_difference, "row_width": int(mb.shift_labels.size(1))}
+    gradient_difference = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(sharded, whole)
+    )
+    record = {
+        "rank": rank,
+        "logprob": logprob_difference,
+        "entropy": entropy_difference,
+        "gradient": gradient_difference,
+        "row_width": int(mb.shift_labels.size(1)),
+    }
     with open(f"{cli.out}.rank{rank}.json", "w") as f:
         json.dump(record, f)
     print(record, flush=True)

@@ -27,8 +27,8 @@ from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
-    grpo_batch,
     build_tiny_causal_lm,
+    grpo_batch,
     reference_varlen_attention,
     segment_mask,
     stock_logps,
@@ -38,8 +38,15 @@ PAD = 0
 
 
 def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):
-    mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention=base, groups=groups,
-                          pad_to_multiple_of=pad_to_multiple_of)
+    mb = build_microbatch(
+        table,
+        indices,
+        layout="padding_free",
+        pad_token_id=PAD,
+        attention=base,
+        groups=groups,
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
     with segment_attention(model):
         use_segments(mb.segments)
         out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
@@ -59,8 +66,9 @@ def flash_formulation(monkeypatch):
     """Segment layouts take the flash-attention path, with the reference varlen kernel instead of the GPU one."""
     calls = []
 
-    def kernel(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout, sliding_window=None,
-               **features):
+    def kernel(
+        module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout, sliding_window=None, **features
+    ):
         calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
         assert int(cu_q[-1]) == query.size(0) and int(cu_k[-1]) == key.size(0)
         assert not any(value is not None for value in features.values()), "softcap / sinks: not in the reference"
@@ -97,8 +105,11 @@ def test_shared_prompts_give_stocks_logprobs_and_entropies(model, request, kerne
         assert len(calls) == model.config.num_hidden_layers  # every layer took the varlen formulation
     # each prompt computed once: 8 + 3 (prefixes of the shared prompts) + 13 (the lone sample, a plain sequence)
     real = 8 + sum(COMPLETIONS[:4]) + 4 + 3 + sum(COMPLETIONS[4:7]) + 3 + 13 + COMPLETIONS[7]
-    assert mb.real_tokens == real == row_tokens(order, table.prompt_lengths.tolist(),
-                                                    table.completion_lengths.tolist(), groups)
+    assert (
+        mb.real_tokens
+        == real
+        == row_tokens(order, table.prompt_lengths.tolist(), table.completion_lengths.tolist(), groups)
+    )
 
 
 def test_groups_split_across_passes_and_duplicate_prompts_of_other_groups(model):
@@ -146,14 +157,20 @@ def test_a_sibling_never_sees_another_siblings_tokens(model):
     base = model.config._attn_implementation
     with torch.no_grad():
         _, before, _ = packed_logps(model, table, [0, 1, 2], table.prompt_groups(), base)
-        changed = SequenceTable(tokens=[t.clone() for t in table.tokens], prompt_lengths=table.prompt_lengths,
-                                completion_lengths=table.completion_lengths)
+        changed = SequenceTable(
+            tokens=[t.clone() for t in table.tokens],
+            prompt_lengths=table.prompt_lengths,
+            completion_lengths=table.completion_lengths,
+        )
         changed.tokens[2][10:] = (changed.tokens[2][10:] + 1) % 37 + 3  # another completion for sibling 2
         _, after, _ = packed_logps(model, changed, [0, 1, 2], changed.prompt_groups(), base)
         assert torch.equal(after[:2], before[:2])  # siblings 0 and 1 are untouched, bit for bit
         assert not torch.allclose(after[2], before[2])
-        prompt_changed = SequenceTable(tokens=[t.clone() for t in table.tokens], prompt_lengths=table.prompt_lengths,
-                                       completion_lengths=table.completion_lengths)
+        prompt_changed = SequenceTable(
+            tokens=[t.clone() for t in table.tokens],
+            prompt_lengths=table.prompt_lengths,
+            completion_lengths=table.completion_lengths,
+        )
         for tokens in prompt_changed.tokens:
             tokens[2] = (tokens[2] + 1) % 37 + 3  # the shared prompt does reach every sibling
         _, moved, _ = packed_logps(model, prompt_changed, [0, 1, 2], prompt_changed.prompt_groups(), base)
@@ -222,11 +239,14 @@ def dense_reference(segments, query, key, value, scale, window=None):
         span = slice(segment.start, segment.end)
         mask = segment_mask(segment.prefix, segment.blocks)
         if window is not None:
-            position = torch.cat([torch.arange(segment.prefix)] + [
-                torch.arange(segment.prefix, segment.prefix + block) for block in segment.blocks])
+            position = torch.cat(
+                [torch.arange(segment.prefix)]
+                + [torch.arange(segment.prefix, segment.prefix + block) for block in segment.blocks]
+            )
             mask &= position.unsqueeze(0) > position.unsqueeze(1) - window
         dense = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, span], key[:, :, span], value[:, :, span], attn_mask=mask, scale=scale, enable_gqa=True)
+            query[:, :, span], key[:, :, span], value[:, :, span], attn_mask=mask, scale=scale, enable_gqa=True
+        )
         expected[:, span] = dense.transpose(1, 2)
     return expected
 
@@ -237,8 +257,13 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
     """Against the rule written as dense masks (segment_mask): every call of the sdpa formulation, batched or not,
     with a sliding window (over positions within the sequence) and with value heads of another size."""
     torch.manual_seed(0)
-    segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 5, (3, 2)), Segment(29, 0, (6,)),
-                Segment(35, 0, (2,))]
+    segments = [
+        Segment(0, 5, (3, 1, 4)),
+        Segment(13, 0, (6,)),
+        Segment(19, 5, (3, 2)),
+        Segment(29, 0, (6,)),
+        Segment(35, 0, (2,)),
+    ]
     layout = SegmentLayout(segments, "sdpa")
     width = layout.width
     query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)
@@ -248,7 +273,8 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
     # (queries per span, keys per span, spans, dropped queries): causal prefixes of 5 (x2), plain 6 (x2), plain 2;
     # blocks shorter than their prefix of 5 under a mask: 3 (x2), 1, 4, 2
     assert sorted((c.queries.numel() // c.rows, c.keys.numel() // c.rows, c.rows, c.skip) for c in calls) == sorted(
-        [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)])
+        [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)]
+    )
     # blocks at least as long as their prefix: one causal call over [prefix ; block], prefix queries dropped
     long_blocks = SegmentLayout([Segment(0, 2, (3, 3, 2))], "sdpa")
     query, key, value = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, value_dim)
@@ -256,7 +282,10 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
     assert torch.allclose(out, dense_reference(long_blocks.segments, query, key, value, 0.3, window), atol=1e-6)
     calls, _ = long_blocks.span_calls("cpu")
     assert sorted((c.queries.numel() // c.rows, c.rows, c.skip, c.mask(None, "cpu") is None) for c in calls) == [
-        (2, 1, 0, True), (4, 1, 2, True), (5, 2, 2, True)]
+        (2, 1, 0, True),
+        (4, 1, 2, True),
+        (5, 2, 2, True),
+    ]
 
 
 def test_eager_formulation_runs_the_models_own_eager_function():
@@ -269,27 +298,34 @@ def test_eager_formulation_runs_the_models_own_eager_function():
     module.__dict__.update(num_key_value_groups=2, is_causal=True, training=False, head_dim=8)
     segments = [Segment(0, 4, (3, 5)), Segment(12, 0, (7,))]
     query, key, value = torch.randn(1, 4, 19, 8), torch.randn(1, 2, 19, 8), torch.randn(1, 2, 19, 8)
-    out = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3,
-                               softcap=2.0)
+    out = segment_attention_of(
+        SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3, softcap=2.0
+    )
     expected = torch.zeros(1, 19, 4, 8)
     for segment in segments:
         span = slice(segment.start, segment.end)
         mask = torch.zeros(segment.end - segment.start, segment.end - segment.start).masked_fill(
-            ~segment_mask(segment.prefix, segment.blocks), torch.finfo(torch.float32).min)
-        dense, _ = modeling_gemma2.eager_attention_forward(module, query[:, :, span], key[:, :, span],
-                                                            value[:, :, span], mask[None, None], scaling=0.3,
-                                                            softcap=2.0)
+            ~segment_mask(segment.prefix, segment.blocks), torch.finfo(torch.float32).min
+        )
+        dense, _ = modeling_gemma2.eager_attention_forward(
+            module, query[:, :, span], key[:, :, span], value[:, :, span], mask[None, None], scaling=0.3, softcap=2.0
+        )
         expected[:, span] = dense
     assert torch.allclose(out, expected, atol=1e-6)
-    without_cap = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module,
-                                       scaling=0.3)
+    without_cap = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3)
     assert not torch.allclose(without_cap, expected, atol=1e-3)  # the soft-cap was applied, not dropped
 
 
 # (GPT-OSS's sinks only natively: the reference varlen kernel has no sinks; flash-attention's s_aux is reviewed)
-@pytest.mark.parametrize(("model_type", "kernel"), [
-    (model_type, kernel) for model_type in ("mistral", "gemma3_text", "deepseek_v3", "gpt_oss", "nemotron")
-    for kernel in ("native", "flash") if (model_type, kernel) != ("gpt_oss", "flash")])
+@pytest.mark.parametrize(
+    ("model_type", "kernel"),
+    [
+        (model_type, kernel)
+        for model_type in ("mistral", "gemma3_text", "deepseek_v3", "gpt_oss", "nemotron")
+        for kernel in ("native", "flash")
+        if (model_type, kernel) != ("gpt_oss", "flash")
+    ],
+)
 def test_families_of_the_zoo_keep_each_sequence_its_own(model_type, kernel, request):
     """Sliding windows of 8 (Mistral; Gemma-3's mixed layers), value heads narrower than query heads (DeepSeek-V3's
     latent attention), sinks on the model's own eager attention (GPT-OSS), a decoder layer that passes no keyword

@@ -44,8 +44,11 @@ def test_deterministic(unit_costs):
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 60), max_size=4), min_size=2, max_size=3).filter(
-    lambda costs: 0 < sum(map(len, costs)) <= 8))
+@given(
+    st.lists(st.lists(st.integers(1, 60), max_size=4), min_size=2, max_size=3).filter(
+        lambda costs: 0 < sum(map(len, costs)) <= 8
+    )
+)
 def test_within_grahams_bound_of_the_optimum(unit_costs):
     result = assign(unit_costs, min_relative_gain=0.0)
     processes = len(unit_costs)

@@ -236,7 +236,7 @@ def test_prompt_completion_lines(tmp_path, plan_in_process):
     assert lengths_table(result.stdout)["1"][:2] == ["2", "120"]
 
 
-@pytest.mark.parametrize("content", ["12\nabc\n", "[1, 2.5]", "{\"a\": 1}", "", "[1, [2, 3]]"])
+@pytest.mark.parametrize("content", ["12\nabc\n", "[1, 2.5]", '{"a": 1}', "", "[1, [2, 3]]"])
 def test_bad_lengths_file_exits_2(tmp_path, content, plan_in_process):
     path = tmp_path / "bad.txt"
     path.write_text(content)
@@ -274,9 +274,22 @@ def test_lengths_over_several_processes_show_rank_imbalance_with_and_without_bal
     pairs = [[10, 20]] * 4 + [[10, 300]] * 4 + [[12, 25]] * 4 + [[12, 280]] * 4
     path = tmp_path / "pairs.json"
     path.write_text(json.dumps(pairs))
-    options = ("--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, "--num_generations", 2,
-               "--num_processes", 2, "--max_tokens_per_microbatch", 700, "--packing_layout", "padding_free",
-               "--lengths", path)
+    options = (
+        "--per_device_train_batch_size",
+        2,
+        "--gradient_accumulation_steps",
+        2,
+        "--num_generations",
+        2,
+        "--num_processes",
+        2,
+        "--max_tokens_per_microbatch",
+        700,
+        "--packing_layout",
+        "padding_free",
+        "--lengths",
+        path,
+    )
     result = plan_in_process(*options)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -301,16 +314,21 @@ def test_lengths_over_several_processes_show_rank_imbalance_with_and_without_bal
 def test_num_processes_must_be_positive(plan_in_process, value):
     result = plan_in_process("--num_generations", 4, "--num_processes", value)
     assert result.returncode == 2
-    assert f"--num_processes must be a positive integer (data-parallel processes over all machines), got {value}" \
+    assert (
+        f"--num_processes must be a positive integer (data-parallel processes over all machines), got {value}"
         in result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(("yaml_text", "phrase"), [
-    ("num_processes: 0\n", "num_processes of --config_file"),
-    ("num_processes: many\n", "num_processes of --config_file"),
-    ("num_machines: 2\nnum_processes: 3\n", "is not a multiple of its num_machines=2"),
-])
+@pytest.mark.parametrize(
+    ("yaml_text", "phrase"),
+    [
+        ("num_processes: 0\n", "num_processes of --config_file"),
+        ("num_processes: many\n", "num_processes of --config_file"),
+        ("num_machines: 2\nnum_processes: 3\n", "is not a multiple of its num_machines=2"),
+    ],
+)
 def test_accelerate_yaml_process_counts_are_checked(tmp_path, plan_in_process, yaml_text, phrase):
     config = tmp_path / "launch.yaml"
     config.write_text("distributed_type: MULTI_GPU\n" + yaml_text)
@@ -328,18 +346,21 @@ def _training_error(**settings) -> str:
     return str(raised.value)
 
 
-@pytest.mark.parametrize("settings", [
-    {"loss_type": "ppo"},
-    {"importance_sampling_level": "batch"},
-    {"beta": -0.04},
-    {"epsilon": -0.2},
-    {"top_entropy_quantile": 1.5},
-    {"temperature": 0.0},
-    {"auto_find_batch_size": True},
-    {"log_completions_hub_repo": "me/completions"},
-    {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
-    {"max_tokens_per_microbatch": 32, "pad_to_multiple_of": 64},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"loss_type": "ppo"},
+        {"importance_sampling_level": "batch"},
+        {"beta": -0.04},
+        {"epsilon": -0.2},
+        {"top_entropy_quantile": 1.5},
+        {"temperature": 0.0},
+        {"auto_find_batch_size": True},
+        {"log_completions_hub_repo": "me/completions"},
+        {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
+        {"max_tokens_per_microbatch": 32, "pad_to_multiple_of": 64},
+    ],
+)
 def test_settings_training_rejects_are_rejected_with_the_same_message(plan_in_process, settings):
     options = [item for name, value in settings.items() for item in (f"--{name}", value)]
     result = plan_in_process("--num_generations", 8, *options)
@@ -348,8 +369,9 @@ def test_settings_training_rejects_are_rejected_with_the_same_message(plan_in_pr
 
 
 def test_environment_value_behind_an_error_is_named(plan_in_process):
-    result = plan_in_process("--per_device_train_batch_size", 8, "--num_generations", 8,
-                             env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "3"})
+    result = plan_in_process(
+        "--per_device_train_batch_size", 8, "--num_generations", 8, env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "3"}
+    )
     assert result.returncode == 2
     assert "must be divisible by num_generations (8)" in result.stderr
     assert "per_device_train_batch_size from DIFFU_TRAIN_BATCH_SIZE=3" in result.stderr
@@ -360,16 +382,27 @@ def test_plan_table_marks_environment_values(plan_in_process):
     assert result.returncode == 0, result.stderr
     row = next(line for line in result.stdout.splitlines() if line.startswith("max_tokens_per_microbatch "))
     assert row.endswith("[set by DIFFU_MAX_TOKENS=4096]")
-    document = json.loads(plan_in_process("--num_generations", 2, "--json",
-                                          env_overrides={"DIFFU_MAX_TOKENS": "4096"}).stdout)
+    document = json.loads(
+        plan_in_process("--num_generations", 2, "--json", env_overrides={"DIFFU_MAX_TOKENS": "4096"}).stdout
+    )
     assert document["env_overrides"] == {"max_tokens_per_microbatch": "DIFFU_MAX_TOKENS=4096"}
 
 
 def test_oversize_sequences_are_accounted_consistently(tmp_path, plan_in_process):
     path = tmp_path / "lengths.txt"
     path.write_text("250\n10\n10\n30\n")  # one sequence over the budget of 100, three that fit in one pass
-    result = plan_in_process("--per_device_train_batch_size", 4, "--num_generations", 2,
-                             "--max_tokens_per_microbatch", 100, "--packing_layout", "padding_free", "--lengths", path)
+    result = plan_in_process(
+        "--per_device_train_batch_size",
+        4,
+        "--num_generations",
+        2,
+        "--max_tokens_per_microbatch",
+        100,
+        "--packing_layout",
+        "padding_free",
+        "--lengths",
+        path,
+    )
     assert result.returncode == 0, result.stderr
     # columns: samples, real tokens, budget, micro-batches, lower bound, utilisation, ...
     step = lengths_table(result.stdout)["1"]
@@ -396,13 +429,29 @@ def test_vision_language_model_config_shows_how_image_steps_train(tmp_path, plan
     from transformers import CONFIG_MAPPING
 
     CONFIG_MAPPING[model_type]().save_pretrained(tmp_path)
-    result = plan_in_process("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
-                             "--attn_implementation", "sdpa")
+    result = plan_in_process(
+        "--model_config",
+        tmp_path,
+        "--per_device_train_batch_size",
+        4,
+        "--num_generations",
+        4,
+        "--attn_implementation",
+        "sdpa",
+    )
     assert result.returncode == 0, result.stderr
     assert table_row(result.stdout, "image inputs")[0] == mode
     assert table_row(result.stdout, "packing layout")[0] == ("padding_free" if mode == "repacked" else "padded")
-    refused = plan_in_process("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
-                              "--packing_layout", "padding_free")
+    refused = plan_in_process(
+        "--model_config",
+        tmp_path,
+        "--per_device_train_batch_size",
+        4,
+        "--num_generations",
+        4,
+        "--packing_layout",
+        "padding_free",
+    )
     if mode == "repacked":
         assert refused.returncode == 0, refused.stderr
     else:
@@ -415,18 +464,43 @@ def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_proce
 
     from hf_dynbsz.planning.memory import MemoryModel
 
-    config = Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=32000)
+    config = Qwen2Config(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    )
     config.save_pretrained(tmp_path)
-    options = ("--model_config", tmp_path, "--per_device_train_batch_size", 4, "--num_generations", 4,
-               "--max_completion_length", 4096, "--max_memory_per_device_mib", 20000, "--held_mib", 3000)
+    options = (
+        "--model_config",
+        tmp_path,
+        "--per_device_train_batch_size",
+        4,
+        "--num_generations",
+        4,
+        "--max_completion_length",
+        4096,
+        "--max_memory_per_device_mib",
+        20000,
+        "--held_mib",
+        3000,
+    )
     result = plan_in_process(*options)
     assert result.returncode == 0, result.stderr
-    memory = MemoryModel.from_config(config, 20000, activation_bytes=4, tensor_batch_size=1024,
-                                     gradient_checkpointing=True, attn_implementation="sdpa")  # GRPOConfig's default
+    memory = MemoryModel.from_config(
+        config,
+        20000,
+        activation_bytes=4,
+        tensor_batch_size=1024,
+        gradient_checkpointing=True,
+        attn_implementation="sdpa",
+    )  # GRPOConfig's default
     assert table_row(result.stdout, "budget that fits, training")[0] == str(memory.budget("training", 3000, 4096))
     assert table_row(result.stdout, "memory held before passes")[:2] == ["3000", "MiB"]
     more = plan_in_process(*options[:-4], "--max_memory_per_device_mib", 40000, "--held_mib", 3000)
     assert int(table_row(more.stdout, "budget that fits, training")[0]) > int(
-        table_row(result.stdout, "budget that fits, training")[0])
+        table_row(result.stdout, "budget that fits, training")[0]
+    )
     assert "budget that fits" not in plan_in_process(*options[:-4]).stdout

@@ -8,8 +8,8 @@ import logging
 import pytest
 from trl import GRPOConfig
 
-from hf_dynbsz.planning import env
 from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
+from hf_dynbsz.planning import env
 from hf_dynbsz.planning.plan import BatchSizePlan
 from hf_dynbsz.planning.settings import DEFAULTS
 
@@ -362,6 +362,9 @@ def test_no_deepspeed_keeps_ddp_backend_unset(tmp_path):
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5, -0.2])
 def test_a_memory_fraction_outside_zero_to_one_is_refused(tmp_path, fraction):
-    with pytest.raises(ValueError, match=r"max_memory_fraction_per_device must be a (fraction of the device's memory,"
-                                         r" 0 < f <= 1|positive)"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_memory_fraction_per_device must be a (fraction of the device's memory,"
+        r" 0 < f <= 1|positive)",
+    ):
         make_config(tmp_path, max_memory_fraction_per_device=fraction)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hf_dynbsz.testing import relative_difference, run_with_timeout, save_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -26,8 +27,10 @@ LAUNCH_TIMEOUT_S = 240
 BACKENDS = {
     # backend: (accelerate config, loss settings exercised there)
     "ddp": ("cpu_ddp.yaml", dict(loss_type="bnpo", beta=0.1, num_iterations=2)),
-    "zero1": ("cpu_zero1.yaml", dict(loss_type="grpo", beta=0.0, num_iterations=1, top_entropy_quantile=0.5,
-                                     entropy_coef=0.01)),
+    "zero1": (
+        "cpu_zero1.yaml",
+        dict(loss_type="grpo", beta=0.0, num_iterations=1, top_entropy_quantile=0.5, entropy_coef=0.01),
+    ),
     "zero2": ("cpu_zero2.yaml", dict(loss_type="dapo", beta=0.0, num_iterations=2)),
     "zero3": ("cpu_zero3.yaml", dict(loss_type="dr_grpo", beta=0.1, num_iterations=1)),
 }
@@ -41,8 +44,18 @@ def model_dir(tmp_path_factory):
 def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[dict]:
     """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-        str(ROOT / "tests" / "distributed_grpo.py"), "--trainer", trainer, "--model_dir", model_dir, "--out", str(out),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        str(ROOT / "tests" / "distributed_grpo.py"),
+        "--trainer",
+        trainer,
+        "--model_dir",
+        model_dir,
+        "--out",
+        str(out),
     ]
     for key, value in options.items():
         command += [f"--{key}"] if value is True else [f"--{key}", str(value)]
@@ -74,7 +87,9 @@ def test_matches_stock_across_two_processes(backend, tmp_path, model_dir):
     for rank in range(2):
         for step in ours[rank]["metrics"]:
             # lockstep: every rank ran the agreed number of passes
-            assert step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            assert (
+                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            )
 
 
 @pytest.mark.parametrize("backend", ["ddp", "zero2", "zero3"])
@@ -91,8 +106,10 @@ def test_lopsided_ranks_finish_and_match_stock(backend, tmp_path, model_dir):
 # ---- cross-rank balancing: every long completion on rank 1 ------------------------------------------------------
 BALANCED = {
     "ddp": ("cpu_ddp.yaml", dict(loss_type="grpo", beta=0.1, num_iterations=2)),
-    "zero1": ("cpu_zero1.yaml", dict(loss_type="dapo", beta=0.1, num_iterations=2, top_entropy_quantile=0.5,
-                                     entropy_coef=0.01)),
+    "zero1": (
+        "cpu_zero1.yaml",
+        dict(loss_type="dapo", beta=0.1, num_iterations=2, top_entropy_quantile=0.5, entropy_coef=0.01),
+    ),
     "zero2": ("cpu_zero2.yaml", dict(loss_type="bnpo", beta=0.0, num_iterations=2)),
     "zero3": ("cpu_zero3.yaml", dict(loss_type="dr_grpo", beta=0.1, num_iterations=2)),
 }
@@ -109,7 +126,9 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, tmp_path, model_dir)
         for step in steps:
             assert step["dynbsz/samples_moved"] > 0
             assert step["dynbsz/rank_imbalance_before"] > 1.5 > 1.1 > step["dynbsz/rank_imbalance_after"]
-            assert step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            assert (
+                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            )
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +140,9 @@ def stock_lopsided_params(tmp_path_factory, model_dir):
 
 @pytest.mark.parametrize("damage", ["advantage", "old_logps", "weight"])
 def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path, model_dir, stock_lopsided_params):
-    launch("cpu_ddp.yaml", tmp_path / "ours", model_dir, "dynamic", mutate=damage, **LOPSIDED_ROLLOUT,
-           **BALANCED["ddp"][1])
+    launch(
+        "cpu_ddp.yaml", tmp_path / "ours", model_dir, "dynamic", mutate=damage, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]
+    )
     damaged = torch.load(f"{tmp_path / 'ours'}.params.pt")
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
 
@@ -132,8 +152,9 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path
 def test_balancing_moves_image_samples_with_their_images_and_matches_stock(family, tmp_path, model_dir):
     """Rank 1 gets every long completion: samples (their images, token fields and, for Qwen2-VL, M-RoPE positions
     computed where they run) move to rank 0, in the training passes and the old-policy pass (num_iterations 2)."""
-    ours = compare("cpu_ddp.yaml", tmp_path, model_dir, vision=family, loss_type="grpo", num_iterations=2,
-                   max_steps=2, budget=120)
+    ours = compare(
+        "cpu_ddp.yaml", tmp_path, model_dir, vision=family, loss_type="grpo", num_iterations=2, max_steps=2, budget=120
+    )
     moved = [step.get("dynbsz/samples_moved", 0) for record in ours for step in record["metrics"]]
     assert max(moved) > 0, moved
 
@@ -148,8 +169,10 @@ def test_image_steps_keep_stocks_slices_under_zero3_and_every_process_finishes(t
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"]
         assert not ours[rank]["metrics"]  # every step of this run has images: none was repacked
-    assert relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"),
-                               torch.load(f"{tmp_path / 'stock'}.params.pt")) <= 1e-5
+    assert (
+        relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"), torch.load(f"{tmp_path / 'stock'}.params.pt"))
+        <= 1e-5
+    )
 
 
 # ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
@@ -164,18 +187,37 @@ def chat_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("rollout", ["multiturn", "environment"])
 def test_tool_and_environment_rollouts_match_stock(rollout, tmp_path, model_dir, chat_model_dir):
     directory = chat_model_dir if rollout == "environment" else model_dir
-    options = dict(rollout=rollout, loss_types=",".join(ROLLOUT_LOSS_TYPES), max_steps=2,
-                   budget=1600 if rollout == "environment" else 48)
+    options = dict(
+        rollout=rollout,
+        loss_types=",".join(ROLLOUT_LOSS_TYPES),
+        max_steps=2,
+        budget=1600 if rollout == "environment" else 48,
+    )
     for trainer in ("stock", "dynamic"):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
-                   "--trainer", trainer, "--model_dir", directory, "--out", str(tmp_path / trainer)]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
+            str(ROOT / "tests" / "distributed_grpo.py"),
+            "--trainer",
+            trainer,
+            "--model_dir",
+            directory,
+            "--out",
+            str(tmp_path / trainer),
+        ]
         for key, value in options.items():
             command += [f"--{key}", str(value)]
         run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} {rollout} rollouts under DDP")
     for loss_type in ROLLOUT_LOSS_TYPES:
-        records = {trainer: [json.loads(Path(f"{tmp_path / trainer}.{loss_type}.rank{rank}.json").read_text())
-                             for rank in range(2)] for trainer in ("stock", "dynamic")}
+        records = {
+            trainer: [
+                json.loads(Path(f"{tmp_path / trainer}.{loss_type}.rank{rank}.json").read_text()) for rank in range(2)
+            ]
+            for trainer in ("stock", "dynamic")
+        }
         for rank in range(2):
             assert records["dynamic"][rank]["completions"] == records["stock"][rank]["completions"]
             assert records["dynamic"][rank]["metrics"], f"rank {rank} logged no dynbsz metrics ({loss_type})"
@@ -192,8 +234,10 @@ def moe_model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-moe-model")), architecture="qwen3_moe")
 
 
-@pytest.mark.parametrize(("backend", "settings"), [
-    ("ddp", dict(loss_type="grpo", num_iterations=2)), ("zero2", dict(loss_type="dapo", num_iterations=1))])
+@pytest.mark.parametrize(
+    ("backend", "settings"),
+    [("ddp", dict(loss_type="grpo", num_iterations=2)), ("zero2", dict(loss_type="dapo", num_iterations=1))],
+)
 def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, settings, tmp_path, moe_model_dir):
     """Stock slices' expert counts are summed over the processes and each moved sample keeps its own slice's: the
     parameters and the logged aux_loss equal stock's (coefficient 1, so a mis-weighted aux loss would show)."""
@@ -235,13 +279,34 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
     config, extra, launches = EXIT_SERIES[series]
     for launch_number in range(launches):
         out = tmp_path / f"run{launch_number}"
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "accelerate_configs" / config), str(ROOT / "tests" / "distributed_grpo.py"),
-                   "--trainer", "dynamic", "--model_dir", model_dir, "--out", str(out), "--plain_exit",
-                   "--max_steps", "3", "--rollout", "lopsided", "--long_rank", "0", "--budget", "64"]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / config),
+            str(ROOT / "tests" / "distributed_grpo.py"),
+            "--trainer",
+            "dynamic",
+            "--model_dir",
+            model_dir,
+            "--out",
+            str(out),
+            "--plain_exit",
+            "--max_steps",
+            "3",
+            "--rollout",
+            "lopsided",
+            "--long_rank",
+            "0",
+            "--budget",
+            "64",
+        ]
         for key, value in extra.items():
             command += [f"--{key}", str(value)]
-        output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{series} launch {launch_number} without trainer.end()")
+        output = run_with_timeout(
+            command, ROOT, LAUNCH_TIMEOUT_S, f"{series} launch {launch_number} without trainer.end()"
+        )
         assert "terminate called" not in output, output[-2000:]
         records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(2)]
         if series != "sequence_parallel":  # one group of two: nothing to balance between groups
@@ -252,24 +317,50 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
 @pytest.mark.parametrize("inject_oom", ["training:backward:1:1", "logprob:forward:1:0"])
 def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_stock(inject_oom, tmp_path, model_dir):
     """DDP with a memory limit: one process's pass raises, every process re-plans the step, the update is stock's."""
-    ours = compare("cpu_ddp.yaml", tmp_path, model_dir, loss_type="grpo", beta=0.1, num_iterations=2,
-                   max_memory_mib=200_000, inject_oom=inject_oom, **dict(LOPSIDED_ROLLOUT, budget=0))
+    ours = compare(
+        "cpu_ddp.yaml",
+        tmp_path,
+        model_dir,
+        loss_type="grpo",
+        beta=0.1,
+        num_iterations=2,
+        max_memory_mib=200_000,
+        inject_oom=inject_oom,
+        **dict(LOPSIDED_ROLLOUT, budget=0),
+    )
     for rank in range(2):
         steps = ours[rank]["metrics"]
         assert sum(step["dynbsz/oom_retries"] for step in steps) == 1
         assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
-        assert [step["dynbsz/budget_tokens"] for step in steps] == [s["dynbsz/budget_tokens"] for s in ours[0]["metrics"]]
+        assert [step["dynbsz/budget_tokens"] for step in steps] == [
+            s["dynbsz/budget_tokens"] for s in ours[0]["metrics"]
+        ]
 
 
 def test_an_out_of_memory_pass_under_zero3_stops_every_process_with_the_reason(tmp_path, model_dir):
     """DeepSpeed does not let a step's gradients be discarded: the failing process stops with why, and the launcher
     stops the other (which waits in a parameter gather): no process hangs."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"), str(ROOT / "tests" / "distributed_grpo.py"),
-               "--trainer", "dynamic", "--model_dir", model_dir, "--out", str(tmp_path / "ours"),
-               "--inject_oom", "training:forward:1:1", "--max_memory_mib", "200000"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"),
+        str(ROOT / "tests" / "distributed_grpo.py"),
+        "--trainer",
+        "dynamic",
+        "--model_dir",
+        model_dir,
+        "--out",
+        str(tmp_path / "ours"),
+        "--inject_oom",
+        "training:forward:1:1",
+        "--max_memory_mib",
+        "200000",
+    ]
     # a hang raises on the timeout (every process killed); exiting 0 raises too
-    output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, "ZeRO-3 run with an out-of-memory error",
-                              expect_failure=True)
+    output = run_with_timeout(
+        command, ROOT, LAUNCH_TIMEOUT_S, "ZeRO-3 run with an out-of-memory error", expect_failure=True
+    )
     assert "injected out-of-memory error (training forward, process 1)" in output
     assert "is not recovered under DeepSpeed" in output

@@ -17,14 +17,23 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hf_dynbsz.testing import run_with_timeout, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo.py"
 TIMEOUT_S = 300
 # Small enough for CI, large enough that lengths vary: 2 prompts x 4 completions per optimizer step.
-SHORT = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
-         "--max_completion_length", "32"]
+SHORT = [
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "32",
+]
 
 
 def run(command: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> str:
@@ -39,14 +48,18 @@ def summary_steps(output: str) -> int:
 
 
 def test_example_short_single_process(tmp_path):
-    output = run([sys.executable, str(EXAMPLE), "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *SHORT],
-                 cwd=tmp_path)
+    output = run(
+        [sys.executable, str(EXAMPLE), "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *SHORT], cwd=tmp_path
+    )
     assert "hf_dynbsz batch-size plan" in output  # the table at train start is visible
     # Per step, the metrics under the names they are logged as.
-    line = re.search(r"step +3 \| reward=[0-9.]+ \| completions/mean_length=[0-9.]+ \| "
-                     r"dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\) \| dynbsz/padding_fraction=[0-9.]+ \| "
-                     r"dynbsz/computed_tokens=\d+ \| dynbsz/stock_computed_tokens=\d+ \| "
-                     r"dynbsz/tokens_per_second=\d+ \| dynbsz/peak_memory_mib=\d+ \| loss=", output)
+    line = re.search(
+        r"step +3 \| reward=[0-9.]+ \| completions/mean_length=[0-9.]+ \| "
+        r"dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\) \| dynbsz/padding_fraction=[0-9.]+ \| "
+        r"dynbsz/computed_tokens=\d+ \| dynbsz/stock_computed_tokens=\d+ \| "
+        r"dynbsz/tokens_per_second=\d+ \| dynbsz/peak_memory_mib=\d+ \| loss=",
+        output,
+    )
     assert line, output[-3000:]
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())  # saved for `hf-dynbsz report`
     logged = [entry for entry in state["log_history"] if entry.get("step") == 3 and "dynbsz/computed_tokens" in entry]
@@ -61,8 +74,22 @@ def test_example_short_single_process(tmp_path):
 @pytest.mark.slow
 def test_example_under_accelerate_zero2(tmp_path):
     config = ROOT / "accelerate_configs" / "cpu_zero2.yaml"
-    output = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(EXAMPLE),
-                  "--max_steps", "2", "--output_dir", str(tmp_path / "out"), *SHORT], cwd=tmp_path)
+    output = run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            str(EXAMPLE),
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+            *SHORT,
+        ],
+        cwd=tmp_path,
+    )
     assert re.search(r"DeepSpeed ZeRO stage +2 ", output)
     assert summary_steps(output) == 2
     assert "on 2 process(es)" in output
@@ -70,7 +97,7 @@ def test_example_under_accelerate_zero2(tmp_path):
         assert f"[process {rank} of 2] finished at optimizer step 2" in output, output[-3000:]
 
 
-STOCK_SCRIPT = '''
+STOCK_SCRIPT = """
 import json, sys
 
 from datasets import Dataset
@@ -95,13 +122,15 @@ trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dat
                       processing_class=tokenizer)
 trainer.train()
 print("LOG_HISTORY=" + json.dumps(trainer.state.log_history))
-'''
+"""
 
 
 def swap_class(script: str) -> str:
     """The whole migration: import the subclass, use it instead of GRPOTrainer."""
-    swapped = script.replace("from trl import GRPOConfig, GRPOTrainer",
-                             "from trl import GRPOConfig\nfrom hf_dynbsz import DynamicBatchGRPOTrainer")
+    swapped = script.replace(
+        "from trl import GRPOConfig, GRPOTrainer",
+        "from trl import GRPOConfig\nfrom hf_dynbsz import DynamicBatchGRPOTrainer",
+    )
     return swapped.replace("GRPOTrainer(", "DynamicBatchGRPOTrainer(")
 
 
@@ -118,8 +147,7 @@ def test_stock_script_runs_with_the_class_swapped(tmp_path):
     for name, text in (("stock", STOCK_SCRIPT), ("swapped", swapped)):
         script = tmp_path / f"{name}.py"
         script.write_text(text)
-        histories[name] = log_history(run([sys.executable, str(script), model_dir, str(tmp_path / name)],
-                                          cwd=tmp_path))
+        histories[name] = log_history(run([sys.executable, str(script), model_dir, str(tmp_path / name)], cwd=tmp_path))
     stock, ours = ([entry for entry in histories[name] if "reward" in entry] for name in ("stock", "swapped"))
     assert [entry["step"] for entry in ours] == [1, 2]
     assert all("dynbsz/microbatches" in entry for entry in ours)
@@ -137,10 +165,29 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
     rows = [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3), "target_length": 4 + 3 * (i % 5)} for i in range(32)]
     (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out"
-    common = [sys.executable, str(EXAMPLE), "--model_name_or_path", model_dir, "--dataset_name", str(data_dir),
-              "--reward_funcs", "length_reward", "--output_dir", str(out), "--bf16", "false",
-              "--activation_checkpointing", "false", "--learning_rate", "1e-3", "--save_strategy", "steps",
-              "--save_steps", "2", *SHORT]
+    common = [
+        sys.executable,
+        str(EXAMPLE),
+        "--model_name_or_path",
+        model_dir,
+        "--dataset_name",
+        str(data_dir),
+        "--reward_funcs",
+        "length_reward",
+        "--output_dir",
+        str(out),
+        "--bf16",
+        "false",
+        "--activation_checkpointing",
+        "false",
+        "--learning_rate",
+        "1e-3",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        *SHORT,
+    ]
 
     first = run([*common, "--max_steps", "4"], cwd=tmp_path)
     assert summary_steps(first) == 4

@@ -25,8 +25,15 @@ def test_planning_core_imports_neither_torch_nor_trl():
 
 
 def test_public_names_resolve():
-    for name in ("DynamicBatchGRPOConfig", "DynamicBatchGRPOTrainer", "BatchSizePlan", "partition_by_token_budget",
-                 "apply_env_overrides", "OversizeSequenceError", "WorkloadModel"):
+    for name in (
+        "DynamicBatchGRPOConfig",
+        "DynamicBatchGRPOTrainer",
+        "BatchSizePlan",
+        "partition_by_token_budget",
+        "apply_env_overrides",
+        "OversizeSequenceError",
+        "WorkloadModel",
+    ):
         assert getattr(hf_dynbsz, name) is not None
     with pytest.raises(AttributeError):
         hf_dynbsz.NoSuchThing  # noqa: B018

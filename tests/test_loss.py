@@ -36,12 +36,22 @@ def model_dir(tmp_path_factory):
 
 def stock_trainer(model_dir, tmp_path, **config) -> GRPOTrainer:
     """A real stock trainer in training mode, its accumulation count set as the Trainer loop sets it."""
-    config = {"gradient_accumulation_steps": GA, "steps_per_generation": GA, "per_device_train_batch_size": ROWS,
-              "max_completion_length": MAX_COMPLETION, "num_generations": 2, **config}
+    config = {
+        "gradient_accumulation_steps": GA,
+        "steps_per_generation": GA,
+        "per_device_train_batch_size": ROWS,
+        "max_completion_length": MAX_COMPLETION,
+        "num_generations": 2,
+        **config,
+    }
     args = GRPOConfig(**base_config_kwargs(str(tmp_path), **config))
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                          reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
-                          processing_class=load_tokenizer(model_dir))
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        reward_funcs=RecordingReward(),
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=load_tokenizer(model_dir),
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = GA
     return trainer
@@ -70,9 +80,15 @@ def make_slices(trainer, *, seed=0, old=False, ref=False, sequence_ratio=False):
         prompt_mask = (torch.arange(8) >= 8 - prompt_lengths.unsqueeze(1)).long()
         completion_ids = torch.randint(3, vocab, (ROWS, MAX_COMPLETION), generator=generator)
         completion_mask = (torch.arange(MAX_COMPLETION) < completion_lengths.unsqueeze(1)).long()
-        slices.append({"prompt_ids": prompt_ids * prompt_mask, "prompt_mask": prompt_mask,
-                       "completion_ids": completion_ids * completion_mask, "completion_mask": completion_mask,
-                       "advantages": torch.randn(ROWS, generator=generator)})
+        slices.append(
+            {
+                "prompt_ids": prompt_ids * prompt_mask,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids * completion_mask,
+                "completion_mask": completion_mask,
+                "advantages": torch.randn(ROWS, generator=generator),
+            }
+        )
         total_tokens += int(completion_mask.sum())
     for inputs in slices:
         inputs["num_items_in_batch"] = torch.tensor(float(total_tokens))
@@ -109,12 +125,19 @@ def prepare(trainer, slices) -> StepBatch:
             with torch.no_grad():
                 _, entropies = completion_logps(trainer, inputs)
             rows = slice(slice_id * ROWS, (slice_id + 1) * ROWS)
-            high[rows] = trainer.get_high_entropy_mask(entropies, batch.loss_mask[rows],
-                                                       1 - trainer.top_entropy_quantile).long()
+            high[rows] = trainer.get_high_entropy_mask(
+                entropies, batch.loss_mask[rows], 1 - trainer.top_entropy_quantile
+            ).long()
         batch.high_entropy = high
     batch.policy_weights, batch.entropy_weights = sample_weights(
-        LossSettings.from_trainer(trainer), batch.loss_tokens, batch.slice_ids, batch.slice_rows, batch.num_items,
-        gradient_accumulation_steps=GA, steps_per_generation=trainer.args.steps_per_generation, num_processes=1,
+        LossSettings.from_trainer(trainer),
+        batch.loss_tokens,
+        batch.slice_ids,
+        batch.slice_rows,
+        batch.num_items,
+        gradient_accumulation_steps=GA,
+        steps_per_generation=trainer.args.steps_per_generation,
+        num_processes=1,
         entropy_tokens=batch.bonus_mask.sum(dim=1),
     )
     return batch
@@ -185,8 +208,9 @@ def test_weights_do_not_depend_on_the_order_of_samples():
     kwargs = dict(gradient_accumulation_steps=2, steps_per_generation=2, num_processes=1)
     policy, _ = sample_weights(settings, tokens, slice_ids, torch.tensor([3, 3]), torch.full((6,), 26.0), **kwargs)
     permutation = torch.tensor([4, 0, 5, 2, 1, 3])
-    permuted, _ = sample_weights(settings, tokens[permutation], slice_ids[permutation], torch.tensor([3, 3]),
-                                 torch.full((6,), 26.0), **kwargs)
+    permuted, _ = sample_weights(
+        settings, tokens[permutation], slice_ids[permutation], torch.tensor([3, 3]), torch.full((6,), 26.0), **kwargs
+    )
     assert torch.equal(permuted, policy[permutation])
 
 
@@ -203,7 +227,7 @@ def documented_weights() -> dict[str, tuple[str, str]]:
             position = start + len(run)
     table, pending = {}, []
     for line in lines[rules[1] + 1 : rules[2]]:
-        cells = [line[start:end if i < len(spans) - 1 else None].strip() for i, (start, end) in enumerate(spans)]
+        cells = [line[start : end if i < len(spans) - 1 else None].strip() for i, (start, end) in enumerate(spans)]
         names = [name.strip() for name in cells[0].split(",") if name.strip()]
         if cells[2]:
             pending = names
@@ -224,18 +248,34 @@ def test_documented_weight_table_is_what_sample_weights_computes():
     entropy_tokens = torch.tensor([1, 0, 2, 5, 0, 3, 1])
     ga, spg, processes, n_items, max_completion = 3, 6, 4, 123.0, 12
     for loss_type in LOSS_TYPES:
-        settings = LossSettings(loss_type, 0.0, 0.2, 0.2, None, "token", None, False, False, 1.0, 1.0, (2, 3, 3, 2),
-                                max_completion)
-        policy, entropy = sample_weights(settings, loss_tokens, slice_ids, slice_rows,
-                                         torch.full((7,), n_items), gradient_accumulation_steps=ga,
-                                         steps_per_generation=spg, num_processes=processes,
-                                         entropy_tokens=entropy_tokens)
+        settings = LossSettings(
+            loss_type, 0.0, 0.2, 0.2, None, "token", None, False, False, 1.0, 1.0, (2, 3, 3, 2), max_completion
+        )
+        policy, entropy = sample_weights(
+            settings,
+            loss_tokens,
+            slice_ids,
+            slice_rows,
+            torch.full((7,), n_items),
+            gradient_accumulation_steps=ga,
+            steps_per_generation=spg,
+            num_processes=processes,
+            entropy_tokens=entropy_tokens,
+        )
         for i in range(7):
             members = slice_ids == slice_ids[i]
-            names = {"B": int(slice_rows[slice_ids[i]]), "GA": ga, "n_i": int(loss_tokens[i]),
-                     "n_slice": int(loss_tokens[members].sum()), "max_completion_length": max_completion,
-                     "N_items": n_items, "P": processes, "spg": spg, "e_slice": int(entropy_tokens[members].sum()),
-                     "max": max}
+            names = {
+                "B": int(slice_rows[slice_ids[i]]),
+                "GA": ga,
+                "n_i": int(loss_tokens[i]),
+                "n_slice": int(loss_tokens[members].sum()),
+                "max_completion_length": max_completion,
+                "N_items": n_items,
+                "P": processes,
+                "spg": spg,
+                "e_slice": int(entropy_tokens[members].sum()),
+                "max": max,
+            }
             expected = eval(table[loss_type][1], {"__builtins__": {}}, names)  # noqa: S307 - our own docstring
             assert math.isclose(float(policy[i]), expected, rel_tol=1e-12), (loss_type, i)
             bonus = eval(table["entropy bonus"][1], {"__builtins__": {}}, names)  # noqa: S307
@@ -245,7 +285,15 @@ def test_documented_weight_table_is_what_sample_weights_computes():
 def test_unknown_loss_type_is_refused():
     settings = LossSettings("ppo", 0.0, 0.2, 0.2, None, "token", None, False, False, 1.0, 1.0, (2, 3, 3, 2), 12)
     with pytest.raises(ValueError, match="Unknown loss type: ppo"):
-        sample_weights(settings, torch.tensor([1]), torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]),
-                       gradient_accumulation_steps=1, steps_per_generation=1, num_processes=1)
+        sample_weights(
+            settings,
+            torch.tensor([1]),
+            torch.tensor([0]),
+            torch.tensor([1]),
+            torch.tensor([1.0]),
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_processes=1,
+        )
     with pytest.raises(ValueError, match="Unknown loss type: ppo"):
         per_token_policy_loss(settings, torch.zeros(1, 1), torch.ones(1, 1), torch.zeros(1), None, None, None, None)

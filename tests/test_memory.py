@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from hf_dynbsz.planning.memory import FAILURE_SHRINK, KINDS, Coefficients, MemoryModel, prior_coefficients
 
-CONFIG = types.SimpleNamespace(hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8,
-                               vocab_size=4000)
+CONFIG = types.SimpleNamespace(
+    hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8, vocab_size=4000
+)
 
 
 def model(limit=None, fixed=50.0, per_token=0.25, per_pair=0.0):
@@ -61,8 +62,14 @@ def test_few_measurements_keep_the_priors_fixed_term_and_scale_its_load():
 def test_measured_passes_refit_the_coefficients():
     memory = model(per_pair=1e-6)
     truth = Coefficients(120.0, 0.3, 2e-6)
-    for tokens, pairs in [(500, 10_000), (1000, 400_000), (2000, 90_000), (4000, 2_000_000), (3000, 50_000),
-                          (800, 600_000)]:
+    for tokens, pairs in [
+        (500, 10_000),
+        (1000, 400_000),
+        (2000, 90_000),
+        (4000, 2_000_000),
+        (3000, 50_000),
+        (800, 600_000),
+    ]:
         memory.observe("training", tokens, pairs, truth.increment(tokens, pairs))
     fitted = memory.coefficients("training")
     assert fitted.fixed == pytest.approx(120.0, rel=1e-6)
@@ -84,12 +91,20 @@ def test_budget_is_the_largest_that_fits_the_room():
     room = 2000.0 * (1 - memory.headroom) - 500.0
     budget = memory.budget("training", held_mib=500.0, longest=100)
     margin = 1 + memory.increment_margin
-    assert margin * memory.increment("training", budget, 0) <= room < margin * memory.increment("training", budget + 1, 0)
+    assert (
+        margin * memory.increment("training", budget, 0) <= room < margin * memory.increment("training", budget + 1, 0)
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(limit=st.floats(100, 100_000), held=st.floats(0, 50_000), fixed=st.floats(0, 500),
-       per_token=st.floats(1e-4, 2.0), per_pair=st.floats(0, 1e-3), longest=st.integers(1, 100_000))
+@given(
+    limit=st.floats(100, 100_000),
+    held=st.floats(0, 50_000),
+    fixed=st.floats(0, 500),
+    per_token=st.floats(1e-4, 2.0),
+    per_pair=st.floats(0, 1e-3),
+    longest=st.integers(1, 100_000),
+)
 def test_budget_fits_with_its_longest_sequence(limit, held, fixed, per_token, per_pair, longest):
     memory = model(limit, fixed, per_token, per_pair)
     budget = memory.budget("training", held, longest)

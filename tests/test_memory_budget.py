@@ -8,11 +8,11 @@ must equal stock GRPOTrainer's.
 from __future__ import annotations
 
 import pytest
-from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.device_memory import inject_out_of_memory
+from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
 
 PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-3
@@ -25,8 +25,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock_run(model_dir, tmp_path_factory):
-    return run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path_factory.mktemp("stock")), beta=0.1,
-                        num_iterations=2, max_steps=3)
+    return run_training(
+        GRPOTrainer,
+        GRPOConfig,
+        model_dir,
+        str(tmp_path_factory.mktemp("stock")),
+        beta=0.1,
+        num_iterations=2,
+        max_steps=3,
+    )
 
 
 def ours(model_dir, tmp_path, **overrides):
@@ -49,8 +56,9 @@ def test_memory_chosen_budget_matches_stock_and_logs_its_prediction(model_dir, s
     assert all(entry["dynbsz/oom_retries"] == 0 for entry in steps)
 
 
-@pytest.mark.parametrize("kind, phase, after", [("training", "forward", 1), ("training", "backward", 2),
-                                                ("logprob", "forward", 1)])
+@pytest.mark.parametrize(
+    "kind, phase, after", [("training", "forward", 1), ("training", "backward", 2), ("logprob", "forward", 1)]
+)
 def test_an_out_of_memory_pass_is_replanned_and_matches_stock(model_dir, stock_run, tmp_path, kind, phase, after):
     inject_out_of_memory(kind, phase, after)
     steps = assert_matches(stock_run, ours(model_dir, tmp_path, max_tokens_per_microbatch=60))
@@ -65,9 +73,13 @@ def capped_run(limit, tmp_path) -> dict:
     from hf_dynbsz.testing import run_with_timeout
 
     root = Path(__file__).resolve().parents[1]
-    output = run_with_timeout([sys.executable, str(root / "tests" / "memory_capped_run.py"), str(limit),
-                               str(tmp_path / f"run-{limit}")], root, 600, f"capped run at {limit} MiB")
-    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith("{\"peak_mib")))
+    output = run_with_timeout(
+        [sys.executable, str(root / "tests" / "memory_capped_run.py"), str(limit), str(tmp_path / f"run-{limit}")],
+        root,
+        600,
+        f"capped run at {limit} MiB",
+    )
+    return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"peak_mib')))
 
 
 @pytest.mark.slow
@@ -89,19 +101,28 @@ def test_one_sequence_that_runs_out_of_memory_twice_stops_with_its_length(model_
 
     inject_out_of_memory("training", "forward", 0)
     inject_out_of_memory("training", "forward", 0)
-    with pytest.raises(OutOfMemoryBudgetError, match=r"one sequence of \d+ tokens alone needs about .* and cannot be "
-                                                     r"split\. Lower max_completion_length"):
+    with pytest.raises(
+        OutOfMemoryBudgetError,
+        match=r"one sequence of \d+ tokens alone needs about .* and cannot be "
+        r"split\. Lower max_completion_length",
+    ):
         ours(model_dir, tmp_path, max_tokens_per_microbatch=1, max_steps=1)
 
 
 def test_a_memory_fraction_needs_a_cuda_device(model_dir, tmp_path):
-    with pytest.raises(ValueError, match="max_memory_fraction_per_device=0.5 needs a CUDA device, this process runs "
-                                         "on cpu: set max_memory_per_device_mib"):
+    with pytest.raises(
+        ValueError,
+        match="max_memory_fraction_per_device=0.5 needs a CUDA device, this process runs "
+        "on cpu: set max_memory_per_device_mib",
+    ):
         ours(model_dir, tmp_path, max_memory_fraction_per_device=0.5)
 
 
 def test_a_limit_no_pass_fits_warns_what_a_sequence_needs_and_still_matches_stock(model_dir, stock_run, tmp_path):
-    with pytest.warns(UserWarning, match=r"The budget follows max_memory_per_device_mib=100: a sequence of \d+ tokens "
-                                         r"alone is predicted to add about \d+ MiB"):
+    with pytest.warns(
+        UserWarning,
+        match=r"The budget follows max_memory_per_device_mib=100: a sequence of \d+ tokens "
+        r"alone is predicted to add about \d+ MiB",
+    ):
         run = ours(model_dir, tmp_path, max_memory_per_device_mib=100)  # less than the process holds
     assert_matches(stock_run, run)

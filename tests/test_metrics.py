@@ -73,8 +73,14 @@ def test_no_mfu_on_cpu_unless_the_peak_is_given():
 
 @pytest.fixture(scope="module")
 def eager_model():
-    return build_tiny_causal_lm(build_char_tokenizer(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, attn_implementation="eager")
+    return build_tiny_causal_lm(
+        build_char_tokenizer(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
 
 
 def test_model_flops_match_torch_flop_counter(eager_model):
@@ -89,16 +95,20 @@ def test_model_flops_match_torch_flop_counter(eager_model):
         outputs = eager_model(input_ids=torch.randint(3, 20, (1, total)), logits_to_keep=completion)
         outputs.logits.sum().backward()
     dense_pairs, causal_pairs = total * total, total * (total + 1) // 2
-    assert counter.get_total_flops() == 6 * (flops.per_token * total + flops.per_pair * dense_pairs
-                                             + flops.per_logit_token * completion)
+    assert counter.get_total_flops() == 6 * (
+        flops.per_token * total + flops.per_pair * dense_pairs + flops.per_logit_token * completion
+    )
     assert flops.training_flops([prompt], [completion]) == counter.get_total_flops() - 6 * flops.per_pair * (
-        dense_pairs - causal_pairs)
+        dense_pairs - causal_pairs
+    )
 
 
 def test_shared_prompt_tokens_are_not_counted_twice(eager_model):
     flops = ModelFlops.from_model_config(eager_model.config)
-    assert (flops.training_flops([10, 10], [5, 7]) - flops.training_flops([10, 10], [5, 7], shared_prompt_tokens=10)
-            == 6 * flops.per_token * 10)
+    assert (
+        flops.training_flops([10, 10], [5, 7]) - flops.training_flops([10, 10], [5, 7], shared_prompt_tokens=10)
+        == 6 * flops.per_token * 10
+    )
 
 
 # ---- a real run: values, and TensorBoard event files -----------------------------------------------------------
@@ -108,11 +118,25 @@ def test_shared_prompt_tokens_are_not_counted_twice(eager_model):
 def tensorboard_run(tmp_path_factory):
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("model")))
     output_dir = tmp_path_factory.mktemp("run")
-    rollout = ScriptedRollout(lambda rng, n, rank: rng.integers(1, 20, n), lambda rng: rng.integers(3, 12),
-                              max_completion_length=24, seed=3, token_low=3, token_high=7, eos_id=1)
-    *_, history = run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(output_dir),
-                               max_steps=3, report_to=["tensorboard"], peak_tflops_per_device=PEAK_TFLOPS,
-                               trainer_kwargs={"rollout_func": rollout})
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: rng.integers(1, 20, n),
+        lambda rng: rng.integers(3, 12),
+        max_completion_length=24,
+        seed=3,
+        token_low=3,
+        token_high=7,
+        eos_id=1,
+    )
+    *_, history = run_training(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(output_dir),
+        max_steps=3,
+        report_to=["tensorboard"],
+        peak_tflops_per_device=PEAK_TFLOPS,
+        trainer_kwargs={"rollout_func": rollout},
+    )
     return model_dir, output_dir, rollout, [entry for entry in history if "dynbsz/microbatches" in entry]
 
 
@@ -144,9 +168,17 @@ def test_dynbsz_metrics_reach_tensorboard_event_files(tensorboard_run):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     names = {key for entry in steps for key in entry if key.startswith("dynbsz/")}
-    for name in ("dynbsz/tokens_per_second", "dynbsz/peak_memory_mib", "dynbsz/mfu", "dynbsz/train_seconds",
-                 "dynbsz/generation_seconds", "dynbsz/logprob_seconds", "dynbsz/padding_fraction",
-                 "dynbsz/microbatches", "dynbsz/computed_tokens"):
+    for name in (
+        "dynbsz/tokens_per_second",
+        "dynbsz/peak_memory_mib",
+        "dynbsz/mfu",
+        "dynbsz/train_seconds",
+        "dynbsz/generation_seconds",
+        "dynbsz/logprob_seconds",
+        "dynbsz/padding_fraction",
+        "dynbsz/microbatches",
+        "dynbsz/computed_tokens",
+    ):
         assert name in names
     for name in names:
         assert f"train/{name}" in tags, name

@@ -17,23 +17,33 @@ def support_of(model_type, attn_implementation="sdpa", **config):
 
 
 def names(layouts):
-    return [(layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
-            for layout in layouts]
+    return [
+        (layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
+        for layout in layouts
+    ]
 
 
 # ---- the layouts a run may use, fastest first -------------------------------------------------------------------
 def test_a_plain_decoder_starts_padding_free_with_shared_prompts_and_can_step_down_to_stocks_layout():
     layouts, notes = support_of("llama").layouts()
-    assert names(layouts) == [("padding_free", True, "sdpa", False, "varlen"),
-                              ("padding_free", False, "sdpa", False, "varlen"),
-                              ("padded", False, None, False, "dense"),
-                              ("padded", False, None, True, "dense")]
+    assert names(layouts) == [
+        ("padding_free", True, "sdpa", False, "varlen"),
+        ("padding_free", False, "sdpa", False, "varlen"),
+        ("padded", False, None, False, "dense"),
+        ("padded", False, None, True, "dense"),
+    ]
     assert notes == []
 
 
-@pytest.mark.parametrize("attn, expected", [
-    ("flash_attention_2", "flash_attention_2"), ("kernels-community/flash-attn3", "kernels-community/flash-attn3"),
-    ("eager", "eager"), (None, "eager")])
+@pytest.mark.parametrize(
+    "attn, expected",
+    [
+        ("flash_attention_2", "flash_attention_2"),
+        ("kernels-community/flash-attn3", "kernels-community/flash-attn3"),
+        ("eager", "eager"),
+        (None, "eager"),
+    ],
+)
 def test_segment_attention_wraps_the_models_own_kernel(attn, expected):
     layouts, _ = ModelSupport.of(CONFIG_MAPPING["qwen2"](), attn_implementation=attn).layouts()
     assert layouts[0].segment_attention == expected
@@ -59,13 +69,16 @@ def test_without_segment_attention_sdpa_pads_and_flash_packs_by_its_own_varlen_k
     assert names(flash.layouts()[0])[0] == ("padding_free", False, None, False, "varlen")
 
 
-@pytest.mark.parametrize(("model_type", "blocked"), [
-    ("qwen3_next", "linear_attention"),  # gated delta net layers
-    ("jamba", "mamba"),
-    ("llama", None),
-    ("gemma3_text", None),  # sliding-window layers see other tokens only through attention
-    ("mistral", None),  # a default sliding window of 4096: segment attention draws it
-])
+@pytest.mark.parametrize(
+    ("model_type", "blocked"),
+    [
+        ("qwen3_next", "linear_attention"),  # gated delta net layers
+        ("jamba", "mamba"),
+        ("llama", None),
+        ("gemma3_text", None),  # sliding-window layers see other tokens only through attention
+        ("mistral", None),  # a default sliding window of 4096: segment attention draws it
+    ],
+)
 def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, blocked):
     support = support_of(model_type)
     assert (support.padding_free_blocker is None) == (blocked is None)
@@ -103,15 +116,24 @@ def test_model_only_checks(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = CONFIG_MAPPING["roberta"](hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=64, vocab_size=40, is_decoder=True, pad_token_id=1)
+    config = CONFIG_MAPPING["roberta"](
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=40,
+        is_decoder=True,
+        pad_token_id=1,
+    )
     roberta = AutoModelForCausalLM.from_config(config)
     support = ModelSupport.of(model=roberta)
     assert support.position_offset == 2  # padding_idx + 1
     assert support.segment_attention_blocker is None and support.unmasked_padding_blocker is None
-    encoder = AutoModelForCausalLM.from_config(dataclasses.replace(config, is_decoder=False)
-                                               if dataclasses.is_dataclass(config) else
-                                               CONFIG_MAPPING["roberta"](**{**config.to_dict(), "is_decoder": False}))
+    encoder = AutoModelForCausalLM.from_config(
+        dataclasses.replace(config, is_decoder=False)
+        if dataclasses.is_dataclass(config)
+        else CONFIG_MAPPING["roberta"](**{**config.to_dict(), "is_decoder": False})
+    )
     bidirectional = ModelSupport.of(model=encoder)
     assert "both directions" in bidirectional.segment_attention_blocker
     assert names(bidirectional.layouts()[0]) == [("padded", False, None, True, "dense")]

@@ -238,7 +238,7 @@ ARCHITECTURES: dict[str, Expect] = {
 #: Architectures not trained by the test, with the reason.
 EXCLUDED: dict[str, str] = {
     "deepseek_v4": _TRL_AUX_LOSS,
-    "doge": 'stock GRPOTrainer fails with default settings: IndexError: tuple index out of range',
+    "doge": "stock GRPOTrainer fails with default settings: IndexError: tuple index out of range",
     "dots3_note": _MULTIMODAL,
     "emu3": _MULTIMODAL,
     "fuyu": _MULTIMODAL,
@@ -265,7 +265,7 @@ EXCLUDED: dict[str, str] = {
     "qwen3_5": _MULTIMODAL,
     "qwen3_5_moe": _MULTIMODAL,
     "qwen4_exp": _MULTIMODAL,
-    "reformer": 'stock GRPOTrainer fails with default settings: ValueError: If training, sequence length 19 has to be a multiple of least common multiple chunk_length 4',
+    "reformer": "stock GRPOTrainer fails with default settings: ValueError: If training, sequence length 19 has to be a multiple of least common multiple chunk_length 4",
 }
 
 #: Architectures whose stock result depends on the left padding of its prompts: positions not derived from the
@@ -274,49 +274,69 @@ EXCLUDED: dict[str, str] = {
 #: pads (RWKV, xLSTM, RecurrentGemma), or stock's padded forward giving NaN (Gemma-3n). With prompts of equal length
 #: stock is per-sample exact and the plugin equals it; with varied lengths the plugin keeps each sample's own
 #: log-probs (checked against the per-sample reference) and stock does not, so the two are not compared there.
-STOCK_DEPENDS_ON_PADDING: frozenset[str] = frozenset({
-    "bart",
-    "bert",
-    "bert-generation",
-    "big_bird",
-    "bigbird_pegasus",
-    "biogpt",
-    "blenderbot",
-    "blenderbot-small",
-    "blt",
-    "ctrl",
-    "electra",
-    "ernie",
-    "gemma3n_text",
-    "gpt-sw3",
-    "gpt2",
-    "gpt_bigcode",
-    "gpt_neo",
-    "hunyuan_v1_dense",
-    "hunyuan_v1_moe",
-    "marian",
-    "mbart",
-    "megatron-bert",
-    "minimax_m3_vl_text",
-    "mvp",
-    "openai-gpt",
-    "pegasus",
-    "plbart",
-    "prophetnet",
-    "recurrent_gemma",
-    "rembert",
-    "roc_bert",
-    "rwkv",
-    "trocr",
-    "whisper",
-    "xglm",
-    "xlm",
-    "xlstm",
-})
+STOCK_DEPENDS_ON_PADDING: frozenset[str] = frozenset(
+    {
+        "bart",
+        "bert",
+        "bert-generation",
+        "big_bird",
+        "bigbird_pegasus",
+        "biogpt",
+        "blenderbot",
+        "blenderbot-small",
+        "blt",
+        "ctrl",
+        "electra",
+        "ernie",
+        "gemma3n_text",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_neo",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "marian",
+        "mbart",
+        "megatron-bert",
+        "minimax_m3_vl_text",
+        "mvp",
+        "openai-gpt",
+        "pegasus",
+        "plbart",
+        "prophetnet",
+        "recurrent_gemma",
+        "rembert",
+        "roc_bert",
+        "rwkv",
+        "trocr",
+        "whisper",
+        "xglm",
+        "xlm",
+        "xlstm",
+    }
+)
 
 #: The subset the default test run trains: one architecture of each kind the decision module tells apart.
-REPRESENTATIVE = ("llama", "mistral", "gemma2", "gemma3_text", "deepseek_v3", "nemotron", "roberta", "gpt2", "bart",
-                  "xlnet", "rwkv", "qwen3_5_text", "deepseek_v32", "qwen3_moe", "blt", "cpmant", "codegen", "gpt_oss")
+REPRESENTATIVE = (
+    "llama",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "deepseek_v3",
+    "nemotron",
+    "roberta",
+    "gpt2",
+    "bart",
+    "xlnet",
+    "rwkv",
+    "qwen3_5_text",
+    "deepseek_v32",
+    "qwen3_moe",
+    "blt",
+    "cpmant",
+    "codegen",
+    "gpt_oss",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,8 +353,15 @@ def _rollout(equal_prompts: bool):
     from hf_dynbsz.testing import ScriptedRollout
 
     prompt_length = (lambda rng: 6) if equal_prompts else (lambda rng: rng.integers(2, 12))
-    return ScriptedRollout(lambda rng, n, rank: rng.geometric(0.12, n), prompt_length, max_completion_length=24,
-                           seed=0, token_low=3, token_high=60, eos_id=1)
+    return ScriptedRollout(
+        lambda rng, n, rank: rng.geometric(0.12, n),
+        prompt_length,
+        max_completion_length=24,
+        seed=0,
+        token_low=3,
+        token_high=60,
+        eos_id=1,
+    )
 
 
 def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool):
@@ -346,8 +373,14 @@ def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_promp
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
     overrides = {} if model.supports_gradient_checkpointing else _checkpointing_off()
     args = config_cls(**base_config_kwargs(output_dir, **overrides))
-    trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
-                          processing_class=build_char_tokenizer(), rollout_func=_rollout(equal_prompts))
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=RecordingReward(),
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_char_tokenizer(),
+        rollout_func=_rollout(equal_prompts),
+    )
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.train()
     return initial, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, trainer
@@ -360,8 +393,9 @@ def trained_layout(trainer) -> str:
     scheduler = trainer._dynbsz_scheduler
     from hf_dynbsz.planning.model_support import Layout
 
-    return Layout(scheduler.layout, scheduler.share_prompts, scheduler.segment_attention,
-                  scheduler.attention_mask).describe()
+    return Layout(
+        scheduler.layout, scheduler.share_prompts, scheduler.segment_attention, scheduler.attention_mask
+    ).describe()
 
 
 def per_sample_error(trainer) -> float:
@@ -401,8 +435,9 @@ def run_architecture(model_type: str, directory: Path) -> dict:
     result = {}
     for name, equal in (("equal_prompts", True), ("varied_prompts", False)):
         initial, stock, _ = train(model_type, GRPOTrainer, GRPOConfig, str(directory / f"stock-{name}"), equal)
-        initial_ours, ours, trainer = train(model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig,
-                                            str(directory / f"ours-{name}"), equal)
+        initial_ours, ours, trainer = train(
+            model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, str(directory / f"ours-{name}"), equal
+        )
         assert relative_difference(initial_ours, initial) == 0.0, "both trainers start from the same weights"
         result[name] = relative_difference(ours, stock)
         if equal:
@@ -418,8 +453,10 @@ def run_architecture(model_type: str, directory: Path) -> dict:
 def test_every_architecture_is_classified():
     types = set(causal_lm_types())
     unclassified = sorted(types - set(ARCHITECTURES) - set(EXCLUDED))
-    assert not unclassified, (f"architectures new to transformers: {unclassified}; run them through "
-                              "run_architecture and add each to ARCHITECTURES or EXCLUDED")
+    assert not unclassified, (
+        f"architectures new to transformers: {unclassified}; run them through "
+        "run_architecture and add each to ARCHITECTURES or EXCLUDED"
+    )
     assert not (set(ARCHITECTURES) & set(EXCLUDED))
     assert not (set(ARCHITECTURES) | set(EXCLUDED)) - types, "entries for architectures transformers no longer has"
 
@@ -495,14 +532,17 @@ def counts() -> dict[str, int]:
 def test_readme_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert readme_block(readme, "model-zoo-table") == compatibility_table(), (
-        "the README's model-zoo table is stale: run python tests/test_model_zoo.py README.md")
+        "the README's model-zoo table is stale: run python tests/test_model_zoo.py README.md"
+    )
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1].endswith(".md"):
         path = Path(sys.argv[1])
-        path.write_text(with_readme_block(path.read_text(encoding="utf-8"), "model-zoo-table", compatibility_table()),
-                        encoding="utf-8")
+        path.write_text(
+            with_readme_block(path.read_text(encoding="utf-8"), "model-zoo-table", compatibility_table()),
+            encoding="utf-8",
+        )
     else:  # python tests/test_model_zoo.py TYPE...: measure architectures (one JSON line each)
         import json
         import tempfile
@@ -516,5 +556,6 @@ if __name__ == "__main__":
                 try:
                     print(json.dumps({"type": model_type, **run_architecture(model_type, Path(directory))}), flush=True)
                 except Exception as error:  # noqa: BLE001 - reported, to classify
-                    print(json.dumps({"type": model_type, "error": f"{type(error).__name__}: {error}"[:300]}),
-                          flush=True)
+                    print(
+                        json.dumps({"type": model_type, "error": f"{type(error).__name__}: {error}"[:300]}), flush=True
+                    )

@@ -19,9 +19,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import prepare_multimodal_messages
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-from hf_dynbsz.planning import model_support
 from hf_dynbsz.execution.multimodal import join_media, media_digest, rope_positions, split_media
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.planning import model_support
 from hf_dynbsz.testing import (
     VISION_LANGUAGE_FAMILIES,
     RecordingReward,
@@ -66,14 +66,20 @@ def trl_chunk(inputs: dict, start: int, end: int) -> dict:
 
 def grid_inputs(num_images):
     grids = torch.tensor([[1, 2 * (1 + k % 3), 2 * (1 + k % 2)] for k in range(sum(num_images))])
-    return {"pixel_values": torch.randn(int(grids.prod(dim=-1).sum()), 6), "image_grid_thw": grids,
-            "num_images": num_images}
+    return {
+        "pixel_values": torch.randn(int(grids.prod(dim=-1).sum()), 6),
+        "image_grid_thw": grids,
+        "num_images": num_images,
+    }
 
 
 def per_image_inputs(num_images):
     total = sum(num_images)
-    return {"pixel_values": torch.randn(total, 3, 4, 4), "image_sizes": torch.randint(1, 9, (total, 2)),
-            "num_images": num_images}
+    return {
+        "pixel_values": torch.randn(total, 3, 4, 4),
+        "image_sizes": torch.randint(1, 9, (total, 2)),
+        "num_images": num_images,
+    }
 
 
 def per_sample_inputs(num_images):
@@ -89,12 +95,21 @@ def per_sample_inputs(num_images):
 def tile_inputs(num_images):
     tiles = [1 + i % 3 for i in range(len(num_images))]
     total = sum(tiles)
-    return {"pixel_values": torch.randn(total, 5, 4), "pixel_attention_mask": torch.ones(total, 5, dtype=torch.bool),
-            "spatial_shapes": torch.randint(1, 4, (total, 2)), "num_tiles": tiles, "num_images": num_images}
+    return {
+        "pixel_values": torch.randn(total, 5, 4),
+        "pixel_attention_mask": torch.ones(total, 5, dtype=torch.bool),
+        "spatial_shapes": torch.randint(1, 4, (total, 2)),
+        "num_tiles": tiles,
+        "num_images": num_images,
+    }
 
 
-LAYOUTS = {"grid (Qwen2-VL)": grid_inputs, "per image (LLaVA)": per_image_inputs,
-           "per sample (Idefics3)": per_sample_inputs, "tiles (LFM2-VL)": tile_inputs}
+LAYOUTS = {
+    "grid (Qwen2-VL)": grid_inputs,
+    "per image (LLaVA)": per_image_inputs,
+    "per sample (Idefics3)": per_sample_inputs,
+    "tiles (LFM2-VL)": tile_inputs,
+}
 
 
 @pytest.mark.parametrize("make_inputs", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -116,8 +131,9 @@ def test_samples_joined_in_any_order_carry_their_own_images():
     pieces = split_media(inputs, 3)
     joined = join_media([pieces[2], pieces[0]])
     rows = inputs["image_grid_thw"].prod(dim=-1).tolist()  # patch rows per image: 4, 8, 4, 4
-    assert torch.equal(joined["pixel_values"], torch.cat([inputs["pixel_values"][sum(rows[:3]):],
-                                                          inputs["pixel_values"][: rows[0]]]))
+    assert torch.equal(
+        joined["pixel_values"], torch.cat([inputs["pixel_values"][sum(rows[:3]) :], inputs["pixel_values"][: rows[0]]])
+    )
     assert torch.equal(joined["image_grid_thw"], inputs["image_grid_thw"][[3, 0]])
 
 
@@ -134,16 +150,23 @@ def test_vision_language_micro_batches_are_padded_rows_with_mask_token_fields_an
     completion_ids = torch.tensor([[3, 4, 0], [3, 0, 0]])
     media = split_media(grid_inputs([1, 1]), 2)
     fields = torch.tensor([[0, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
-    table = SequenceTable.from_padded(prompt_ids, (prompt_ids > 0).long(), completion_ids, (completion_ids > 0).long(),
-                                      media=media, token_fields={"mm_token_type_ids": fields})
+    table = SequenceTable.from_padded(
+        prompt_ids,
+        (prompt_ids > 0).long(),
+        completion_ids,
+        (completion_ids > 0).long(),
+        media=media,
+        token_fields={"mm_token_type_ids": fields},
+    )
     assert table.multimodal
     mb = build_microbatch(table, [1, 0], layout="padded", pad_token_id=0)
     assert mb.model_inputs["input_ids"].tolist() == [[7, 8, 9, 3], [5, 6, 3, 4]]
     assert mb.model_inputs["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     assert mb.model_inputs["mm_token_type_ids"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
     assert "position_ids" not in mb.model_inputs
-    assert torch.equal(mb.model_inputs["image_grid_thw"], torch.cat([media[1]["image_grid_thw"],
-                                                                     media[0]["image_grid_thw"]]))
+    assert torch.equal(
+        mb.model_inputs["image_grid_thw"], torch.cat([media[1]["image_grid_thw"], media[0]["image_grid_thw"]])
+    )
 
 
 def test_a_padding_free_row_holds_a_shared_prompts_images_once_and_each_samples_own_positions():
@@ -155,13 +178,25 @@ def test_a_padding_free_row_holds_a_shared_prompts_images_once_and_each_samples_
     inputs["pixel_values"] = torch.cat([torch.ones(4, 6), torch.ones(4, 6), torch.zeros(4, 6)])
     media = split_media(inputs, 3)
     fields = torch.tensor([[1, 1, 0, 0, 0, 0]] * 3)
-    table = SequenceTable.from_padded(prompt_ids, torch.ones_like(prompt_ids), completion_ids,
-                                      (completion_ids > 0).long(), media=media,
-                                      token_fields={"mm_token_type_ids": fields})
+    table = SequenceTable.from_padded(
+        prompt_ids,
+        torch.ones_like(prompt_ids),
+        completion_ids,
+        (completion_ids > 0).long(),
+        media=media,
+        token_fields={"mm_token_type_ids": fields},
+    )
     assert table.prompt_groups() == [0, 0, 1]  # equal tokens, another picture: not the same prompt
     table.positions = [torch.arange(n).expand(3, -1) * (i + 1) for i, n in enumerate(table.lengths.tolist())]
-    mb = build_microbatch(table, [0, 1, 2], layout="padding_free", pad_token_id=0, attention="sdpa",
-                          groups=table.prompt_groups(), pad_to_multiple_of=4)
+    mb = build_microbatch(
+        table,
+        [0, 1, 2],
+        layout="padding_free",
+        pad_token_id=0,
+        attention="sdpa",
+        groups=table.prompt_groups(),
+        pad_to_multiple_of=4,
+    )
     # [5 5 | 6 3 4 | 6 7] then sample 2 alone [5 5 6 8 9 2], then 3 rounding pads (20 positions)
     assert mb.model_inputs["input_ids"].tolist() == [[5, 5, 6, 3, 4, 6, 7, 5, 5, 6, 8, 9, 2, 0, 0, 0]]
     assert mb.model_inputs["mm_token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]]
@@ -177,11 +212,17 @@ def test_a_padding_free_row_holds_a_shared_prompts_images_once_and_each_samples_
 def test_a_prompt_ending_in_an_image_token_is_never_shared():
     prompt_ids = torch.tensor([[6, 5], [6, 5]])
     completion_ids = torch.tensor([[3], [4]])
-    media = split_media(grid_inputs([1, 1]) | {"pixel_values": torch.ones(8, 6),
-                                               "image_grid_thw": torch.tensor([[1, 2, 2]] * 2)}, 2)
-    table = SequenceTable.from_padded(prompt_ids, torch.ones_like(prompt_ids), completion_ids,
-                                      torch.ones_like(completion_ids), media=media,
-                                      token_fields={"mm_token_type_ids": torch.tensor([[0, 1, 0]] * 2)})
+    media = split_media(
+        grid_inputs([1, 1]) | {"pixel_values": torch.ones(8, 6), "image_grid_thw": torch.tensor([[1, 2, 2]] * 2)}, 2
+    )
+    table = SequenceTable.from_padded(
+        prompt_ids,
+        torch.ones_like(prompt_ids),
+        completion_ids,
+        torch.ones_like(completion_ids),
+        media=media,
+        token_fields={"mm_token_type_ids": torch.tensor([[0, 1, 0]] * 2)},
+    )
     assert table.prompt_groups() == [0, 1]
 
 
@@ -197,17 +238,25 @@ def test_media_digest_tells_images_apart():
 def test_a_samples_images_and_token_fields_survive_the_trip_to_another_process(make_inputs):
     """What cross-rank balancing sends: one float64 record per sample, read back bit for bit, dtypes included."""
     inputs = make_inputs([1, 0, 2])
-    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16) if "image_sizes" in inputs else inputs[
-        "pixel_values"]
+    inputs["pixel_values"] = (
+        inputs["pixel_values"].to(torch.bfloat16) if "image_sizes" in inputs else inputs["pixel_values"]
+    )
     media = split_media(inputs, 3)
     prompt_ids, completion_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 4, 4]]), torch.tensor([[3, 0], [3, 2], [1, 0]])
     fields = torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
-    table = SequenceTable.from_padded(prompt_ids, (prompt_ids > 0).long(), completion_ids, (completion_ids > 0).long(),
-                                      media=media, token_fields={"mm_token_type_ids": fields})
+    table = SequenceTable.from_padded(
+        prompt_ids,
+        (prompt_ids > 0).long(),
+        completion_ids,
+        (completion_ids > 0).long(),
+        media=media,
+        token_fields={"mm_token_type_ids": fields},
+    )
     records = table.media_records()
     assert all(record.dtype == torch.float64 and record.dim() == 1 for record in records)
-    bare = SequenceTable(tokens=table.tokens, prompt_lengths=table.prompt_lengths,
-                         completion_lengths=table.completion_lengths)
+    bare = SequenceTable(
+        tokens=table.tokens, prompt_lengths=table.prompt_lengths, completion_lengths=table.completion_lengths
+    )
     moved = bare.with_media_records(records[::-1][::-1])
     for before, after in zip(table.media, moved.media):
         assert before.keys() == after.keys()
@@ -215,8 +264,9 @@ def test_a_samples_images_and_token_fields_survive_the_trip_to_another_process(m
             assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
     for before, after in zip(table.token_fields["mm_token_type_ids"], moved.token_fields["mm_token_type_ids"]):
         assert torch.equal(before, after)
-    text_only = SequenceTable(tokens=table.tokens, prompt_lengths=table.prompt_lengths,
-                              completion_lengths=table.completion_lengths)
+    text_only = SequenceTable(
+        tokens=table.tokens, prompt_lengths=table.prompt_lengths, completion_lengths=table.completion_lengths
+    )
     assert bare.with_media_records(text_only.media_records()).multimodal is False
 
 
@@ -225,13 +275,21 @@ def test_rope_positions_are_what_the_model_computes_for_the_padded_batch(family)
     """Each sample's M-RoPE positions, computed alone, equal those get_rope_index gives it in stock's padded batch."""
     model, processor = build_tiny_vision_language_model(family)
     dataset = image_prompt_dataset([1, 2, 1])
-    texts = [processor.apply_chat_template(prepare_multimodal_messages(row["prompt"], row["images"]), tokenize=False,
-                                           add_generation_prompt=True) for row in dataset]
-    batch = processor(text=texts, images=[row["images"] for row in dataset], return_tensors="pt", padding=True,
-                      padding_side="left")
-    expected, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
-                                             image_grid_thw=batch["image_grid_thw"],
-                                             attention_mask=batch["attention_mask"])
+    texts = [
+        processor.apply_chat_template(
+            prepare_multimodal_messages(row["prompt"], row["images"]), tokenize=False, add_generation_prompt=True
+        )
+        for row in dataset
+    ]
+    batch = processor(
+        text=texts, images=[row["images"] for row in dataset], return_tensors="pt", padding=True, padding_side="left"
+    )
+    expected, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        batch["mm_token_type_ids"],
+        image_grid_thw=batch["image_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     mask = batch["attention_mask"].bool()
     tokens = [ids[row] for ids, row in zip(batch["input_ids"], mask)]
     fields = {"mm_token_type_ids": [types[row] for types, row in zip(batch["mm_token_type_ids"], mask)]}
@@ -244,8 +302,15 @@ def test_rope_positions_are_what_the_model_computes_for_the_padded_batch(family)
 # ---------------------------------------------------------------------------------------------- against stock TRL
 def long_tailed_rollout(processor):
     """Completions of geometric length (mean ~7 tokens) capped at 40: most short, a few long."""
-    return VisionScriptedRollout(processor, lambda rng, n, rank: rng.geometric(0.15, n), max_completion_length=40,
-                                 seed=0, token_low=3, token_high=30, eos_id=processor.tokenizer.eos_token_id)
+    return VisionScriptedRollout(
+        processor,
+        lambda rng, n, rank: rng.geometric(0.15, n),
+        max_completion_length=40,
+        seed=0,
+        token_low=3,
+        token_high=30,
+        eos_id=processor.tokenizer.eos_token_id,
+    )
 
 
 def vision_tower(model):
@@ -259,7 +324,9 @@ def count_encoded_images(model) -> list[int]:
 
     def hook(module, args, kwargs, output):
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        calls.append(int(grid.size(0)) if grid is not None else int((args[0] if args else kwargs["pixel_values"]).size(0)))
+        calls.append(
+            int(grid.size(0)) if grid is not None else int((args[0] if args else kwargs["pixel_values"]).size(0))
+        )
 
     vision_tower(model).register_forward_hook(hook, with_kwargs=True)
     return calls
@@ -274,12 +341,21 @@ def train(trainer_cls, config_cls, family, tmp_path, scripted=True, dataset=None
         model = str(tmp_path / "model")
     kwargs = {"rollout_func": long_tailed_rollout(processor)} if scripted else {}
     reward = RecordingReward()
-    settings = base_config_kwargs(str(tmp_path / trainer_cls.__name__), shuffle_dataset=False, max_steps=4,
-                                  max_completion_length=40 if scripted else 16)
+    settings = base_config_kwargs(
+        str(tmp_path / trainer_cls.__name__),
+        shuffle_dataset=False,
+        max_steps=4,
+        max_completion_length=40 if scripted else 16,
+    )
     settings.update(overrides)
-    trainer = trainer_cls(model=model, reward_funcs=reward, args=config_cls(**settings),
-                          train_dataset=dataset or image_prompt_dataset(IMAGE_COUNTS), processing_class=processor,
-                          **kwargs)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward,
+        args=config_cls(**settings),
+        train_dataset=dataset or image_prompt_dataset(IMAGE_COUNTS),
+        processing_class=processor,
+        **kwargs,
+    )
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -287,11 +363,20 @@ def train(trainer_cls, config_cls, family, tmp_path, scripted=True, dataset=None
 
 
 def compare(family, tmp_path, scripted=True, budget=60, dataset=None, ours_settings=None, **overrides):
-    initial, stock, stock_completions, _ = train(GRPOTrainer, GRPOConfig, family, tmp_path / "stock", scripted,
-                                                 dataset, **overrides)
-    _, ours, completions, history = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, family, tmp_path / "ours",
-                                          scripted, dataset, max_tokens_per_microbatch=budget,
-                                          **(ours_settings or {}), **overrides)
+    initial, stock, stock_completions, _ = train(
+        GRPOTrainer, GRPOConfig, family, tmp_path / "stock", scripted, dataset, **overrides
+    )
+    _, ours, completions, history = train(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        family,
+        tmp_path / "ours",
+        scripted,
+        dataset,
+        max_tokens_per_microbatch=budget,
+        **(ours_settings or {}),
+        **overrides,
+    )
     assert completions == stock_completions
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
@@ -322,8 +407,9 @@ def test_image_rollouts_train_as_stock_in_padded_rows(family, tmp_path):
     assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in repacked_steps(history))
 
 
-@pytest.mark.parametrize("family, loss_type", [("qwen2_vl", "dapo"), ("qwen2_vl", "bnpo"), ("qwen2_5_vl", "grpo"),
-                                               ("llava", "dapo")])
+@pytest.mark.parametrize(
+    "family, loss_type", [("qwen2_vl", "dapo"), ("qwen2_vl", "bnpo"), ("qwen2_5_vl", "grpo"), ("llava", "dapo")]
+)
 def test_image_rollouts_match_stock_for_other_loss_types(tmp_path, family, loss_type):
     compare(family, tmp_path, loss_type=loss_type, beta=0.1 if family == "qwen2_5_vl" else 0.0)
 
@@ -339,8 +425,7 @@ def test_generated_image_rollouts_with_a_reference_model_match_stock(family, tmp
 def test_prompts_of_equal_text_and_other_pictures_are_not_shared(family, tmp_path):
     """Every prompt has the same text and image size, only the pixels differ: a completion that saw another prompt's
     image features (prompts shared by their tokens alone) would move the parameters away from stock's."""
-    history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True),
-                      budget=400)
+    history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True), budget=400)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in repacked_steps(history))
 
 
@@ -352,8 +437,15 @@ def test_the_vision_tower_encodes_a_shared_prompts_images_once_per_pass(family, 
     counts = [1, 2, 2, 1, 1, 1, 2, 2]
     dataset = image_prompt_dataset(counts)
     train(GRPOTrainer, GRPOConfig, family, tmp_path / "stock", dataset=dataset, encoded=stock_calls)
-    _, _, _, history = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, family, tmp_path / "ours",
-                             dataset=dataset, encoded=our_calls, max_tokens_per_microbatch=4000)
+    _, _, _, history = train(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        family,
+        tmp_path / "ours",
+        dataset=dataset,
+        encoded=our_calls,
+        max_tokens_per_microbatch=4000,
+    )
     assert [step["dynbsz/microbatches"] for step in repacked_steps(history)] == [1, 1, 1, 1]
     per_step = [counts[2 * step] + counts[2 * step + 1] for step in range(4)]  # 2 prompts per step
     assert our_calls[0][-4:] == per_step  # (before them: the self-check's passes, at the first step)
@@ -374,17 +466,24 @@ def test_a_step_whose_later_slice_has_images_runs_stock_for_an_unrepacked_family
     """One prompt per slice (steps_per_generation 1), two slices per step: every step's first slice is text-only and
     its second has images, so every step must keep stock's slices (deciding on the first slice repacked them all)."""
     monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())
-    history = compare("qwen2_vl", tmp_path, dataset=image_prompt_dataset([0, 1, 0, 2, 0, 1, 0, 1]),
-                      steps_per_generation=1)
+    history = compare(
+        "qwen2_vl", tmp_path, dataset=image_prompt_dataset([0, 1, 0, 2, 0, 1, 0, 1]), steps_per_generation=1
+    )
     assert repacked_steps(history) == []
 
 
-def test_padding_free_layout_is_refused_for_vision_language_models_outside_the_repacked_families(tmp_path,
-                                                                                                 monkeypatch):
+def test_padding_free_layout_is_refused_for_vision_language_models_outside_the_repacked_families(tmp_path, monkeypatch):
     monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())
     model, processor = build_tiny_vision_language_model("qwen2_vl")
     args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), packing_layout="padding_free"))
-    with pytest.raises(ValueError, match="packing_layout='padding_free' cannot train this model exactly: a "
-                                         "vision-language model computes its own"):
-        DynamicBatchGRPOTrainer(model=model, reward_funcs=RecordingReward(), args=args,
-                                train_dataset=image_prompt_dataset(IMAGE_COUNTS), processing_class=processor)
+    with pytest.raises(
+        ValueError,
+        match="packing_layout='padding_free' cannot train this model exactly: a vision-language model computes its own",
+    ):
+        DynamicBatchGRPOTrainer(
+            model=model,
+            reward_funcs=RecordingReward(),
+            args=args,
+            train_dataset=image_prompt_dataset(IMAGE_COUNTS),
+            processing_class=processor,
+        )

@@ -97,8 +97,9 @@ def test_packed_sequences_cannot_see_each_other(model):
         for batch in (base, changed):
             mb = build_microbatch(SequenceTable.from_padded(*batch), [0, 1], layout="padding_free", pad_token_id=PAD)
             ids = mb.model_inputs["input_ids"]
-            out = model(**mb.model_inputs, attention_mask=torch.ones_like(ids), shift_labels=mb.shift_labels,
-                        fused_lm_head=True)
+            out = model(
+                **mb.model_inputs, attention_mask=torch.ones_like(ids), shift_labels=mb.shift_labels, fused_lm_head=True
+            )
             leaky.append(mb.to_completion_layout(out.log_probs))
         assert not torch.allclose(leaky[0][1], leaky[1][1], atol=1e-6)
 
@@ -111,4 +112,3 @@ def test_dummy_microbatch_touches_every_parameter():
     out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
     (out.log_probs.sum() * 0.0).backward()
     assert all(p.grad is not None and torch.all(p.grad == 0) for p in model.parameters())
-

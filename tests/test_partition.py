@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.testing import first_fit_decreasing
 from hf_dynbsz.planning.partition import (
     OversizeSequenceError,
     WorkloadModel,
@@ -24,6 +23,7 @@ from hf_dynbsz.planning.partition import (
     round_up,
     token_lower_bound,
 )
+from hf_dynbsz.testing import first_fit_decreasing
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -151,18 +151,26 @@ def test_workload_missing_intermediate_size_means_four_times_hidden():
 
 
 def test_workload_gated_mlp_and_grouped_query_attention():
-    gated = types.SimpleNamespace(hidden_size=128, num_hidden_layers=1, num_attention_heads=8,
-                                  num_key_value_heads=2, intermediate_size=512, hidden_act="silu")
+    gated = types.SimpleNamespace(
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        hidden_act="silu",
+    )
     model = WorkloadModel.from_model_config(gated, layout="padded")
     linear = 2 * 128 * 128 + 2 * 128 * (2 * 16) + 3 * 128 * 512
     assert model.quadratic_weight == pytest.approx(2 * 128 / linear)
 
 
 def test_workload_is_not_hard_coded_to_one_model_size():
-    small = WorkloadModel.from_model_config(types.SimpleNamespace(hidden_size=896, num_hidden_layers=24,
-                                                                  num_attention_heads=14, intermediate_size=4864))
-    large = WorkloadModel.from_model_config(types.SimpleNamespace(hidden_size=8192, num_hidden_layers=80,
-                                                                  num_attention_heads=64, intermediate_size=28672))
+    small = WorkloadModel.from_model_config(
+        types.SimpleNamespace(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864)
+    )
+    large = WorkloadModel.from_model_config(
+        types.SimpleNamespace(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
+    )
     # Attention matters relatively more for narrow models: the quadratic share shrinks with width.
     assert small.quadratic_weight > large.quadratic_weight > 0
 
@@ -183,8 +191,9 @@ def test_workload_reads_text_config_of_multimodal_configs():
 
 
 def test_workload_default_is_a_generic_7b_decoder():
-    generic = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                    intermediate_size=11008, hidden_act="silu")
+    generic = types.SimpleNamespace(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008, hidden_act="silu"
+    )
     assert WorkloadModel.default() == WorkloadModel.from_model_config(generic)
     assert 0 < WorkloadModel.default().quadratic_weight < 1e-3
 
@@ -248,8 +257,14 @@ def test_none_is_the_same_as_asking_for_the_minimum():
 
 # --------------------------------------------------------------------------- properties (starred requirements)
 @PROPERTY_SETTINGS
-@given(batch=batches(max_size=250), layout=layouts, pad=pads, attention=attentions, extra=st.integers(0, 3),
-       exact=st.booleans())
+@given(
+    batch=batches(max_size=250),
+    layout=layouts,
+    pad=pads,
+    attention=attentions,
+    extra=st.integers(0, 3),
+    exact=st.booleans(),
+)
 def test_every_index_exactly_once_in_deterministic_order(batch, layout, pad, attention, extra, exact):
     lengths, max_tokens = batch
     k = min_num_microbatches(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad) + extra if exact else None
@@ -260,7 +275,7 @@ def test_every_index_exactly_once_in_deterministic_order(batch, layout, pad, att
         assert microbatch == sorted(microbatch)
     non_empty = [mb for mb in result if mb]
     assert [mb[0] for mb in non_empty] == sorted(mb[0] for mb in non_empty)  # ordered by first index
-    assert result[len(non_empty):] == [[]] * (len(result) - len(non_empty))  # empty ones last
+    assert result[len(non_empty) :] == [[]] * (len(result) - len(non_empty))  # empty ones last
     # Deterministic: same input, same output (also from a fresh copy of the input).
     assert partition_by_token_budget(list(lengths), max_tokens, **kwargs) == result
 
@@ -271,8 +286,14 @@ def test_hard_cap_except_lonely_oversize_sequences(batch, layout, pad, attention
     lengths, max_tokens = batch
     k = min_num_microbatches(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad) + extra
     for num_microbatches in (None, k):
-        result = partition_by_token_budget(lengths, max_tokens, num_microbatches=num_microbatches, layout=layout,
-                                           pad_to_multiple_of=pad, attention=attention)
+        result = partition_by_token_budget(
+            lengths,
+            max_tokens,
+            num_microbatches=num_microbatches,
+            layout=layout,
+            pad_to_multiple_of=pad,
+            attention=attention,
+        )
         for microbatch in result:
             if tokens_of(microbatch, lengths, layout, pad) > max_tokens:
                 assert len(microbatch) == 1
@@ -306,8 +327,9 @@ def test_exact_number_of_microbatches(batch, layout, pad, attention, extra):
     lengths, max_tokens = batch
     minimum = min_num_microbatches(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad)
     k = max(minimum + extra, 1)
-    result = partition_by_token_budget(lengths, max_tokens, num_microbatches=k, layout=layout,
-                                       pad_to_multiple_of=pad, attention=attention)
+    result = partition_by_token_budget(
+        lengths, max_tokens, num_microbatches=k, layout=layout, pad_to_multiple_of=pad, attention=attention
+    )
     assert len(result) == k
     empty = sum(1 for mb in result if not mb)
     assert empty == max(0, k - len(lengths))  # none empty when there are enough sequences
@@ -316,13 +338,18 @@ def test_exact_number_of_microbatches(batch, layout, pad, attention, extra):
             assert tokens_of(microbatch, lengths, layout, pad) <= max_tokens
     if minimum > 1:
         with pytest.raises(ValueError, match=f"at least {minimum} micro-batches"):
-            partition_by_token_budget(lengths, max_tokens, num_microbatches=minimum - 1, layout=layout,
-                                      pad_to_multiple_of=pad)
+            partition_by_token_budget(
+                lengths, max_tokens, num_microbatches=minimum - 1, layout=layout, pad_to_multiple_of=pad
+            )
 
 
 @settings(max_examples=100, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=200, max_size=400), max_tokens=st.integers(40, 120),
-       extra=st.sampled_from([0, 0, 1, 5, 50]), attention=attentions)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=200, max_size=400),
+    max_tokens=st.integers(40, 120),
+    extra=st.sampled_from([0, 0, 1, 5, 50]),
+    attention=attentions,
+)
 def test_invariants_with_many_microbatches(lengths, max_tokens, extra, attention):
     # Dozens of micro-batches: the vectorised spreading rounds do most of the work here.
     minimum = min_num_microbatches(lengths, max_tokens)
@@ -440,8 +467,7 @@ def test_improving_an_assignment_fills_empty_microbatches_within_the_cap():
 def test_padded_groups_similar_lengths(batch, pad, extra):
     lengths, max_tokens = batch
     k = min_num_microbatches(lengths, max_tokens, layout="padded", pad_to_multiple_of=pad) + extra
-    result = partition_by_token_budget(lengths, max_tokens, num_microbatches=k, layout="padded",
-                                       pad_to_multiple_of=pad)
+    result = partition_by_token_budget(lengths, max_tokens, num_microbatches=k, layout="padded", pad_to_multiple_of=pad)
     ranges = sorted((min(lengths[i] for i in mb), max(lengths[i] for i in mb)) for mb in result if mb)
     for (_, high), (next_low, _) in zip(ranges, ranges[1:]):
         assert high <= next_low  # contiguous runs of the length-sorted batch never interleave
@@ -481,8 +507,14 @@ def oversize_scheduler(pad_to_multiple_of=None):
     """The one place an oversize sequence stops a run: the scheduler with oversize_policy="error"."""
     from hf_dynbsz.planning.schedule import Scheduler
 
-    return Scheduler(layout="padding_free", attention="varlen", workload=WorkloadModel.default(),
-                     oversize_policy="error", pad_to_multiple_of=pad_to_multiple_of, balance_across_ranks=False)
+    return Scheduler(
+        layout="padding_free",
+        attention="varlen",
+        workload=WorkloadModel.default(),
+        oversize_policy="error",
+        pad_to_multiple_of=pad_to_multiple_of,
+        balance_across_ranks=False,
+    )
 
 
 def test_oversize_error_names_index_length_budget_and_fix():

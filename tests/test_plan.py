@@ -166,9 +166,7 @@ def test_generation_batch_not_divisible_by_global_micro_batch_names_valid_values
 
 def test_derived_generation_batch_suggests_steps_per_generation():
     with pytest.raises(ValueError) as raised:
-        BatchSizePlan.from_args(
-            raw_args(per_device_train_batch_size=4, gradient_accumulation_steps=3), num_processes=1
-        )
+        BatchSizePlan.from_args(raw_args(per_device_train_batch_size=4, gradient_accumulation_steps=3), num_processes=1)
     message = str(raised.value)
     assert "generation_batch_size (12 = per_device_train_batch_size x num_processes x steps_per_generation" in message
     assert "num_generations (8)" in message
@@ -238,7 +236,11 @@ def test_whole_share_at_once_by_default_and_chunk_capped_at_share():
 
 
 def test_tensor_batch_defaults_to_trls_tile():
-    assert BatchSizePlan.from_args(raw_args(tensor_batch_size=None), 1).effective_tensor_batch_size == TRL_TENSOR_TILE_TOKENS == 4096
+    assert (
+        BatchSizePlan.from_args(raw_args(tensor_batch_size=None), 1).effective_tensor_batch_size
+        == TRL_TENSOR_TILE_TOKENS
+        == 4096
+    )
     assert BatchSizePlan.from_args(raw_args(), 1).effective_tensor_batch_size == 1024
     assert BatchSizePlan.from_args(raw_args(tensor_batch_size=2048), 1).effective_tensor_batch_size == 2048
 

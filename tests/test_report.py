@@ -25,10 +25,19 @@ def write_state(directory: Path, steps: list[dict]) -> Path:
 
 
 def step(tokens_per_second, memory, reward, **more):
-    return {"dynbsz/tokens_per_second": tokens_per_second, "dynbsz/peak_memory_mib": memory, "reward": reward,
-            "reward_std": 0.05, "completions/mean_length": 12.0 * reward,
-            "dynbsz/padding_fraction": 0.25, "dynbsz/microbatches_max_over_ranks": 3.0, "dynbsz/dummy_passes": 0.0,
-            "dynbsz/train_seconds": 0.5, "dynbsz/prompt_tokens_saved": 10.0, **more}
+    return {
+        "dynbsz/tokens_per_second": tokens_per_second,
+        "dynbsz/peak_memory_mib": memory,
+        "reward": reward,
+        "reward_std": 0.05,
+        "completions/mean_length": 12.0 * reward,
+        "dynbsz/padding_fraction": 0.25,
+        "dynbsz/microbatches_max_over_ranks": 3.0,
+        "dynbsz/dummy_passes": 0.0,
+        "dynbsz/train_seconds": 0.5,
+        "dynbsz/prompt_tokens_saved": 10.0,
+        **more,
+    }
 
 
 def report(*args, capsys):
@@ -50,8 +59,13 @@ def table_rows(out: str) -> dict[str, dict[str, str]]:
 
 def test_runs_are_compared_in_one_table_and_one_png(tmp_path, capsys):
     small = write_state(tmp_path / "budget-512", [step(1000, 500, 0.1), step(3000, 700, 0.3)])
-    large = write_state(tmp_path / "budget-2048", [step(4000, 900, 0.2, **{"dynbsz/rank_imbalance_after": 1.02}),
-                                                   step(6000, 800, 0.4, **{"dynbsz/rank_imbalance_after": 1.04})])
+    large = write_state(
+        tmp_path / "budget-2048",
+        [
+            step(4000, 900, 0.2, **{"dynbsz/rank_imbalance_after": 1.02}),
+            step(6000, 800, 0.4, **{"dynbsz/rank_imbalance_after": 1.04}),
+        ],
+    )
     png, markdown = tmp_path / "report.png", tmp_path / "report.md"
     code, out, _ = report(small, large, "--png", png, "--markdown", markdown, capsys=capsys)
     assert code == 0
@@ -76,11 +90,14 @@ def test_a_run_without_a_final_state_is_read_from_its_latest_checkpoint(tmp_path
     assert table_rows(out)["stopped"]["steps"] == "10"  # checkpoint-10, not checkpoint-2 (numeric order)
 
 
-@pytest.mark.parametrize(("content", "phrase"), [
-    ("empty", "holds no trainer_state.json and no checkpoint-N/trainer_state.json"),
-    ("no dynbsz metrics", "has no dynbsz/ metrics"),
-    ("missing", "is not a directory"),
-])
+@pytest.mark.parametrize(
+    ("content", "phrase"),
+    [
+        ("empty", "holds no trainer_state.json and no checkpoint-N/trainer_state.json"),
+        ("no dynbsz metrics", "has no dynbsz/ metrics"),
+        ("missing", "is not a directory"),
+    ],
+)
 def test_a_directory_without_a_run_exits_2_naming_it(tmp_path, capsys, content, phrase):
     directory = tmp_path / "run"
     if content == "empty":
@@ -102,12 +119,30 @@ def test_names_must_match_the_directories(tmp_path, capsys):
 def test_sweep_script_runs_the_example_per_budget_and_reports(tmp_path):
     """examples/sweep.sh end to end, as the README shows it (2 budgets, 2 steps each, offline demo)."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("DIFFU_")}
-    environment.update(STEPS="2", BUDGETS="auto 512", TILES="256", OMP_NUM_THREADS="1",
-                       PATH=f"{Path(sys.executable).parent}{os.pathsep}{environment.get('PATH', '')}",
-                       PYTHONPATH=f"{ROOT}{os.pathsep}{environment.get('PYTHONPATH', '')}")
-    result = subprocess.run([str(ROOT / "examples" / "sweep.sh"), str(tmp_path / "sweep"), "--",
-                             "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+    environment.update(
+        STEPS="2",
+        BUDGETS="auto 512",
+        TILES="256",
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{environment.get('PATH', '')}",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{environment.get('PYTHONPATH', '')}",
+    )
+    result = subprocess.run(
+        [
+            str(ROOT / "examples" / "sweep.sh"),
+            str(tmp_path / "sweep"),
+            "--",
+            "--per_device_train_batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = table_rows(result.stdout)
     assert set(rows) == {"max_tokens-auto_tensor-256", "max_tokens-512_tensor-256"}

@@ -20,9 +20,16 @@ LOSS_TYPES = ["grpo", "dapo", "bnpo"]
 
 
 def multi_turn_rollout():
-    return MultiTurnRollout(turn_lengths=lambda rng: rng.integers(1, 7), env_lengths=lambda rng: rng.integers(2, 9),
-                            prompt_length=lambda rng: rng.integers(3, 12), max_completion_length=24, seed=2,
-                            token_low=3, token_high=7, eos_id=1)
+    return MultiTurnRollout(
+        turn_lengths=lambda rng: rng.integers(1, 7),
+        env_lengths=lambda rng: rng.integers(2, 9),
+        prompt_length=lambda rng: rng.integers(3, 12),
+        max_completion_length=24,
+        seed=2,
+        token_low=3,
+        token_high=7,
+        eos_id=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +44,19 @@ def chat_model_dir(tmp_path_factory):
 
 def compare(model_dir, tmp_path, trainer_kwargs, before_run=lambda: None, budget=48, **overrides):
     before_run()
-    initial, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"),
-                                                       trainer_kwargs=trainer_kwargs(), **overrides)
+    initial, stock, stock_completions, _ = run_training(
+        GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs=trainer_kwargs(), **overrides
+    )
     before_run()
-    _, ours, completions, history = run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir,
-                                                 str(tmp_path / "ours"), trainer_kwargs=trainer_kwargs(),
-                                                 max_tokens_per_microbatch=budget, **overrides)
+    _, ours, completions, history = run_training(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "ours"),
+        trainer_kwargs=trainer_kwargs(),
+        max_tokens_per_microbatch=budget,
+        **overrides,
+    )
     assert completions == stock_completions
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
@@ -83,9 +97,15 @@ def test_the_environment_mask_reaches_the_loss():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_environment_owning_reward_and_data_matches_stock(chat_model_dir, tmp_path, loss_type):
     # no reward_funcs, no train_dataset: the environment's reset() gives the prompt, get_reward() the reward
-    history = compare(chat_model_dir, tmp_path,
-                      lambda: {"environment_factory": CountingEnvironment, "reward_funcs": None, "train_dataset": None},
-                      before_run=CountingEnvironment.restart, budget=1600, loss_type=loss_type, max_steps=2,
-                      max_completion_length=16)  # the tool schema makes the chat prompts ~680 tokens long
+    history = compare(
+        chat_model_dir,
+        tmp_path,
+        lambda: {"environment_factory": CountingEnvironment, "reward_funcs": None, "train_dataset": None},
+        before_run=CountingEnvironment.restart,
+        budget=1600,
+        loss_type=loss_type,
+        max_steps=2,
+        max_completion_length=16,
+    )  # the tool schema makes the chat prompts ~680 tokens long
     rewards = [entry["reward"] for entry in history if "reward" in entry]
     assert rewards and any(reward != 0 for reward in rewards)

@@ -43,8 +43,9 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
     model = build_tiny_causal_lm_of_type(model_type)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     experts, top_k = model.config.num_experts if model_type != "mixtral" else model.config.num_local_experts, 2
-    prompt_ids, prompt_mask, completion_ids, completion_mask = grpo_batch([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1],
-                                                                           token_high=60)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grpo_batch(
+        [7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1], token_high=60
+    )
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -54,14 +55,16 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
         loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None and "gate" in name}
 
-    stock = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
-                  output_router_logits=True).aux_loss
+    stock = model(
+        input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, output_router_logits=True
+    ).aux_loss
     expected = gradients(stock)
 
     table = SequenceTable.from_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
     groups = table.prompt_groups()
-    aux = RouterAuxLoss(coef=1.0, num_experts=experts, top_k=top_k, num_slices=1, gradient_accumulation_steps=1,
-                        device="cpu")
+    aux = RouterAuxLoss(
+        coef=1.0, num_experts=experts, top_k=top_k, num_slices=1, gradient_accumulation_steps=1, device="cpu"
+    )
 
     def run(indices, grad):
         mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention="sdpa", groups=groups)
@@ -88,12 +91,25 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
 
 
 def train(trainer_cls, config_cls, model_type, output_dir, coef=COEF, **overrides):
-    rollout = ScriptedRollout(lambda rng, n, rank: rng.geometric(0.1, n), lambda rng: rng.integers(3, 12),
-                              max_completion_length=24, seed=0, token_low=3, token_high=60, eos_id=1)
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: rng.geometric(0.1, n),
+        lambda rng: rng.integers(3, 12),
+        max_completion_length=24,
+        seed=0,
+        token_low=3,
+        token_high=60,
+        eos_id=1,
+    )
     model = build_tiny_causal_lm_of_type(model_type)
     args = config_cls(**base_config_kwargs(output_dir, router_aux_loss_coef=coef, **overrides))
-    trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
-                          processing_class=build_char_tokenizer(), rollout_func=rollout)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=RecordingReward(),
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_char_tokenizer(),
+        rollout_func=rollout,
+    )
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -108,14 +124,28 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("model_type", "loss_type", "num_iterations"), [
-    ("qwen3_moe", "grpo", 1), ("qwen3_moe", "dapo", 2), ("qwen3_moe", "bnpo", 1), ("mixtral", "dapo", 1),
-    ("olmoe", "grpo", 2), ("gpt_oss", "bnpo", 1)])
+@pytest.mark.parametrize(
+    ("model_type", "loss_type", "num_iterations"),
+    [
+        ("qwen3_moe", "grpo", 1),
+        ("qwen3_moe", "dapo", 2),
+        ("qwen3_moe", "bnpo", 1),
+        ("mixtral", "dapo", 1),
+        ("olmoe", "grpo", 2),
+        ("gpt_oss", "bnpo", 1),
+    ],
+)
 def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, num_iterations, tmp_path):
     settings = dict(loss_type=loss_type, num_iterations=num_iterations, max_steps=3)
     initial, stock, stock_history, _ = train(GRPOTrainer, GRPOConfig, model_type, str(tmp_path / "s"), **settings)
-    _, ours, history, trainer = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_type, str(tmp_path / "o"),
-                                      max_tokens_per_microbatch=48, **settings)
+    _, ours, history, trainer = train(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_type,
+        str(tmp_path / "o"),
+        max_tokens_per_microbatch=48,
+        **settings,
+    )
     assert trainer._dynbsz_enabled and trainer._dynbsz_capabilities.router_aux
     assert trainer._dynbsz_scheduler.share_prompts  # padding-free rows with shared prompts
     assert any(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history)  # really repacked
@@ -134,9 +164,16 @@ def test_the_aux_loss_moves_the_parameters_and_a_wrong_slices_counts_are_caught(
     _, without, _, _ = train(GRPOTrainer, GRPOConfig, "qwen3_moe", str(tmp_path / "n"), coef=0.0, **settings)
     assert update_difference(initial, without, stock) > 1e-2
     weights = RouterAuxLoss.weights
-    monkeypatch.setattr(RouterAuxLoss, "weights",
-                        lambda self, slice_ids: weights(self, (slice_ids + 1) % self.counts.size(0)))
-    _, wrong, _, _ = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, "qwen3_moe", str(tmp_path / "w"),
-                           max_tokens_per_microbatch=48, **settings)
+    monkeypatch.setattr(
+        RouterAuxLoss, "weights", lambda self, slice_ids: weights(self, (slice_ids + 1) % self.counts.size(0))
+    )
+    _, wrong, _, _ = train(
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        "qwen3_moe",
+        str(tmp_path / "w"),
+        max_tokens_per_microbatch=48,
+        **settings,
+    )
     assert relative_difference(wrong, stock) > 1e-4
     assert update_difference(initial, wrong, stock) > 1e-3

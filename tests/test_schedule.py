@@ -29,18 +29,33 @@ class OtherProcesses:
 
 def scheduler(layout="padded", attention="dense", group=SINGLE_PROCESS, balance_across_ranks=False, **settings_):
     """A scheduler; lockstep alone unless balancing is asked for (OtherProcesses only all-reduces)."""
-    return Scheduler(layout=layout, attention=attention, workload=WorkloadModel.default(layout, attention),
-                     group=group, balance_across_ranks=balance_across_ranks, **settings_)
+    return Scheduler(
+        layout=layout,
+        attention=attention,
+        workload=WorkloadModel.default(layout, attention),
+        group=group,
+        balance_across_ranks=balance_across_ranks,
+        **settings_,
+    )
 
 
 # ---- layout (decided by hf_dynbsz.planning.model_support, see tests/test_model_support.py) ---------------------------
 def test_from_args_reads_the_config_and_the_model():
-    args = SimpleNamespace(packing_layout="auto", pad_to_multiple_of=8, oversize_policy="error",
-                           max_tokens_per_microbatch=512, max_tokens_per_microbatch_logprob=None)
+    args = SimpleNamespace(
+        packing_layout="auto",
+        pad_to_multiple_of=8,
+        oversize_policy="error",
+        max_tokens_per_microbatch=512,
+        max_tokens_per_microbatch_logprob=None,
+    )
     model_config = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     built = Scheduler.from_args(args, ModelSupport.of(model_config, attn_implementation="flash_attention_2"))
     assert (built.layout, built.attention, built.pad_to_multiple_of, built.oversize_policy) == (
-        "padding_free", "varlen", 8, "error")
+        "padding_free",
+        "varlen",
+        8,
+        "error",
+    )
     assert built.workload == WorkloadModel.from_model_config(model_config, layout="padding_free", attention="varlen")
     generic = Scheduler.from_args(args, ModelSupport.of(attn_implementation="sdpa", model=None))
     assert generic.workload == WorkloadModel.default(layout="padding_free", attention="varlen")
@@ -55,7 +70,9 @@ def test_training_budget_is_the_setting_or_stocks_own_microbatch():
 def test_logprob_budget_is_its_setting_or_twice_the_training_budget():
     assert scheduler().budget(3000, "logprob") == 6000
     assert scheduler(max_tokens_per_microbatch=1024).budget(3000, "logprob") == 2048
-    assert scheduler(max_tokens_per_microbatch=1024, max_tokens_per_microbatch_logprob=700).budget(3000, "logprob") == 700
+    assert (
+        scheduler(max_tokens_per_microbatch=1024, max_tokens_per_microbatch_logprob=700).budget(3000, "logprob") == 700
+    )
     with pytest.raises(ValueError, match="kind must be one of 'training', 'logprob'"):
         scheduler().budget(3000, "eval")
 
@@ -222,22 +239,53 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
             self._dynbsz_scheduler = RecordingScheduler()
 
-    rollout = ScriptedRollout(lambda rng, n, rank: rng.integers(1, 41, n), lambda rng: rng.integers(2, 21),
-                              max_completion_length=40, seed=6, token_low=3, token_high=7, eos_id=1)
-    settings_ = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-                     max_completion_length=40, max_steps=4, packing_layout=layout, max_tokens_per_microbatch=budget)
-    run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "out"),
-                 trainer_kwargs={"rollout_func": rollout}, **settings_)
+    rollout = ScriptedRollout(
+        lambda rng, n, rank: rng.integers(1, 41, n),
+        lambda rng: rng.integers(2, 21),
+        max_completion_length=40,
+        seed=6,
+        token_low=3,
+        token_high=7,
+        eos_id=1,
+    )
+    settings_ = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=40,
+        max_steps=4,
+        packing_layout=layout,
+        max_tokens_per_microbatch=budget,
+    )
+    run_training(
+        Recording,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "out"),
+        trainer_kwargs={"rollout_func": rollout},
+        **settings_,
+    )
     assert len(batches) == len(schedules) == 4
     assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
-    pairs = [[int(p), int(c)] + ([] if step_groups is None else [group])
-             for batch, step_groups in zip(batches, groups)
-             for p, c, group in zip(batch.table.prompt_lengths, batch.table.completion_lengths,
-                                    step_groups or [None] * len(batch))]
+    pairs = [
+        [int(p), int(c)] + ([] if step_groups is None else [group])
+        for batch, step_groups in zip(batches, groups)
+        for p, c, group in zip(
+            batch.table.prompt_lengths, batch.table.completion_lengths, step_groups or [None] * len(batch)
+        )
+    ]
     (tmp_path / "lengths.json").write_text(json.dumps(pairs))
 
-    options = ["plan", "--lengths", str(tmp_path / "lengths.json"), "--json", "--model_config", model_dir,
-               "--attn_implementation", "sdpa"]
+    options = [
+        "plan",
+        "--lengths",
+        str(tmp_path / "lengths.json"),
+        "--json",
+        "--model_config",
+        model_dir,
+        "--attn_implementation",
+        "sdpa",
+    ]
     for name, value in settings_.items():
         if value is not None and name != "max_steps":
             options += [f"--{name}", str(value)]
@@ -262,8 +310,13 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
 # ---- shared prompts: units are prompt-group pieces ----------------------------------------------------------------
 def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention():
-    args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
-                           max_tokens_per_microbatch_logprob=None, share_prompt_prefix=True)
+    args = SimpleNamespace(
+        packing_layout="auto",
+        oversize_policy="warn",
+        max_tokens_per_microbatch=None,
+        max_tokens_per_microbatch_logprob=None,
+        share_prompt_prefix=True,
+    )
     segments = ModelSupport.of(attn_implementation="sdpa")
     no_segments = dataclasses.replace(segments, segment_attention_blocker="no AttentionInterface")
     assert Scheduler.from_args(args, segments).share_prompts
@@ -290,9 +343,10 @@ def test_units_share_a_prompt_and_split_into_pieces_that_fit():
     # blocks 31, 21, 9, 6, 4 packed first-fit-decreasing next to the 9-token prefix: [31, 9] and [21, 6, 4]
     assert {by_sample[i].samples for i in range(5)} == {(3, 4), (0, 1, 2)}
     assert by_sample[5] is not by_sample[6]  # a 1-token prompt has no prefix to share
-    assert by_sample[7].samples == (7,) and by_sample[7].tokens == 16 and by_sample[7].pairs == 16 ** 2
+    assert by_sample[7].samples == (7,) and by_sample[7].tokens == 16 and by_sample[7].pairs == 16**2
     assert build_units(prompts, completions, None, 50) == [
-        type(units[0])((i,), p + c, (p + c) ** 2) for i, (p, c) in enumerate(zip(prompts, completions))]
+        type(units[0])((i,), p + c, (p + c) ** 2) for i, (p, c) in enumerate(zip(prompts, completions))
+    ]
 
 
 @settings(max_examples=40, deadline=None)
@@ -311,24 +365,36 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
     pad = data.draw(st.sampled_from([None, 4]))
     prompts = [list(range(3, 3 + prompt_lengths[k])) for k in range(4)]
     tokens = [torch.tensor(prompts[k] + [5] * c) for k, c in zip(prompt_of, completions)]
-    table = SequenceTable(tokens=tokens, prompt_lengths=torch.tensor([prompt_lengths[k] for k in prompt_of]),
-                          completion_lengths=torch.tensor(completions))
+    table = SequenceTable(
+        tokens=tokens,
+        prompt_lengths=torch.tensor([prompt_lengths[k] for k in prompt_of]),
+        completion_lengths=torch.tensor(completions),
+    )
     planner = scheduler("padding_free", "varlen", pad_to_multiple_of=pad)
     planner = dataclasses.replace(planner, share_prompts=True)
     groups = table.prompt_groups()
-    schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(),
-                            groups=groups)
+    schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
     real = [group for group in schedule.microbatches if group]
     for group, planned in zip(real, schedule.pass_tokens):
-        mb = build_microbatch(table, group, layout="padding_free", pad_token_id=0, pad_to_multiple_of=pad,
-                              attention="sdpa", groups=schedule.groups)
+        mb = build_microbatch(
+            table,
+            group,
+            layout="padding_free",
+            pad_token_id=0,
+            pad_to_multiple_of=pad,
+            attention="sdpa",
+            groups=schedule.groups,
+        )
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
     assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(
-        build_microbatch(table, g, layout="padding_free", pad_token_id=0, attention="sdpa",
-                         groups=schedule.groups).real_tokens for g in real)
+        build_microbatch(
+            table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=schedule.groups
+        ).real_tokens
+        for g in real
+    )
 
 
 def test_balancing_moves_a_prompt_group_piece_whole():
@@ -345,15 +411,17 @@ def test_balancing_moves_a_prompt_group_piece_whole():
     assert exchange is not None and plans[0].samples_moved == 8
     assert plans[0].balance.imbalance_after < 1.01 < 1.5 < plans[0].balance.imbalance_before
     for origin in range(2):
-        units = build_units(prompts[origin], [n - p for n, p in zip(lengths[origin], prompts[origin])],
-                            groups[origin], budget)
+        units = build_units(
+            prompts[origin], [n - p for n, p in zip(lengths[origin], prompts[origin])], groups[origin], budget
+        )
         assert len(units) == 2
         for unit in units:  # a piece moves whole
             assert len({exchange.destination[origin][i] for i in unit.samples}) == 1
     for plan in plans:  # the groups each process uses: equal exactly for samples of one origin group
         origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
         assert [g1 == g2 for g1 in plan.groups for g2 in plan.groups] == [
-            o1 == o2 for o1 in origin_groups for o2 in origin_groups]
+            o1 == o2 for o1 in origin_groups for o2 in origin_groups
+        ]
 
 
 def test_repacked_vision_language_models_train_padding_free_and_balanced_other_families_padded():
@@ -365,8 +433,14 @@ def test_repacked_vision_language_models_train_padding_free_and_balanced_other_f
     assert ModelSupport.of(qwen_vl.get_text_config()).vision_language is None  # the language model alone: text
     assert ModelSupport.of(qwen_vl).padding_free_blocker is None  # repacked: padding-free rows carry M-RoPE
     assert "position ids" in ModelSupport.of(idefics).padding_free_blocker
-    args = SimpleNamespace(packing_layout="auto", oversize_policy="warn", max_tokens_per_microbatch=None,
-                           max_tokens_per_microbatch_logprob=None, balance_across_ranks=True, share_prompt_prefix=True)
+    args = SimpleNamespace(
+        packing_layout="auto",
+        oversize_policy="warn",
+        max_tokens_per_microbatch=None,
+        max_tokens_per_microbatch_logprob=None,
+        balance_across_ranks=True,
+        share_prompt_prefix=True,
+    )
     scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", True, True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(idefics, attn_implementation="flash_attention_2"))

@@ -11,9 +11,9 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution.attention import segment_attention, use_segments
-from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.self_check import pick_samples, run_self_check, tolerance
+from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.testing import (
     build_char_tokenizer,
     build_tiny_causal_lm,
@@ -38,8 +38,15 @@ def runners(model, table):
 
     def run_layout(layout, indices):
         groups = table.prompt_groups() if layout.share_prompts else None
-        mb = build_microbatch(table, indices, layout=layout.name, pad_token_id=PAD, attention=layout.segment_attention,
-                              groups=groups, attention_mask=layout.attention_mask)
+        mb = build_microbatch(
+            table,
+            indices,
+            layout=layout.name,
+            pad_token_id=PAD,
+            attention=layout.segment_attention,
+            groups=groups,
+            attention_mask=layout.attention_mask,
+        )
         with segment_attention(model, layout.segment_attention is not None):
             use_segments(mb.segments)
             out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
@@ -90,8 +97,9 @@ def test_a_layout_that_mixes_sequences_is_left_with_its_reason(tokenizer):
     model = with_fused_head(build_tiny_hybrid_lm(tokenizer))
     table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
     with torch.no_grad():
-        result = run_self_check([Layout("padding_free", attention="dense"), PADDED, MASKED], table,
-                                *runners(model, table), limit=1e-4)
+        result = run_self_check(
+            [Layout("padding_free", attention="dense"), PADDED, MASKED], table, *runners(model, table), limit=1e-4
+        )
     assert result.chosen == 1
     assert result.errors[0] > 5e-4 and result.errors[1] < 1e-5  # the state leak is small on a tiny model
     assert "padding_free: log-probs differ from each sample's own by" in result.reasons[0]
@@ -110,8 +118,9 @@ def test_a_layout_whose_pass_raises_is_left_not_raised(tokenizer):
     with torch.no_grad():
         result = run_self_check([SHARED, PADDED], table, failing_first, run_alone, limit=1e-4)
     assert result.chosen == 1 and math.isinf(result.errors[0])
-    assert result.reasons == ["padding_free, shared prompts, segment attention (sdpa): RuntimeError: the attention "
-                              "got an attention mask"]
+    assert result.reasons == [
+        "padding_free, shared prompts, segment attention (sdpa): RuntimeError: the attention got an attention mask"
+    ]
 
 
 def test_every_process_takes_the_plainest_layout_any_process_needed(tokenizer):
@@ -124,8 +133,13 @@ def test_every_process_takes_the_plainest_layout_any_process_needed(tokenizer):
         return max(index, 2)
 
     with torch.no_grad():
-        result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, *runners(model, table), limit=1e-4,
-                                agree=other_process_needs_padded_rows)
+        result = run_self_check(
+            [SHARED, PLAIN, PADDED, MASKED],
+            table,
+            *runners(model, table),
+            limit=1e-4,
+            agree=other_process_needs_padded_rows,
+        )
     assert agreed == [0] and result.chosen == 2  # this process passed the first; the run takes the third
 
 
@@ -149,17 +163,36 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
     from hf_dynbsz.planning.schedule import Scheduler
-    from hf_dynbsz.testing import (RecordingReward, ScriptedRollout, base_config_kwargs, prompt_dataset,
-                                   relative_difference)
+    from hf_dynbsz.testing import (
+        RecordingReward,
+        ScriptedRollout,
+        base_config_kwargs,
+        prompt_dataset,
+        relative_difference,
+    )
 
     def train(trainer_cls, config_cls, **settings):
-        rollout = ScriptedRollout(lambda rng, n, rank: rng.geometric(0.1, n), lambda rng: rng.integers(3, 12),
-                                  max_completion_length=24, seed=0, token_low=3, token_high=40, eos_id=1)
+        rollout = ScriptedRollout(
+            lambda rng, n, rank: rng.geometric(0.1, n),
+            lambda rng: rng.integers(3, 12),
+            max_completion_length=24,
+            seed=0,
+            token_low=3,
+            token_high=40,
+            eos_id=1,
+        )
         model = build_tiny_hybrid_lm(build_char_tokenizer())
-        args = config_cls(**base_config_kwargs(str(tmp_path / str(len(settings))), router_aux_loss_coef=0.0,
-                                               **settings))
-        trainer = trainer_cls(model=model, reward_funcs=RecordingReward(), args=args, train_dataset=prompt_dataset(),
-                              processing_class=build_char_tokenizer(), rollout_func=rollout)
+        args = config_cls(
+            **base_config_kwargs(str(tmp_path / str(len(settings))), router_aux_loss_coef=0.0, **settings)
+        )
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=RecordingReward(),
+            args=args,
+            train_dataset=prompt_dataset(),
+            processing_class=build_char_tokenizer(),
+            rollout_func=rollout,
+        )
         if trainer_cls is DynamicBatchGRPOTrainer:
             capabilities = trainer._dynbsz_capabilities
             mixing = Layout("padding_free", attention="dense")  # the linear attention's state crosses sequences

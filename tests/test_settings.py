@@ -48,7 +48,8 @@ def test_config_fields_come_from_the_table():
 def test_environment_variables_come_from_the_table():
     environ = {s.env: "3" for s in SETTINGS if s.env}
     assert {field: variable for field, (variable, _) in read_env_overrides(environ).items()} == {
-        s.name: s.env for s in SETTINGS if s.env}
+        s.name: s.env for s in SETTINGS if s.env
+    }
 
 
 def test_command_line_help_is_the_settings_help(capsys):
@@ -63,8 +64,14 @@ def test_command_line_help_is_the_settings_help(capsys):
 def test_plan_table_meaning_column_is_the_summary():
     from hf_dynbsz.planning.plan import BatchSizePlan
 
-    rows = {row[0]: row[3] for row in BatchSizePlan.from_args(
-        dataclasses.make_dataclass("Args", [("per_device_train_batch_size", int, 4), ("num_generations", int, 4)])(),
-        num_processes=1).rows()}
+    rows = {
+        row[0]: row[3]
+        for row in BatchSizePlan.from_args(
+            dataclasses.make_dataclass(
+                "Args", [("per_device_train_batch_size", int, 4), ("num_generations", int, 4)]
+            )(),
+            num_processes=1,
+        ).rows()
+    }
     for name in ("tensor_batch_size", "per_device_generation_batch_size", "oversize_policy", "dynamic_batching"):
         assert rows[name] == setting(name).summary

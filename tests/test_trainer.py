@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
+from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 # Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
 SMALL_BUDGET = 40
 PARAM_TOLERANCE = 1e-5
 # transformers 5 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing
-CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in {
-    f.name for f in __import__("dataclasses").fields(GRPOConfig)} else "gradient_checkpointing"
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in __import__("dataclasses").fields(GRPOConfig)}
+    else "gradient_checkpointing"
+)
 UPDATE_TOLERANCE = 1e-3
 
 
@@ -35,8 +38,14 @@ def compare_with_stock(model_dir, tmp_path, **overrides):
     dyn_overrides = {
         key: overrides.pop(key)
         for key in list(overrides)
-        if key in ("max_tokens_per_microbatch", "packing_layout", "max_tokens_per_microbatch_logprob", "oversize_policy",
-                   "share_prompt_prefix")
+        if key
+        in (
+            "max_tokens_per_microbatch",
+            "packing_layout",
+            "max_tokens_per_microbatch_logprob",
+            "oversize_policy",
+            "share_prompt_prefix",
+        )
     }
     dyn_overrides.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
     init, stock, stock_completions, _ = run_training(
@@ -71,7 +80,12 @@ def test_matches_stock_with_kl_and_two_iterations(model_dir, tmp_path, loss_type
     # beta > 0: reference log-probs (packed no-grad passes) from the model loaded by path;
     # num_iterations=2: old-policy log-probs (packed no-grad passes) and a PPO ratio that moves off 1.
     compare_with_stock(
-        model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, max_steps=3,
+        model_dir,
+        tmp_path,
+        loss_type=loss_type,
+        beta=0.1,
+        num_iterations=2,
+        max_steps=3,
         learning_rate=CHAOS_FREE_LEARNING_RATE.get(loss_type, 0.5),
     )
 
@@ -113,8 +127,14 @@ def test_matches_stock_with_entropy_bonus_and_off_policy_mask(model_dir, tmp_pat
 
 def test_matches_stock_with_pad_to_multiple_of_and_odd_accumulation(model_dir, tmp_path):
     compare_with_stock(
-        model_dir, tmp_path, loss_type="bnpo", pad_to_multiple_of=8, per_device_train_batch_size=2,
-        gradient_accumulation_steps=3, num_generations=3, max_tokens_per_microbatch=48,
+        model_dir,
+        tmp_path,
+        loss_type="bnpo",
+        pad_to_multiple_of=8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        num_generations=3,
+        max_tokens_per_microbatch=48,
     )
 
 
@@ -139,8 +159,9 @@ def test_repacking_really_happens_and_is_logged(model_dir, tmp_path):
 def test_shared_prompts_really_happen_and_match_stock(model_dir, tmp_path):
     # auto = padding-free rows through segment attention on sdpa; each prompt's 4 completions share it
     shared = compare_with_stock(model_dir, tmp_path / "shared", loss_type="dapo", beta=0.1, num_iterations=2)
-    alone = compare_with_stock(model_dir, tmp_path / "alone", loss_type="dapo", beta=0.1, num_iterations=2,
-                               share_prompt_prefix=False)
+    alone = compare_with_stock(
+        model_dir, tmp_path / "alone", loss_type="dapo", beta=0.1, num_iterations=2, share_prompt_prefix=False
+    )
     for step_shared, step_alone in zip(*[[e for e in h if "dynbsz/microbatches" in e] for h in (shared, alone)]):
         assert step_shared["dynbsz/prompt_tokens_saved"] > 0 and step_alone["dynbsz/prompt_tokens_saved"] == 0
         assert step_shared["dynbsz/computed_tokens"] < step_alone["dynbsz/computed_tokens"]
@@ -169,8 +190,12 @@ def test_plain_grpo_config_is_accepted(model_dir, tmp_path):
 def test_oversize_error_policy_raises_before_any_update(model_dir, tmp_path):
     with pytest.raises(OversizeSequenceError, match="max_tokens_per_microbatch=4"):
         run_training(
-            DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"),
-            max_tokens_per_microbatch=4, oversize_policy="error",
+            DynamicBatchGRPOTrainer,
+            DynamicBatchGRPOConfig,
+            model_dir,
+            str(tmp_path / "b"),
+            max_tokens_per_microbatch=4,
+            oversize_policy="error",
         )
 
 
@@ -206,7 +231,10 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
     generate_rows = {rows for rows, generating, _, _ in calls if generating}
     assert generate_rows and max(generate_rows) <= 3  # 8 samples per device -> chunks of 3, 3, 2
     _, second, completions_b, _ = run_training(
-        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"),
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "b"),
         per_device_generation_batch_size=3,
     )
     assert completions_a == completions_b
@@ -216,8 +244,12 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
 def test_generation_chunk_at_least_the_share_is_stock(model_dir, tmp_path):
     _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "a"))
     _, ours, our_completions, _ = run_training(
-        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"),
-        per_device_generation_batch_size=8, max_tokens_per_microbatch=SMALL_BUDGET,
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "b"),
+        per_device_generation_batch_size=8,
+        max_tokens_per_microbatch=SMALL_BUDGET,
     )
     assert our_completions == stock_completions
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
@@ -231,7 +263,12 @@ def test_diffu_variables_reach_the_code_paths(model_dir, tmp_path, monkeypatch):
     Recording, calls = record_backbone_calls(DynamicBatchGRPOTrainer)
     # arguments say otherwise; the environment wins
     _, _, completions, history = run_training(
-        Recording, GRPOConfig, model_dir, str(tmp_path / "a"), per_device_train_batch_size=4, max_steps=1,
+        Recording,
+        GRPOConfig,
+        model_dir,
+        str(tmp_path / "a"),
+        per_device_train_batch_size=4,
+        max_steps=1,
     )
     packed_tiles = {tile for _, generating, tile, _ in calls if not generating}  # training/log-prob passes
     assert packed_tiles == {5}
@@ -245,8 +282,7 @@ def test_diffu_variables_reach_the_code_paths(model_dir, tmp_path, monkeypatch):
 def test_tensor_batch_size_tiles_training_and_matches_stock(model_dir, tmp_path):
     compare_with_stock(model_dir, tmp_path, loss_type="dapo", beta=0.1, num_iterations=2)  # default tile: 1024
     Recording, calls = record_backbone_calls(DynamicBatchGRPOTrainer)
-    run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "c"), tensor_batch_size=3,
-                 max_steps=1)
+    run_training(Recording, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "c"), tensor_batch_size=3, max_steps=1)
     assert {tile for _, _, tile, grad in calls if grad} == {3}
 
 
@@ -254,14 +290,21 @@ def test_tensor_batch_size_tiles_training_and_matches_stock(model_dir, tmp_path)
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
 def test_matches_stock_with_top_entropy_quantile(model_dir, tmp_path, loss_type):
     # stock takes the quantile per fixed slice across ranks; we reproduce it from a no-grad entropy pass
-    compare_with_stock(model_dir, tmp_path, loss_type=loss_type, top_entropy_quantile=0.4, entropy_coef=0.02,
-                       num_iterations=2)
+    compare_with_stock(
+        model_dir, tmp_path, loss_type=loss_type, top_entropy_quantile=0.4, entropy_coef=0.02, num_iterations=2
+    )
 
 
 def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
     history = compare_with_stock(
-        model_dir, tmp_path, loss_type="dr_grpo", use_adaptive_entropy=True, entropy_coef=0.01,
-        entropy_target=10.0, entropy_coef_delta=0.005, max_steps=3,
+        model_dir,
+        tmp_path,
+        loss_type="dr_grpo",
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_target=10.0,
+        entropy_coef_delta=0.005,
+        max_steps=3,
     )
     steps = [entry for entry in history if "entropy_coef" in entry]
     assert [round(step["entropy_coef"], 6) for step in steps] == [0.015, 0.02, 0.025]  # entropy < target: grows
@@ -269,8 +312,9 @@ def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
 
 # ---------------------------------------------------------------- drop-in: stock's constructor and hook signatures
 def overridden_stock_methods() -> list[str]:
-    return [name for name, value in vars(DynamicBatchGRPOTrainer).items()
-            if callable(value) and hasattr(GRPOTrainer, name)]
+    return [
+        name for name, value in vars(DynamicBatchGRPOTrainer).items() if callable(value) and hasattr(GRPOTrainer, name)
+    ]
 
 
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
@@ -278,7 +322,8 @@ def test_constructor_and_overridden_hooks_have_stocks_signatures():
 
     overridden = overridden_stock_methods()
     assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= set(
-        overridden)
+        overridden
+    )
     assert inspect.signature(DynamicBatchGRPOTrainer) == inspect.signature(GRPOTrainer)
     for name in overridden:
         method = getattr(DynamicBatchGRPOTrainer, name)
@@ -309,8 +354,11 @@ def construction_error(cls, model_dir, **kwargs):
 def test_construction_errors_are_stocks(model_dir, tmp_path, missing):
     from hf_dynbsz.testing import RecordingReward, base_config_kwargs, prompt_dataset
 
-    kwargs = dict(reward_funcs=RecordingReward(), train_dataset=prompt_dataset(),
-                  args=GRPOConfig(**base_config_kwargs(str(tmp_path))))
+    kwargs = dict(
+        reward_funcs=RecordingReward(),
+        train_dataset=prompt_dataset(),
+        args=GRPOConfig(**base_config_kwargs(str(tmp_path))),
+    )
     del kwargs[missing]  # args=None: stock's default config, which wants bf16 on this CPU machine
     stock = construction_error(GRPOTrainer, model_dir, **kwargs)
     assert construction_error(DynamicBatchGRPOTrainer, model_dir, **kwargs) == stock
@@ -331,15 +379,29 @@ def test_stocks_positional_call_order_works(model_dir, tmp_path):
     assert trainer.args is args and trainer._dynbsz_enabled
     assert args.max_tokens_per_microbatch is None  # the plain GRPOConfig got the plugin's fields
     with pytest.raises(TypeError):
-        DynamicBatchGRPOTrainer(model, RecordingReward(), args, prompt_dataset(), None, None, None, None, (None, None),
-                                None, None, None, None, None, "one too many")
+        DynamicBatchGRPOTrainer(
+            model,
+            RecordingReward(),
+            args,
+            prompt_dataset(),
+            None,
+            None,
+            None,
+            None,
+            (None, None),
+            None,
+            None,
+            None,
+            None,
+            None,
+            "one too many",
+        )
 
 
 # ---------------------------------------------------------------- gradient checkpointing off, PEFT LoRA
 def test_matches_stock_without_gradient_checkpointing(model_dir, tmp_path):
     # TRL turns activation checkpointing on by default; segment attention must be exact without recomputation too
-    compare_with_stock(model_dir, tmp_path, loss_type="grpo", beta=0.1, num_iterations=2,
-                       **{CHECKPOINTING: False})
+    compare_with_stock(model_dir, tmp_path, loss_type="grpo", beta=0.1, num_iterations=2, **{CHECKPOINTING: False})
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
@@ -351,11 +413,18 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
 
     # beta > 0: the reference model is the base model with the adapter disabled (TRL's PEFT path)
     overrides = dict(loss_type=loss_type, beta=0.1, num_iterations=2)
-    init, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"),
-                                                     trainer_kwargs={"peft_config": lora()}, **overrides)
+    init, stock, stock_completions, _ = run_training(
+        GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs={"peft_config": lora()}, **overrides
+    )
     _, ours, completions, history = run_training(
-        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"),
-        trainer_kwargs={"peft_config": lora()}, max_tokens_per_microbatch=SMALL_BUDGET, **overrides)
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "ours"),
+        trainer_kwargs={"peft_config": lora()},
+        max_tokens_per_microbatch=SMALL_BUDGET,
+        **overrides,
+    )
     assert completions == stock_completions
     lora_names = [name for name in stock if "lora_" in name]
     assert lora_names and set(lora_names) == {name for name in ours if "lora_" in name}
@@ -375,17 +444,27 @@ def hybrid_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_linear_attention_model_is_repacked_padded_and_matches_stock(hybrid_model_dir, tmp_path, loss_type):
     # A padding-free row would let the linear-attention state run from one sample into the next: "auto" pads.
-    history = compare_with_stock(hybrid_model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2,
-                                 router_aux_loss_coef=0.0)
+    history = compare_with_stock(
+        hybrid_model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, router_aux_loss_coef=0.0
+    )
     assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)  # repacked, not stock's 2 slices
     assert all(entry.get("dynbsz/prompt_tokens_saved", 0) == 0 for entry in history if "dynbsz/microbatches" in entry)
 
 
 def test_padding_free_on_a_linear_attention_model_is_refused_at_construction(hybrid_model_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly: its "
-                                         r"linear_attention layers carry state along a row"):
-        run_training(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, hybrid_model_dir, str(tmp_path),
-                     packing_layout="padding_free", router_aux_loss_coef=0.0)
+    with pytest.raises(
+        ValueError,
+        match=r"packing_layout='padding_free' cannot train this model exactly: its "
+        r"linear_attention layers carry state along a row",
+    ):
+        run_training(
+            DynamicBatchGRPOTrainer,
+            DynamicBatchGRPOConfig,
+            hybrid_model_dir,
+            str(tmp_path),
+            packing_layout="padding_free",
+            router_aux_loss_coef=0.0,
+        )
 
 
 # ---- mixture-of-experts models -----------------------------------------------------------------------------------
@@ -397,8 +476,9 @@ def moe_model_dir(tmp_path_factory):
 
 
 def test_moe_model_without_router_aux_loss_is_repacked_and_matches_stock(moe_model_dir, tmp_path):
-    history = compare_with_stock(moe_model_dir, tmp_path, loss_type="dapo", beta=0.1, router_aux_loss_coef=0.0,
-                                 max_tokens_per_microbatch=24)
+    history = compare_with_stock(
+        moe_model_dir, tmp_path, loss_type="dapo", beta=0.1, router_aux_loss_coef=0.0, max_tokens_per_microbatch=24
+    )
     assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)
 
 
@@ -436,9 +516,13 @@ def test_nothing_the_trainer_keeps_grows_with_the_steps(model_dir, tmp_path):
     sizes = []
     for steps in (3, 9):
         args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path / str(steps)), max_steps=steps))
-        trainer = DynamicBatchGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                                          reward_funcs=RecordingReward(), args=args,
-                                          train_dataset=prompt_dataset(64), processing_class=load_tokenizer(model_dir))
+        trainer = DynamicBatchGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir),
+            reward_funcs=RecordingReward(),
+            args=args,
+            train_dataset=prompt_dataset(64),
+            processing_class=load_tokenizer(model_dir),
+        )
         trainer.train()
         state = {name: value for name, value in vars(trainer).items() if name.startswith("_dynbsz")}
         sizes.append(footprint(state))

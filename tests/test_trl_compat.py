@@ -37,8 +37,13 @@ def stock_trainer(tmp_path_factory):
 
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
     args = GRPOConfig(**base_config_kwargs(str(tmp_path_factory.mktemp("out"))))
-    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=RecordingReward(),
-                       args=args, train_dataset=prompt_dataset(), processing_class=load_tokenizer(model_dir))
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=RecordingReward(),
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=load_tokenizer(model_dir),
+    )
 
 
 @pytest.mark.parametrize("entry", INTERNAL_NAMES, ids=lambda entry: f"{entry.owner}.{entry.name}")
@@ -112,5 +117,7 @@ def test_every_internal_name_the_plugin_touches_is_listed():
 
 def test_the_listing_check_would_see_an_unlisted_name(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("from trl.trainer import _secret\nx = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n")
+    sample.write_text(
+        "from trl.trainer import _secret\nx = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n"
+    )
     assert private_names_used(sample) == {"_secret", "_buffered_inputs", "_hidden"}

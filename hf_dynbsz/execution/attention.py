@@ -46,8 +46,14 @@ from transformers import AttentionInterface
 from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES
 from hf_dynbsz.planning.partition import text_config_of
 
-__all__ = ["ATTENTION_NAME", "Segment", "SegmentLayout", "segment_attention", "segment_attention_forward",
-           "use_segments"]
+__all__ = [
+    "ATTENTION_NAME",
+    "Segment",
+    "SegmentLayout",
+    "segment_attention",
+    "segment_attention_forward",
+    "use_segments",
+]
 
 ATTENTION_NAME = "hf_dynbsz_segments"
 
@@ -156,8 +162,10 @@ class SegmentLayout:
                     calls.append(SpanCall(keys, keys, len(starts), 0, prefix))
                 else:
                     calls.append(SpanCall(own.reshape(-1).to(device), keys, len(starts), prefix, 0))
-            order = torch.cat([call.queries.view(call.rows, -1)[:, call.skip:].reshape(-1) for call in calls])
-            if order.numel() != self.width or not torch.equal(order.sort().values, torch.arange(self.width, device=device)):
+            order = torch.cat([call.queries.view(call.rows, -1)[:, call.skip :].reshape(-1) for call in calls])
+            if order.numel() != self.width or not torch.equal(
+                order.sort().values, torch.arange(self.width, device=device)
+            ):
                 raise ValueError("segments must cover the row exactly (trailing padding included)")
             self._cache[key] = (calls, torch.argsort(order))
         return self._cache[key]
@@ -212,10 +220,22 @@ def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, s
         value = torch.nn.functional.pad(value, [0, query.size(-1) - value_dim])
     sinks = features.get("s_aux")
     out = _flash_attention_forward(
-        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), None, query_length=query.size(0), is_causal=True,
-        dropout=dropout, softmax_scale=scaling, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max_q,
-        max_length_k=max_k, target_dtype=get_target_dtype(query, module), sliding_window=features.get("sliding_window"),
-        softcap=features.get("softcap"), s_aux=sinks.to(query.dtype) if sinks is not None else None,
+        query.unsqueeze(0),
+        key.unsqueeze(0),
+        value.unsqueeze(0),
+        None,
+        query_length=query.size(0),
+        is_causal=True,
+        dropout=dropout,
+        softmax_scale=scaling,
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=max_q,
+        max_length_k=max_k,
+        target_dtype=get_target_dtype(query, module),
+        sliding_window=features.get("sliding_window"),
+        softcap=features.get("softcap"),
+        s_aux=sinks.to(query.dtype) if sinks is not None else None,
         attn_implementation=layout.base_implementation,
     ).squeeze(0)
     return out[..., :value_dim]
@@ -233,8 +253,10 @@ def _base_function(module, base: str):
         return sdpa_attention_forward
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward next to it: {ATTENTION_NAME} "
-                           "cannot run its eager attention")
+        raise RuntimeError(
+            f"{type(module).__name__} has no eager_attention_forward next to it: {ATTENTION_NAME} "
+            "cannot run its eager attention"
+        )
     return eager
 
 
@@ -243,19 +265,35 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
     d_v)``; returns ``((1, T, heads, d_v), None)``. Attends within the segments of the active layout only."""
     layout = _ACTIVE[0]
     if layout is None or query.size(0) != 1:
-        raise RuntimeError(f"{ATTENTION_NAME} attention runs padding-free rows of hf_dynbsz only (one row with its "
-                           "segments); this forward carries none.")
+        raise RuntimeError(
+            f"{ATTENTION_NAME} attention runs padding-free rows of hf_dynbsz only (one row with its "
+            "segments); this forward carries none."
+        )
     if attention_mask is not None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention got an attention mask (or bias) from "
-                           f"{type(module).__name__}; it cannot place it on the segments of a padding-free row.")
+        raise RuntimeError(
+            f"{ATTENTION_NAME} attention got an attention mask (or bias) from "
+            f"{type(module).__name__}; it cannot place it on the segments of a padding-free row."
+        )
     # The layer's window: what it passes (None on a full-attention layer), else its own attribute.
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if layout.flash:
         cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans(query.device)
         features = {name: kwargs.get(name) for name in ("softcap", "s_aux")}
-        out = VARLEN_KERNEL(module, layout, query[0].transpose(0, 1), key[0, :, key_index].transpose(0, 1),
-                            value[0, :, key_index].transpose(0, 1), cu_q, cu_k, max_q, max_k, scaling, dropout,
-                            sliding_window=window, **features)
+        out = VARLEN_KERNEL(
+            module,
+            layout,
+            query[0].transpose(0, 1),
+            key[0, :, key_index].transpose(0, 1),
+            value[0, :, key_index].transpose(0, 1),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            scaling,
+            dropout,
+            sliding_window=window,
+            **features,
+        )
         return out.unsqueeze(0), None
     calls, restore = layout.span_calls(query.device)
     base = _base_function(module, layout.base_implementation)
@@ -270,16 +308,27 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
 
         mask = call.mask(window, query.device)
         if mask is None and layout.base_implementation != "sdpa":
-            mask = torch.ones(call.queries.numel() // call.rows, call.keys.numel() // call.rows, dtype=torch.bool,
-                              device=query.device).tril()
+            mask = torch.ones(
+                call.queries.numel() // call.rows, call.keys.numel() // call.rows, dtype=torch.bool, device=query.device
+            ).tril()
         if mask is not None:
             mask = mask.view(1, 1, *mask.shape)
             if layout.base_implementation != "sdpa":  # eager adds its mask to the scores
                 mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~mask, torch.finfo(query.dtype).min)
-        out, _ = base(module, take(query, call.queries), take(key, call.keys), take(value, call.keys), mask,
-                      scaling=scaling, dropout=dropout, is_causal=True, **kwargs)  # (rows, length, h, d_v)
-        outputs.append(out[:, call.skip:].reshape(-1, out.size(2), out.size(3)))
+                    ~mask, torch.finfo(query.dtype).min
+                )
+        out, _ = base(
+            module,
+            take(query, call.queries),
+            take(key, call.keys),
+            take(value, call.keys),
+            mask,
+            scaling=scaling,
+            dropout=dropout,
+            is_causal=True,
+            **kwargs,
+        )  # (rows, length, h, d_v)
+        outputs.append(out[:, call.skip :].reshape(-1, out.size(2), out.size(3)))
     output = torch.cat(outputs).index_select(0, restore)  # (T, heads, d_v) in row order
     return output.unsqueeze(0).contiguous(), None
 

@@ -25,8 +25,12 @@ __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
 #: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence), and
 #: the value that pads a row past its completion: neutral where TRL sums over all columns (vespo sums the log of
 #: the importance ratio over the row, and TRL's own ratio is 1 past the completion mask).
-PER_TOKEN_KEYS = {"old_per_token_logps": 0.0, "ref_per_token_logps": 0.0, "sampling_per_token_logps": 0.0,
-                  "importance_sampling_ratio": 1.0}
+PER_TOKEN_KEYS = {
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 1.0,
+}
 
 
 def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -89,11 +93,16 @@ class StepBatch:
         slice_tokens = []
         for slice_id, inputs in enumerate(window):
             rows = inputs["completion_ids"].size(0)
-            tables.append(SequenceTable.from_padded(
-                inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"],
-                media=split_media(inputs, rows),
-                token_fields={key: inputs[key] for key in TOKEN_FIELDS if inputs.get(key) is not None},
-            ))
+            tables.append(
+                SequenceTable.from_padded(
+                    inputs["prompt_ids"],
+                    inputs["prompt_mask"],
+                    inputs["completion_ids"],
+                    inputs["completion_mask"],
+                    media=split_media(inputs, rows),
+                    token_fields={key: inputs[key] for key in TOKEN_FIELDS if inputs.get(key) is not None},
+                )
+            )
             mask = inputs["completion_mask"]
             if inputs.get("tool_mask") is not None:
                 mask = mask * inputs["tool_mask"]
@@ -102,7 +111,9 @@ class StepBatch:
             advantages.append(_pad_columns(adv, width) if adv.dim() == 2 else adv)
             for key in keys:
                 values = inputs[key]
-                per_token[key].append(values if values.size(1) == 1 else _pad_columns(values, width, PER_TOKEN_KEYS[key]))
+                per_token[key].append(
+                    values if values.size(1) == 1 else _pad_columns(values, width, PER_TOKEN_KEYS[key])
+                )
             slice_ids.append(torch.full((rows,), rank * len(window) + slice_id, dtype=torch.long))
             num_items.append(inputs["num_items_in_batch"].detach().float().cpu().expand(rows))
             slice_tokens.append(rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)))
@@ -173,8 +184,13 @@ class StepBatch:
         """Values in the record of a sample with these lengths: its tokens, its rows up to its completion
         length, and slice id, items, policy and entropy weights."""
         per_token = sum(1 for _, _, is_per_token in self._row_fields() if is_per_token)
-        return prompt_length + completion_length + per_token * completion_length + (
-            len(self._row_fields()) - per_token) + 4
+        return (
+            prompt_length
+            + completion_length
+            + per_token * completion_length
+            + (len(self._row_fields()) - per_token)
+            + 4
+        )
 
     def records(self) -> list[torch.Tensor]:
         """One float64 record per sample (everything that belongs to it), exact for ids, masks, fp32 and fp64."""
@@ -184,9 +200,16 @@ class StepBatch:
             pieces = [tokens.double()]
             for _, tensor, is_per_token in self._row_fields():
                 pieces.append(tensor[i, :length].double() if is_per_token else tensor[i].reshape(1).double())
-            pieces.append(torch.stack([self.slice_ids[i].double(), self.num_items[i].double(),
-                                       self.policy_weights[i].double(), self.entropy_weights[i].double()]).to(
-                tokens.device))
+            pieces.append(
+                torch.stack(
+                    [
+                        self.slice_ids[i].double(),
+                        self.num_items[i].double(),
+                        self.policy_weights[i].double(),
+                        self.entropy_weights[i].double(),
+                    ]
+                ).to(tokens.device)
+            )
             records.append(torch.cat([piece.to(tokens.device) for piece in pieces]))
         return records
 
@@ -212,8 +235,11 @@ class StepBatch:
         extras = torch.stack(extras).cpu()
         advantages = stacked["advantages"]
         return StepBatch(
-            table=SequenceTable(tokens=tokens, prompt_lengths=torch.tensor([p for p, _ in shapes]),
-                                completion_lengths=torch.tensor([c for _, c in shapes])),
+            table=SequenceTable(
+                tokens=tokens,
+                prompt_lengths=torch.tensor([p for p, _ in shapes]),
+                completion_lengths=torch.tensor([c for _, c in shapes]),
+            ),
             loss_mask=stacked["loss_mask"],
             advantages=advantages if self.advantages.dim() == 2 else advantages.squeeze(1),
             per_token={key: stacked[key] for key in self.per_token},

@@ -23,8 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["inject_out_of_memory", "injected_fault", "is_out_of_memory", "pending_gradient_mib",
-           "release_cached_memory", "status_mib"]
+__all__ = [
+    "inject_out_of_memory",
+    "injected_fault",
+    "is_out_of_memory",
+    "pending_gradient_mib",
+    "release_cached_memory",
+    "status_mib",
+]
 
 _OUT_OF_MEMORY_TEXT = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
 
@@ -84,14 +90,19 @@ class _Fault:
 _FAULTS: list[_Fault] = []
 
 
-def inject_out_of_memory(kind: str = "training", phase: str = "forward", after: int = 0,
-                         rank: int | None = None) -> None:
+def inject_out_of_memory(
+    kind: str = "training", phase: str = "forward", after: int = 0, rank: int | None = None
+) -> None:
     """Arm one ``torch.OutOfMemoryError`` in the pass of ``kind`` after ``after`` passes of that kind, in its
     ``phase``, on process ``rank`` (None: any). For tests of the recovery; fires once."""
-    if kind not in ("training", "logprob") or phase not in ("forward", "backward") or (
-            kind == "logprob" and phase == "backward"):
-        raise ValueError(f"an injected fault is training:forward, training:backward or logprob:forward, got "
-                         f"{kind}:{phase}")
+    if (
+        kind not in ("training", "logprob")
+        or phase not in ("forward", "backward")
+        or (kind == "logprob" and phase == "backward")
+    ):
+        raise ValueError(
+            f"an injected fault is training:forward, training:backward or logprob:forward, got {kind}:{phase}"
+        )
     _FAULTS.append(_Fault(kind, phase, int(after), rank))
 
 
@@ -110,8 +121,11 @@ class _InjectedOutOfMemory(torch.OutOfMemoryError):
 
 
 def _decoder_layer(model: torch.nn.Module) -> torch.nn.Module:
-    layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block", "Layer"))
-              and any(True for _ in m.parameters())]
+    layers = [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith(("DecoderLayer", "Block", "Layer")) and any(True for _ in m.parameters())
+    ]
     return layers[len(layers) // 2] if layers else model
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from trl import GRPOTrainer
 
 from hf_dynbsz.execution.batch import SampleRows
@@ -270,8 +269,9 @@ class EntropyBonus:
         self.slice_policy_loss = torch.zeros(num_slices, device=device, dtype=torch.float64)
         self.entropy_stats = torch.zeros(2, device=device, dtype=torch.float64)  # sum of entropy, tokens
 
-    def apply(self, loss: torch.Tensor, entropies: torch.Tensor, rows: SampleRows,
-              per_sample_loss: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, loss: torch.Tensor, entropies: torch.Tensor, rows: SampleRows, per_sample_loss: torch.Tensor
+    ) -> torch.Tensor:
         bonus = rows.bonus_mask.to(entropies.dtype)
         self.entropy_stats += torch.stack([(entropies.detach() * bonus).sum(), bonus.sum()]).double()
         self.slice_policy_loss.index_add_(0, rows.slice_ids, per_sample_loss.detach().double())
@@ -298,4 +298,3 @@ class EntropyBonus:
                 trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
             trainer._last_world_entropy = world_entropy
         metrics["entropy_coef"].append(trainer.entropy_coef)
-

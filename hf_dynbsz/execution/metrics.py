@@ -29,8 +29,17 @@ __all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_
 
 #: Peak dense bf16/fp16 tensor TFLOP/s of datacenter GPUs (vendor data sheets, without sparsity), by a part of the
 #: name torch reports; the first match wins (PCIe/NVL variants before the SXM default).
-_PEAK_TFLOPS_16BIT = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0),
-                      ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))
+_PEAK_TFLOPS_16BIT = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+)
 
 
 def device_peak_tflops(device: torch.device, mixed_precision: str, configured: float | None) -> float | None:
@@ -125,8 +134,9 @@ class StepMeters:
     """What the trainer measures over each optimizer step besides the loss: time by phase, peak memory, and the
     model's FLOPs and the device's peak for MFU. :meth:`start` at the first training call of each step."""
 
-    def __init__(self, flops: ModelFlops | None, device: torch.device, mixed_precision: str,
-                 peak_tflops_per_device: float | None) -> None:
+    def __init__(
+        self, flops: ModelFlops | None, device: torch.device, mixed_precision: str, peak_tflops_per_device: float | None
+    ) -> None:
         self.clock, self.memory = StepClock(), PeakMemory(device)
         self.flops = flops  # the model's (hf_dynbsz.planning.model_support); None when its config gives none: no MFU
         self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
@@ -155,8 +165,14 @@ class StepMetrics:
         self.pass_real_tokens: list[int] = []  # real tokens of each real pass
         self.computed_tokens = 0  # token positions computed by the real passes, padding included
 
-    def add_pass(self, real_tokens: int, computed_tokens: int, loss_metrics: dict[str, torch.Tensor],
-                 entropies: torch.Tensor, mask: torch.Tensor) -> None:
+    def add_pass(
+        self,
+        real_tokens: int,
+        computed_tokens: int,
+        loss_metrics: dict[str, torch.Tensor],
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
         """One real pass: its token counts and the per-token tensors of :func:`hf_dynbsz.execution.loss.per_token_policy_loss`."""
         self.pass_real_tokens.append(real_tokens)
         self.computed_tokens += computed_tokens
@@ -188,9 +204,19 @@ class StepMetrics:
             self.sequence_low.append(sequence_mean(low))
             self.sequence_high.append(sequence_mean(high))
 
-    def publish(self, store: dict[str, list], accelerator, *, loss_type: str, schedule: StepSchedule,
-                stock_computed_tokens: int, group: RankGroup, meters: StepMeters, table: SequenceTable,
-                replicas: int = 1) -> None:
+    def publish(
+        self,
+        store: dict[str, list],
+        accelerator,
+        *,
+        loss_type: str,
+        schedule: StepSchedule,
+        stock_computed_tokens: int,
+        group: RankGroup,
+        meters: StepMeters,
+        table: SequenceTable,
+        replicas: int = 1,
+    ) -> None:
         """Reduce over processes (one reduce, and two gathers for the clip extremes) and append to ``store``.
 
         ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time).
@@ -211,12 +237,22 @@ class StepMetrics:
         over ``train_seconds`` x processes x the device's peak, logged only when that peak is known. ``replicas``:
         processes that ran the same samples (the sequence-parallel group size), counted once.
         """
-        flops = meters.flops.training_flops(table.prompt_lengths.tolist(), table.completion_lengths.tolist(),
-                                            schedule.prompt_tokens_saved) if meters.flops is not None else 0.0
+        flops = (
+            meters.flops.training_flops(
+                table.prompt_lengths.tolist(), table.completion_lengths.tolist(), schedule.prompt_tokens_saved
+            )
+            if meters.flops is not None
+            else 0.0
+        )
         names = sorted(self.sums)
         local = [value for name in names for value in (self.sums[name], self.counts[name])]
-        local += [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved,
-                  flops]
+        local += [
+            sum(self.pass_real_tokens),
+            self.computed_tokens,
+            stock_computed_tokens,
+            schedule.prompt_tokens_saved,
+            flops,
+        ]
         local = [value / replicas for value in local]  # each sample counted once (sequence parallelism: per group)
         device = accelerator.device
         totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
@@ -224,8 +260,10 @@ class StepMetrics:
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
         if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
-            for name, values, pick in (("clip_ratio/low_min", self.sequence_low, nanmin),
-                                       ("clip_ratio/high_max", self.sequence_high, nanmax)):
+            for name, values, pick in (
+                ("clip_ratio/low_min", self.sequence_low, nanmin),
+                ("clip_ratio/high_max", self.sequence_high, nanmax),
+            ):
                 local_values = torch.cat(values) if values else torch.zeros(0, device=device)
                 padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
                 gathered = accelerator.gather(padded)
@@ -234,7 +272,8 @@ class StepMetrics:
         phases = ("train", "logprob", "generation")
         *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
             [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
-            + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries])
+            + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries]
+        )
         seconds = dict(zip(phases, (value / 1e6 for value in microseconds)))
         for phase in phases:
             store[f"dynbsz/{phase}_seconds"].append(seconds[phase])

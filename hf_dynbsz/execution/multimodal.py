@@ -36,12 +36,26 @@ import hashlib
 
 import torch
 
-__all__ = ["MEDIA_KEYS", "TOKEN_FIELDS", "join_media", "media_digest", "media_record", "read_media_record",
-           "rope_positions", "split_media"]
+__all__ = [
+    "MEDIA_KEYS",
+    "TOKEN_FIELDS",
+    "join_media",
+    "media_digest",
+    "media_record",
+    "read_media_record",
+    "rope_positions",
+    "split_media",
+]
 
 #: The image inputs TRL passes to the model besides the tokens (``num_images``/``num_tiles`` only slice them).
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
-              "image_sizes")
+MEDIA_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_position_ids",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+)
 #: Per-token fields of TRL's generation output aligned with ``prompt_ids + completion_ids``.
 TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
 
@@ -62,8 +76,9 @@ def split_media(inputs: dict, samples: int) -> list[dict[str, torch.Tensor]] | N
         return None
     num_images = list(inputs.get("num_images") or [])
     per_image, pieces = {}, [dict() for _ in range(samples)]
-    grid, position_ids, spatial_shapes = (inputs.get(key) for key in ("image_grid_thw", "image_position_ids",
-                                                                      "spatial_shapes"))
+    grid, position_ids, spatial_shapes = (
+        inputs.get(key) for key in ("image_grid_thw", "image_position_ids", "spatial_shapes")
+    )
     num_tiles = inputs.get("num_tiles")
     if grid is not None:
         rows = [int(rows.sum()) for rows in grid.prod(dim=-1).split(num_images)]
@@ -73,8 +88,10 @@ def split_media(inputs: dict, samples: int) -> list[dict[str, torch.Tensor]] | N
         per_image.update(pixel_values=pixel_values, image_position_ids=position_ids)
         by_sample = {}
     elif spatial_shapes is not None:
-        by_sample = {key: _split(inputs[key], list(num_tiles)) for key in ("pixel_values", "pixel_attention_mask",
-                                                                           "spatial_shapes")}
+        by_sample = {
+            key: _split(inputs[key], list(num_tiles))
+            for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+        }
     elif num_tiles is not None:
         by_sample = {"pixel_values": _split(pixel_values, list(num_tiles))}
     elif num_images and pixel_values.size(0) == sum(num_images):
@@ -126,8 +143,12 @@ def media_digest(piece: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def rope_positions(model, tokens: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None,
-                   media: list[dict[str, torch.Tensor]] | None) -> list[torch.Tensor]:
+def rope_positions(
+    model,
+    tokens: list[torch.Tensor],
+    token_fields: dict[str, list[torch.Tensor]] | None,
+    media: list[dict[str, torch.Tensor]] | None,
+) -> list[torch.Tensor]:
     """Per sample, its M-RoPE positions ``(3, len(tokens[i]))`` (CPU): ``get_rope_index`` of ``model`` (unwrapped;
     the function is on the model or its ``.model``) over the sample alone, its ``mm_token_type_ids`` and its images'
     ``image_grid_thw``. A sample without images gets text positions (what the model gives a text-only batch)."""
@@ -143,18 +164,29 @@ def rope_positions(model, tokens: list[torch.Tensor], token_fields: dict[str, li
                 positions.append(torch.arange(ids.numel()).expand(3, -1))
                 continue
             if types is None:
-                raise ValueError("image inputs come without mm_token_type_ids: the model cannot position them (stock "
-                                 "GRPOTrainer's forward raises on this batch too)")
-            position_ids, _ = owner.get_rope_index(ids.unsqueeze(0), types[i].unsqueeze(0).to(ids.device),
-                                                   image_grid_thw=grid.to(ids.device))
+                raise ValueError(
+                    "image inputs come without mm_token_type_ids: the model cannot position them (stock "
+                    "GRPOTrainer's forward raises on this batch too)"
+                )
+            position_ids, _ = owner.get_rope_index(
+                ids.unsqueeze(0), types[i].unsqueeze(0).to(ids.device), image_grid_thw=grid.to(ids.device)
+            )
             positions.append(position_ids[:, 0].cpu())
     return positions
 
 
 #: What a media record may hold (its index is the record's name code) and the dtypes it restores.
 _RECORD_NAMES = MEDIA_KEYS + TOKEN_FIELDS
-_RECORD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-                  torch.uint8)
+_RECORD_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 
 
 def media_record(piece: dict[str, torch.Tensor] | None, fields: dict[str, torch.Tensor] | None) -> torch.Tensor:

@@ -79,8 +79,15 @@ class SequenceTable:
         return len(self.tokens)
 
     @classmethod
-    def from_padded(cls, prompt_ids, prompt_mask, completion_ids, completion_mask, media=None,
-                    token_fields: dict[str, torch.Tensor] | None = None) -> SequenceTable:
+    def from_padded(
+        cls,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        media=None,
+        token_fields: dict[str, torch.Tensor] | None = None,
+    ) -> SequenceTable:
         """Strip TRL's padding: prompts are left-padded, completions right-padded (masks are contiguous).
 
         ``media``: per-sample image inputs; ``token_fields``: ``(samples, prompt width + completion width)`` tensors
@@ -93,10 +100,17 @@ class SequenceTable:
         p_cpu, c_cpu = prompt_lengths.tolist(), completion_lengths.tolist()
         for row, (p, c) in enumerate(zip(p_cpu, c_cpu)):
             tokens.append(torch.cat([prompt_ids[row, width - p :], completion_ids[row, :c]]))
-        fields = {name: [values[row, width - p : width + c] for row, (p, c) in enumerate(zip(p_cpu, c_cpu))]
-                  for name, values in (token_fields or {}).items()}
-        return cls(tokens=tokens, prompt_lengths=prompt_lengths.cpu(), completion_lengths=completion_lengths.cpu(),
-                   media=media, token_fields=fields or None)
+        fields = {
+            name: [values[row, width - p : width + c] for row, (p, c) in enumerate(zip(p_cpu, c_cpu))]
+            for name, values in (token_fields or {}).items()
+        }
+        return cls(
+            tokens=tokens,
+            prompt_lengths=prompt_lengths.cpu(),
+            completion_lengths=completion_lengths.cpu(),
+            media=media,
+            token_fields=fields or None,
+        )
 
     def prompt_groups(self) -> list[int]:
         """One id per sample, shared by the samples whose prompts are identical (numbered by first appearance).
@@ -129,8 +143,12 @@ class SequenceTable:
         """Per sample, its image inputs and token fields as one float64 record (:func:`~hf_dynbsz.execution.multimodal.
         media_record`): what travels with it to another process."""
         fields = self.token_fields or {}
-        return [media_record(self.media[i] if self.media is not None else None,
-                             {name: values[i] for name, values in fields.items()}) for i in range(len(self))]
+        return [
+            media_record(
+                self.media[i] if self.media is not None else None, {name: values[i] for name, values in fields.items()}
+            )
+            for i in range(len(self))
+        ]
 
     def with_media_records(self, records: list[torch.Tensor]) -> SequenceTable:
         """This table with the image inputs and token fields of ``records`` (one :meth:`media_records` record per
@@ -138,8 +156,13 @@ class SequenceTable:
         read = [read_media_record(record) for record in records]
         media = [piece for piece, _ in read] if any(piece for piece, _ in read) else None
         names = sorted({name for _, fields in read for name in fields})
-        fields = {name: [sample.get(name, torch.zeros(tokens.numel(), dtype=torch.long)) for (_, sample), tokens
-                         in zip(read, self.tokens)] for name in names}
+        fields = {
+            name: [
+                sample.get(name, torch.zeros(tokens.numel(), dtype=torch.long))
+                for (_, sample), tokens in zip(read, self.tokens)
+            ]
+            for name in names
+        }
         return dataclasses.replace(self, media=media, token_fields=fields or None)
 
     @classmethod
@@ -149,8 +172,16 @@ class SequenceTable:
         if any(table.media is not None for table in tables):
             media = [piece for table in tables for piece in (table.media or [{}] * len(table))]
         names = {name for table in tables for name in (table.token_fields or {})}
-        fields = {name: [values for table in tables for values in (table.token_fields or {}).get(
-            name, [torch.zeros_like(tokens) for tokens in table.tokens])] for name in sorted(names)}
+        fields = {
+            name: [
+                values
+                for table in tables
+                for values in (table.token_fields or {}).get(
+                    name, [torch.zeros_like(tokens) for tokens in table.tokens]
+                )
+            ]
+            for name in sorted(names)
+        }
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
@@ -304,8 +335,9 @@ def build_microbatch(
         for name, values in fields.items():
             model_inputs[name] = torch.cat(values).unsqueeze(0).to(device)
         if table.media is not None:
-            model_inputs.update({key: value.to(device) for key, value in join_media(
-                [table.media[i] for i in shown]).items()})
+            model_inputs.update(
+                {key: value.to(device) for key, value in join_media([table.media[i] for i in shown]).items()}
+            )
         shift_labels = torch.cat(labels).unsqueeze(0)
         if attention is not None:
             from hf_dynbsz.execution.attention import Segment, SegmentLayout
@@ -339,8 +371,9 @@ def build_microbatch(
                     aligned[j, : seq_lengths[j]] = values[i].cpu()
                 model_inputs[name] = aligned.to(device)
             if table.media is not None:
-                model_inputs.update({key: value.to(device) for key, value in join_media(
-                    [table.media[i] for i in indices]).items()})
+                model_inputs.update(
+                    {key: value.to(device) for key, value in join_media([table.media[i] for i in indices]).items()}
+                )
             position_ids = None
 
     model_inputs["input_ids"] = input_ids.to(device)
@@ -359,8 +392,14 @@ def build_microbatch(
     )
 
 
-def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", attention: str | None = None,
-                     attention_mask: bool = False, position_offset: int = 0, width: int = 2) -> MicroBatch:
+def dummy_microbatch(
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+    attention: str | None = None,
+    attention_mask: bool = False,
+    position_offset: int = 0,
+    width: int = 2,
+) -> MicroBatch:
     """A ``width``-token (at least two) micro-batch for zero-weight lockstep passes (a rank with fewer sequences than
     passes; under sequence parallelism one token per process of the group).
 
@@ -369,8 +408,10 @@ def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", atte
     """
     input_ids = torch.full((1, width), pad_token_id, dtype=torch.long)
     shift_labels = torch.tensor([[pad_token_id] * (width - 1) + [-100]], dtype=torch.long)
-    model_inputs = {"input_ids": input_ids.to(device),
-                    "position_ids": (torch.arange(width) + position_offset).unsqueeze(0).to(device)}
+    model_inputs = {
+        "input_ids": input_ids.to(device),
+        "position_ids": (torch.arange(width) + position_offset).unsqueeze(0).to(device),
+    }
     if attention_mask:
         model_inputs["attention_mask"] = torch.ones(1, width, dtype=torch.long, device=device)
     segment_layout = None
@@ -388,4 +429,3 @@ def dummy_microbatch(pad_token_id: int, device: torch.device | str = "cpu", atte
         computed_tokens=0,
         segments=segment_layout,
     )
-

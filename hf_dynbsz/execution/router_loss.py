@@ -44,15 +44,17 @@ def captured_router_logits(model):
     causal_lm = base_model(model)
     captured: list = []
     handle = causal_lm.base_model.register_forward_hook(
-        lambda module, args, output: captured.append(output.router_logits))
+        lambda module, args, output: captured.append(output.router_logits)
+    )
     try:
         yield captured
     finally:
         handle.remove()
 
 
-def router_statistics(router_logits, token_index: torch.Tensor, row_index: torch.Tensor, rows: int, top_k: int,
-                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def router_statistics(
+    router_logits, token_index: torch.Tensor, row_index: torch.Tensor, rows: int, top_k: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (sample) of a pass: ``(counts, probabilities)``, each ``(rows, num_experts)`` summed over the router
     layers and the row's tokens.
 
@@ -69,7 +71,8 @@ def router_statistics(router_logits, token_index: torch.Tensor, row_index: torch
         one_hot = torch.zeros_like(weights, dtype=torch.float64).scatter_(1, chosen, 1.0)
         counts.index_add_(0, row_index, one_hot)
         summed = torch.zeros(rows, num_experts, dtype=weights.dtype, device=weights.device).index_add(
-            0, row_index, weights)
+            0, row_index, weights
+        )
         probabilities = summed if probabilities is None else probabilities + summed
     return counts, probabilities
 
@@ -82,8 +85,9 @@ class RouterAuxLoss:
     ``gradient_accumulation_steps``: stock's divisor of the aux loss.
     """
 
-    def __init__(self, coef: float, num_experts: int, top_k: int, num_slices: int, gradient_accumulation_steps: int,
-                 device) -> None:
+    def __init__(
+        self, coef: float, num_experts: int, top_k: int, num_slices: int, gradient_accumulation_steps: int, device
+    ) -> None:
         self.coef, self.num_experts, self.top_k = coef, num_experts, top_k
         self.gradient_accumulation_steps = gradient_accumulation_steps
         # per slice: expert counts (E), tokens (1); and the detached probability sums of the training passes (E)
@@ -120,12 +124,14 @@ class RouterAuxLoss:
         scale = self.coef * self.num_experts / (self.gradient_accumulation_steps * self._routed(counts) ** 2)
         return counts[:, :-1] * scale.unsqueeze(1)
 
-    def term(self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], slice_ids: torch.Tensor
-             ) -> torch.Tensor:
+    def term(
+        self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], slice_ids: torch.Tensor
+    ) -> torch.Tensor:
         """The aux loss of one training pass's samples (scalar, with gradient), from its router logits."""
         token_index, row_index = token_rows
-        _, probabilities = router_statistics(router_logits, token_index, row_index, len(slice_ids), self.top_k,
-                                             self.num_experts)
+        _, probabilities = router_statistics(
+            router_logits, token_index, row_index, len(slice_ids), self.top_k, self.num_experts
+        )
         self.probabilities.index_add_(0, slice_ids.to(self.probabilities.device), probabilities.detach().double())
         weights = self.weights(slice_ids).to(probabilities.dtype)
         return (weights * probabilities).sum()

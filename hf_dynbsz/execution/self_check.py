@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
+from hf_dynbsz.planning.model_support import Layout
 
 __all__ = ["CheckResult", "alone_microbatch", "pick_samples", "run_self_check", "tolerance"]
 
@@ -69,8 +69,9 @@ def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
 def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
     """The per-sample reference's input: sample ``index`` as one unpadded row with an all-ones attention mask and no
     position ids (the model positions it as it does any single sequence, as generation did)."""
-    mb = build_microbatch(table, [index], layout="padded", pad_token_id=pad_token_id, device=device,
-                          attention_mask=True)
+    mb = build_microbatch(
+        table, [index], layout="padded", pad_token_id=pad_token_id, device=device, attention_mask=True
+    )
     mb.model_inputs.pop("position_ids", None)
     return mb
 
@@ -89,18 +90,26 @@ class CheckResult:
         """What the run trains with and why, for the log."""
         why = "; ".join(self.reasons) or "another process found the faster layouts inexact"
         if self.chosen == len(layouts):
-            return (f"self-check: no layout gives each sample's own log-probs on this model, stock GRPOTrainer math "
-                    f"runs ({why}).")
+            return (
+                f"self-check: no layout gives each sample's own log-probs on this model, stock GRPOTrainer math "
+                f"runs ({why})."
+            )
         if self.chosen:
-            return (f"self-check: {layouts[self.chosen].describe()} runs, the faster layouts differ from each "
-                    f"sample's own log-probs ({why}).")
+            return (
+                f"self-check: {layouts[self.chosen].describe()} runs, the faster layouts differ from each "
+                f"sample's own log-probs ({why})."
+            )
         return f"self-check passed: {layouts[0].describe()} (largest log-prob difference {self.errors[0]:.1e})."
 
 
-def run_self_check(layouts: Sequence[Layout], table: SequenceTable,
-                   run_layout: Callable[[Layout, list[int]], torch.Tensor],
-                   run_alone: Callable[[int], torch.Tensor], limit: float,
-                   agree: Callable[[int], int] = lambda index: index) -> CheckResult:
+def run_self_check(
+    layouts: Sequence[Layout],
+    table: SequenceTable,
+    run_layout: Callable[[Layout, list[int]], torch.Tensor],
+    run_alone: Callable[[int], torch.Tensor],
+    limit: float,
+    agree: Callable[[int], int] = lambda index: index,
+) -> CheckResult:
     """Check ``layouts`` (fastest first) on a few samples of ``table``.
 
     ``run_layout(layout, indices)`` returns the completion log-probs ``(rows, width)`` of one pass over those
@@ -118,12 +127,19 @@ def run_self_check(layouts: Sequence[Layout], table: SequenceTable,
     for layout in layouts:
         try:
             logps = run_layout(layout, distinct)
-            error = max((float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
-                         for row, i in enumerate(distinct) if completions[i]), default=0.0)
+            error = max(
+                (
+                    float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
+                    for row, i in enumerate(distinct)
+                    if completions[i]
+                ),
+                default=0.0,
+            )
             if math.isnan(error):
                 error = math.inf
-            reasons.append(f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} "
-                           f"(tolerance {limit:g})")
+            reasons.append(
+                f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
+            )
         except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
             error = math.inf
             reasons.append(f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}")

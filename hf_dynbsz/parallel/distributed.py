@@ -80,25 +80,34 @@ class ProcessGroup:
         dist.all_gather(gathered, padded, group=self.group)
         return [tensor[:size].tolist() for tensor, size in zip(gathered, sizes)]
 
-    def send_to_runners(self, records: list[torch.Tensor], exchange: Exchange,
-                        size: Callable[[int, int], int] | None = None) -> list[torch.Tensor]:
+    def send_to_runners(
+        self, records: list[torch.Tensor], exchange: Exchange, size: Callable[[int, int], int] | None = None
+    ) -> list[torch.Tensor]:
         """This process's records (one per sample, local order) to the processes that run them.
 
         Returns the records of the samples this process runs, in :attr:`Exchange.incoming` order. ``size(prompt,
         completion)`` is the length of a record; None: records of any length, whose lengths travel first.
         """
         if size is None:
-            lengths = iter(int(length) for length in self.send_to_runners(
-                [torch.tensor([float(record.numel())], dtype=torch.float64) for record in records], exchange,
-                lambda prompt, completion: 1))
+            lengths = iter(
+                int(length)
+                for length in self.send_to_runners(
+                    [torch.tensor([float(record.numel())], dtype=torch.float64) for record in records],
+                    exchange,
+                    lambda prompt, completion: 1,
+                )
+            )
             size = lambda prompt, completion: next(lengths)  # noqa: E731 - in incoming order, as sent
         outgoing = [[records[i] for i in indices] for indices in exchange.outgoing]
-        incoming = [[size(*exchange.shapes[origin][i]) for i, target in enumerate(targets) if target == self.rank]
-                    for origin, targets in enumerate(exchange.destination)]
+        incoming = [
+            [size(*exchange.shapes[origin][i]) for i, target in enumerate(targets) if target == self.rank]
+            for origin, targets in enumerate(exchange.destination)
+        ]
         return [record for from_one in self._all_to_all(outgoing, incoming) for record in from_one]
 
-    def send_to_owners(self, records: list[torch.Tensor], exchange: Exchange,
-                       size: Callable[[int, int], int]) -> list[torch.Tensor]:
+    def send_to_owners(
+        self, records: list[torch.Tensor], exchange: Exchange, size: Callable[[int, int], int]
+    ) -> list[torch.Tensor]:
         """The reverse of :meth:`send_to_runners`: results of the samples this process ran, back to their owners.
 
         ``records`` are in :attr:`Exchange.incoming` order; returns one record per own sample, in local order.
@@ -129,9 +138,11 @@ class ProcessGroup:
         process runs. ``media`` must be the same on every process (the model is vision-language)."""
         records = self.send_to_runners([tokens.double() for tokens in table.tokens], exchange, lambda p, c: p + c)
         shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
-        moved = SequenceTable(tokens=[record.long() for record in records],
-                              prompt_lengths=torch.tensor([p for p, _ in shapes]),
-                              completion_lengths=torch.tensor([c for _, c in shapes]))
+        moved = SequenceTable(
+            tokens=[record.long() for record in records],
+            prompt_lengths=torch.tensor([p for p, _ in shapes]),
+            completion_lengths=torch.tensor([c for _, c in shapes]),
+        )
         return moved.with_media_records(self.send_to_runners(table.media_records(), exchange)) if media else moved
 
     def return_rows(self, rows: list[torch.Tensor], exchange: Exchange, width: int, k: int) -> torch.Tensor:
@@ -144,14 +155,19 @@ class ProcessGroup:
             result[i, :, : values.size(1)] = values.float()
         return result
 
-    def _all_to_all(self, outgoing: list[list[torch.Tensor]], incoming_sizes: list[list[int]]) -> list[list[torch.Tensor]]:
+    def _all_to_all(
+        self, outgoing: list[list[torch.Tensor]], incoming_sizes: list[list[int]]
+    ) -> list[list[torch.Tensor]]:
         """Send ``outgoing[p]`` (1-D float64 records) to process ``p``; receive records of ``incoming_sizes[p]``."""
-        send = [torch.cat(records) if records else torch.zeros(0, dtype=torch.float64, device=self.device)
-                for records in outgoing]
+        send = [
+            torch.cat(records) if records else torch.zeros(0, dtype=torch.float64, device=self.device)
+            for records in outgoing
+        ]
         send_splits = [int(part.numel()) for part in send]
         receive_splits = [sum(sizes) for sizes in incoming_sizes]
         received = torch.empty(sum(receive_splits), dtype=torch.float64, device=self.device)
-        dist.all_to_all_single(received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits,
-                               group=self.group)
+        dist.all_to_all_single(
+            received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits, group=self.group
+        )
         parts = received.split(receive_splits)
         return [list(part.split(sizes)) if sizes else [] for part, sizes in zip(parts, incoming_sizes)]

@@ -46,30 +46,49 @@ __all__ = ["ULYSSES_ATTENTION_NAME", "SequenceParallel", "gather_shards", "seque
 ULYSSES_ATTENTION_NAME = "hf_dynbsz_ulysses"
 
 
-def sequence_parallel_blocker(size: int, num_processes: int, *, layouts, support, vision_language: str | None,
-                              router_aux: bool, entropy_bonus: bool, text_config) -> str | None:
+def sequence_parallel_blocker(
+    size: int,
+    num_processes: int,
+    *,
+    layouts,
+    support,
+    vision_language: str | None,
+    router_aux: bool,
+    entropy_bonus: bool,
+    text_config,
+) -> str | None:
     """Why ``sequence_parallel_size=size`` cannot run (a message naming the setting and the fix), or None."""
     fix = "set sequence_parallel_size=1 (parallelism_config sp_size=1)"
     if num_processes % size:
-        return (f"sequence_parallel_size={size} does not divide the {num_processes} processes: launch a multiple of "
-                f"{size} processes, or {fix}")
+        return (
+            f"sequence_parallel_size={size} does not divide the {num_processes} processes: launch a multiple of "
+            f"{size} processes, or {fix}"
+        )
     if vision_language is not None:
         return f"sequence_parallel_size={size} does not run vision-language models (image inputs): {fix}"
     if not layouts or layouts[0].name != "padding_free" or layouts[0].segment_attention is None:
         reason = support.padding_free_blocker or "packing_layout is not 'padding_free'"
-        return (f"sequence_parallel_size={size} shards padding-free rows through segment attention, which this run "
-                f"does not use ({reason}): {fix}, or use packing_layout='padding_free' with a model that allows it")
+        return (
+            f"sequence_parallel_size={size} shards padding-free rows through segment attention, which this run "
+            f"does not use ({reason}): {fix}, or use packing_layout='padding_free' with a model that allows it"
+        )
     if router_aux:
         return f"sequence_parallel_size={size} does not repack the MoE router aux loss: {fix}"
     if entropy_bonus:
         return f"sequence_parallel_size={size} does not repack the entropy bonus: {fix}"
     heads = _read(text_config, "num_attention_heads")  # (a per-layer count reads as None: refused)
     kv_heads = _read(text_config, "num_key_value_heads", heads)
-    if not isinstance(heads, int) or heads % size or not isinstance(kv_heads, int) or (kv_heads % size and
-                                                                                       size % kv_heads):
-        return (f"sequence_parallel_size={size} must divide the attention heads (num_attention_heads={heads}, and "
-                f"num_key_value_heads={kv_heads} or be a multiple of it): Ulysses gives each process of a group 1/"
-                f"{size} of the heads; {fix} or a size that divides them")
+    if (
+        not isinstance(heads, int)
+        or heads % size
+        or not isinstance(kv_heads, int)
+        or (kv_heads % size and size % kv_heads)
+    ):
+        return (
+            f"sequence_parallel_size={size} must divide the attention heads (num_attention_heads={heads}, and "
+            f"num_key_value_heads={kv_heads} or be a multiple of it): Ulysses gives each process of a group 1/"
+            f"{size} of the heads; {fix} or a size that divides them"
+        )
     return None
 
 
@@ -85,7 +104,7 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width], None, None, None
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None, None, None
 
 
 def gather_shards(shard: torch.Tensor, parallel: SequenceParallel) -> torch.Tensor:
@@ -113,15 +132,13 @@ class SequenceParallel:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         if not deepspeed.comm.is_initialized():  # DeepSpeed's groups need its comm layer (on the same process group)
-            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                                            verbose=False)
+            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
         parallel_state_sp._release_sequence_parallel_groups()  # a second trainer in one process forms them anew
         config = text_config_of(model.config)
         previous = config._attn_implementation
         config._attn_implementation = ATTENTION_NAME  # DeepSpeed checks that the model runs the core it wraps
         try:
-            UlyssesSPAttentionHF.register_with_transformers(model, ATTENTION_NAME, size, 1,
-                                                            seq_length_is_variable=True)
+            UlyssesSPAttentionHF.register_with_transformers(model, ATTENTION_NAME, size, 1, seq_length_is_variable=True)
         finally:
             config._attn_implementation = previous
         # DeepSpeed put its wrapper in place of the core: move it to a name of its own, so that unsharded passes
@@ -134,8 +151,9 @@ class SequenceParallel:
             created = dist.new_group(ranks)
             if rank in ranks:
                 peers = created
-        return cls(size, parallel_state_sp.get_sequence_parallel_rank(),
-                   parallel_state_sp.get_sequence_parallel_group(), peers)
+        return cls(
+            size, parallel_state_sp.get_sequence_parallel_rank(), parallel_state_sp.get_sequence_parallel_group(), peers
+        )
 
     # ---- pooling the group's samples ---------------------------------------------------------------------------
     def _gather_objects(self, value):
@@ -146,12 +164,20 @@ class SequenceParallel:
     def pool_batch(self, batch):
         """The group's training samples, every process's in group order, each with its stock loss weights."""
         shapes = list(zip(batch.table.prompt_lengths.tolist(), batch.table.completion_lengths.tolist()))
-        members = self._gather_objects(([record.cpu() for record in batch.records()], shapes,
-                                        batch.slice_rows.cpu(), batch.stock_microbatch_tokens,
-                                        batch.stock_computed_tokens))
+        members = self._gather_objects(
+            (
+                [record.cpu() for record in batch.records()],
+                shapes,
+                batch.slice_rows.cpu(),
+                batch.stock_microbatch_tokens,
+                batch.stock_computed_tokens,
+            )
+        )
         device = batch.loss_mask.device
-        pooled = batch.from_records([record.to(device) for member in members for record in member[0]],
-                                    [shape for member in members for shape in member[1]])
+        pooled = batch.from_records(
+            [record.to(device) for member in members for record in member[0]],
+            [shape for member in members for shape in member[1]],
+        )
         pooled.slice_rows = torch.stack([member[2] for member in members]).sum(dim=0)
         pooled.stock_microbatch_tokens = max(member[3] for member in members)
         pooled.stock_computed_tokens = sum(member[4] for member in members)
@@ -162,13 +188,16 @@ class SequenceParallel:
         process's own samples in it."""
         from hf_dynbsz.execution.packing import SequenceTable
 
-        members = self._gather_objects(([tokens.cpu() for tokens in table.tokens], table.prompt_lengths.cpu(),
-                                        table.completion_lengths.cpu()))
+        members = self._gather_objects(
+            ([tokens.cpu() for tokens in table.tokens], table.prompt_lengths.cpu(), table.completion_lengths.cpu())
+        )
         start = sum(len(member[0]) for member in members[: self.rank])
         device = table.tokens[0].device if len(table) else torch.device("cpu")
-        pooled = SequenceTable(tokens=[tokens.to(device) for member in members for tokens in member[0]],
-                               prompt_lengths=torch.cat([member[1] for member in members]),
-                               completion_lengths=torch.cat([member[2] for member in members]))
+        pooled = SequenceTable(
+            tokens=[tokens.to(device) for member in members for tokens in member[0]],
+            prompt_lengths=torch.cat([member[1] for member in members]),
+            completion_lengths=torch.cat([member[2] for member in members]),
+        )
         return pooled, slice(start, start + len(table))
 
     # ---- sharding a pass ---------------------------------------------------------------------------------------
@@ -176,6 +205,8 @@ class SequenceParallel:
         """This process's shard of a row (every tensor cut along its last, sequence, dimension)."""
         width = shift_labels.size(-1)
         if width % self.size:
-            raise ValueError(f"a sharded row must be a multiple of sequence_parallel_size={self.size} wide, got {width}")
+            raise ValueError(
+                f"a sharded row must be a multiple of sequence_parallel_size={self.size} wide, got {width}"
+            )
         part = slice(self.rank * (width // self.size), (self.rank + 1) * (width // self.size))
         return {name: value[..., part] for name, value in model_inputs.items()}, shift_labels[..., part]

@@ -47,8 +47,13 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) * len(loads) / total if total > 0 else 1.0
 
 
-def balance(costs: Sequence[float], bins: int, sizes: Sequence[int] | None = None,
-            capacity: int | None = None, close_enough: float = 0.0) -> list[int] | None:
+def balance(
+    costs: Sequence[float],
+    bins: int,
+    sizes: Sequence[int] | None = None,
+    capacity: int | None = None,
+    close_enough: float = 0.0,
+) -> list[int] | None:
     """Bin (``0 .. bins - 1``) of each item: longest first with a room check, then :func:`improve`.
 
     ``costs``: what the bins' loads sum; ``sizes``/``capacity``: the tokens of each item and the most a bin holds
@@ -87,8 +92,14 @@ def balance(costs: Sequence[float], bins: int, sizes: Sequence[int] | None = Non
     return improve(destination, costs, bins, sizes, capacity, close_enough)
 
 
-def improve(destination: list[int], costs: Sequence[float], bins: int, sizes: Sequence[int] | None = None,
-            capacity: int | None = None, close_enough: float = 0.0) -> list[int]:
+def improve(
+    destination: list[int],
+    costs: Sequence[float],
+    bins: int,
+    sizes: Sequence[int] | None = None,
+    capacity: int | None = None,
+    close_enough: float = 0.0,
+) -> list[int]:
     """Moves and swaps between the most loaded bin holding two items or more (a bin of one item cannot get lighter)
     and the least loaded bin, while they lower the larger of the two loads.
 
@@ -119,8 +130,14 @@ def improve(destination: list[int], costs: Sequence[float], bins: int, sizes: Se
         if not heaviest or -heaviest[0][0] <= good_enough:
             break
         heavy, light = -heaviest[0][1], lightest[0][1]
-        change = _best_change(members[heavy], members[light], costs, loads[heavy] - loads[light], sizes,
-                              None if capacity is None else (capacity - tokens[heavy], capacity - tokens[light]))
+        change = _best_change(
+            members[heavy],
+            members[light],
+            costs,
+            loads[heavy] - loads[light],
+            sizes,
+            None if capacity is None else (capacity - tokens[heavy], capacity - tokens[light]),
+        )
         if change is None:
             break
         for item, source, target in ((change[0], heavy, light), (change[1], light, heavy)):
@@ -141,8 +158,14 @@ def improve(destination: list[int], costs: Sequence[float], bins: int, sizes: Se
     return destination
 
 
-def _best_change(heavy: list[int], light: list[int], costs: Sequence[float], gap: float,
-                 sizes: Sequence[int] | None, free: tuple[int, int] | None):
+def _best_change(
+    heavy: list[int],
+    light: list[int],
+    costs: Sequence[float],
+    gap: float,
+    sizes: Sequence[int] | None,
+    free: tuple[int, int] | None,
+):
     """(item to give, item to take back or None) whose cost difference is in (0, gap) and closest to gap / 2, within
     the ``free`` room of the heavy and the light bin (None: no capacity)."""
     if gap <= 0:
@@ -224,8 +247,13 @@ def assign(unit_costs: Sequence[Sequence[float]], min_relative_gain: float = MIN
         return unchanged
     longest_first = _renamed(balance(costs, num_processes), origin, costs, num_processes)
     candidates = [improve(list(origin), costs, num_processes), longest_first]
-    best = min(candidates, key=lambda destination: (max(_loads(destination, costs, num_processes)),
-                                                    sum(a != b for a, b in zip(destination, origin))))
+    best = min(
+        candidates,
+        key=lambda destination: (
+            max(_loads(destination, costs, num_processes)),
+            sum(a != b for a, b in zip(destination, origin)),
+        ),
+    )
     after = _loads(best, costs, num_processes)
     if max(before) - max(after) < min_relative_gain * max(before):
         return unchanged

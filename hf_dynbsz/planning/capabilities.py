@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_dynbsz.planning.env import env_sources
-from hf_dynbsz.planning.model_support import REPACKED_VISION_MODEL_TYPES, Layout, ModelSupport, images_stay_on_their_process
+from hf_dynbsz.planning.model_support import (
+    REPACKED_VISION_MODEL_TYPES,
+    Layout,
+    ModelSupport,
+    images_stay_on_their_process,
+)
 from hf_dynbsz.planning.schedule import RankGroup, Scheduler
 from hf_dynbsz.planning.settings import ENV_SETTINGS
 
@@ -71,8 +76,10 @@ class Capabilities:
         router_aux = enabled and aux_loss and support.router_aux is not None
         if enabled and aux_loss and not router_aux:
             enabled = False
-            notes.append(f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
-                         f"repacked ({support.router_aux_blocker})")
+            notes.append(
+                f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
+                f"repacked ({support.router_aux_blocker})"
+            )
         layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix))
         if enabled:
             notes += layout_notes + list(support.notes)
@@ -80,13 +87,21 @@ class Capabilities:
         scheduler = Scheduler.from_args(args, support, group, layout=layouts[0] if layouts else Layout("padded"))
         vision_language = support.vision_language
         if enabled and vision_language == "stock":
-            notes.append(f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
-                         f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
-                         "are repacked")
-        if (enabled and images_stay_on_their_process(vision_language) and args.balance_across_ranks
-                and group.num_processes > 1):
+            notes.append(
+                f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
+                f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
+                "are repacked"
+            )
+        if (
+            enabled
+            and images_stay_on_their_process(vision_language)
+            and args.balance_across_ranks
+            and group.num_processes > 1
+        ):
             notes.append("balance_across_ranks is not applied: the image inputs of this family stay on their process")
         if args.per_device_generation_batch_size is not None and external_generation:
-            notes.append(f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
-                         "vLLM / continuous batching schedule their own generation batches")
+            notes.append(
+                f"per_device_generation_batch_size={args.per_device_generation_batch_size} does not apply: "
+                "vLLM / continuous batching schedule their own generation batches"
+            )
         return cls(enabled, support, layouts, scheduler, notes, router_aux)

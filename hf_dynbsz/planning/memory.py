@@ -31,8 +31,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_HEADROOM", "KINDS", "Coefficients", "FailedPass", "MemoryModel", "OutOfMemoryBudgetError",
-           "estimated_held_mib", "plan_rows"]
+__all__ = [
+    "MEMORY_HEADROOM",
+    "KINDS",
+    "Coefficients",
+    "FailedPass",
+    "MemoryModel",
+    "OutOfMemoryBudgetError",
+    "estimated_held_mib",
+    "plan_rows",
+]
 
 #: Share of the limit kept free (allocator fragmentation, what changes between plans) ...
 MEMORY_HEADROOM = 0.02
@@ -76,14 +84,17 @@ class Coefficients:
         return Coefficients(self.fixed * factor, self.per_token * factor, self.per_pair * factor)
 
     def describe(self) -> str:
-        return (f"{self.fixed:.0f} MiB + {self.per_token * 1024:.1f} KiB/token"
-                + (f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else ""))
+        return f"{self.fixed:.0f} MiB + {self.per_token * 1024:.1f} KiB/token" + (
+            f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else ""
+        )
 
 
 def _size(config: Any, name: str) -> int:
     """A config size read as one int: the largest of a per-layer list (Gemma-3n's ``intermediate_size``), 0 when it
     is missing, unreadable or not a number (the caller's default then applies)."""
-    from hf_dynbsz.planning.model_support import _read  # the one config reader: per-layer attributes raise on global access
+    from hf_dynbsz.planning.model_support import (
+        _read,
+    )  # the one config reader: per-layer attributes raise on global access
 
     value = _read(config, name, 0)
     if isinstance(value, (list, tuple)):
@@ -91,8 +102,15 @@ def _size(config: Any, name: str) -> int:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
-def prior_coefficients(config: Any, kind: str, *, activation_bytes: int = 4, gradient_checkpointing: bool = False,
-                       tensor_batch_size: int | None = 1024, attn_implementation: str | None = None) -> Coefficients:
+def prior_coefficients(
+    config: Any,
+    kind: str,
+    *,
+    activation_bytes: int = 4,
+    gradient_checkpointing: bool = False,
+    tensor_batch_size: int | None = 1024,
+    attn_implementation: str | None = None,
+) -> Coefficients:
     """A first guess of a pass's increment from a transformers config (or namespace), before any pass is measured.
 
     Per layer and token, a decoder keeps about ``18 x hidden + 4 x intermediate`` activations for backward
@@ -163,7 +181,8 @@ class MemoryModel:
         """A measured pass of ``kind``: ``tokens`` and ``pairs`` as planned, ``increment_mib`` its measured peak minus
         what the process held before it (and minus the gradients its backward allocated for the first time)."""
         self.observations.setdefault(kind, deque(maxlen=OBSERVATIONS_KEPT)).append(
-            _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0)))
+            _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0))
+        )
         self._fits.pop(kind, None)
 
     def measured(self, kind: str, tokens: int, pairs: int, held_mib: float, peak_mib: float) -> None:
@@ -198,8 +217,9 @@ class MemoryModel:
             # too few, or too alike, to part the fixed term from the per-token one (measurements are noisy): keep
             # the prior's fixed term and fit one scale of its per-token and per-pair terms
             load = [prior.per_token * p.tokens + prior.per_pair * p.pairs for p in points]
-            scale = sum(x * (p.increment - prior.fixed) for x, p in zip(load, points)) / max(sum(x * x for x in load),
-                                                                                             1e-12)
+            scale = sum(x * (p.increment - prior.fixed) for x, p in zip(load, points)) / max(
+                sum(x * x for x in load), 1e-12
+            )
             return Coefficients(prior.fixed, prior.per_token * max(scale, 0.0), prior.per_pair * max(scale, 0.0))
         use_pairs = prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3
         columns = ["fixed", "per_token"] + (["per_pair"] if use_pairs else [])
@@ -272,32 +292,52 @@ class FailedPass:
         """What failed, for the log line of a retry and for :class:`OutOfMemoryBudgetError`."""
         if not self.samples:
             return f"a {self.kind} pass of another process ran out of memory"
-        what = (f"a {self.kind} pass of {self.samples} sequence(s), {self.tokens} tokens (the longest {self.longest}), "
-                f"ran out of memory ({self.message})")
+        what = (
+            f"a {self.kind} pass of {self.samples} sequence(s), {self.tokens} tokens (the longest {self.longest}), "
+            f"ran out of memory ({self.message})"
+        )
         if self.samples > 1:
             return what
         needed = memory.increment(self.kind, self.tokens, self.pairs)
         limit = "" if memory.limit_mib is None else f" of the {memory.limit_mib:.0f} MiB limit"
         held = "" if self.held is None else f" while the process held {self.held:.0f} MiB{limit}"
-        return (f"{what}: one sequence of {self.longest} tokens alone needs about {needed:.0f} MiB more{held}, twice, "
-                "and cannot be split. Lower max_completion_length, turn on gradient checkpointing, lower "
-                "tensor_batch_size, or give the process more memory (max_memory_per_device_mib).")
+        return (
+            f"{what}: one sequence of {self.longest} tokens alone needs about {needed:.0f} MiB more{held}, twice, "
+            "and cannot be split. Lower max_completion_length, turn on gradient checkpointing, lower "
+            "tensor_batch_size, or give the process more memory (max_memory_per_device_mib)."
+        )
 
 
 def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: int) -> list[tuple[str, str, str]]:
     """``(setting, per-device value, meaning)`` rows of the plan table for a memory limit: the limit, what the
     process holds, each kind's model and the budget that fits with sequences up to ``longest`` tokens."""
-    rows = [("max_memory_per_device_mib", f"{memory.limit_mib:.0f}",
-             f"MiB one process may use; a pass's predicted peak (+{memory.increment_margin:.0%} of what it adds) fits "
-             f"it less {memory.headroom:.0%}"),
-            ("memory held before passes", f"{held_mib:.0f} MiB", held_source)]
+    rows = [
+        (
+            "max_memory_per_device_mib",
+            f"{memory.limit_mib:.0f}",
+            f"MiB one process may use; a pass's predicted peak (+{memory.increment_margin:.0%} of what it adds) fits "
+            f"it less {memory.headroom:.0%}",
+        ),
+        ("memory held before passes", f"{held_mib:.0f} MiB", held_source),
+    ]
     for kind, label in (("training", "training"), ("logprob", "no-grad")):
-        rows.append((f"memory of a {label} pass", memory.describe(kind),
-                     "on top of what the process holds; refitted from every measured pass"))
+        rows.append(
+            (
+                f"memory of a {label} pass",
+                memory.describe(kind),
+                "on top of what the process holds; refitted from every measured pass",
+            )
+        )
         fits = memory.room(held_mib) > memory.coefficients(kind).fixed * (1 + memory.increment_margin)
-        rows.append((f"budget that fits, {label}", str(memory.budget(kind, held_mib, longest)) if fits else "none",
-                     f"tokens per pass whose predicted peak fits, sequences up to {longest} tokens" if fits else
-                     "what the process holds leaves no room for a pass: raise the limit, or shard with ZeRO"))
+        rows.append(
+            (
+                f"budget that fits, {label}",
+                str(memory.budget(kind, held_mib, longest)) if fits else "none",
+                f"tokens per pass whose predicted peak fits, sequences up to {longest} tokens"
+                if fits
+                else "what the process holds leaves no room for a pass: raise the limit, or shard with ZeRO",
+            )
+        )
     return rows
 
 

@@ -39,16 +39,19 @@ VARLEN_ATTENTION_PREFIXES = ("flash_attention_2", "flash_attention_3", "kernels-
 #: Layer types that see other tokens only through attention (or not at all): a padding-free row keeps its
 #: sequences apart in them. Any other type (linear attention, Mamba, short convolutions, indexer attention, ...) may
 #: carry state along the row, from one sequence into the next.
-MASK_RESPECTING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
-                                         "mlp", "moe", "dense", "sparse"})
+MASK_RESPECTING_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe", "dense", "sparse"}
+)
 
 #: Config keys of per-layer kinds (``layer_types`` and the names hybrid models give them).
 LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types", "attn_type_list")
 
 #: Class names of modules that carry state from one token to the next outside attention (recurrences,
 #: state-space mixers, convolutions over the sequence): a padding-free row would carry it across sequences.
-STATEFUL_MODULE = re.compile(r"Mamba|Mixer|SSM|Ssm|RWKV|Rwkv|LSTM|Lstm|Recurrent|RgLru|RGLRU|GatedDeltaNet|"
-                             r"LinearAttention|ShortConv|Lightning|Retention|^Conv1d$")
+STATEFUL_MODULE = re.compile(
+    r"Mamba|Mixer|SSM|Ssm|RWKV|Rwkv|LSTM|Lstm|Recurrent|RgLru|RGLRU|GatedDeltaNet|"
+    r"LinearAttention|ShortConv|Lightning|Retention|^Conv1d$"
+)
 
 #: Vision-language model types whose image steps are repacked, each sample's image inputs moving with it (tested
 #: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
@@ -61,8 +64,10 @@ REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
 MULTIMODAL_ROPE_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 #: Why a vision-language model outside :data:`REPACKED_VISION_MODEL_TYPES` trains in padded micro-batches only.
-VISION_LANGUAGE_PADDED = ("a vision-language model computes its own (multimodal) position ids from the attention mask, "
-                          "which a padding-free row does not carry")
+VISION_LANGUAGE_PADDED = (
+    "a vision-language model computes its own (multimodal) position ids from the attention mask, "
+    "which a padding-free row does not carry"
+)
 
 #: The base implementations segment attention runs per segment.
 SEGMENT_ATTENTION_BASES = ("sdpa", "eager")
@@ -186,8 +191,13 @@ class ModelSupport:
             attn_implementation = _read(text, "_attn_implementation")
         vision = vision_language_mode(config)
         flops, notes = _flops(text)
-        support = cls(model_type=_read(config, "model_type"), attn_implementation=attn_implementation,
-                      vision_language=vision, model_flops=flops, notes=notes)
+        support = cls(
+            model_type=_read(config, "model_type"),
+            attn_implementation=attn_implementation,
+            vision_language=vision,
+            model_flops=flops,
+            notes=notes,
+        )
         decoder = _language_model(model) if vision else model  # what a padding-free row runs through
         padding_free = VISION_LANGUAGE_PADDED if vision == "stock" else _state_carrying_layers(text, decoder)
         if padding_free is None and model is not None and not _takes_position_ids(model):
@@ -199,15 +209,20 @@ class ModelSupport:
             segment = segment or bidirectional
             unmasked = bidirectional
         router_aux, router_blocker = _router_aux_form(text, model)
-        return replace(support, padding_free_blocker=padding_free, segment_attention_blocker=segment,
-                       unmasked_padding_blocker=unmasked, repacking_blocker=_content_selected_keys(text),
-                       router_aux=router_aux, router_aux_blocker=router_blocker,
-                       position_offset=_position_offset(model),
-                       multimodal_rope=vision == "repacked" and _read(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES)
+        return replace(
+            support,
+            padding_free_blocker=padding_free,
+            segment_attention_blocker=segment,
+            unmasked_padding_blocker=unmasked,
+            repacking_blocker=_content_selected_keys(text),
+            router_aux=router_aux,
+            router_aux_blocker=router_blocker,
+            position_offset=_position_offset(model),
+            multimodal_rope=vision == "repacked" and _read(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
+        )
 
     # ------------------------------------------------------------------ what a run uses
-    def layouts(self, packing_layout: str = "auto", share_prompt_prefix: bool = True) -> tuple[list[Layout],
-                                                                                              list[str]]:
+    def layouts(self, packing_layout: str = "auto", share_prompt_prefix: bool = True) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
 
         ``packing_layout`` "auto" starts from padding-free rows where each sequence can attend to itself alone
@@ -236,17 +251,23 @@ class ModelSupport:
             elif packing_layout == "padding_free":  # transformers' own block mask over the row: dense, but asked for
                 ladder.append(Layout("padding_free", attention="dense"))
         if packing_layout == "padding_free" and not ladder:
-            raise ValueError(f"packing_layout='padding_free' cannot train this model exactly: "
-                             f"{self.padding_free_blocker}. Use packing_layout='auto' (padded for this model) or "
-                             "'padded'.")
+            raise ValueError(
+                f"packing_layout='padding_free' cannot train this model exactly: "
+                f"{self.padding_free_blocker}. Use packing_layout='auto' (padded for this model) or "
+                "'padded'."
+            )
         if packing_layout != "padding_free":
             if self.unmasked_padding_blocker is None:
                 ladder.append(Layout("padded"))
             ladder.append(Layout("padded", attention_mask=True))
         if share_prompt_prefix and not ladder[0].share_prompts:
-            why = (self.padding_free_blocker if packing_layout != "padded" and self.padding_free_blocker
-                   else self.segment_attention_blocker if packing_layout != "padded"
-                   else "packing_layout='padded'")
+            why = (
+                self.padding_free_blocker
+                if packing_layout != "padded" and self.padding_free_blocker
+                else self.segment_attention_blocker
+                if packing_layout != "padded"
+                else "packing_layout='padded'"
+            )
             notes.append(f"share_prompt_prefix is not applied: {why or 'packing_layout resolves to padded rows'}")
         return ladder, notes
 
@@ -259,10 +280,12 @@ class ModelSupport:
     def describe(self) -> list[str]:
         """One line per limit of this model (for logs and ``hf-dynbsz plan``)."""
         lines = []
-        for label, reason in (("repacking", self.repacking_blocker),
-                              ("padding-free rows", self.padding_free_blocker),
-                              ("segment attention", self.segment_attention_blocker),
-                              ("padded rows without a mask", self.unmasked_padding_blocker)):
+        for label, reason in (
+            ("repacking", self.repacking_blocker),
+            ("padding-free rows", self.padding_free_blocker),
+            ("segment attention", self.segment_attention_blocker),
+            ("padded rows without a mask", self.unmasked_padding_blocker),
+        ):
             if reason:
                 lines.append(f"{label}: off ({reason})")
         if self.position_offset:
@@ -275,9 +298,22 @@ def _flops(text_config: Any) -> tuple[ModelFlops | None, tuple[str, ...]]:
     """The FLOPs of the text config, or None with a note: a cost estimate never stops a run."""
     if text_config is None:
         return None, ()
-    readable = types.SimpleNamespace(**{name: _read(text_config, name) for name in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "num_key_value_heads",
-        "intermediate_size", "hidden_act", "hidden_activation", "vocab_size")})
+    readable = types.SimpleNamespace(
+        **{
+            name: _read(text_config, name)
+            for name in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "head_dim",
+                "num_key_value_heads",
+                "intermediate_size",
+                "hidden_act",
+                "hidden_activation",
+                "vocab_size",
+            )
+        }
+    )
     if not isinstance(readable.intermediate_size, int):  # per-layer lists (Gemma-3n)
         readable.intermediate_size = None
     nope, rope = _read(text_config, "qk_nope_head_dim"), _read(text_config, "qk_rope_head_dim")
@@ -302,22 +338,29 @@ def _state_carrying_layers(text_config: Any, model: Any) -> str | None:
     """Why a padding-free row would carry state from one sequence into the next, or None."""
     carrying = sorted(_layer_kinds(text_config) - MASK_RESPECTING_LAYER_TYPES)
     if carrying:
-        return (f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
-                "attention of a padding-free row does not stop")
+        return (
+            f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
+            "attention of a padding-free row does not stop"
+        )
     if model is not None and callable(getattr(model, "modules", None)):
-        name = next((type(module).__name__ for module in model.modules()
-                     if STATEFUL_MODULE.search(type(module).__name__)), None)
+        name = next(
+            (type(module).__name__ for module in model.modules() if STATEFUL_MODULE.search(type(module).__name__)), None
+        )
         if name:
-            return (f"its {name} modules carry state along a row, from one sequence into the next, which the "
-                    "attention of a padding-free row does not stop")
+            return (
+                f"its {name} modules carry state along a row, from one sequence into the next, which the "
+                "attention of a padding-free row does not stop"
+            )
     return None
 
 
 def _content_selected_keys(text_config: Any) -> str | None:
     """Why a sample's log-probs depend on the row it is padded to (indexed sparse attention), or None."""
     if "indexed_attention" in _layer_kinds(text_config):
-        return ("its indexed sparse attention picks keys over the whole padded row, so a sample's log-probs depend on "
-                "the width it is padded to (in stock's forward too)")
+        return (
+            "its indexed sparse attention picks keys over the whole padded row, so a sample's log-probs depend on "
+            "the width it is padded to (in stock's forward too)"
+        )
     return None
 
 
@@ -326,8 +369,13 @@ def _self_attention_modules(model: Any) -> list:
     of the row when the model runs as a causal LM)."""
     if model is None or not callable(getattr(model, "named_modules", None)):
         return []
-    return [module for name, module in model.named_modules() if type(module).__name__.endswith("Attention")
-            and hasattr(module, "is_causal") and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)]
+    return [
+        module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Attention")
+        and hasattr(module, "is_causal")
+        and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)
+    ]
 
 
 def _bidirectional(text_config: Any, model: Any) -> str | None:
@@ -341,8 +389,9 @@ def _bidirectional(text_config: Any, model: Any) -> str | None:
     return None
 
 
-def _segment_attention_blocker(config: Any, text_config: Any, model: Any, attn_implementation: str | None
-                               ) -> str | None:
+def _segment_attention_blocker(
+    config: Any, text_config: Any, model: Any, attn_implementation: str | None
+) -> str | None:
     """Why segment attention cannot run this model, or None."""
     base = attn_implementation or "eager"
     if not (base in SEGMENT_ATTENTION_BASES or base.startswith(VARLEN_ATTENTION_PREFIXES)):
@@ -409,8 +458,10 @@ def _router_aux_form(text_config: Any, model: Any) -> tuple[tuple[int, int] | No
         experts = _read(model, "num_experts", experts)
     if isinstance(experts, int) and isinstance(top_k, int):
         return (experts, top_k), None
-    return None, ("TRL's router aux loss reads num_experts and num_experts_per_tok from the config, which gives "
-                  f"{experts!r} and {top_k!r}")
+    return None, (
+        "TRL's router aux loss reads num_experts and num_experts_per_tok from the config, which gives "
+        f"{experts!r} and {top_k!r}"
+    )
 
 
 def _position_offset(model: Any) -> int:

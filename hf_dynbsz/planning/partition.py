@@ -57,8 +57,9 @@ import heapq
 import math
 import numbers
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import numpy as np
 
@@ -117,8 +118,9 @@ class OversizeSequenceError(ValueError):
 # Workload model
 # --------------------------------------------------------------------------- #
 #: A generic 7B-class decoder: the cost model when no config (or none readable) is given.
-GENERIC_DECODER = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                        intermediate_size=11008, hidden_act="silu")
+GENERIC_DECODER = types.SimpleNamespace(
+    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008, hidden_act="silu"
+)
 _GATED_MLP_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
 
 
@@ -159,7 +161,7 @@ class ModelFlops:
     per_logit_token: int
 
     @classmethod
-    def from_model_config(cls, config) -> "ModelFlops":
+    def from_model_config(cls, config) -> ModelFlops:
         """From a transformers config (a multimodal one is read through its ``text_config``) or a namespace."""
         config = text_config_of(config)
         hidden = _config_int(config, "hidden_size")
@@ -186,8 +188,9 @@ class ModelFlops:
             per_logit_token=hidden * (_config_int(config, "vocab_size", default=0) or 0),
         )
 
-    def training_flops(self, prompt_lengths: Lengths, completion_lengths: Lengths,
-                       shared_prompt_tokens: int = 0) -> float:
+    def training_flops(
+        self, prompt_lengths: Lengths, completion_lengths: Lengths, shared_prompt_tokens: int = 0
+    ) -> float:
         """FLOPs of one forward and backward pass (3 forwards' worth, 2 FLOPs per MAC) over samples of these lengths.
 
         Every token goes through the layers, each sample attends causally to itself (``L (L + 1) / 2`` pairs), the
@@ -198,8 +201,11 @@ class ModelFlops:
         prompts = np.asarray(prompt_lengths, dtype=np.float64)  # a completion may be empty (fully masked)
         completions = np.asarray(completion_lengths, dtype=np.float64)
         totals = prompts + completions
-        macs = (self.per_token * (totals.sum() - shared_prompt_tokens)
-                + self.per_pair * (totals * (totals + 1) / 2).sum() + self.per_logit_token * completions.sum())
+        macs = (
+            self.per_token * (totals.sum() - shared_prompt_tokens)
+            + self.per_pair * (totals * (totals + 1) / 2).sum()
+            + self.per_logit_token * completions.sum()
+        )
         return 6.0 * float(macs)
 
 
@@ -226,7 +232,7 @@ class WorkloadModel:
             raise ValueError("WorkloadModel needs linear_weight > 0 or quadratic_weight > 0, got both 0")
 
     @classmethod
-    def from_model_config(cls, config, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
+    def from_model_config(cls, config, layout: str = "padding_free", attention: str = "varlen") -> WorkloadModel:
         """Derive the weights from the per-token FLOPs of one transformer layer.
 
         ``config`` is anything with ``hidden_size``, ``num_hidden_layers`` and
@@ -250,7 +256,7 @@ class WorkloadModel:
         return cls.from_flops(ModelFlops.from_model_config(config), layout=layout, attention=attention)
 
     @classmethod
-    def from_flops(cls, flops: ModelFlops, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
+    def from_flops(cls, flops: ModelFlops, layout: str = "padding_free", attention: str = "varlen") -> WorkloadModel:
         """The weights of :meth:`from_model_config` from a model's :class:`ModelFlops`."""
         layout = _check_choice("layout", layout, LAYOUTS)
         attention = _check_choice("attention", attention, ATTENTION_KINDS)
@@ -258,12 +264,17 @@ class WorkloadModel:
         return cls(linear_weight=1.0, quadratic_weight=flops.per_pair * computed_pair_fraction / flops.per_token)
 
     @classmethod
-    def default(cls, layout: str = "padding_free", attention: str = "varlen") -> "WorkloadModel":
+    def default(cls, layout: str = "padding_free", attention: str = "varlen") -> WorkloadModel:
         """A generic 7B-class decoder (hidden 4096, 32 layers, SwiGLU MLP 11008), for when no config is given."""
         return cls.from_model_config(GENERIC_DECODER, layout=layout, attention=attention)
 
-    def cost(self, lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None,
-             attention: str = "varlen") -> float:
+    def cost(
+        self,
+        lengths_in_microbatch,
+        layout: str = "padding_free",
+        pad_to_multiple_of: int | None = None,
+        attention: str = "varlen",
+    ) -> float:
         """Relative compute of one micro-batch (token equivalents when ``linear_weight`` is 1).
 
         * padding_free + ``"varlen"`` attention: ``linear * tokens + quad * sum(L_i**2)``
@@ -313,7 +324,9 @@ def round_up(length: int, multiple: int | None) -> int:
     return ceil_div(int(length), int(multiple)) * int(multiple)
 
 
-def microbatch_tokens(lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None) -> int:
+def microbatch_tokens(
+    lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None
+) -> int:
     """Tokens actually computed for one micro-batch.
 
     padding_free = sum of lengths (rounded up to pad_to_multiple_of if given);
@@ -329,9 +342,18 @@ def microbatch_tokens(lengths_in_microbatch, layout: str = "padding_free", pad_t
     return len(values) * round_up(max(values), pad_to_multiple_of)
 
 
-def oversize_error(where: str, length: int, max_tokens: int, *, layout: str, pad_to_multiple_of: int | None,
-                   longest: int | None = None, others: str = "", setting: str = "max_tokens_per_microbatch",
-                   index: int | None = None) -> OversizeSequenceError:
+def oversize_error(
+    where: str,
+    length: int,
+    max_tokens: int,
+    *,
+    layout: str,
+    pad_to_multiple_of: int | None,
+    longest: int | None = None,
+    others: str = "",
+    setting: str = "max_tokens_per_microbatch",
+    index: int | None = None,
+) -> OversizeSequenceError:
     """The one error for a sequence over the micro-batch budget (partitioner and trainer alike).
 
     ``where`` names the sequence ("sequence 3", "a sequence on another process"); ``length`` is its tokens;
@@ -346,21 +368,27 @@ def oversize_error(where: str, length: int, max_tokens: int, *, layout: str, pad
         rounding = f" ({round_up(length, multiple)} after rounding up to pad_to_multiple_of={multiple})"
     message = (
         f"{where} has {length} tokens{rounding}, more than the micro-batch budget {setting}={max_tokens} "
-        f"(layout={layout!r}){others}. Raise {setting} to >= {required}, or use oversize_policy=\"warn\" to give "
+        f'(layout={layout!r}){others}. Raise {setting} to >= {required}, or use oversize_policy="warn" to give '
         f"each such sequence a micro-batch of its own."
     )
-    return OversizeSequenceError(message, index=index, length=length, max_tokens=max_tokens,
-                                 required_tokens=required)
+    return OversizeSequenceError(message, index=index, length=length, max_tokens=max_tokens, required_tokens=required)
 
 
-def oversize_indices(lengths: Lengths, max_tokens: int, layout: str = "padding_free",
-                     pad_to_multiple_of: int | None = None) -> list[int]:
+def oversize_indices(
+    lengths: Lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None
+) -> list[int]:
     """Indices (ascending) of the sequences that alone exceed ``max_tokens`` as :func:`microbatch_tokens` counts."""
     return _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of).oversize_indices.tolist()
 
 
-def item_costs(lengths: Lengths, layout: str, workload: WorkloadModel, attention: str = "varlen",
-               pad_to_multiple_of: int | None = None, pairs=None) -> np.ndarray:
+def item_costs(
+    lengths: Lengths,
+    layout: str,
+    workload: WorkloadModel,
+    attention: str = "varlen",
+    pad_to_multiple_of: int | None = None,
+    pairs=None,
+) -> np.ndarray:
     """The cost of each sequence as the balancing sees it: the weight that partitions (and ranks) even out.
 
     * padding_free + ``"varlen"``: ``linear * L + quad * pairs`` (each sequence attends only to itself; ``pairs``
@@ -397,8 +425,9 @@ def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
 # --------------------------------------------------------------------------- #
 # Public partitioning functions
 # --------------------------------------------------------------------------- #
-def min_num_microbatches(lengths: Lengths, max_tokens: int, *, layout: str = "padding_free",
-                         pad_to_multiple_of: int | None = None) -> int:
+def min_num_microbatches(
+    lengths: Lengths, max_tokens: int, *, layout: str = "padding_free", pad_to_multiple_of: int | None = None
+) -> int:
     """Number of micro-batches partition_by_token_budget uses when num_microbatches is None.
 
     The trainer all-reduces the MAX of this across ranks and then calls
@@ -482,8 +511,9 @@ def partition_by_token_budget(
 
     if layout == "padding_free":
         sorted_pairs = None if pairs is None else np.asarray(pairs, dtype=np.float64)[problem.sorted_indices]
-        bin_of_sorted = _balanced_packed_assignment(problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted,
-                                                    sorted_pairs)
+        bin_of_sorted = _balanced_packed_assignment(
+            problem, num_fitting_bins, workload, attention, ffd_bin_of_sorted, sorted_pairs
+        )
     else:
         bin_of_sorted = _balanced_padded_assignment(problem, num_fitting_bins, workload)
     return problem.assemble(bin_of_sorted, num_fitting_bins)
@@ -523,8 +553,9 @@ def _as_int_list(values) -> list[int]:
 def _validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
     """Return ``lengths`` as a 1-D int64 array, or raise ValueError naming the first bad entry."""
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise ValueError(f"{name} must be a sequence of positive integers (tokens per sequence), "
-                         f"got {type(lengths).__name__}")
+        raise ValueError(
+            f"{name} must be a sequence of positive integers (tokens per sequence), got {type(lengths).__name__}"
+        )
     if len(lengths) == 0:
         return np.zeros(0, dtype=np.int64)
     try:
@@ -538,8 +569,9 @@ def _validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
             raise ValueError(f"{name} must be an integer array (tokens per sequence), got dtype {array.dtype}")
         for position, value in enumerate(lengths):
             if not _is_integer(value):
-                raise ValueError(f"{name}[{position}] must be an integer number of tokens, "
-                                 f"got {value!r} ({type(value).__name__})")
+                raise ValueError(
+                    f"{name}[{position}] must be an integer number of tokens, got {value!r} ({type(value).__name__})"
+                )
         raise ValueError(f"{name} values must fit in a 64-bit integer, got {array.max()!r}")
     if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} values must fit in a 64-bit integer, got {int(array.max())}")
@@ -574,7 +606,7 @@ class _Problem:
     oversize_indices: np.ndarray  # ascending
 
     @classmethod
-    def build(cls, lengths, max_tokens, layout, pad_to_multiple_of) -> "_Problem":
+    def build(cls, lengths, max_tokens, layout, pad_to_multiple_of) -> _Problem:
         layout = _check_choice("layout", layout, LAYOUTS)
         max_tokens = _check_positive_int("max_tokens", max_tokens)
         pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
@@ -628,7 +660,7 @@ class _Problem:
         by_first_index = non_empty[np.argsort(members[offsets[non_empty]], kind="stable")]
         flat = members.tolist()
         starts = offsets.tolist()
-        result = [flat[starts[b]:starts[b + 1]] for b in by_first_index.tolist()]
+        result = [flat[starts[b] : starts[b + 1]] for b in by_first_index.tolist()]
         result.extend([] for _ in range(total_bins - non_empty.size))
         return result
 
@@ -676,7 +708,7 @@ def _first_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     while leaves < max_bins:
         leaves *= 2
     tree = [0] * (2 * leaves)  # tree[leaves + b] = free room of bin b; inner nodes hold the max of children
-    tree[leaves:leaves + max_bins] = [capacity] * max_bins
+    tree[leaves : leaves + max_bins] = [capacity] * max_bins
     for node in range(leaves - 1, 0, -1):
         left, right = tree[2 * node], tree[2 * node + 1]
         tree[node] = left if left > right else right
@@ -718,8 +750,14 @@ def _first_fit(sizes: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     return bin_of_sorted, bins_used
 
 
-def _balanced_packed_assignment(problem: _Problem, num_bins: int, workload: WorkloadModel, attention: str,
-                                ffd_bin_of: np.ndarray, pairs: np.ndarray | None = None) -> np.ndarray:
+def _balanced_packed_assignment(
+    problem: _Problem,
+    num_bins: int,
+    workload: WorkloadModel,
+    attention: str,
+    ffd_bin_of: np.ndarray,
+    pairs: np.ndarray | None = None,
+) -> np.ndarray:
     """Bin number (0..num_bins-1) per sorted fitting sequence for the padding_free layout: :func:`balance`'s
     longest-first with the budget as room, or, when a tight budget strands a sequence that way, the
     first-fit-decreasing assignment ``ffd_bin_of`` (which fits in ``num_bins`` by construction) improved."""
@@ -822,8 +860,9 @@ def _balanced_padded_assignment(problem: _Problem, num_bins: int, workload: Work
     return bin_of_sorted
 
 
-def _split_costliest_runs(runs: list[tuple[int, int]], target_runs: int,
-                          row_cost: list[float]) -> list[tuple[int, int]]:
+def _split_costliest_runs(
+    runs: list[tuple[int, int]], target_runs: int, row_cost: list[float]
+) -> list[tuple[int, int]]:
     """Split the costliest multi-row run in two (at its most even cut) until there are ``target_runs`` runs."""
     splittable = [(-rows * row_cost[start], start, rows) for start, rows in runs if rows > 1]
     single_rows = [(start, rows) for start, rows in runs if rows == 1]
@@ -832,7 +871,7 @@ def _split_costliest_runs(runs: list[tuple[int, int]], target_runs: int,
         _, start, rows = heapq.heappop(splittable)
         cuts = np.arange(1, rows)
         first_cost = cuts * row_cost[start]
-        second_cost = (rows - cuts) * np.asarray(row_cost[start + 1:start + rows])
+        second_cost = (rows - cuts) * np.asarray(row_cost[start + 1 : start + rows])
         cut = int(cuts[int(np.argmin(np.maximum(first_cost, second_cost)))])
         for part_start, part_rows in ((start, cut), (start + cut, rows - cut)):
             if part_rows > 1:

@@ -152,8 +152,10 @@ def validate_grpo_fields(args: Any) -> None:
 
     loss_type = getattr(args, "loss_type", "dapo")
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}: the loss "
-                         "types TRL's GRPOTrainer implements (it would only fail at the first loss computation).")
+        raise ValueError(
+            f"loss_type must be one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}: the loss "
+            "types TRL's GRPOTrainer implements (it would only fail at the first loss computation)."
+        )
     level = getattr(args, "importance_sampling_level", "token")
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}.")
@@ -165,8 +167,10 @@ def validate_grpo_fields(args: Any) -> None:
         raise ValueError(f"epsilon_high must be >= 0 or unset (the upper clipping range), got {args.epsilon_high!r}.")
     quantile = number("top_entropy_quantile", 1.0)
     if not 0 < quantile <= 1:
-        raise ValueError(f"top_entropy_quantile must be in (0, 1] (the share of highest-entropy tokens trained on; 1 "
-                         f"trains on all), got {args.top_entropy_quantile!r}.")
+        raise ValueError(
+            f"top_entropy_quantile must be in (0, 1] (the share of highest-entropy tokens trained on; 1 "
+            f"trains on all), got {args.top_entropy_quantile!r}."
+        )
     if number("temperature", 1.0) <= 0:
         raise ValueError(f"temperature must be > 0 (it divides the logits), got {args.temperature!r}.")
     if getattr(args, "max_completion_length", 1) is not None and number("max_completion_length", 1) < 1:
@@ -206,8 +210,10 @@ def validate_dynamic_batch_fields(args: Any) -> None:
             setattr(args, spec.name, value)
     fraction = getattr(args, "max_memory_fraction_per_device", None)
     if fraction is not None and not 0 < float(fraction) <= 1:
-        raise ValueError(f"max_memory_fraction_per_device must be {setting('max_memory_fraction_per_device').expected},"
-                         f" got {fraction!r}: {setting('max_memory_fraction_per_device').fix}")
+        raise ValueError(
+            f"max_memory_fraction_per_device must be {setting('max_memory_fraction_per_device').expected},"
+            f" got {fraction!r}: {setting('max_memory_fraction_per_device').fix}"
+        )
     budget = getattr(args, "max_tokens_per_microbatch", None)
     multiple = _coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None))
     if budget is not None and multiple is not None and int(budget) < multiple:
@@ -500,8 +506,10 @@ class BatchSizePlan:
         validate_dynamic_batch_fields(dynamic)
         size = int(dynamic.sequence_parallel_size or 1)
         if num_processes % size:
-            raise ValueError(f"sequence_parallel_size={size} does not divide num_processes={num_processes}: "
-                             f"{setting('sequence_parallel_size').fix}")
+            raise ValueError(
+                f"sequence_parallel_size={size} does not divide num_processes={num_processes}: "
+                f"{setting('sequence_parallel_size').fix}"
+            )
         if zero_stage is not None:
             zero_stage = int(zero_stage)
             if zero_stage not in (0, 1, 2, 3):
@@ -605,8 +613,9 @@ class BatchSizePlan:
     def as_dict(self) -> dict[str, Any]:
         """Settings and derived quantities as plain JSON-friendly values (fractions become int or float); the
         ``DIFFU_*`` sources are in :attr:`env_sources`, a memory limit's rows in :attr:`memory_rows`."""
-        result = {f.name: _plain(getattr(self, f.name)) for f in fields(self)
-                  if f.name not in ("env_sources", "memory_rows")}
+        result = {
+            f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in ("env_sources", "memory_rows")
+        }
         for name in (
             "global_train_batch_size",
             "per_device_samples_per_optimizer_step",
@@ -711,8 +720,7 @@ class BatchSizePlan:
             ),
             (
                 "tensor_batch_size",
-                str(self.effective_tensor_batch_size)
-                + (" (TRL)" if self.tensor_batch_size is None else ""),
+                str(self.effective_tensor_batch_size) + (" (TRL)" if self.tensor_batch_size is None else ""),
                 "-",
                 setting("tensor_batch_size").summary,
             ),
@@ -757,7 +765,9 @@ class BatchSizePlan:
                 "share_prompt_prefix",
                 "on" if self.share_prompt_prefix else "off",
                 "-",
-                setting("share_prompt_prefix").summary if self.share_prompt_prefix else "every sample computes its prompt",
+                setting("share_prompt_prefix").summary
+                if self.share_prompt_prefix
+                else "every sample computes its prompt",
             ),
             (
                 "self_check",
@@ -767,12 +777,15 @@ class BatchSizePlan:
             ),
             (
                 "balance_across_ranks",
-                ("on" if self.balance_across_ranks and not stay else "off")
-                + (" (1 process)" if n == 1 else ""),
+                ("on" if self.balance_across_ranks and not stay else "off") + (" (1 process)" if n == 1 else ""),
                 "-",
-                "no-op on one process" if n == 1 else ("this family's image inputs stay on their process"
-                                                       if stay
-                                                       else setting("balance_across_ranks").summary),
+                "no-op on one process"
+                if n == 1
+                else (
+                    "this family's image inputs stay on their process"
+                    if stay
+                    else setting("balance_across_ranks").summary
+                ),
             ),
             (
                 "DeepSpeed ZeRO stage",
@@ -783,36 +796,60 @@ class BatchSizePlan:
             ("mixed precision", str(self.mixed_precision), "-", "from the launcher or fp16/bf16"),
         ]
         if self.vision_language is not None:
-            rows.append((
-                "image inputs",
-                self.vision_language,
-                "-",
-                "each sample's images move with it (into its micro-batch, to another process); padding-free rows "
-                "hold a shared prompt's images once (encoded once per pass)"
-                if self.vision_language == "repacked" else
-                "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
-            ))
+            rows.append(
+                (
+                    "image inputs",
+                    self.vision_language,
+                    "-",
+                    "each sample's images move with it (into its micro-batch, to another process); padding-free rows "
+                    "hold a shared prompt's images once (encoded once per pass)"
+                    if self.vision_language == "repacked"
+                    else "image steps run stock GRPOTrainer micro-batches: this model family is not repacked",
+                )
+            )
         if self.router_aux is not None:
             repacked = self.router_aux == "repacked"
-            rows.append((
-                "router aux loss",
-                "repacked" if repacked else "stock math",
-                "-",
-                "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
-                if repacked else self.router_aux,
-            ))
+            rows.append(
+                (
+                    "router aux loss",
+                    "repacked" if repacked else "stock math",
+                    "-",
+                    "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
+                    if repacked
+                    else self.router_aux,
+                )
+            )
         size = self.sequence_parallel_size
         if size > 1:
-            rows.append(("sequence_parallel_size", str(size), f"{max(n // size, 1)} group(s)",
-                         "processes sharing each packed row (DeepSpeed Ulysses); data parallelism across groups"))
+            rows.append(
+                (
+                    "sequence_parallel_size",
+                    str(size),
+                    f"{max(n // size, 1)} group(s)",
+                    "processes sharing each packed row (DeepSpeed Ulysses); data parallelism across groups",
+                )
+            )
             for name, budget, default in (("training", train_budget, "auto"), ("logprob", logprob_budget, "2 x auto")):
-                rows.append((f"tokens per {name} pass (group)", f"{size} x {default}" if budget is None else
-                             str(size * budget), "-", f"the longest sequence one {name} pass holds without running "
-                             f"oversize: {size} x the per-device budget, each process holding 1/{size} of the row"))
+                rows.append(
+                    (
+                        f"tokens per {name} pass (group)",
+                        f"{size} x {default}" if budget is None else str(size * budget),
+                        "-",
+                        f"the longest sequence one {name} pass holds without running "
+                        f"oversize: {size} x the per-device budget, each process holding 1/{size} of the row",
+                    )
+                )
         rows.extend((name, value, "-", meaning) for name, value, meaning in self.memory_rows)
         # Values a DIFFU_* variable set say so, where the user looks for them.
-        return [(name, device, total, f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources
-                 else meaning) for name, device, total, meaning in rows]
+        return [
+            (
+                name,
+                device,
+                total,
+                f"{meaning} [set by {self.env_sources[name]}]" if name in self.env_sources else meaning,
+            )
+            for name, device, total, meaning in rows
+        ]
 
     def render(self) -> str:
         """An aligned plain-text table: setting | per device | global | meaning."""
@@ -827,8 +864,10 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str)
     rule_widths = [len(header[i]) if i in free else width for i, width in enumerate(widths)]
 
     def line(row: Sequence[str]) -> str:
-        cells = [cell if kind == "-" else cell.ljust(width) if kind == "<" else cell.rjust(width)
-                 for cell, width, kind in zip(row, widths, align, strict=True)]
+        cells = [
+            cell if kind == "-" else cell.ljust(width) if kind == "<" else cell.rjust(width)
+            for cell, width, kind in zip(row, widths, align, strict=True)
+        ]
         return "  ".join(cells).rstrip()
 
     return [line(header), line(["-" * width for width in rule_widths]), *(line(row) for row in rows)]

@@ -59,8 +59,9 @@ __all__ = [
 BUDGET_SETTINGS = {"training": "max_tokens_per_microbatch", "logprob": "max_tokens_per_microbatch_logprob"}
 
 
-def stock_microbatch_tokens(rows: int, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
-                            pad_to_multiple_of: int | None = None) -> int:
+def stock_microbatch_tokens(
+    rows: int, prompt_lengths: Sequence[int], completion_lengths: Sequence[int], pad_to_multiple_of: int | None = None
+) -> int:
     """Token positions of stock TRL's fixed micro-batch: ``rows`` x (longest prompt + longest completion).
 
     TRL pads prompts and completions separately (each to the longest of the generation batch, rounded up to
@@ -124,8 +125,12 @@ class Exchange:
     @property
     def incoming(self) -> list[tuple[int, int]]:
         """``(origin process, index)`` of the samples this process runs, in its local order after the exchange."""
-        return [(origin, index) for origin, targets in enumerate(self.destination)
-                for index, target in enumerate(targets) if target == self.rank]
+        return [
+            (origin, index)
+            for origin, targets in enumerate(self.destination)
+            for index, target in enumerate(targets)
+            if target == self.rank
+        ]
 
 
 @dataclass(frozen=True)
@@ -141,8 +146,9 @@ class Unit:
     pairs: int
 
 
-def prompt_segments(samples: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int] | None
-                    ) -> list[list[int]]:
+def prompt_segments(
+    samples: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int] | None
+) -> list[list[int]]:
     """The segments of a padding-free row holding ``samples`` (the one shared-prompt rule; the budget, the units and
     the collator all call it): the samples of one prompt group (equal ``groups`` ids) whose prompt has at least 2
     tokens share one copy of it, ``[prompt without its last token | last token + completion | ...]``; every other
@@ -162,15 +168,22 @@ def segment_tokens(members: Sequence[int], prompt_lengths: Sequence[int], comple
     return prefix + sum(completion_lengths[i] + 1 for i in members)
 
 
-def row_tokens(samples: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
-               groups: Sequence[int] | None) -> int:
+def row_tokens(
+    samples: Sequence[int],
+    prompt_lengths: Sequence[int],
+    completion_lengths: Sequence[int],
+    groups: Sequence[int] | None,
+) -> int:
     """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once."""
-    return sum(segment_tokens(members, prompt_lengths, completion_lengths)
-               for members in prompt_segments(samples, prompt_lengths, groups))
+    return sum(
+        segment_tokens(members, prompt_lengths, completion_lengths)
+        for members in prompt_segments(samples, prompt_lengths, groups)
+    )
 
 
-def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None,
-                budget: int) -> list[Unit]:
+def build_units(
+    prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None, budget: int
+) -> list[Unit]:
     """The units of one process's samples, ordered by their first sample.
 
     Every segment of :func:`prompt_segments` is a unit; one that does not fit ``budget`` splits into pieces, each
@@ -201,8 +214,9 @@ def build_units(prompt_lengths: Sequence[int], completion_lengths: Sequence[int]
             tokens = segment_tokens(piece, prompt_lengths, completion_lengths)
             shared = prompt_lengths[piece[0]] - 1 if len(piece) > 1 else 0
             blocks = [tokens - shared] if len(piece) == 1 else [completion_lengths[i] + 1 for i in piece]
-            units.append(Unit(tuple(sorted(piece)), tokens,
-                              shared * shared + sum(b * b + 2 * shared * b for b in blocks)))
+            units.append(
+                Unit(tuple(sorted(piece)), tokens, shared * shared + sum(b * b + 2 * shared * b for b in blocks))
+            )
     return sorted(units, key=lambda unit: unit.samples[0])
 
 
@@ -280,8 +294,13 @@ class Scheduler:
     sequence_parallel_size: int = 1
 
     @classmethod
-    def from_args(cls, args: Any, support: ModelSupport | None = None, group: RankGroup = SINGLE_PROCESS,
-                  layout: Layout | None = None) -> Scheduler:
+    def from_args(
+        cls,
+        args: Any,
+        support: ModelSupport | None = None,
+        group: RankGroup = SINGLE_PROCESS,
+        layout: Layout | None = None,
+    ) -> Scheduler:
         """The scheduler of a validated config (``DynamicBatchGRPOConfig``, or the planner's namespace).
 
         ``support`` (:meth:`ModelSupport.of`; None: a standard decoder on sdpa) decides the layouts and the cost
@@ -309,8 +328,14 @@ class Scheduler:
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
         )
 
-    def budget(self, stock_tokens: int, kind: str = "training", fits: int | None = None, cap: int | None = None,
-               agree: bool = False) -> int:
+    def budget(
+        self,
+        stock_tokens: int,
+        kind: str = "training",
+        fits: int | None = None,
+        cap: int | None = None,
+        agree: bool = False,
+    ) -> int:
         """Tokens per pass of ``kind`` ("training" or "logprob"): per device, times ``sequence_parallel_size`` (a
         sharded pass's row spans its group's devices).
 
@@ -333,15 +358,22 @@ class Scheduler:
             budget = self.max_tokens_per_microbatch or fits or stock_tokens
         else:
             budget = self.max_tokens_per_microbatch_logprob or (
-                fits if fits is not None and not self.max_tokens_per_microbatch else 2 * training)
+                fits if fits is not None and not self.max_tokens_per_microbatch else 2 * training
+            )
         budget *= self.sequence_parallel_size  # the budgets are per device; a sharded pass spans its group
         budget = min(budget, cap) if cap is not None else budget
         if agree and self.group.num_processes > 1:
             budget = -self.group.all_reduce_max([-budget])[0]
         return budget
 
-    def plan(self, lengths: Sequence[int], budget: int, kind: str = "training",
-             prompt_lengths: Sequence[int] | None = None, groups: Sequence[int] | None = None) -> StepSchedule:
+    def plan(
+        self,
+        lengths: Sequence[int],
+        budget: int,
+        kind: str = "training",
+        prompt_lengths: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+    ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
         ``prompt_lengths`` split the lengths (the exchange and shared prompts need them); ``groups`` (one id per
@@ -367,26 +399,33 @@ class Scheduler:
             raise self._oversize_error(units, lengths, longest_anywhere, budget, kind, "a sequence on another process")
         return self._partition(prompts, completions, groups, units, budget, passes, needed)
 
-    def _plan_balanced(self, prompts: list[int], completions: list[int], groups: list[int] | None, budget: int,
-                       kind: str) -> StepSchedule:
+    def _plan_balanced(
+        self, prompts: list[int], completions: list[int], groups: list[int] | None, budget: int, kind: str
+    ) -> StepSchedule:
         """:meth:`plan` with cross-rank balancing: one all-gather, then the same decisions on every process."""
         rank, count = self.group.rank, self.group.num_processes
         own_groups = groups if groups is not None else [-1] * len(prompts)
-        gathered = self.group.all_gather([budget, *[v for sample in zip(prompts, completions, own_groups)
-                                                    for v in sample]])
+        gathered = self.group.all_gather(
+            [budget, *[v for sample in zip(prompts, completions, own_groups) for v in sample]]
+        )
         budget = max(values[0] for values in gathered)  # automatic budgets differ: the largest is stock's bound
         triples = [list(zip(values[1::3], values[2::3], values[3::3])) for values in gathered]
         shapes = [[(p, c) for p, c, _ in process] for process in triples]
         process_groups = [None if groups is None else [g for _, _, g in process] for process in triples]
-        units = [build_units([p for p, _ in shapes[q]], [c for _, c in shapes[q]], process_groups[q], budget)
-                 for q in range(count)]
+        units = [
+            build_units([p for p, _ in shapes[q]], [c for _, c in shapes[q]], process_groups[q], budget)
+            for q in range(count)
+        ]
         if self.oversize_policy == "error":
-            over = [max((shapes[q][i][0] + shapes[q][i][1] for i in self._oversize(units[q], budget)), default=0)
-                    for q in range(count)]
+            over = [
+                max((shapes[q][i][0] + shapes[q][i][1] for i in self._oversize(units[q], budget)), default=0)
+                for q in range(count)
+            ]
             if max(over):
                 elsewhere = f"a sequence on process {next(q for q, longest in enumerate(over) if longest)}"
-                raise self._oversize_error(units[rank], [p + c for p, c in shapes[rank]], max(over), budget, kind,
-                                           elsewhere)
+                raise self._oversize_error(
+                    units[rank], [p + c for p, c in shapes[rank]], max(over), budget, kind, elsewhere
+                )
         assignment = assign([self._unit_costs(process_units) for process_units in units])
         targets = iter(assignment.destination)
         destinations = [[0] * len(process) for process in shapes]
@@ -401,32 +440,58 @@ class Scheduler:
         for q in range(count):
             for unit in units[q]:
                 target = destinations[q][unit.samples[0]]
-                runs[target].append(Unit(tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank
-                                         else unit.samples, unit.tokens, unit.pairs))
+                runs[target].append(
+                    Unit(
+                        tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank else unit.samples,
+                        unit.tokens,
+                        unit.pairs,
+                    )
+                )
         passes = max(self._passes_needed(run, budget) for run in runs)
         local = exchange.incoming
         local_groups = None if groups is None else _renumber([(q, process_groups[q][i]) for q, i in local])
-        schedule = self._partition([shapes[q][i][0] for q, i in local], [shapes[q][i][1] for q, i in local],
-                                   local_groups, sorted(runs[rank], key=lambda unit: unit.samples[0]), budget, passes,
-                                   self._passes_needed(runs[rank], budget))
+        schedule = self._partition(
+            [shapes[q][i][0] for q, i in local],
+            [shapes[q][i][1] for q, i in local],
+            local_groups,
+            sorted(runs[rank], key=lambda unit: unit.samples[0]),
+            budget,
+            passes,
+            self._passes_needed(runs[rank], budget),
+        )
         return dataclasses.replace(schedule, exchange=exchange if assignment.moved else None, balance=assignment)
 
     def _unit_costs(self, units: list[Unit]) -> list[float]:
         """Costs of units as the balancing sees them (the partitioner's workload model)."""
-        return item_costs([unit.tokens for unit in units], self.layout, self.workload, self.attention,
-                          self.pad_to_multiple_of, pairs=[unit.pairs for unit in units]).tolist()
+        return item_costs(
+            [unit.tokens for unit in units],
+            self.layout,
+            self.workload,
+            self.attention,
+            self.pad_to_multiple_of,
+            pairs=[unit.pairs for unit in units],
+        ).tolist()
 
     def _passes_needed(self, units: list[Unit], budget: int) -> int:
-        return min_num_microbatches([unit.tokens for unit in units], budget, layout=self.layout,
-                                    pad_to_multiple_of=self.pad_to_multiple_of)
+        return min_num_microbatches(
+            [unit.tokens for unit in units], budget, layout=self.layout, pad_to_multiple_of=self.pad_to_multiple_of
+        )
 
     def _oversize(self, units: list[Unit], budget: int) -> list[int]:
         """Samples of the units longer than the budget (such a unit is one sample, alone in its pass)."""
         over = oversize_indices([unit.tokens for unit in units], budget, self.layout, self.pad_to_multiple_of)
         return [i for u in over for i in units[u].samples]
 
-    def _partition(self, prompts: list[int], completions: list[int], groups: list[int] | None, units: list[Unit],
-                   budget: int, passes: int, needed: int) -> StepSchedule:
+    def _partition(
+        self,
+        prompts: list[int],
+        completions: list[int],
+        groups: list[int] | None,
+        units: list[Unit],
+        budget: int,
+        passes: int,
+        needed: int,
+    ) -> StepSchedule:
         """This process's units cut into exactly ``passes`` passes, the costliest first (empty ones last).
 
         Every pass is a synchronisation point of the processes (DDP broadcasts module buffers before each forward,
@@ -434,9 +499,16 @@ class Scheduler:
         every process's passes from the costliest down lines the heavy passes up with each other.
         """
         layout, pad = self.layout, self.pad_to_multiple_of
-        bins = partition_by_token_budget([unit.tokens for unit in units], budget, num_microbatches=max(passes, 1),
-                                         layout=layout, pad_to_multiple_of=pad, workload=self.workload,
-                                         attention=self.attention, pairs=[unit.pairs for unit in units])
+        bins = partition_by_token_budget(
+            [unit.tokens for unit in units],
+            budget,
+            num_microbatches=max(passes, 1),
+            layout=layout,
+            pad_to_multiple_of=pad,
+            workload=self.workload,
+            attention=self.attention,
+            pairs=[unit.pairs for unit in units],
+        )
         costs = [sum(self._unit_costs([units[u] for u in b])) for b in bins]
         order = sorted(range(len(bins)), key=lambda b: (not bins[b], -costs[b], b))
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
@@ -447,15 +519,26 @@ class Scheduler:
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
             pass_pairs = [sum(units[u].pairs for u in bins[b]) for b in real]
         else:
-            pass_tokens = [microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
-                           for position in range(len(real))]
+            pass_tokens = [
+                microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
+                for position in range(len(real))
+            ]
             pass_pairs = [tokens * tokens // len(microbatches[position]) for position, tokens in enumerate(pass_tokens)]
-        return StepSchedule(microbatches=microbatches, budget=budget, passes_needed=needed,
-                            oversize=sorted(self._oversize(units, budget)), lengths=lengths, pass_tokens=pass_tokens,
-                            prompt_tokens_saved=sum(lengths) - sum(shared), groups=groups, pass_pairs=pass_pairs)
+        return StepSchedule(
+            microbatches=microbatches,
+            budget=budget,
+            passes_needed=needed,
+            oversize=sorted(self._oversize(units, budget)),
+            lengths=lengths,
+            pass_tokens=pass_tokens,
+            prompt_tokens_saved=sum(lengths) - sum(shared),
+            groups=groups,
+            pass_pairs=pass_pairs,
+        )
 
-    def _oversize_error(self, units: list[Unit], lengths: list[int], longest_anywhere: int, budget: int, kind: str,
-                        elsewhere: str):
+    def _oversize_error(
+        self, units: list[Unit], lengths: list[int], longest_anywhere: int, budget: int, kind: str, elsewhere: str
+    ):
         """The error every process raises when some sample is over the budget (``oversize_policy="error"``)."""
         oversize = sorted(self._oversize(units, budget))
         where, length, index, others = elsewhere, longest_anywhere, None, ""
@@ -464,15 +547,27 @@ class Scheduler:
             where, length = f"sequence {index} of this process's step", lengths[index]
         if len(oversize) > 1:
             longest = max(oversize, key=lambda i: (lengths[i], -i))
-            others = (f"; {len(oversize) - 1} more sequence(s) of this process are over the budget too, the longest "
-                      f"is sequence {longest} with {lengths[longest]} tokens")
+            others = (
+                f"; {len(oversize) - 1} more sequence(s) of this process are over the budget too, the longest "
+                f"is sequence {longest} with {lengths[longest]} tokens"
+            )
         size = self.sequence_parallel_size
         if size > 1:  # the setting is per device: a pass spans the group
-            others += (f"; sequence_parallel_size={size} shares each pass over {size} processes: {budget} tokens "
-                       "per pass")
+            others += (
+                f"; sequence_parallel_size={size} shares each pass over {size} processes: {budget} tokens per pass"
+            )
             budget, longest_anywhere = budget // size, -(-longest_anywhere // size)
-        return oversize_error(where, length, budget, layout=self.layout, pad_to_multiple_of=self.pad_to_multiple_of,
-                              longest=longest_anywhere, others=others, setting=BUDGET_SETTINGS[kind], index=index)
+        return oversize_error(
+            where,
+            length,
+            budget,
+            layout=self.layout,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            longest=longest_anywhere,
+            others=others,
+            setting=BUDGET_SETTINGS[kind],
+            index=index,
+        )
 
     @staticmethod
     def oversize_warning(count: int, longest: int, budget: int, kind: str = "training") -> str:
@@ -489,9 +584,14 @@ def _renumber(keys: list) -> list[int]:
     return [ids.setdefault(key, len(ids)) for key in keys]
 
 
-def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], budgets: Sequence[int],
-                       prompt_lengths: Sequence[Sequence[int]] | None = None, kind: str = "training",
-                       groups: Sequence[Sequence[int]] | None = None) -> list:
+def simulate_processes(
+    scheduler: Scheduler,
+    lengths: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    prompt_lengths: Sequence[Sequence[int]] | None = None,
+    kind: str = "training",
+    groups: Sequence[Sequence[int]] | None = None,
+) -> list:
     """The schedules ``num_processes`` processes would compute, each from its own ``lengths`` and budget.
 
     Runs :meth:`Scheduler.plan` once per simulated process, in threads that meet at real (barrier-synchronised)
@@ -533,8 +633,13 @@ def simulate_processes(scheduler: Scheduler, lengths: Sequence[Sequence[int]], b
         try:
             planner = dataclasses.replace(scheduler, group=_Simulated(rank))
             prompts = None if prompt_lengths is None else prompt_lengths[rank]
-            return planner.plan(lengths[rank], budgets[rank], kind, prompt_lengths=prompts,
-                                groups=None if groups is None else groups[rank])
+            return planner.plan(
+                lengths[rank],
+                budgets[rank],
+                kind,
+                prompt_lengths=prompts,
+                groups=None if groups is None else groups[rank],
+            )
         except Exception as error:  # noqa: BLE001 - returned to the caller, as every process would raise it
             with condition:
                 failed.append(rank)

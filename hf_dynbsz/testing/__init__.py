@@ -76,16 +76,25 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     backend = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()  # decode "abc", not "a b c"
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
 
 
 #: Special tokens of the chat template of :func:`build_chat_tokenizer` (TRL's Qwen3 template).
-CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-                       "</tool_response>", "<think>", "</think>")
+CHAT_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 
 
-def build_chat_tokenizer(alphabet: str = DEFAULT_ALPHABET + "{}[]\"_<>|\n"):
+def build_chat_tokenizer(alphabet: str = DEFAULT_ALPHABET + '{}[]"_<>|\n'):
     """:func:`build_char_tokenizer` with TRL's own Qwen3 chat template and its special tokens: conversational
     prompts, tools and environments work offline (TRL recognises the template to parse tool calls)."""
     from importlib.resources import files
@@ -153,10 +162,22 @@ def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=False,
     )
     return _seeded_model(Qwen3NextForCausalLM, config, tokenizer, seed)
@@ -168,16 +189,27 @@ def build_tiny_moe_lm(tokenizer, *, seed: int = 0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=False,
     )
     return _seeded_model(Qwen3MoeForCausalLM, config, tokenizer, seed)
 
 
-def save_tiny_model(directory: str, *, attn_implementation: str = "sdpa", seed: int = 0, chat: bool = False,
-                    architecture: str = "qwen2") -> str:
+def save_tiny_model(
+    directory: str, *, attn_implementation: str = "sdpa", seed: int = 0, chat: bool = False, architecture: str = "qwen2"
+) -> str:
     """The test model, saved to ``directory`` with its tokenizer; returns ``directory``.
 
     Its LM head is shrunk so the next-token distribution is close to uniform over the 7-token vocabulary:
@@ -257,8 +289,17 @@ class ScriptedRollout:
     sample's ``(prompt, completion)`` lengths.
     """
 
-    def __init__(self, completion_lengths: Callable, prompt_length: Callable, *, max_completion_length: int,
-                 seed: int, token_low: int, token_high: int, eos_id: int):
+    def __init__(
+        self,
+        completion_lengths: Callable,
+        prompt_length: Callable,
+        *,
+        max_completion_length: int,
+        seed: int,
+        token_low: int,
+        token_high: int,
+        eos_id: int,
+    ):
         self.completion_lengths, self.prompt_length = completion_lengths, prompt_length
         self.max_len, self.seed = max_completion_length, seed
         self.token_low, self.token_high, self.eos_id = token_low, token_high, eos_id
@@ -287,12 +328,14 @@ class ScriptedRollout:
             if length < self.max_len:
                 ids[-1] = self.eos_id
             completion_ids.append(ids)
-        self.rounds.append({
-            "samples": len(prompts),
-            "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
-            "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
-            "lengths": [(len(p), c) for p, c in zip(prompt_ids, lengths)],  # (prompt, completion) per sample
-        })
+        self.rounds.append(
+            {
+                "samples": len(prompts),
+                "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
+                "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
+                "lengths": [(len(p), c) for p, c in zip(prompt_ids, lengths)],  # (prompt, completion) per sample
+            }
+        )
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
@@ -330,8 +373,13 @@ class MultiTurnRollout(ScriptedRollout):
             completion_ids.append(ids)
             env_masks.append(mask)
         prompt_ids = [self.prompt_ids(p) for p in prompts]
-        self.rounds.append({"samples": len(prompts), "real_tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids)),
-                            "fingerprint": [sorted(map(len, prompt_ids)), sorted(map(len, completion_ids))]})
+        self.rounds.append(
+            {
+                "samples": len(prompts),
+                "real_tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids)),
+                "fingerprint": [sorted(map(len, prompt_ids)), sorted(map(len, completion_ids))],
+            }
+        )
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_masks}
 
 
@@ -378,8 +426,15 @@ class CountingEnvironment:
 #: patches with a grid for the Qwen-VL ones, one ``pixel_values`` entry per image for LLaVA).
 VISION_LANGUAGE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
 
-_VL_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                      "<|video_pad|>", "<image>")
+_VL_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<image>",
+)
 # A small ChatML template with Qwen-VL's image placeholders (LLaVA's processor expands "<image>").
 _VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
@@ -404,9 +459,15 @@ def _image_only(processor_class):
     return ImageOnlyProcessor
 
 
-def build_tiny_vision_language_model(family: str = "qwen2_vl", *, seed: int = 0, hidden_size: int = 32,
-                                     num_hidden_layers: int = 2, vocab_size: int | None = None,
-                                     max_image_side: int = 112):
+def build_tiny_vision_language_model(
+    family: str = "qwen2_vl",
+    *,
+    seed: int = 0,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    vocab_size: int | None = None,
+    max_image_side: int = 112,
+):
     """A tiny vision-language model of ``family`` (:data:`VISION_LANGUAGE_FAMILIES`) with random weights, and its
     processor (character tokenizer, ChatML template): ``(model, processor)``, built offline.
 
@@ -420,28 +481,56 @@ def build_tiny_vision_language_model(family: str = "qwen2_vl", *, seed: int = 0,
         raise ValueError(f"family must be one of {', '.join(VISION_LANGUAGE_FAMILIES)}, got {family!r}")
     tokenizer = build_char_tokenizer(DEFAULT_ALPHABET + "\n")
     tokenizer.add_special_tokens({"additional_special_tokens": list(_VL_SPECIAL_TOKENS)})
-    text = dict(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_hidden_layers, num_attention_heads=max(4, hidden_size // 32),
-                num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    text = dict(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=max(4, hidden_size // 32),
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     if family == "llava":
         template = _VL_CHAT_TEMPLATE.replace("IMAGE", "<image>")
-        vision = transformers.CLIPVisionConfig(image_size=28, patch_size=14, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2, projection_dim=32)
-        config = transformers.LlavaConfig(vision_config=vision, text_config=transformers.Qwen2Config(**text),
-                                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                                          vision_feature_layer=-1, vision_feature_select_strategy="default",
-                                          tie_word_embeddings=False)
-        image_processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": 28},
-                                                             crop_size={"height": 28, "width": 28})
-        processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
-                                                vision_feature_select_strategy="default", chat_template=template,
-                                                image_token="<image>", num_additional_image_tokens=1)
+        vision = transformers.CLIPVisionConfig(
+            image_size=28,
+            patch_size=14,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            projection_dim=32,
+        )
+        config = transformers.LlavaConfig(
+            vision_config=vision,
+            text_config=transformers.Qwen2Config(**text),
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+            tie_word_embeddings=False,
+        )
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        )
+        processor = transformers.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            chat_template=template,
+            image_token="<image>",
+            num_additional_image_tokens=1,
+        )
         model_class = transformers.LlavaForConditionalGeneration
     else:
         template = _VL_CHAT_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
-        names = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLProcessor", "Qwen2VLForConditionalGeneration"),
-                 "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2_5_VLForConditionalGeneration")}
+        names = {
+            "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLProcessor", "Qwen2VLForConditionalGeneration"),
+            "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2_5_VLForConditionalGeneration"),
+        }
         config_name, processor_name, model_name = names[family]
         half = hidden_size // text["num_attention_heads"] // 2  # rotary frequencies per head: temporal, height, width
         sections = [half // 2, half // 4, half - half // 2 - half // 4]
@@ -450,17 +539,27 @@ def build_tiny_vision_language_model(family: str = "qwen2_vl", *, seed: int = 0,
         if family == "qwen2_vl":  # width 32 inside the tower; its merger projects to the language model's width
             vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
         else:
-            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, window_size=56,
-                          fullatt_block_indexes=[0])
+            vision.update(
+                hidden_size=32,
+                intermediate_size=64,
+                out_hidden_size=hidden_size,
+                window_size=56,
+                fullatt_block_indexes=[0],
+            )
         config = getattr(transformers, config_name)(
-            text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            text_config=text,
+            vision_config=vision,
+            image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
             video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"), tie_word_embeddings=False,
+            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+            tie_word_embeddings=False,
         )
-        image_processor = transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_image_side**2,
-                                                                patch_size=14, merge_size=2, temporal_patch_size=2)
-        processor = _image_only(getattr(transformers, processor_name))(image_processor=image_processor,
-                                                                       tokenizer=tokenizer, chat_template=template)
+        image_processor = transformers.Qwen2VLImageProcessorPil(
+            min_pixels=28 * 28, max_pixels=max_image_side**2, patch_size=14, merge_size=2, temporal_patch_size=2
+        )
+        processor = _image_only(getattr(transformers, processor_name))(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=template
+        )
         model_class = getattr(transformers, model_name)
     tokenizer.chat_template = template
     return _seeded_model(model_class, config, tokenizer, seed), processor
@@ -499,16 +598,23 @@ class VisionScriptedRollout(ScriptedRollout):
         result = super().__call__([str(index) for index in range(len(prompts))], trainer)
         result["prompt_ids"] = []
         for prompt in prompts:
-            images = [item["image"] for message in prompt for item in message["content"]
-                      if isinstance(item, dict) and item.get("type") == "image"]
+            images = [
+                item["image"]
+                for message in prompt
+                for item in message["content"]
+                if isinstance(item, dict) and item.get("type") == "image"
+            ]
             text = self.processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             encoded = self.processor(text=[text], images=images or None, return_tensors="pt")
             result["prompt_ids"].append(encoded["input_ids"][0].tolist())
         record = self.rounds[-1]  # the round's record, with the prompts' real lengths
         completions = [len(ids) for ids in result["completion_ids"]]
         prompts = [len(ids) for ids in result["prompt_ids"]]
-        record.update(real_tokens=sum(prompts) + sum(completions), fingerprint=[sorted(prompts), sorted(completions)],
-                      lengths=list(zip(prompts, completions)))
+        record.update(
+            real_tokens=sum(prompts) + sum(completions),
+            fingerprint=[sorted(prompts), sorted(completions)],
+            lengths=list(zip(prompts, completions)),
+        )
         return result
 
 
@@ -538,8 +644,9 @@ def base_config_kwargs(output_dir: str, **overrides) -> dict:
     return kwargs
 
 
-def run_training(trainer_cls, config_cls, model_dir: str, output_dir: str, dataset=None, trainer_kwargs=None,
-                 **overrides):
+def run_training(
+    trainer_cls, config_cls, model_dir: str, output_dir: str, dataset=None, trainer_kwargs=None, **overrides
+):
     """Train from ``model_dir`` and return (initial params, final params, completions, log history).
 
     ``trainer_kwargs`` go to the trainer's constructor (``rollout_func``, ``reward_funcs``, ...); the reward is a
@@ -552,9 +659,13 @@ def run_training(trainer_cls, config_cls, model_dir: str, output_dir: str, datas
     reward = RecordingReward()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    kwargs = dict(model=model, reward_funcs=reward, args=args,
-                  train_dataset=dataset if dataset is not None else prompt_dataset(),
-                  processing_class=load_tokenizer(model_dir))
+    kwargs = dict(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset if dataset is not None else prompt_dataset(),
+        processing_class=load_tokenizer(model_dir),
+    )
     kwargs.update(trainer_kwargs or {})
     trainer = trainer_cls(**kwargs)
     trainer.train()
@@ -590,10 +701,12 @@ def grpo_batch(prompt_lengths, completion_lengths, repeats, *, seed: int = 0, to
     completions = [torch.randint(3, token_high, (int(n),), generator=generator) for n in completion_lengths]
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts (repeats) for {len(completions)} completions")
-    return (pad(prompts, padding_value=pad_id, padding_side="left"),
-            pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
-            pad(completions, padding_value=pad_id, padding_side="right"),
-            pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"))
+    return (
+        pad(prompts, padding_value=pad_id, padding_side="left"),
+        pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+        pad(completions, padding_value=pad_id, padding_side="right"),
+        pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"),
+    )
 
 
 def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None):
@@ -605,7 +718,12 @@ def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free",
     where it fits; a sequence over the budget gets a micro-batch of its own. Returns lists of indices, ordered like
     ``partition_by_token_budget``'s output (ascending inside, micro-batches by smallest index).
     """
-    from hf_dynbsz.planning.partition import _contiguous_runs_to_bins, _fewest_padded_runs, _first_fit_decreasing_sorted, _Problem
+    from hf_dynbsz.planning.partition import (
+        _contiguous_runs_to_bins,
+        _fewest_padded_runs,
+        _first_fit_decreasing_sorted,
+        _Problem,
+    )
 
     problem = _Problem.build(lengths, max_tokens, layout, pad_to_multiple_of)
     if problem.layout == "padding_free":
@@ -632,8 +750,16 @@ def segment_mask(prefix: int, blocks: tuple[int, ...]):
     return causal & ((key_owner == -1) | (key_owner == query_owner))
 
 
-def reference_varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, scale: float | None,
-                               dropout: float = 0.0, sliding_window: int | None = None):
+def reference_varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    scale: float | None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+):
     """What a causal flash-attention varlen kernel computes, in plain PyTorch (CPU tests stand it in for the kernel).
 
     ``query`` ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; span ``i`` of the queries attends
@@ -694,21 +820,34 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def run_with_timeout(command: list[str], cwd, timeout: float, what: str, env: dict | None = None,
-                     expect_failure: bool = False) -> str:
+def run_with_timeout(
+    command: list[str], cwd, timeout: float, what: str, env: dict | None = None, expect_failure: bool = False
+) -> str:
     """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
 
     Raises :class:`AssertionError` on a non-zero exit, and on timeout kills the whole group (every rank) and raises.
     ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables. ``expect_failure``: the command
     must exit non-zero (the whole output is returned then; exiting 0 raises).
     """
-    environ = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1"}
+    environ = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     environ = {key: value for key, value in environ.items() if not key.startswith("DIFFU_")}
     environ.update(env or {})
-    process = subprocess.Popen(command, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -770,4 +909,3 @@ def run_peak_mib(log_history: list[dict], sampler: ResidentSetSampler | None = N
     hwm = status_mib("VmHWM") or 0.0
     logged = [entry["dynbsz/peak_memory_mib"] for entry in log_history if "dynbsz/peak_memory_mib" in entry]
     return max([hwm, *logged, sampler.peak_mib if sampler is not None else 0.0])
-

@@ -10,6 +10,7 @@ soft-capping, indexers choosing the top 4 keys, per-layer head sizes, 4 experts 
     config = tiny_causal_lm_config("llama")            # or raises TinyConfigUnavailable(reason)
     model = build_tiny_causal_lm_of_type("llama", seed=0)
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,47 +36,142 @@ MAX_PARAMS = 1_000_000
 # field holding a number, not a property/alias).
 SIZES = {
     # width
-    **dict.fromkeys(["hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "model_dim", "emb_dim",
-                     "embedding_dim", "word_embed_proj_dim", "embedding_size", "input_embedding_size",
-                     "output_embedding_size", "backbone_hidden_size"], H),
+    **dict.fromkeys(
+        [
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "n_embed",
+            "embed_dim",
+            "model_dim",
+            "emb_dim",
+            "embedding_dim",
+            "word_embed_proj_dim",
+            "embedding_size",
+            "input_embedding_size",
+            "output_embedding_size",
+            "backbone_hidden_size",
+        ],
+        H,
+    ),
     # depth
-    **dict.fromkeys(["num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-                     "num_blocks", "num_decoder_layers", "num_encoder_layers"], LAYERS),
+    **dict.fromkeys(
+        [
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "n_layers",
+            "decoder_layers",
+            "encoder_layers",
+            "num_blocks",
+            "num_decoder_layers",
+            "num_encoder_layers",
+        ],
+        LAYERS,
+    ),
     # heads
-    **dict.fromkeys(["num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
-                     "encoder_attention_heads", "attention_heads", "num_decoder_attention_heads",
-                     "num_encoder_attention_heads", "swa_num_attention_heads"], HEADS),
-    **dict.fromkeys(["head_dim", "attention_head_size", "kv_channels", "d_head", "dim_head", "attention_head_dim",
-                     "swa_head_dim"], HD),
+    **dict.fromkeys(
+        [
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "n_heads",
+            "decoder_attention_heads",
+            "encoder_attention_heads",
+            "attention_heads",
+            "num_decoder_attention_heads",
+            "num_encoder_attention_heads",
+            "swa_num_attention_heads",
+        ],
+        HEADS,
+    ),
+    **dict.fromkeys(
+        ["head_dim", "attention_head_size", "kv_channels", "d_head", "dim_head", "attention_head_dim", "swa_head_dim"],
+        HD,
+    ),
     # MLP
-    **dict.fromkeys(["intermediate_size", "ffn_dim", "n_inner", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim",
-                     "ffn_hidden_size", "dff", "dim_ff", "d_inner", "feed_forward_size", "intermediate_size_mlp",
-                     "dense_intermediate_size"], FF),
+    **dict.fromkeys(
+        [
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "d_ff",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+            "ffn_hidden_size",
+            "dff",
+            "dim_ff",
+            "d_inner",
+            "feed_forward_size",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+        ],
+        FF,
+    ),
     # vocab / positions
-    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
-                     "max_source_positions", "context_length"], 512),
+    **dict.fromkeys(
+        [
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "max_seq_len",
+            "max_target_positions",
+            "max_source_positions",
+            "context_length",
+        ],
+        512,
+    ),
     # MoE
     **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"], 4),
     **dict.fromkeys(["num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk"], 2),
-    **dict.fromkeys(["moe_intermediate_size", "shared_expert_intermediate_size", "expert_ffn_hidden_size",
-                     "moe_shared_expert_intermediate_size", "shared_experts_intermediate_size"], EXPERT_FF),
+    **dict.fromkeys(
+        [
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "expert_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+        ],
+        EXPERT_FF,
+    ),
     # multi-head latent attention: q/k head = nope 8 + rope 4 = 12, value head 8
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
     "o_lora_rank": 16,
     # DeepSeek-V3.2-style indexer (sparse attention over the top-k keys)
-    "index_topk": 4, "index_n_heads": 2, "index_head_dim": 8,
+    "index_topk": 4,
+    "index_n_heads": 2,
+    "index_head_dim": 8,
     # local attention windows
-    **dict.fromkeys(["sliding_window", "attention_chunk_size", "window_size", "attention_window_size",
-                     "sliding_window_size", "local_attention_window_len"], WINDOW),
+    **dict.fromkeys(
+        [
+            "sliding_window",
+            "attention_chunk_size",
+            "window_size",
+            "attention_window_size",
+            "sliding_window_size",
+            "local_attention_window_len",
+        ],
+        WINDOW,
+    ),
     # linear attention / SSM
     **dict.fromkeys(["linear_num_heads", "linear_num_key_heads", "linear_num_value_heads"], 4),
     **dict.fromkeys(["linear_head_dim", "linear_key_head_dim", "linear_value_head_dim"], HD),
-    "state_size": 8, "time_step_rank": 4, "mamba_d_state": 8, "mamba_dt_rank": 4, "ssm_state_size": 8,
-    "mamba_chunk_size": 8, "chunk_size": 8,
+    "state_size": 8,
+    "time_step_rank": 4,
+    "mamba_d_state": 8,
+    "mamba_dt_rank": 4,
+    "ssm_state_size": 8,
+    "mamba_chunk_size": 8,
+    "chunk_size": 8,
     # mamba-2 heads: n_heads * head_dim = expand (2) * hidden (32) = 64
     **dict.fromkeys(["mamba_n_heads", "mamba_num_heads"], 8),
     **dict.fromkeys(["mamba_d_head", "mamba_head_dim", "mamba_headdim"], 8),
-    "mamba_d_ssm": 2 * H, "n_groups": 2,
+    "mamba_d_ssm": 2 * H,
+    "n_groups": 2,
     **dict.fromkeys(["num_query_groups", "swa_num_key_value_heads"], KV),
     "query_pre_attn_scalar": HD,  # Gemma-2/3: attention scale 1/sqrt(query_pre_attn_scalar) (= head_dim upstream)
     "keep_window_size": WINDOW,  # Doge: dynamic mask keeps the top-k keys per query
@@ -88,9 +184,17 @@ SIZES = {
 # attributes only changed when the default is > 0 (0 = feature off, keep it off): shared experts, leading dense
 # layers before the MoE ones (1 dense + 1 MoE layer), LongCat zero experts; multi-token-prediction layers are dropped
 # (transformers does not build them for the causal LM)
-POSITIVE_ONLY = {"n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
-                 "shared_intermediate_size": EXPERT_FF, "first_k_dense_replace": 1, "num_dense_layers": 1,
-                 "moe_layer_start_index": 1, "zero_expert_num": 2, "num_nextn_predict_layers": 0}
+POSITIVE_ONLY = {
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "shared_intermediate_size": EXPERT_FF,
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
+    "moe_layer_start_index": 1,
+    "zero_expert_num": 2,
+    "num_nextn_predict_layers": 0,
+}
 # attributes set even when the default is None
 NONE_OK = ("head_dim", "num_experts_per_tok", "n_routed_experts", "intermediate_size", "n_inner")
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_blocks")
@@ -100,8 +204,13 @@ INDEX_LISTS = ("moe_layers", "full_attn_idxs", "mlp_only_layers", "hybrid_layer_
 
 def _is_dropout(name: str) -> bool:
     n = name.lower()
-    return ("dropout" in n or "pdrop" in n or n.endswith("drop_rate") or n.endswith("layerdrop")
-            or (re.search(r"_prob$", n) is not None and ("drop" in n or "attention_probs" in n or n.startswith("mask_"))))
+    return (
+        "dropout" in n
+        or "pdrop" in n
+        or n.endswith("drop_rate")
+        or n.endswith("layerdrop")
+        or (re.search(r"_prob$", n) is not None and ("drop" in n or "attention_probs" in n or n.startswith("mask_")))
+    )
 
 
 def _fields(config) -> dict:
@@ -130,10 +239,16 @@ def _layer_count(fields: dict):
 def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
     """Pick the fewest layer indices of the default config such that every value of every per-layer list
     (layer_types, mlp_layer_types, no-rope flags, index lists, ...) still occurs; returns (indices, lists)."""
-    per_layer = {k: list(v) for k, v in fields.items()
-                 if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS}
-    index_lists = {k: list(v) for k, v in fields.items()
-                   if k in INDEX_LISTS and isinstance(v, (list, tuple)) and all(isinstance(i, int) for i in v)}
+    per_layer = {
+        k: list(v)
+        for k, v in fields.items()
+        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS
+    }
+    index_lists = {
+        k: list(v)
+        for k, v in fields.items()
+        if k in INDEX_LISTS and isinstance(v, (list, tuple)) and all(isinstance(i, int) for i in v)
+    }
     columns = dict(per_layer)
     for k, v in index_lists.items():
         columns[k] = [i in v for i in range(n_layers)]
@@ -148,7 +263,7 @@ def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
             break
         if i not in chosen:
             chosen.append(i)
-    chosen = sorted(chosen)[:max(len(chosen), min_layers)]
+    chosen = sorted(chosen)[: max(len(chosen), min_layers)]
     new = {k: [v[i] for i in chosen] for k, v in per_layer.items()}
     for k, v in index_lists.items():
         new[k] = [j for j, i in enumerate(chosen) if i in v]
@@ -162,6 +277,7 @@ def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
 def _set(**values):
     def apply(kwargs, default):
         kwargs.update(copy.deepcopy(values))
+
     return apply
 
 
@@ -169,18 +285,29 @@ def _blt(kwargs):
     """BLT sub-configs: global width = encoder width * cross_attn_k (2), so no projection; byte n-gram hash tables
     of `vocab_size` rows; the encoder's local attention window comes from local_attention_window_len."""
     vocab = kwargs["vocab_size"]
-    local = dict(vocab_size=vocab, hidden_size=H, num_attention_heads=HEADS, intermediate_size=FF,
-                 max_position_embeddings=512)
-    kwargs.update(encoder_hash_byte_group_vocab=vocab, local_attention_window_len=WINDOW,
-                  patcher_config=dict(local, num_hidden_layers=2, sliding_window=WINDOW),
-                  encoder_config=dict(local, num_hidden_layers=1, hidden_size_global=2 * H),
-                  decoder_config=dict(local, num_hidden_layers=2, hidden_size_global=2 * H),
-                  global_config=dict(hidden_size=2 * H, num_attention_heads=HEADS, num_hidden_layers=2,
-                                     intermediate_size=2 * FF, max_position_embeddings=512))
+    local = dict(
+        vocab_size=vocab, hidden_size=H, num_attention_heads=HEADS, intermediate_size=FF, max_position_embeddings=512
+    )
+    kwargs.update(
+        encoder_hash_byte_group_vocab=vocab,
+        local_attention_window_len=WINDOW,
+        patcher_config=dict(local, num_hidden_layers=2, sliding_window=WINDOW),
+        encoder_config=dict(local, num_hidden_layers=1, hidden_size_global=2 * H),
+        decoder_config=dict(local, num_hidden_layers=2, hidden_size_global=2 * H),
+        global_config=dict(
+            hidden_size=2 * H,
+            num_attention_heads=HEADS,
+            num_hidden_layers=2,
+            intermediate_size=2 * FF,
+            max_position_embeddings=512,
+        ),
+    )
 
 
-_ASSISTANT = ("speculative-decoding drafter (Gemma-4 assistant): its forward needs the target model's inputs_embeds "
-              "and shared_kv_states, ignores input_ids and cannot run as a standalone causal LM")
+_ASSISTANT = (
+    "speculative-decoding drafter (Gemma-4 assistant): its forward needs the target model's inputs_embeds "
+    "and shared_kv_states, ignores input_ids and cannot run as a standalone causal LM"
+)
 UNAVAILABLE: dict[str, str] = {
     "gemma4_assistant": _ASSISTANT,
     "gemma4_unified_assistant": _ASSISTANT,
@@ -196,34 +323,59 @@ OVERRIDES: dict = {
     # the config's n_routed_experts / n_shared_experts default to None, which the modeling code cannot build
     "dots1": _set(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1),
     # DBRX attention reads attn_config.rope_theta (not a field of DbrxAttentionConfig); experts live in ffn_config
-    "dbrx": _set(attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0, "attn_pdrop": 0.0},
-                 ffn_config={"ffn_hidden_size": EXPERT_FF, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dbrx": _set(
+        attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0, "attn_pdrop": 0.0},
+        ffn_config={"ffn_hidden_size": EXPERT_FF, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     # LFM2: default layer_types are all attention; real checkpoints interleave short-conv and attention layers.
     # block_multiple_of rounds the (auto-adjusted) MLP width up to a multiple of 256
     "lfm2": _set(layer_types=["conv", "full_attention"], full_attn_idxs=[1], block_multiple_of=32),
     "lfm2_moe": _set(layer_types=["conv", "full_attention"]),
     # Cohere Compass (North) text: default is all full attention; the model supports sliding layers and NoPE layers
     # (rope_parameters[layer_type] = None); keep a RoPE sliding layer and a NoPE full layer like Cohere2
-    "cohere_compass_text": _set(layer_types=["sliding_attention", "full_attention"],
-                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                 "full_attention": None}),
+    "cohere_compass_text": _set(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
+    ),
     # Gemma-3n: keep sliding+full, activation-sparse and dense MLP, KV-producing and KV-sharing layers
-    "gemma3n_text": _set(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                         intermediate_size=[FF] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-                         num_kv_shared_layers=2, laurel_rank=4),
+    "gemma3n_text": _set(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        intermediate_size=[FF] * 4,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        num_kv_shared_layers=2,
+        laurel_rank=4,
+    ),
     # Gemma-4: full-attention layers get their own (larger) head dim through per_layer_config
     "gemma4_text": _set(global_head_dim=16),
     "gemma4_unified_text": _set(global_head_dim=16),
     # dots3 note: sliding layers are MLA with their own sizes, given through swa_* kwargs
-    "dots3_note_text": _set(swa_num_attention_heads=HEADS, swa_num_key_value_heads=HEADS, swa_q_lora_rank=16,
-                            swa_kv_lora_rank=16, swa_head_dim=12, swa_qk_nope_head_dim=8, swa_v_head_dim=8),
+    "dots3_note_text": _set(
+        swa_num_attention_heads=HEADS,
+        swa_num_key_value_heads=HEADS,
+        swa_q_lora_rank=16,
+        swa_kv_lora_rank=16,
+        swa_head_dim=12,
+        swa_qk_nope_head_dim=8,
+        swa_v_head_dim=8,
+    ),
     # Inkling: relative-position logits over rel_extent distances (kept < test length so they matter)
     "inkling_text": _set(d_rel=4, rel_extent=16),
     # Qwen4-Exp: the QSA indexer fields default to None (no model can be built); also turn on the hashed n-gram
     # per-layer embeddings (PLE) on the linear-attention layer with a tiny n-gram vocabulary
-    "qwen4_exp_text": _set(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
-                           indexer_compress_ratio=2, hc_lowrank=4, ple_layer_ids=[1], ple_embed_dim=16,
-                           heads_per_ngram=2, ngram_vocab_size_base=61, make_ngram_vocab_size_divisible_by=8),
+    "qwen4_exp_text": _set(
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=8,
+        indexer_budget=8,
+        indexer_compress_ratio=2,
+        hc_lowrank=4,
+        ple_layer_ids=[1],
+        ple_embed_dim=16,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=61,
+        make_ngram_vocab_size_divisible_by=8,
+    ),
     # Jamba: default periods (attention every 8th layer from 4, MoE every 2nd from 1) leave 2 layers all-mamba;
     # layer 0 = mamba + MoE, layer 1 = attention + dense MLP
     "jamba": _set(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0),
@@ -236,19 +388,30 @@ OVERRIDES: dict = {
     "blt": lambda kwargs, default: _blt(kwargs),
     # Laguna: default is all full attention with one head count; the architecture has sliding layers (own RoPE) and
     # per-layer head counts, keep both: a sliding layer with 8 heads and a full layer with 4
-    "laguna": _set(layer_types=["sliding_attention", "full_attention"], num_attention_heads_per_layer=[2 * HEADS, HEADS]),
+    "laguna": _set(
+        layer_types=["sliding_attention", "full_attention"], num_attention_heads_per_layer=[2 * HEADS, HEADS]
+    ),
     # MiniMax-01: lightning (linear) attention is computed in blocks of block_size tokens (default 256)
     "minimax": _set(block_size=WINDOW),
     # MiniMax-M3: real checkpoints mix full layers and block-sparse "minimax_m3_sparse" layers (lightning indexer
     # picking index_topk_blocks key blocks of index_block_size tokens); default is all full + all MoE
-    "minimax_m3_vl_text": _set(layer_types=["full_attention", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse"],
-                               index_block_size=4, index_topk_blocks=2, index_local_blocks=1),
+    "minimax_m3_vl_text": _set(
+        layer_types=["full_attention", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse"],
+        index_block_size=4,
+        index_topk_blocks=2,
+        index_local_blocks=1,
+    ),
     # ModernBERT decoder derives sliding_window = local_attention // 2
     "modernbert-decoder": _set(local_attention=2 * WINDOW),
     # DeepSeek-V4: head_dim is the (single-KV-head) attention head, RoPE on qk_rope_head_dim of it; compressed-KV
     # attention compresses every compress_rate tokens (defaults 4 / 128 would leave nothing to compress)
-    "deepseek_v4": _set(head_dim=16, qk_rope_head_dim=4, o_groups=2,
-                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
+    "deepseek_v4": _set(
+        head_dim=16,
+        qk_rope_head_dim=4,
+        o_groups=2,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    ),
     # Llama-4: NoPE layers scale queries by log1p(floor((pos + 1) / floor_scale)); 8192 would never trigger here
     "llama4_text": _set(floor_scale=WINDOW),
     # Inkling-2: full-attention layers scale q by log((pos + 1) / log_scaling_n_floor) beyond the floor (128000)
@@ -260,11 +423,18 @@ OVERRIDES: dict = {
     "zaya": _set(num_experts_per_tok=1, router_hidden_size=16),
     # Reformer: axial position embeddings force seq_len == prod(axial_pos_shape) in training; use plain position
     # embeddings, chunk lengths 4 (local attention sees its chunk + the previous one), LSH buckets auto
-    "reformer": _set(axial_pos_embds=False, local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=None,
-                     attn_layers=["local", "lsh"]),
+    "reformer": _set(
+        axial_pos_embds=False,
+        local_attn_chunk_length=4,
+        lsh_attn_chunk_length=4,
+        num_buckets=None,
+        attn_layers=["local", "lsh"],
+    ),
     # RoCBert: shape / pronunciation embedding tables default to 24858 x 512 and 910 x 768
     "roc_bert": _set(shape_vocab_size=64, shape_embed_dim=8, pronunciation_vocab_size=64, pronunciation_embed_dim=8),
 }
+
+
 def _random_hash_routing(model):
     """DeepSeek-V4 hash-MoE layers route by a frozen token-id -> experts table that from_config leaves all zeros
     (every token -> expert 0); give each token distinct random experts."""
@@ -331,8 +501,11 @@ def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id
             kwargs[name] = SIZES[name]
     if "qk_rope_head_dim" in fields and "head_dim" in fields:  # MLA: head_dim is the rotary part of q/k
         kwargs["head_dim"] = SIZES["qk_rope_head_dim"]
-    elif _is_number(fields.get("v_head_dim")) and _is_number(fields.get("head_dim")) \
-            and fields["v_head_dim"] != fields["head_dim"]:  # e.g. MiMo-V2: q/k heads wider than value heads
+    elif (
+        _is_number(fields.get("v_head_dim"))
+        and _is_number(fields.get("head_dim"))
+        and fields["v_head_dim"] != fields["head_dim"]
+    ):  # e.g. MiMo-V2: q/k heads wider than value heads
         kwargs["head_dim"], kwargs["v_head_dim"] = HD + 4, HD
     if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:
         kwargs["num_key_value_heads"] = KV
