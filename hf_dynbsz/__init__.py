@@ -30,7 +30,7 @@ _LAZY = {
     "BatchSizePlan": "hf_dynbsz.planning.plan",
     "Scheduler": "hf_dynbsz.planning.schedule",
     "partition_by_token_budget": "hf_dynbsz.planning.partition",
-    "WorkloadModel": "hf_dynbsz.planning.partition",
+    "WorkloadModel": "hf_dynbsz.planning.cost",
     "OversizeSequenceError": "hf_dynbsz.planning.partition",
     "MemoryModel": "hf_dynbsz.planning.memory",
     "OutOfMemoryBudgetError": "hf_dynbsz.planning.memory",

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hf_dynbsz.planning.coerce import parse_int
 from hf_dynbsz.planning.model_support import ModelSupport, router_aux_loss_coef
 from hf_dynbsz.planning.partition import token_lower_bound
-from hf_dynbsz.planning.plan import text_table
+from hf_dynbsz.planning.plan_table import text_table
 from hf_dynbsz.planning.schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
 __all__ = ["main", "read_accelerate_config", "read_lengths"]
@@ -115,13 +116,12 @@ def read_lengths(path: str) -> list[tuple[int, int | None, int | None]]:
         raise UsageError(f"cannot read --lengths {path!r}: {error.strerror or error}") from None
 
     def as_length(value: Any, where: str) -> int:
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        number = parse_int(value)
+        if number is None or number < 0:
             raise UsageError(
                 f"--lengths {path!r}: {where}: expected a non-negative integer number of tokens, got {value!r}."
             )
-        return value
+        return number
 
     entries: list[Any] = []
     if text.lstrip().startswith("["):
@@ -195,24 +195,23 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def render_simulation(
-    plan, scheduler: Scheduler, rounds: list[SimulatedRound], totals_only: bool, layout_note: str = ""
-) -> str:
-    """The table of :func:`simulate` on one process: micro-batches vs stock TRL's padded micro-batches, per step."""
-    steps = [(step.lengths[0], step.balanced[0], step.stock_tokens, step.partial) for step in rounds]
-    pad = plan.pad_to_multiple_of
-    header = (
-        "step",
-        "samples",
-        "real tokens",
-        "budget",
-        "micro-batches",
-        "lower bound",
-        "utilisation",
-        "computed tokens",
-        "stock tokens",
-        "saved",
-    )
+_SIMULATION_HEADER = (
+    "step",
+    "samples",
+    "real tokens",
+    "budget",
+    "micro-batches",
+    "lower bound",
+    "utilisation",
+    "computed tokens",
+    "stock tokens",
+    "saved",
+)
+
+
+def _simulation_rows(steps: list[tuple]) -> list[tuple[str, ...]]:
+    """The rows of :func:`render_simulation`, one per ``(lengths, schedule, stock tokens, partial)`` step, then the
+    totals."""
     rows: list[tuple[str, ...]] = []
     totals = dict.fromkeys(("samples", "real", "capacity", "count", "bound", "dynamic", "stock"), 0)
     for number, (lengths, schedule, stock, partial) in enumerate(steps, start=1):
@@ -260,6 +259,11 @@ def render_simulation(
             f"{1 - totals['dynamic'] / totals['stock']:.1%}" if totals["stock"] else "-",
         )
     )
+    return rows
+
+
+def _simulation_notes(plan, scheduler: Scheduler, steps: list[tuple], totals_only: bool, layout_note: str) -> list[str]:
+    """The notes above :func:`render_simulation`'s table: what was simulated, what the columns mean, oversize."""
     if plan.max_tokens_per_microbatch:
         budget_text = f"{plan.max_tokens_per_microbatch} tokens"
     elif totals_only:
@@ -274,9 +278,10 @@ def render_simulation(
         f"Simulated {samples} samples of one device, {plan.per_device_samples_per_optimizer_step} per optimizer step "
         f"(per_device_train_batch_size {plan.per_device_train_batch_size} x gradient_accumulation_steps "
         f"{plan.gradient_accumulation_steps}); budget: {budget_text}; layout: {scheduler.layout}{layout_note}; "
-        f"pad_to_multiple_of: {pad or 'none'}.",
+        f"pad_to_multiple_of: {plan.pad_to_multiple_of or 'none'}.",
         "lower bound = fewest micro-batches the step's tokens allow (each oversize sequence counts one); utilisation "
-        "= real tokens / (micro-batches x budget), over the micro-batches within the budget; computed tokens = tokens the micro-batches compute (padding included); stock tokens = stock "
+        "= real tokens / (micro-batches x budget), over the micro-batches within the budget; computed tokens = "
+        "tokens the micro-batches compute (padding included); stock tokens = stock "
         "TRL's micro-batches of per_device_train_batch_size samples padded to the step's longest row.",
     ]
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False) for note in notes]
@@ -294,7 +299,17 @@ def render_simulation(
             "Their passes count in micro-batches and lower bound and are left out of utilisation; "
             "oversize_policy='error' stops training instead."
         )
-    return "\n".join([*notes, "", *text_table(header, rows, ">" * len(header))])
+    return notes
+
+
+def render_simulation(
+    plan, scheduler: Scheduler, rounds: list[SimulatedRound], totals_only: bool, layout_note: str = ""
+) -> str:
+    """The table of :func:`simulate` on one process: micro-batches vs stock TRL's padded micro-batches, per step."""
+    steps = [(step.lengths[0], step.balanced[0], step.stock_tokens, step.partial) for step in rounds]
+    notes = _simulation_notes(plan, scheduler, steps, totals_only, layout_note)
+    rows = _simulation_rows(steps)
+    return "\n".join([*notes, "", *text_table(_SIMULATION_HEADER, rows, ">" * len(_SIMULATION_HEADER))])
 
 
 @dataclass
@@ -516,7 +531,7 @@ def _num_processes(namespace: argparse.Namespace, launcher: dict[str, Any]) -> i
         value, where = launcher["num_processes"], f"num_processes of --config_file {namespace.config_file!r}"
     else:
         return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if parse_int(value, strings=False) is None or value < 1:
         raise UsageError(
             f"{where} must be a positive integer (data-parallel processes over all machines), got "
             f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs."
@@ -577,14 +592,16 @@ def _memory_rows(
 ) -> list:
     """With ``max_memory_per_device_mib``: the plan rows answering "what budget fits in N MiB for this model?"
     (:func:`hf_dynbsz.planning.memory.plan_rows`, the trainer's model before any pass is measured)."""
+    from hf_dynbsz.planning.cost import GENERIC_DECODER
     from hf_dynbsz.planning.memory import MemoryModel, estimated_held_mib, plan_rows
-    from hf_dynbsz.planning.partition import GENERIC_DECODER
+    from hf_dynbsz.planning.plan import resolve_mixed_precision
 
     limit = getattr(namespace, "max_memory_per_device_mib", None)
     if limit is None:
         return []
     config = model_config if model_config is not None else GENERIC_DECODER
-    half = (mixed_precision or ("bf16" if namespace.bf16 else "fp16" if namespace.fp16 else "no")) in ("bf16", "fp16")
+    # The precision the plan table shows (TRL's default bf16 included): half-precision activations, 2 bytes each.
+    half = resolve_mixed_precision(namespace, mixed_precision) in ("bf16", "fp16")
     memory = MemoryModel.from_config(
         config,
         limit,
@@ -614,7 +631,8 @@ def _run_plan(argv: list[str]) -> int:
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
     from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
-    from hf_dynbsz.planning.plan import BatchSizePlan, validate_dynamic_batch_fields
+    from hf_dynbsz.planning.plan import BatchSizePlan
+    from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
     try:
         launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}

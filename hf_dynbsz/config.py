@@ -17,13 +17,9 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
-from hf_dynbsz.planning.plan import (
-    USER_BATCH_SETTINGS_ATTR,
-    resolve_generation_round,
-    validate_dynamic_batch_fields,
-    validate_grpo_fields,
-)
+from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
 from hf_dynbsz.planning.settings import DEFAULTS, config_docstring, setting
+from hf_dynbsz.planning.validation import validate_dynamic_batch_fields, validate_grpo_fields
 
 __all__ = [
     "DynamicBatchGRPOConfig",
@@ -67,7 +63,7 @@ class DynamicBatchGRPOConfig(GRPOConfig):
         # DeepSpeed on a machine without an accelerator only agrees with accelerate on the world size over gloo.
         self.ddp_backend = default_ddp_backend(self.ddp_backend)
         # 2. Record what the user asked for before TRL derives one from the other for this world size; the batch
-        #    plan needs it to plan another world size (see hf_dynbsz.planning.plan).
+        #    plan needs it to plan another world size (see hf_dynbsz.planning.generation_round).
         setattr(
             self,
             USER_BATCH_SETTINGS_ATTR,
@@ -97,8 +93,8 @@ class DynamicBatchGRPOConfig(GRPOConfig):
 def take_sequence_parallelism(args) -> None:
     """Move ``parallelism_config.sp_size`` into ``sequence_parallel_size``, in place.
 
-    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.parallel.sequence_parallel`): accelerate then
-    sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
+    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.parallel.sequence_parallel`): accelerate
+    then sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
     GRPO does not have, and TRL's ``GRPOConfig`` refuses it). Raises for what only accelerate's path would run.
     """
     config = getattr(args, "parallelism_config", None)
@@ -203,8 +199,8 @@ def _rederive_and_validate(args, previous_per_device_train_batch_size: int) -> N
 
 DynamicBatchGRPOConfig.__doc__ = f"""
     Configuration of [`~hf_dynbsz.DynamicBatchGRPOTrainer`]: every [`~trl.GRPOConfig`] parameter plus the ones
-    below (written once, in `hf_dynbsz.planning.settings`). With `dynamic_batching=False` the trainer behaves exactly like
-    TRL's `GRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
+    below (written once, in `hf_dynbsz.planning.settings`). With `dynamic_batching=False` the trainer behaves exactly
+    like TRL's `GRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
 
     Parameters:
 {config_docstring()}

@@ -5,8 +5,8 @@ checkpoint holds one too, so a run that stopped early is read from its latest ch
 markdown table, one row per run (printed, and written with ``--markdown``), and a PNG with one panel per figure
 and one line per run: the reward (mean and std: the first curve to check that a run learns) and the mean completion
 length beside the efficiency figures: padding fraction, tokens per second, peak memory, micro-batches and dummy
-passes per step, and, when the runs logged them, rank imbalance and prompt tokens saved. The typical use is a ``DIFFU_*``
-sweep (``examples/sweep.sh``): which budget gives the most tokens per second within the memory you have.
+passes per step, and, when the runs logged them, rank imbalance and prompt tokens saved. The typical use is a
+``DIFFU_*`` sweep (``examples/sweep.sh``): which budget gives the most tokens per second within the memory you have.
 
 Pure reading and plotting: no torch, no TRL (matplotlib for the PNG).
 """

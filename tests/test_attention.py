@@ -1,4 +1,5 @@
-"""Specification of hf_dynbsz.execution.attention: shared prompts and padding-free rows give stock's log-probs, on every kernel.
+"""Specification of hf_dynbsz.execution.attention: shared prompts and padding-free rows give stock's log-probs, on
+every kernel.
 
 Each padding-free row is built by the packing collator (with prompt groups where prompts are shared) and run
 through segment attention; the log-probs, entropies and gradients must equal those of stock TRL's padded forward of

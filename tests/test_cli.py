@@ -492,7 +492,7 @@ def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_proce
     memory = MemoryModel.from_config(
         config,
         20000,
-        activation_bytes=4,
+        activation_bytes=2,  # the table's mixed precision: GRPOConfig's default, bf16
         tensor_batch_size=1024,
         gradient_checkpointing=True,
         attn_implementation="sdpa",
@@ -504,3 +504,49 @@ def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_proce
         table_row(result.stdout, "budget that fits, training")[0]
     )
     assert "budget that fits" not in plan_in_process(*options[:-4]).stdout
+
+
+def memory_model_config(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "precision, same_as",
+    [
+        ((), ("--bf16", "true")),  # TRL's default mixed precision is bf16
+        (("--bf16", "false"), ("--bf16", "false", "--fp16", "false")),
+        (("--fp16", "true", "--bf16", "false"), ("--bf16", "true")),  # half precision either way: 2 bytes
+    ],
+)
+def test_memory_rows_use_the_mixed_precision_the_table_shows(tmp_path, plan_in_process, precision, same_as):
+    """The memory rows' activations are in the precision of the "mixed precision" row (TRL's default bf16 included),
+    not fp32 while the table says bf16."""
+    options = (
+        "--num_processes", 8,
+        "--per_device_train_batch_size", 4,
+        "--num_generations", 8,
+        "--model_config", memory_model_config(tmp_path),
+        "--max_memory_per_device_mib", 60000,
+    )  # fmt: skip
+    result, reference = plan_in_process(*options, *precision), plan_in_process(*options, *same_as)
+    assert result.returncode == 0 and reference.returncode == 0, result.stderr + reference.stderr
+    shown = table_row(result.stdout, "mixed precision")[0]
+    assert shown == {(): "bf16", ("--bf16", "false"): "no"}.get(precision, "fp16")
+    for row in ("memory of a training pass", "budget that fits, training", "budget that fits, no-grad"):
+        assert table_row(result.stdout, row) == table_row(reference.stdout, row), row
+    per_token = {
+        name: float(table_row(output, "memory of a training pass")[3])
+        for name, output in (("result", result.stdout), ("bf16", plan_in_process(*options, "--bf16", "true").stdout))
+    }
+    half = shown in ("bf16", "fp16")
+    assert per_token["result"] == (per_token["bf16"] if half else 2 * per_token["bf16"])

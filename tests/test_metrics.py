@@ -1,5 +1,5 @@
-"""Specification of :mod:`hf_dynbsz.execution.metrics`: the ``dynbsz/*`` figures of each optimizer step, what they measure,
-and that they reach a real reporter (TensorBoard event files, read back)."""
+"""Specification of :mod:`hf_dynbsz.execution.metrics`: the ``dynbsz/*`` figures of each optimizer step, what they
+measure, and that they reach a real reporter (TensorBoard event files, read back)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.metrics import PeakMemory, StepClock, device_peak_tflops
-from hf_dynbsz.planning.partition import ModelFlops
+from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm, run_training, save_tiny_model
 
 PEAK_TFLOPS = 0.05  # a made-up device peak, so that dynbsz/mfu is logged on CPU

@@ -1,4 +1,5 @@
-"""Specification of hf_dynbsz.planning.model_support: what runs for a model is read off the model, once, and never raises."""
+"""Specification of hf_dynbsz.planning.model_support: what runs for a model is read off the model, once, and never
+raises."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import CONFIG_MAPPING
 
+from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops
 from hf_dynbsz.planning.model_support import Layout, ModelSupport
-from hf_dynbsz.planning.partition import GENERIC_DECODER, ModelFlops
 
 
 def support_of(model_type, attn_implementation="sdpa", **config):

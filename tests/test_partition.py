@@ -7,16 +7,15 @@ Units throughout: a *length* is the real tokens of one sequence (prompt + comple
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.partition import (
     OversizeSequenceError,
-    WorkloadModel,
     microbatch_tokens,
     min_num_microbatches,
     partition_by_token_budget,
@@ -130,99 +129,6 @@ def test_lower_bound_holds_with_oversize_sequences(batch, layout, pad):
     lengths, max_tokens = batch
     result = partition_by_token_budget(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad)
     assert token_lower_bound(lengths, max_tokens) <= len(result)
-
-
-# --------------------------------------------------------------------------- workload model
-def test_workload_from_config_uses_per_token_flops_of_a_layer():
-    config = types.SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    model = WorkloadModel.from_model_config(config, layout="padded")
-    # Per token: Q, K, V, O projections 4*h^2 + non-gated MLP 2*h*(4h); per (query, key) pair: 2*h.
-    linear = 2 * (4 * 64**2 + 2 * 64 * 4 * 64)
-    quadratic = 2 * (2 * 64)
-    assert model.linear_weight == 1.0
-    assert model.quadratic_weight == pytest.approx(quadratic / linear)
-
-
-def test_workload_missing_intermediate_size_means_four_times_hidden():
-    base = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=8)
-    implicit = WorkloadModel.from_model_config(types.SimpleNamespace(**base))
-    explicit = WorkloadModel.from_model_config(types.SimpleNamespace(**base, intermediate_size=4 * 256))
-    assert implicit == explicit
-
-
-def test_workload_gated_mlp_and_grouped_query_attention():
-    gated = types.SimpleNamespace(
-        hidden_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        hidden_act="silu",
-    )
-    model = WorkloadModel.from_model_config(gated, layout="padded")
-    linear = 2 * 128 * 128 + 2 * 128 * (2 * 16) + 3 * 128 * 512
-    assert model.quadratic_weight == pytest.approx(2 * 128 / linear)
-
-
-def test_workload_is_not_hard_coded_to_one_model_size():
-    small = WorkloadModel.from_model_config(
-        types.SimpleNamespace(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864)
-    )
-    large = WorkloadModel.from_model_config(
-        types.SimpleNamespace(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
-    )
-    # Attention matters relatively more for narrow models: the quadratic share shrinks with width.
-    assert small.quadratic_weight > large.quadratic_weight > 0
-
-
-def test_workload_causal_varlen_kernels_compute_half_the_pairs():
-    config = types.SimpleNamespace(hidden_size=512, num_hidden_layers=4, num_attention_heads=8)
-    varlen = WorkloadModel.from_model_config(config, layout="padding_free", attention="varlen")
-    dense = WorkloadModel.from_model_config(config, layout="padding_free", attention="dense")
-    padded = WorkloadModel.from_model_config(config, layout="padded")
-    assert varlen.quadratic_weight == pytest.approx(dense.quadratic_weight / 2)
-    assert padded == dense
-
-
-def test_workload_reads_text_config_of_multimodal_configs():
-    text = types.SimpleNamespace(hidden_size=256, num_hidden_layers=2, num_attention_heads=4)
-    wrapper = types.SimpleNamespace(text_config=text)
-    assert WorkloadModel.from_model_config(wrapper) == WorkloadModel.from_model_config(text)
-
-
-def test_workload_default_is_a_generic_7b_decoder():
-    generic = types.SimpleNamespace(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008, hidden_act="silu"
-    )
-    assert WorkloadModel.default() == WorkloadModel.from_model_config(generic)
-    assert 0 < WorkloadModel.default().quadratic_weight < 1e-3
-
-
-def test_workload_rejects_configs_without_sizes():
-    with pytest.raises(ValueError, match="hidden_size"):
-        WorkloadModel.from_model_config(types.SimpleNamespace(num_hidden_layers=2))
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        WorkloadModel.from_model_config(types.SimpleNamespace(hidden_size=64, num_hidden_layers=0))
-
-
-def test_workload_cost_formulas():
-    model = WorkloadModel(linear_weight=2.0, quadratic_weight=0.5)
-    # padding_free + varlen: linear * sum(L) + quad * sum(L_i^2)
-    assert model.cost([3, 4]) == 2.0 * 7 + 0.5 * (9 + 16)
-    # padding_free + dense: one row of T tokens
-    assert model.cost([3, 4], attention="dense") == 2.0 * 7 + 0.5 * 49
-    assert model.cost([3, 4], attention="dense", pad_to_multiple_of=8) == 2.0 * 8 + 0.5 * 64
-    # padded: rows x longest (rounded)
-    assert model.cost([3, 4], layout="padded") == 2.0 * 8 + 0.5 * 2 * 16
-    assert model.cost([3, 4], layout="padded", pad_to_multiple_of=8) == 2.0 * 16 + 0.5 * 2 * 64
-    assert model.cost([]) == 0.0
-
-
-def test_workload_rejects_bad_weights():
-    with pytest.raises(ValueError, match="quadratic_weight"):
-        WorkloadModel(1.0, -1.0)
-    with pytest.raises(ValueError, match="both 0"):
-        WorkloadModel(0.0, 0.0)
 
 
 # --------------------------------------------------------------------------- basic behaviour

@@ -10,13 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_dynbsz.planning.plan import (
-    TRL_TENSOR_TILE_TOKENS,
-    USER_BATCH_SETTINGS_ATTR,
-    BatchSizePlan,
-    resolve_generation_round,
-    validate_dynamic_batch_fields,
-)
+from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
+from hf_dynbsz.planning.plan import BatchSizePlan
+from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS
+from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_tables_are_the_generated_ones(marker):
     expected = markdown_tables()[marker]
     assert readme_block(README.read_text(), marker) == expected, (
-        f"README.md's {marker} differs from hf_dynbsz.planning.settings: run `python -m hf_dynbsz.planning.settings README.md`"
+        f"README.md's {marker} differs from hf_dynbsz.planning.settings: "
+        "run `python -m hf_dynbsz.planning.settings README.md`"
     )
 
 

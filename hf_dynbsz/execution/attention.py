@@ -29,8 +29,8 @@ query heads, sliding windows, GQA, dtype handling) is the model's own:
   sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
   tested on CPU with a reference varlen kernel (:mod:`hf_dynbsz.testing`) standing in for the kernel.
 
-Which models it may run is decided in :mod:`hf_dynbsz.planning.model_support`; the self-check (:mod:`hf_dynbsz.execution.self_check`)
-verifies it on the first step's samples.
+Which models it may run is decided in :mod:`hf_dynbsz.planning.model_support`; the self-check
+(:mod:`hf_dynbsz.execution.self_check`) verifies it on the first step's samples.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from hf_dynbsz.planning.cost import text_config_of
 from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES
-from hf_dynbsz.planning.partition import text_config_of
 
 __all__ = [
     "ATTENTION_NAME",
@@ -260,6 +260,12 @@ def _base_function(module, base: str):
     return eager
 
 
+def _take_rows(tensor: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ``positions`` of a ``(1, heads, T, d)`` tensor as ``rows`` rows: ``(rows, heads, length, d)``."""
+    picked = tensor.index_select(2, positions)  # (1, h, rows * length, d)
+    return picked.view(tensor.size(1), rows, positions.numel() // rows, -1).transpose(0, 1)
+
+
 def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``query`` ``(1, heads, T, d)``, ``key``/``value`` ``(1, kv_heads, T, d /
     d_v)``; returns ``((1, T, heads, d_v), None)``. Attends within the segments of the active layout only."""
@@ -301,11 +307,6 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
     kwargs.pop("is_causal", None)
     outputs = []
     for call in calls:
-
-        def take(tensor, positions):
-            picked = tensor.index_select(2, positions)  # (1, h, rows * length, d)
-            return picked.view(tensor.size(1), call.rows, positions.numel() // call.rows, -1).transpose(0, 1)
-
         mask = call.mask(window, query.device)
         if mask is None and layout.base_implementation != "sdpa":
             mask = torch.ones(
@@ -319,9 +320,9 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
                 )
         out, _ = base(
             module,
-            take(query, call.queries),
-            take(key, call.keys),
-            take(value, call.keys),
+            _take_rows(query, call.queries, call.rows),
+            _take_rows(key, call.keys, call.rows),
+            _take_rows(value, call.keys, call.rows),
             mask,
             scaling=scaling,
             dropout=dropout,

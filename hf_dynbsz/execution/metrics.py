@@ -19,10 +19,10 @@ from collections import defaultdict
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from hf_dynbsz.execution.device_memory import release_cached_memory, status_mib
+from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_rss, status_mib
 from hf_dynbsz.execution.loss import CLIPPED_LOSSES
 from hf_dynbsz.execution.packing import SequenceTable
-from hf_dynbsz.planning.partition import ModelFlops
+from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
 __all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
@@ -121,9 +121,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak then counts from process start
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
+        reset_peak_rss()  # (not Linux, or not allowed: the peak then counts from process start)
 
 
 # Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).
@@ -173,7 +171,8 @@ class StepMetrics:
         entropies: torch.Tensor,
         mask: torch.Tensor,
     ) -> None:
-        """One real pass: its token counts and the per-token tensors of :func:`hf_dynbsz.execution.loss.per_token_policy_loss`."""
+        """One real pass: its token counts and the per-token tensors of
+        :func:`hf_dynbsz.execution.loss.per_token_policy_loss`."""
         self.pass_real_tokens.append(real_tokens)
         self.computed_tokens += computed_tokens
         mask = mask.float()
@@ -230,12 +229,13 @@ class StepMetrics:
         ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
         ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (see :class:`StepClock`) and
         ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit ``predicted_peak_memory_mib``
-        (:mod:`hf_dynbsz.planning.memory`), and ``oom_retries`` (the step's re-plans after running out of memory); ``tokens_per_second``, the prompt + completion
-        tokens of the samples all processes trained (shared prompts counted for each of their samples, as stock
-        computes them) over ``train_seconds``; ``mfu``, the model FLOPs of the passes over the samples of ``table`` (the
-        ones this process ran, see :meth:`hf_dynbsz.planning.partition.ModelFlops.training_flops`), summed over processes,
-        over ``train_seconds`` x processes x the device's peak, logged only when that peak is known. ``replicas``:
-        processes that ran the same samples (the sequence-parallel group size), counted once.
+        (:mod:`hf_dynbsz.planning.memory`), and ``oom_retries`` (the step's re-plans after running out of memory);
+        ``tokens_per_second``, the prompt + completion tokens of the samples all processes trained (shared prompts
+        counted for each of their samples, as stock computes them) over ``train_seconds``; ``mfu``, the model FLOPs of
+        the passes over the samples of ``table`` (the ones this process ran, see
+        :meth:`hf_dynbsz.planning.cost.ModelFlops.training_flops`), summed over processes, over ``train_seconds`` x
+        processes x the device's peak, logged only when that peak is known. ``replicas``: processes that ran the same
+        samples (the sequence-parallel group size), counted once.
         """
         flops = (
             meters.flops.training_flops(
@@ -260,32 +260,33 @@ class StepMetrics:
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
         if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
-            for name, values, pick in (
-                ("clip_ratio/low_min", self.sequence_low, nanmin),
-                ("clip_ratio/high_max", self.sequence_high, nanmax),
-            ):
-                local_values = torch.cat(values) if values else torch.zeros(0, device=device)
-                padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
-                gathered = accelerator.gather(padded)
-                store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
+            self._publish_clip_extremes(store, accelerator)
         real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:]
-        phases = ("train", "logprob", "generation")
-        *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
-            [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
-            + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries]
-        )
-        seconds = dict(zip(phases, (value / 1e6 for value in microseconds)))
-        for phase in phases:
-            store[f"dynbsz/{phase}_seconds"].append(seconds[phase])
-        trained = real_all + saved_all  # the samples' tokens: a shared prompt counts for each of its samples
-        store["dynbsz/tokens_per_second"].append(trained / seconds["train"] if seconds["train"] else 0.0)
-        store["dynbsz/peak_memory_mib"].append(peak_kib / 1024)
-        if predicted_kib > 0:
-            store["dynbsz/predicted_peak_memory_mib"].append(predicted_kib / 1024)
-        store["dynbsz/oom_retries"].append(float(retries))
-        if meters.peak_tflops and meters.flops is not None and seconds["train"]:
-            devices = accelerator.num_processes  # every device (a sequence-parallel group's too)
-            store["dynbsz/mfu"].append(flops_all / (seconds["train"] * devices * meters.peak_tflops * 1e12))
+        _publish_time_and_memory(store, accelerator, group, meters, trained=real_all + saved_all, flops=flops_all)
+        self._publish_passes(store, schedule)
+        store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
+        store["dynbsz/computed_tokens"].append(computed_all)
+        store["dynbsz/stock_computed_tokens"].append(stock_all)
+        store["dynbsz/prompt_tokens_saved"].append(saved_all)
+        if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
+            store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
+            store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
+            store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
+
+    def _publish_clip_extremes(self, store: dict[str, list], accelerator) -> None:
+        """Stock's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the extremes of the per-sequence means over
+        every process (two gathers)."""
+        for name, values, pick in (
+            ("clip_ratio/low_min", self.sequence_low, nanmin),
+            ("clip_ratio/high_max", self.sequence_high, nanmax),
+        ):
+            local_values = torch.cat(values) if values else torch.zeros(0, device=accelerator.device)
+            padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
+            gathered = accelerator.gather(padded)
+            store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
+
+    def _publish_passes(self, store: dict[str, list], schedule: StepSchedule) -> None:
+        """This process's passes: their count, the schedule's counts, tokens per pass and the budget's use."""
         used = self.pass_real_tokens
         store["dynbsz/microbatches"].append(float(len(used)))
         store["dynbsz/microbatches_needed"].append(float(schedule.passes_needed))
@@ -295,11 +296,27 @@ class StepMetrics:
         store["dynbsz/tokens_per_microbatch_max"].append(float(max(used, default=0)))
         store["dynbsz/budget_tokens"].append(float(schedule.budget))
         store["dynbsz/budget_utilization"].append(sum(used) / max(len(used) * schedule.budget, 1))
-        store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
-        store["dynbsz/computed_tokens"].append(computed_all)
-        store["dynbsz/stock_computed_tokens"].append(stock_all)
-        store["dynbsz/prompt_tokens_saved"].append(saved_all)
-        if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
-            store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
-            store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
-            store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
+
+
+def _publish_time_and_memory(
+    store: dict[str, list], accelerator, group: RankGroup, meters: StepMeters, *, trained: float, flops: float
+) -> None:
+    """The step's time, memory and throughput figures, the maximum over processes (one all-reduce): ``trained`` is
+    the samples' tokens over all processes, ``flops`` the model FLOPs of their passes."""
+    phases = ("train", "logprob", "generation")
+    *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
+        [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
+        + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries]
+    )
+    seconds = dict(zip(phases, (value / 1e6 for value in microseconds)))
+    for phase in phases:
+        store[f"dynbsz/{phase}_seconds"].append(seconds[phase])
+    # the samples' tokens: a shared prompt counts for each of its samples
+    store["dynbsz/tokens_per_second"].append(trained / seconds["train"] if seconds["train"] else 0.0)
+    store["dynbsz/peak_memory_mib"].append(peak_kib / 1024)
+    if predicted_kib > 0:
+        store["dynbsz/predicted_peak_memory_mib"].append(predicted_kib / 1024)
+    store["dynbsz/oom_retries"].append(float(retries))
+    if meters.peak_tflops and meters.flops is not None and seconds["train"]:
+        devices = accelerator.num_processes  # every device (a sequence-parallel group's too)
+        store["dynbsz/mfu"].append(flops / (seconds["train"] * devices * meters.peak_tflops * 1e12))

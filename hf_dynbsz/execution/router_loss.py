@@ -59,8 +59,8 @@ def router_statistics(
     layers and the row's tokens.
 
     ``router_logits``: the model's per-layer ``(tokens of the pass, experts)`` logits; ``(token_index, row_index)``
-    pairs say which flat token position counts for which row (:attr:`hf_dynbsz.execution.packing.MicroBatch.token_rows`: a
-    shared prompt's tokens for every sample sharing it, padding for none). ``counts`` are the top-k assignments
+    pairs say which flat token position counts for which row (:attr:`hf_dynbsz.execution.packing.MicroBatch.token_rows`:
+    a shared prompt's tokens for every sample sharing it, padding for none). ``counts`` are the top-k assignments
     (float64, no gradient); ``probabilities`` keep the gradient.
     """
     counts = torch.zeros(rows, num_experts, dtype=torch.float64, device=token_index.device)

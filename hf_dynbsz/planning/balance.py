@@ -1,8 +1,8 @@
 """Balancing: items with costs into ``k`` bins, the one routine for passes and for processes (pure Python).
 
 Two decisions spread work over bins: which samples of a device's optimizer step share a pass
-(:func:`hf_dynbsz.planning.partition.partition_by_token_budget`, bins with a *capacity*, the token budget) and which process
-runs which samples (:func:`assign`, cross-rank balancing, no capacity). Both call :func:`balance`:
+(:func:`hf_dynbsz.planning.partition.partition_by_token_budget`, bins with a *capacity*, the token budget) and which
+process runs which samples (:func:`assign`, cross-rank balancing, no capacity). Both call :func:`balance`:
 
 1. **longest first with a room check**: items by decreasing cost (ties by index), each to the least loaded bin that
    has room for its tokens (longest-processing-time-first, Graham 1969: the largest load at most ``4/3 - 1/(3k)``
@@ -20,9 +20,10 @@ the lengths of all processes' samples (a small all-gather of lengths, not of dat
 same input, computing the same assignment of *units* (a sample, or samples that share a prompt) to processes, with
 no broadcast. It takes the better of two schedules: the current placement improved (nothing moves unless it helps,
 so the result is never worse than no balancing), and longest-first with its bins renamed to keep as much work as
-possible where it is. The samples then move with everything that belongs to them (:mod:`hf_dynbsz.parallel.distributed`);
-their loss weights were fixed on the process they came from, so the summed gradient, and the parameters, stay
-stock's. When the predicted gain is below :data:`MIN_RELATIVE_GAIN` of the largest load, nothing moves.
+possible where it is. The samples then move with everything that belongs to them
+(:mod:`hf_dynbsz.parallel.distributed`); their loss weights were fixed on the process they came from, so the summed
+gradient, and the parameters, stay stock's. When the predicted gain is below :data:`MIN_RELATIVE_GAIN` of the largest
+load, nothing moves.
 
 Everything is deterministic: ties are broken by bin number and item order, never by hashing or timing.
 """

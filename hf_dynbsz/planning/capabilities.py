@@ -1,9 +1,10 @@
 """What the plugin does for one run, decided at start from the config and the model (torch layer).
 
 Every feature either runs exactly or does not run, with a reason the trainer logs once: dynamic batching itself
-(stock's math for what cannot be repacked), the layouts the model allows (decided in :mod:`hf_dynbsz.planning.model_support`,
-verified on the first step by :mod:`hf_dynbsz.execution.self_check`), and the generation chunk size. The scheduling decisions
-proper live in :mod:`hf_dynbsz.planning.schedule`; this module only gathers what the model and the config allow.
+(stock's math for what cannot be repacked), the layouts the model allows (decided in
+:mod:`hf_dynbsz.planning.model_support`, verified on the first step by :mod:`hf_dynbsz.execution.self_check`), and the
+generation chunk size. The scheduling decisions proper live in :mod:`hf_dynbsz.planning.schedule`; this module only
+gathers what the model and the config allow.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
 @dataclass
 class Capabilities:
     """The run's features: ``enabled`` (dynamic batching; False: stock math), ``support`` (what the model allows,
-    :class:`~hf_dynbsz.planning.model_support.ModelSupport`), ``layouts`` (the layouts training may use, fastest first: it
-    starts with the first and the self-check steps down), the :class:`Scheduler` of the first layout, and ``notes``
+    :class:`~hf_dynbsz.planning.model_support.ModelSupport`), ``layouts`` (the layouts training may use, fastest first:
+    it starts with the first and the self-check steps down), the :class:`Scheduler` of the first layout, and ``notes``
     (one line per feature asked for but not applied, or not applicable)."""
 
     enabled: bool

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from hf_dynbsz.planning.coerce import parse_int
 from hf_dynbsz.planning.settings import ENV_SETTINGS, Setting
 
 __all__ = [
@@ -29,22 +29,20 @@ __all__ = [
 
 logger = logging.getLogger("hf_dynbsz")
 
-
-_DIGITS = re.compile(r"[0-9]+")
-
 # (variable, value, field) triples already logged in this process: a sweep applies the same override to
 # several objects (config, trainer), and the log should say it once.
 _LOGGED: set[tuple[str, int, str]] = set()
 
 
 def _parse_positive_int(spec: Setting, raw: str) -> int:
-    text = raw.strip()
-    if not _DIGITS.fullmatch(text) or int(text) < 1:
+    """The value of ``spec``'s variable (:func:`hf_dynbsz.planning.coerce.parse_int`), with an error naming it."""
+    value = parse_int(raw)
+    if value is None or value < 1:
         raise ValueError(
             f"{spec.env}={raw!r} is not valid: expected {spec.expected} "
             f"(it overrides {spec.name}). Unset the variable to keep the configured value."
         )
-    return int(text)
+    return value
 
 
 def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, int]]:

@@ -17,9 +17,9 @@ a transformer's activations; the LM head's tile makes it piecewise linear below 
 what the process holds between passes changes slowly (measured again before every plan).
 
 :meth:`MemoryModel.budget` is the largest budget whose predicted whole-process peak, with ``INCREMENT_MARGIN`` of
-the pass's increment added, fits ``limit x (1 - MEMORY_HEADROOM)``, given the longest sequence of the step (a pass of ``B`` tokens whose sequences are at most
-``L`` long has at most ``B x min(B, L)`` pairs). A pass that ran out of memory teaches the model its point
-(:meth:`MemoryModel.record_failure`) and caps later budgets below it.
+the pass's increment added, fits ``limit x (1 - MEMORY_HEADROOM)``, given the longest sequence of the step (a pass
+of ``B`` tokens whose sequences are at most ``L`` long has at most ``B x min(B, L)`` pairs). A pass that ran out of
+memory teaches the model its point (:meth:`MemoryModel.record_failure`) and caps later budgets below it.
 
 Pure Python (no torch): the planner (``hf-dynbsz plan --max_memory_mib``) uses the same model.
 """
@@ -89,19 +89,6 @@ class Coefficients:
         )
 
 
-def _size(config: Any, name: str) -> int:
-    """A config size read as one int: the largest of a per-layer list (Gemma-3n's ``intermediate_size``), 0 when it
-    is missing, unreadable or not a number (the caller's default then applies)."""
-    from hf_dynbsz.planning.model_support import (
-        _read,
-    )  # the one config reader: per-layer attributes raise on global access
-
-    value = _read(config, name, 0)
-    if isinstance(value, (list, tuple)):
-        value = max((v for v in value if isinstance(v, (int, float))), default=0)
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-
 def prior_coefficients(
     config: Any,
     kind: str,
@@ -119,14 +106,14 @@ def prior_coefficients(
     holds its score matrices (``heads`` values per pair and layer); sdpa and flash kernels do not. The LM head's
     tile is ``tensor_batch_size`` tokens x 8192 columns of fp32 (logits, log-softmax and its gradient).
     """
-    from hf_dynbsz.planning.partition import text_config_of  # the config readers of the cost model (pure Python too)
+    from hf_dynbsz.planning.cost import config_value, text_config_of  # the config readers (pure Python too)
 
     text = text_config_of(config)
-    hidden = _size(text, "hidden_size") or 4096
-    layers = _size(text, "num_hidden_layers") or 32
-    intermediate = _size(text, "intermediate_size") or 4 * hidden
-    heads = _size(text, "num_attention_heads") or max(1, hidden // 128)
-    vocab = _size(text, "vocab_size") or 32000
+    hidden = config_value(text, "hidden_size", 0, kind="size") or 4096
+    layers = config_value(text, "num_hidden_layers", 0, kind="size") or 32
+    intermediate = config_value(text, "intermediate_size", 0, kind="size") or 4 * hidden
+    heads = config_value(text, "num_attention_heads", 0, kind="size") or max(1, hidden // 128)
+    vocab = config_value(text, "vocab_size", 0, kind="size") or 32000
     per_layer = (18 * hidden + 4 * intermediate) * activation_bytes
     eager = attn_implementation in (None, "eager")
     tile_tokens = tensor_batch_size or 4096
@@ -346,7 +333,7 @@ def estimated_held_mib(config: Any, num_processes: int = 1, zero_stage: int | No
     weights, gradients and AdamW's two moments, 16 bytes per parameter, the parts ZeRO shards divided among
     ``num_processes``. Parameters are read off the config (layers' projections and MLP, embeddings, an untied LM
     head)."""
-    from hf_dynbsz.planning.partition import ModelFlops, text_config_of
+    from hf_dynbsz.planning.cost import ModelFlops, text_config_of
 
     flops = ModelFlops.from_model_config(config)
     tied = bool(getattr(text_config_of(config), "tie_word_embeddings", False))

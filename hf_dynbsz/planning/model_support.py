@@ -2,8 +2,8 @@
 
 Every decision that depends on the model is taken by :meth:`ModelSupport.of`: which layouts can keep each sample's
 log-probs equal to the sample computed alone (padding-free rows, shared prompts, padded rows with or without an
-attention mask), whether segment attention (:mod:`hf_dynbsz.execution.attention`) can run the model, which position ids a
-sample needs, how image inputs train, and the FLOPs model the partitioner balances. It reads the config (and, in
+attention mask), whether segment attention (:mod:`hf_dynbsz.execution.attention`) can run the model, which position ids
+a sample needs, how image inputs train, and the FLOPs model the partitioner balances. It reads the config (and, in
 training, the model: its attention modules, embeddings and layer classes) by attribute and never raises: what it
 does not understand turns the feature off, with one reason each. The layouts it allows are tried at start by the
 self-check (:mod:`hf_dynbsz.execution.self_check`), fastest first; a layout whose log-probs differ from the per-sample
@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hf_dynbsz.planning.partition import GENERIC_DECODER, ModelFlops, text_config_of
+from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops, config_value, text_config_of
 
 __all__ = [
     "Layout",
@@ -73,23 +73,14 @@ VISION_LANGUAGE_PADDED = (
 SEGMENT_ATTENTION_BASES = ("sdpa", "eager")
 
 
-def _read(config: Any, name: str, default: Any = None) -> Any:
-    """``config.name``, or ``default`` when missing or unreadable (per-layer attributes raise on global access)."""
-    try:
-        value = getattr(config, name, default)
-    except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError: a per-layer value
-        return default
-    return default if value is None else value
-
-
 def vision_language_mode(config: Any) -> str | None:
     """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
     :data:`REPACKED_VISION_MODEL_TYPES` (any layout, image prompts shared, samples balanced across processes with
     their images), ``"stock"`` for other vision-language models (stock's fixed micro-batches, image inputs stay on
     their process; their text-only steps are repacked)."""
-    if config is None or _read(config, "vision_config") is None:
+    if config is None or config_value(config, "vision_config") is None:
         return None
-    return "repacked" if _read(config, "model_type") in REPACKED_VISION_MODEL_TYPES else "stock"
+    return "repacked" if config_value(config, "model_type") in REPACKED_VISION_MODEL_TYPES else "stock"
 
 
 def images_stay_on_their_process(vision_language: str | None) -> bool:
@@ -153,8 +144,9 @@ class ModelSupport:
 
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
     ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
-    (:data:`MULTIMODAL_ROPE_MODEL_TYPES`). ``model_flops``: the FLOPs read off the config (None when it gives none: :attr:`flops` is
-    then a generic decoder's, see ``notes``). ``attn_implementation`` is the model's own attention implementation.
+    (:data:`MULTIMODAL_ROPE_MODEL_TYPES`). ``model_flops``: the FLOPs read off the config (None when it gives none:
+    :attr:`flops` is then a generic decoder's, see ``notes``). ``attn_implementation`` is the model's own attention
+    implementation.
     """
 
     model_type: str | None = None
@@ -185,14 +177,14 @@ class ModelSupport:
         decoder with the generic cost model. ``attn_implementation`` defaults to the text config's.
         """
         if config is None and model is not None:
-            config = _read(model, "config")
+            config = config_value(model, "config")
         text = text_config_of(config)
         if attn_implementation is None and text is not None:
-            attn_implementation = _read(text, "_attn_implementation")
+            attn_implementation = config_value(text, "_attn_implementation")
         vision = vision_language_mode(config)
         flops, notes = _flops(text)
         support = cls(
-            model_type=_read(config, "model_type"),
+            model_type=config_value(config, "model_type"),
             attn_implementation=attn_implementation,
             vision_language=vision,
             model_flops=flops,
@@ -218,7 +210,7 @@ class ModelSupport:
             router_aux=router_aux,
             router_aux_blocker=router_blocker,
             position_offset=_position_offset(model),
-            multimodal_rope=vision == "repacked" and _read(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
+            multimodal_rope=vision == "repacked" and config_value(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
         )
 
     # ------------------------------------------------------------------ what a run uses
@@ -300,7 +292,7 @@ def _flops(text_config: Any) -> tuple[ModelFlops | None, tuple[str, ...]]:
         return None, ()
     readable = types.SimpleNamespace(
         **{
-            name: _read(text_config, name)
+            name: config_value(text_config, name)
             for name in (
                 "hidden_size",
                 "num_hidden_layers",
@@ -316,7 +308,7 @@ def _flops(text_config: Any) -> tuple[ModelFlops | None, tuple[str, ...]]:
     )
     if not isinstance(readable.intermediate_size, int):  # per-layer lists (Gemma-3n)
         readable.intermediate_size = None
-    nope, rope = _read(text_config, "qk_nope_head_dim"), _read(text_config, "qk_rope_head_dim")
+    nope, rope = config_value(text_config, "qk_nope_head_dim"), config_value(text_config, "qk_rope_head_dim")
     if isinstance(nope, int) and isinstance(rope, int):  # multi-head latent attention: query/key heads of nope + rope
         readable.head_dim = nope + rope
     try:
@@ -328,7 +320,7 @@ def _flops(text_config: Any) -> tuple[ModelFlops | None, tuple[str, ...]]:
 def _layer_kinds(text_config: Any) -> set[str]:
     kinds: set[str] = set()
     for key in LAYER_KIND_KEYS:
-        values = _read(text_config, key)
+        values = config_value(text_config, key)
         if isinstance(values, (list, tuple)):
             kinds |= {str(value) for value in values}
     return kinds
@@ -380,11 +372,14 @@ def _self_attention_modules(model: Any) -> list:
 
 def _bidirectional(text_config: Any, model: Any) -> str | None:
     """Why attention looks both ways (right padding then reaches real tokens), or None."""
-    if _read(text_config, "is_decoder") is False and _read(text_config, "model_type") in ("xlnet",):
+    if config_value(text_config, "is_decoder") is False and config_value(text_config, "model_type") in ("xlnet",):
         return "its attention looks in both directions"
     if any(module.is_causal is False for module in _self_attention_modules(model)):
         return "its attention looks in both directions (is_causal=False)"
-    if _read(text_config, "attn_type") == "bi" or _read(text_config, "use_bidirectional_attention") is True:
+    if (
+        config_value(text_config, "attn_type") == "bi"
+        or config_value(text_config, "use_bidirectional_attention") is True
+    ):
         return "its attention looks in both directions"
     return None
 
@@ -415,7 +410,7 @@ def _source(function: Any) -> str:
 def _dispatches_through_interface(model: Any) -> bool:
     """Whether every self-attention layer of ``model`` calls the implementation its config names through
     transformers' ``ALL_ATTENTION_FUNCTIONS`` (models that declare it, and those whose attention code does)."""
-    if _read(model, "_supports_attention_backend", False):
+    if config_value(model, "_supports_attention_backend", False):
         return True
     modules = _self_attention_modules(model)
     return bool(modules) and all("ALL_ATTENTION_FUNCTIONS" in _source(type(module).forward) for module in modules)
@@ -446,16 +441,17 @@ def router_aux_loss_coef(config: Any, configured: float | None = None) -> float:
     text = text_config_of(config)
     if text is None or not hasattr(text, "output_router_logits"):
         return 0.0
-    return float(_read(text, "router_aux_loss_coef", 0.0) if configured is None else configured)
+    return float(config_value(text, "router_aux_loss_coef", 0.0) if configured is None else configured)
 
 
 def _router_aux_form(text_config: Any, model: Any) -> tuple[tuple[int, int] | None, str | None]:
     """``((experts, experts per token), None)``: the numbers TRL's fused LM head gives transformers' standard
     load-balancing loss (Mixtral's ``load_balancing_loss_func``, whatever the model's own forward computes), which
-    :mod:`hf_dynbsz.execution.router_loss` repacks; ``(None, why not)`` when they cannot be read (stock fails then too)."""
-    experts, top_k = _read(text_config, "num_experts"), _read(text_config, "num_experts_per_tok")
-    if _read(text_config, "model_type") == "gpt_oss" and model is not None:  # TRL reads the model's on gpt_oss
-        experts = _read(model, "num_experts", experts)
+    :mod:`hf_dynbsz.execution.router_loss` repacks; ``(None, why not)`` when they cannot be read (stock fails then
+    too)."""
+    experts, top_k = config_value(text_config, "num_experts"), config_value(text_config, "num_experts_per_tok")
+    if config_value(text_config, "model_type") == "gpt_oss" and model is not None:  # TRL reads the model's on gpt_oss
+        experts = config_value(model, "num_experts", experts)
     if isinstance(experts, int) and isinstance(top_k, int):
         return (experts, top_k), None
     return None, (

@@ -346,8 +346,8 @@ class Scheduler:
         largest of all processes' (stock's peak memory is that of its largest micro-batch on any device).
 
         ``fits``: with a memory limit, the largest budget of ``kind`` whose passes fit it
-        (:meth:`hf_dynbsz.planning.memory.MemoryModel.budget`): it replaces the automatic budget (a setting given by the user
-        still wins). ``cap``: a budget a pass that ran out of memory left (:meth:`MemoryModel.record_failure`): no
+        (:meth:`hf_dynbsz.planning.memory.MemoryModel.budget`): it replaces the automatic budget (a setting given by the
+        user still wins). ``cap``: a budget a pass that ran out of memory left (:meth:`MemoryModel.record_failure`): no
         budget exceeds it. ``agree``: every process takes the smallest of all processes' budgets (one all-reduce;
         every process must pass the same ``agree``).
         """
@@ -382,8 +382,8 @@ class Scheduler:
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
         sample's lengths lets every process compute the same assignment of units to processes
-        (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the same
-        message, before any pass runs.
+        (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the
+        same message, before any pass runs.
         """
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)

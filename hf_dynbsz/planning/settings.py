@@ -3,9 +3,10 @@
 Everything that describes a setting is derived from :data:`SETTINGS`: the fields and docstring of
 :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
 ``examples/grpo.py --help``, which read the fields' ``metadata["help"]``), the ``DIFFU_*`` overrides of
-:mod:`hf_dynbsz.planning.env`, the validation of :func:`hf_dynbsz.planning.plan.validate_dynamic_batch_fields`, the meaning
-column of the plan table and the README's settings tables (``python -m hf_dynbsz.planning.settings README.md`` rewrites
-them; ``tests/test_settings.py`` fails when the README differs).
+:mod:`hf_dynbsz.planning.env`, the validation of :func:`hf_dynbsz.planning.validation.validate_dynamic_batch_fields`
+(with the value checks of :mod:`hf_dynbsz.planning.coerce`), the meaning column of the plan table and the README's
+settings tables (``python -m hf_dynbsz.planning.settings README.md`` rewrites them; ``tests/test_settings.py`` fails
+when the README differs).
 
 Units: *samples* are completions (one prompt with ``num_generations`` completions is ``num_generations``
 samples); *tokens* are prompt + completion tokens; *per device* means one process, *global* means all
@@ -134,8 +135,8 @@ SETTINGS: tuple[Setting, ...] = (
         f"{TRL_TENSOR_TILE_TOKENS} tokens x 32768 columns.",
         env="DIFFU_TENSOR_BATCH_SIZE",
         expected="a positive integer number of tokens per tile of vocabulary-sized work",
-        fix=f"set it to 1 or more (e.g. 1024), or to None for TRL's own tile of {TRL_TENSOR_TILE_TOKENS} tokens x 32768 "
-        "vocabulary columns.",
+        fix="set it to 1 or more (e.g. 1024), or to None for TRL's own tile of "
+        f"{TRL_TENSOR_TILE_TOKENS} tokens x 32768 vocabulary columns.",
     ),
     Setting(
         name="oversize_policy",

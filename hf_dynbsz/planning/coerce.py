@@ -1,0 +1,141 @@
+"""The value checkers of every setting: strings from a command line, YAML or ``DIFFU_*`` variable to checked values.
+
+One set of functions, used by the settings table (:func:`coerce_setting`), the batch-size plan
+(:mod:`hf_dynbsz.planning.plan`), the ``DIFFU_*`` overrides (:mod:`hf_dynbsz.planning.env`), the command line and the
+partitioner's argument checks (:func:`check_int`). Errors name the setting, the value and the fix:
+"<name> must be <expected>, got <value>: <fix>".
+
+Pure Python (no torch, no TRL, no numpy import).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hf_dynbsz.planning.settings import Setting
+
+__all__ = [
+    "check_int",
+    "coerce_bool",
+    "coerce_int",
+    "coerce_optional_int",
+    "coerce_pad_to_multiple_of",
+    "coerce_setting",
+    "finite_number",
+    "is_none_text",
+    "parse_int",
+]
+
+NONE_STRINGS = ("none", "null", "auto")
+TRUE_STRINGS = ("true", "1", "yes", "on")
+FALSE_STRINGS = ("false", "0", "no", "off")
+
+
+def is_none_text(value: Any) -> bool:
+    """Whether ``value`` means unset: ``None`` or "none"/"null"/"auto" (any case, surrounding spaces ignored)."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS)
+
+
+def parse_int(value: Any, strings: bool = True) -> int | None:
+    """``value`` as an ``int``, or None when it is not an integer.
+
+    Integers (numpy's included) are accepted, bools and floats are not; with ``strings``, a string of decimal
+    digits (surrounding spaces ignored, no sign) is too.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        return int(text) if strings and text.isascii() and text.isdigit() else None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
+
+
+def coerce_int(name: str, value: Any, expected: str, fix: str | None = None, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``; accepts ints and decimal strings, rejects bools, floats and the rest.
+
+    Raises :class:`ValueError` "<name> must be <expected>, got <value>." (": <fix>" instead of the period when
+    ``fix`` is given); a decimal string is shown as the number it reads as.
+    """
+    number = parse_int(value)
+    if number is None or number < minimum:
+        shown = value if number is None else number
+        raise ValueError(f"{name} must be {expected}, got {shown!r}" + (f": {fix}" if fix else "."))
+    return number
+
+
+def coerce_optional_int(name: str, value: Any, expected: str, fix: str) -> int | None:
+    """Like :func:`coerce_int` but ``None`` (or "none"/"null"/"auto") means unset; the error shows ``value`` as given
+    and ends with ``fix``."""
+    if is_none_text(value):
+        return None
+    try:
+        return coerce_int(name, value, expected)
+    except ValueError:
+        raise ValueError(f"{name} must be {expected}, got {value!r}: {fix}") from None
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """An algorithm's integer argument >= ``minimum`` (no strings): "<name> must be an integer >= <minimum>"."""
+    number = parse_int(value, strings=False)
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def coerce_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool: bools, and "true"/"1"/"yes"/"on" or "false"/"0"/"no"/"off" (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_STRINGS + FALSE_STRINGS:
+        return value.strip().lower() in TRUE_STRINGS
+    raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a finite float (numbers and numeric strings), or None when it is not one."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def coerce_pad_to_multiple_of(value: Any) -> int | None:
+    """GRPOConfig's ``pad_to_multiple_of``: an int, None, or "auto" (None except on Neuron, where TRL uses 128)."""
+    return coerce_optional_int(
+        "pad_to_multiple_of",
+        value,
+        "a positive integer number of tokens",
+        "set a positive multiple such as 64, or leave it unset.",
+    )
+
+
+def coerce_setting(spec: Setting, value: Any) -> Any:
+    """``value`` of the setting ``spec`` converted (strings from a command line or YAML) and checked.
+
+    Raises :class:`ValueError` "<name> must be <expected>, got <value>: <fix>".
+    """
+    if spec.kind == "bool":
+        return coerce_bool(spec.name, value)
+    if spec.kind == "choice":
+        if value not in spec.choices:
+            raise ValueError(
+                f"{spec.name} must be one of {', '.join(map(repr, spec.choices))}, got {value!r}: {spec.fix}"
+            )
+        return value
+    if spec.kind == "number":
+        if spec.accepts_none and is_none_text(value):
+            return None
+        number = finite_number(value)
+        if number is None or number <= 0:
+            raise ValueError(f"{spec.name} must be {spec.expected}, got {value!r}: {spec.fix}")
+        return number
+    if spec.accepts_none:
+        return coerce_optional_int(spec.name, value, spec.expected, spec.fix)
+    return coerce_int(spec.name, value, spec.expected)

@@ -1,0 +1,337 @@
+"""The table of a :class:`~hf_dynbsz.planning.plan.BatchSizePlan`: one declarative row spec per line of the table.
+
+Each :class:`Row` names a setting or quantity, says how to read its per-device and global values off the plan, and
+what it means; a row with a predicate (``when``) shows only for the plans it holds for. :func:`plan_rows` turns the
+specs into the ``(setting, per device, global, meaning)`` rows that :meth:`BatchSizePlan.render` aligns with
+:func:`text_table` (the command line's simulation tables use it too).
+
+Pure Python (no torch, no TRL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from hf_dynbsz.planning.model_support import images_stay_on_their_process
+from hf_dynbsz.planning.settings import setting
+
+if TYPE_CHECKING:
+    from hf_dynbsz.planning.plan import BatchSizePlan
+
+__all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
+
+#: A cell: fixed text, or a function of the plan giving it.
+Cell = str | Callable[["BatchSizePlan"], str]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the plan table: ``setting``, the ``per_device`` and ``global_`` values ("-" where the quantity has
+    no such value) and the ``meaning``; each cell is fixed text or a function of the plan. ``when``: the row shows
+    only for the plans it is true of (None: always)."""
+
+    setting: str
+    per_device: Cell
+    global_: Cell
+    meaning: Cell
+    when: Callable[[BatchSizePlan], bool] | None = None
+
+    def cells(self, plan: BatchSizePlan) -> tuple[str, str, str, str]:
+        def text(cell: Cell) -> str:
+            return cell if isinstance(cell, str) else cell(plan)
+
+        return (self.setting, text(self.per_device), text(self.global_), text(self.meaning))
+
+
+def fraction_text(value: Fraction) -> str:
+    """``3`` or ``3/4``."""
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _attr(name: str) -> Callable[[BatchSizePlan], str]:
+    """The plan's attribute ``name`` as text (fractions as ``n/d``)."""
+
+    def value(plan: BatchSizePlan) -> str:
+        number = getattr(plan, name)
+        return fraction_text(number) if isinstance(number, Fraction) else str(number)
+
+    return value
+
+
+def _on_off(name: str) -> Callable[[BatchSizePlan], str]:
+    return lambda plan: "on" if getattr(plan, name) else "off"
+
+
+def _none_or(name: str) -> Callable[[BatchSizePlan], str]:
+    return lambda plan: "none" if getattr(plan, name) is None else str(getattr(plan, name))
+
+
+def _summary_if_on(name: str, off: str) -> Callable[[BatchSizePlan], str]:
+    """The setting's summary when the plan has it on, else ``off``."""
+    return lambda plan: setting(name).summary if getattr(plan, name) else off
+
+
+_ROUND_SOURCE_TEXT = {
+    "generation_batch_size": "= generation_batch_size / (per_device_train_batch_size x processes)",
+    "steps_per_generation": "set by the user",
+    "gradient_accumulation_steps": "defaults to gradient_accumulation_steps",
+}
+
+
+def _chunk(plan: BatchSizePlan) -> str:
+    suffix = " (all)" if plan.per_device_generation_batch_size is None else ""
+    return f"{plan.generation_chunk_size}{suffix}"
+
+
+def _budget(name: str, unset: str) -> Callable[[BatchSizePlan], str]:
+    """A token budget per device (``unset`` when automatic)."""
+    return lambda plan: unset if getattr(plan, name) is None else str(getattr(plan, name))
+
+
+def _budget_all(name: str) -> Callable[[BatchSizePlan], str]:
+    """A token budget over all processes ("-" when automatic)."""
+    return lambda plan: "-" if getattr(plan, name) is None else str(getattr(plan, name) * plan.num_processes)
+
+
+def _train_budget_meaning(plan: BatchSizePlan) -> str:
+    if plan.max_tokens_per_microbatch is not None:
+        return setting("max_tokens_per_microbatch").summary
+    return (
+        f"tokens per training micro-batch; auto = {plan.per_device_train_batch_size} x (longest prompt + "
+        "longest completion) per generation batch"
+    )
+
+
+def _logprob_budget_meaning(plan: BatchSizePlan) -> str:
+    default = "; default 2 x training budget" if plan.max_tokens_per_microbatch_logprob is None else ""
+    return setting("max_tokens_per_microbatch_logprob").summary + default
+
+
+def _balance(plan: BatchSizePlan) -> str:
+    on = plan.balance_across_ranks and not images_stay_on_their_process(plan.vision_language)
+    return ("on" if on else "off") + (" (1 process)" if plan.num_processes == 1 else "")
+
+
+def _balance_meaning(plan: BatchSizePlan) -> str:
+    if plan.num_processes == 1:
+        return "no-op on one process"
+    if images_stay_on_their_process(plan.vision_language):  # this family's samples are not balanced
+        return "this family's image inputs stay on their process"
+    return setting("balance_across_ranks").summary
+
+
+def _images_meaning(plan: BatchSizePlan) -> str:
+    if plan.vision_language == "repacked":
+        return (
+            "each sample's images move with it (into its micro-batch, to another process); padding-free rows hold a "
+            "shared prompt's images once (encoded once per pass)"
+        )
+    return "image steps run stock GRPOTrainer micro-batches: this model family is not repacked"
+
+
+def _router_meaning(plan: BatchSizePlan) -> str:
+    if plan.router_aux == "repacked":
+        return "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
+    return plan.router_aux
+
+
+def _sequence_parallel(plan: BatchSizePlan) -> bool:
+    return plan.sequence_parallel_size > 1
+
+
+def _group_budget(name: str, unset: str) -> Callable[[BatchSizePlan], str]:
+    """The tokens one sequence-parallel group's pass holds: size x the per-device budget."""
+
+    def value(plan: BatchSizePlan) -> str:
+        budget, size = getattr(plan, name), plan.sequence_parallel_size
+        return f"{size} x {unset}" if budget is None else str(size * budget)
+
+    return value
+
+
+def _group_meaning(name: str) -> Callable[[BatchSizePlan], str]:
+    def meaning(plan: BatchSizePlan) -> str:
+        size = plan.sequence_parallel_size
+        return (
+            f"the longest sequence one {name} pass holds without running oversize: {size} x the per-device budget, "
+            f"each process holding 1/{size} of the row"
+        )
+
+    return meaning
+
+
+#: The rows of the plan table, in order (the memory limit's rows follow, see :func:`plan_rows`).
+PLAN_ROWS: tuple[Row, ...] = (
+    Row("processes", "-", _attr("num_processes"), "data-parallel processes (devices)"),
+    Row(
+        "per_device_train_batch_size",
+        _attr("per_device_train_batch_size"),
+        _attr("global_train_batch_size"),
+        setting("per_device_train_batch_size").summary,
+    ),
+    Row("gradient_accumulation_steps", _attr("gradient_accumulation_steps"), "-", "training steps per optimizer step"),
+    Row(
+        "samples per optimizer step",
+        _attr("per_device_samples_per_optimizer_step"),
+        _attr("global_samples_per_optimizer_step"),
+        "per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+    ),
+    Row(
+        "prompts per optimizer step",
+        "-",
+        _attr("prompts_per_optimizer_step"),
+        "global samples per optimizer step / num_generations",
+    ),
+    Row("num_generations", "-", _attr("num_generations"), "completions (samples) per prompt"),
+    Row(
+        "generation_batch_size",
+        _attr("per_device_generation_share"),
+        _attr("generation_batch_size"),
+        "samples per generation round (TRL's generation_batch_size is the global one)",
+    ),
+    Row(
+        "prompts per generation round",
+        "-",
+        _attr("prompts_per_generation_round"),
+        "generation_batch_size / num_generations",
+    ),
+    Row(
+        "steps_per_generation",
+        _attr("steps_per_generation"),
+        "-",
+        lambda plan: f"training steps per generation round; {_ROUND_SOURCE_TEXT[plan.generation_round_source]}",
+    ),
+    Row(
+        "optimizer steps per generation round",
+        _attr("optimizer_steps_per_generation_round"),
+        "-",
+        "steps_per_generation / gradient_accumulation_steps",
+    ),
+    Row("num_iterations", _attr("num_iterations"), "-", "passes (mu) over each generation round"),
+    Row(
+        "optimizer steps per round x num_iterations",
+        _attr("optimizer_steps_per_generation_round_all_iterations"),
+        "-",
+        "optimizer steps taken on one generation round",
+    ),
+    Row("per_device_generation_batch_size", _chunk, "-", setting("per_device_generation_batch_size").summary),
+    Row(
+        "generation chunks",
+        _attr("generation_chunks_per_device"),
+        "-",
+        "generate calls per device per generation round",
+    ),
+    Row(
+        "tensor_batch_size",
+        lambda plan: str(plan.effective_tensor_batch_size) + (" (TRL)" if plan.tensor_batch_size is None else ""),
+        "-",
+        setting("tensor_batch_size").summary,
+    ),
+    Row(
+        "max_tokens_per_microbatch",
+        _budget("max_tokens_per_microbatch", "auto"),
+        _budget_all("max_tokens_per_microbatch"),
+        _train_budget_meaning,
+    ),
+    Row(
+        "max_tokens_per_microbatch_logprob",
+        _budget("effective_max_tokens_per_microbatch_logprob", "2 x auto"),
+        _budget_all("effective_max_tokens_per_microbatch_logprob"),
+        _logprob_budget_meaning,
+    ),
+    Row(
+        "pad_to_multiple_of",
+        _none_or("pad_to_multiple_of"),
+        "-",
+        "lengths rounded up to a multiple of this many tokens",
+    ),
+    Row(
+        "dynamic_batching",
+        _on_off("dynamic_batching"),
+        "-",
+        _summary_if_on("dynamic_batching", "stock GRPOTrainer behaviour"),
+    ),
+    Row("packing layout", _attr("layout"), "-", setting("packing_layout").summary),
+    Row("oversize_policy", _attr("oversize_policy"), "-", setting("oversize_policy").summary),
+    Row(
+        "share_prompt_prefix",
+        _on_off("share_prompt_prefix"),
+        "-",
+        _summary_if_on("share_prompt_prefix", "every sample computes its prompt"),
+    ),
+    Row(
+        "self_check",
+        _on_off("self_check"),
+        "-",
+        _summary_if_on("self_check", "the layout read off the model is trusted"),
+    ),
+    Row("balance_across_ranks", _balance, "-", _balance_meaning),
+    Row("DeepSpeed ZeRO stage", _none_or("zero_stage"), "-", "from the launcher"),
+    Row("mixed precision", _attr("mixed_precision"), "-", "from the launcher or fp16/bf16"),
+    Row(
+        "image inputs",
+        _attr("vision_language"),
+        "-",
+        _images_meaning,
+        when=lambda plan: plan.vision_language is not None,
+    ),
+    Row(
+        "router aux loss",
+        lambda plan: "repacked" if plan.router_aux == "repacked" else "stock math",
+        "-",
+        _router_meaning,
+        when=lambda plan: plan.router_aux is not None,
+    ),
+    Row(
+        "sequence_parallel_size",
+        _attr("sequence_parallel_size"),
+        lambda plan: f"{max(plan.num_processes // plan.sequence_parallel_size, 1)} group(s)",
+        "processes sharing each packed row (DeepSpeed Ulysses); data parallelism across groups",
+        when=_sequence_parallel,
+    ),
+    Row(
+        "tokens per training pass (group)",
+        _group_budget("max_tokens_per_microbatch", "auto"),
+        "-",
+        _group_meaning("training"),
+        when=_sequence_parallel,
+    ),
+    Row(
+        "tokens per logprob pass (group)",
+        _group_budget("effective_max_tokens_per_microbatch_logprob", "2 x auto"),
+        "-",
+        _group_meaning("logprob"),
+        when=_sequence_parallel,
+    ),
+)
+
+
+def plan_rows(plan: BatchSizePlan) -> list[tuple[str, str, str, str]]:
+    """The ``(setting, per device, global, meaning)`` rows of ``plan``'s table: :data:`PLAN_ROWS` that apply, then the
+    memory limit's rows; a value a ``DIFFU_*`` variable set says so in its meaning, where the user looks for it."""
+    rows = [row.cells(plan) for row in PLAN_ROWS if row.when is None or row.when(plan)]
+    rows.extend((name, value, "-", meaning) for name, value, meaning in plan.memory_rows)
+    return [
+        (name, device, total, f"{meaning} [set by {plan.env_sources[name]}]" if name in plan.env_sources else meaning)
+        for name, device, total, meaning in rows
+    ]
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """The lines of an aligned plain-text table (header, a rule, the rows), columns two spaces apart: ``align`` has
+    one character per column, ``<`` left, ``>`` right, ``-`` left and not padded (a last free-text column)."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    free = [i for i, kind in enumerate(align) if kind == "-"]
+    rule_widths = [len(header[i]) if i in free else width for i, width in enumerate(widths)]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            cell if kind == "-" else cell.ljust(width) if kind == "<" else cell.rjust(width)
+            for cell, width, kind in zip(row, widths, align, strict=True)
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * width for width in rule_widths]), *(line(row) for row in rows)]

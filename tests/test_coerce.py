@@ -1,0 +1,58 @@
+"""Specification of hf_dynbsz.planning.coerce: the one set of value checkers (settings, plan, env, partition)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_dynbsz.planning.coerce import check_int, coerce_int, coerce_optional_int, parse_int
+from hf_dynbsz.planning.env import read_env_overrides
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (3, 3),
+        (np.int64(3), 3),
+        (" 12 ", 12),
+        ("0", 0),
+        (True, None),
+        (2.0, None),
+        ("-1", None),
+        ("+5", None),
+        ("", None),
+    ],
+)
+def test_parse_int(value, expected):
+    assert parse_int(value) == expected
+
+
+def test_parse_int_without_strings_and_non_ascii_digits():
+    assert parse_int("5", strings=False) is None
+    assert parse_int("\u0663") is None  # an Arabic-Indic digit: str.isdigit() says yes, a setting says no
+
+
+def test_coerce_int_shows_the_number_a_string_reads_as_and_the_fix():
+    with pytest.raises(ValueError, match=r"^n must be a count, got 0\.$"):
+        coerce_int("n", "0", "a count")
+    with pytest.raises(ValueError, match=r"^g must be >= 2, got 1: use 2\.$"):
+        coerce_int("g", "1", ">= 2", fix="use 2.", minimum=2)
+
+
+def test_coerce_optional_int_shows_the_value_as_given():
+    assert coerce_optional_int("s", "auto", "a count", "unset it.") is None
+    with pytest.raises(ValueError, match=r"^s must be a count, got '0': unset it\.$"):
+        coerce_optional_int("s", "0", "a count", "unset it.")
+
+
+def test_check_int_is_the_partitioners_check():
+    assert check_int("k", np.int64(0), minimum=0) == 0
+    for value in ("3", 3.0, np.bool_(True), True):
+        with pytest.raises(ValueError, match=r"^k must be an integer >= 1, got "):
+            check_int("k", value)
+
+
+def test_environment_variables_read_integers_with_the_same_rule():
+    assert read_env_overrides({"DIFFU_MAX_TOKENS": " 12 "}) == {"max_tokens_per_microbatch": ("DIFFU_MAX_TOKENS", 12)}
+    with pytest.raises(ValueError, match=r"DIFFU_MAX_TOKENS='\+5' is not valid"):
+        read_env_overrides({"DIFFU_MAX_TOKENS": "+5"})
