@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
 
 
@@ -96,13 +97,14 @@ def main() -> None:
     shared = tokens(9)
     rows = [(shared, tokens(n)) for n in (5, 14, 3)] + [(tokens(p), tokens(c)) for p, c in ((4, 21), (7, 1))]
     table = SequenceTable.from_padded(*padded(rows, tokenizer.pad_token_id))
-    mb = trainer._microbatch(table, list(range(len(rows))), table.prompt_groups())
+    mb = trainer._dynbsz.microbatch(table, list(range(len(rows))), table.prompt_groups())
     weights = torch.linspace(0.5, 2.0, mb.completion_mask.numel()).view(mb.completion_mask.shape)
 
     def gradients(sharded: bool) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        with trainer._segments(model, sharded=sharded):
-            logps = trainer._forward(model, mb, False, autocast=False, sharded=sharded)[0]
+        parallel = trainer._dynbsz.parallel if sharded else NoSequenceParallel()
+        with trainer._dynbsz.segments(model, parallel=parallel):
+            logps = trainer._dynbsz.forward(model, mb, False, autocast=False, parallel=parallel)[0]
             (logps * weights).sum().backward()
         return [p.grad.detach().clone() for p in model.parameters()]
 

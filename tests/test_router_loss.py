@@ -146,8 +146,8 @@ def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, n
         max_tokens_per_microbatch=48,
         **settings,
     )
-    assert trainer._dynbsz_enabled and trainer._dynbsz_capabilities.router_aux
-    assert trainer._dynbsz_scheduler.share_prompts  # padding-free rows with shared prompts
+    assert trainer._dynbsz.enabled and trainer._dynbsz.capabilities.router_aux
+    assert trainer._dynbsz.scheduler.share_prompts  # padding-free rows with shared prompts
     assert any(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history)  # really repacked
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3

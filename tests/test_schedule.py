@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.planning.partition import OversizeSequenceError, WorkloadModel, microbatch_tokens
+from hf_dynbsz.planning.partition import OversizeSequenceError, microbatch_tokens
 from hf_dynbsz.planning.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
 
 
@@ -199,16 +200,11 @@ def test_oversize_on_one_process_stops_every_process():
 
 
 # ---- the planner simulates exactly what training runs -----------------------------------------------------------
-@pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
-def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
-    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes."""
-    import json
-
-    import numpy as np
-
+def _train_recording_schedules(tmp_path, monkeypatch, settings_):
+    """Train a tiny model on scripted random lengths; the model's folder and each step's batch, training schedule
+    and prompt groups."""
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
     from hf_dynbsz import trainer as trainer_module
-    from hf_dynbsz.cli import main
     from hf_dynbsz.testing import ScriptedRollout, run_training, save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"))
@@ -222,9 +218,9 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
     monkeypatch.setattr(trainer_module.StepBatch, "from_slices", classmethod(recording_from_slices))
 
     class Recording(DynamicBatchGRPOTrainer):
-        def _setup_dynamic_batching(self):
-            super()._setup_dynamic_batching()
-            inner = self._dynbsz_scheduler
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            inner = self._dynbsz.scheduler
 
             class RecordingScheduler:
                 def __getattr__(self, name):
@@ -237,7 +233,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
                         groups.append(kwargs.get("groups"))
                     return schedule
 
-            self._dynbsz_scheduler = RecordingScheduler()
+            self._dynbsz.scheduler = RecordingScheduler()
 
     rollout = ScriptedRollout(
         lambda rng, n, rank: rng.integers(1, 41, n),
@@ -248,6 +244,26 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
         token_high=7,
         eos_id=1,
     )
+    run_training(
+        Recording,
+        DynamicBatchGRPOConfig,
+        model_dir,
+        str(tmp_path / "out"),
+        trainer_kwargs={"rollout_func": rollout},
+        **settings_,
+    )
+    return model_dir, batches, schedules, groups
+
+
+@pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
+def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
+    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes."""
+    import json
+
+    import numpy as np
+
+    from hf_dynbsz.cli import main
+
     settings_ = dict(
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
@@ -257,14 +273,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
         packing_layout=layout,
         max_tokens_per_microbatch=budget,
     )
-    run_training(
-        Recording,
-        DynamicBatchGRPOConfig,
-        model_dir,
-        str(tmp_path / "out"),
-        trainer_kwargs={"rollout_func": rollout},
-        **settings_,
-    )
+    model_dir, batches, schedules, groups = _train_recording_schedules(tmp_path, monkeypatch, settings_)
     assert len(batches) == len(schedules) == 4
     assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
     pairs = [

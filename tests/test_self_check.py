@@ -1,5 +1,5 @@
-"""Specification of hf_dynbsz.execution.self_check: the layouts a run may use are checked against each sample alone at start,
-and a layout that differs (or fails) is left for the next, on every process alike."""
+"""Specification of hf_dynbsz.execution.self_check: the layouts a run may use are checked against each sample alone at
+start, and a layout that differs (or fails) is left for the next, on every process alike."""
 
 from __future__ import annotations
 
@@ -194,21 +194,21 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
             rollout_func=rollout,
         )
         if trainer_cls is DynamicBatchGRPOTrainer:
-            capabilities = trainer._dynbsz_capabilities
+            capabilities = trainer._dynbsz.capabilities
             mixing = Layout("padding_free", attention="dense")  # the linear attention's state crosses sequences
             capabilities.layouts.insert(0, mixing)
-            trainer._dynbsz_scheduler = Scheduler.from_args(args, capabilities.support, layout=mixing)
+            trainer._dynbsz.scheduler = Scheduler.from_args(args, capabilities.support, layout=mixing)
         trainer.train()
         return trainer
 
     stock = train(GRPOTrainer, GRPOConfig)
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         checked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=True)
-    assert checked._dynbsz_scheduler.layout == "padded"
+    assert checked._dynbsz.scheduler.layout == "padded"
     assert caplog.text.count("self-check") == 1 and "differ from each sample's own" in caplog.text
     params = {name: p for name, p in checked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) <= 1e-5
     unchecked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=False, seed=0)
-    assert unchecked._dynbsz_scheduler.layout == "padding_free"  # trusted, not checked: and not stock's
+    assert unchecked._dynbsz.scheduler.layout == "padding_free"  # trusted, not checked: and not stock's
     params = {name: p for name, p in unchecked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) > 1e-5

@@ -217,3 +217,45 @@ def read_media_record(record: torch.Tensor) -> tuple[dict[str, torch.Tensor], di
         offset += count
         (fields if _RECORD_NAMES[name] in TOKEN_FIELDS else media)[_RECORD_NAMES[name]] = value
     return media, fields
+
+
+class MediaPolicy:
+    """The vision-language decisions of a run, made once at start and read by the executor and the trainer's hooks.
+
+    * ``moves_media``: samples moved between processes carry their image inputs (a repacked vision-language family;
+      the same answer on every process);
+    * ``images_run_stock``: a step with images runs stock's micro-batches: for a family not repacked, and for a
+      repacked one under ZeRO-3 on several processes (ZeRO-3 gathers the vision tower in every forward that runs it,
+      so every process must run it equally often, and repacked passes differ between processes in that: a lockstep
+      pass has no image);
+    * :meth:`stock`: whether a step's (or a no-grad call's) inputs take stock's path, agreed by every process.
+    """
+
+    def __init__(self, vision_language: str | None, *, zero3_on_several_processes: bool, world) -> None:
+        self.vision_language = vision_language
+        self.moves_media = vision_language == "repacked"
+        self.images_run_stock = vision_language == "stock" or zero3_on_several_processes
+        self.world = world  # every process: the stock-or-not answer must be the same on all of them
+        self.note = None
+        if vision_language == "repacked" and zero3_on_several_processes:
+            self.note = (
+                "image steps run stock GRPOTrainer micro-batches under ZeRO-3 on several processes: ZeRO-3 gathers "
+                "the vision tower in every forward that runs it, and repacked passes differ between processes in "
+                "how many run it. Text-only steps are repacked"
+            )
+
+    @classmethod
+    def of(cls, vision_language: str | None, accelerator, world) -> MediaPolicy:
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        zero3 = plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
+        return cls(vision_language, zero3_on_several_processes=zero3, world=world)
+
+    def stock(self, *inputs: dict) -> bool:
+        """Whether ``inputs`` (a step's slices, or one no-grad call's fields) carry image inputs (or, for a model not
+        known as vision-language, token-type fields) that this run does not repack. For a vision-language model the
+        answer is agreed by every process (one all-reduce): a process taking stock's path while another repacks
+        would split their collectives."""
+        images = any(fields.get("pixel_values") is not None for fields in inputs)
+        if self.vision_language is None:
+            return images or any(fields.get(name) is not None for fields in inputs for name in TOKEN_FIELDS)
+        return bool(self.world.all_reduce_max([int(images and self.images_run_stock)])[0])

@@ -1,10 +1,10 @@
 """The collectives of the schedule over ``torch.distributed`` (torch layer).
 
-:class:`ProcessGroup` implements :class:`hf_dynbsz.planning.schedule.RankGroup` for a run under ``accelerate launch``
-(NCCL on GPUs, gloo on CPU; on one process it does no communication) and moves samples as a balanced
-:class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids, masks, fp32 and
-fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and NCCL both
-support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
+:class:`ProcessGroup` implements :class:`hf_dynbsz.planning.schedule.RankGroup` for a run under
+``accelerate launch`` (NCCL on GPUs, gloo on CPU; on one process it does no communication) and moves samples as a
+balanced :class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids,
+masks, fp32 and fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and
+NCCL both support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _destroy_if_initialized() -> None:
 class ProcessGroup:
     """All processes of the accelerator's run, or with ``group`` (a ``torch.distributed`` group this process belongs
     to) the processes of that group: ``rank`` and ``num_processes`` are then within it (under sequence parallelism,
-    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.parallel.sequence_parallel`). Every process
-    of the group must make the same calls in the same order."""
+    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.parallel.sequence_parallel`).
+    Every process of the group must make the same calls in the same order."""
 
     def __init__(self, accelerator, group=None) -> None:
         self.group = group
@@ -147,7 +147,8 @@ class ProcessGroup:
 
     def return_rows(self, rows: list[torch.Tensor], exchange: Exchange, width: int, k: int) -> torch.Tensor:
         """Per-token results of the samples this process ran (``rows``: one ``(k, completion)`` tensor each, in
-        :attr:`Exchange.incoming` order) back to their owners: ``(own samples, k, width)``, zero past each completion."""
+        :attr:`Exchange.incoming` order) back to their owners: ``(own samples, k, width)``, zero past each
+        completion."""
         own = self.send_to_owners([row.double().reshape(-1) for row in rows], exchange, lambda p, c: k * c)
         result = torch.zeros(len(own), k, width, dtype=torch.float32, device=self.device)
         for i, record in enumerate(own):

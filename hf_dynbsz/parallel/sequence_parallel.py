@@ -9,8 +9,8 @@ With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backen
 * **shard**: a pass's padding-free row (its width rounded up to a multiple of N) is cut into N contiguous shards;
   process k of the group runs shard k: its input ids, position ids and shift labels (a shard's last label is the
   next shard's first token: no boundary token is lost);
-* **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.execution.attention`) under
-  :data:`ULYSSES_ATTENTION_NAME`: its all-to-all gives each process the whole row for 1/N of the heads, the whole
+* **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.execution.attention`)
+  under :data:`ULYSSES_ATTENTION_NAME`: its all-to-all gives each process the whole row for 1/N of the heads, the whole
   row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (plain sequences, shared prompts), and a second
   all-to-all returns the shard;
 * **loss**: the shards' per-token log-probs (and entropies) are gathered (:func:`gather_shards`: forward an
@@ -31,16 +31,22 @@ Ulysses to its own packed rows here. Which runs may use it: :func:`sequence_para
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hf_dynbsz.execution.attention import ATTENTION_NAME, segment_attention_forward
-from hf_dynbsz.planning.model_support import _read
-from hf_dynbsz.planning.partition import text_config_of
+from hf_dynbsz.planning.cost import config_value, text_config_of
 
-__all__ = ["ULYSSES_ATTENTION_NAME", "SequenceParallel", "gather_shards", "sequence_parallel_blocker"]
+__all__ = [
+    "ULYSSES_ATTENTION_NAME",
+    "NoSequenceParallel",
+    "SequenceParallel",
+    "gather_shards",
+    "sequence_parallel_blocker",
+]
 
 #: The attention implementation of sharded passes: DeepSpeed's Ulysses wrapper around segment attention.
 ULYSSES_ATTENTION_NAME = "hf_dynbsz_ulysses"
@@ -76,8 +82,8 @@ def sequence_parallel_blocker(
         return f"sequence_parallel_size={size} does not repack the MoE router aux loss: {fix}"
     if entropy_bonus:
         return f"sequence_parallel_size={size} does not repack the entropy bonus: {fix}"
-    heads = _read(text_config, "num_attention_heads")  # (a per-layer count reads as None: refused)
-    kv_heads = _read(text_config, "num_key_value_heads", heads)
+    heads = config_value(text_config, "num_attention_heads")  # (a per-layer count reads as None: refused)
+    kv_heads = config_value(text_config, "num_key_value_heads", heads)
     if (
         not isinstance(heads, int)
         or heads % size
@@ -155,6 +161,33 @@ class SequenceParallel:
             size, parallel_state_sp.get_sequence_parallel_rank(), parallel_state_sp.get_sequence_parallel_group(), peers
         )
 
+    #: the attention implementation a pass runs under (the self-check's unsharded passes keep plain segment attention)
+    attention_name = ULYSSES_ATTENTION_NAME
+
+    def row_multiple(self, pad_to_multiple_of: int | None) -> int:
+        """What a row's width is rounded up to: a sharded row splits evenly over the group."""
+        return math.lcm(pad_to_multiple_of or 1, self.size)
+
+    def per_process(self, shape: tuple[float, ...]) -> tuple[float, ...]:
+        """A pass's (tokens, attention pairs) as the memory model sees it: each process holds 1/size of the row."""
+        return tuple(value / self.size for value in shape)
+
+    @property
+    def dummy_width(self) -> int:
+        """The width of a lockstep dummy row: one token per process of the group."""
+        return self.size
+
+    def gather(self, shard: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole row's per-position values from this process's shard (None stays None)."""
+        return None if shard is None else gather_shards(shard, self)
+
+    def refuse_inexact(self, summary: str) -> None:
+        """The self-check stepped down from padding-free rows, which sharding needs: stop with the fix."""
+        raise RuntimeError(
+            f"hf_dynbsz: sequence_parallel_size={self.size} shards padding-free rows, and the self-check found them "
+            f"not exact for this model ({summary}): set sequence_parallel_size=1."
+        )
+
     # ---- pooling the group's samples ---------------------------------------------------------------------------
     def _gather_objects(self, value):
         gathered = [None] * self.size
@@ -210,3 +243,40 @@ class SequenceParallel:
             )
         part = slice(self.rank * (width // self.size), (self.rank + 1) * (width // self.size))
         return {name: value[..., part] for name, value in model_inputs.items()}, shift_labels[..., part]
+
+
+class NoSequenceParallel:
+    """Sequence parallelism of size 1, the identity: every process runs whole rows of its own samples.
+
+    The executor always holds a sequence-parallel object, so that pooling, sharding and gathering need no branch:
+    here each of them returns what it is given.
+    """
+
+    size = 1
+    rank = 0
+    group = None
+    peers = None
+    attention_name = ATTENTION_NAME
+    dummy_width = 2  # a prompt token and a completion token
+
+    def row_multiple(self, pad_to_multiple_of: int | None) -> int | None:
+        return pad_to_multiple_of
+
+    def per_process(self, shape: tuple[float, ...]) -> tuple[float, ...]:
+        return shape
+
+    def gather(self, shard: torch.Tensor | None) -> torch.Tensor | None:
+        return shard
+
+    def refuse_inexact(self, summary: str) -> None:
+        """Whole rows run any layout the self-check keeps."""
+
+    def pool_batch(self, batch):
+        return batch
+
+    def pool_table(self, table):
+        """``(table, own)``: this process's samples, all of them its own."""
+        return table, slice(0, len(table))
+
+    def shard(self, model_inputs: dict, shift_labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        return model_inputs, shift_labels

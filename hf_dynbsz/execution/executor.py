@@ -1,0 +1,517 @@
+"""The pass executor: every pass of every kind, training and no-grad alike, runs through one loop (torch layer).
+
+For a step's samples (:class:`~hf_dynbsz.execution.batch.StepBatch`) or a no-grad call's
+(:class:`~hf_dynbsz.execution.packing.SequenceTable`), :meth:`PassExecutor.run`:
+
+1. chooses the token budget (:meth:`~hf_dynbsz.planning.schedule.Scheduler.budget`; with a memory limit the largest
+   whose predicted peak fits, :mod:`hf_dynbsz.planning.memory`);
+2. plans the passes (:mod:`hf_dynbsz.planning.schedule`: layout, lockstep, cross-rank balancing);
+3. moves samples between processes as the plan's exchange says (:mod:`hf_dynbsz.parallel.distributed`);
+4. runs each pass, and a dummy pass wherever another process has a pass and this one has none (lockstep);
+5. on an out-of-memory error re-plans the step (:mod:`hf_dynbsz.execution.recovery`).
+
+Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.parallel.sequence_parallel`); at size 1
+pooling, sharding and gathering are the identity. Vision-language decisions come from
+:class:`~hf_dynbsz.execution.multimodal.MediaPolicy`. The trainer (:mod:`hf_dynbsz.trainer`) only calls
+:meth:`PassExecutor.train_step`, :meth:`PassExecutor.no_grad_passes`, :meth:`PassExecutor.train_step_stock` and
+:meth:`PassExecutor.self_check` from TRL's hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from accelerate.utils import DistributedType
+
+from hf_dynbsz.execution.attention import segment_attention, use_segments
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
+from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.multimodal import MediaPolicy, rope_positions
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
+from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
+from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
+from hf_dynbsz.execution.self_check import alone_microbatch, run_self_check, tolerance
+from hf_dynbsz.execution.tiling import lm_head_tiles
+from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
+from hf_dynbsz.planning.memory import FailedPass
+from hf_dynbsz.planning.model_support import base_model
+from hf_dynbsz.planning.schedule import Scheduler
+
+logger = logging.getLogger("hf_dynbsz")
+
+__all__ = ["PassExecutor"]
+
+#: a pass function: ``run_pass(state, schedule, group, last)`` runs the samples ``group`` of the moved samples
+PassFunction = Callable[[object, object, list[int], bool], None]
+
+
+@dataclasses.dataclass
+class _TrainingPasses:
+    """A training attempt's samples (after the exchange), entropy bonus, metrics and per-pass losses."""
+
+    batch: StepBatch
+    bonus: EntropyBonus | None
+    metrics: StepMetrics
+    losses: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _NoGradPasses:
+    """A no-grad attempt's samples (after the exchange) and results: ``(samples, 1 or 2, columns)`` log-probs and
+    entropies, and for the router pass ``(samples, experts + 1)`` statistics."""
+
+    table: SequenceTable
+    results: torch.Tensor
+    statistics: torch.Tensor | None
+
+
+class PassExecutor:
+    """Runs a step's passes for a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` (``trainer``: TRL's loss
+    settings, metrics store and hooks). Built at start by :func:`hf_dynbsz.execution.setup.build_executor`."""
+
+    def __init__(self, trainer, *, capabilities, parallel, memory, meters, world) -> None:
+        self.trainer, self.accelerator, self.args = trainer, trainer.accelerator, trainer.args
+        self.capabilities, self.scheduler, self.enabled = capabilities, capabilities.scheduler, capabilities.enabled
+        self.parallel, self.memory, self.meters, self.world = parallel, memory, meters, world
+        self.media = MediaPolicy.of(capabilities.vision_language, self.accelerator, world)
+        self.recovery = OutOfMemoryRecovery(self.accelerator, memory, meters, sequence_parallel_size=parallel.size)
+        self.loss_settings = LossSettings.from_trainer(trainer)
+        self.pad_token_id = trainer._tokenizer.pad_token_id
+        self.checked = not self.args.self_check
+        self.warned: set[str] = set()
+
+    # ------------------------------------------------------------------ the one loop
+    def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction):
+        """Plan ``table``'s samples for ``kind`` passes and run them; returns ``(schedule, state)``.
+
+        ``start(schedule)`` moves the samples as the schedule's exchange says and returns the attempt's state;
+        ``run_pass(state, schedule, group, last)`` runs one pass. After an out-of-memory error (here or on another
+        process) the step is re-planned with a smaller budget and runs again from its start.
+        """
+        while True:
+            self._allocate_gradients(model, kind)
+            schedule = self._plan(table, self._budget(table, stock_tokens, kind), kind)
+            self._warn_oversize(schedule, kind)
+            state = start(schedule)
+            with self._pass_context(model, kind):
+                failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule))
+            if failure is None:
+                return schedule, state
+            self.recovery.recover(model, failure)
+
+    def _pass_context(self, model, kind: str):
+        stack = contextlib.ExitStack()
+        if kind == "training":
+            stack.enter_context(self.trainer.compute_loss_context_manager())
+        stack.enter_context(self.tiles())
+        stack.enter_context(self.segments(model))
+        return stack
+
+    def _run_passes(self, model, schedule, kind: str, run_pass) -> FailedPass | None:
+        """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.
+
+        Training passes synchronise gradients on the last, or, where an out-of-memory error is recovered across
+        processes, in a dummy pass after every process agreed that none failed. Returns None, or the failure (here,
+        or agreed from another process) after which the step is re-planned.
+        """
+        training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
+        failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
+        for position, group in enumerate(schedule.microbatches):
+            last = position == schedule.passes - 1 and not sync_apart
+            if failure is not None and self.recovery.processes == 1:
+                break
+            shape = self.parallel.per_process(next(shapes)) if group else None
+            if not group or failure is not None:  # a failed process keeps the others' collectives going
+                self.dummy_pass(model, last if training and failure is None else None)
+                continue
+            failure = self._run_pass(model, kind, run_pass, group, last, shape, schedule)
+        failure = self.recovery.agree(failure, self.scheduler.group, kind)
+        if sync_apart and failure is None:
+            self.dummy_pass(model, True)
+        return failure
+
+    def _run_pass(self, model, kind: str, run_pass, group, last: bool, shape, schedule) -> FailedPass | None:
+        """One real pass; with a memory limit measured (teaching the memory model). Returns its failure, if any."""
+        held = None
+        if self.memory.limit_mib is not None:
+            held = self.meters.memory.held()
+            self.meters.predicted(self.memory.peak(kind, *shape, held))
+        unwrapped, rank = self.accelerator.unwrap_model(model), self.accelerator.process_index
+        try:
+            with self.no_sync(model, last or kind != "training"), injected_fault(unwrapped, kind, rank):
+                run_pass(group, last)
+        except Exception as error:  # noqa: BLE001 - only a recovered out-of-memory error is not raised again
+            self.recovery.check(error)
+            longest = max(schedule.lengths[i] for i in group)
+            failure = FailedPass(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
+        else:
+            if held is not None:
+                self.memory.measured(kind, *shape, held, self.meters.memory.pass_peak())
+            return None
+        release_cached_memory(self.accelerator.device)  # after the error (and the frames it held) is gone
+        return failure
+
+    # ------------------------------------------------------------------ training passes
+    def train_step(self, model, batch: StepBatch) -> torch.Tensor:
+        """The optimizer step's passes: statistics, stock loss weights, then forward/backward each pass, log once."""
+        trainer, device = self.trainer, self.accelerator.device
+        with self.meters.clock.phase("train"):
+            ga = trainer.current_gradient_accumulation_steps
+            aux = self._step_statistics(model, batch, ga)
+            batch.policy_weights, batch.entropy_weights = sample_weights(
+                self.loss_settings,
+                batch.loss_tokens,
+                batch.slice_ids,
+                batch.slice_rows,
+                batch.num_items,
+                gradient_accumulation_steps=ga,
+                steps_per_generation=self.args.steps_per_generation,
+                num_processes=self.accelerator.num_processes,
+                entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
+            )
+            pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
+            start = partial(self._start_training, pooled, aux)
+            schedule, state = self.run(
+                model, "training", pooled.table, pooled.stock_microbatch_tokens, start, partial(self._train, model, aux)
+            )
+            losses = state.losses
+            total = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+            total = total / self.parallel.size  # a group's processes each hold its whole loss: logged once
+            if state.bonus is not None:
+                state.bonus.finish(trainer, ga)
+            if aux is not None:
+                aux.publish(trainer._metrics["train"], self.accelerator)
+        state.metrics.publish(
+            trainer._metrics["train"],
+            self.accelerator,
+            loss_type=trainer.loss_type,
+            schedule=schedule,
+            stock_computed_tokens=state.batch.stock_computed_tokens,
+            group=self.scheduler.group,
+            meters=self.meters,
+            table=state.batch.table,
+            replicas=self.parallel.size,
+        )
+        return total
+
+    def _step_statistics(self, model, batch: StepBatch, ga: int) -> RouterAuxLoss | None:
+        """What the passes need from the whole step before the first: stock's high-entropy mask and, for an MoE
+        model, every stock micro-batch's expert counts (one no-grad pass over the step's samples). Returns the
+        step's router aux loss (None without one)."""
+        trainer = self.trainer
+        aux = None
+        if self.capabilities.router_aux:  # stock's MoE router aux loss, per sample
+            router = self.capabilities.support.router_aux
+            aux = RouterAuxLoss(
+                trainer.router_aux_loss_coef, *router, len(batch.slice_rows), ga, self.accelerator.device
+            )
+        masked = trainer.top_entropy_quantile < 1.0
+        if not masked and aux is None:
+            return None
+        _, entropies, counts = self.no_grad_passes(
+            model, batch.table, batch.width, masked, batch.stock_microbatch_tokens, router=aux
+        )
+        if masked:
+            batch.high_entropy = self._high_entropy_mask(batch, entropies)
+        if aux is not None:
+            aux.add_counts(batch.slice_ids, counts)
+            aux.agree(self.accelerator)
+        return aux
+
+    def _high_entropy_mask(self, batch: StepBatch, entropies: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from the entropies of one no-grad pass.
+
+        Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so the
+        mask must be known before the first pass: TRL's own ``get_high_entropy_mask`` is applied slice by slice to
+        the entropies of a no-grad pass over the step (the same gathers on every rank: one per slice).
+        """
+        high_entropy = torch.zeros_like(batch.loss_mask)
+        slice_ids = batch.slice_ids.to(batch.loss_mask.device)
+        quantile = 1 - self.trainer.top_entropy_quantile
+        for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
+            rows = (slice_ids == slice_id).nonzero().flatten()
+            selected = self.trainer.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], quantile)
+            high_entropy[rows] = selected.to(batch.loss_mask.dtype)
+        return high_entropy
+
+    def _start_training(self, pooled: StepBatch, aux: RouterAuxLoss | None, schedule) -> _TrainingPasses:
+        """A training attempt: cross-rank balancing gives this process the samples it runs."""
+        moved = pooled if schedule.exchange is None else self.move(pooled, schedule.exchange)
+        if aux is not None:
+            aux.probabilities.zero_()
+        bonus = None
+        if self.trainer._entropy_bonus_enabled:
+            bonus = EntropyBonus(self.trainer, len(moved.slice_rows), self.accelerator.device)
+        return _TrainingPasses(moved, bonus, StepMetrics(), [])
+
+    def _train(self, model, aux: RouterAuxLoss | None, state: _TrainingPasses, schedule, group, last: bool) -> None:
+        """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
+        mb = self.microbatch(state.batch.table, group, schedule.groups)
+        logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
+        rows = state.batch.rows(group, logps.size(1))
+        loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
+        if aux is not None:
+            loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
+        self.backward(model, loss, last)
+        state.losses.append(loss.detach())
+        state.metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
+
+    def move(self, samples, exchange):
+        """The samples (a step's batch, or a no-grad table) this process runs under a balanced exchange."""
+        group = self.scheduler.group
+        if isinstance(samples, StepBatch):
+            return group.move_batch(samples, exchange, self.media.moves_media)
+        return group.move_table(samples, exchange, self.media.moves_media)
+
+    # ------------------------------------------------------------------ no-grad passes
+    @torch.no_grad()
+    def no_grad_passes(
+        self,
+        model,
+        table: SequenceTable,
+        width: int,
+        compute_entropy: bool,
+        stock_tokens: int,
+        router: RouterAuxLoss | None = None,
+    ):
+        """Completion log-probs, entropies (or None) and, for ``router``, the router pass's ``(samples, experts + 1)``
+        statistics (expert counts, tokens; or None) of every sample of ``table``, ``(samples, width)``, in table
+        order."""
+        with self.meters.clock.phase("logprob"):
+            pooled, own = self.parallel.pool_table(table)  # sequence parallelism: the group's samples
+            start = partial(self._start_no_grad, pooled, width, 2 if compute_entropy else 1, router)
+            run_pass = partial(self._no_grad, model, compute_entropy, router)
+            schedule, state = self.run(model, "logprob", pooled, stock_tokens, start, run_pass)
+            results, statistics = state.results, state.statistics
+            if schedule.exchange is not None:  # the results go back to the process that owns each sample
+                group = self.scheduler.group
+                rows = [results[j, :, :c] for j, c in enumerate(state.table.completion_lengths.tolist())]
+                results = group.return_rows(rows, schedule.exchange, results.size(2), results.size(1))
+                if statistics is not None:
+                    statistics = torch.stack(
+                        group.send_to_owners(list(statistics), schedule.exchange, lambda p, c: router.width)
+                    )
+            results = results[own]
+            return results[:, 0, :width], results[:, 1, :width] if compute_entropy else None, statistics
+
+    def _start_no_grad(self, pooled: SequenceTable, width: int, channels: int, router, schedule) -> _NoGradPasses:
+        run = pooled if schedule.exchange is None else self.move(pooled, schedule.exchange)
+        columns = max([width, *run.completion_lengths.tolist()])
+        device = self.accelerator.device
+        results = torch.zeros(len(run), channels, columns, device=device)
+        statistics = None
+        if router is not None:
+            statistics = torch.zeros(len(run), router.width, dtype=torch.float64, device=device)
+        return _NoGradPasses(run, results, statistics)
+
+    def _no_grad(self, model, compute_entropy: bool, router, state: _NoGradPasses, schedule, group, last) -> None:
+        mb = self.microbatch(state.table, group, schedule.groups)
+        logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
+        state.results[group, 0, : logps.size(1)] = logps.float()
+        if compute_entropy:
+            state.results[group, 1, : entropies.size(1)] = entropies.float()
+        if router is not None:
+            state.statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
+
+    # ------------------------------------------------------------------ planning a step
+    def _budget(self, table: SequenceTable, stock_tokens: int, kind: str) -> int:
+        """The token budget of ``kind``'s passes (:meth:`Scheduler.budget`), with a memory limit the largest whose
+        predicted peak fits (:meth:`MemoryModel.budget`), agreed by every process."""
+        memory, fits = self.memory, None
+        if memory.limit_mib is not None:
+            fits = memory.budget(kind, self.meters.memory.held(), max(table.lengths.tolist(), default=1))
+        return self.scheduler.budget(
+            stock_tokens, kind, fits=fits, cap=memory.caps.get(kind), agree=memory.limit_mib is not None
+        )
+
+    def _plan(self, table: SequenceTable, budget: int, kind: str):
+        """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
+        groups = table.prompt_groups() if self.scheduler.share_prompts else None
+        return self.scheduler.plan(
+            table.lengths.tolist(), budget, kind, prompt_lengths=table.prompt_lengths.tolist(), groups=groups
+        )
+
+    def _allocate_gradients(self, model, kind: str) -> None:
+        """With a memory limit, the step's gradients exist (as zeros) before a training step is planned, so that what
+        the process holds includes them and every pass starts from the same memory (accumulating into zeros is
+        exact). DeepSpeed holds its own gradient buffers."""
+        if kind != "training" or self.memory.limit_mib is None or self._deepspeed:
+            return
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+
+    def _warn_oversize(self, schedule, kind: str) -> None:
+        if not schedule.oversize or kind in self.warned:
+            return
+        self.warned.add(kind)
+        longest = max(schedule.lengths[i] for i in schedule.oversize)
+        message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
+        memory = self.memory
+        if memory.limit_mib is not None:  # the budget came from memory: say what the sequence needs
+            message += (
+                f" The budget follows max_memory_per_device_mib={memory.limit_mib:.0f}: a sequence of "
+                f"{longest} tokens alone is predicted to add about "
+                f"{memory.increment(kind, longest, longest * longest):.0f} MiB to what the process holds, "
+                "which may not fit; lower max_completion_length, turn on gradient checkpointing or raise "
+                "the limit."
+            )
+        warnings.warn(message + " This warning is shown once.", stacklevel=4)
+
+    # ------------------------------------------------------------------ one pass
+    def microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
+        """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's)."""
+        scheduler = scheduler or self.scheduler
+        if (
+            scheduler.layout == "padding_free" and table.positions is None and self.capabilities.support.multimodal_rope
+        ):  # once per table: each sample's own M-RoPE positions
+            unwrapped = self.accelerator.unwrap_model(base_model(self.trainer.model))
+            table.positions = rope_positions(unwrapped, table.tokens, table.token_fields, table.media)
+        return build_microbatch(
+            table,
+            group,
+            layout=scheduler.layout,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.parallel.row_multiple(self.args.pad_to_multiple_of),
+            device=self.accelerator.device,
+            attention=scheduler.segment_attention,
+            groups=groups,
+            attention_mask=scheduler.attention_mask,
+            position_offset=scheduler.position_offset,
+        )
+
+    def segments(self, model, scheduler: Scheduler | None = None, parallel=None):
+        """Segment attention for the passes (forward and backward) when padding-free rows use it, through
+        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses)."""
+        enabled = (scheduler or self.scheduler).segment_attention is not None
+        name = (parallel or self.parallel).attention_name
+        return segment_attention(self.accelerator.unwrap_model(model), enabled, name)
+
+    def forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True, parallel=None):
+        """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits
+        (per layer; or None) of one micro-batch; under the accelerator's autocast unless ``autocast`` is False.
+        ``parallel`` (default: the run's sequence parallelism): this process runs its shard of the row and the
+        shards' outputs are gathered (the identity at size 1)."""
+        parallel = parallel or self.parallel
+        use_segments(mb.segments)
+        extra = {"output_router_logits": True} if router else {}
+        unwrapped = self.accelerator.unwrap_model(model)
+        capture = captured_router_logits(unwrapped) if router else contextlib.nullcontext()
+        precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
+        inputs, labels = parallel.shard(mb.model_inputs, mb.shift_labels)
+        with precision, capture as router_logits:
+            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True, **extra)
+        log_probs = parallel.gather(outputs.log_probs)
+        entropies = mb.to_completion_layout(parallel.gather(outputs.entropy)) if compute_entropy else None
+        return mb.to_completion_layout(log_probs), entropies, router_logits[-1] if router else None
+
+    def dummy_pass(self, model, last: bool | None = None) -> None:
+        """A tiny pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
+
+        With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
+        """
+        scheduler = self.scheduler
+        mb = dummy_microbatch(
+            self.pad_token_id,
+            self.accelerator.device,
+            scheduler.segment_attention,
+            scheduler.attention_mask,
+            scheduler.position_offset,
+            width=self.parallel.dummy_width,
+        )
+        use_segments(mb.segments)
+        inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
+        with self.no_sync(model, last is None or last), self.accelerator.autocast():
+            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
+            if last is not None:
+                self.backward(model, outputs.log_probs.sum() * 0.0, last)
+
+    @property
+    def _deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def no_sync(self, model, last: bool):
+        """Around a training pass's forward AND backward (DDP decides in the forward whether the backward
+        all-reduces): no gradient synchronisation unless ``last``. DeepSpeed decides at its boundary instead."""
+        if last or self._deepspeed:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
+
+    def backward(self, model, loss, last: bool) -> None:
+        """One backward of a multi-pass optimizer step (inside :meth:`no_sync` unless ``last``); gradients sync (and
+        DeepSpeed steps) on the last only."""
+        self.accelerator.gradient_state._set_sync_gradients(last)
+        try:
+            self.accelerator.backward(loss, **({"scale_wrt_gas": False} if self._deepspeed else {}))
+        finally:
+            self.accelerator.gradient_state._set_sync_gradients(True)
+
+    def tiles(self):
+        """TRL's fused LM head tiled by ``tensor_batch_size`` (stock's own tile with dynamic_batching off)."""
+        return lm_head_tiles(self.args.tensor_batch_size if self.args.dynamic_batching else None)
+
+    # ------------------------------------------------------------------ stock's path, and the self-check
+    def train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
+        """Stock math for a step that cannot be repacked (images of a family not repacked): one pass per stock
+        slice."""
+        if "multimodal" not in self.warned:
+            self.warned.add("multimodal")
+            logger.warning(
+                "hf_dynbsz: image inputs of a model family not repacked: its image steps use stock micro-batches."
+            )
+        total = torch.zeros((), device=self.accelerator.device)
+        for position, inputs in enumerate(window):
+            last = position == len(window) - 1
+            with self.no_sync(model, last):
+                with self.trainer.compute_loss_context_manager(), self.tiles():
+                    loss = self.trainer.compute_loss(model, inputs)
+                self.backward(model, loss, last)
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def self_check(self, model, table: SequenceTable) -> bool:
+        """Once per run, before its first pass: keep the fastest layout whose log-probs equal each sample's own
+        (:mod:`hf_dynbsz.execution.self_check`); when none does, stock math runs. Returns whether dynamic batching
+        stays on. The check's passes are unsharded, whatever the run's sequence parallelism."""
+        if self.checked:
+            return self.enabled
+        self.checked = True
+        layouts, unsharded = self.capabilities.layouts, NoSequenceParallel()
+        schedulers = [
+            Scheduler.from_args(self.args, self.capabilities.support, self.scheduler.group, layout=layout)
+            for layout in layouts
+        ]
+
+        def run_layout(layout, indices):
+            scheduler = schedulers[layouts.index(layout)]
+            groups = table.prompt_groups() if scheduler.share_prompts else None
+            mb = self.microbatch(table, indices, groups, scheduler)
+            with self.segments(model, scheduler, unsharded):
+                return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
+
+        def run_alone(index):
+            mb = alone_microbatch(table, index, self.pad_token_id, self.accelerator.device)
+            return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
+
+        dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype  # the check runs in the weights'
+        with self.tiles():
+            result = run_self_check(
+                layouts, table, run_layout, run_alone, tolerance(dtype),
+                agree=lambda index: self.world.all_reduce_max([index])[0],
+            )  # fmt: skip
+        logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", result.summary(layouts))
+        if result.chosen:
+            self.parallel.refuse_inexact(result.summary(layouts))
+        self.enabled = result.chosen < len(layouts)
+        if self.enabled and result.chosen:
+            self.scheduler = schedulers[result.chosen]
+        return self.enabled

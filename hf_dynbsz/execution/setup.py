@@ -1,0 +1,147 @@
+"""Start-up of a run (torch layer): what the trainer holds after TRL's constructor, and the plan it logs.
+
+:func:`build_executor` reads the run's capabilities off the model and settings
+(:class:`~hf_dynbsz.planning.capabilities.Capabilities`), refuses a sequence parallelism the run cannot use before any
+work, forms its groups, builds the memory model and returns the :class:`~hf_dynbsz.execution.executor.PassExecutor`.
+:func:`log_batch_size_plan` writes the start-up plan table (:mod:`hf_dynbsz.planning.plan`) from the main process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from accelerate.utils import DistributedType
+
+from hf_dynbsz.execution.device_memory import pending_gradient_mib
+from hf_dynbsz.execution.executor import PassExecutor
+from hf_dynbsz.execution.metrics import StepMeters
+from hf_dynbsz.parallel.distributed import ProcessGroup
+from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
+from hf_dynbsz.planning.capabilities import Capabilities
+from hf_dynbsz.planning.cost import text_config_of
+from hf_dynbsz.planning.memory import MemoryModel, plan_rows
+from hf_dynbsz.planning.model_support import base_model
+from hf_dynbsz.planning.plan import BatchSizePlan
+
+logger = logging.getLogger("hf_dynbsz")
+
+__all__ = ["build_executor", "log_batch_size_plan"]
+
+
+def build_executor(trainer) -> PassExecutor:
+    """The executor of ``trainer`` (a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` after TRL's constructor),
+    with every decision of the run made once: capabilities (logged with their reasons), sequence parallelism, the
+    memory model, the vision-language policy."""
+    model, accelerator = base_model(trainer.model), trainer.accelerator
+    world = ProcessGroup(accelerator)  # every process (decisions all must agree on)
+    capabilities = Capabilities.of(
+        trainer.args,
+        model,
+        world,
+        aux_loss=trainer.aux_loss_enabled,
+        external_generation=trainer.use_vllm or trainer.use_transformers_continuous_batching,
+    )
+    for note in capabilities.notes:
+        logger.warning("hf_dynbsz: %s.", note)
+    parallel = _sequence_parallel(trainer, model, capabilities)
+    meters = StepMeters(
+        capabilities.support.model_flops,
+        accelerator.device,
+        str(accelerator.mixed_precision),
+        trainer.args.peak_tflops_per_device,
+    )
+    memory = _memory_model(trainer.args, accelerator, model, capabilities.support.attn_implementation)
+    executor = PassExecutor(
+        trainer, capabilities=capabilities, parallel=parallel, memory=memory, meters=meters, world=world
+    )
+    if executor.enabled and executor.media.note:
+        logger.warning("hf_dynbsz: %s.", executor.media.note)
+    return executor
+
+
+def _sequence_parallel(trainer, model, capabilities: Capabilities):
+    """``sequence_parallel_size`` > 1: check the run allows it (raise before any work), form the groups and plan
+    passes between groups (:mod:`hf_dynbsz.parallel.sequence_parallel`); size 1: the identity."""
+    size = int(getattr(trainer.args, "sequence_parallel_size", 1) or 1)
+    if size <= 1:
+        return NoSequenceParallel()
+    blocker = sequence_parallel_blocker(
+        size,
+        trainer.accelerator.num_processes,
+        layouts=capabilities.layouts if capabilities.enabled else [],
+        support=capabilities.support,
+        vision_language=capabilities.vision_language,
+        router_aux=capabilities.router_aux,
+        entropy_bonus=bool(trainer._entropy_bonus_enabled),
+        text_config=text_config_of(model.config),
+    )
+    if blocker is not None:
+        raise ValueError(f"hf_dynbsz: {blocker}.")
+    parallel = SequenceParallel.setup(model, size)
+    peers = ProcessGroup(trainer.accelerator, parallel.peers)
+    capabilities.scheduler = dataclasses.replace(capabilities.scheduler, group=peers)
+    return parallel
+
+
+def _memory_model(args, accelerator, model, attn_implementation) -> MemoryModel:
+    """The memory model (:mod:`hf_dynbsz.planning.memory`) of a process, with the run's limit (MiB, per device)."""
+    limit = args.max_memory_per_device_mib
+    if limit is None and args.max_memory_fraction_per_device is not None:
+        if accelerator.device.type != "cuda":
+            raise ValueError(
+                f"max_memory_fraction_per_device={args.max_memory_fraction_per_device} needs a CUDA device, this "
+                f"process runs on {accelerator.device}: set max_memory_per_device_mib (MiB per process) instead, or "
+                "leave both unset."
+            )
+        total = torch.cuda.get_device_properties(accelerator.device).total_memory / 2**20
+        limit = args.max_memory_fraction_per_device * total
+    mixed = str(accelerator.mixed_precision) in ("bf16", "fp16")
+    checkpointing = bool(
+        getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)
+    )
+    return MemoryModel.from_config(
+        model.config,
+        limit,
+        activation_bytes=2 if mixed else next(model.parameters()).element_size(),
+        gradient_checkpointing=checkpointing,
+        tensor_batch_size=args.tensor_batch_size,
+        attn_implementation=attn_implementation,
+    )
+
+
+def log_batch_size_plan(trainer, executor: PassExecutor) -> None:
+    """The start-up plan table, from the main process."""
+    accelerator = trainer.accelerator
+    if not accelerator.is_main_process:
+        return
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    enabled = executor.enabled
+    aux_coef = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
+    plan = BatchSizePlan.from_args(
+        trainer.args,
+        num_processes=accelerator.num_processes,
+        zero_stage=plugin.zero_stage if plugin is not None else None,
+        mixed_precision=str(accelerator.mixed_precision),
+        layout=executor.scheduler.layout if enabled else "stock (dynamic batching off)",
+        vision_language=executor.capabilities.vision_language if enabled else None,
+        router_aux=executor.capabilities.support.router_aux_mode(aux_coef),
+        memory_rows=_memory_rows(trainer, executor),
+    )
+    logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
+
+
+def _memory_rows(trainer, executor: PassExecutor) -> list:
+    memory = executor.memory
+    if memory.limit_mib is None or not executor.enabled:
+        return []
+    held = executor.meters.memory.held()  # the gradients are allocated with the first step: counted here
+    if trainer.accelerator.distributed_type != DistributedType.DEEPSPEED:
+        held += pending_gradient_mib(trainer.model)
+    return plan_rows(
+        memory,
+        held,
+        "measured at start (weights, gradients to come, what else the process holds)",
+        trainer.args.max_completion_length,
+    )
