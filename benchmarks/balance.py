@@ -124,7 +124,7 @@ def worker(spec: dict) -> None:
         rollout_func=rollout,
     )
     timings = []
-    train_step = trainer._train_step
+    train_step = trainer._dynbsz.train_step
 
     def timed(model_, window):
         start = time.perf_counter()
@@ -132,7 +132,7 @@ def worker(spec: dict) -> None:
         timings.append(time.perf_counter() - start)
         return result
 
-    trainer._train_step = timed
+    trainer._dynbsz.train_step = timed
     trainer.train()
     history = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     if trainer.accelerator.is_main_process:
@@ -218,7 +218,7 @@ def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: i
     import numpy as np
     from common import sequence_lengths
 
-    from hf_dynbsz.planning.partition import WorkloadModel
+    from hf_dynbsz.planning.cost import WorkloadModel
     from hf_dynbsz.planning.schedule import Scheduler, simulate_processes
 
     workload = WorkloadModel.default("padding_free", "varlen")

@@ -35,16 +35,21 @@ VOCAB = 151_936
 
 
 def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
+    """A ``/proc/self/status`` figure in MiB, read by the package's reader; raises where there is none."""
+    from hf_dynbsz.execution.device_memory import status_mib
+
+    value = status_mib(field)
+    if value is None:
+        raise RuntimeError(field)
+    return value
 
 
 def _reset_peak() -> float:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    """Restart ``VmHWM`` at the current resident set and return that (MiB); raises where it cannot be restarted."""
+    from hf_dynbsz.execution.device_memory import reset_peak_rss
+
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset VmHWM through /proc/self/clear_refs")
     return _status_mb("VmRSS")
 
 

@@ -290,7 +290,8 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         "",
         "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
         "completions up to 1024 tokens, 3 steps, hidden 512: passes fill their budget. Fixed budgets (tokens "
-        "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks and VmHWM):",
+        "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks "
+        "and VmHWM):",
         "",
         markdown_table(
             ["budget", "run peak (MiB)", "mean step (s)"],

@@ -410,14 +410,16 @@ def main() -> None:
                 "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
                 "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled. The lower "
                 "bound counts tokens only, so the padded layout cannot reach it (a padded micro-batch computes rows x "
-                "its longest row); there first-fit decreasing on the sorted lengths is already the fewest micro-batches, "
+                "its longest row); there first-fit decreasing on the sorted lengths is already the fewest "
+                "micro-batches, "
                 "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
                 "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
                 "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing.",
                 f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
                 speed,
                 f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
-                f"process agreed on (each step new data, so first-fit is computed once per step as in training). Target: "
+                f"process agreed on (each step new data, so first-fit is computed once per step as in training). "
+                f"Target: "
                 f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
             ]
         )

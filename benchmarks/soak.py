@@ -62,7 +62,8 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
     table = "\n".join(
         [
-            "| steps | peak memory MiB (max) | first 10% after warm-up, mean | last 10%, mean | slope, MiB per 1,000 steps |",
+            "| steps | peak memory MiB (max) | first 10% after warm-up, mean | last 10%, mean "
+            "| slope, MiB per 1,000 steps |",
             "|---:|---:|---:|---:|---:|",
             f"| {len(steps)} | {memory.max():.0f} | {first:.1f} | {last:.1f} | {slope:+.2f} |",
         ]

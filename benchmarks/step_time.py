@@ -185,21 +185,13 @@ SPEC_KEYS = (
 
 # --------------------------------------------------------------------------------------------------- worker
 def _read_status_kb(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    """A ``/proc/self/status`` figure in kB (the unit of the raw data), read by the package's reader."""
+    from hf_dynbsz.execution.device_memory import status_mib
 
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
+    value = status_mib(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return round(value * 1024)
 
 
 def reward_by_content(completions, **kwargs):
@@ -213,76 +205,83 @@ class Probe:
 
     def __init__(self, trainer, rollout):
         import torch
-        from transformers import TrainerCallback
+
+        from hf_dynbsz.execution.device_memory import reset_peak_rss
 
         self.torch = torch
         self.trainer, self.rollout = trainer, rollout
         self.steps: list[dict] = []
         self.generation_rounds: list[dict] = []
         self.current: dict | None = None
+        self._round: dict | None = None
         self.baseline_kb = None
-        self.can_reset_peak = _reset_peak_rss()
+        self.can_reset_peak = reset_peak_rss()
+        self._generate = trainer._generate_and_score_completions
+        self._logps = trainer._get_per_token_logps_and_entropies
+        trainer._generate_and_score_completions = self.timed_generate
+        trainer._get_per_token_logps_and_entropies = self.timed_logps
+        self.pad_id = trainer._tokenizer.pad_token_id
+        trainer.model.register_forward_pre_hook(self.count_tokens, with_kwargs=True)
+        trainer.add_callback(self._step_clock())
 
-        generate = trainer._generate_and_score_completions
-        logps = trainer._get_per_token_logps_and_entropies
+    def timed_generate(self, *args, **kwargs):
+        """The trainer's ``_generate_and_score_completions``, timed, with the round's peak RSS."""
+        self._reset_peak()
+        self._round = {
+            "logprob_s": 0.0,
+            "logprob_cpu_s": 0.0,
+            "logprob_tokens": 0,
+            "logprob_real_tokens": 0,
+            "logprob_passes": 0,
+        }
+        start, cpu_start = time.perf_counter(), time.process_time()
+        result = self._generate(*args, **kwargs)
+        elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
+        round_record = self._round
+        self._round = None
+        round_record.update(generation_total_s=elapsed, peak_kb=_read_status_kb("VmHWM"))
+        round_record["rollout_and_rewards_s"] = elapsed - round_record["logprob_s"]
+        round_record.update(self.rollout.rounds[-1])
+        self.generation_rounds.append(round_record)
+        if self.current is not None:
+            self.current["generation_s"] += elapsed
+            self.current["generation_cpu_s"] += cpu_elapsed
+            self.current["round"] = len(self.generation_rounds) - 1
+        self._reset_peak()
+        return result
+
+    def timed_logps(self, *args, **kwargs):
+        """The trainer's ``_get_per_token_logps_and_entropies``, timed when it is a round's no-grad pass."""
+        if self.torch.is_grad_enabled() or self._round is None:
+            return self._logps(*args, **kwargs)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        result = self._logps(*args, **kwargs)
+        self._round["logprob_s"] += time.perf_counter() - start
+        self._round["logprob_cpu_s"] += time.process_time() - cpu_start
+        return result
+
+    def count_tokens(self, module, args, kwargs):
+        """Forward pre-hook: positions computed (and real ones) by training and log-prob passes."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            return
+        # The rollout never emits the pad id, so every pad-id position is padding.
+        real = int((input_ids != self.pad_id).sum())
+        if self.torch.is_grad_enabled():
+            if self.current is not None:
+                self.current["train_tokens"] += int(input_ids.numel())
+                self.current["train_real_tokens"] += real
+                self.current["train_passes"] += 1
+        elif self._round is not None:
+            self._round["logprob_tokens"] += int(input_ids.numel())
+            self._round["logprob_real_tokens"] += real
+            self._round["logprob_passes"] += 1
+
+    def _step_clock(self):
+        """A Trainer callback recording each optimizer step's times, tokens and peak RSS."""
+        from transformers import TrainerCallback
+
         probe = self
-
-        def timed_generate(*args, **kwargs):
-            probe._reset_peak()
-            probe._round = {
-                "logprob_s": 0.0,
-                "logprob_cpu_s": 0.0,
-                "logprob_tokens": 0,
-                "logprob_real_tokens": 0,
-                "logprob_passes": 0,
-            }
-            start, cpu_start = time.perf_counter(), time.process_time()
-            result = generate(*args, **kwargs)
-            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
-            round_record = probe._round
-            probe._round = None
-            round_record.update(generation_total_s=elapsed, peak_kb=_read_status_kb("VmHWM"))
-            round_record["rollout_and_rewards_s"] = elapsed - round_record["logprob_s"]
-            round_record.update(probe.rollout.rounds[-1])
-            probe.generation_rounds.append(round_record)
-            if probe.current is not None:
-                probe.current["generation_s"] += elapsed
-                probe.current["generation_cpu_s"] += cpu_elapsed
-                probe.current["round"] = len(probe.generation_rounds) - 1
-            probe._reset_peak()
-            return result
-
-        def timed_logps(*args, **kwargs):
-            if torch.is_grad_enabled() or getattr(probe, "_round", None) is None:
-                return logps(*args, **kwargs)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            result = logps(*args, **kwargs)
-            probe._round["logprob_s"] += time.perf_counter() - start
-            probe._round["logprob_cpu_s"] += time.process_time() - cpu_start
-            return result
-
-        trainer._generate_and_score_completions = timed_generate
-        trainer._get_per_token_logps_and_entropies = timed_logps
-
-        pad_id = trainer._tokenizer.pad_token_id
-
-        def count_tokens(module, args, kwargs):
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
-            if input_ids is None:
-                return
-            # The rollout never emits the pad id, so every pad-id position is padding.
-            real = int((input_ids != pad_id).sum())
-            if torch.is_grad_enabled():
-                if probe.current is not None:
-                    probe.current["train_tokens"] += int(input_ids.numel())
-                    probe.current["train_real_tokens"] += real
-                    probe.current["train_passes"] += 1
-            elif getattr(probe, "_round", None) is not None:
-                probe._round["logprob_tokens"] += int(input_ids.numel())
-                probe._round["logprob_real_tokens"] += real
-                probe._round["logprob_passes"] += 1
-
-        trainer.model.register_forward_pre_hook(count_tokens, with_kwargs=True)
 
         class StepClock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -309,11 +308,13 @@ class Probe:
                 probe.steps.append(record)
                 probe.current = None
 
-        trainer.add_callback(StepClock())
+        return StepClock()
 
     def _reset_peak(self):
         if self.can_reset_peak:
-            _reset_peak_rss()
+            from hf_dynbsz.execution.device_memory import reset_peak_rss
+
+            reset_peak_rss()
 
 
 def code_fingerprint() -> str:
@@ -322,8 +323,8 @@ def code_fingerprint() -> str:
 
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parents[1] / "hf_dynbsz"
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(package.rglob("*.py")):  # every layer (planning/, execution/, parallel/, testing/)
+        digest.update(path.relative_to(package).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -511,7 +512,9 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         "rounds": probe.generation_rounds,
         "budget_tokens": [e["dynbsz/budget_tokens"] for e in history if "dynbsz/budget_tokens" in e],
         "tensor_batch_size": getattr(args, "tensor_batch_size", "stock"),
-        "layout_used": trainer._dynbsz_scheduler.layout if getattr(trainer, "_dynbsz_enabled", False) else None,
+        "layout_used": trainer._dynbsz.scheduler.layout
+        if getattr(trainer, "_dynbsz", None) and trainer._dynbsz.enabled
+        else None,
     }
 
 
@@ -768,7 +771,7 @@ def git_state() -> str:
     return f"commit {commit}" + (" with uncommitted changes in hf_dynbsz/" if dirty else "")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -806,14 +809,11 @@ def main() -> None:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
 
-    if args.worker:
-        result = run_worker(json.loads(args.worker))
-        with open(args.worker_out, "w") as handle:
-            json.dump(result, handle)
-        return
 
+def resolve_settings(args, parser: argparse.ArgumentParser) -> dict:
+    """The preset of ``args`` (quick or default, with the model's defaults) overridden by the options given."""
     settings = dict(PRESETS["quick" if args.quick else "default"])
     if args.model == "qwen2_vl":
         settings.update(VISION_DEFAULTS)
@@ -823,15 +823,19 @@ def main() -> None:
         value = getattr(args, key, None)
         if value is not None:
             settings[key] = value
-    mixes = settings["mixes"].split(",")
-    configs = settings["configs"].split(",")
+    mixes, configs = settings["mixes"].split(","), settings["configs"].split(",")
     unknown = [c for c in configs if c not in CONFIGS] + [m for m in mixes if m not in MIX_LABELS]
     if unknown:
         parser.error(f"unknown configuration or mix: {unknown}")
+    return settings
+
+
+def run_all(settings: dict, args, started: float) -> tuple[list[dict], list[str]]:
+    """Every (repeat, mix, configuration) in a fresh worker, interleaved; returns the results and the load averages
+    before and after each repeat."""
+    mixes, configs = settings["mixes"].split(","), settings["configs"].split(",")
     spec_base = {key: settings[key] for key in SPEC_KEYS}
     spec_base.update(seed=args.seed, threads=args.threads, model=args.model)
-
-    started = time.perf_counter()
     loads = [load_average()]
     results = []
     for repeat in range(settings["repeats"]):
@@ -844,16 +848,20 @@ def main() -> None:
                 tick = time.perf_counter()
                 result = run_one(spec, args.timeout)
                 measured = [s["train_s"] for s in result["steps"][1:]]
+                peak = max(s["peak_kb"] for s in result["steps"]) / 1024 - result["baseline_rss_mb"]
                 print(
                     f"[{time.perf_counter() - started:6.0f}s] repeat {repeat} {mix:11s} {config:17s} "
-                    f"train s/step {_mean(measured):6.2f}  peak {max(s['peak_kb'] for s in result['steps']) / 1024 - result['baseline_rss_mb']:5.0f} MB  "
+                    f"train s/step {_mean(measured):6.2f}  peak {peak:5.0f} MB  "
                     f"process {time.perf_counter() - tick:4.0f}s  load {load_average()}",
                     flush=True,
                 )
                 results.append(result)
         loads.append(load_average())
+    return results, loads
 
-    # Same data for every configuration and the same plug-in code in every process.
+
+def check_same_inputs(results: list[dict], mixes: list[str]) -> list[str]:
+    """Same data for every configuration of a mix (raises otherwise); returns the plug-in code versions seen."""
     for mix in mixes:
         fingerprints = {
             json.dumps([r["fingerprint"] for r in res["rounds"]]) for res in results if res["spec"]["mix"] == mix
@@ -863,32 +871,37 @@ def main() -> None:
     code_versions = sorted({res["code"] for res in results})
     if len(code_versions) > 1:
         print(f"WARNING: hf_dynbsz changed during the run ({len(code_versions)} versions): rerun for clean numbers")
+    return code_versions
 
-    rows = summarise(results)
-    table = render_table(rows)
-    first = results[0]
+
+def describe_setup(settings: dict, model: str, first: dict, rows: list[dict]) -> str:
+    """The report's paragraph on the model, the GRPO schedule and the run's size."""
     steps_per_round = settings["steps_per_generation"] * settings["num_iterations"] // settings["grad_accum"]
-    vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
-    setup = (
-        (
+    vision, moe, hidden = model == "qwen2_vl", model == "qwen3_moe", settings["hidden_size"]
+    if vision:
+        family = (
             "Model: Qwen2-VL-style (vision tower: 1 block of width 32; prompts: 1-2 images of 28-448 pixels a side, "
             "i.e. 1-256 image tokens each, and 1-6 text characters; prompt-heavy: images of 336-448 pixels, 144-256 "
             "image tokens each, completions of median ~40 tokens), language model"
-            if vision
-            else f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * settings['hidden_size'] // MOE_TOP_K} per layer, "
-            f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer adds "
-            "one no-grad router pass per optimizer step),"
-            if moe
-            else "Model: Qwen2-style,"
         )
-        + f" hidden {settings['hidden_size']}, {settings['num_layers']} layers, "
-        f"{max(2, settings['hidden_size'] // 32)} heads ({max(1, settings['hidden_size'] // 64)} KV), MLP "
-        f"{(2 if vision else 3) * settings['hidden_size']}, vocabulary {settings['vocab_size']}, {first['num_params'] / 1e6:.2f} M "
-        f"parameters, fp32, sdpa, CPU, {first['threads']} torch thread(s) per process. GRPO (TRL defaults "
-        f"otherwise: loss dapo, beta 0, gradient checkpointing on): per_device_train_batch_size "
-        f"{settings['batch_size']}, gradient_accumulation_steps {settings['grad_accum']} "
+    elif moe:
+        family = (
+            f"Model: Qwen3-MoE-style ({MOE_EXPERTS} experts of MLP {3 * hidden // MOE_TOP_K} per layer, "
+            f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer "
+            "adds one no-grad router pass per optimizer step),"
+        )
+    else:
+        family = "Model: Qwen2-style,"
+    generation_batch = settings["batch_size"] * settings["steps_per_generation"]
+    return (
+        family + f" hidden {hidden}, {settings['num_layers']} layers, "
+        f"{max(2, hidden // 32)} heads ({max(1, hidden // 64)} KV), MLP "
+        f"{(2 if vision else 3) * hidden}, vocabulary {settings['vocab_size']}, "
+        f"{first['num_params'] / 1e6:.2f} M parameters, fp32, sdpa, CPU, {first['threads']} torch thread(s) per "
+        "process. GRPO (TRL defaults otherwise: loss dapo, beta 0, gradient checkpointing on): "
+        f"per_device_train_batch_size {settings['batch_size']}, gradient_accumulation_steps {settings['grad_accum']} "
         f"({settings['batch_size'] * settings['grad_accum']} samples per optimizer step), steps_per_generation "
-        f"{settings['steps_per_generation']} (generation batch {settings['batch_size'] * settings['steps_per_generation']}"
+        f"{settings['steps_per_generation']} (generation batch {generation_batch}"
         f" samples, {steps_per_round} optimizer steps per round, old-policy log-probs computed), num_iterations "
         f"{settings['num_iterations']}, num_generations {settings['num_generations']}, max_completion_length "
         f"{settings['max_completion_length']}"
@@ -896,6 +909,28 @@ def main() -> None:
         + f"{settings['repeats']} fresh process(es) per configuration x {settings['rounds']} rounds; "
         f"{rows[0]['num_steps']} measured optimizer steps and {rows[0]['num_rounds']} measured rounds per process."
     )
+
+
+COLUMNS_NOTE = (
+    "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
+    "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
+    "step); both averaged over the measured steps. *train s/step*: wall time of the training phase of one "
+    "optimizer step (forward, backward, optimizer; no generation, no log-prob pass); per step, the median over "
+    "repeats, then the mean "
+    "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
+    "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
+    "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
+    "*train tokens/step*: positions computed by the training forwards of one step, padding included "
+    "(share of padding). *log-prob*: the no-grad old-policy pass, once per generation round. *peak RSS over "
+    "baseline*: process high-water mark minus the RSS before `train()`, over the whole run (training, "
+    "generation and log-prob phases), median over repeats; *training-phase peak*: the same over the "
+    "training phases only."
+)
+
+
+def write_report(args, settings, results, rows, table, setup, loads, code_versions, started) -> str:
+    """Writes the markdown report, the raw data (JSON) and the plot; returns the files' base name."""
+    vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
     machine = (
         f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
         f"{' | '.join(loads)} (a shared machine: other jobs ran during the measurement)."
@@ -908,49 +943,42 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = ("vlm_" if vision else "moe_" if moe else "") + ("step_time_quick" if args.quick else "step_time")
     command = " ".join(["python benchmarks/step_time.py", *sys.argv[1:]])  # as run, every option given
-    markdown = (
-        "\n\n".join(
-            [
-                f"# Training-step time{', vision-language' if vision else ', mixture of experts' if moe else ''}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
-                f"{' (quick run)' if args.quick else ''}",
-                f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min.",
-                setup,
-                machine,
-                code,
-                table,
-                "Columns. *budget*: stock's micro-batch (per_device_train_batch_size x the generation batch's padded "
-                "width), or the dynamic trainer's `max_tokens_per_microbatch` (\"auto\" = the same as stock's, per "
-                "step); both averaged over the measured steps. *train s/step*: wall time of the training phase of one "
-                "optimizer step (forward, backward, optimizer; no generation, no log-prob pass); per step, the median over repeats, then the mean "
-                "over the measured steps. *speed-up*: stock / this. *token limit*: stock's computed tokens / this "
-                "configuration's (the speed-up token counts alone predict); *of limit*: speed-up / token limit. "
-                "*train CPU s/step*: the same in process CPU time (user + system), less sensitive to other jobs. "
-                "*train tokens/step*: positions computed by the training forwards of one step, padding included "
-                "(share of padding). *log-prob*: the no-grad old-policy pass, once per generation round. *peak RSS over "
-                "baseline*: process high-water mark minus the RSS before `train()`, over the whole run (training, "
-                "generation and log-prob phases), median over repeats; *training-phase peak*: the same over the "
-                "training phases only.",
-            ]
-        )
-        + "\n"
+    kind = ", vision-language" if vision else ", mixture of experts" if moe else ""
+    title = (
+        f"# Training-step time{kind}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
+        f"{' (quick run)' if args.quick else ''}"
     )
+    generated = f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min."
+    markdown = "\n\n".join([title, generated, setup, machine, code, table, COLUMNS_NOTE]) + "\n"
     (args.out_dir / f"{name}.md").write_text(markdown)
-    raw_runs = [compact_run(res) for res in results]
-    (args.out_dir / f"{name}.json").write_text(
-        json.dumps(
-            _rounded(
-                {
-                    "settings": settings,
-                    "rows": rows,
-                    "step_fields": STEP_FIELDS,
-                    "round_fields": ROUND_FIELDS,
-                    "runs": raw_runs,
-                }
-            ),
-            separators=(",", ":"),
-        )
-    )
+    raw = {
+        "settings": settings,
+        "rows": rows,
+        "step_fields": STEP_FIELDS,
+        "round_fields": ROUND_FIELDS,
+        "runs": [compact_run(res) for res in results],
+    }
+    (args.out_dir / f"{name}.json").write_text(json.dumps(_rounded(raw), separators=(",", ":")))
     plot(rows, args.out_dir / f"{name}.png", setup)
+    return name
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.worker:
+        result = run_worker(json.loads(args.worker))
+        with open(args.worker_out, "w") as handle:
+            json.dump(result, handle)
+        return
+    settings = resolve_settings(args, parser)
+    started = time.perf_counter()
+    results, loads = run_all(settings, args, started)
+    code_versions = check_same_inputs(results, settings["mixes"].split(","))
+    rows = summarise(results)
+    table = render_table(rows)
+    setup = describe_setup(settings, args.model, results[0], rows)
+    name = write_report(args, settings, results, rows, table, setup, loads, code_versions, started)
     print()
     print(table)
     print(f"\nwrote {args.out_dir / (name + '.md')}, {name}.png, {name}.json")

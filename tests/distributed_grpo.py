@@ -6,9 +6,9 @@ final (gathered) parameters, the completions every rank generated, and each rank
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
 (18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
 ``environment`` trains with an environment that owns the prompts (no dataset) and the reward (no reward function).
-``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...). ``--mutate`` corrupts, on the process that receives them, the samples
-that cross-rank balancing moved (their advantage, old log-probs or loss weight): a check that the comparison
-with stock would catch a sample that lost what belongs to it.
+``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...). ``--mutate``
+corrupts, on the process that receives them, the samples that cross-rank balancing moved (their advantage, old
+log-probs or loss weight): a check that the comparison with stock would catch a sample that lost what belongs to it.
 """
 
 from __future__ import annotations

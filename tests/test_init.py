@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_planning_core_imports_neither_torch_nor_trl():
     code = (
-        "import sys, hf_dynbsz, hf_dynbsz.planning.env, hf_dynbsz.planning.plan, hf_dynbsz.planning.partition, hf_dynbsz.planning.schedule, hf_dynbsz.planning.balance,"
+        "import sys, hf_dynbsz, hf_dynbsz.planning.env, hf_dynbsz.planning.plan, hf_dynbsz.planning.partition,"
+        " hf_dynbsz.planning.schedule, hf_dynbsz.planning.balance,"
         " hf_dynbsz.planning.model_support, hf_dynbsz.planning.settings, hf_dynbsz._trl_compat, hf_dynbsz.testing;"
         "heavy = [m for m in ('torch', 'trl', 'transformers') if m in sys.modules];"
         "assert not heavy, heavy"

@@ -64,3 +64,19 @@ def test_the_layers_below_the_trainer_do_not_import_it():
     for path in PACKAGE.rglob("*.py"):
         if path.name not in ("trainer.py", "__init__.py") and path.parent.name != "testing":
             assert "hf_dynbsz.trainer" not in internal_imports(path), path
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    """A function longer than that is two functions (ruff's statement limit, PLR0915, catches most; this counts
+    lines, docstrings and all)."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -1,4 +1,5 @@
-"""Specification of hf_dynbsz.execution.loss: per-sample weights that reproduce stock's normalisation, for every loss type.
+"""Specification of hf_dynbsz.execution.loss: per-sample weights that reproduce stock's normalisation, for every loss
+type.
 
 Checked against stock TRL, not against a formula written again: a real ``trl.GRPOTrainer`` computes each
 slice's loss with its own ``_compute_loss`` on the same tensors, and the sum of our weighted per-sample losses
@@ -94,7 +95,7 @@ def make_slices(trainer, *, seed=0, old=False, ref=False, sequence_ratio=False):
         inputs["num_items_in_batch"] = torch.tensor(float(total_tokens))
         with torch.no_grad():
             logps, _ = completion_logps(trainer, inputs, compute_entropy=False)
-        noise = lambda: 0.3 * torch.randn(logps.shape, generator=generator)  # noqa: E731 - ratios move off 1
+        noise = lambda shape=logps.shape: 0.3 * torch.randn(shape, generator=generator)  # noqa: E731 - ratios move off 1
         if old:
             inputs["old_per_token_logps"] = (logps + noise()) * inputs["completion_mask"]
         if ref:

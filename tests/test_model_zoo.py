@@ -255,7 +255,8 @@ EXCLUDED: dict[str, str] = {
     "granitemoehybrid": _TRL_AUX_LOSS,
     "granitemoeshared": _TRL_AUX_LOSS,
     "llama4": _MULTIMODAL,
-    "llama4_text": "stock GRPOTrainer fails with default settings: AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'last_hidden_state'",
+    "llama4_text": "stock GRPOTrainer fails with default settings: AttributeError: 'MoeCausalLMOutputWithPast' object "
+    "has no attribute 'last_hidden_state'",
     "mllama": _MULTIMODAL,
     "moss_transcribe_diarize": _MULTIMODAL,
     "musicgen": _MULTIMODAL,
@@ -265,7 +266,8 @@ EXCLUDED: dict[str, str] = {
     "qwen3_5": _MULTIMODAL,
     "qwen3_5_moe": _MULTIMODAL,
     "qwen4_exp": _MULTIMODAL,
-    "reformer": "stock GRPOTrainer fails with default settings: ValueError: If training, sequence length 19 has to be a multiple of least common multiple chunk_length 4",
+    "reformer": "stock GRPOTrainer fails with default settings: ValueError: If training, sequence length 19 has to be "
+    "a multiple of least common multiple chunk_length 4",
 }
 
 #: Architectures whose stock result depends on the left padding of its prompts: positions not derived from the
@@ -388,9 +390,9 @@ def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_promp
 
 def trained_layout(trainer) -> str:
     """What ``trainer`` trained with: its scheduler's layout, or "stock math"."""
-    if not trainer._dynbsz_enabled:
+    if not trainer._dynbsz.enabled:
         return STOCK
-    scheduler = trainer._dynbsz_scheduler
+    scheduler = trainer._dynbsz.scheduler
     from hf_dynbsz.planning.model_support import Layout
 
     return Layout(
@@ -406,7 +408,7 @@ def per_sample_error(trainer) -> float:
     from hf_dynbsz.execution.packing import SequenceTable
     from hf_dynbsz.testing import grpo_batch, stock_logps
 
-    if not trainer._dynbsz_enabled:
+    if not trainer._dynbsz.enabled:
         return 0.0
     completion_lengths = (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)
     batch = grpo_batch((3, 9, 5, 12), completion_lengths, (3, 3, 3, 3), seed=5, token_high=60)  # 3 completions each
@@ -414,7 +416,7 @@ def per_sample_error(trainer) -> float:
     model = trainer.model
     model.eval()
     with torch.no_grad():
-        logps, _, _ = trainer._no_grad_passes(model, table, batch[2].size(1), False, stock_tokens=40)
+        logps, _, _ = trainer._dynbsz.no_grad_passes(model, table, batch[2].size(1), False, stock_tokens=40)
         error = 0.0
         for i, tokens in enumerate(table.tokens):  # alone: no padding, no position ids
             p, c = int(table.prompt_lengths[i]), int(table.completion_lengths[i])

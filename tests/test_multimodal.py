@@ -1,10 +1,10 @@
 """Vision-language rollouts: each sample's image inputs travel with it into its micro-batch.
 
-Specification of :mod:`hf_dynbsz.execution.multimodal` (splitting TRL's flattened image inputs per sample and joining them per
-micro-batch, by the slicing rules of TRL's own ``_get_per_token_logps_and_entropies``; telling images apart; each
-sample's M-RoPE positions), of padding-free rows of image samples (a shared prompt's images once), and of the trainer
-on tiny vision-language models of each repacked family: parameters after training equal stock GRPOTrainer's, with
-samples of 0, 1 and 2 images and long-tailed completions, in padding-free rows with shared prompts and in padded
+Specification of :mod:`hf_dynbsz.execution.multimodal` (splitting TRL's flattened image inputs per sample and joining
+them per micro-batch, by the slicing rules of TRL's own ``_get_per_token_logps_and_entropies``; telling images apart;
+each sample's M-RoPE positions), of padding-free rows of image samples (a shared prompt's images once), and of the
+trainer on tiny vision-language models of each repacked family: parameters after training equal stock GRPOTrainer's,
+with samples of 0, 1 and 2 images and long-tailed completions, in padding-free rows with shared prompts and in padded
 rows, while the vision tower encodes a shared prompt's images once per pass.
 """
 

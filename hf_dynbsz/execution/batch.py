@@ -81,7 +81,8 @@ class StepBatch:
 
     @classmethod
     def from_slices(cls, window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
-        """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``) of process ``rank``.
+        """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``) of process
+        ``rank``.
 
         Slices are numbered across processes (slice ``s`` of process ``p`` is ``p * slices + s``), so that a sample
         that moves to another process (cross-rank balancing) still says which stock slice it belongs to.

@@ -29,6 +29,7 @@ __all__ = [
     "is_out_of_memory",
     "pending_gradient_mib",
     "release_cached_memory",
+    "reset_peak_rss",
     "status_mib",
 ]
 
@@ -61,6 +62,18 @@ def status_mib(key: str) -> float | None:
     except OSError:
         return None
     return int(match.group(1)) / 1024 if match else None
+
+
+def reset_peak_rss() -> bool:
+    """Restart the process's peak resident set (``VmHWM``) at its current resident set, by writing 5 to
+    ``/proc/self/clear_refs`` (Linux >= 4.0). Returns False where that is not possible (not Linux, or not allowed):
+    the peak then counts from the process's start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -158,14 +158,7 @@ def per_token_policy_loss(
         )
 
     log_ratio = per_token_logps - old_per_token_logps
-    if settings.importance_sampling_level == "token":
-        log_importance_weights = log_ratio
-    elif settings.importance_sampling_level == "sequence":
-        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        log_importance_weights = log_importance_weights.unsqueeze(-1)
-    else:
-        raise ValueError(f"Unknown importance sampling level: {settings.importance_sampling_level}")
-    coef_1 = torch.exp(log_importance_weights)
+    coef_1 = torch.exp(_log_importance_weights(settings, log_ratio, mask))
 
     metrics: dict[str, torch.Tensor] = {}
     if settings.beta != 0.0:
@@ -174,19 +167,55 @@ def per_token_policy_loss(
             per_token_kl = per_token_kl * coef_1
         metrics["kl"] = per_token_kl
 
+    per_token_loss, coef_1 = _unmasked_policy_loss(
+        settings, coef_1, advantages, per_token_logps, log_ratio, mask, importance_sampling_ratio, metrics
+    )
+    if settings.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if settings.vllm_importance_sampling and settings.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio
+    if settings.beta != 0.0:
+        per_token_loss = per_token_loss + settings.beta * per_token_kl
+    _clip_metrics(settings, coef_1, advantages, metrics)
+    return per_token_loss, metrics
+
+
+def _log_importance_weights(settings: LossSettings, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Log importance weights per token (``"token"``) or one per sequence (``"sequence"``: the masked mean)."""
+    if settings.importance_sampling_level == "token":
+        return log_ratio
+    if settings.importance_sampling_level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"Unknown importance sampling level: {settings.importance_sampling_level}")
+
+
+def _unmasked_policy_loss(
+    settings: LossSettings,
+    coef_1: torch.Tensor,
+    advantages: torch.Tensor,
+    per_token_logps: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    importance_sampling_ratio: torch.Tensor | None,
+    metrics: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss type's per-token policy loss, before the masks and the KL term, and ``coef_1`` as the clip-ratio
+    metrics read it (clipped by ``delta`` for the clipped losses). Adds ``vespo/phi_seq_mean`` to ``metrics``."""
     kind = settings.loss_type
     if kind == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=settings.epsilon_high).detach()
-        per_token_loss = -clamped_ratios * advantages * per_token_logps
-    elif kind in CLIPPED_LOSSES:
+        return -clamped_ratios * advantages * per_token_logps, coef_1
+    if kind in CLIPPED_LOSSES:
         coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
         if settings.delta is not None:
             coef_1 = torch.clamp(coef_1, max=settings.delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    elif kind == "sapo":
+        return -torch.min(coef_1 * advantages, coef_2 * advantages), coef_1
+    if kind == "sapo":
         temperatures = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
-        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
-    elif kind == "vespo":
+        return -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages, coef_1
+    if kind == "vespo":
         k_pos, lambda_pos, k_neg, lambda_neg = settings.vespo
         phi_seq = GRPOTrainer.get_gamma_weights(
             advantages=advantages,
@@ -198,27 +227,21 @@ def per_token_policy_loss(
             k_neg=k_neg,
             lambda_neg=lambda_neg,
         )
-        per_token_loss = -phi_seq * advantages * per_token_logps
         metrics["vespo/phi_seq_mean"] = phi_seq
-    else:
-        raise ValueError(f"Unknown loss type: {kind}")
+        return -phi_seq * advantages * per_token_logps, coef_1
+    raise ValueError(f"Unknown loss type: {kind}")
 
-    if settings.off_policy_mask_threshold is not None:
-        per_token_loss = per_token_loss * off_policy_mask
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if settings.vllm_importance_sampling and kind != "vespo":
-        per_token_loss = per_token_loss * importance_sampling_ratio
-    if settings.beta != 0.0:
-        per_token_loss = per_token_loss + settings.beta * per_token_kl
 
+def _clip_metrics(
+    settings: LossSettings, coef_1: torch.Tensor, advantages: torch.Tensor, metrics: dict[str, torch.Tensor]
+) -> None:
+    """Stock's clip-ratio metrics, from ``coef_1`` as clipped (after ``delta``), exactly what stock's metrics read."""
+    kind = settings.loss_type
     if kind in CLIPPED_LOSSES:
-        # coef_1 as clipped above (after delta), exactly what stock's metrics read
         metrics["clip_ratio/low"] = ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).float()
         metrics["clip_ratio/high"] = ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).float()
     elif kind == "cispo":
         metrics["cispo_clip_ratio"] = ((coef_1 > settings.epsilon_high) & (advantages > 0)).float()
-    return per_token_loss, metrics
 
 
 def microbatch_loss(

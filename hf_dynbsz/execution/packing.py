@@ -60,8 +60,8 @@ class SequenceTable:
     #: token-aligned fields (``mm_token_type_ids``...): per field, per sample, one value per token of ``tokens[i]``
     token_fields: dict[str, list[torch.Tensor]] | None = None
     #: per sample, its M-RoPE positions ``(3, len(tokens[i]))`` as the model computes them for the sample alone
-    #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like text, and
-    #: until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
+    #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like
+    #: text, and until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
     #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
     _groups: list[int] | None = field(default=None, init=False, repr=False, compare=False)
@@ -198,14 +198,14 @@ class MicroBatch:
     ``indices``: which samples of the :class:`SequenceTable` (in row order). ``model_inputs`` holds
     ``input_ids`` and ``position_ids`` (and an ``attention_mask`` for padded rows that need one), or for
     vision-language samples ``input_ids``, ``attention_mask``, their token fields and image inputs. ``segments``:
-    the :class:`~hf_dynbsz.execution.attention.SegmentLayout` of a padding-free row run through segment attention (give it to
-    :func:`~hf_dynbsz.execution.attention.use_segments` before the forward), else None. ``token_rows``: ``(token_index,
-    row_index)`` pairs, each flat token position with every row (sample) it counts for, as stock's attention mask
-    counts it: a shared prompt's tokens for each sample sharing it, padding for none (the MoE router aux loss reads
-    them). ``shift_labels`` has the shape of
-    ``input_ids``. ``gather_index`` is ``(rows, completion_width)`` into the flattened per-position
-    output; ``completion_mask`` marks the valid entries. ``real_tokens``/``computed_tokens`` count the positions
-    computed without and with padding (a shared prompt counts once).
+    the :class:`~hf_dynbsz.execution.attention.SegmentLayout` of a padding-free row run through segment attention
+    (give it to :func:`~hf_dynbsz.execution.attention.use_segments` before the forward), else None. ``token_rows``:
+    ``(token_index, row_index)`` pairs, each flat token position with every row (sample) it counts for, as stock's
+    attention mask counts it: a shared prompt's tokens for each sample sharing it, padding for none (the MoE router
+    aux loss reads them). ``shift_labels`` has the shape of ``input_ids``. ``gather_index`` is ``(rows,
+    completion_width)`` into the flattened per-position output; ``completion_mask`` marks the valid entries.
+    ``real_tokens``/``computed_tokens`` count the positions computed without and with padding (a shared prompt
+    counts once).
     """
 
     indices: list[int]
@@ -241,10 +241,11 @@ def build_microbatch(
     """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
 
     ``attention``: the base attention implementation when the padding-free row runs through segment attention
-    (:mod:`hf_dynbsz.execution.attention`; the inputs then carry its :class:`~hf_dynbsz.execution.attention.SegmentLayout`), None for
-    the model's own attention. ``groups`` (one id per sample of ``table``; needs segment attention): samples of this
-    micro-batch with the same id have identical prompts and share one copy of it. ``attention_mask``: padded rows
-    carry an attention mask. ``position_offset``: added to every position id.
+    (:mod:`hf_dynbsz.execution.attention`; the inputs then carry its
+    :class:`~hf_dynbsz.execution.attention.SegmentLayout`), None for the model's own attention. ``groups`` (one id
+    per sample of ``table``; needs segment attention): samples of this micro-batch with the same id have identical
+    prompts and share one copy of it. ``attention_mask``: padded rows carry an attention mask. ``position_offset``:
+    added to every position id.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
@@ -252,144 +253,236 @@ def build_microbatch(
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
     if groups is not None and (layout != "padding_free" or attention is None):
         raise ValueError("shared prompts need the padding_free layout and segment attention")
-    prompt_lengths = table.prompt_lengths[indices].tolist()
-    completion_lengths = table.completion_lengths[indices].tolist()
-    seq_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
-    rows = len(indices)
-    completion_width = max(max(completion_lengths), 1)
-    # Position (in the flattened output) whose next-token prediction is completion token k of row j.
-    gather_index = torch.zeros(rows, completion_width, dtype=torch.long)
-    completion_mask = torch.zeros(rows, completion_width, dtype=torch.long)
-    model_inputs = {}
-    segment_layout = None
-    token_index: list[torch.Tensor] = []  # flat positions, and the row each counts for
-    row_index: list[torch.Tensor] = []
-
+    samples = _Samples(
+        indices, table.prompt_lengths[indices].tolist(), table.completion_lengths[indices].tolist(), device
+    )
     if layout == "padding_free":
-        pieces, positions, labels, segments = [], [], [], []
-        shown: list[int] = []  # samples whose prompt (and images) the row holds, in row order
-        rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
-        fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
-
-        def carry(i: int, start: int, end: int | None = None) -> None:
-            """Sample ``i``'s token fields and M-RoPE positions for its tokens ``start:end``, appended to the row."""
-            for name, values in fields.items():
-                values.append(table.token_fields[name][i][start:end].cpu())
-            if table.positions is not None:
-                rope.append(table.positions[i][:, start:end].cpu())
-
-        offset = 0
-        groups_here = None if groups is None else [groups[i] for i in indices]
-        for members in prompt_segments(range(len(indices)), prompt_lengths, groups_here):
-            first = members[0]
-            prefix = prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
-            if prefix:
-                for j in members:
-                    token_index.append(torch.arange(offset, offset + prefix))
-                    row_index.append(torch.full((prefix,), j))
-                pieces.append(table.tokens[indices[first]][:prefix].cpu())
-                carry(indices[first], 0, prefix)
-                shown.append(indices[first])
-                positions.append(torch.arange(prefix))
-                labels.append(torch.full((prefix,), -100, dtype=torch.long))
-            blocks = []
-            start, offset = offset, offset + prefix
-            for j in members:
-                seq, p, c = table.tokens[indices[j]].cpu(), prompt_lengths[j], completion_lengths[j]
-                block = seq[prefix:]  # a plain sequence, or the prompt's last token + the completion
-                lead = p - 1 - prefix  # block position whose next token is the first completion token
-                pieces.append(block)
-                carry(indices[j], prefix)
-                if not prefix:
-                    shown.append(indices[j])
-                token_index.append(torch.arange(offset, offset + block.numel()))
-                row_index.append(torch.full((block.numel(),), j))
-                positions.append(torch.arange(prefix, prefix + block.numel()))
-                label = torch.full((block.numel(),), -100, dtype=torch.long)
-                if c > 0:
-                    label[lead : lead + c] = seq[p : p + c]
-                    gather_index[j, :c] = torch.arange(offset + lead, offset + lead + c)
-                    completion_mask[j, :c] = 1
-                labels.append(label)
-                blocks.append(block.numel())
-                offset += block.numel()
-            segments.append((start, prefix, tuple(blocks)))
-        total = offset
-        width = round_up(total, pad_to_multiple_of)
-        if width > total:
-            # Trailing rounding padding continues counting positions so it never starts a "new sequence" of length
-            # 0 in flash-attention's varlen bookkeeping; its labels are -100. With segment attention it is a
-            # segment of its own.
-            pieces.append(torch.full((width - total,), pad_token_id, dtype=torch.long))
-            positions.append(torch.arange(width - total))
-            labels.append(torch.full((width - total,), -100, dtype=torch.long))
-            segments.append((total, 0, (width - total,)))
-            for values in fields.values():
-                values.append(torch.zeros(width - total, dtype=values[0].dtype))
-            if rope:
-                rope.append(torch.arange(width - total).expand(3, -1))
-        input_ids = torch.cat(pieces).unsqueeze(0)
-        position_ids = torch.cat(positions).unsqueeze(0)
-        if rope:  # (4, 1, width): text positions (segment boundaries), then the 3 M-RoPE rows
-            position_ids = torch.cat([position_ids, torch.cat(rope, dim=1)]).unsqueeze(1)
-        for name, values in fields.items():
-            model_inputs[name] = torch.cat(values).unsqueeze(0).to(device)
-        if table.media is not None:
-            model_inputs.update(
-                {key: value.to(device) for key, value in join_media([table.media[i] for i in shown]).items()}
-            )
-        shift_labels = torch.cat(labels).unsqueeze(0)
-        if attention is not None:
-            from hf_dynbsz.execution.attention import Segment, SegmentLayout
-
-            segment_layout = SegmentLayout([Segment(*segment) for segment in segments], attention)
-        computed, real = width, total
+        built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, groups)
     else:
-        width = round_up(max(seq_lengths), pad_to_multiple_of)
-        input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-        position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(rows, width).clone()
-        shift_labels = torch.full((rows, width), -100, dtype=torch.long)
-        for j, i in enumerate(indices):
-            seq, p, c, n = table.tokens[i], prompt_lengths[j], completion_lengths[j], seq_lengths[j]
-            input_ids[j, :n] = seq.cpu()
-            token_index.append(torch.arange(j * width, j * width + n))
-            row_index.append(torch.full((n,), j))
-            if c > 0:
-                shift_labels[j, p - 1 : p - 1 + c] = seq[p : p + c].cpu()
-                gather_index[j, :c] = torch.arange(j * width + p - 1, j * width + p - 1 + c)
-                completion_mask[j, :c] = 1
-        computed, real = rows * width, sum(seq_lengths)
-        if attention_mask or table.multimodal:
-            mask = torch.zeros(rows, width, dtype=torch.long)
-            for j, n in enumerate(seq_lengths):
-                mask[j, :n] = 1
-            model_inputs["attention_mask"] = mask.to(device)
-        if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
-            for name, values in (table.token_fields or {}).items():
-                aligned = torch.zeros(rows, width, dtype=values[0].dtype)
-                for j, i in enumerate(indices):
-                    aligned[j, : seq_lengths[j]] = values[i].cpu()
-                model_inputs[name] = aligned.to(device)
-            if table.media is not None:
-                model_inputs.update(
-                    {key: value.to(device) for key, value in join_media([table.media[i] for i in indices]).items()}
-                )
-            position_ids = None
-
-    model_inputs["input_ids"] = input_ids.to(device)
-    if position_ids is not None:
-        model_inputs["position_ids"] = (position_ids + position_offset).to(device)
+        built = _padded_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention_mask)
+    model_inputs = built.model_inputs
+    model_inputs["input_ids"] = built.input_ids.to(device)
+    if built.position_ids is not None:
+        model_inputs["position_ids"] = (built.position_ids + position_offset).to(device)
     return MicroBatch(
         indices=list(indices),
         model_inputs=model_inputs,
-        shift_labels=shift_labels.to(device),
-        gather_index=gather_index.to(device),
-        completion_mask=completion_mask.to(device),
-        real_tokens=real,
-        computed_tokens=computed,
-        segments=segment_layout,
-        token_rows=(torch.cat(token_index).to(device), torch.cat(row_index).to(device)),
+        shift_labels=built.shift_labels.to(device),
+        gather_index=samples.gather_index.to(device),
+        completion_mask=samples.completion_mask.to(device),
+        real_tokens=built.real_tokens,
+        computed_tokens=built.computed_tokens,
+        segments=built.segments,
+        token_rows=(torch.cat(samples.token_index).to(device), torch.cat(samples.row_index).to(device)),
     )
+
+
+class _Samples:
+    """The samples of one micro-batch and what both layouts record about them: which flat positions each row
+    counts (``token_rows``) and where each completion token's prediction lands (``gather_index``)."""
+
+    def __init__(self, indices: list[int], prompt_lengths: list[int], completion_lengths: list[int], device) -> None:
+        self.indices, self.prompt_lengths, self.completion_lengths = indices, prompt_lengths, completion_lengths
+        self.seq_lengths = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
+        self.device = device
+        completion_width = max(max(completion_lengths), 1)
+        # Position (in the flattened output) whose next-token prediction is completion token k of row j.
+        self.gather_index = torch.zeros(len(indices), completion_width, dtype=torch.long)
+        self.completion_mask = torch.zeros(len(indices), completion_width, dtype=torch.long)
+        self.token_index: list[torch.Tensor] = []  # flat positions, and the row each counts for
+        self.row_index: list[torch.Tensor] = []
+
+    def count(self, row: int, start: int, length: int) -> None:
+        """The flat positions ``start:start + length`` count for ``row``."""
+        self.token_index.append(torch.arange(start, start + length))
+        self.row_index.append(torch.full((length,), row))
+
+    def completion_at(self, row: int, first: int) -> None:
+        """``row``'s completion tokens are predicted at the flat positions from ``first`` on."""
+        c = self.completion_lengths[row]
+        self.gather_index[row, :c] = torch.arange(first, first + c)
+        self.completion_mask[row, :c] = 1
+
+    def media_inputs(self, table: SequenceTable, samples: list[int]) -> dict:
+        """The image inputs of ``samples`` of ``table``, joined, on the device."""
+        return {key: value.to(self.device) for key, value in join_media([table.media[i] for i in samples]).items()}
+
+
+@dataclass
+class _LayoutInputs:
+    """What a layout builder gives :func:`build_microbatch`: the row tensors (on CPU), the other model inputs (on
+    the device), the token counts and the segment layout."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    shift_labels: torch.Tensor
+    model_inputs: dict
+    real_tokens: int
+    computed_tokens: int
+    segments: object | None = None
+
+
+class _PackedRow:
+    """The pieces of a padding-free row, appended segment by segment (a shared prompt, then its blocks)."""
+
+    def __init__(self, table: SequenceTable, samples: _Samples) -> None:
+        self.table, self.samples = table, samples
+        self.pieces: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+        self.segments: list[tuple] = []
+        self.shown: list[int] = []  # samples whose prompt (and images) the row holds, in row order
+        self.rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
+        self.fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
+        self.offset = 0
+
+    def carry(self, i: int, start: int, end: int | None = None) -> None:
+        """Sample ``i``'s token fields and M-RoPE positions for its tokens ``start:end``, appended to the row."""
+        for name, values in self.fields.items():
+            values.append(self.table.token_fields[name][i][start:end].cpu())
+        if self.table.positions is not None:
+            self.rope.append(self.table.positions[i][:, start:end].cpu())
+
+    def add_segment(self, members: list[int]) -> None:
+        """The rows ``members`` (positions in the micro-batch), sharing their prompt when there are several."""
+        samples = self.samples
+        first = members[0]
+        prefix = samples.prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
+        start = self.offset
+        if prefix:
+            sample = samples.indices[first]
+            for j in members:
+                samples.count(j, self.offset, prefix)
+            self.pieces.append(self.table.tokens[sample][:prefix].cpu())
+            self.carry(sample, 0, prefix)
+            self.shown.append(sample)
+            self.positions.append(torch.arange(prefix))
+            self.labels.append(torch.full((prefix,), -100, dtype=torch.long))
+            self.offset += prefix
+        blocks = tuple(self.add_block(j, prefix) for j in members)
+        self.segments.append((start, prefix, blocks))
+
+    def add_block(self, j: int, prefix: int) -> int:
+        """Row ``j`` after the ``prefix`` it shares (a plain sequence, or the prompt's last token + the completion);
+        returns the block's length."""
+        samples = self.samples
+        i, p, c = samples.indices[j], samples.prompt_lengths[j], samples.completion_lengths[j]
+        seq = self.table.tokens[i].cpu()
+        block = seq[prefix:]
+        lead = p - 1 - prefix  # block position whose next token is the first completion token
+        self.pieces.append(block)
+        self.carry(i, prefix)
+        if not prefix:
+            self.shown.append(i)
+        samples.count(j, self.offset, block.numel())
+        self.positions.append(torch.arange(prefix, prefix + block.numel()))
+        label = torch.full((block.numel(),), -100, dtype=torch.long)
+        if c > 0:
+            label[lead : lead + c] = seq[p : p + c]
+            samples.completion_at(j, self.offset + lead)
+        self.labels.append(label)
+        self.offset += block.numel()
+        return block.numel()
+
+    def pad(self, length: int, pad_token_id: int) -> None:
+        """Trailing rounding padding: it continues counting positions so it never starts a "new sequence" of length
+        0 in flash-attention's varlen bookkeeping; its labels are -100. With segment attention it is a segment of
+        its own."""
+        self.pieces.append(torch.full((length,), pad_token_id, dtype=torch.long))
+        self.positions.append(torch.arange(length))
+        self.labels.append(torch.full((length,), -100, dtype=torch.long))
+        self.segments.append((self.offset, 0, (length,)))
+        for values in self.fields.values():
+            values.append(torch.zeros(length, dtype=values[0].dtype))
+        if self.rope:
+            self.rope.append(torch.arange(length).expand(3, -1))
+
+
+def _padding_free_inputs(
+    table: SequenceTable,
+    samples: _Samples,
+    pad_token_id: int,
+    pad_to_multiple_of: int | None,
+    attention: str | None,
+    groups: Sequence[int] | None,
+) -> _LayoutInputs:
+    """The ``padding_free`` layout: every sample in one row, a shared prompt once before its samples' blocks."""
+    row = _PackedRow(table, samples)
+    groups_here = None if groups is None else [groups[i] for i in samples.indices]
+    for members in prompt_segments(range(len(samples.indices)), samples.prompt_lengths, groups_here):
+        row.add_segment(members)
+    total = row.offset
+    width = round_up(total, pad_to_multiple_of)
+    if width > total:
+        row.pad(width - total, pad_token_id)
+    position_ids = torch.cat(row.positions).unsqueeze(0)
+    if row.rope:  # (4, 1, width): text positions (segment boundaries), then the 3 M-RoPE rows
+        position_ids = torch.cat([position_ids, torch.cat(row.rope, dim=1)]).unsqueeze(1)
+    model_inputs = {name: torch.cat(values).unsqueeze(0).to(samples.device) for name, values in row.fields.items()}
+    if table.media is not None:
+        model_inputs.update(samples.media_inputs(table, row.shown))
+    segment_layout = None
+    if attention is not None:
+        from hf_dynbsz.execution.attention import Segment, SegmentLayout
+
+        segment_layout = SegmentLayout([Segment(*segment) for segment in row.segments], attention)
+    return _LayoutInputs(
+        input_ids=torch.cat(row.pieces).unsqueeze(0),
+        position_ids=position_ids,
+        shift_labels=torch.cat(row.labels).unsqueeze(0),
+        model_inputs=model_inputs,
+        real_tokens=total,
+        computed_tokens=width,
+        segments=segment_layout,
+    )
+
+
+def _padded_inputs(
+    table: SequenceTable, samples: _Samples, pad_token_id: int, pad_to_multiple_of: int | None, attention_mask: bool
+) -> _LayoutInputs:
+    """The ``padded`` layout: one row per sample, right-padded to the micro-batch's longest (rounded) row."""
+    rows, seq_lengths = len(samples.indices), samples.seq_lengths
+    width = round_up(max(seq_lengths), pad_to_multiple_of)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    position_ids = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(rows, width).clone()
+    shift_labels = torch.full((rows, width), -100, dtype=torch.long)
+    for j, i in enumerate(samples.indices):
+        seq, p, c, n = table.tokens[i], samples.prompt_lengths[j], samples.completion_lengths[j], seq_lengths[j]
+        input_ids[j, :n] = seq.cpu()
+        samples.count(j, j * width, n)
+        if c > 0:
+            shift_labels[j, p - 1 : p - 1 + c] = seq[p : p + c].cpu()
+            samples.completion_at(j, j * width + p - 1)
+    model_inputs = {}
+    if attention_mask or table.multimodal:
+        mask = torch.zeros(rows, width, dtype=torch.long)
+        for j, n in enumerate(seq_lengths):
+            mask[j, :n] = 1
+        model_inputs["attention_mask"] = mask.to(samples.device)
+    if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
+        model_inputs.update(_padded_media_inputs(table, samples, width))
+        position_ids = None
+    return _LayoutInputs(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        shift_labels=shift_labels,
+        model_inputs=model_inputs,
+        real_tokens=sum(seq_lengths),
+        computed_tokens=rows * width,
+    )
+
+
+def _padded_media_inputs(table: SequenceTable, samples: _Samples, width: int) -> dict:
+    """Padded rows' token fields (zeros over the padding) and image inputs, on the device."""
+    inputs = {}
+    for name, values in (table.token_fields or {}).items():
+        aligned = torch.zeros(len(samples.indices), width, dtype=values[0].dtype)
+        for j, i in enumerate(samples.indices):
+            aligned[j, : samples.seq_lengths[j]] = values[i].cpu()
+        inputs[name] = aligned.to(samples.device)
+    if table.media is not None:
+        inputs.update(samples.media_inputs(table, samples.indices))
+    return inputs
 
 
 def dummy_microbatch(

@@ -1,7 +1,7 @@
 """The self-check at start: each layout a run may use, against every sample computed alone (torch layer).
 
-:mod:`hf_dynbsz.planning.model_support` decides from the model which layouts can be exact; this module verifies it on real
-samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).
+:mod:`hf_dynbsz.planning.model_support` decides from the model which layouts can be exact; this module verifies it on
+real samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).
 It runs one no-grad pass over a few of those samples in each layout, fastest first, and compares their completion
 log-probs with the *per-sample reference*: each sample alone, as one unpadded row through the model's own attention
 with no position ids given (what the model computes for that sequence by itself, as generation did). The first

@@ -477,21 +477,33 @@ def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id
         raise TinyConfigUnavailable(f"{model_type!r} is not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
     if model_type in UNAVAILABLE:
         raise TinyConfigUnavailable(UNAVAILABLE[model_type])
-    config_class = CONFIG_MAPPING[model_type]
     default = _default_config(model_type)
     reason = _is_multimodal(default)
     if reason:
         raise TinyConfigUnavailable(reason)
     fields = _fields(default)
-
     kwargs: dict = {}
-    # 1) sizes
+    _tiny_sizes(fields, kwargs)  # 1) sizes
+    _one_layer_per_kind(fields, kwargs)  # 2) layers: keep one layer of every kind
+    for name, value in fields.items():  # 3) dropouts off
+        if _is_dropout(name) and _is_number(value):
+            kwargs[name] = 0.0 if isinstance(value, float) else 0
+    _small_vocabulary(fields, kwargs, vocab_size, pad_token_id, eos_token_id)  # 4) vocab and special tokens
+    override = OVERRIDES.get(model_type)  # 5) per-type overrides
+    if override is not None:
+        override(kwargs, default)
+    return _instantiate(CONFIG_MAPPING[model_type], kwargs)
+
+
+def _tiny_sizes(fields: dict, kwargs: dict) -> None:
+    """Step 1 of :func:`tiny_causal_lm_config`: widths, heads, experts and windows of :data:`SIZES` into ``kwargs``."""
     for name, value in SIZES.items():
         if _is_number(fields.get(name)):
             kwargs[name] = value
     rope = fields.get("rope_parameters")
     if isinstance(rope, dict) and "original_max_position_embeddings" in rope and "factor" in rope:
-        # YaRN / llama3 scaling: keep max_position_embeddings = original * factor consistent (no parameters depend on it)
+        # YaRN / llama3 scaling: keep max_position_embeddings = original * factor consistent (no parameters depend
+        # on it)
         kwargs.pop("max_position_embeddings", None)
     for name, value in POSITIVE_ONLY.items():
         if _is_number(fields.get(name)) and fields[name] > 0:
@@ -516,25 +528,28 @@ def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id
     for group, topk in (("n_group", "topk_group"), ("num_expert_group", "topk_group")):
         if _is_number(fields.get(group)) and fields[group] > 1:  # group-limited routing stays on
             kwargs[group], kwargs[topk] = 2, 1
-    # 2) layers: keep one layer of every kind
+
+
+def _one_layer_per_kind(fields: dict, kwargs: dict) -> None:
+    """Step 2 of :func:`tiny_causal_lm_config`: the layer count and per-layer lists, one layer of every kind."""
     layer_name, n_layers = _layer_count(fields)
-    if n_layers:
-        chosen, lists = _select_layers(fields, n_layers)
-        kwargs[layer_name] = max(len(chosen), LAYERS)
-        for k, v in lists.items():
-            size_key = next((n for n in (k, re.sub(r"_per_layer$", "", k)) if _is_number(SIZES.get(n))), None)
-            if size_key and all(_is_number(x) for x in v):  # e.g. per-layer intermediate sizes / head counts
-                v = [SIZES[size_key]] * len(v)
-            kwargs[k] = v
-        if "moe_layer_end_index" in fields and _is_number(fields["moe_layer_end_index"]):
-            kwargs["moe_layer_end_index"] = kwargs[layer_name] - 1
-        if "max_window_layers" in fields and _is_number(fields["max_window_layers"]):
-            kwargs["max_window_layers"] = min(fields["max_window_layers"], kwargs[layer_name])
-    # 3) dropouts off
-    for name, value in fields.items():
-        if _is_dropout(name) and _is_number(value):
-            kwargs[name] = 0.0 if isinstance(value, float) else 0
-    # 4) vocab and special tokens
+    if not n_layers:
+        return
+    chosen, lists = _select_layers(fields, n_layers)
+    kwargs[layer_name] = max(len(chosen), LAYERS)
+    for k, v in lists.items():
+        size_key = next((n for n in (k, re.sub(r"_per_layer$", "", k)) if _is_number(SIZES.get(n))), None)
+        if size_key and all(_is_number(x) for x in v):  # e.g. per-layer intermediate sizes / head counts
+            v = [SIZES[size_key]] * len(v)
+        kwargs[k] = v
+    if "moe_layer_end_index" in fields and _is_number(fields["moe_layer_end_index"]):
+        kwargs["moe_layer_end_index"] = kwargs[layer_name] - 1
+    if "max_window_layers" in fields and _is_number(fields["max_window_layers"]):
+        kwargs["max_window_layers"] = min(fields["max_window_layers"], kwargs[layer_name])
+
+
+def _small_vocabulary(fields: dict, kwargs: dict, vocab_size: int, pad_token_id: int, eos_token_id: int) -> None:
+    """Step 4 of :func:`tiny_causal_lm_config`: the vocabulary size, special tokens inside it, an untied LM head."""
     for name in ("vocab_size", "decoder_vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input"):
         if _is_number(fields.get(name)):
             kwargs[name] = vocab_size
@@ -549,22 +564,21 @@ def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id
         kwargs["is_decoder"] = True
     if "tie_word_embeddings" in fields:
         kwargs["tie_word_embeddings"] = False
-    # 5) per-type overrides
-    override = OVERRIDES.get(model_type)
-    if override is not None:
-        override(kwargs, default)
+
+
+def _instantiate(config_class, kwargs: dict):
+    """``config_class(**kwargs)``; when that fails with an untied LM head asked for, once more without asking (the
+    first error is raised if that fails too)."""
     try:
-        config = config_class(**kwargs)
+        return config_class(**kwargs)
     except Exception as first:
-        if kwargs.get("tie_word_embeddings") is False:
-            kwargs.pop("tie_word_embeddings")
-            try:
-                config = config_class(**kwargs)
-            except Exception:
-                raise first
-        else:
+        if kwargs.get("tie_word_embeddings") is not False:
             raise
-    return config
+        kwargs.pop("tie_word_embeddings")
+        try:
+            return config_class(**kwargs)
+        except Exception:
+            raise first from None
 
 
 def _count_params_meta(config) -> int:

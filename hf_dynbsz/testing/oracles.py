@@ -1,0 +1,160 @@
+"""Reference computations the tests (and benchmarks) check results against: stock TRL's log-probs of a padded
+batch, TRL-style batches, first-fit-decreasing packing, the shared-segment attention mask, a plain varlen attention,
+and the parameter comparisons of the stock-against-dynamic runs. Heavy libraries are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "first_fit_decreasing",
+    "grpo_batch",
+    "reference_varlen_attention",
+    "relative_difference",
+    "segment_mask",
+    "stock_logps",
+    "update_difference",
+]
+
+
+def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Completion log-probs and entropies as TRL 1.16's ``_get_per_token_logps_and_entropies`` computes one chunk:
+    the padded samples as separate sequences under their attention mask (``model`` has TRL's fused LM head)."""
+    import torch
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
+
+def grpo_batch(prompt_lengths, completion_lengths, repeats, *, seed: int = 0, token_high: int = 40, pad_id: int = 0):
+    """TRL-style tensors of a generation batch: ``(prompt_ids, prompt_mask, completion_ids, completion_mask)``,
+    prompts left-padded and completions right-padded; prompt ``k`` (of ``prompt_lengths[k]`` random tokens) repeated
+    ``repeats[k]`` times, one completion of each of ``completion_lengths``; token ids in ``[3, token_high)``."""
+    import torch
+    from trl.trainer.utils import pad
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for length, count in zip(prompt_lengths, repeats):
+        prompts += [torch.randint(3, token_high, (int(length),), generator=generator)] * count
+    completions = [torch.randint(3, token_high, (int(n),), generator=generator) for n in completion_lengths]
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts (repeats) for {len(completions)} completions")
+    return (
+        pad(prompts, padding_value=pad_id, padding_side="left"),
+        pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+        pad(completions, padding_value=pad_id, padding_side="right"),
+        pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"),
+    )
+
+
+def first_fit_decreasing(lengths, max_tokens: int, layout: str = "padding_free", pad_to_multiple_of: int | None = None):
+    """Baseline for tests and benchmarks: first-fit-decreasing bin packing under the token budget, what fixes the
+    pass count of :func:`hf_dynbsz.planning.partition.partition_by_token_budget` (its count is
+    :func:`~hf_dynbsz.planning.partition.min_num_microbatches`).
+
+    Sequences are visited longest first (ties by index) and each goes into the first micro-batch (in opening order)
+    where it fits; a sequence over the budget gets a micro-batch of its own. Returns lists of indices, ordered like
+    ``partition_by_token_budget``'s output (ascending inside, micro-batches by smallest index). The arguments are
+    validated as the partitioner validates them (same errors).
+    """
+    import numpy as np
+
+    from hf_dynbsz.planning.partition import min_num_microbatches, round_up
+
+    min_num_microbatches(lengths, max_tokens, layout=layout, pad_to_multiple_of=pad_to_multiple_of)  # validates
+    values = [int(value) for value in lengths]
+    if layout == "padding_free":  # round_up(sum, m) <= max_tokens  <=>  sum <= floor(max_tokens / m) * m
+        capacity = int(max_tokens) // (pad_to_multiple_of or 1) * (pad_to_multiple_of or 1)
+        sizes = values
+    else:  # rows x the first (widest) rounded row
+        capacity, sizes = int(max_tokens), [round_up(value, pad_to_multiple_of) for value in values]
+    bins = [[index] for index, size in enumerate(sizes) if size > capacity]  # oversize: alone
+    fitting = sorted((i for i, size in enumerate(sizes) if size <= capacity), key=lambda i: (-values[i], i))
+    opened: list[list[int]] = []
+    # Room left per opened micro-batch: tokens (padding_free), or rows of its first row's width (padded).
+    room = np.zeros(len(fitting), dtype=np.int64)
+    for index in fitting:
+        need = sizes[index] if layout == "padding_free" else 1
+        fits = room[: len(opened)] >= need
+        number = int(fits.argmax()) if fits.any() else len(opened)
+        if number == len(opened):
+            opened.append([])
+            room[number] = capacity if layout == "padding_free" else capacity // sizes[index]
+        opened[number].append(index)
+        room[number] -= need
+    return sorted((sorted(members) for members in opened + bins), key=lambda members: members[0])
+
+
+def segment_mask(prefix: int, blocks: tuple[int, ...]):
+    """The rule of a shared segment written as a dense ``(L, L)`` bool mask (True = may attend): prefix causal, each
+    block on the prefix and causally on itself. A test oracle for :mod:`hf_dynbsz.execution.attention`."""
+    import torch
+
+    length = prefix + sum(blocks)
+    owner = torch.full((length,), -1, dtype=torch.long)  # -1: prefix, j: block j
+    offset = prefix
+    for number, block in enumerate(blocks):
+        owner[offset : offset + block] = number
+        offset += block
+    position = torch.arange(length)
+    causal = position.unsqueeze(1) >= position.unsqueeze(0)
+    key_owner, query_owner = owner.unsqueeze(0), owner.unsqueeze(1)
+    return causal & ((key_owner == -1) | (key_owner == query_owner))
+
+
+def reference_varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    scale: float | None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+):
+    """What a causal flash-attention varlen kernel computes, in plain PyTorch (CPU tests stand it in for the kernel).
+
+    ``query`` ``(total_q, heads, d)``, ``key``/``value`` ``(total_k, kv_heads, d)``; span ``i`` of the queries attends
+    to span ``i`` of the keys, causally aligned bottom-right (query ``t`` of a span of ``q`` sees keys ``0 ..
+    t + k - q``), and to the last ``sliding_window`` of those when given. Returns ``(total_q, heads, d)``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    outputs = []
+    for i in range(len(cu_seqlens_q) - 1):
+        q = query[cu_seqlens_q[i] : cu_seqlens_q[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
+        q_len, k_len = q.size(2), k.size(2)
+        last = torch.arange(q_len, device=q.device).unsqueeze(1) + k_len - q_len  # the last key each query sees
+        keys = torch.arange(k_len, device=q.device).unsqueeze(0)
+        mask = keys <= last
+        if sliding_window is not None:
+            mask &= keys > last - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over all parameters."""
+    import torch
+
+    num = torch.sqrt(sum(((a[k] - b[k]).double() ** 2).sum() for k in a))
+    den = torch.sqrt(sum((b[k].double() ** 2).sum() for k in b))
+    return float(num / den)
+
+
+def update_difference(initial: dict, ours: dict, stock: dict) -> float:
+    """Relative difference of the parameter UPDATES (far more sensitive than comparing parameters)."""
+    import torch
+
+    num = torch.sqrt(sum(((ours[k] - stock[k]).double() ** 2).sum() for k in ours))
+    den = torch.sqrt(sum(((stock[k] - initial[k]).double() ** 2).sum() for k in stock))
+    return float(num / den)

@@ -1,0 +1,123 @@
+"""Processes: a subprocess runner with a timeout that kills every rank it started, and the whole-process peak
+resident set of a run (sampled in a thread, and read from ``/proc/self/status``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+__all__ = ["REPO_ROOT", "ResidentSetSampler", "run_peak_mib", "run_with_timeout"]
+
+#: The repository root (``hf_dynbsz/testing/processes.py`` is two folders below it).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from ``/proc``), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def run_with_timeout(
+    command: list[str], cwd, timeout: float, what: str, env: dict | None = None, expect_failure: bool = False
+) -> str:
+    """Run ``command`` in its own process group with the repo importable and offline; return stdout + stderr.
+
+    Raises :class:`AssertionError` on a non-zero exit, and on timeout kills the whole group (every rank) and raises.
+    ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables. ``expect_failure``: the command
+    must exit non-zero (the whole output is returned then; exiting 0 raises).
+    """
+    environ = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    environ = {key: value for key, value in environ.items() if not key.startswith("DIFFU_")}
+    environ.update(env or {})
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ranks = _descendants(process.pid)  # torch's launcher starts each rank in a session of its own
+        os.killpg(process.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            output = "(no output: a process kept the pipe open after the kill)"
+        raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}") from None
+    if expect_failure:
+        if process.returncode == 0:
+            raise AssertionError(f"{what} was expected to fail and exited 0:\n{output[-6000:]}")
+        return output
+    if process.returncode != 0:
+        raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
+    return output
+
+
+class ResidentSetSampler:
+    """The process's peak resident set (MiB), sampled every ``interval`` seconds in a thread: independent of
+    ``/proc/self/clear_refs`` resets (which the trainer makes before each pass when a memory limit is set, so that
+    ``VmHWM`` at the end of a run is not the run's peak). Use as a context manager; :attr:`peak_mib` after."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+
+        self.interval, self.peak_mib = interval, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from hf_dynbsz.execution.device_memory import status_mib
+
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, status_mib("VmRSS") or 0.0)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        from hf_dynbsz.execution.device_memory import status_mib
+
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, status_mib("VmRSS") or 0.0)
+
+
+def run_peak_mib(log_history: list[dict], sampler: ResidentSetSampler | None = None) -> float:
+    """A run's whole-process peak (MiB): the largest of the sampled resident set, every logged step peak
+    (``dynbsz/peak_memory_mib``, carried across the trainer's per-pass resets) and ``VmHWM`` now."""
+    from hf_dynbsz.execution.device_memory import status_mib
+
+    hwm = status_mib("VmHWM") or 0.0
+    logged = [entry["dynbsz/peak_memory_mib"] for entry in log_history if "dynbsz/peak_memory_mib" in entry]
+    return max([hwm, *logged, sampler.peak_mib if sampler is not None else 0.0])
