@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -114,6 +115,9 @@ def main() -> None:
         "--plain_exit",
         action="store_true",
         help="return from the script as a user's script does: no trainer.end(), no os._exit",
+    )
+    parser.add_argument(
+        "--linger", type=float, default=0.0, help="with --plain_exit: seconds process 0 works on before it saves"
     )
     cli = parser.parse_args()
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
@@ -270,6 +274,7 @@ def train(cli, loss_type: str, out: str):
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
     if accelerator.is_main_process:
+        time.sleep(cli.linger if cli.plain_exit else 0.0)  # still working after train() while the others exit
         torch.save(params, f"{out}.params.pt")
     if not cli.plain_exit:
         accelerator.wait_for_everyone()
