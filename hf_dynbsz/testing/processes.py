@@ -6,18 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
-__all__ = [
-    "REPO_ROOT",
-    "ResidentSetSampler",
-    "free_port",
-    "run_peak_mib",
-    "run_with_timeout",
-    "with_free_main_process_port",
-]
+__all__ = ["REPO_ROOT", "ResidentSetSampler", "run_peak_mib", "run_with_timeout"]
 
 #: The repository root (``hf_dynbsz/testing/processes.py`` is two folders below it).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,23 +32,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def with_free_main_process_port(command: list[str]) -> list[str]:
-    """``command`` with ``--main_process_port`` set to a free port when it runs ``accelerate launch`` without one:
-    launches running side by side (test workers, ``pytest -n``) would otherwise all rendezvous on port 29500."""
-    launch = "accelerate.commands.launch"
-    if launch not in command or any(part.startswith("--main_process_port") for part in command):
-        return list(command)
-    at = command.index(launch) + 1
-    return [*command[:at], "--main_process_port", str(free_port()), *command[at:]]
-
-
 def run_with_timeout(
     command: list[str], cwd, timeout: float, what: str, env: dict | None = None, expect_failure: bool = False
 ) -> str:
@@ -77,7 +52,7 @@ def run_with_timeout(
     environ = {key: value for key, value in environ.items() if not key.startswith("DIFFU_")}
     environ.update(env or {})
     process = subprocess.Popen(
-        with_free_main_process_port(command),
+        command,
         cwd=cwd,
         env=environ,
         stdout=subprocess.PIPE,
