@@ -30,8 +30,12 @@ def destroy_process_group_at_exit() -> None:
     A script that trains and returns, as TRL's own scripts do, never calls ``trainer.end()``: gloo's worker threads
     can then still hold work objects with tensors when the interpreter is torn down, and releasing them aborts the
     process ("terminate called without an active exception", SIGABRT) after training succeeded (pytorch PR #179291
-    describes the race). Destroying the group from an ``atexit`` handler, which runs before finalization, leaves
-    nothing behind; it is a no-op when the script destroyed the group itself (``trainer.end()``).
+    describes the race). Destroying the group from an ``atexit`` handler, which runs before finalization, releases
+    the groups' registrations while the interpreter is alive; it is a no-op when the script destroyed the group itself
+    (``trainer.end()``). It does not stop gloo's threads under DDP: a ``DistributedDataParallel`` model keeps the
+    group's backend alive past ``destroy_process_group`` (checked on torch 2.13: after it, and after deleting the DDP
+    model, each process still runs gloo's loop thread and two worker threads), for stock ``GRPOTrainer`` too; they end
+    with the process.
     """
     if _EXIT_HANDLER[0] or not (dist.is_available() and dist.is_initialized()):
         return
