@@ -273,9 +273,9 @@ EXIT_SERIES = {
 @pytest.mark.parametrize("series", list(EXIT_SERIES))
 def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path, model_dir):
     """TRL's own scripts return after trainer.train(). Here process 0 gets every long completion, so balancing moves
-    samples every step, and with ``--plain_exit`` there is no barrier at the end: process 0 still gathers and saves the
-    parameters while process 1 returns and exits. Every launch must exit 0 (run_with_timeout raises on any other
-    status) and print no abort."""
+    samples every step, and with ``--plain_exit`` there is no barrier at the end: process 0 works on for a second,
+    then saves the parameters, while process 1 returns and exits. Every launch must exit 0 (run_with_timeout raises
+    on any other status) and print no abort."""
     config, extra, launches = EXIT_SERIES[series]
     for launch_number in range(launches):
         out = tmp_path / f"run{launch_number}"
@@ -299,6 +299,8 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
             "lopsided",
             "--long_rank",
             "0",
+            "--linger",
+            "1",
             "--budget",
             "64",
         ]
