@@ -41,8 +41,8 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[dict]:
-    """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
+def worker_command(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[str]:
+    """``accelerate launch`` of tests/distributed_grpo.py on 2 processes; ``options`` become its flags."""
     command = [
         sys.executable,
         "-m",
@@ -59,6 +59,12 @@ def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> l
     ]
     for key, value in options.items():
         command += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return command
+
+
+def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[dict]:
+    """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
+    command = worker_command(config, out, model_dir, trainer, **options)
     run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} run under {config}")
     records = []
     for rank in range(2):
@@ -279,33 +285,10 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
     config, extra, launches = EXIT_SERIES[series]
     for launch_number in range(launches):
         out = tmp_path / f"run{launch_number}"
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(ROOT / "accelerate_configs" / config),
-            str(ROOT / "tests" / "distributed_grpo.py"),
-            "--trainer",
-            "dynamic",
-            "--model_dir",
-            model_dir,
-            "--out",
-            str(out),
-            "--plain_exit",
-            "--max_steps",
-            "3",
-            "--rollout",
-            "lopsided",
-            "--long_rank",
-            "0",
-            "--linger",
-            "1",
-            "--budget",
-            "64",
-        ]
-        for key, value in extra.items():
-            command += [f"--{key}", str(value)]
+        command = worker_command(
+            config, out, model_dir, "dynamic", plain_exit=True, max_steps=3, rollout="lopsided", long_rank=0,
+            linger=1, budget=64, **extra,
+        )  # fmt: skip
         output = run_with_timeout(
             command, ROOT, LAUNCH_TIMEOUT_S, f"{series} launch {launch_number} without trainer.end()"
         )
