@@ -124,6 +124,7 @@ class PassExecutor:
         """
         training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
         failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
+        unwrapped = self.accelerator.unwrap_model(model)  # once per attempt (injected faults hook its layers)
         for position, group in enumerate(schedule.microbatches):
             last = position == schedule.passes - 1 and not sync_apart
             if failure is not None and self.recovery.processes == 1:
@@ -132,19 +133,19 @@ class PassExecutor:
             if not group or failure is not None:  # a failed process keeps the others' collectives going
                 self.dummy_pass(model, last if training and failure is None else None)
                 continue
-            failure = self._run_pass(model, kind, run_pass, group, last, shape, schedule)
+            failure = self._run_pass(model, unwrapped, kind, run_pass, group, last, shape, schedule)
         failure = self.recovery.agree(failure, self.scheduler.group, kind)
         if sync_apart and failure is None:
             self.dummy_pass(model, True)
         return failure
 
-    def _run_pass(self, model, kind: str, run_pass, group, last: bool, shape, schedule) -> FailedPass | None:
+    def _run_pass(self, model, unwrapped, kind: str, run_pass, group, last, shape, schedule) -> FailedPass | None:
         """One real pass; with a memory limit measured (teaching the memory model). Returns its failure, if any."""
         held = None
         if self.memory.limit_mib is not None:
             held = self.meters.memory.held()
             self.meters.predicted(self.memory.peak(kind, *shape, held))
-        unwrapped, rank = self.accelerator.unwrap_model(model), self.accelerator.process_index
+        rank = self.accelerator.process_index
         try:
             with self.no_sync(model, last or kind != "training"), injected_fault(unwrapped, kind, rank):
                 run_pass(group, last)
@@ -403,8 +404,7 @@ class PassExecutor:
         parallel = parallel or self.parallel
         use_segments(mb.segments)
         extra = {"output_router_logits": True} if router else {}
-        unwrapped = self.accelerator.unwrap_model(model)
-        capture = captured_router_logits(unwrapped) if router else contextlib.nullcontext()
+        capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
         precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
         inputs, labels = parallel.shard(mb.model_inputs, mb.shift_labels)
         with precision, capture as router_logits:
