@@ -90,6 +90,9 @@ def main(limit: int | None) -> None:
                 "budgets": [e["dynbsz/budget_tokens"] for e in steps],
                 "passes": [e["dynbsz/microbatches"] for e in steps],
                 "predicted": [e.get("dynbsz/predicted_peak_memory_mib") for e in steps],
+                "passes_measured": [
+                    [h[0], h[1], round(h[3]), round(h[4]), round(h[5])] for h in trainer._dynbsz.memory.history
+                ],
             }
         )
     )

@@ -21,7 +21,12 @@ from hf_dynbsz.parallel.distributed import ProcessGroup
 from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.planning.capabilities import Capabilities
 from hf_dynbsz.planning.cost import text_config_of
-from hf_dynbsz.planning.memory import MemoryModel, plan_rows
+from hf_dynbsz.planning.memory import (
+    INCREMENT_MARGIN,
+    RESIDENT_SET_INCREMENT_MARGIN,
+    MemoryModel,
+    plan_rows,
+)
 from hf_dynbsz.planning.model_support import base_model
 from hf_dynbsz.planning.plan import BatchSizePlan
 
@@ -104,6 +109,7 @@ def _memory_model(args, accelerator, model, attn_implementation) -> MemoryModel:
     return MemoryModel.from_config(
         model.config,
         limit,
+        increment_margin=INCREMENT_MARGIN if accelerator.device.type == "cuda" else RESIDENT_SET_INCREMENT_MARGIN,
         activation_bytes=2 if mixed else next(model.parameters()).element_size(),
         gradient_checkpointing=checkpointing,
         tensor_batch_size=args.tensor_batch_size,
