@@ -66,6 +66,11 @@ def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> l
     """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
     command = worker_command(config, out, model_dir, trainer, **options)
     run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} run under {config}")
+    return read_records(out, config, trainer)
+
+
+def read_records(out: Path, config: str, trainer: str) -> list[dict]:
+    """Each rank's record of the run written under ``out``; every rank must have written one."""
     records = []
     for rank in range(2):
         path = Path(f"{out}.rank{rank}.json")
@@ -74,22 +79,79 @@ def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> l
     return records
 
 
-def compare(config, tmp_path, model_dir, **options):
-    stock = launch(config, tmp_path / "stock", model_dir, "stock", **options)
-    ours = launch(config, tmp_path / "ours", model_dir, "dynamic", **options)
+#: Flags of tests/distributed_grpo.py that only DynamicBatchGRPOTrainer reads: stock's run is the same without them.
+OURS_ONLY = frozenset(
+    {"budget", "balance", "max_memory_mib", "inject_oom", "mutate", "oversize_policy", "tensor_batch_size"}
+)
+
+
+class SharedLaunches:
+    """2-process runs of tests/distributed_grpo.py, each run once per module and shared by the tests that read it.
+
+    A launch's start-up (about 14 s on 2 CPU cores) costs more than a tiny run (about 2 s): the runs a backend's
+    tests compare (``SHARED_RUNS``) train in one launch per trainer (``--scenarios``), and a stock run other tests
+    compare against too (named by its flags, ``OURS_ONLY`` left out) is launched once."""
+
+    def __init__(self, directory: Path, model_dir: str) -> None:
+        self.directory, self.model_dir, self.runs = directory, model_dir, {}
+
+    def key(self, trainer: str, config: str, model_dir: str, options: dict) -> tuple:
+        if trainer == "stock":
+            options = {name: value for name, value in options.items() if name not in OURS_ONLY}
+        return trainer, config, model_dir, tuple(sorted(options.items()))
+
+    def get(self, trainer: str, config: str, model_dir: str, **options) -> tuple[Path, list[dict]]:
+        """The output prefix and each rank's record of ``trainer``'s run with ``options``."""
+        key = self.key(trainer, config, model_dir, options)
+        if key not in self.runs:
+            shared = SHARED_RUNS.get(config, {}) if model_dir == self.model_dir else {}
+            group = {
+                name: flags
+                for name, flags in shared.items()
+                if self.key(trainer, config, model_dir, flags) not in self.runs
+            }
+            if key in {self.key(trainer, config, model_dir, flags) for flags in group.values()}:
+                self.launch_group(trainer, config, group)
+            else:
+                out = self.directory / f"{trainer}{len(self.runs)}"
+                stock_flags = dict(self.key(trainer, config, model_dir, options)[3])
+                self.runs[key] = (out, launch(config, out, model_dir, trainer, **stock_flags))
+        return self.runs[key]
+
+    def launch_group(self, trainer: str, config: str, group: dict[str, dict]) -> None:
+        out = self.directory / f"{trainer}-{Path(config).stem}-{len(self.runs)}"
+        flags = {name: dict(self.key(trainer, config, self.model_dir, options)[3]) for name, options in group.items()}
+        command = worker_command(config, out, self.model_dir, trainer, scenarios=json.dumps(flags))
+        run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} runs {sorted(group)} under {config}")
+        for name, options in group.items():
+            self.runs[self.key(trainer, config, self.model_dir, options)] = (
+                Path(f"{out}.{name}"),
+                read_records(Path(f"{out}.{name}"), config, trainer),
+            )
+
+
+@pytest.fixture(scope="module")
+def shared_launches(tmp_path_factory, model_dir):
+    return SharedLaunches(tmp_path_factory.mktemp("shared-launches"), model_dir)
+
+
+def compare(config, model_dir, shared_launches, **options):
+    """Ours against stock, both run with ``options`` under ``config``: same completions, parameters within 1e-5."""
+    stock_out, stock = shared_launches.get("stock", config, model_dir, **options)
+    our_out, ours = shared_launches.get("dynamic", config, model_dir, **options)
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
         assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
-    stock_params = torch.load(f"{tmp_path / 'stock'}.params.pt")
-    our_params = torch.load(f"{tmp_path / 'ours'}.params.pt")
+    stock_params = torch.load(f"{stock_out}.params.pt")
+    our_params = torch.load(f"{our_out}.params.pt")
     assert relative_difference(our_params, stock_params) <= 1e-5
     return ours
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_matches_stock_across_two_processes(backend, tmp_path, model_dir):
+def test_matches_stock_across_two_processes(backend, model_dir, shared_launches):
     config, options = BACKENDS[backend]
-    ours = compare(config, tmp_path, model_dir, **options)
+    ours = compare(config, model_dir, shared_launches, **options)
     for rank in range(2):
         for step in ours[rank]["metrics"]:
             # lockstep: every rank ran the agreed number of passes
@@ -98,10 +160,14 @@ def test_matches_stock_across_two_processes(backend, tmp_path, model_dir):
             )
 
 
+#: Rank 1's prompts about 20x longer than rank 0's, balancing off: the ranks need different numbers of passes.
+LOPSIDED_PROMPTS = dict(lopsided=True, budget=96, loss_type="bnpo", max_steps=2, balance="off")
+
+
 @pytest.mark.parametrize("backend", ["ddp", "zero2", "zero3"])
-def test_lopsided_ranks_finish_and_match_stock(backend, tmp_path, model_dir):
+def test_lopsided_ranks_finish_and_match_stock(backend, model_dir, shared_launches):
     config, _ = BACKENDS[backend]
-    ours = compare(config, tmp_path, model_dir, lopsided=True, budget=96, loss_type="bnpo", max_steps=2, balance="off")
+    ours = compare(config, model_dir, shared_launches, **LOPSIDED_PROMPTS)
     needed = [[step["dynbsz/microbatches_needed"] for step in record["metrics"]] for record in ours]
     ran = [[step["dynbsz/microbatches_max_over_ranks"] for step in record["metrics"]] for record in ours]
     # the short-prompt rank needed fewer passes than it ran: the ranks really disagreed and were aligned
@@ -121,11 +187,21 @@ BALANCED = {
 }
 LOPSIDED_ROLLOUT = dict(rollout="lopsided", budget=64, max_steps=3)
 
+#: Per accelerate config, the runs its tests compare, each trained by one launch per trainer (``SharedLaunches``).
+SHARED_RUNS = {
+    config: {
+        "plain": BACKENDS[backend][1],
+        "balanced": {**LOPSIDED_ROLLOUT, **BALANCED[backend][1]},
+        **({"lopsided_prompts": LOPSIDED_PROMPTS} if backend != "zero1" else {}),
+    }
+    for backend, (config, _) in BACKENDS.items()
+}
+
 
 @pytest.mark.parametrize("backend", list(BALANCED))
-def test_balancing_lopsided_rollouts_matches_stock(backend, tmp_path, model_dir):
+def test_balancing_lopsided_rollouts_matches_stock(backend, model_dir, shared_launches):
     config, options = BALANCED[backend]
-    ours = compare(config, tmp_path, model_dir, **LOPSIDED_ROLLOUT, **options)
+    ours = compare(config, model_dir, shared_launches, **LOPSIDED_ROLLOUT, **options)
     for rank in range(2):
         steps = ours[rank]["metrics"]
         assert len(steps) == 3
@@ -138,9 +214,8 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, tmp_path, model_dir)
 
 
 @pytest.fixture(scope="module")
-def stock_lopsided_params(tmp_path_factory, model_dir):
-    out = tmp_path_factory.mktemp("stock-lopsided") / "stock"
-    launch("cpu_ddp.yaml", out, model_dir, "stock", **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
+def stock_lopsided_params(model_dir, shared_launches):
+    out, _ = shared_launches.get("stock", "cpu_ddp.yaml", model_dir, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
     return torch.load(f"{out}.params.pt")
 
 
@@ -155,11 +230,18 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path
 
 # ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_balancing_moves_image_samples_with_their_images_and_matches_stock(family, tmp_path, model_dir):
+def test_balancing_moves_image_samples_with_their_images_and_matches_stock(family, model_dir, shared_launches):
     """Rank 1 gets every long completion: samples (their images, token fields and, for Qwen2-VL, M-RoPE positions
     computed where they run) move to rank 0, in the training passes and the old-policy pass (num_iterations 2)."""
     ours = compare(
-        "cpu_ddp.yaml", tmp_path, model_dir, vision=family, loss_type="grpo", num_iterations=2, max_steps=2, budget=120
+        "cpu_ddp.yaml",
+        model_dir,
+        shared_launches,
+        vision=family,
+        loss_type="grpo",
+        num_iterations=2,
+        max_steps=2,
+        budget=120,
     )
     moved = [step.get("dynbsz/samples_moved", 0) for record in ours for step in record["metrics"]]
     assert max(moved) > 0, moved
@@ -244,12 +326,13 @@ def moe_model_dir(tmp_path_factory):
     ("backend", "settings"),
     [("ddp", dict(loss_type="grpo", num_iterations=2)), ("zero2", dict(loss_type="dapo", num_iterations=1))],
 )
-def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, settings, tmp_path, moe_model_dir):
+def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, settings, moe_model_dir, shared_launches):
     """Stock slices' expert counts are summed over the processes and each moved sample keeps its own slice's: the
     parameters and the logged aux_loss equal stock's (coefficient 1, so a mis-weighted aux loss would show)."""
     config, _ = BACKENDS[backend]
-    ours = compare(config, tmp_path, moe_model_dir, router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, **settings)
-    stock = [json.loads(Path(f"{tmp_path / 'stock'}.rank{rank}.json").read_text()) for rank in range(2)]
+    options = dict(router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, **settings)
+    ours = compare(config, moe_model_dir, shared_launches, **options)
+    _, stock = shared_launches.get("stock", config, moe_model_dir, **options)
     for rank in range(2):
         assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
         assert len(ours[rank]["aux_losses"]) == len(stock[rank]["aux_losses"]) == 3
@@ -300,12 +383,14 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
 
 # ---- the budget from memory, and an out-of-memory pass recovered across processes --------------------------------
 @pytest.mark.parametrize("inject_oom", ["training:backward:1:1", "logprob:forward:1:0"])
-def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_stock(inject_oom, tmp_path, model_dir):
+def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_stock(
+    inject_oom, model_dir, shared_launches
+):
     """DDP with a memory limit: one process's pass raises, every process re-plans the step, the update is stock's."""
     ours = compare(
         "cpu_ddp.yaml",
-        tmp_path,
         model_dir,
+        shared_launches,
         loss_type="grpo",
         beta=0.1,
         num_iterations=2,
