@@ -4,7 +4,9 @@ TRL's private ``GRPOTrainer`` hooks change between releases. The plugin keeps it
 lists each name it overrides, calls, reads or writes that is not public API, with the reason. The test suite
 (``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
 method still takes the parameters we pass), so a TRL upgrade fails one clear test instead of a deep traceback;
-it also checks that the plugin's code touches no private name missing from this list.
+it also checks that the plugin's code touches no private name missing from this list. For the hooks the plugin
+overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's signature and with
+the tuple stock's callers unpack, the two ways these hooks changed between TRL releases (``docs/trl-compatibility.md``).
 
 :data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
 at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
@@ -12,10 +14,19 @@ at import of the trainer, outside it. Pure Python: importing this module imports
 
 from __future__ import annotations
 
+import ast
+import inspect
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["INTERNAL_NAMES", "InternalName", "TESTED_TRL_RANGE", "check_trl_version"]
+__all__ = [
+    "INTERNAL_NAMES",
+    "InternalName",
+    "TESTED_TRL_RANGE",
+    "check_trl_version",
+    "override_drift",
+    "unpacked_lengths",
+]
 
 #: TRL versions the test suite runs against: [lower, upper) (``tests/trl_range.sh VERSION ...`` runs the
 #: TRL-dependent tests on a release in an environment of its own). TRL 1.15 cannot be tested on a machine without
@@ -43,7 +54,8 @@ class InternalName:
     ``owner`` is an import path (``"trl.GRPOTrainer"``, ``"trl.kernels.chunked_logprob"``) or ``"GRPOTrainer
     instance"`` for attributes ``GRPOTrainer.__init__`` sets. ``use`` is one of "overrides", "calls", "reads",
     "writes", "passes" (a keyword argument of a forward). ``parameters`` are the parameters of a method the
-    plugin relies on, checked against the installed signature.
+    plugin relies on, checked against the installed signature. ``returns``, for an override, is the length of the tuple
+    it returns, which stock's callers must unpack.
     """
 
     owner: str
@@ -51,6 +63,7 @@ class InternalName:
     use: str
     why: str
     parameters: tuple[str, ...] = ()
+    returns: int | None = None
 
 
 INTERNAL_NAMES: tuple[InternalName, ...] = (
@@ -70,6 +83,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
             "compute_aux_loss",
             *_MULTIMODAL_PARAMETERS,
         ),
+        returns=3,  # (log-probs, entropies, aux loss) since TRL 1.7; (log-probs, entropies) before
     ),
     InternalName(
         "trl.GRPOTrainer",
@@ -77,6 +91,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "overrides",
         "generates a device's samples in chunks of per_device_generation_batch_size",
         ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+        returns=2,  # (completion ids, log-probs)
     ),
     # ---- GRPOTrainer methods and state the trainer uses
     InternalName(
@@ -204,6 +219,49 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "a second trainer in one process forms DeepSpeed's sequence-parallel groups anew (they are global)",
     ),
 )
+
+
+def override_drift(stock: inspect.Signature, override: inspect.Signature) -> list[str]:
+    """How an override's signature fails stock's callers, one sentence a problem (empty: it fits).
+
+    Stock's callers pass the parameters of stock's signature, by position or by name, so the override must take each
+    of them at the same position (``self`` is position 0) under the same name, and must not require a parameter stock
+    does not have. TRL grew ``_generate_single_turn`` from ``(prompt_ids, images, multimodal_fields)`` (1.0 to 1.9) to
+    ``(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)`` (1.16): either form against
+    the other is drift.
+    """
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    stock_parameters = [p for p in stock.parameters.values() if p.kind not in variadic]
+    override_parameters = dict(override.parameters)
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in override_parameters.values())
+    override_positional = [p.name for p in override_parameters.values() if p.kind in positional]
+    problems = []
+    for index, parameter in enumerate(stock_parameters):
+        if parameter.name not in override_parameters and not takes_any_keyword:
+            problems.append(f"stock passes {parameter.name!r}, which the override does not take")
+        elif parameter.kind in positional and (
+            index >= len(override_positional) or override_positional[index] != parameter.name
+        ):
+            problems.append(f"stock's positional parameter {index} is {parameter.name!r}, the override's is not")
+    stock_names = {p.name for p in stock_parameters}
+    for parameter in override_parameters.values():
+        if parameter.kind not in variadic and parameter.default is inspect.Parameter.empty:
+            if parameter.name not in stock_names:
+                problems.append(f"the override requires {parameter.name!r}, which stock's callers do not pass")
+    return problems
+
+
+def unpacked_lengths(source: str, method: str) -> set[int]:
+    """Lengths of the tuples that ``x, y, ... = self.<method>(...)`` unpacks in ``source`` (a module's code)."""
+    lengths = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            function = node.value.func
+            if isinstance(function, ast.Attribute) and function.attr == method:
+                lengths |= {len(target.elts) for target in node.targets if isinstance(target, ast.Tuple)}
+    return lengths
+
 
 _checked = False
 

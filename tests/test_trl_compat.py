@@ -1,25 +1,30 @@
 """Every internal name of TRL / transformers / accelerate the plugin touches still exists, and none is unlisted.
 
 ``hf_dynbsz._trl_compat.INTERNAL_NAMES`` is the one list. A TRL upgrade that renames a hook or changes the
-parameters we pass fails here, by name, instead of deep inside a training step.
+parameters we pass fails here, by name, instead of deep inside a training step; so does one that adds a parameter
+to a hook the plugin overrides or changes the tuple it returns (``docs/trl-compatibility.md``).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import io
 import re
+import textwrap
 import tokenize
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_dynbsz._trl_compat import INTERNAL_NAMES
+from hf_dynbsz._trl_compat import INTERNAL_NAMES, override_drift, unpacked_lengths
 from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dynbsz"
+COMPATIBILITY_DOC = PACKAGE.parent / "docs" / "trl-compatibility.md"
+OVERRIDES = [entry for entry in INTERNAL_NAMES if entry.use == "overrides"]
 
 
 def resolve(path: str):
@@ -121,3 +126,86 @@ def test_the_listing_check_would_see_an_unlisted_name(tmp_path):
         "from trl.trainer import _secret\nx = trainer._buffered_inputs\ny = getattr(model, '_hidden', None)\n"
     )
     assert private_names_used(sample) == {"_secret", "_buffered_inputs", "_hidden"}
+
+
+def returned_lengths(function) -> set[int]:
+    """Lengths of the tuple literals a function returns (a returned call, e.g. stock's result, is not counted)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {
+        len(node.value.elts)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+    }
+
+
+@pytest.mark.parametrize("entry", OVERRIDES, ids=lambda entry: entry.name)
+def test_each_override_fits_stock_callers(entry):
+    """Stock's callers can call the override (same parameters, same order) and unpack what it returns."""
+    from trl import GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOTrainer
+
+    stock, override = getattr(GRPOTrainer, entry.name), getattr(DynamicBatchGRPOTrainer, entry.name)
+    assert override is not stock
+    assert override_drift(inspect.signature(stock), inspect.signature(override)) == []
+    stock_module = inspect.getsource(inspect.getmodule(GRPOTrainer))
+    assert unpacked_lengths(stock_module, entry.name) == {entry.returns}, f"stock unpacks {entry.name} differently"
+    assert returned_lengths(override) == {entry.returns}
+
+
+# TRL v1.9.0's _generate_single_turn, signature as in its trl/trainer/grpo_trainer.py (the body is not needed)
+def generate_single_turn_v1_9(self, prompt_ids, images, multimodal_fields): ...
+
+
+def test_override_drift_names_each_mismatch():
+    from trl import GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOTrainer
+
+    stock_1_16 = inspect.signature(GRPOTrainer._generate_single_turn)
+    override_1_16 = inspect.signature(DynamicBatchGRPOTrainer._generate_single_turn)
+    stock_1_9 = inspect.signature(generate_single_turn_v1_9)
+    # the 1.16 override under 1.9's callers: it requires num_generations, which they do not pass
+    assert override_drift(stock_1_9, override_1_16) == [
+        "the override requires 'num_generations', which stock's callers do not pass"
+    ]
+    # a 1.9-form override under 1.16's callers: it does not take the two parameters 1.16 added
+    assert override_drift(stock_1_16, stock_1_9) == [
+        "stock passes 'num_generations', which the override does not take",
+        "stock passes 'has_tool_images', which the override does not take",
+    ]
+
+    def reordered(self, prompt_ids, multimodal_fields, images, num_generations, has_tool_images=False): ...
+
+    def taking_any_keyword(self, prompt_ids, images, multimodal_fields, **new): ...
+
+    assert override_drift(stock_1_16, inspect.signature(reordered)) == [
+        "stock's positional parameter 2 is 'images', the override's is not",
+        "stock's positional parameter 3 is 'multimodal_fields', the override's is not",
+    ]
+    # **kwargs takes a parameter stock's callers pass by name, not one they may pass by position (1.16 passes
+    # num_generations by position)
+    assert override_drift(stock_1_16, inspect.signature(taking_any_keyword)) == [
+        "stock's positional parameter 4 is 'num_generations', the override's is not",
+        "stock's positional parameter 5 is 'has_tool_images', the override's is not",
+    ]
+
+    def stock_with_keyword_only(self, prompt_ids, images, multimodal_fields, *, trace=None): ...
+
+    assert override_drift(inspect.signature(stock_with_keyword_only), inspect.signature(taking_any_keyword)) == []
+
+
+def test_unpacked_lengths_reads_each_call_site():
+    from trl import GRPOTrainer
+
+    stock_module = inspect.getsource(inspect.getmodule(GRPOTrainer))
+    assert unpacked_lengths(stock_module, "_get_per_token_logps_and_entropies") == {3}
+    before_1_7 = "logps, entropies = self._get_per_token_logps_and_entropies(model, ids)\nx = self.other(y)\n"
+    assert unpacked_lengths(before_1_7, "_get_per_token_logps_and_entropies") == {2}
+    assert unpacked_lengths(before_1_7, "_generate_single_turn") == set()
+
+
+def test_the_compatibility_doc_has_a_row_for_every_internal_name():
+    rows = [line for line in COMPATIBILITY_DOC.read_text().splitlines() if line.startswith("|")]
+    missing = [e.name for e in INTERNAL_NAMES if not any(re.search(rf"(?<!\w){e.name}(?!\w)", row) for row in rows)]
+    assert not missing, f"docs/trl-compatibility.md has no row for {missing}"
