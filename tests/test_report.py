@@ -117,7 +117,7 @@ def test_names_must_match_the_directories(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sweep_script_runs_the_example_per_budget_and_reports(tmp_path):
-    """examples/sweep.sh end to end, as the README shows it (2 budgets, 2 steps each, offline demo)."""
+    """examples/sweep.sh end to end, as docs/metrics.md shows it (2 budgets, 2 steps each, offline demo)."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("DIFFU_")}
     environment.update(
         STEPS="2",

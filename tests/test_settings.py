@@ -10,15 +10,15 @@ import pytest
 from hf_dynbsz.planning.env import read_env_overrides
 from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIGURATION_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 @pytest.mark.parametrize("marker", list(markdown_tables()))
-def test_readme_tables_are_the_generated_ones(marker):
+def test_configuration_doc_tables_are_the_generated_ones(marker):
     expected = markdown_tables()[marker]
-    assert readme_block(README.read_text(), marker) == expected, (
-        f"README.md's {marker} differs from hf_dynbsz.planning.settings: "
-        "run `python -m hf_dynbsz.planning.settings README.md`"
+    assert readme_block(CONFIGURATION_DOC.read_text(encoding="utf-8"), marker) == expected, (
+        f"docs/configuration.md's {marker} differs from hf_dynbsz.planning.settings: "
+        "run `python -m hf_dynbsz.planning.settings docs/configuration.md`"
     )
 
 

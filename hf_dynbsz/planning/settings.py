@@ -4,9 +4,9 @@ Everything that describes a setting is derived from :data:`SETTINGS`: the fields
 :class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
 ``examples/grpo.py --help``, which read the fields' ``metadata["help"]``), the ``DIFFU_*`` overrides of
 :mod:`hf_dynbsz.planning.env`, the validation of :func:`hf_dynbsz.planning.validation.validate_dynamic_batch_fields`
-(with the value checks of :mod:`hf_dynbsz.planning.coerce`), the meaning column of the plan table and the README's
-settings tables (``python -m hf_dynbsz.planning.settings README.md`` rewrites them; ``tests/test_settings.py`` fails
-when the README differs).
+(with the value checks of :mod:`hf_dynbsz.planning.coerce`), the meaning column of the plan table and the
+settings tables of ``docs/configuration.md`` (``python -m hf_dynbsz.planning.settings docs/configuration.md`` rewrites
+them; ``tests/test_settings.py`` fails when the document differs).
 
 Units: *samples* are completions (one prompt with ``num_generations`` completions is ``num_generations``
 samples); *tokens* are prompt + completion tokens; *per device* means one process, *global* means all
@@ -324,10 +324,10 @@ def _markdown_default(s: Setting) -> str:
 
 
 def markdown_tables() -> dict[str, str]:
-    """The README's generated tables by marker name: the plugin's fields, and the DIFFU_* variables.
+    """The generated tables of ``docs/configuration.md`` by marker name: the plugin's fields, and the DIFFU_* variables.
 
-    In the README each sits between ``<!-- NAME -->`` and ``<!-- /NAME -->``; ``python -m hf_dynbsz.planning.settings
-    README.md`` rewrites them, and ``tests/test_settings.py`` fails when they differ from these.
+    In the document each sits between ``<!-- NAME -->`` and ``<!-- /NAME -->``; ``python -m hf_dynbsz.planning.settings
+    docs/configuration.md`` rewrites them, and ``tests/test_settings.py`` fails when they differ from these.
     """
     fields = ["| field | default | unit | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
