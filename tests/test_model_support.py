@@ -144,7 +144,15 @@ def test_model_only_checks(tmp_path):
 
 
 def test_unknown_attention_implementations_are_named():
-    assert "flex_attention" in support_of("llama", attn_implementation="flex_attention").segment_attention_blocker
+    blocker = support_of("llama", attn_implementation="paged|sdpa").segment_attention_blocker
+    assert "attn_implementation='paged|sdpa'" in blocker and "flex_attention" in blocker  # and what it wraps
+
+
+def test_flex_attention_gets_padding_free_rows_with_shared_prompts():
+    support = support_of("llama", attn_implementation="flex_attention")
+    assert support.segment_attention_blocker is None
+    layouts, _ = support.layouts()
+    assert layouts[0].share_prompts and layouts[0].segment_attention == "flex_attention"
 
 
 # ---- a config it does not understand never raises ----------------------------------------------------------------

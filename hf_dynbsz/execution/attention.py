@@ -24,6 +24,10 @@ query heads, sliding windows, GQA, dtype handling) is the model's own:
   within the sequence); a plain causal span without a window takes sdpa's unmasked causal kernel. Shared segments:
   the blocks attend to ``[prefix ; block]`` (a block at least as long as its prefix as one causal call whose prefix
   queries are dropped). The attention work of the separate sequences, never the square of a whole row;
+* flex_attention: one call of transformers' ``flex_attention_forward`` per layer over the whole row, under a block
+  mask drawn from the segments (the rule above as a ``mask_mod``, and the layer's sliding window over positions within
+  the sequence), built once per pass and window. transformers compiles flex_attention once per process; a new row
+  width makes torch recompile once more with dynamic shapes, after which widths reuse the kernel;
 * flash-attention: one varlen call whose query spans are the prefixes and blocks and whose key spans are
   ``[prefix ; own block]`` (keys gathered; causal masks of flash-attention >= 2.1 align bottom-right, and so do
   sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
@@ -122,6 +126,11 @@ class SegmentLayout:
         return bool(self.base_implementation) and self.base_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
 
     @property
+    def flex(self) -> bool:
+        """Whether the base implementation is flex_attention (one call per layer under a block mask)."""
+        return self.base_implementation == "flex_attention"
+
+    @property
     def width(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
@@ -168,6 +177,49 @@ class SegmentLayout:
             ):
                 raise ValueError("segments must cover the row exactly (trailing padding included)")
             self._cache[key] = (calls, torch.argsort(order))
+        return self._cache[key]
+
+    # ---- flex_attention formulation ------------------------------------------------------------------------------
+    def position_labels(self, device) -> dict[str, torch.Tensor]:
+        """Per row position: ``segment`` (index), ``part`` (a prefix or block's own id), ``shared`` (a prefix token
+        every block of its segment sees) and ``position`` (within its sequence: blocks continue from the prefix)."""
+        key = ("labels", device)
+        if key not in self._cache:
+            segment, part, shared, position = [], [], [], []
+            part_id = 0
+            for index, item in enumerate(self.segments):
+                parts = [(item.prefix, True)] if item.prefix else []
+                for length, is_prefix in parts + [(block, False) for block in item.blocks]:
+                    first = 0 if is_prefix else item.prefix
+                    segment += [index] * length
+                    part += [part_id] * length  # one id per prefix or block
+                    part_id += 1
+                    shared += [is_prefix] * length
+                    position += range(first, first + length)
+            self._cache[key] = {
+                name: torch.tensor(values, dtype=torch.bool if name == "shared" else torch.long, device=device)
+                for name, values in dict(segment=segment, part=part, shared=shared, position=position).items()
+            }
+        return self._cache[key]
+
+    def block_mask(self, window: int | None, device):
+        """The flex_attention ``BlockMask`` of the row: a query sees keys of its own segment, at or before it, in its
+        own part or in the segment's shared prefix (and within ``window`` positions of its sequence)."""
+        key = ("flex", window, device)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            labels = self.position_labels(device)
+            segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
+
+            def mask_mod(batch, head, query, key):
+                allowed = (segment[query] == segment[key]) & (key <= query)
+                allowed = allowed & ((part[query] == part[key]) | shared[key])
+                if window is not None:
+                    allowed = allowed & (position[query] - position[key] < window)
+                return allowed
+
+            self._cache[key] = create_block_mask(mask_mod, None, None, self.width, self.width, device=device)
         return self._cache[key]
 
     # ---- varlen (flash) formulation ------------------------------------------------------------------------------
@@ -245,6 +297,18 @@ def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, s
 VARLEN_KERNEL = _flash_varlen
 
 
+def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs):
+    """transformers' flex_attention integration over the whole row under the segments' block mask (soft-capping and
+    sinks as the integration applies them)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    features = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
+    out, _ = flex_attention_forward(
+        module, query, key, value, layout.block_mask(window, query.device), scaling=scaling, dropout=dropout, **features
+    )
+    return out, None
+
+
 def _base_function(module, base: str):
     """The attention function the model runs under ``base``: transformers' sdpa, or the model's own eager one."""
     if base == "sdpa":
@@ -301,6 +365,8 @@ def segment_attention_forward(module, query, key, value, attention_mask, scaling
             **features,
         )
         return out.unsqueeze(0), None
+    if layout.flex:
+        return _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     calls, restore = layout.span_calls(query.device)
     base = _base_function(module, layout.base_implementation)
     kwargs.pop("sliding_window", None)  # the spans' masks draw the window

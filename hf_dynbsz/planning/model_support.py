@@ -70,7 +70,7 @@ VISION_LANGUAGE_PADDED = (
 )
 
 #: The base implementations segment attention runs per segment.
-SEGMENT_ATTENTION_BASES = ("sdpa", "eager")
+SEGMENT_ATTENTION_BASES = ("sdpa", "eager", "flex_attention")
 
 
 def vision_language_mode(config: Any) -> str | None:
@@ -390,7 +390,7 @@ def _segment_attention_blocker(
     """Why segment attention cannot run this model, or None."""
     base = attn_implementation or "eager"
     if not (base in SEGMENT_ATTENTION_BASES or base.startswith(VARLEN_ATTENTION_PREFIXES)):
-        return f"attn_implementation={base!r} (segment attention wraps sdpa, eager and flash-attention)"
+        return f"attn_implementation={base!r} (segment attention wraps sdpa, eager, flex_attention and flash-attention)"
     if vision_language_mode(config) == "stock":
         return "multimodal models compute position ids of their own"
     if model is not None and not _dispatches_through_interface(model):
