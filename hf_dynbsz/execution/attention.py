@@ -333,6 +333,11 @@ def _take_rows(tensor: torch.Tensor, positions: torch.Tensor, rows: int) -> torc
 def segment_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``query`` ``(1, heads, T, d)``, ``key``/``value`` ``(1, kv_heads, T, d /
     d_v)``; returns ``((1, T, heads, d_v), None)``. Attends within the segments of the active layout only."""
+    with torch.profiler.record_function("dynbsz/attention"):
+        return _segment_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _segment_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     layout = _ACTIVE[0]
     if layout is None or query.size(0) != 1:
         raise RuntimeError(

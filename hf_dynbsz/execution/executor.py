@@ -28,6 +28,7 @@ from functools import partial
 
 import torch
 from accelerate.utils import DistributedType
+from torch.profiler import record_function
 
 from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.batch import StepBatch
@@ -98,9 +99,11 @@ class PassExecutor:
         """
         while True:
             self._allocate_gradients(model, kind)
-            schedule = self._plan(table, self._budget(table, stock_tokens, kind), kind)
+            with record_function("dynbsz/plan"):
+                schedule = self._plan(table, self._budget(table, stock_tokens, kind), kind)
             self._warn_oversize(schedule, kind)
-            state = start(schedule)
+            with record_function("dynbsz/exchange"):
+                state = start(schedule)
             with self._pass_context(model, kind):
                 failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule))
             if failure is None:
@@ -255,13 +258,17 @@ class PassExecutor:
 
     def _train(self, model, aux: RouterAuxLoss | None, state: _TrainingPasses, schedule, group, last: bool) -> None:
         """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
-        mb = self.microbatch(state.batch.table, group, schedule.groups)
-        logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
-        rows = state.batch.rows(group, logps.size(1))
-        loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
-        if aux is not None:
-            loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
-        self.backward(model, loss, last)
+        with record_function("dynbsz/pack"):
+            mb = self.microbatch(state.batch.table, group, schedule.groups)
+        with record_function("dynbsz/forward"):
+            logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
+        with record_function("dynbsz/loss"):
+            rows = state.batch.rows(group, logps.size(1))
+            loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
+            if aux is not None:
+                loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
+        with record_function("dynbsz/backward"):
+            self.backward(model, loss, last)
         state.losses.append(loss.detach())
         state.metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
 
@@ -314,8 +321,10 @@ class PassExecutor:
         return _NoGradPasses(run, results, statistics)
 
     def _no_grad(self, model, compute_entropy: bool, router, state: _NoGradPasses, schedule, group, last) -> None:
-        mb = self.microbatch(state.table, group, schedule.groups)
-        logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
+        with record_function("dynbsz/pack"):
+            mb = self.microbatch(state.table, group, schedule.groups)
+        with record_function("dynbsz/no_grad_forward"):
+            logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
         state.results[group, 0, : logps.size(1)] = logps.float()
         if compute_entropy:
             state.results[group, 1, : entropies.size(1)] = entropies.float()

@@ -159,9 +159,10 @@ SETTINGS: tuple[Setting, ...] = (
         unit="-",
         summary="auto: padding_free with flash-attention or segment attention, padded otherwise",
         help="Micro-batch layout: 'padding_free' (the samples of a micro-batch concatenated into one row, each "
-        "attending to itself only: flash-attention varlen kernels, or segment attention on sdpa, eager and flex_attention), 'padded' "
-        "(each micro-batch padded only to its own longest row), or 'auto': padding_free where each sequence can "
-        "attend to itself alone (flash-attention, or a model segment attention supports), padded otherwise.",
+        "attending to itself only: flash-attention varlen kernels, or segment attention on sdpa, eager and "
+        "flex_attention), 'padded' (each micro-batch padded only to its own longest row), or 'auto': "
+        "padding_free where each sequence can attend to itself alone (flash-attention, or a model segment attention "
+        "supports), padded otherwise.",
         fix="'auto' packs rows padding-free where each sequence can attend to itself alone and pads otherwise.",
     ),
     Setting(
