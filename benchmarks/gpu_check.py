@@ -428,8 +428,11 @@ def trained_as(trainer) -> tuple[str, list]:
     if executor is None:
         return "stock", []
     notes = list(executor.capabilities.notes)
+    summary = executor.self_check_summary
+    if summary:
+        print(f"[gpu_check] {summary}", file=sys.stderr, flush=True)
     if not executor.enabled:
-        return "stock math (dynamic batching off)", notes
+        return f"stock math (dynamic batching off; {summary or 'no self-check'})", notes
     s = executor.scheduler
     return Layout(s.layout, s.share_prompts, s.segment_attention, s.attention_mask).describe(), notes
 
@@ -563,7 +566,9 @@ def exact_bf16(session: Session, attention: str) -> list[list]:
     return rows
 
 
-def speed_specs(session: Session) -> tuple[RunSpec, RunSpec]:
+def speed_specs(session: Session, attention: str = "sdpa") -> tuple[RunSpec, RunSpec]:
+    """Stock (sdpa, its users' default) and ours with ``attention`` (``name[:packing_layout]``) on the speed mix."""
+    attention, _, layout = attention.partition(":")
     preset = session.preset
     common = dict(
         precision="bf16" if session.cuda else "fp32",
@@ -572,21 +577,31 @@ def speed_specs(session: Session) -> tuple[RunSpec, RunSpec]:
         max_completion_length=preset.speed_max_completion_length,
         keep_params=False,
     )
-    return RunSpec("stock", **common), RunSpec("ours", **common)
+    plugin = (("packing_layout", layout),) if layout else ()
+    return RunSpec("stock", **common), RunSpec("ours", attention=attention, plugin=plugin, **common)
 
 
 def speed(session: Session) -> list[list]:
-    stock_spec, ours_spec = speed_specs(session)
+    rows = []
+    for attention in session.args.speed_attention.split(","):
+        rows += speed_of(session, attention)
+    return rows
+
+
+def speed_of(session: Session, attention: str) -> list[list]:
+    stock_spec, ours_spec = speed_specs(session, attention)
     stock, ours = session.run(stock_spec), session.run(ours_spec)
     stock_s, ours_s = statistics.median(stock.step_seconds[1:]), statistics.median(ours.step_seconds[1:])
     ratio = ours_s / stock_s
     per_device, accumulation = ours_spec.batch
     setting = (
-        f"{ours_spec.precision}, sdpa, {MIX}, {per_device}x{accumulation} samples per step, max completion "
-        f"{ours_spec.max_completion_length}, steps 2-{ours_spec.steps}"
+        f"{ours_spec.precision}, stock sdpa, ours {attention}, {MIX}, {per_device}x{accumulation} samples per step, "
+        f"max completion {ours_spec.max_completion_length}, steps 2-{ours_spec.steps}"
     )
     tokens = sum(ours.logged("dynbsz/computed_tokens")) / max(sum(ours.logged("dynbsz/stock_computed_tokens")), 1)
     goal, result = ("ours/stock < 1", PASS if ratio < 1 else FAIL) if session.cuda else ("- (tiny model on CPU)", INFO)
+    if ours_spec.plugin:  # a layout forced for comparison: measured, with no goal of its own
+        goal, result = "- (a forced layout, for comparison)", INFO
     return [
         [
             "step time (median)",
@@ -811,6 +826,11 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the CPU plumbing run)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "gpu_check.md", help="where the table goes")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated groups of {', '.join(CHECKS)}")
+    parser.add_argument(
+        "--speed-attention",
+        default="sdpa,sdpa:padding_free",
+        help="comma-separated ATTENTION[:PACKING_LAYOUT]: the plugin's attention (and layout) in the speed rows",
+    )
     parser.add_argument("--time-budget-s", type=float, default=None, help="groups not started by then are skipped")
     parser.add_argument(
         "--extra-site", type=Path, help="a site-packages folder appended to sys.path (carried wheels, unpacked)"

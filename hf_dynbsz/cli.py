@@ -646,7 +646,10 @@ def _run_plan(argv: list[str]) -> int:
         attn_implementation = _attn_implementation(namespace)
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
         support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
-        layouts, _ = support.layouts(namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)))
+        device_type = "cpu" if getattr(namespace, "use_cpu", False) else "cuda"  # a plan is for the job's GPUs
+        layouts, _ = support.layouts(
+            namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)), device_type
+        )
         # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
         shown_layout = None
         if namespace.packing_layout != "auto" or attn_implementation:

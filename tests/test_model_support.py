@@ -192,3 +192,15 @@ def test_describe_names_every_limit():
     lines = support.describe()
     assert any(line.startswith("padding-free rows: off") for line in lines)
     assert any("position ids start at 2" in line for line in lines)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_auto_on_cuda_leaves_out_the_span_formulations_padding_free_rows(attention):
+    support = support_of("llama", attn_implementation=attention)
+    layouts, notes = support.layouts("auto", True, device_type="cuda")
+    assert [layout.name for layout in layouts] == ["padded", "padded"]
+    assert any("6.4x slower than stock" in note for note in notes)
+    assert support.layouts("padding_free", True, device_type="cuda")[0][0].share_prompts  # asked for: given
+    assert support.layouts("auto", True, device_type="cpu")[0][0].name == "padding_free"
+    flex = support_of("llama", attn_implementation="flex_attention").layouts("auto", True, device_type="cuda")[0]
+    assert flex[0].segment_attention == "flex_attention"

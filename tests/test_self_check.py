@@ -212,3 +212,44 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     assert unchecked._dynbsz.scheduler.layout == "padding_free"  # trusted, not checked: and not stock's
     params = {name: p for name, p in unchecked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) > 1e-5
+
+
+def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerance(tmp_path):
+    """accelerate runs a prepared model's forward under autocast whatever the caller's context, so fp32 weights trained
+    in bf16 mixed precision compute the check's log-probs in bf16: a fp32 tolerance turned that noise into stock math
+    (found on an H200: 8e-3 on every layout, against 1e-4)."""
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.execution.self_check import tolerance
+    from hf_dynbsz.testing import (
+        RecordingReward,
+        ScriptedRollout,
+        base_config_kwargs,
+        build_char_tokenizer,
+        build_tiny_causal_lm,
+        prompt_dataset,
+    )
+
+    tokenizer = build_char_tokenizer()
+    args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), bf16=True, max_steps=1, self_check=True))
+    trainer = DynamicBatchGRPOTrainer(
+        model=build_tiny_causal_lm(tokenizer),
+        reward_funcs=RecordingReward(),
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+        rollout_func=ScriptedRollout(
+            lambda rng, n, rank: rng.integers(20, 60, n),
+            lambda rng: rng.integers(3, 12),
+            max_completion_length=64,
+            seed=0,
+            token_low=3,
+            token_high=40,
+            eos_id=1,
+        ),
+    )
+    executor = trainer._dynbsz
+    assert executor._compute_dtype(trainer.model) == torch.bfloat16  # fp32 weights, bf16 autocast
+    trainer.train()
+    assert executor.enabled and executor.self_check_summary.startswith("self-check passed"), executor.self_check_summary
+    error = float(executor.self_check_summary.rsplit("difference ", 1)[1].rstrip(")."))
+    assert tolerance(torch.float32) < error <= tolerance(torch.bfloat16)  # bf16's noise, beyond a fp32 tolerance

@@ -87,6 +87,7 @@ class PassExecutor:
         self.loss_settings = LossSettings.from_trainer(trainer)
         self.pad_token_id = trainer._tokenizer.pad_token_id
         self.checked = not self.args.self_check
+        self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
         self.warned: set[str] = set()
 
     # ------------------------------------------------------------------ the one loop
@@ -486,6 +487,12 @@ class PassExecutor:
             total += loss.detach()
         return total
 
+    def _compute_dtype(self, model) -> torch.dtype:
+        """The precision the self-check's forwards compute in: the weights', or the autocast dtype of mixed precision
+        (accelerate runs a prepared model's forward under autocast whatever the caller's context)."""
+        mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
+        return mixed or next(self.accelerator.unwrap_model(model).parameters()).dtype
+
     @torch.no_grad()
     def self_check(self, model, table: SequenceTable) -> bool:
         """Once per run, before its first pass: keep the fastest layout whose log-probs equal each sample's own
@@ -511,13 +518,13 @@ class PassExecutor:
             mb = alone_microbatch(table, index, self.pad_token_id, self.accelerator.device)
             return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
 
-        dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype  # the check runs in the weights'
         with self.tiles():
             result = run_self_check(
-                layouts, table, run_layout, run_alone, tolerance(dtype),
+                layouts, table, run_layout, run_alone, tolerance(self._compute_dtype(model)),
                 agree=lambda index: self.world.all_reduce_max([index])[0],
             )  # fmt: skip
-        logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", result.summary(layouts))
+        self.self_check_summary = result.summary(layouts)
+        logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", self.self_check_summary)
         if result.chosen:
             self.parallel.refuse_inexact(result.summary(layouts))
         self.enabled = result.chosen < len(layouts)

@@ -47,6 +47,7 @@ def build_executor(trainer) -> PassExecutor:
         world,
         aux_loss=trainer.aux_loss_enabled,
         external_generation=trainer.use_vllm or trainer.use_transformers_continuous_batching,
+        device_type=accelerator.device.type,
     )
     for note in capabilities.notes:
         logger.warning("hf_dynbsz: %s.", note)

@@ -67,9 +67,12 @@ class Capabilities:
         return self.support.vision_language
 
     @classmethod
-    def of(cls, args, model, group: RankGroup, *, aux_loss: bool, external_generation: bool) -> Capabilities:
+    def of(
+        cls, args, model, group: RankGroup, *, aux_loss: bool, external_generation: bool, device_type: str = "cpu"
+    ) -> Capabilities:
         """``model``: the unwrapped model (PEFT's base model); ``aux_loss``: an MoE router aux loss is trained;
-        ``external_generation``: vLLM or continuous batching generate (they schedule their own batches)."""
+        ``external_generation``: vLLM or continuous batching generate (they schedule their own batches);
+        ``device_type``: where it trains (:meth:`ModelSupport.layouts`)."""
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
@@ -81,7 +84,7 @@ class Capabilities:
                 f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
                 f"repacked ({support.router_aux_blocker})"
             )
-        layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix))
+        layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix), device_type)
         if enabled:
             notes += layout_notes + list(support.notes)
             enabled = bool(layouts)

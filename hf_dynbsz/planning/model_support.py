@@ -71,6 +71,15 @@ VISION_LANGUAGE_PADDED = (
 
 #: The base implementations segment attention runs per segment.
 SEGMENT_ATTENTION_BASES = ("sdpa", "eager", "flex_attention")
+#: The bases segment attention runs as spans of equal shape, one kernel call per span shape and layer.
+SPAN_FORMULATION_BASES = ("sdpa", "eager")
+#: Why packing_layout "auto" trains padded rows on CUDA with sdpa or eager (benchmarks/results/gpu_check.md).
+SPANS_ON_CUDA = (
+    "on a GPU their segment attention makes a kernel call per span shape and layer, and a step ran 6.4x slower "
+    "than stock (H200, 0.5B model, bf16, long-tailed completions) where padded rows ran 1.1x faster; "
+    "packing_layout='padding_free' still gives them, and attn_implementation='flex_attention' (or "
+    "flash-attention) gives padding-free rows in one call per layer"
+)
 
 
 def vision_language_mode(config: Any) -> str | None:
@@ -214,8 +223,15 @@ class ModelSupport:
         )
 
     # ------------------------------------------------------------------ what a run uses
-    def layouts(self, packing_layout: str = "auto", share_prompt_prefix: bool = True) -> tuple[list[Layout], list[str]]:
+    def layouts(
+        self, packing_layout: str = "auto", share_prompt_prefix: bool = True, device_type: str = "cpu"
+    ) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
+
+        ``device_type``: where the run trains ("cuda", "cpu"). On CUDA "auto" leaves out the padding-free rows of
+        segment attention's span formulation (sdpa, eager: a call per span shape per layer), which ran a step 6.4x
+        slower than stock where padded rows ran it 1.1x faster (:data:`SPANS_ON_CUDA`); flash-attention and
+        flex_attention keep their padding-free rows (one call per layer).
 
         ``packing_layout`` "auto" starts from padding-free rows where each sequence can attend to itself alone
         (segment attention, or a flash-attention varlen kernel) and goes down to padded rows; "padding_free"
@@ -232,6 +248,9 @@ class ModelSupport:
         notes = []
         varlen = bool(self.attn_implementation) and self.attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
         base = None if self.segment_attention_blocker else (self.attn_implementation or "eager")
+        if base in SPAN_FORMULATION_BASES and device_type == "cuda" and packing_layout == "auto":
+            base = None
+            notes.append(f"padding-free rows are not used on {self.attn_implementation or 'eager'}: {SPANS_ON_CUDA}")
         ladder: list[Layout] = []
         if packing_layout != "padded" and self.padding_free_blocker is None:
             if base is not None:
