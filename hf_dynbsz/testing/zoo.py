@@ -376,6 +376,15 @@ OVERRIDES: dict = {
         ngram_vocab_size_base=61,
         make_ngram_vocab_size_divisible_by=8,
     ),
+    # Dory (transformers 5.24): input, recurrent and output sections of 8 / 20 / 8 layers (the generic 2 layers would
+    # leave the recurrent section at -14 layers); one layer each, the looped one with full attention, looped twice
+    "dory": _set(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+    ),
     # Jamba: default periods (attention every 8th layer from 4, MoE every 2nd from 1) leave 2 layers all-mamba;
     # layer 0 = mamba + MoE, layer 1 = attention + dense MLP
     "jamba": _set(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0),
