@@ -200,6 +200,50 @@ def reward_by_content(completions, **kwargs):
     return [((len(c) * 7919) % 101) / 100.0 for c in completions]
 
 
+#: The attention kernels' own operators (their time inside hf_dynbsz's ``dynbsz/attention`` label is compute; the
+#: rest of the label is the span formulation's gathers, masks and dispatch).
+ATTENTION_KERNELS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
+
+
+class StepProfile:
+    """torch.profiler (CPU) over optimizer step ``step`` (1-based): the step's wall time and the CPU time under each
+    ``dynbsz/*`` label the executor records (plan, exchange, pack, forward, loss, backward, no_grad_forward, attention)
+    and under the attention kernels' operators. ``result``: seconds by name (None until the step ran)."""
+
+    def __init__(self, step: int):
+        from transformers import TrainerCallback
+
+        self.step, self.result, self.profiler, self.started = step, None, None, 0.0
+        profile = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step + 1 == profile.step:
+                    profile.begin()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if profile.profiler is not None:
+                    profile.end()
+
+        self.callback = Callback()
+
+    def begin(self) -> None:
+        import torch
+
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiler.__enter__()
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        wall = time.perf_counter() - self.started
+        self.profiler.__exit__(None, None, None)
+        seconds = {"step": wall}
+        for event in self.profiler.key_averages():
+            if event.key.startswith("dynbsz/") or event.key in ATTENTION_KERNELS:
+                seconds[event.key] = seconds.get(event.key, 0.0) + event.cpu_time_total / 1e6
+        self.result, self.profiler = seconds, None
+
+
 class Probe:
     """Wraps one trainer instance to time phases, count computed tokens and read peak RSS per step."""
 
@@ -495,6 +539,9 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         rollout_func=rollout,
     )
     probe = Probe(trainer, rollout)
+    profile = StepProfile(spec["profile_step"]) if spec.get("profile_step") else None
+    if profile is not None:
+        trainer.add_callback(profile.callback)
     baseline_kb = _read_status_kb("VmRSS")
     start = time.perf_counter()
     trainer.train()
@@ -512,6 +559,7 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         "rounds": probe.generation_rounds,
         "budget_tokens": [e["dynbsz/budget_tokens"] for e in history if "dynbsz/budget_tokens" in e],
         "tensor_batch_size": getattr(args, "tensor_batch_size", "stock"),
+        "profile": profile.result if profile is not None else None,
         "layout_used": trainer._dynbsz.scheduler.layout
         if getattr(trainer, "_dynbsz", None) and trainer._dynbsz.enabled
         else None,
