@@ -626,6 +626,17 @@ def _memory_rows(
     return plan_rows(memory, held, source, longest)
 
 
+def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str | None):
+    """``(layouts, shown)``: the layouts the planned run may use (on its GPUs unless ``--use_cpu``), and the one the
+    table shows: None ("auto") unless the attention implementation or an explicit layout decides it."""
+    device_type = "cpu" if getattr(namespace, "use_cpu", False) else "cuda"
+    layouts, _ = support.layouts(
+        namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)), device_type
+    )
+    decided = namespace.packing_layout != "auto" or attn_implementation
+    return layouts, layouts[0].name if decided else None
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
@@ -646,14 +657,7 @@ def _run_plan(argv: list[str]) -> int:
         attn_implementation = _attn_implementation(namespace)
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
         support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
-        device_type = "cpu" if getattr(namespace, "use_cpu", False) else "cuda"  # a plan is for the job's GPUs
-        layouts, _ = support.layouts(
-            namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)), device_type
-        )
-        # The table shows "auto" unless the attention implementation (or an explicit layout) decides it.
-        shown_layout = None
-        if namespace.packing_layout != "auto" or attn_implementation:
-            shown_layout = layouts[0].name
+        layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
         lengths = read_lengths(namespace.lengths) if namespace.lengths else None
         memory_rows = _memory_rows(
             namespace,
