@@ -583,7 +583,9 @@ def speed_specs(session: Session, attention: str = "sdpa") -> tuple[RunSpec, Run
 
 def speed(session: Session) -> list[list]:
     rows = []
-    for attention in session.args.speed_attention.split(","):
+    # on a CPU "auto" already gives sdpa's padding-free rows: the forced row would repeat it
+    default = "sdpa,sdpa:padding_free" if session.cuda else "sdpa"
+    for attention in (session.args.speed_attention or default).split(","):
         rows += speed_of(session, attention)
     return rows
 
@@ -828,8 +830,9 @@ def parse_args(argv=None):
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated groups of {', '.join(CHECKS)}")
     parser.add_argument(
         "--speed-attention",
-        default="sdpa,sdpa:padding_free",
-        help="comma-separated ATTENTION[:PACKING_LAYOUT]: the plugin's attention (and layout) in the speed rows",
+        default=None,
+        help="comma-separated ATTENTION[:PACKING_LAYOUT]: the plugin's attention (and layout) in the speed rows "
+        "(default: sdpa and sdpa:padding_free on CUDA, sdpa on a CPU)",
     )
     parser.add_argument("--time-budget-s", type=float, default=None, help="groups not started by then are skipped")
     parser.add_argument(

@@ -16,6 +16,7 @@ log-probs or loss weight): a check that the comparison with stock would catch a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -50,10 +51,15 @@ def lopsided_dataset(num_blocks: int = 8):
     return Dataset.from_dict({"prompt": prompts})
 
 
-def corrupt_moved_samples(what: str) -> None:
-    """Make ProcessGroup.move_batch damage ``what`` of every sample that arrives from another process."""
+@contextlib.contextmanager
+def corrupt_moved_samples(what: str):
+    """Inside the context, ProcessGroup.move_batch damages ``what`` of every sample that arrives from another process
+    (``what`` "none": nothing)."""
     from hf_dynbsz.parallel.distributed import ProcessGroup
 
+    if what == "none":
+        yield
+        return
     move_batch = ProcessGroup.move_batch
 
     def damaged(self, batch, exchange, media=False):
@@ -68,6 +74,10 @@ def corrupt_moved_samples(what: str) -> None:
         return moved
 
     ProcessGroup.move_batch = damaged
+    try:
+        yield
+    finally:
+        ProcessGroup.move_batch = move_batch
 
 
 def main() -> None:
@@ -133,11 +143,10 @@ def main() -> None:
 
         kind, phase, after, rank = cli.inject_oom.split(":")
         inject_out_of_memory(kind, phase, int(after), int(rank))
-    if cli.mutate != "none":
-        corrupt_moved_samples(cli.mutate)
     trainer = None
     for suffix, run in runs(cli):
-        trainer = train(run, run.loss_type, cli.out + suffix)
+        with corrupt_moved_samples(run.mutate):
+            trainer = train(run, run.loss_type, cli.out + suffix)
     if cli.plain_exit:
         return
     trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training

@@ -105,11 +105,11 @@ class SharedLaunches:
         key = self.key(trainer, config, model_dir, options)
         if key not in self.runs:
             shared = SHARED_RUNS.get(config, {}) if model_dir == self.model_dir else {}
-            group = {
-                name: flags
-                for name, flags in shared.items()
-                if self.key(trainer, config, model_dir, flags) not in self.runs
-            }
+            group, keys = {}, set(self.runs)  # one run per key (stock's runs of several scenarios can be one)
+            for name, flags in shared.items():
+                if self.key(trainer, config, model_dir, flags) not in keys:
+                    group[name] = flags
+                    keys.add(self.key(trainer, config, model_dir, flags))
             if key in {self.key(trainer, config, model_dir, flags) for flags in group.values()}:
                 self.launch_group(trainer, config, group)
             else:
@@ -187,6 +187,15 @@ BALANCED = {
 }
 LOPSIDED_ROLLOUT = dict(rollout="lopsided", budget=64, max_steps=3)
 
+#: Vision-language samples moved between 2 DDP processes (test_balancing_moves_image_samples_...).
+VISION_FAMILIES = ("qwen2_vl", "llava")
+VISION_RUN = dict(loss_type="grpo", num_iterations=2, max_steps=2, budget=120)
+#: Scripted multi-turn rollouts with an environment mask under DDP, per loss type (test_multiturn_rollouts_...).
+ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
+MULTITURN_RUN = dict(rollout="multiturn", max_steps=2, budget=48)
+#: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
+DAMAGES = ("advantage", "old_logps", "weight")
+
 #: Per accelerate config, the runs its tests compare, each trained by one launch per trainer (``SharedLaunches``).
 SHARED_RUNS = {
     config: {
@@ -196,6 +205,11 @@ SHARED_RUNS = {
     }
     for backend, (config, _) in BACKENDS.items()
 }
+SHARED_RUNS["cpu_ddp.yaml"].update(
+    {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
+    | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
+    | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
+)
 
 
 @pytest.mark.parametrize("backend", list(BALANCED))
@@ -219,30 +233,23 @@ def stock_lopsided_params(model_dir, shared_launches):
     return torch.load(f"{out}.params.pt")
 
 
-@pytest.mark.parametrize("damage", ["advantage", "old_logps", "weight"])
-def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(damage, tmp_path, model_dir, stock_lopsided_params):
-    launch(
-        "cpu_ddp.yaml", tmp_path / "ours", model_dir, "dynamic", mutate=damage, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(
+    damage, model_dir, shared_launches, stock_lopsided_params
+):
+    out, _ = shared_launches.get(
+        "dynamic", "cpu_ddp.yaml", model_dir, mutate=damage, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]
     )
-    damaged = torch.load(f"{tmp_path / 'ours'}.params.pt")
+    damaged = torch.load(f"{out}.params.pt")
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
 
 
 # ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_balancing_moves_image_samples_with_their_images_and_matches_stock(family, model_dir, shared_launches):
     """Rank 1 gets every long completion: samples (their images, token fields and, for Qwen2-VL, M-RoPE positions
     computed where they run) move to rank 0, in the training passes and the old-policy pass (num_iterations 2)."""
-    ours = compare(
-        "cpu_ddp.yaml",
-        model_dir,
-        shared_launches,
-        vision=family,
-        loss_type="grpo",
-        num_iterations=2,
-        max_steps=2,
-        budget=120,
-    )
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, vision=family, **VISION_RUN)
     moved = [step.get("dynbsz/samples_moved", 0) for record in ours for step in record["metrics"]]
     assert max(moved) > 0, moved
 
@@ -264,7 +271,6 @@ def test_image_steps_keep_stocks_slices_under_zero3_and_every_process_finishes(t
 
 
 # ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
-ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
 
 
 @pytest.fixture(scope="module")
@@ -272,45 +278,27 @@ def chat_model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-chat-model")), chat=True)
 
 
-@pytest.mark.parametrize("rollout", ["multiturn", "environment"])
-def test_tool_and_environment_rollouts_match_stock(rollout, tmp_path, model_dir, chat_model_dir):
-    directory = chat_model_dir if rollout == "environment" else model_dir
-    options = dict(
-        rollout=rollout,
-        loss_types=",".join(ROLLOUT_LOSS_TYPES),
-        max_steps=2,
-        budget=1600 if rollout == "environment" else 48,
-    )
+@pytest.mark.parametrize("loss_type", ROLLOUT_LOSS_TYPES)
+def test_multiturn_rollouts_with_an_environment_mask_match_stock(loss_type, model_dir, shared_launches):
+    compare("cpu_ddp.yaml", model_dir, shared_launches, loss_type=loss_type, **MULTITURN_RUN)
+
+
+def test_environment_rollouts_match_stock(tmp_path, chat_model_dir):
+    """An environment that owns the prompts (no dataset) and the reward; one launch per trainer trains every loss
+    type in turn (``--loss_types``)."""
+    options = dict(rollout="environment", loss_types=",".join(ROLLOUT_LOSS_TYPES), max_steps=2, budget=1600)
     for trainer in ("stock", "dynamic"):
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-            str(ROOT / "tests" / "distributed_grpo.py"),
-            "--trainer",
-            trainer,
-            "--model_dir",
-            directory,
-            "--out",
-            str(tmp_path / trainer),
-        ]
-        for key, value in options.items():
-            command += [f"--{key}", str(value)]
-        run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} {rollout} rollouts under DDP")
+        command = worker_command("cpu_ddp.yaml", tmp_path / trainer, chat_model_dir, trainer, **options)
+        run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} environment rollouts under DDP")
     for loss_type in ROLLOUT_LOSS_TYPES:
         records = {
-            trainer: [
-                json.loads(Path(f"{tmp_path / trainer}.{loss_type}.rank{rank}.json").read_text()) for rank in range(2)
-            ]
+            trainer: read_records(Path(f"{tmp_path / trainer}.{loss_type}"), "cpu_ddp.yaml", trainer)
             for trainer in ("stock", "dynamic")
         }
         for rank in range(2):
             assert records["dynamic"][rank]["completions"] == records["stock"][rank]["completions"]
             assert records["dynamic"][rank]["metrics"], f"rank {rank} logged no dynbsz metrics ({loss_type})"
-        if rollout == "environment":  # the environment's reward reached the advantages
-            assert any(reward != 0 for reward in records["stock"][0]["rewards"])
+        assert any(reward != 0 for reward in records["stock"][0]["rewards"])  # the environment's reward counted
         stock_params = torch.load(f"{tmp_path / 'stock'}.{loss_type}.params.pt")
         our_params = torch.load(f"{tmp_path / 'dynamic'}.{loss_type}.params.pt")
         assert relative_difference(our_params, stock_params) <= 1e-5, loss_type
