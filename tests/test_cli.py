@@ -139,7 +139,7 @@ def test_other_bad_environment_values_exit_2(plan_in_process, value):
     assert "Traceback" not in result.stderr
 
 
-def test_accelerate_yaml_gives_processes_zero_stage_and_precision(tmp_path):
+def test_accelerate_yaml_gives_processes_zero_stage_and_precision(tmp_path, plan_in_process):
     config = tmp_path / "zero3.yaml"
     config.write_text(
         "compute_environment: LOCAL_MACHINE\n"
@@ -151,7 +151,7 @@ def test_accelerate_yaml_gives_processes_zero_stage_and_precision(tmp_path):
         "num_machines: 1\n"
         "num_processes: 4\n"
     )
-    result = run_plan("--per_device_train_batch_size", 2, "--num_generations", 4, "--config_file", config)
+    result = plan_in_process("--per_device_train_batch_size", 2, "--num_generations", 4, "--config_file", config)
     assert result.returncode == 0, result.stderr
     assert table_row(result.stdout, "processes")[:2] == ["-", "4"]
     assert table_row(result.stdout, "DeepSpeed ZeRO stage")[0] == "3"
@@ -186,10 +186,10 @@ def lengths_table(output: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("fmt", ["lines", "json"])
-def test_lengths_file_simulates_optimizer_steps(tmp_path, fmt):
+def test_lengths_file_simulates_optimizer_steps(tmp_path, fmt, plan_in_process):
     path = tmp_path / "lengths.txt"
     path.write_text(json.dumps(LENGTHS) if fmt == "json" else "\n".join(map(str, LENGTHS)) + "\n")
-    result = run_plan(
+    result = plan_in_process(
         "--per_device_train_batch_size", 2,
         "--gradient_accumulation_steps", 2,
         "--num_generations", 2,
