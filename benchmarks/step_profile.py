@@ -13,7 +13,7 @@ default, after the first and one that does not generate. The plugin's executor l
 * the rest: what TRL and Python do outside the passes (the optimizer step, clipping, the trainer's loop).
 
 The profiler adds its own cost to every operator, so the shares are the figures to read; the step times without a
-profiler are ``benchmarks/step_time.py``'s. Writes ``benchmarks/results/step_profile.md`` (about 3 minutes)::
+profiler are ``benchmarks/step_time.py``'s. Writes ``benchmarks/results/step_profile.md`` (under a minute)::
 
     python benchmarks/step_profile.py
 """
