@@ -330,14 +330,6 @@ def snapshot(model) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def checkpointing_field() -> str:
-    """transformers 5.x renamed ``gradient_checkpointing`` to ``activation_checkpointing`` in a minor release."""
-    from trl import GRPOConfig
-
-    names = {f.name for f in dataclasses.fields(GRPOConfig)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-
-
 # --------------------------------------------------------------------------------------------------------- training
 def step_clock(synchronize):
     """A callback recording each optimizer step's wall time (device synchronised at both ends)."""
@@ -658,7 +650,7 @@ def memory_fraction(session: Session) -> list[list]:
 def oom(session: Session) -> list[list]:
     if not session.cuda:
         raise Skip("skipped: no CUDA")
-    from hf_dynbsz.testing import relative_difference, update_difference
+    from hf_dynbsz.testing import checkpointing_field, relative_difference, update_difference
 
     torch, preset = session.torch, session.preset
     session.forget(keep=lambda spec: not spec.keep_params)

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script: python tests/test_model_zoo.py
     sys.path.insert(0, str(ROOT))
 
 from hf_dynbsz.planning.settings import readme_block, with_readme_block  # noqa: E402
+from hf_dynbsz.testing import checkpointing_field  # noqa: E402
 from hf_dynbsz.testing.zoo import TinyConfigUnavailable, causal_lm_types, tiny_causal_lm_config  # noqa: E402
 
 PARAM_TOLERANCE = 1e-5
@@ -388,13 +389,6 @@ REPRESENTATIVE = (
 # ---------------------------------------------------------------------------------------------------------------
 # Running one architecture
 # ---------------------------------------------------------------------------------------------------------------
-def _checkpointing_off() -> dict:
-    from trl import GRPOConfig
-
-    names = {field.name for field in dataclasses.fields(GRPOConfig)}
-    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
-
-
 def _rollout(equal_prompts: bool):
     from hf_dynbsz.testing import ScriptedRollout
 
@@ -417,7 +411,7 @@ def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_promp
 
     model = build_tiny_causal_lm_of_type(model_type, seed=0)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
-    overrides = {} if model.supports_gradient_checkpointing else _checkpointing_off()
+    overrides = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
     args = config_cls(**base_config_kwargs(output_dir, **overrides))
     trainer = trainer_cls(
         model=model,

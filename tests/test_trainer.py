@@ -14,18 +14,19 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
-from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
+from hf_dynbsz.testing import (
+    checkpointing_field,
+    relative_difference,
+    run_training,
+    save_tiny_model,
+    update_difference,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 # Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
 SMALL_BUDGET = 40
 PARAM_TOLERANCE = 1e-5
-# transformers 5 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing
-CHECKPOINTING = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in {f.name for f in __import__("dataclasses").fields(GRPOConfig)}
-    else "gradient_checkpointing"
-)
+CHECKPOINTING = checkpointing_field()  # transformers 5 renamed gradient_checkpointing to activation_checkpointing
 UPDATE_TOLERANCE = 1e-3
 
 

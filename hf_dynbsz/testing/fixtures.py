@@ -20,6 +20,7 @@ __all__ = [
     "ScriptedRollout",
     "TEST_ALPHABET",
     "base_config_kwargs",
+    "checkpointing_field",
     "build_char_tokenizer",
     "build_chat_tokenizer",
     "build_tiny_causal_lm",
@@ -403,6 +404,17 @@ class CountingEnvironment:
 # --------------------------------------------------------------------------------------------------------------
 # Training runs
 # --------------------------------------------------------------------------------------------------------------
+
+
+def checkpointing_field() -> str:
+    """The config field of gradient checkpointing: transformers 5 renamed ``gradient_checkpointing`` to
+    ``activation_checkpointing`` in a minor release."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    names = {field.name for field in dataclasses.fields(GRPOConfig)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def base_config_kwargs(output_dir: str, **overrides) -> dict:
