@@ -95,39 +95,42 @@ class SharedLaunches:
     def __init__(self, directory: Path, model_dir: str) -> None:
         self.directory, self.model_dir, self.runs = directory, model_dir, {}
 
-    def key(self, trainer: str, config: str, model_dir: str, options: dict) -> tuple:
-        if trainer == "stock":
-            options = {name: value for name, value in options.items() if name not in OURS_ONLY}
-        return trainer, config, model_dir, tuple(sorted(options.items()))
+    @staticmethod
+    def flags(trainer: str, options: dict) -> dict:
+        """The flags of ``options`` that ``trainer`` reads (stock: ``OURS_ONLY`` left out)."""
+        return {name: value for name, value in options.items() if trainer != "stock" or name not in OURS_ONLY}
+
+    @classmethod
+    def key(cls, trainer: str, config: str, model_dir: str, options: dict) -> tuple:
+        return trainer, config, model_dir, tuple(sorted(cls.flags(trainer, options).items()))
 
     def get(self, trainer: str, config: str, model_dir: str, **options) -> tuple[Path, list[dict]]:
         """The output prefix and each rank's record of ``trainer``'s run with ``options``."""
         key = self.key(trainer, config, model_dir, options)
         if key not in self.runs:
             shared = SHARED_RUNS.get(config, {}) if model_dir == self.model_dir else {}
-            group, keys = {}, set(self.runs)  # one run per key (stock's runs of several scenarios can be one)
+            group = {}  # one run per key not yet run (stock's runs of several scenarios can be one)
             for name, flags in shared.items():
-                if self.key(trainer, config, model_dir, flags) not in keys:
-                    group[name] = flags
-                    keys.add(self.key(trainer, config, model_dir, flags))
-            if key in {self.key(trainer, config, model_dir, flags) for flags in group.values()}:
+                run = self.key(trainer, config, model_dir, flags)
+                if run not in self.runs and run not in group:
+                    group[run] = name, self.flags(trainer, flags)
+            if key in group:
                 self.launch_group(trainer, config, group)
             else:
                 out = self.directory / f"{trainer}{len(self.runs)}"
-                stock_flags = dict(self.key(trainer, config, model_dir, options)[3])
-                self.runs[key] = (out, launch(config, out, model_dir, trainer, **stock_flags))
+                self.runs[key] = (out, launch(config, out, model_dir, trainer, **self.flags(trainer, options)))
         return self.runs[key]
 
-    def launch_group(self, trainer: str, config: str, group: dict[str, dict]) -> None:
+    def launch_group(self, trainer: str, config: str, group: dict[tuple, tuple[str, dict]]) -> None:
+        """One launch of ``trainer`` training every ``(name, flags)`` of ``group`` (keyed by run) in turn."""
         out = self.directory / f"{trainer}-{Path(config).stem}-{len(self.runs)}"
-        flags = {name: dict(self.key(trainer, config, self.model_dir, options)[3]) for name, options in group.items()}
-        command = worker_command(config, out, self.model_dir, trainer, scenarios=json.dumps(flags))
-        run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} runs {sorted(group)} under {config}")
-        for name, options in group.items():
-            self.runs[self.key(trainer, config, self.model_dir, options)] = (
-                Path(f"{out}.{name}"),
-                read_records(Path(f"{out}.{name}"), config, trainer),
-            )
+        scenarios = json.dumps(dict(group.values()))
+        command = worker_command(config, out, self.model_dir, trainer, scenarios=scenarios)
+        run_with_timeout(
+            command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} runs {sorted(dict(group.values()))} under {config}"
+        )
+        for key, (name, _) in group.items():
+            self.runs[key] = (Path(f"{out}.{name}"), read_records(Path(f"{out}.{name}"), config, trainer))
 
 
 @pytest.fixture(scope="module")
