@@ -36,6 +36,7 @@ from hf_dynbsz.testing import (
     image_prompt_dataset,
     load_tokenizer,
     prompt_dataset,
+    save_tiny_model,
 )
 
 
@@ -123,6 +124,11 @@ def main() -> None:
         action="store_true",
         help="gradient_checkpointing=False (GRPOConfig's default is True)",
     )
+    parser.add_argument(
+        "--architecture",
+        default=None,
+        help="train save_tiny_model's ARCHITECTURE (qwen3_next: a hybrid) instead of --model_dir's model",
+    )
     parser.add_argument("--oversize_policy", choices=["warn", "error"], default="warn")
     parser.add_argument("--tensor_batch_size", type=int, default=None)
     parser.add_argument("--long_rank", type=int, default=1, help="--rollout lopsided: the process given the long ones")
@@ -174,9 +180,23 @@ def runs(cli) -> list[tuple[str, argparse.Namespace]]:
     return [("", cli)]
 
 
+def text_model(cli, out: str):
+    """The tiny text model of the run: the one saved in ``--model_dir``, or ``--architecture``'s, saved here first by
+    the main process (TRL loads a reference model from the model's path when ``beta`` > 0)."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    directory = cli.model_dir
+    if cli.architecture:
+        directory, state = f"{out}-{cli.architecture}", PartialState()
+        with state.main_process_first():
+            if state.is_main_process:
+                save_tiny_model(directory, architecture=cli.architecture)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
 def train(cli, loss_type: str, out: str):
     """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
-    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
@@ -243,7 +263,7 @@ def train(cli, loss_type: str, out: str):
             ),
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
+        model = text_model(cli, out)
         kwargs = dict(
             model=model,
             reward_funcs=reward,

@@ -196,6 +196,8 @@ VISION_RUN = dict(loss_type="grpo", num_iterations=2, max_steps=2, budget=120)
 #: Scripted multi-turn rollouts with an environment mask under DDP, per loss type (test_multiturn_rollouts_...).
 ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
 MULTITURN_RUN = dict(rollout="multiturn", max_steps=2, budget=48)
+#: A hybrid model (Gated DeltaNet layers) balanced across 2 DDP processes (test_a_hybrid_model_...).
+HYBRID_RUN = dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
 #: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
 DAMAGES = ("advantage", "old_logps", "weight")
 
@@ -212,6 +214,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
+    | {"hybrid": HYBRID_RUN}
 )
 
 
@@ -245,6 +248,16 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(
     )
     damaged = torch.load(f"{out}.params.pt")
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
+
+
+def test_a_hybrid_model_balanced_across_processes_matches_stock(model_dir, shared_launches):
+    """Qwen3-Next-style Gated DeltaNet layers run per sequence (segment recurrence): padding-free rows with shared
+    prompts, samples moved between the processes, parameters equal to stock's."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **HYBRID_RUN)
+    steps = [step for record in ours for step in record["metrics"]]
+    assert max(step["dynbsz/samples_moved"] for step in steps) > 0
+    assert max(step["dynbsz/prompt_tokens_saved"] for step in steps) > 0
+    assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)
 
 
 # ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------

@@ -70,18 +70,24 @@ def test_without_segment_attention_sdpa_pads_and_flash_packs_by_its_own_varlen_k
     assert names(flash.layouts()[0])[0] == ("padding_free", False, None, False, "varlen")
 
 
+def unknown_state_kind(**config):
+    """A decoder whose config names a layer kind that carries state and that segment recurrence does not know."""
+    config = CONFIG_MAPPING["llama"](**config)
+    config.layer_types = ["full_attention", "retention"]
+    return ModelSupport.of(config, attn_implementation="sdpa")
+
+
 @pytest.mark.parametrize(
     ("model_type", "blocked"),
     [
-        ("qwen3_next", "linear_attention"),  # gated delta net layers
-        ("jamba", "mamba"),
+        ("retention", "retention"),  # a layer kind segment recurrence does not know
         ("llama", None),
         ("gemma3_text", None),  # sliding-window layers see other tokens only through attention
         ("mistral", None),  # a default sliding window of 4096: segment attention draws it
     ],
 )
-def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, blocked):
-    support = support_of(model_type)
+def test_layers_that_carry_unknown_state_along_a_row_block_padding_free(model_type, blocked):
+    support = unknown_state_kind() if model_type == "retention" else support_of(model_type)
     assert (support.padding_free_blocker is None) == (blocked is None)
     if blocked:
         assert blocked in support.padding_free_blocker
@@ -90,6 +96,51 @@ def test_layers_that_carry_state_along_a_row_block_padding_free(model_type, bloc
             assert {layout.name for layout in layouts} == {"padded"}
             with pytest.raises(ValueError, match=r"packing_layout='padding_free' cannot train this model exactly"):
                 support.layouts("padding_free")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kinds"), [("qwen3_next", ("linear_attention",)), ("jamba", ("linear_attention", "mamba"))]
+)
+def test_the_planner_takes_known_state_carrying_kinds_as_segment_recurrence(model_type, kinds):
+    """Without the model (``hf-dynbsz plan --model_config``) the layer kinds are all there is: the trainer decides
+    from the modules, and the self-check verifies."""
+    support = support_of(model_type)
+    assert support.padding_free_blocker is None and support.sequence_mixers == kinds
+    layout = support.layouts()[0][0]
+    assert layout.segment_recurrence and layout.share_prompts
+    assert layout.describe().endswith("segment recurrence")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "mixers"),
+    [
+        ("qwen3_next", ("Qwen3NextGatedDeltaNet",)),
+        ("jamba", ("JambaMambaMixer",)),
+        ("mamba2", ("Mamba2Mixer",)),  # no attention at all: no position ids or segment attention needed
+        ("lfm2", ("Lfm2ShortConv",)),
+        ("recurrent_gemma", ("RecurrentGemmaRecurrentBlock",)),
+        ("minimax", ("MiniMaxLightningAttention",)),
+    ],
+)
+def test_a_models_sequence_mixers_are_read_off_its_modules(model_type, mixers):
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    support = ModelSupport.of(model=build_tiny_causal_lm_of_type(model_type))
+    assert support.sequence_mixers == mixers
+    assert support.padding_free_blocker is None and support.segment_attention_blocker is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "loose"),
+    [("rwkv", "RwkvSelfAttention"), ("xlstm", "xLSTMBackend"), ("zaya", "Conv1d")],  # zaya: inside its attention
+)
+def test_state_outside_a_sequence_mixer_keeps_padded_rows(model_type, loose):
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    support = ModelSupport.of(model=build_tiny_causal_lm_of_type(model_type))
+    assert support.sequence_mixers == ()
+    assert f"its {loose} modules carry state along a row" in support.padding_free_blocker
+    assert {layout.name for layout in support.layouts()[0]} == {"padded"}
 
 
 def test_indexed_sparse_attention_runs_stock_math():
@@ -188,7 +239,7 @@ def test_every_config_of_transformers_is_read_without_raising(model_type):
 
 
 def test_describe_names_every_limit():
-    support = dataclasses.replace(support_of("qwen3_next"), position_offset=2)
+    support = dataclasses.replace(unknown_state_kind(), position_offset=2)
     lines = support.describe()
     assert any(line.startswith("padding-free rows: off") for line in lines)
     assert any("position ids start at 2" in line for line in lines)

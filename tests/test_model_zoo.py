@@ -57,6 +57,9 @@ TRANSFORMERS = _transformers_version()
 #: "stock math"), with default settings and the model's default attention implementation.
 SHARED = "padding_free, shared prompts, segment attention (sdpa)"
 SHARED_EAGER = "padding_free, shared prompts, segment attention (eager)"
+#: hybrid and state-space models: their sequence mixers run per sequence (hf_dynbsz.execution.recurrence)
+SHARED_RECURRENT = "padding_free, shared prompts, segment attention (sdpa), segment recurrence"
+SHARED_RECURRENT_EAGER = "padding_free, shared prompts, segment attention (eager), segment recurrence"
 PADDED = "padded"
 MASKED = "padded, attention mask"
 STOCK = "stock math"
@@ -74,7 +77,8 @@ class Expect:
 # self-check); the table of docs/compatibility.md shows them.
 _NO_BACKEND = "attention not dispatched through transformers' AttentionInterface"
 _NO_POSITIONS = "its forward takes no position ids (positions would run on along a padding-free row)"
-_STATE = "layers that carry state along a row (recurrent, state-space, convolution, linear attention)"
+_STATE = "layers that carry state along a row outside a sequence mixer segment recurrence runs per sequence"
+_RELATIVE = "self-check: its relative-position logits span the whole row, which segment attention does not cut"
 _BIDIRECTIONAL = "attention looks in both directions: padding needs a mask"
 _BLT = "self-check: byte n-gram hashes and entropy patches cross sequences in a padding-free row"
 _NONE_EXACT = "self-check: no layout gives each sample's own log-probs"
@@ -93,8 +97,8 @@ ARCHITECTURES: dict[str, Expect] = {
     "aria_text": Expect(SHARED),
     "axk1": Expect(SHARED),
     "axk2": Expect(STOCK, _INDEXED),
-    "bailing_hybrid": Expect(PADDED, _STATE),
-    "bamba": Expect(PADDED, _STATE),
+    "bailing_hybrid": Expect(SHARED_RECURRENT),
+    "bamba": Expect(SHARED_RECURRENT),
     "bart": Expect(PADDED, _NO_POSITIONS),
     "beam": Expect(SHARED),
     "bert": Expect(SHARED),
@@ -133,8 +137,8 @@ ARCHITECTURES: dict[str, Expect] = {
     "exaone4": Expect(SHARED),
     "exaone_moe": Expect(SHARED),
     "falcon": Expect(PADDED, _NO_BACKEND),
-    "falcon_h1": Expect(PADDED, _STATE),
-    "falcon_mamba": Expect(PADDED, _STATE),
+    "falcon_h1": Expect(SHARED_RECURRENT),
+    "falcon_mamba": Expect(SHARED_RECURRENT_EAGER),
     "flex_olmo": Expect(SHARED),
     "flint": Expect(SHARED_EAGER),
     "gemma": Expect(SHARED),
@@ -165,32 +169,32 @@ ARCHITECTURES: dict[str, Expect] = {
     "hy_v3": Expect(SHARED),
     "hy_v4": Expect(STOCK, _INDEXED),
     "hyperclovax": Expect(SHARED),
-    "inkling2_loop_text": Expect(PADDED, _STATE),
-    "inkling2_text": Expect(PADDED, _STATE),
-    "inkling_text": Expect(PADDED, _STATE),
+    "inkling2_loop_text": Expect(PADDED, _RELATIVE),
+    "inkling2_text": Expect(PADDED, _RELATIVE),
+    "inkling_text": Expect(PADDED, _RELATIVE),
     "internlm3": Expect(SHARED),
     "iquestcoder": Expect(SHARED),
     "jais2": Expect(SHARED),
-    "jamba": Expect(PADDED, _STATE),
+    "jamba": Expect(SHARED_RECURRENT),
     "jetmoe": Expect(SHARED),
-    "kimi_linear": Expect(PADDED, _STATE),
+    "kimi_linear": Expect(SHARED_RECURRENT),
     "kolibri1": Expect(SHARED),
     "laguna": Expect(SHARED),
-    "lara_mini": Expect(PADDED, _STATE),
-    "lfm2": Expect(PADDED, _STATE),
-    "lfm2_moe": Expect(PADDED, _STATE),
-    "lfm3": Expect(PADDED, _STATE),
+    "lara_mini": Expect(SHARED_RECURRENT),
+    "lfm2": Expect(SHARED_RECURRENT),
+    "lfm2_moe": Expect(SHARED_RECURRENT),
+    "lfm3": Expect(SHARED_RECURRENT),
     "llama": Expect(SHARED),
     "longcat_flash": Expect(SHARED),
-    "mamba": Expect(PADDED, _STATE),
-    "mamba2": Expect(PADDED, _STATE),
+    "mamba": Expect(SHARED_RECURRENT_EAGER),
+    "mamba2": Expect(SHARED_RECURRENT_EAGER),
     "marian": Expect(PADDED, _NO_POSITIONS),
     "mbart": Expect(PADDED, _NO_POSITIONS),
     "megatron-bert": Expect(PADDED, _NO_BACKEND),
     "mellum": Expect(SHARED),
     "mimo_v2_flash": Expect(SHARED_EAGER),
     "minicpm3": Expect(SHARED),
-    "minimax": Expect(PADDED, _STATE),
+    "minimax": Expect(SHARED_RECURRENT),
     "minimax_m2": Expect(SHARED),
     "minimax_m3_vl_text": Expect(PADDED, _STATE),
     "ministral": Expect(SHARED),
@@ -203,11 +207,11 @@ ARCHITECTURES: dict[str, Expect] = {
     "mvp": Expect(PADDED, _NO_POSITIONS),
     "nanochat": Expect(SHARED),
     "nemotron": Expect(SHARED),
-    "nemotron_h": Expect(PADDED, _STATE),
+    "nemotron_h": Expect(SHARED_RECURRENT),
     "olmo": Expect(SHARED),
     "olmo2": Expect(SHARED),
     "olmo3": Expect(SHARED),
-    "olmo_hybrid": Expect(PADDED, _STATE),
+    "olmo_hybrid": Expect(SHARED_RECURRENT),
     "olmoe": Expect(SHARED),
     "openai-gpt": Expect(PADDED, _NO_BACKEND),
     "opt": Expect(SHARED),
@@ -220,12 +224,12 @@ ARCHITECTURES: dict[str, Expect] = {
     "qwen2": Expect(SHARED),
     "qwen2_moe": Expect(SHARED),
     "qwen3": Expect(SHARED),
-    "qwen3_5_moe_text": Expect(PADDED, _STATE),
-    "qwen3_5_text": Expect(PADDED, _STATE),
+    "qwen3_5_moe_text": Expect(SHARED_RECURRENT),
+    "qwen3_5_text": Expect(SHARED_RECURRENT),
     "qwen3_moe": Expect(SHARED),
-    "qwen3_next": Expect(PADDED, _STATE),
+    "qwen3_next": Expect(SHARED_RECURRENT),
     "qwen4_exp_text": Expect(STOCK, _INDEXED),
-    "recurrent_gemma": Expect(PADDED, _STATE),
+    "recurrent_gemma": Expect(SHARED_RECURRENT),
     "rembert": Expect(PADDED, _NO_BACKEND),
     "roberta": Expect(SHARED),
     "roberta-prelayernorm": Expect(SHARED),
@@ -250,8 +254,8 @@ ARCHITECTURES: dict[str, Expect] = {
     "xlstm": Expect(PADDED, _STATE),
     "xmod": Expect(SHARED),
     "youtu": Expect(SHARED),
-    "zamba": Expect(PADDED, _STATE),
-    "zamba2": Expect(PADDED, _STATE),
+    "zamba": Expect(SHARED_RECURRENT),
+    "zamba2": Expect(SHARED_RECURRENT),
     "zaya": Expect(PADDED, _STATE),
 }
 
@@ -434,7 +438,11 @@ def trained_layout(trainer) -> str:
     from hf_dynbsz.planning.model_support import Layout
 
     return Layout(
-        scheduler.layout, scheduler.share_prompts, scheduler.segment_attention, scheduler.attention_mask
+        scheduler.layout,
+        scheduler.share_prompts,
+        scheduler.segment_attention,
+        scheduler.attention_mask,
+        segment_recurrence=scheduler.segment_recurrence,
     ).describe()
 
 

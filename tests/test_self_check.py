@@ -157,8 +157,9 @@ def test_tolerance_follows_the_precision():
 
 def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     """End to end, on a linear-attention model whose layout list is made to start with padding-free rows (as if the
-    decision module had missed its recurrent layers): the check finds them inexact, the run trains padded with one
-    warning and equals stock; with self_check=False the layout is used as given."""
+    decision module had missed its recurrent layers): the check finds them inexact, the run trains the next layout
+    (padding-free rows through segment recurrence) with one warning and equals stock; with self_check=False the
+    layout is used as given."""
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
@@ -204,12 +205,14 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     stock = train(GRPOTrainer, GRPOConfig)
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         checked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=True)
-    assert checked._dynbsz.scheduler.layout == "padded"
+    scheduler = checked._dynbsz.scheduler  # the next rung: padding-free rows through segment recurrence
+    assert scheduler.layout == "padding_free" and scheduler.segment_recurrence
     assert caplog.text.count("self-check") == 1 and "differ from each sample's own" in caplog.text
     params = {name: p for name, p in checked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) <= 1e-5
     unchecked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=False, seed=0)
-    assert unchecked._dynbsz.scheduler.layout == "padding_free"  # trusted, not checked: and not stock's
+    scheduler = unchecked._dynbsz.scheduler
+    assert scheduler.layout == "padding_free" and not scheduler.segment_recurrence  # trusted, not checked: not stock's
     params = {name: p for name, p in unchecked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) > 1e-5
 

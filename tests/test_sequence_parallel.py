@@ -69,7 +69,7 @@ def test_what_cannot_run_is_refused_with_the_setting_and_a_fix(overrides, messag
 
 
 def blocker(size=2, processes=2, **overrides):
-    support = SimpleNamespace(padding_free_blocker=None)
+    support = SimpleNamespace(padding_free_blocker=None, sequence_mixers=())
     kwargs = dict(
         layouts=[Layout("padding_free", segment_attention="sdpa", attention="varlen")],
         support=support,
@@ -89,6 +89,8 @@ def test_the_runs_sequence_parallelism_cannot_shard_are_named():
     assert "padding-free rows" in blocker(layouts=[Layout("padded")])
     assert "router aux loss" in blocker(router_aux=True)
     assert "entropy bonus" in blocker(entropy_bonus=True)
+    hybrid = SimpleNamespace(padding_free_blocker=None, sequence_mixers=("Qwen3NextGatedDeltaNet",))
+    assert "does not shard the Qwen3NextGatedDeltaNet layers" in blocker(support=hybrid)  # state crosses shards
     assert "must divide the attention heads" in blocker(
         size=4, processes=4, text_config=SimpleNamespace(num_attention_heads=6, num_key_value_heads=2)
     )

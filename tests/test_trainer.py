@@ -434,7 +434,7 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
     assert any(entry.get("dynbsz/prompt_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
 
 
-# ---- models whose layers carry state along a row (linear attention) ---------------------------------------------
+# ---- hybrid models: layers that carry state along a sequence (Gated DeltaNet) ----------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -442,30 +442,16 @@ def hybrid_model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("hybrid-model")), architecture="qwen3_next")
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_linear_attention_model_is_repacked_padded_and_matches_stock(hybrid_model_dir, tmp_path, loss_type):
-    # A padding-free row would let the linear-attention state run from one sample into the next: "auto" pads.
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])
+def test_hybrid_model_trains_padding_free_with_shared_prompts_and_matches_stock(hybrid_model_dir, tmp_path, loss_type):
+    # Its Gated DeltaNet layers run per sequence of the row (segment recurrence), each completion from its prompt's
+    # final state: padding-free rows with shared prompts, equal to stock's per-sample padded forward.
     history = compare_with_stock(
         hybrid_model_dir, tmp_path, loss_type=loss_type, beta=0.1, num_iterations=2, router_aux_loss_coef=0.0
     )
-    assert any(entry.get("dynbsz/microbatches", 0) > 2 for entry in history)  # repacked, not stock's 2 slices
-    assert all(entry.get("dynbsz/prompt_tokens_saved", 0) == 0 for entry in history if "dynbsz/microbatches" in entry)
-
-
-def test_padding_free_on_a_linear_attention_model_is_refused_at_construction(hybrid_model_dir, tmp_path):
-    with pytest.raises(
-        ValueError,
-        match=r"packing_layout='padding_free' cannot train this model exactly: its "
-        r"linear_attention layers carry state along a row",
-    ):
-        run_training(
-            DynamicBatchGRPOTrainer,
-            DynamicBatchGRPOConfig,
-            hybrid_model_dir,
-            str(tmp_path),
-            packing_layout="padding_free",
-            router_aux_loss_coef=0.0,
-        )
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert steps and all(entry["dynbsz/padding_fraction"] == 0 for entry in steps)  # padding-free rows
+    assert any(entry["dynbsz/prompt_tokens_saved"] > 0 for entry in steps)  # shared prompts
 
 
 # ---- mixture-of-experts models -----------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ __all__ = [
     "ATTENTION_NAME",
     "Segment",
     "SegmentLayout",
+    "active_segments",
     "segment_attention",
     "segment_attention_forward",
     "use_segments",
@@ -257,6 +258,11 @@ _ACTIVE: list[SegmentLayout | None] = [None]
 def use_segments(layout: SegmentLayout | None) -> None:
     """Make ``layout`` the segments of the next forward (and of its backward's recomputation)."""
     _ACTIVE[0] = layout
+
+
+def active_segments() -> SegmentLayout | None:
+    """The layout :func:`use_segments` named for the forward being run (None: no padding-free row)."""
+    return _ACTIVE[0]
 
 
 def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, scaling, dropout, **features):

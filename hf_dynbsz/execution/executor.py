@@ -38,6 +38,7 @@ from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.multimodal import MediaPolicy, rope_positions
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
+from hf_dynbsz.execution.recurrence import segment_recurrence
 from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
 from hf_dynbsz.execution.self_check import alone_microbatch, run_self_check, tolerance
 from hf_dynbsz.execution.tiling import lm_head_tiles
@@ -399,12 +400,18 @@ class PassExecutor:
             position_offset=scheduler.position_offset,
         )
 
+    @contextlib.contextmanager
     def segments(self, model, scheduler: Scheduler | None = None, parallel=None):
         """Segment attention for the passes (forward and backward) when padding-free rows use it, through
-        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses)."""
-        enabled = (scheduler or self.scheduler).segment_attention is not None
+        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses), and segment
+        recurrence for the model's sequence mixers (the identity for a model without any, and for padded passes)."""
+        scheduler = scheduler or self.scheduler
+        enabled = scheduler.segment_attention is not None
         name = (parallel or self.parallel).attention_name
-        return segment_attention(self.accelerator.unwrap_model(model), enabled, name)
+        unwrapped = self.accelerator.unwrap_model(model)
+        mixers = self.capabilities.support.sequence_mixers if scheduler.segment_recurrence else ()
+        with segment_attention(unwrapped, enabled, name), segment_recurrence(unwrapped, mixers):
+            yield
 
     def forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True, parallel=None):
         """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits

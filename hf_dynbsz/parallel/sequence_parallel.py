@@ -78,6 +78,11 @@ def sequence_parallel_blocker(
             f"sequence_parallel_size={size} shards padding-free rows through segment attention, which this run "
             f"does not use ({reason}): {fix}, or use packing_layout='padding_free' with a model that allows it"
         )
+    if support.sequence_mixers:
+        return (
+            f"sequence_parallel_size={size} does not shard the {', '.join(support.sequence_mixers)} layers of this "
+            f"model (they carry state along a sequence, which a shard would need from the shard before it): {fix}"
+        )
     if router_aux:
         return f"sequence_parallel_size={size} does not repack the MoE router aux loss: {fix}"
     if entropy_bonus:

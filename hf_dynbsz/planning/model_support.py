@@ -53,6 +53,22 @@ STATEFUL_MODULE = re.compile(
     r"LinearAttention|ShortConv|Lightning|Retention|^Conv1d$"
 )
 
+#: Class names of *sequence mixers*: the module of a layer that carries state along a sequence, taken whole. Segment
+#: recurrence (:mod:`hf_dynbsz.execution.recurrence`) runs each per sequence of a padding-free row: Mamba / Mamba-2
+#: mixers, Gated DeltaNet, delta and lightning attention, short convolutions, RecurrentGemma's recurrent block.
+SEQUENCE_MIXER = re.compile(
+    r"(Mixer|GatedDeltaNet|DeltaAttention|LightningAttention|ShortConv|ShortConvolution|RecurrentBlock)$"
+)
+
+#: Class names of modules that hold layers or work per token (a decoder layer, a model, a norm, an MLP, an
+#: embedding): a name of :data:`STATEFUL_MODULE` on them ("MambaRMSNorm", "RecurrentGemmaDecoderLayer") is the
+#: family's, not state carried along the sequence.
+CONTAINER_OR_PER_TOKEN = re.compile(r"(DecoderLayer|Block|Layer|Model|ForCausalLM|Norm|NormGated|Mlp|MLP|Embedding)$")
+
+#: Config layer kinds that carry state which segment recurrence can keep apart, when the model's modules show it
+#: (the planner, reading a config without a model, takes them as segmentable; the trainer decides from the modules).
+SEGMENTED_LAYER_KINDS = frozenset({"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "recurrent"})
+
 #: Vision-language model types whose image steps are repacked, each sample's image inputs moving with it (tested
 #: against stock TRL). Any other model with a ``vision_config`` runs its image steps with stock's micro-batches.
 REPACKED_VISION_MODEL_TYPES = ("llava", "qwen2_5_vl", "qwen2_vl")
@@ -110,8 +126,9 @@ class Layout:
     ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded
     to the pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through
     segment attention). ``segment_attention``: the base implementation segment attention runs per segment, None
-    for the model's own attention. ``attention_mask``: padded rows carry an attention mask (right padding would
-    otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
+    for the model's own attention. ``segment_recurrence``: the model's sequence mixers run per sequence of the row
+    (:mod:`hf_dynbsz.execution.recurrence`). ``attention_mask``: padded rows carry an attention mask (right
+    padding would otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
     partitioner balances, ``"varlen"`` (each sequence attends to itself) or ``"dense"`` (a row or padded batch
     costs its square).
     """
@@ -121,6 +138,7 @@ class Layout:
     segment_attention: str | None = None
     attention_mask: bool = False
     attention: str = "dense"
+    segment_recurrence: bool = False
 
     def describe(self) -> str:
         """One phrase for logs and the plan table, e.g. "padding_free, shared prompts, segment attention (sdpa)"."""
@@ -129,6 +147,8 @@ class Layout:
             parts.append("shared prompts")
         if self.segment_attention:
             parts.append(f"segment attention ({self.segment_attention})")
+        if self.segment_recurrence:
+            parts.append("segment recurrence")
         if self.attention_mask:
             parts.append("attention mask")
         return ", ".join(parts)
@@ -140,8 +160,9 @@ class ModelSupport:
 
     Each ``*_blocker`` is None when the feature can run, else why not (one line, logged once):
 
-    * ``padding_free_blocker``: a padding-free row would mix its sequences (layers that carry state along the row,
-      a vision-language model outside :data:`REPACKED_VISION_MODEL_TYPES` positioning its own tokens);
+    * ``padding_free_blocker``: a padding-free row would mix its sequences (layers that carry state along the row
+      outside the :data:`SEQUENCE_MIXER` modules segment recurrence runs per sequence, a vision-language model
+      outside :data:`REPACKED_VISION_MODEL_TYPES` positioning its own tokens);
     * ``segment_attention_blocker``: segment attention cannot run the model (attention not dispatched through
       transformers' ``AttentionInterface``, a base implementation it does not wrap, bidirectional attention, ...);
     * ``unmasked_padding_blocker``: right padding without an attention mask can reach real tokens (bidirectional
@@ -155,7 +176,8 @@ class ModelSupport:
     ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
     (:data:`MULTIMODAL_ROPE_MODEL_TYPES`). ``model_flops``: the FLOPs read off the config (None when it gives none:
     :attr:`flops` is then a generic decoder's, see ``notes``). ``attn_implementation`` is the model's own attention
-    implementation.
+    implementation. ``sequence_mixers``: the class names of the modules segment recurrence runs per sequence in
+    padding-free rows (empty: none; the planner without a model gives the config's layer kinds instead).
     """
 
     model_type: str | None = None
@@ -169,6 +191,7 @@ class ModelSupport:
     router_aux_blocker: str | None = None
     position_offset: int = 0
     multimodal_rope: bool = False
+    sequence_mixers: tuple[str, ...] = ()
     model_flops: ModelFlops | None = None
     notes: tuple[str, ...] = ()
 
@@ -200,10 +223,12 @@ class ModelSupport:
             notes=notes,
         )
         decoder = _language_model(model) if vision else model  # what a padding-free row runs through
-        padding_free = VISION_LANGUAGE_PADDED if vision == "stock" else _state_carrying_layers(text, decoder)
-        if padding_free is None and model is not None and not _takes_position_ids(model):
+        state, mixers = _state_carrying_layers(text, decoder)
+        padding_free = VISION_LANGUAGE_PADDED if vision == "stock" else state
+        attention_free = bool(mixers) and model is not None and not _self_attention_modules(decoder)
+        if padding_free is None and model is not None and not attention_free and not _takes_position_ids(model):
             padding_free = "its forward takes no position ids, so positions would run on along a padding-free row"
-        segment = _segment_attention_blocker(config, text, decoder, attn_implementation)
+        segment = None if attention_free else _segment_attention_blocker(config, text, decoder, attn_implementation)
         unmasked = "image inputs are positioned from the attention mask" if vision else None
         bidirectional = _bidirectional(text, decoder)
         if bidirectional:
@@ -219,6 +244,7 @@ class ModelSupport:
             router_aux=router_aux,
             router_aux_blocker=router_blocker,
             position_offset=_position_offset(model),
+            sequence_mixers=mixers if padding_free is None else (),
             multimodal_rope=vision == "repacked" and config_value(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
         )
 
@@ -253,10 +279,11 @@ class ModelSupport:
             notes.append(f"padding-free rows are not used on {self.attn_implementation or 'eager'}: {SPANS_ON_CUDA}")
         ladder: list[Layout] = []
         if packing_layout != "padded" and self.padding_free_blocker is None:
+            recurrence = bool(self.sequence_mixers)
             if base is not None:
                 if share_prompt_prefix:
-                    ladder.append(Layout("padding_free", True, base, attention="varlen"))
-                ladder.append(Layout("padding_free", False, base, attention="varlen"))
+                    ladder.append(Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence))
+                ladder.append(Layout("padding_free", False, base, attention="varlen", segment_recurrence=recurrence))
             elif varlen:
                 ladder.append(Layout("padding_free", attention="varlen"))
             elif packing_layout == "padding_free":  # transformers' own block mask over the row: dense, but asked for
@@ -345,24 +372,45 @@ def _layer_kinds(text_config: Any) -> set[str]:
     return kinds
 
 
-def _state_carrying_layers(text_config: Any, model: Any) -> str | None:
-    """Why a padding-free row would carry state from one sequence into the next, or None."""
+def _state_carrying_layers(text_config: Any, model: Any) -> tuple[str | None, tuple[str, ...]]:
+    """``(why a padding-free row would carry state from one sequence into the next, or None; the sequence mixers
+    segment recurrence runs per sequence)``.
+
+    With a model: every module that carries state (:data:`STATEFUL_MODULE`, less :data:`CONTAINER_OR_PER_TOKEN`)
+    must be a :data:`SEQUENCE_MIXER` or inside one; the mixers' class names are returned. Without one (the
+    planner): the config's layer kinds, segmentable when all are in :data:`SEGMENTED_LAYER_KINDS`.
+    """
     carrying = sorted(_layer_kinds(text_config) - MASK_RESPECTING_LAYER_TYPES)
-    if carrying:
+    why = (
+        f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
+        "attention of a padding-free row does not stop"
+    )
+    if model is None or not callable(getattr(model, "named_modules", None)):
+        if carrying and not set(carrying) <= SEGMENTED_LAYER_KINDS:
+            return why, ()
+        return None, tuple(carrying)
+    mixers = [(name, module) for name, module in model.named_modules() if SEQUENCE_MIXER.search(type(module).__name__)]
+    attention = {id(module) for module in _self_attention_modules(model)}
+
+    loose = next(
+        (
+            type(module).__name__
+            for name, module in model.named_modules()
+            if STATEFUL_MODULE.search(type(module).__name__)
+            and not CONTAINER_OR_PER_TOKEN.search(type(module).__name__)
+            and id(module) not in attention
+            and not any(name == mixer or name.startswith(mixer + ".") for mixer, _ in mixers)
+        ),
+        None,
+    )
+    if loose:
         return (
-            f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
+            f"its {loose} modules carry state along a row, from one sequence into the next, which the "
             "attention of a padding-free row does not stop"
-        )
-    if model is not None and callable(getattr(model, "modules", None)):
-        name = next(
-            (type(module).__name__ for module in model.modules() if STATEFUL_MODULE.search(type(module).__name__)), None
-        )
-        if name:
-            return (
-                f"its {name} modules carry state along a row, from one sequence into the next, which the "
-                "attention of a padding-free row does not stop"
-            )
-    return None
+        ), ()
+    if carrying and not mixers:
+        return why, ()
+    return None, tuple(sorted({type(module).__name__ for _, module in mixers}))
 
 
 def _content_selected_keys(text_config: Any) -> str | None:
@@ -385,6 +433,7 @@ def _self_attention_modules(model: Any) -> list:
         for name, module in model.named_modules()
         if type(module).__name__.endswith("Attention")
         and hasattr(module, "is_causal")
+        and not SEQUENCE_MIXER.search(type(module).__name__)  # delta / lightning attention: recurrences
         and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)
     ]
 

@@ -273,7 +273,8 @@ class Scheduler:
     Build it with :meth:`from_args`; every process of a run holds an equal one (``group`` aside). ``layout`` is
     ``"padding_free"`` or ``"padded"``, ``attention`` the cost kind the partitioner balances (``"varlen"`` or
     ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
-    attention), ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
+    attention), ``segment_recurrence`` whether the model's sequence mixers run per sequence of a padding-free row,
+    ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
     ``share_prompts`` is on only where it is exact: padding-free rows through segment attention.
     """
 
@@ -287,6 +288,7 @@ class Scheduler:
     balance_across_ranks: bool = True
     share_prompts: bool = False
     segment_attention: str | None = None
+    segment_recurrence: bool = False
     attention_mask: bool = False
     position_offset: int = 0
     group: RankGroup = SINGLE_PROCESS
@@ -322,6 +324,7 @@ class Scheduler:
             balance_across_ranks=bool(balance) and not images_stay_on_their_process(support.vision_language),
             share_prompts=layout.share_prompts,
             segment_attention=layout.segment_attention,
+            segment_recurrence=layout.segment_recurrence,
             attention_mask=layout.attention_mask,
             position_offset=support.position_offset,
             group=group,

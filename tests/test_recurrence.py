@@ -1,0 +1,189 @@
+"""Specification of hf_dynbsz.execution.recurrence: padding-free rows and shared prompts through the sequence mixers of
+hybrid and state-space models give each sample's own log-probs and gradients.
+
+Each family is built tiny from its config (random weights, fp32, transformers' torch fallbacks of its kernels): Gated
+DeltaNet (Qwen3.5), the Mamba-2 SSM with no attention at all (Mamba-2), short convolutions (LFM2), RecurrentGemma's
+RG-LRU and convolution, and MiniMax's lightning attention. A row is built by the packing collator (shared prompts
+where a prompt has several completions) and run through segment attention and segment recurrence; every sample's
+log-probs must equal the sample run alone through the model (what generation computed). Two controls show the
+reference can fail: without segment recurrence a sequence starts from the previous one's state, and blocks run
+without their prefix start from a zero state; both differ by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from trl.trainer.utils import add_fused_lm_head
+
+from hf_dynbsz.execution import recurrence
+from hf_dynbsz.execution.attention import Segment, SegmentLayout, segment_attention, use_segments
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.recurrence import recurrence_calls, segment_recurrence
+from hf_dynbsz.planning.model_support import ModelSupport
+from hf_dynbsz.testing import grpo_batch, stock_logps
+from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+PAD = 0
+TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
+LEAK = 2e-5  # a sequence started from another's state differs by more than this (10x the tolerance)
+
+# prompts of 9, 4 and 13 tokens, 3 + 2 + 1 completions (one empty)
+PROMPTS, REPEATS = [9, 4, 13], [3, 2, 1]
+COMPLETIONS = [6, 11, 3, 8, 0, 5]
+FAMILIES = ["qwen3_5_text", "mamba2", "lfm2", "recurrent_gemma", "minimax"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    model = build_tiny_causal_lm_of_type(request.param, seed=1)
+    for module in model.modules():  # tiny random convolutions carry little: scaled up, a leak shows above LEAK
+        if isinstance(module, torch.nn.Conv1d):
+            module.weight.data.mul_(4)
+    model.eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+def mixers(model) -> tuple[str, ...]:
+    return ModelSupport.of(model=model).sequence_mixers
+
+
+def alone(model, batch) -> list[torch.Tensor]:
+    """Each sample's completion log-probs, the sample run alone (no padding)."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    out = []
+    for sample in range(prompt_ids.size(0)):
+        p, c = int(prompt_mask[sample].sum()), int(completion_mask[sample].sum())
+        if c == 0:
+            out.append(torch.zeros(0))
+            continue
+        one = (
+            prompt_ids[sample : sample + 1, -p:],
+            prompt_mask[sample : sample + 1, -p:],
+            completion_ids[sample : sample + 1, :c],
+            completion_mask[sample : sample + 1, :c],
+        )
+        out.append(stock_logps(model, *one)[0][0])
+    return out
+
+
+def packed(model, batch, order, shared: bool, with_recurrence: bool = True, pad_to_multiple_of=None):
+    table = SequenceTable.from_padded(*batch)
+    mb = build_microbatch(
+        table,
+        order,
+        layout="padding_free",
+        pad_token_id=PAD,
+        attention=model.config._attn_implementation,
+        groups=table.prompt_groups() if shared else None,
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+    recur = segment_recurrence(model, mixers(model)) if with_recurrence else contextlib.nullcontext()
+    with segment_attention(model), recur:
+        use_segments(mb.segments)
+        out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
+    return mb.to_completion_layout(out.log_probs)
+
+
+def largest_error(model, order, shared, **options) -> float:
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40)
+    with torch.no_grad():
+        expected = alone(model, batch)
+        logps = packed(model, batch, order, shared, **options)
+    return max(
+        (logps[row, : COMPLETIONS[sample]] - expected[sample]).abs().max().item()
+        for row, sample in enumerate(order)
+        if COMPLETIONS[sample]
+    )
+
+
+def test_the_family_has_sequence_mixers_and_trains_padding_free(model):
+    support = ModelSupport.of(model=model)
+    assert support.sequence_mixers and support.padding_free_blocker is None
+    layout = support.layouts()[0][0]
+    assert layout.name == "padding_free" and layout.share_prompts and layout.segment_recurrence
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
+def test_shared_prompts_give_each_samples_own_logprobs(model, pad_to_multiple_of):
+    order = [4, 0, 5, 2, 3, 1]  # groups interleaved: the collator gathers each group's segment
+    assert largest_error(model, order, shared=True, pad_to_multiple_of=pad_to_multiple_of) <= TOLERANCE
+
+
+def test_a_sequence_never_starts_from_the_previous_sequences_state(model):
+    order = list(range(len(COMPLETIONS)))
+    assert largest_error(model, order, shared=False) <= TOLERANCE
+    # the control: the mixers run over the whole row carry state from one sequence into the next
+    assert largest_error(model, order, shared=False, with_recurrence=False) > LEAK
+
+
+def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
+    order = list(range(len(COMPLETIONS)))
+    assert largest_error(model, order, shared=True) <= TOLERANCE
+
+    # the control: blocks run from a zero state, each prefix alone
+    def without_prefix_state(layout, device):
+        split = []
+        for segment in layout.segments:
+            start = segment.start
+            for length in (segment.prefix, *segment.blocks):
+                if length:
+                    split.append(Segment(start, 0, (length,)))
+                start += length
+        return real(SegmentLayout(split, layout.base_implementation), device)
+
+    real = recurrence_calls
+    monkeypatch.setattr(recurrence, "recurrence_calls", without_prefix_state)
+    assert largest_error(model, order, shared=True) > LEAK
+
+
+def test_gradients_equal_those_of_each_sample_alone():
+    model = build_tiny_causal_lm_of_type("qwen3_5_text", seed=3)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=4, token_high=40)
+    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS))
+
+    def gradients(loss):
+        model.zero_grad()
+        loss().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def each_alone():
+        return sum(weights[i] * logps.sum() for i, logps in enumerate(alone(model, batch)))
+
+    def shared_row():
+        logps = packed(model, batch, list(range(len(COMPLETIONS))), shared=True)
+        return (logps * weights.unsqueeze(1)).sum()
+
+    expected, got = gradients(each_alone), gradients(shared_row)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_runs_of_equal_length_share_a_call_and_every_token_is_kept_once():
+    # a plain sequence of 5, a shared prompt of prefix 4 with blocks 3, 1 and 3, a plain sequence of 7
+    layout = SegmentLayout([Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,))], "sdpa")
+    calls, positions = recurrence_calls(layout, "cpu")
+    assert [tuple(call.gather.shape) for call in calls] == [(2, 5), (3, 7)]  # 5, 4+1 / 4+3, 4+3, 7
+    lengths = [call.gather.shape[1] for call in calls]
+    assert lengths == sorted(lengths)
+    assert sorted(positions.tolist()) == list(range(layout.width))
+    # the first block keeps its prefix's outputs, the others only their own
+    blocks = calls[1].gather[calls[1].gather[:, 0] == 5]
+    assert blocks.tolist() == [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 13, 14, 15]]
+
+
+def test_passes_without_a_layout_run_the_mixers_untouched(model):
+    batch = grpo_batch([6], [4], [1], seed=5, token_high=40)
+    use_segments(None)
+    with torch.no_grad():
+        plain = stock_logps(model, *batch)[0]
+        with segment_recurrence(model, mixers(model)):
+            wrapped = stock_logps(model, *batch)[0]
+    assert torch.equal(plain, wrapped)
+    wrapped_classes = mixers(model)
+    assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ in wrapped_classes)  # gone
