@@ -134,6 +134,12 @@ VISION_SIDES = {"prompt_heavy": (336, 448), "default": (28, 56, 112, 224, 448)}
 MOE_DEFAULTS = dict(mixes="long_tailed", configs="stock,padded,padding_free")
 #: ``--model qwen3_moe``: experts, experts per token, router aux loss coefficient (Qwen3-MoE's default).
 MOE_EXPERTS, MOE_TOP_K, MOE_AUX_COEF = 8, 2, 0.001
+#: ``--model qwen3_5`` defaults: a Qwen3.5-style hybrid (Gated DeltaNet and full attention) on the long-tailed and
+#: the prompt-heavy mixes, stock vs padded rows vs padding-free rows (segment recurrence) without and with shared
+#: prompts.
+HYBRID_DEFAULTS = dict(mixes="long_tailed,prompt_heavy", configs="stock,padded,padding_free_no_share,padding_free")
+#: ``--model qwen3_5``: every how-many-th layer is full attention (Qwen3.5's ``full_attention_interval``).
+HYBRID_FULL_ATTENTION_INTERVAL = 4
 
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
@@ -395,6 +401,8 @@ def run_worker(spec: dict) -> dict:
     tokenizer = build_char_tokenizer()
     if spec.get("model") == "qwen3_moe":
         model = build_moe_model(spec, len(tokenizer))
+    elif spec.get("model") == "qwen3_5":
+        model = build_hybrid_model(spec, len(tokenizer))
     else:
         model = build_tiny_causal_lm(
             tokenizer,
@@ -420,6 +428,41 @@ def run_worker(spec: dict) -> dict:
     )
     dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]})
     return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
+
+
+def build_hybrid_model(spec: dict, tokenizer_size: int):
+    """A Qwen3.5-style hybrid: Gated DeltaNet (linear attention) layers with a full-attention layer every
+    HYBRID_FULL_ATTENTION_INTERVAL-th, transformers' torch fallbacks of its kernels (no flash-linear-attention)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hidden, layers = spec["hidden_size"], spec["num_layers"]
+    heads = max(2, hidden // 32)
+    config = Qwen3_5TextConfig(
+        vocab_size=max(spec["vocab_size"], tokenizer_size),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32 if hidden >= 64 else hidden // 2,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=32 if hidden >= 64 else hidden // 2,
+        linear_value_head_dim=32 if hidden >= 64 else hidden // 2,
+        layer_types=[
+            "full_attention" if (i + 1) % HYBRID_FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen3_5ForCausalLM(config).float()
 
 
 def build_moe_model(spec: dict, tokenizer_size: int):
@@ -848,12 +891,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--model",
-        choices=("qwen2", "qwen2_vl", "qwen3_moe"),
+        choices=("qwen2", "qwen2_vl", "qwen3_moe", "qwen3_5"),
         default="qwen2",
         help="qwen2: text prompts; qwen2_vl: a Qwen2-VL model, prompts with 1-2 images (writes "
         "vlm_step_time.*; default mixes/configs: long_tailed,prompt_heavy / stock,padded,"
         "padding_free_no_share,padding_free); qwen3_moe: a Qwen3-MoE model with TRL's router aux loss on (writes "
-        "moe_step_time.*; default long_tailed / stock,padded,padding_free)",
+        "moe_step_time.*; default long_tailed / stock,padded,padding_free); qwen3_5: a Qwen3.5-style hybrid "
+        "(Gated DeltaNet; writes hybrid_step_time.*; default long_tailed,prompt_heavy / stock,padded,"
+        "padding_free_no_share,padding_free)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -867,6 +912,8 @@ def resolve_settings(args, parser: argparse.ArgumentParser) -> dict:
         settings.update(VISION_DEFAULTS)
     if args.model == "qwen3_moe":
         settings.update(MOE_DEFAULTS)
+    if args.model == "qwen3_5":
+        settings.update(HYBRID_DEFAULTS)
     for key in settings:
         value = getattr(args, key, None)
         if value is not None:
@@ -938,6 +985,12 @@ def describe_setup(settings: dict, model: str, first: dict, rows: list[dict]) ->
             f"{MOE_TOP_K} per token, router aux loss coefficient {MOE_AUX_COEF}: TRL trains it; the dynamic trainer "
             "adds one no-grad router pass per optimizer step),"
         )
+    elif model == "qwen3_5":
+        family = (
+            f"Model: Qwen3.5-style hybrid (Gated DeltaNet linear attention, full attention every "
+            f"{HYBRID_FULL_ATTENTION_INTERVAL}th layer; transformers' torch fallbacks of the delta rule and the "
+            "causal convolution),"
+        )
     else:
         family = "Model: Qwen2-style,"
     generation_batch = settings["batch_size"] * settings["steps_per_generation"]
@@ -978,7 +1031,6 @@ COLUMNS_NOTE = (
 
 def write_report(args, settings, results, rows, table, setup, loads, code_versions, started) -> str:
     """Writes the markdown report, the raw data (JSON) and the plot; returns the files' base name."""
-    vision, moe = args.model == "qwen2_vl", args.model == "qwen3_moe"
     machine = (
         f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
         f"{' | '.join(loads)} (a shared machine: other jobs ran during the measurement)."
@@ -989,9 +1041,12 @@ def write_report(args, settings, results, rows, table, setup, loads, code_versio
         + "."
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = ("vlm_" if vision else "moe_" if moe else "") + ("step_time_quick" if args.quick else "step_time")
+    prefix = {"qwen2_vl": "vlm_", "qwen3_moe": "moe_", "qwen3_5": "hybrid_"}.get(args.model, "")
+    name = prefix + ("step_time_quick" if args.quick else "step_time")
     command = " ".join(["python benchmarks/step_time.py", *sys.argv[1:]])  # as run, every option given
-    kind = ", vision-language" if vision else ", mixture of experts" if moe else ""
+    kind = {"qwen2_vl": ", vision-language", "qwen3_moe": ", mixture of experts", "qwen3_5": ", hybrid model"}.get(
+        args.model, ""
+    )
     title = (
         f"# Training-step time{kind}: stock GRPOTrainer vs DynamicBatchGRPOTrainer"
         f"{' (quick run)' if args.quick else ''}"

@@ -21,7 +21,7 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_dynbsz.execution import recurrence
 from hf_dynbsz.execution.attention import Segment, SegmentLayout, segment_attention, use_segments
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
-from hf_dynbsz.execution.recurrence import recurrence_calls, segment_recurrence
+from hf_dynbsz.execution.recurrence import SHORTEST_BUCKET, bucket_length, recurrence_calls, segment_recurrence
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.testing import grpo_batch, stock_logps
 from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
@@ -164,17 +164,27 @@ def test_gradients_equal_those_of_each_sample_alone():
         assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
 
 
-def test_runs_of_equal_length_share_a_call_and_every_token_is_kept_once():
-    # a plain sequence of 5, a shared prompt of prefix 4 with blocks 3, 1 and 3, a plain sequence of 7
-    layout = SegmentLayout([Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,))], "sdpa")
+def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
+    # a plain sequence of 5, a shared prompt of prefix 4 with blocks 3, 1 and 3, a plain sequence of 7, one of 20
+    segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 0, (20,))]
+    layout = SegmentLayout(segments, "sdpa")
     calls, positions = recurrence_calls(layout, "cpu")
-    assert [tuple(call.gather.shape) for call in calls] == [(2, 5), (3, 7)]  # 5, 4+1 / 4+3, 4+3, 7
-    lengths = [call.gather.shape[1] for call in calls]
-    assert lengths == sorted(lengths)
+    assert [tuple(call.gather.shape) for call in calls] == [(5, 16), (1, 24)]  # runs of 5, 7, 5, 7, 7 | 20
     assert sorted(positions.tolist()) == list(range(layout.width))
-    # the first block keeps its prefix's outputs, the others only their own
-    blocks = calls[1].gather[calls[1].gather[:, 0] == 5]
-    assert blocks.tolist() == [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 13, 14, 15]]
+    first = calls[0]
+    # each block runs after its prefix; the first block keeps the prefix's outputs, the others only their own
+    assert first.gather[1, :8].tolist() == [5, 6, 7, 8, 9, 10, 11, 11]  # prefix, block 1, then padding
+    assert first.keep[1].tolist() == [True] * 7 + [False] * 9
+    assert first.gather[2, :6].tolist() == [5, 6, 7, 8, 12, 12]
+    assert first.keep[2].tolist() == [False] * 4 + [True] + [False] * 11
+
+
+def test_a_bucket_holds_its_run_with_less_than_half_as_many_tokens_again():
+    for tokens in range(1, 5000):
+        length = bucket_length(tokens)
+        assert tokens <= length and (length == SHORTEST_BUCKET or 2 * length < 3 * tokens)
+    # 16, 24, 32, 48, ..., 768, 1024: few call shapes per layer
+    assert len({bucket_length(tokens) for tokens in range(1, 1025)}) == 13
 
 
 def test_passes_without_a_layout_run_the_mixers_untouched(model):

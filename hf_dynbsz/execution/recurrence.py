@@ -12,7 +12,9 @@ sequence**, so every sequence starts from a zero state, exactly as it does alone
   starts from the state the prefix ends in, as generation's cache does, and the prefix's own outputs are taken from
   the first of those runs (the layer is causal, so they are the same in every run). The prefix is recomputed in
   these layers only; attention, MLPs and the LM head still see it once;
-* runs of equal length are batched into one call of the layer, as segment attention batches spans of equal shape;
+* runs are batched into few calls of the layer: each run is right-padded to its *bucket* length (16, 24, 32, 48,
+  64, 96, ...: less than half as many tokens again), and the runs of a bucket make one call. A mixer is causal, so
+  tokens after a run's end (copies of its last token) change none of its outputs, and they are dropped;
 * tokens of the row outside every segment (padding to a multiple) get a zero output;
 * a mixer's other outputs (attention weights, final states: per run, and read by no layer in training) are None.
 
@@ -51,24 +53,41 @@ class RecurrenceCall:
     keep: torch.Tensor
 
 
+#: The shortest bucket: runs up to this many tokens share one call.
+SHORTEST_BUCKET = 16
+
+
+def bucket_length(tokens: int) -> int:
+    """The length a run of ``tokens`` is padded to: the smallest of 16, 24, 32, 48, 64, 96, ... (powers of two and
+    one and a half times them) that holds it."""
+    length = SHORTEST_BUCKET
+    while length < tokens:
+        length = length * 3 // 2 if length & (length - 1) == 0 else length * 4 // 3
+    return length
+
+
 def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall], torch.Tensor]:
     """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row, and the row positions of
     their kept outputs (concatenated call after call, ``keep`` order). Built once per pass and device."""
     key = ("recurrence", device)
     cache = layout._cache  # noqa: SLF001 - the layout's per-pass cache, shared with segment attention
     if key not in cache:
-        runs: dict[int, list[tuple[list[int], int]]] = defaultdict(list)  # length -> (positions, kept from)
+        buckets: dict[int, list[tuple[list[int], int]]] = defaultdict(list)  # length -> (positions, kept from)
         for segment in layout.segments:
             prefix = list(range(segment.start, segment.start + segment.prefix))
             offset = segment.start + segment.prefix
             for index, block in enumerate(segment.blocks):
                 positions = prefix + list(range(offset, offset + block))
-                runs[len(positions)].append((positions, 0 if index == 0 else segment.prefix))
+                buckets[bucket_length(len(positions))].append((positions, 0 if index == 0 else segment.prefix))
                 offset += block
         calls, kept = [], []
-        for length in sorted(runs):
-            gather = torch.tensor([positions for positions, _ in runs[length]], dtype=torch.long)
-            keep = torch.arange(length).unsqueeze(0) >= torch.tensor([[start] for _, start in runs[length]])
+        for length in sorted(buckets):
+            runs = buckets[length]
+            gather = torch.tensor([positions + positions[-1:] * (length - len(positions)) for positions, _ in runs])
+            steps = torch.arange(length).unsqueeze(0)
+            keep = (steps >= torch.tensor([[start] for _, start in runs])) & (
+                steps < torch.tensor([[len(positions)] for positions, _ in runs])
+            )
             calls.append(RecurrenceCall(gather.to(device), keep.to(device)))
             kept.append(gather[keep])
         cache[key] = (calls, torch.cat(kept).to(device) if kept else torch.zeros(0, dtype=torch.long, device=device))
