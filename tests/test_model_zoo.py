@@ -408,15 +408,16 @@ def _rollout(equal_prompts: bool):
     )
 
 
-def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool):
-    """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type``: ``(initial, final parameters, trainer)``."""
+def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool, **settings):
+    """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type`` (``settings``: GRPOConfig fields):
+    ``(initial, final parameters, trainer)``."""
     from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_char_tokenizer, prompt_dataset
     from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
     model = build_tiny_causal_lm_of_type(model_type, seed=0)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
     overrides = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
-    args = config_cls(**base_config_kwargs(output_dir, **overrides))
+    args = config_cls(**base_config_kwargs(output_dir, **overrides, **settings))
     trainer = trainer_cls(
         model=model,
         reward_funcs=RecordingReward(),
@@ -553,6 +554,39 @@ def test_architecture_trains_as_stock(model_type, tmp_path, one_thread, caplog):
     if model_type not in STOCK_DEPENDS_ON_PADDING:
         assert result["varied_prompts"] <= PARAM_TOLERANCE, result
     assert result["per_sample_error"] <= LOGPROB_TOLERANCE, result
+
+
+#: Loss types the hybrid and state-space architectures (segment recurrence) also train under, with num_iterations 2.
+RECURRENT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
+
+
+def _recurrent_params():
+    """Every architecture trained through segment recurrence, under each of :data:`RECURRENT_LOSS_TYPES` (marker
+    ``zoo``; the representative ones also run by default)."""
+    for param in _params():
+        (model_type,) = param.values
+        if "segment recurrence" in expected(model_type).layout:
+            for loss_type in RECURRENT_LOSS_TYPES:
+                yield pytest.param(model_type, loss_type, marks=param.marks, id=f"{model_type}-{loss_type}")
+
+
+@pytest.mark.parametrize(("model_type", "loss_type"), list(_recurrent_params()))
+def test_recurrent_architecture_trains_as_stock_under_each_loss_type(model_type, loss_type, tmp_path, one_thread):
+    """Padding-free rows with shared prompts through segment recurrence, old-policy log-probs from a packed no-grad
+    pass (num_iterations 2): the parameters equal stock's (prompts of equal length: stock's own forward is then
+    per-sample exact)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import relative_difference
+
+    settings = dict(loss_type=loss_type, num_iterations=2)
+    _, stock, _ = train(model_type, GRPOTrainer, GRPOConfig, str(tmp_path / "stock"), True, **settings)
+    _, ours, trainer = train(
+        model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, str(tmp_path / "ours"), True, **settings
+    )
+    assert trained_layout(trainer) == expected(model_type).layout
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------------------------
