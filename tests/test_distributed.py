@@ -196,8 +196,11 @@ VISION_RUN = dict(loss_type="grpo", num_iterations=2, max_steps=2, budget=120)
 #: Scripted multi-turn rollouts with an environment mask under DDP, per loss type (test_multiturn_rollouts_...).
 ROLLOUT_LOSS_TYPES = ("grpo", "dapo", "bnpo")
 MULTITURN_RUN = dict(rollout="multiturn", max_steps=2, budget=48)
-#: A hybrid model (Gated DeltaNet layers) balanced across 2 DDP processes (test_a_hybrid_model_...).
-HYBRID_RUN = dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
+#: A hybrid model (Gated DeltaNet layers) balanced across 2 processes, under DDP and ZeRO-3 (test_a_hybrid_...).
+HYBRID_RUNS = {
+    backend: dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED[backend][1])
+    for backend in ("ddp", "zero3")
+}
 #: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
 DAMAGES = ("advantage", "old_logps", "weight")
 
@@ -214,8 +217,9 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
-    | {"hybrid": HYBRID_RUN}
+    | {"hybrid": HYBRID_RUNS["ddp"]}
 )
+SHARED_RUNS["cpu_zero3.yaml"]["hybrid"] = HYBRID_RUNS["zero3"]
 
 
 @pytest.mark.parametrize("backend", list(BALANCED))
@@ -253,11 +257,21 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(
 def test_a_hybrid_model_balanced_across_processes_matches_stock(model_dir, shared_launches):
     """Qwen3-Next-style Gated DeltaNet layers run per sequence (segment recurrence): padding-free rows with shared
     prompts, samples moved between the processes, parameters equal to stock's."""
-    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **HYBRID_RUN)
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **HYBRID_RUNS["ddp"])
     steps = [step for record in ours for step in record["metrics"]]
     assert max(step["dynbsz/samples_moved"] for step in steps) > 0
     assert max(step["dynbsz/prompt_tokens_saved"] for step in steps) > 0
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)
+
+
+def test_under_zero3_a_hybrid_model_trains_padded_rows_and_matches_stock(model_dir, shared_launches):
+    """ZeRO-3 gathers a module's parameters at each call, with every process: segment recurrence (a mixer call per
+    run length, which differs between processes) is off, and the rows are padded."""
+    ours = compare("cpu_zero3.yaml", model_dir, shared_launches, **HYBRID_RUNS["zero3"])
+    steps = [step for record in ours for step in record["metrics"]]
+    assert max(step["dynbsz/samples_moved"] for step in steps) > 0
+    assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in steps)
+    assert max(step["dynbsz/padding_fraction"] for step in steps) > 0
 
 
 # ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------

@@ -13,6 +13,7 @@ without their prefix start from a zero state; both differ by far more than the t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -21,7 +22,15 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_dynbsz.execution import recurrence
 from hf_dynbsz.execution.attention import Segment, SegmentLayout, segment_attention, use_segments
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
-from hf_dynbsz.execution.recurrence import SHORTEST_BUCKET, bucket_length, recurrence_calls, segment_recurrence
+from hf_dynbsz.execution.recurrence import (
+    SHORTEST_BUCKET,
+    bucket_length,
+    continuation_calls,
+    prefix_states,
+    recurrence_calls,
+    segment_recurrence,
+    state_argument,
+)
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.testing import grpo_batch, stock_logps
 from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
@@ -36,8 +45,8 @@ COMPLETIONS = [6, 11, 3, 8, 0, 5]
 FAMILIES = ["qwen3_5_text", "mamba2", "lfm2", "recurrent_gemma", "minimax"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request):
+@pytest.fixture(params=FAMILIES)
+def model(request):  # one per test: a mixer decides at its first shared row whether prefixes run once (prefix_states)
     model = build_tiny_causal_lm_of_type(request.param, seed=1)
     for module in model.modules():  # tiny random convolutions carry little: scaled up, a leak shows above LEAK
         if isinstance(module, torch.nn.Conv1d):
@@ -124,7 +133,7 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
     order = list(range(len(COMPLETIONS)))
     assert largest_error(model, order, shared=True) <= TOLERANCE
 
-    # the control: blocks run from a zero state, each prefix alone
+    # the control: blocks run from a zero state, each prefix alone (recomputed prefixes), or from the bank's zero row
     def without_prefix_state(layout, device):
         split = []
         for segment in layout.segments:
@@ -133,11 +142,31 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
                 if length:
                     split.append(Segment(start, 0, (length,)))
                 start += length
-        return real(SegmentLayout(split, layout.base_implementation), device)
+        return recomputed(SegmentLayout(split, layout.base_implementation), device)
 
-    real = recurrence_calls
+    def from_zero_state(layout, device):
+        prefix_calls, calls, positions = continued(layout, device)
+        zero_row = sum(call.gather.shape[0] for call in prefix_calls)
+        calls = [dataclasses.replace(call, state_rows=torch.full_like(call.state_rows, zero_row)) for call in calls]
+        return prefix_calls, calls, positions
+
+    recomputed, continued = recurrence_calls, continuation_calls
     monkeypatch.setattr(recurrence, "recurrence_calls", without_prefix_state)
+    monkeypatch.setattr(recurrence, "continuation_calls", from_zero_state)
     assert largest_error(model, order, shared=True) > LEAK
+
+
+def test_a_mixer_that_reads_its_states_from_the_cache_runs_each_prefix_once(model):
+    """Qwen3.5's Gated DeltaNet, Mamba-2 and LFM2's convolution read their states through transformers' cache: their
+    blocks start from the prefix's final states (after one check on the first shared row). RecurrentGemma's block and
+    MiniMax's lightning attention do not: their prefixes are recomputed in front of each block."""
+    largest_error(model, [4, 0, 5, 2, 3, 1], shared=True)
+    for module in model.modules():
+        if type(module).__name__ in mixers(model):
+            assert prefix_states(module) is (state_argument(module) is not None), type(module).__name__
+    assert (state_argument(next(m for m in model.modules() if type(m).__name__ in mixers(model))) is None) == (
+        model.config.model_type in ("recurrent_gemma", "minimax")
+    )
 
 
 def test_gradients_equal_those_of_each_sample_alone():
@@ -158,6 +187,9 @@ def test_gradients_equal_those_of_each_sample_alone():
         logps = packed(model, batch, list(range(len(COMPLETIONS))), shared=True)
         return (logps * weights.unsqueeze(1)).sum()
 
+    with torch.no_grad():
+        shared_row()  # the first shared row decides that the Gated DeltaNet starts blocks from prefix states
+    assert all(prefix_states(m) for m in model.modules() if type(m).__name__ in mixers(model))
     expected, got = gradients(each_alone), gradients(shared_row)
     assert expected.keys() == got.keys()
     for name in expected:
@@ -177,6 +209,28 @@ def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
     assert first.keep[1].tolist() == [True] * 7 + [False] * 9
     assert first.gather[2, :6].tolist() == [5, 6, 7, 8, 12, 12]
     assert first.keep[2].tolist() == [False] * 4 + [True] + [False] * 11
+
+
+def test_with_prefix_states_each_prefix_runs_once_and_its_blocks_start_from_its_final_state():
+    segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 2, (4, 6))]
+    layout = SegmentLayout(segments, "sdpa")
+    prefix_calls, calls, positions = continuation_calls(layout, "cpu")
+    # prefixes unpadded (their final states are read), by length: [23, 24] then [5..8]; bank rows 0, 1; zero row 2
+    assert [call.gather.tolist() for call in prefix_calls] == [[[23, 24]], [[5, 6, 7, 8]]]
+    assert sorted(positions.tolist()) == list(range(layout.width))
+    (call,) = calls  # every block and plain sequence fits the shortest bucket
+    starts = {
+        tuple(row[keep].tolist()): int(state) for row, keep, state in zip(call.gather, call.keep, call.state_rows)
+    }
+    assert starts == {
+        (0, 1, 2, 3, 4): 2,  # a plain sequence: the zero row
+        (9, 10, 11): 1,
+        (12,): 1,
+        (13, 14, 15): 1,  # the blocks of the prefix [5..8]
+        (16, 17, 18, 19, 20, 21, 22): 2,
+        (25, 26, 27, 28): 0,
+        (29, 30, 31, 32, 33, 34): 0,  # the blocks of the prefix [23, 24]
+    }
 
 
 def test_a_bucket_holds_its_run_with_less_than_half_as_many_tokens_again():

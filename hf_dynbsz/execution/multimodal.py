@@ -246,9 +246,9 @@ class MediaPolicy:
 
     @classmethod
     def of(cls, vision_language: str | None, accelerator, world) -> MediaPolicy:
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        zero3 = plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
-        return cls(vision_language, zero3_on_several_processes=zero3, world=world)
+        from hf_dynbsz.parallel.distributed import zero3_on_several_processes  # parallel imports this layer
+
+        return cls(vision_language, zero3_on_several_processes=zero3_on_several_processes(accelerator), world=world)
 
     def stock(self, *inputs: dict) -> bool:
         """Whether ``inputs`` (a step's slices, or one no-grad call's fields) carry image inputs (or, for a model not

@@ -8,10 +8,14 @@ layer carries its convolution window and recurrent state from one sequence into 
 sequence**, so every sequence starts from a zero state, exactly as it does alone:
 
 * a plain sequence runs alone;
-* a shared prompt ``[prefix | block_1 | ... | block_k]`` runs as ``[prefix ; block_j]`` for each block: a block
-  starts from the state the prefix ends in, as generation's cache does, and the prefix's own outputs are taken from
-  the first of those runs (the layer is causal, so they are the same in every run). The prefix is recomputed in
-  these layers only; attention, MLPs and the LM head still see it once;
+* a shared prompt ``[prefix | block_1 | ... | block_k]``: each block starts from the state the prefix ends in, as
+  generation's cache does. A mixer that reads its states through transformers' cache interface (Gated DeltaNet,
+  delta attention, the Mamba-2 mixers, LFM2's convolution: :func:`state_argument`) runs **each prefix once** and is
+  handed, for its blocks, the prefix's final convolution inputs and recurrent state (:class:`RunStates`, which keeps
+  the autograd graph), once its first row with shared prompts has shown that this gives the recomputed outputs
+  (:func:`prefix_states`; checked once per module). Any other mixer (RecurrentGemma's block, MiniMax's lightning
+  attention, Mamba's) runs ``[prefix ; block_j]`` for each block, the prefix's own outputs taken from the first run
+  (the layer is causal): the prefix is recomputed in that layer only;
 * runs are batched into few calls of the layer: each run is right-padded to its *bucket* length (16, 24, 32, 48,
   64, 96, ...: less than half as many tokens again), and the runs of a bucket make one call. A mixer is causal, so
   tokens after a run's end (copies of its last token) change none of its outputs, and they are dropped;
@@ -31,26 +35,40 @@ the layers untouched, so a model without sequence mixers, or a padded pass, sees
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import re
+import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
 from hf_dynbsz.execution.attention import SegmentLayout, active_segments
 
-__all__ = ["RecurrenceCall", "recurrence_calls", "segment_recurrence"]
+__all__ = [
+    "RecurrenceCall",
+    "RunStates",
+    "continuation_calls",
+    "prefix_states",
+    "recurrence_calls",
+    "segment_recurrence",
+    "state_argument",
+]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RecurrenceCall:
     """One batched call of a sequence mixer: ``rows`` runs of ``length`` tokens.
 
     ``gather``: ``(rows, length)`` row positions of each run's tokens; ``keep``: ``(rows, length)`` True where a run's
-    output is the row's output at that position (False: a prefix recomputed to start a block from its state).
+    output is the row's output at that position (False: a prefix recomputed to start a block from its state, or
+    padding). ``state_rows``: with prefix states (:func:`continuation_calls`), the row of the bank of prefixes' final
+    states each run starts from (the bank's last row: a zero state).
     """
 
     gather: torch.Tensor
     keep: torch.Tensor
+    state_rows: torch.Tensor | None = None  # (rows,) the run's row of the prefix-state bank; None: all from zero
 
 
 #: The shortest bucket: runs up to this many tokens share one call.
@@ -67,30 +85,72 @@ def bucket_length(tokens: int) -> int:
 
 
 def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall], torch.Tensor]:
-    """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row, and the row positions of
-    their kept outputs (concatenated call after call, ``keep`` order). Built once per pass and device."""
+    """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row with prefixes recomputed
+    (each block runs as ``[prefix ; block]``), and the row positions of their kept outputs (concatenated call after
+    call, ``keep`` order). Built once per pass and device."""
     key = ("recurrence", device)
     cache = layout._cache  # noqa: SLF001 - the layout's per-pass cache, shared with segment attention
     if key not in cache:
-        buckets: dict[int, list[tuple[list[int], int]]] = defaultdict(list)  # length -> (positions, kept from)
+        runs = []
         for segment in layout.segments:
             prefix = list(range(segment.start, segment.start + segment.prefix))
             offset = segment.start + segment.prefix
             for index, block in enumerate(segment.blocks):
-                positions = prefix + list(range(offset, offset + block))
-                buckets[bucket_length(len(positions))].append((positions, 0 if index == 0 else segment.prefix))
+                runs.append((prefix + list(range(offset, offset + block)), 0 if index == 0 else segment.prefix, 0))
                 offset += block
-        calls, kept = [], []
-        for length in sorted(buckets):
-            runs = buckets[length]
-            gather = torch.tensor([positions + positions[-1:] * (length - len(positions)) for positions, _ in runs])
-            steps = torch.arange(length).unsqueeze(0)
-            keep = (steps >= torch.tensor([[start] for _, start in runs])) & (
-                steps < torch.tensor([[len(positions)] for positions, _ in runs])
-            )
-            calls.append(RecurrenceCall(gather.to(device), keep.to(device)))
-            kept.append(gather[keep])
-        cache[key] = (calls, torch.cat(kept).to(device) if kept else torch.zeros(0, dtype=torch.long, device=device))
+        calls = [dataclasses.replace(call, state_rows=None) for call in _bucketed(runs, device)]
+        kept = [call.gather[call.keep] for call in calls]
+        cache[key] = (calls, torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device))
+    return cache[key]
+
+
+def _bucketed(runs: list[tuple[list[int], int, int]], device) -> list[RecurrenceCall]:
+    """Calls of ``(positions, kept from, state row)`` runs, one per bucket length (see :func:`bucket_length`)."""
+    buckets: dict[int, list[tuple[list[int], int, int]]] = defaultdict(list)
+    for run in runs:
+        buckets[bucket_length(len(run[0]))].append(run)
+    calls = []
+    for length in sorted(buckets):
+        group = buckets[length]
+        gather = torch.tensor([positions + positions[-1:] * (length - len(positions)) for positions, _, _ in group])
+        steps = torch.arange(length).unsqueeze(0)
+        keep = (steps >= torch.tensor([[start] for _, start, _ in group])) & (
+            steps < torch.tensor([[len(positions)] for positions, _, _ in group])
+        )
+        state_rows = torch.tensor([row for _, _, row in group])
+        calls.append(RecurrenceCall(gather.to(device), keep.to(device), state_rows.to(device)))
+    return calls
+
+
+def continuation_calls(
+    layout: SegmentLayout, device
+) -> tuple[list[RecurrenceCall], list[RecurrenceCall], torch.Tensor]:
+    """``(prefix_calls, calls, positions)`` with prefix states: every shared prefix runs once (prefixes of equal
+    length in one call, unpadded: their final states fill the bank in call order), then the plain sequences and the
+    blocks by bucket, each block from its prefix's final state (``state_rows``; a plain sequence from the bank's
+    zero row). ``positions``: the row positions of the kept outputs, prefix calls first."""
+    key = ("continuation", device)
+    cache = layout._cache  # noqa: SLF001 - the layout's per-pass cache, shared with segment attention
+    if key not in cache:
+        prefixes: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # length -> (segment, positions)
+        for number, segment in enumerate(layout.segments):
+            if segment.prefix:
+                prefixes[segment.prefix].append((number, list(range(segment.start, segment.start + segment.prefix))))
+        prefix_calls, bank_row = [], {}
+        for length in sorted(prefixes):
+            for number, _ in prefixes[length]:
+                bank_row[number] = len(bank_row)
+            gather = torch.tensor([positions for _, positions in prefixes[length]])
+            prefix_calls.append(RecurrenceCall(gather.to(device), torch.ones_like(gather, dtype=torch.bool).to(device)))
+        runs = []
+        for number, segment in enumerate(layout.segments):
+            offset = segment.start + segment.prefix
+            for block in segment.blocks:
+                runs.append((list(range(offset, offset + block)), 0, bank_row.get(number, len(bank_row))))
+                offset += block
+        calls = _bucketed(runs, device)
+        kept = [call.gather[call.keep] for call in prefix_calls + calls]
+        cache[key] = (prefix_calls, calls, torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device))
     return cache[key]
 
 
@@ -108,34 +168,162 @@ def _gathered(value, width: int, gather: torch.Tensor):
     return value
 
 
-def _per_segment(forward, layout: SegmentLayout, args: tuple, kwargs: dict):
-    """``forward(*args, **kwargs)`` over a padding-free row, run per sequence (see the module docstring)."""
-    hidden = args[0] if args else next(iter(kwargs.values()))
-    width = hidden.shape[1]
-    calls, positions = recurrence_calls(layout, hidden.device)
-    outputs, extras = [], None
-    for call in calls:
-        out = forward(
-            *(_gathered(value, width, call.gather) for value in args),
-            **{name: _gathered(value, width, call.gather) for name, value in kwargs.items()},
-        )
-        if isinstance(out, tuple):  # (hidden states, attention weights or final states): the rest is per run
-            out, extras = out[0], (None,) * (len(out) - 1)
-        outputs.append(out[call.keep])
-    row = out.new_zeros(width, *out.shape[2:]).index_copy(0, positions, torch.cat(outputs))
-    row = row.unsqueeze(0)
+class RunStates:
+    """A sequence mixer's states for one batched call, behind the methods of transformers' cache that mixers call
+    (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``,
+    ``is_recording_past``): empty for runs from a zero state, the prefixes' final states for blocks that continue
+    them. Unlike a generation cache it keeps the autograd graph (no in-place copy) and records the whole past of the
+    convolution's input (the mixer convolves ``[state ; new]`` and keeps the new part)."""
+
+    def __init__(self, conv: dict | None = None, recurrent: dict | None = None) -> None:
+        self.conv, self.recurrent = dict(conv or {}), dict(recurrent or {})
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.conv.get(state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.recurrent.get(state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        previous = self.conv.get(state_idx)
+        self.conv[state_idx] = conv_states if previous is None else torch.cat([previous, conv_states], dim=-1)
+        return self.conv[state_idx]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.recurrent[state_idx] = recurrent_states
+        return recurrent_states
+
+
+#: A mixer's forward reads its states through these methods of transformers' cache (prefix states can reach it).
+_CACHE_CALL = re.compile(r"\b(cache_params|past_key_values)\.(get_conv_state|get_recurrent_state)\(")
+
+
+def state_argument(module) -> str | None:
+    """The keyword under which ``module``'s forward takes transformers' cache and reads its conv / recurrent states
+    through it (so a block can start from its prefix's final states), or None."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    match = _CACHE_CALL.search(source)
+    return match.group(1) if match else None
+
+
+def _call(forward, call: RecurrenceCall, width: int, args: tuple, kwargs: dict, **extra):
+    """``forward`` on ``call``'s gathered runs: ``(output, extras)``, extras None or a tuple of Nones."""
+    gathered = {name: _gathered(value, width, call.gather) for name, value in kwargs.items()}
+    out = forward(*(_gathered(value, width, call.gather) for value in args), **{**gathered, **extra})
+    if isinstance(out, tuple):  # (hidden states, attention weights or final states): the rest is per run
+        return out[0], (None,) * (len(out) - 1)
+    return out, None
+
+
+def _assembled(outputs: list, positions: torch.Tensor, width: int, extras):
+    out = outputs[0]
+    row = out.new_zeros(width, *out.shape[1:]).index_copy(0, positions, torch.cat(outputs)).unsqueeze(0)
     return (row, *extras) if extras is not None else row
 
 
+def _recomputed(forward, layout: SegmentLayout, args: tuple, kwargs: dict, width: int, device):
+    """``forward`` over a padding-free row, each block run as ``[prefix ; block]`` (:func:`recurrence_calls`)."""
+    calls, positions = recurrence_calls(layout, device)
+    outputs, extras = [], None
+    for call in calls:
+        out, extras = _call(forward, call, width, args, kwargs)
+        outputs.append(out[call.keep])
+    return _assembled(outputs, positions, width, extras)
+
+
+def _bank(states: list[dict], kernel: int) -> dict:
+    """Each state index's final states of the prefix calls, stacked in bank order, plus a zero row (a fresh run);
+    convolution states cut (or left-padded with zeros) to the last ``kernel`` inputs."""
+    bank = {}
+    for index in states[0] if states else ():
+        parts = [state[index] for state in states]
+        if kernel:
+            parts = [part[..., -kernel:] for part in parts]
+            parts = [torch.nn.functional.pad(part, (kernel - part.shape[-1], 0)) for part in parts]
+        stacked = torch.cat(parts)
+        bank[index] = torch.cat([stacked, torch.zeros_like(stacked[:1])])
+    return bank
+
+
+def _continued(forward, argument: str, kernel: int, layout: SegmentLayout, args, kwargs, width: int, device):
+    """``forward`` over a padding-free row, each prefix run once and each block from its final states
+    (:func:`continuation_calls`); ``argument``: the forward's cache keyword (:func:`state_argument`)."""
+    prefix_calls, calls, positions = continuation_calls(layout, device)
+    outputs, extras, conv, recurrent = [], None, [], []
+    for call in prefix_calls:
+        states = RunStates()
+        out, extras = _call(forward, call, width, args, kwargs, **{argument: states})
+        outputs.append(out[call.keep])
+        conv.append(states.conv)
+        recurrent.append(states.recurrent)
+    conv_bank, recurrent_bank = _bank(conv, kernel), _bank(recurrent, 0)
+    for call in calls:
+        states = RunStates(
+            {index: bank.index_select(0, call.state_rows) for index, bank in conv_bank.items()},
+            {index: bank.index_select(0, call.state_rows) for index, bank in recurrent_bank.items()},
+        )
+        out, extras = _call(forward, call, width, args, kwargs, **{argument: states})
+        outputs.append(out[call.keep])
+    return _assembled(outputs, positions, width, extras)
+
+
+def _agree(recomputed, continued) -> bool:
+    """Whether the prefix-state run gives the recomputed run's outputs (within the self-check's tolerance)."""
+    from hf_dynbsz.execution.self_check import tolerance
+
+    a = recomputed[0] if isinstance(recomputed, tuple) else recomputed
+    b = continued[0] if isinstance(continued, tuple) else continued
+    scale = max(1.0, a.detach().abs().max().item())
+    return bool((a.detach().float() - b.detach().float()).abs().max().item() <= tolerance(a.dtype) * scale)
+
+
+#: Per mixer module: whether its blocks start from their prefix's final states (True), or its prefixes are
+#: recomputed (False); absent until its first row with shared prompts has been checked.
+_PREFIX_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prefix_states(module) -> bool | None:
+    """Whether ``module`` (a sequence mixer) runs each shared prefix once and starts its blocks from the prefix's
+    final states (True), recomputes the prefix in front of each block (False), or has not met a shared prompt yet."""
+    return _PREFIX_STATES.get(module)
+
+
 def _wrap(module):
+    """``module``'s forward, run per sequence of the active layout. A mixer that reads its states through
+    transformers' cache (:func:`state_argument`) runs each prefix once and starts its blocks from the prefix's final
+    states, once a first no-grad row with shared prompts showed that this gives the recomputed outputs (checked once
+    per module; else prefixes stay recomputed in it)."""
     forward = module.forward
+    argument = state_argument(module)
+    kernel = max((m.kernel_size[0] for m in module.modules() if isinstance(m, torch.nn.Conv1d)), default=0)
+    if argument is None:
+        _PREFIX_STATES[module] = False
 
     def segmented_forward(*args, **kwargs):
         layout = active_segments()
         hidden = args[0] if args else next(iter(kwargs.values()), None)
         if layout is None or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or hidden.shape[0] != 1:
             return forward(*args, **kwargs)
-        return _per_segment(forward, layout, args, kwargs)
+        width, device = hidden.shape[1], hidden.device
+        decided = _PREFIX_STATES.get(module)
+        if decided is False or not any(segment.prefix for segment in layout.segments):
+            return _recomputed(forward, layout, args, kwargs, width, device)
+        if decided is None:  # decided in a no-grad pass (the self-check's): a training pass and gradient
+            output = _recomputed(forward, layout, args, kwargs, width, device)  # checkpointing's recomputation
+            if not torch.is_grad_enabled():  # of it must take the same path
+                try:
+                    continued = _continued(forward, argument, kernel, layout, args, kwargs, width, device)
+                    _PREFIX_STATES[module] = _agree(output, continued)
+                except Exception:  # noqa: BLE001 - a mixer that does not take these states keeps recomputing
+                    _PREFIX_STATES[module] = False
+            return output
+        return _continued(forward, argument, kernel, layout, args, kwargs, width, device)
 
     return segmented_forward
 

@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from hf_dynbsz.execution.device_memory import pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
-from hf_dynbsz.parallel.distributed import ProcessGroup
+from hf_dynbsz.parallel.distributed import ProcessGroup, zero3_on_several_processes
 from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.planning.capabilities import Capabilities
 from hf_dynbsz.planning.cost import text_config_of
@@ -48,6 +48,7 @@ def build_executor(trainer) -> PassExecutor:
         aux_loss=trainer.aux_loss_enabled,
         external_generation=trainer.use_vllm or trainer.use_transformers_continuous_batching,
         device_type=accelerator.device.type,
+        zero3=zero3_on_several_processes(accelerator),
     )
     for note in capabilities.notes:
         logger.warning("hf_dynbsz: %s.", note)

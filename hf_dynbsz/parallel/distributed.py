@@ -19,9 +19,17 @@ from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.planning.schedule import Exchange
 
-__all__ = ["ProcessGroup", "destroy_process_group_at_exit"]
+__all__ = ["ProcessGroup", "destroy_process_group_at_exit", "zero3_on_several_processes"]
 
 _EXIT_HANDLER: list[bool] = [False]  # registered in this process
+
+
+def zero3_on_several_processes(accelerator) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the parameters over several processes: every process must then run the
+    same modules the same number of times (each call of a module whose parameters are not resident gathers them,
+    a collective)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
 
 
 def destroy_process_group_at_exit() -> None:

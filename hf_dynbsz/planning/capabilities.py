@@ -9,7 +9,7 @@ gathers what the model and the config allow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.model_support import (
@@ -46,6 +46,14 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
             )
 
 
+#: Why a model with sequence mixers trains padded rows under ZeRO-3 on several processes.
+SEGMENT_RECURRENCE_UNDER_ZERO3 = (
+    "its sequence mixers run once per run length in a padding-free row (segment recurrence), a number that differs "
+    "between processes, and under ZeRO-3 on several processes every call of a module gathers its parameters with "
+    "the other processes, which must make the same calls"
+)
+
+
 @dataclass
 class Capabilities:
     """The run's features: ``enabled`` (dynamic batching; False: stock math), ``support`` (what the model allows,
@@ -68,15 +76,26 @@ class Capabilities:
 
     @classmethod
     def of(
-        cls, args, model, group: RankGroup, *, aux_loss: bool, external_generation: bool, device_type: str = "cpu"
+        cls,
+        args,
+        model,
+        group: RankGroup,
+        *,
+        aux_loss: bool,
+        external_generation: bool,
+        device_type: str = "cpu",
+        zero3: bool = False,
     ) -> Capabilities:
         """``model``: the unwrapped model (PEFT's base model); ``aux_loss``: an MoE router aux loss is trained;
         ``external_generation``: vLLM or continuous batching generate (they schedule their own batches);
-        ``device_type``: where it trains (:meth:`ModelSupport.layouts`)."""
+        ``device_type``: where it trains (:meth:`ModelSupport.layouts`); ``zero3``: DeepSpeed ZeRO-3 partitions the
+        parameters over several processes (segment recurrence is then off: :data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
         support = ModelSupport.of(model=model)
+        if zero3 and support.sequence_mixers:
+            support = replace(support, padding_free_blocker=SEGMENT_RECURRENCE_UNDER_ZERO3, sequence_mixers=())
         router_aux = enabled and aux_loss and support.router_aux is not None
         if enabled and aux_loss and not router_aux:
             enabled = False
