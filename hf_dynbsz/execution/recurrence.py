@@ -197,24 +197,30 @@ class RunStates:
         return recurrent_states
 
 
-#: A mixer's forward reads its states through these methods of transformers' cache (prefix states can reach it).
-_CACHE_CALL = re.compile(r"\b(cache_params|past_key_values)\.(get_conv_state|get_recurrent_state)\(")
+#: The names transformers gives a mixer's cache argument (``cache_params`` became ``cache`` in 5.24).
+CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
 
 def state_argument(module) -> str | None:
     """The keyword under which ``module``'s forward takes transformers' cache and reads its conv / recurrent states
-    through it (so a block can start from its prefix's final states), or None."""
+    through it (``<argument>.get_conv_state(`` or ``.get_recurrent_state(`` in its source: a block can then start
+    from its prefix's final states), or None."""
     try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
+        forward = type(module).forward
+        source = inspect.getsource(forward)
+        names = inspect.signature(forward).parameters
+    except (OSError, TypeError, ValueError):
         return None
-    match = _CACHE_CALL.search(source)
-    return match.group(1) if match else None
+    for name in names:
+        if re.search(rf"\b{re.escape(name)}\.(get_conv_state|get_recurrent_state)\(", source):
+            return name
+    return None
 
 
 def _call(forward, call: RecurrenceCall, width: int, args: tuple, kwargs: dict, **extra):
     """``forward`` on ``call``'s gathered runs: ``(output, extras)``, extras None or a tuple of Nones."""
-    gathered = {name: _gathered(value, width, call.gather) for name, value in kwargs.items()}
+    replaced = set(CACHE_ARGUMENTS) if extra else set()  # our states stand for the cache, under any of its names
+    gathered = {name: _gathered(value, width, call.gather) for name, value in kwargs.items() if name not in replaced}
     out = forward(*(_gathered(value, width, call.gather) for value in args), **{**gathered, **extra})
     if isinstance(out, tuple):  # (hidden states, attention weights or final states): the rest is per run
         return out[0], (None,) * (len(out) - 1)
