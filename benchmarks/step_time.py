@@ -430,10 +430,29 @@ def run_worker(spec: dict) -> dict:
     return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
 
 
+def _shared_config_fields(spec: dict) -> dict:
+    """Config fields every benchmark model shares: positions for the mix's longest sequence, the tokenizer's ids."""
+    return dict(
+        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
+def _seeded_sdpa_model(model_class, config):
+    """``model_class(config)`` on sdpa, with seed-0 random weights (the same model in every worker)."""
+    import torch
+
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_class(config)
+
+
 def build_hybrid_model(spec: dict, tokenizer_size: int):
     """A Qwen3.5-style hybrid: Gated DeltaNet (linear attention) layers with a full-attention layer every
     HYBRID_FULL_ATTENTION_INTERVAL-th, transformers' torch fallbacks of its kernels (no flash-linear-attention)."""
-    import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     hidden, layers = spec["hidden_size"], spec["num_layers"]
@@ -454,21 +473,14 @@ def build_hybrid_model(spec: dict, tokenizer_size: int):
             "full_attention" if (i + 1) % HYBRID_FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
             for i in range(layers)
         ],
-        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+        **_shared_config_fields(spec),
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3_5ForCausalLM(config).float()
+    return _seeded_sdpa_model(Qwen3_5ForCausalLM, config).float()
 
 
 def build_moe_model(spec: dict, tokenizer_size: int):
     """A Qwen3-MoE-style model: every layer a mixture of MOE_EXPERTS experts (MLP 3 x hidden / MOE_TOP_K each, so
     a token's expert work equals the dense model's MLP), MOE_TOP_K per token, the router aux loss on."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     hidden = spec["hidden_size"]
@@ -483,16 +495,10 @@ def build_moe_model(spec: dict, tokenizer_size: int):
         num_attention_heads=max(2, hidden // 32),
         num_key_value_heads=max(1, hidden // 64),
         head_dim=32 if hidden >= 64 else hidden // 2,
-        max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
         router_aux_loss_coef=MOE_AUX_COEF,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+        **_shared_config_fields(spec),
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config)
+    return _seeded_sdpa_model(Qwen3MoeForCausalLM, config)
 
 
 def num_prompts(spec: dict) -> int:
