@@ -121,6 +121,13 @@ class SegmentLayout:
         self.base_implementation = base_implementation
         self._cache: dict = {}
 
+    def cached(self, key, build):
+        """``build()``, computed once per layout and ``key``: every layer of the pass, and the recomputation of
+        gradient checkpointing, reuse it (segment recurrence keeps its call plans here too)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     @property
     def flash(self) -> bool:
         """Whether the base implementation is a flash-attention varlen kernel (else: sdpa or eager per span)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 import weakref
@@ -88,9 +89,8 @@ def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall
     """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row with prefixes recomputed
     (each block runs as ``[prefix ; block]``), and the row positions of their kept outputs (concatenated call after
     call, ``keep`` order). Built once per pass and device."""
-    key = ("recurrence", device)
-    cache = layout._cache  # noqa: SLF001 - the layout's per-pass cache, shared with segment attention
-    if key not in cache:
+
+    def build():
         runs = []
         for segment in layout.segments:
             prefix = list(range(segment.start, segment.start + segment.prefix))
@@ -99,9 +99,9 @@ def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall
                 runs.append((prefix + list(range(offset, offset + block)), 0 if index == 0 else segment.prefix, 0))
                 offset += block
         calls = [dataclasses.replace(call, state_rows=None) for call in _bucketed(runs, device)]
-        kept = [call.gather[call.keep] for call in calls]
-        cache[key] = (calls, torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device))
-    return cache[key]
+        return calls, _kept_positions(calls, device)
+
+    return layout.cached(("recurrence", device), build)
 
 
 def _bucketed(runs: list[tuple[list[int], int, int]], device) -> list[RecurrenceCall]:
@@ -122,6 +122,12 @@ def _bucketed(runs: list[tuple[list[int], int, int]], device) -> list[Recurrence
     return calls
 
 
+def _kept_positions(calls: list[RecurrenceCall], device) -> torch.Tensor:
+    """The row positions of ``calls``' kept outputs, call after call, in ``keep`` order."""
+    kept = [call.gather[call.keep] for call in calls]
+    return torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
+
+
 def continuation_calls(
     layout: SegmentLayout, device
 ) -> tuple[list[RecurrenceCall], list[RecurrenceCall], torch.Tensor]:
@@ -129,9 +135,8 @@ def continuation_calls(
     length in one call, unpadded: their final states fill the bank in call order), then the plain sequences and the
     blocks by bucket, each block from its prefix's final state (``state_rows``; a plain sequence from the bank's
     zero row). ``positions``: the row positions of the kept outputs, prefix calls first."""
-    key = ("continuation", device)
-    cache = layout._cache  # noqa: SLF001 - the layout's per-pass cache, shared with segment attention
-    if key not in cache:
+
+    def build():
         prefixes: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # length -> (segment, positions)
         for number, segment in enumerate(layout.segments):
             if segment.prefix:
@@ -149,9 +154,9 @@ def continuation_calls(
                 runs.append((list(range(offset, offset + block)), 0, bank_row.get(number, len(bank_row))))
                 offset += block
         calls = _bucketed(runs, device)
-        kept = [call.gather[call.keep] for call in prefix_calls + calls]
-        cache[key] = (prefix_calls, calls, torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device))
-    return cache[key]
+        return prefix_calls, calls, _kept_positions(prefix_calls + calls, device)
+
+    return layout.cached(("continuation", device), build)
 
 
 def _along_row(value, width: int) -> bool:
@@ -204,11 +209,15 @@ CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 def state_argument(module) -> str | None:
     """The keyword under which ``module``'s forward takes transformers' cache and reads its conv / recurrent states
     through it (``<argument>.get_conv_state(`` or ``.get_recurrent_state(`` in its source: a block can then start
-    from its prefix's final states), or None."""
+    from its prefix's final states), or None. Read once per class (segment recurrence wraps the mixers each pass)."""
+    return _state_argument_of(type(module))
+
+
+@functools.cache
+def _state_argument_of(module_class) -> str | None:
     try:
-        forward = type(module).forward
-        source = inspect.getsource(forward)
-        names = inspect.signature(forward).parameters
+        source = inspect.getsource(module_class.forward)
+        names = inspect.signature(module_class.forward).parameters
     except (OSError, TypeError, ValueError):
         return None
     for name in names:
