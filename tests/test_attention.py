@@ -10,10 +10,13 @@ reference varlen kernel standing in for the GPU kernel (its index arithmetic is 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import attention
@@ -306,7 +309,7 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
     calls, _ = layout.span_calls("cpu")
     # (queries per span, keys per span, spans, dropped queries): causal prefixes of 5 (x2), plain 6 (x2), plain 2;
     # blocks shorter than their prefix of 5 under a mask: 3 (x2), 1, 4, 2
-    assert sorted((c.queries.numel() // c.rows, c.keys.numel() // c.rows, c.rows, c.skip) for c in calls) == sorted(
+    assert sorted((c.query_length, c.key_length, c.rows, dropped(c)) for c in calls) == sorted(
         [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)]
     )
     # blocks at least as long as their prefix: one causal call over [prefix ; block], prefix queries dropped
@@ -315,11 +318,16 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
     out = segment_attention_of(long_blocks, query, key, value, scaling=0.3, sliding_window=window)
     assert torch.allclose(out, dense_reference(long_blocks.segments, query, key, value, 0.3, window), atol=1e-6)
     calls, _ = long_blocks.span_calls("cpu")
-    assert sorted((c.queries.numel() // c.rows, c.rows, c.skip, c.mask(None, "cpu") is None) for c in calls) == [
+    assert sorted((c.query_length, c.rows, dropped(c), c.mask(None, "cpu") is None) for c in calls) == [
         (2, 1, 0, True),
         (4, 1, 2, True),
-        (5, 2, 2, True),
+        (5, 2, 4, True),
     ]
+
+
+def dropped(call):
+    """Query outputs a call computes but does not keep (prefix queries recomputed, padding)."""
+    return call.rows * call.query_length - call.kept.numel()
 
 
 def test_eager_formulation_runs_the_models_own_eager_function():
@@ -382,3 +390,111 @@ def test_families_of_the_zoo_keep_each_sequence_its_own(model_type, kernel, requ
     for row, sample in enumerate(order):
         n = completions[sample]
         assert torch.allclose(logps[row, :n], expected[sample, :n], atol=1e-5, rtol=0), (row, sample)
+
+
+def test_flex_formulation_runs_in_autocasts_dtype_as_sdpa_does(monkeypatch):
+    """Under bf16 autocast, rotary embeddings leave queries and keys in fp32 and values in bf16. sdpa gets all three
+    in bf16 from autocast; flex_attention gets no cast, and its compiled CUDA backward finds no kernel for mixed dtypes
+    (pytorch/pytorch#176025). The flex formulation casts them as autocast casts sdpa's, and computes what the sdpa
+    formulation computes under the same autocast."""
+    from transformers.integrations import flex_attention as integration
+
+    seen = []
+    original = integration.flex_attention_forward
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return original(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "flex_attention_forward", recording)
+    torch.manual_seed(2)
+    segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,))]
+    width = segments[-1].end
+    query, key = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8)
+    value = torch.randn(1, 2, width, 8).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), eager_flex_attention():
+        flex = segment_attention_of(SegmentLayout(segments, "flex_attention"), query, key, value, scaling=0.3)
+        sdpa = segment_attention_of(SegmentLayout(segments, "sdpa"), query, key, value, scaling=0.3)
+    assert seen == [(torch.bfloat16,) * 3]
+    assert flex.dtype == sdpa.dtype == torch.bfloat16
+    assert torch.allclose(flex.float(), sdpa.float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("max_calls", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("value_dim", [8, 5])
+def test_spans_of_several_shapes_share_a_padded_call_with_the_same_outputs_and_gradients(
+    monkeypatch, max_calls, window, value_dim
+):
+    """With at most ``max_calls`` calls a layer, spans of several shapes share a call, padded to its longest query
+    and key span under a per-span mask: outputs and gradients of the queries, keys and values equal the dense rule's
+    (a padding query attends to one real key and its output is dropped, so it adds exactly nothing)."""
+    monkeypatch.setitem(attention.SPAN_CALLS_PER_LAYER, "cpu", max_calls)
+    torch.manual_seed(3)
+    segments = [
+        Segment(0, 5, (3, 1, 4)),
+        Segment(13, 0, (6,)),
+        Segment(19, 2, (3, 2, 7)),
+        Segment(33, 0, (9,)),
+        Segment(42, 0, (1,)),
+    ]
+    layout = SegmentLayout(segments, "sdpa")
+    width = layout.width
+    inputs = [torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)]
+    ours_inputs = [t.clone().requires_grad_() for t in inputs]
+    dense_inputs = [t.clone().requires_grad_() for t in inputs]
+    out = segment_attention_of(layout, *ours_inputs, scaling=0.3, sliding_window=window)
+    expected = dense_reference(segments, *dense_inputs, 0.3, window)
+    assert torch.allclose(out, expected, atol=1e-6)
+    weights = torch.randn(expected.shape)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for ours, dense in zip(ours_inputs, dense_inputs):
+        assert torch.allclose(ours.grad, dense.grad, atol=1e-5)
+    calls, _ = layout.span_calls("cpu", max_calls)
+    assert len(calls) <= max_calls and any(call.padded for call in calls)
+    assert sum(call.kept.numel() for call in calls) == width  # each position's output kept once
+    for call in filter(lambda call: call.padded, calls):
+        mask = call.mask(window, "cpu")[:, 0]
+        assert mask.any(-1).all()  # every query, padding included, sees a key: no row of NaNs on any kernel
+        for row, (queries, keys) in enumerate(zip(call.query_lengths, call.key_lengths)):
+            assert not mask[row, :queries, keys:].any()  # no real query sees its span's padding keys
+
+
+def test_eager_padded_calls_equal_the_dense_rule(monkeypatch):
+    """The eager formulation takes the padded calls' masks as additive masks."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setitem(attention.SPAN_CALLS_PER_LAYER, "cpu", 2)
+    torch.manual_seed(4)
+    segments = [Segment(0, 4, (2, 5)), Segment(11, 0, (3,)), Segment(14, 0, (8,))]
+    layout = SegmentLayout(segments, "eager")
+    width = layout.width
+    query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, 8)
+    module = modeling_qwen2.Qwen2Attention(modeling_qwen2.Qwen2Config(hidden_size=32, num_attention_heads=4,
+                                                                      num_key_value_heads=2), 0).eval()  # fmt: skip
+    out = segment_attention_of(layout, query, key, value, module=module, scaling=0.3)
+    assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3), atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=9),
+    st.integers(1, 4),
+)
+def test_the_padded_partition_cuts_where_the_padded_work_is_least(spans, parts):
+    """Against every way of cutting the spans (sorted by key length) into at most ``parts`` consecutive calls."""
+    shapes = sorted(((q, q + extra, extra) for q, extra in spans), key=lambda shape: (shape[1], shape[0]))
+
+    def work(cuts):
+        bounds = zip([0, *cuts], [*cuts, len(shapes)])
+        return sum((b - a) * max(s[0] for s in shapes[a:b]) * shapes[b - 1][1] for a, b in bounds)
+
+    cuts = attention._padded_partition(shapes, parts)
+    assert len(cuts) < parts and cuts == sorted(set(cuts)) and all(0 < c < len(shapes) for c in cuts)
+    every = [
+        list(chosen)
+        for count in range(min(parts, len(shapes)))
+        for chosen in itertools.combinations(range(1, len(shapes)), count)
+    ]
+    assert work(cuts) == min(work(c) for c in every)

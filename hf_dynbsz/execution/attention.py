@@ -23,11 +23,14 @@ query heads, sliding windows, GQA, dtype handling) is the model's own:
   model's ``eager_attention_forward``, under the span's mask (causal, and the layer's sliding window, over positions
   within the sequence); a plain causal span without a window takes sdpa's unmasked causal kernel. Shared segments:
   the blocks attend to ``[prefix ; block]`` (a block at least as long as its prefix as one causal call whose prefix
-  queries are dropped). The attention work of the separate sequences, never the square of a whole row;
+  queries are dropped). The attention work of the separate sequences, never the square of a whole row. Where a
+  device caps the calls per layer (:data:`SPAN_CALLS_PER_LAYER`: CUDA, where a call's launches cost more than its
+  attention), spans of several shapes share a call, padded to its longest query and key span under a per-span mask;
 * flex_attention: one call of transformers' ``flex_attention_forward`` per layer over the whole row, under a block
   mask drawn from the segments (the rule above as a ``mask_mod``, and the layer's sliding window over positions within
   the sequence), built once per pass and window. transformers compiles flex_attention once per process; a new row
-  width makes torch recompile once more with dynamic shapes, after which widths reuse the kernel;
+  width makes torch recompile once more with dynamic shapes, after which widths reuse the kernel. Its inputs are
+  cast to autocast's dtype, as sdpa's are;
 * flash-attention: one varlen call whose query spans are the prefixes and blocks and whose key spans are
   ``[prefix ; own block]`` (keys gathered; causal masks of flash-attention >= 2.1 align bottom-right, and so do
   sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
@@ -43,7 +46,9 @@ import contextlib
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
@@ -61,6 +66,13 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "hf_dynbsz_segments"
+
+#: At most this many sdpa / eager calls per layer over a padding-free row, by device type (absent: one call per span
+#: shape, no padding). On a CPU padding costs compute and a call costs little: one call per shape ran a long-tailed
+#: step 5.36x faster than stock, 4 padded calls 3.57x (step_time.py, 2 cores). On a GPU a call's launches and gathers
+#: cost more than its attention: a call per shape ran a step 6.4x slower than stock (H200, gpu_check.py), hence a few
+#: padded calls there (not yet measured on a GPU: gpu_check.py's sdpa:padding_free row measures it).
+SPAN_CALLS_PER_LAYER: dict[str, int] = {"cuda": 4}
 
 
 @dataclass(frozen=True)
@@ -82,32 +94,128 @@ class Segment:
 
 @dataclass(frozen=True)
 class SpanCall:
-    """One batched call of the sdpa / eager formulation: ``rows`` spans of equal shape.
+    """One batched call of the sdpa / eager formulation: ``rows`` spans, each padded to the call's longest query
+    and key span (spans of one shape need no padding).
 
-    ``queries`` / ``keys``: row positions, span after span (``rows x query_length`` / ``rows x key_length``). A
-    span's keys are its sequence's positions ``0 .. key_length - 1``; its queries are positions ``query_start ..
-    key_length - 1`` of the same sequence (``query_start`` > 0: a block attending to its prefix). ``skip``: leading
-    query outputs of each span that are dropped (prefix queries recomputed by a causal call over ``[prefix ;
-    block]``).
+    ``queries`` / ``keys``: row positions, span after span (``rows x query_length`` / ``rows x key_length``; padding
+    entries point at position 0 and are masked out). A span's keys are positions ``0 .. key_length - 1`` of its
+    sequence; its queries are positions ``query_start .. query_start + query_length - 1`` of the same sequence
+    (``query_start`` > 0: a block attending to its prefix). ``kept``: the indices, in the call's flattened
+    ``rows x query_length`` outputs, of the outputs that go back to the row (not padding, nor prefix queries
+    recomputed by a causal call over ``[prefix ; block]``).
     """
 
     queries: torch.Tensor
     keys: torch.Tensor
     rows: int
-    query_start: int
-    skip: int
+    query_starts: tuple[int, ...]
+    query_lengths: tuple[int, ...]
+    key_lengths: tuple[int, ...]
+    kept: torch.Tensor
+
+    @property
+    def query_length(self) -> int:
+        return self.queries.numel() // self.rows
+
+    @property
+    def key_length(self) -> int:
+        return self.keys.numel() // self.rows
+
+    @property
+    def padded(self) -> bool:
+        """Whether spans of several shapes share the call (padding to the longest, under a per-span mask)."""
+        return len({*self.query_lengths, self.query_length}) > 1 or len({*self.key_lengths, self.key_length}) > 1
 
     def mask(self, window: int | None, device) -> torch.Tensor | None:
-        """``(query_length, key_length)`` bool mask (True: may attend), or None for a plain causal span."""
-        key_length = self.keys.numel() // self.rows
-        if self.query_start == 0 and (window is None or window >= key_length):
-            return None
-        query_positions = torch.arange(self.query_start, key_length, device=device).unsqueeze(1)
-        key_positions = torch.arange(key_length, device=device).unsqueeze(0)
+        """``(1 or rows, 1, query_length, key_length)`` bool mask (True: may attend), or None for plain causal spans
+        of one shape. A padding query attends to its span's first key only (a finite output, dropped)."""
+        start = self.query_starts[0]
+        if not self.padded and len(set(self.query_starts)) == 1:
+            if start == 0 and (window is None or window >= self.key_length):
+                return None
+            starts = torch.tensor([start], device=device)
+        else:
+            starts = torch.tensor(self.query_starts, device=device)
+        query_positions = starts.view(-1, 1, 1) + torch.arange(self.query_length, device=device).view(1, -1, 1)
+        key_positions = torch.arange(self.key_length, device=device).view(1, 1, -1)
         allowed = key_positions <= query_positions
         if window is not None:
             allowed &= key_positions > query_positions - window
-        return allowed
+        if self.padded:  # causality keeps a real query off its span's padding keys (they follow its last key)
+            query_lengths = torch.tensor(self.query_lengths, device=device).view(-1, 1, 1)
+            real_query = torch.arange(self.query_length, device=device).view(1, -1, 1) < query_lengths
+            allowed = (allowed & real_query) | (~real_query & (key_positions == 0))
+        return allowed.unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A span of the sdpa / eager formulation before batching: its query and key row positions, and the position in
+    its sequence of its first query."""
+
+    queries: tuple[range, ...]
+    keys: tuple[range, ...]
+    query_start: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return sum(map(len, self.queries)), sum(map(len, self.keys)), self.query_start
+
+
+def _batched_call(spans: list[_Span], skip: int, device) -> SpanCall:
+    """One call over ``spans``, padded to the longest query and key span; ``skip`` leading query outputs of each span
+    are dropped."""
+    shapes = np.array([span.shape for span in spans], dtype=np.int64).reshape(-1, 3)
+    query_length, key_length = int(shapes[:, 0].max()), int(shapes[:, 1].max())
+    queries = _padded_positions([span.queries for span in spans], shapes[:, 0], query_length)
+    keys = _padded_positions([span.keys for span in spans], shapes[:, 1], key_length)
+    columns = np.arange(query_length)
+    kept = np.flatnonzero((columns >= skip) & (columns < shapes[:, :1]))
+    return SpanCall(
+        torch.from_numpy(queries).reshape(-1).to(device),
+        torch.from_numpy(keys).reshape(-1).to(device),
+        len(spans),
+        tuple(shapes[:, 2].tolist()),
+        tuple(shapes[:, 0].tolist()),
+        tuple(shapes[:, 1].tolist()),
+        torch.from_numpy(kept).to(device),
+    )
+
+
+def _padded_positions(ranges_of_spans: list[tuple[range, ...]], lengths: np.ndarray, width: int) -> np.ndarray:
+    """``(spans, width)`` row positions: each span's ranges, one after another, then 0 (padding) up to ``width``."""
+    flat = np.concatenate([np.arange(r.start, r.stop) for ranges in ranges_of_spans for r in ranges])
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    columns = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out = np.zeros((len(lengths), width), dtype=np.int64)
+    out[rows, columns] = flat
+    return out
+
+
+def _padded_partition(shapes: list[tuple[int, int, int]], parts: int) -> list[int]:
+    """Where to cut ``shapes`` (sorted by key length) into at most ``parts`` consecutive calls so that the padded
+    attention work, the sum over calls of ``spans x longest query x longest key``, is least: the first index of
+    each call after the first (dynamic programming over cut points)."""
+    n = len(shapes)
+    queries = np.array([s[0] for s in shapes], dtype=np.float64)
+    keys = np.array([s[1] for s in shapes], dtype=np.float64)
+    best = np.full((parts + 1, n + 1), np.inf)
+    cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for end in range(1, n + 1):
+        longest_query = np.maximum.accumulate(queries[end - 1 :: -1])[::-1]  # over [start, end) for each start
+        work = (end - np.arange(end)) * longest_query * keys[end - 1]
+        for part in range(1, parts + 1):
+            candidates = best[part - 1, :end] + work
+            cut[part, end] = int(np.argmin(candidates))
+            best[part, end] = candidates[cut[part, end]]
+    part = int(np.argmin(best[:, n]))
+    cuts, end = [], n
+    while part > 0 and end > 0:
+        end = int(cut[part, end])
+        cuts.append(end)
+        part -= 1
+    return sorted(c for c in cuts if c > 0)
 
 
 class SegmentLayout:
@@ -143,49 +251,62 @@ class SegmentLayout:
         return self.segments[-1].end if self.segments else 0
 
     # ---- sdpa / eager formulation --------------------------------------------------------------------------------
-    def span_calls(self, device) -> tuple[list[SpanCall], torch.Tensor]:
+    def span_calls(self, device, max_calls: int | None = None) -> tuple[list[SpanCall], torch.Tensor]:
         """``(calls, restore)``: the batched calls of a layer, and the permutation that puts their kept outputs,
         concatenated, back in row order.
 
-        Plain sequences and shared prefixes of one length are batched into one causal call. The blocks of shared
-        segments with the same prefix and block length are batched too: when the block is at least as long as the
-        prefix, as one causal call over ``[prefix ; block]`` whose prefix queries are dropped (the fast causal kernel;
-        it recomputes the prefix's own causal attention, at most half a block's); otherwise the block's queries alone
-        against ``[prefix ; block]`` under a mask.
+        Spans of one shape are batched into one call: plain sequences and shared prefixes of one length (causal),
+        and the blocks of shared segments with the same prefix and block length (when the block is at least as long
+        as the prefix, as one causal call over ``[prefix ; block]`` whose prefix queries are dropped: the fast
+        causal kernel; it recomputes the prefix's own causal attention, at most half a block's; otherwise the
+        block's queries alone against ``[prefix ; block]`` under a mask). When that makes more than ``max_calls``
+        calls (None: no limit), spans of several shapes share a call instead, padded to its longest query and key
+        span under a per-span mask: the spans, sorted by key length, are cut into at most ``max_calls`` calls with
+        the least padded attention work.
         """
-        key = ("spans", device)
+        key = ("spans", device, max_calls)
         if key not in self._cache:
-            causal: dict[int, list[int]] = defaultdict(list)  # length -> starts of causal spans
-            blocks: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (prefix, block) -> starts
-            for segment in self.segments:
-                if segment.prefix:
-                    causal[segment.prefix].append(segment.start)
-                offset = segment.start + segment.prefix
-                for block in segment.blocks:
-                    if segment.prefix:
-                        blocks[segment.prefix, block].append((segment.start, offset))
-                    else:
-                        causal[block].append(offset)
-                    offset += block
-            calls = []
-            for length, starts in causal.items():
-                spans = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(device)
-                calls.append(SpanCall(spans, spans, len(starts), 0, 0))
-            for (prefix, block), starts in blocks.items():
-                own = torch.tensor([b for _, b in starts]).unsqueeze(1) + torch.arange(block)
-                keys = torch.cat([torch.tensor([p for p, _ in starts]).unsqueeze(1) + torch.arange(prefix), own], 1)
-                keys = keys.reshape(-1).to(device)
-                if block >= prefix:
-                    calls.append(SpanCall(keys, keys, len(starts), 0, prefix))
-                else:
-                    calls.append(SpanCall(own.reshape(-1).to(device), keys, len(starts), prefix, 0))
-            order = torch.cat([call.queries.view(call.rows, -1)[:, call.skip :].reshape(-1) for call in calls])
+            groups: dict[tuple[int, int, int], list[_Span]] = defaultdict(list)
+            for span in self._spans():
+                groups[span.shape].append(span)
+            if max_calls is None or len(groups) <= max_calls:
+                calls = [self._shape_call(shape[2], members, device) for shape, members in groups.items()]
+            else:
+                spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
+                cuts = _padded_partition([span.shape for span in spans], max_calls)
+                calls = [_batched_call(spans[a:b], 0, device) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
+            order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
             if order.numel() != self.width or not torch.equal(
                 order.sort().values, torch.arange(self.width, device=device)
             ):
                 raise ValueError("segments must cover the row exactly (trailing padding included)")
             self._cache[key] = (calls, torch.argsort(order))
         return self._cache[key]
+
+    def _spans(self) -> list[_Span]:
+        """The row's spans: each plain sequence and shared prefix (causal over itself), each block (its queries
+        against ``[prefix ; block]``)."""
+        spans = []
+        for segment in self.segments:
+            prefix = range(segment.start, segment.start + segment.prefix)
+            if segment.prefix:
+                spans.append(_Span((prefix,), (prefix,), 0))
+            offset = segment.start + segment.prefix
+            for block in segment.blocks:
+                own = range(offset, offset + block)
+                spans.append(
+                    _Span((own,), (prefix, own), segment.prefix) if segment.prefix else _Span((own,), (own,), 0)
+                )
+                offset += block
+        return spans
+
+    @staticmethod
+    def _shape_call(query_start: int, spans: list[_Span], device) -> SpanCall:
+        """The call of spans of one shape; blocks at least as long as their prefix as causal calls over
+        ``[prefix ; block]`` whose prefix queries are dropped."""
+        if query_start and spans[0].shape[0] >= query_start:
+            return _batched_call([_Span(span.keys, span.keys, 0) for span in spans], query_start, device)
+        return _batched_call(spans, 0, device)
 
     # ---- flex_attention formulation ------------------------------------------------------------------------------
     def position_labels(self, device) -> dict[str, torch.Tensor]:
@@ -316,10 +437,26 @@ def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     from transformers.integrations.flex_attention import flex_attention_forward
 
     features = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
+    query, key, value = _autocast_inputs(query, key, value)
     out, _ = flex_attention_forward(
         module, query, key, value, layout.block_mask(window, query.device), scaling=scaling, dropout=dropout, **features
     )
     return out, None
+
+
+def _autocast_inputs(query, key, value):
+    """``query``, ``key``, ``value`` in autocast's dtype where autocast is on for their device, as sdpa receives them.
+
+    Autocast casts sdpa's inputs but not flex_attention's, and a model's rotary or per-head norms can promote queries
+    and keys to fp32 while values stay bf16: flex_attention's compiled backward then finds no kernel for the mixed
+    dtypes on CUDA (``InductorError: LoweringException: NoValidChoicesError``, pytorch/pytorch#176025), and even
+    when dtypes agree it would run in fp32 where stock's sdpa runs in bf16.
+    """
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _base_function(module, base: str):
@@ -385,23 +522,23 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
         return out.unsqueeze(0), None
     if layout.flex:
         return _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
-    calls, restore = layout.span_calls(query.device)
+    max_calls = SPAN_CALLS_PER_LAYER.get(query.device.type)
+    calls, restore = layout.span_calls(query.device, max_calls)
     base = _base_function(module, layout.base_implementation)
     kwargs.pop("sliding_window", None)  # the spans' masks draw the window
     kwargs.pop("is_causal", None)
     outputs = []
-    for call in calls:
-        mask = call.mask(window, query.device)
+    for index, call in enumerate(calls):
+        mask = layout.cached(
+            ("span mask", query.device, max_calls, index, window), partial(call.mask, window, query.device)
+        )
         if mask is None and layout.base_implementation != "sdpa":
-            mask = torch.ones(
-                call.queries.numel() // call.rows, call.keys.numel() // call.rows, dtype=torch.bool, device=query.device
-            ).tril()
-        if mask is not None:
+            mask = torch.ones(call.query_length, call.key_length, dtype=torch.bool, device=query.device).tril()
             mask = mask.view(1, 1, *mask.shape)
-            if layout.base_implementation != "sdpa":  # eager adds its mask to the scores
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~mask, torch.finfo(query.dtype).min
-                )
+        if mask is not None and layout.base_implementation != "sdpa":  # eager adds its mask to the scores
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min
+            )
         out, _ = base(
             module,
             _take_rows(query, call.queries, call.rows),
@@ -413,7 +550,7 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
             is_causal=True,
             **kwargs,
         )  # (rows, length, h, d_v)
-        outputs.append(out[:, call.skip :].reshape(-1, out.size(2), out.size(3)))
+        outputs.append(out.reshape(-1, out.size(2), out.size(3)).index_select(0, call.kept))
     output = torch.cat(outputs).index_select(0, restore)  # (T, heads, d_v) in row order
     return output.unsqueeze(0).contiguous(), None
 

@@ -87,13 +87,14 @@ VISION_LANGUAGE_PADDED = (
 
 #: The base implementations segment attention runs per segment.
 SEGMENT_ATTENTION_BASES = ("sdpa", "eager", "flex_attention")
-#: The bases segment attention runs as spans of equal shape, one kernel call per span shape and layer.
+#: The bases segment attention runs as spans: a call per span shape and layer (a few padded calls on CUDA).
 SPAN_FORMULATION_BASES = ("sdpa", "eager")
 #: Why packing_layout "auto" trains padded rows on CUDA with sdpa or eager (benchmarks/results/gpu_check.md).
 SPANS_ON_CUDA = (
-    "on a GPU their segment attention makes a kernel call per span shape and layer, and a step ran 6.4x slower "
-    "than stock (H200, 0.5B model, bf16, long-tailed completions) where padded rows ran 1.1x faster; "
-    "packing_layout='padding_free' still gives them, and attn_implementation='flex_attention' (or "
+    "on a GPU their segment attention made a kernel call per span shape and layer, and a step ran 6.4x slower "
+    "than stock (H200, 0.5B model, bf16, long-tailed completions) where padded rows ran 1.1x faster; it now "
+    "makes at most 4 padded calls per layer, not yet measured on a GPU; "
+    "packing_layout='padding_free' gives them, and attn_implementation='flex_attention' (or "
     "flash-attention) gives padding-free rows in one call per layer"
 )
 
@@ -255,9 +256,10 @@ class ModelSupport:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
 
         ``device_type``: where the run trains ("cuda", "cpu"). On CUDA "auto" leaves out the padding-free rows of
-        segment attention's span formulation (sdpa, eager: a call per span shape per layer), which ran a step 6.4x
-        slower than stock where padded rows ran it 1.1x faster (:data:`SPANS_ON_CUDA`); flash-attention and
-        flex_attention keep their padding-free rows (one call per layer).
+        segment attention's span formulation (sdpa, eager), which ran a step 6.4x slower than stock with a call per
+        span shape and layer, where padded rows ran it 1.1x faster; its few padded calls per layer have not been
+        measured on a GPU yet (:data:`SPANS_ON_CUDA`). flash-attention and flex_attention keep their padding-free
+        rows (one call per layer).
 
         ``packing_layout`` "auto" starts from padding-free rows where each sequence can attend to itself alone
         (segment attention, or a flash-attention varlen kernel) and goes down to padded rows; "padding_free"
