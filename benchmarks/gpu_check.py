@@ -25,7 +25,9 @@ The checks (one table row each; ``--checks`` picks groups)
 * ``flash_attention_2``: the bf16 check with flash-attention (skipped, and said so, where ``flash_attn`` is absent).
 * ``flex_attention``: the fp32 check with transformers' flex attention: the plugin's padding-free rows take one
   flex_attention call per layer under the segments' block mask (the row says the layout it trained with). Skipped
-  where stock cannot run it.
+  where stock cannot run it. Then the plugin's flex in bf16 against stock's sdpa in bf16 (stock's own flex does not
+  compile in bf16 mixed precision on torch 2.11: autocast leaves its inputs in mixed dtypes, which the plugin casts
+  as autocast casts sdpa's), and its step time on the speed mix.
 * ``speed``: the long-tailed mix in bf16: median optimizer-step time after the first step, stock and plugin in the
   same process on the same rollouts; goal: faster than stock. The first step is reported on its own row. (On CPU:
   fp32 and the tiny model, information only.)
@@ -519,26 +521,31 @@ def exact_fp32(session: Session, attention: str) -> list[list]:
     return rows
 
 
-def exact_bf16(session: Session, attention: str) -> list[list]:
-    """bf16 against stock's own noise: another split of the same samples, and bf16 against fp32 (sdpa)."""
+def exact_bf16(session: Session, attention: str, stock_attention: str | None = None) -> list[list]:
+    """bf16 against stock's own noise: another split of the same samples, and bf16 against fp32 (sdpa).
+
+    ``stock_attention``: stock's implementation when it differs from ours (flex_attention in bf16 is compared with
+    stock's sdpa, what the plugin's flex formulation casts its inputs to mirror)."""
     from hf_dynbsz.testing import update_difference
 
     initial = session.initial
-    noise_a = session.run(RunSpec("stock", "bf16", attention, "dapo", 2))
-    noise_b = session.run(RunSpec("stock", "bf16", attention, "dapo", 2, batch=session.preset.split))
+    stock_attention = stock_attention or attention
+    noise_a = session.run(RunSpec("stock", "bf16", stock_attention, "dapo", 2))
+    noise_b = session.run(RunSpec("stock", "bf16", stock_attention, "dapo", 2, batch=session.preset.split))
     split_noise = update_difference(initial, noise_b.params, noise_a.params)
     a, b = session.preset.batch, session.preset.split
     rows = [
         [
             "stock's bf16 noise",
-            f"bf16, {attention}, dapo: stock {a[0]}x{a[1]} against {b[0]}x{b[1]} (same samples)",
+            f"bf16, {stock_attention}, dapo: stock {a[0]}x{a[1]} against {b[0]}x{b[1]} (same samples)",
             f"update {split_noise:.1e}",
             "-",
             INFO,
         ]
     ]
-    for loss, iterations, share in session.preset.bf16_cases if attention == "sdpa" else LOSS_CASES[::3]:
-        stock = session.run(RunSpec("stock", "bf16", attention, loss, iterations))
+    cases = LOSS_CASES[::3] if stock_attention == attention else LOSS_CASES[2:3]
+    for loss, iterations, share in session.preset.bf16_cases if attention == "sdpa" else cases:
+        stock = session.run(RunSpec("stock", "bf16", stock_attention, loss, iterations))
         exact = session.run(RunSpec("stock", "fp32", "sdpa", loss, iterations))
         bf16_error = update_difference(initial, stock.params, exact.params)
         spec = RunSpec("ours", "bf16", attention, loss, iterations, plugin=(("share_prompt_prefix", share),))
@@ -548,7 +555,7 @@ def exact_bf16(session: Session, attention: str) -> list[list]:
         rows.append(
             [
                 "equal to stock (bf16)",
-                describe(spec, share),
+                describe(spec, share) + (f" (stock: {stock_attention})" if stock_attention != attention else ""),
                 f"update {update:.1e} (stock bf16 vs fp32: {bf16_error:.1e}); {trained_note(ours)}",
                 f"update <= {NOISE_MULTIPLE:g} x max(split, bf16 vs fp32) = {limit:.1e}",
                 PASS if math.isfinite(update) and update <= limit else FAIL,
@@ -716,7 +723,9 @@ def flex_attention(session: Session) -> list[list]:
     if not is_torch_flex_attn_available():
         raise Skip("skipped: this torch has no flex attention")
     stock_runs(session, RunSpec("stock", "fp32", "flex_attention", "dapo", 2))
-    return exact_fp32(session, "flex_attention")
+    rows = exact_fp32(session, "flex_attention")
+    rows += exact_bf16(session, "flex_attention", stock_attention="sdpa")
+    return rows + speed_of(session, "flex_attention")
 
 
 #: Flex attention compiles its kernels on first use (and again for new shapes): it starts only with this much left.
