@@ -22,6 +22,9 @@ The checks (one table row each; ``--checks`` picks groups)
   fp32 (bf16's own error for that case). The plugin's update must be within 2 x the larger of the two from stock's.
   (The split alone would be too tight a yardstick: it changes only how gradients are summed, where the plugin's
   packed rows also round the forward differently, which is what bf16 against fp32 measures.)
+* ``sdpa-padding-free``: one fp32 and one bf16 case (dapo, two iterations, shared prompts) with
+  ``packing_layout="padding_free"``: on CUDA "auto" trains padded rows on sdpa, and the padding-free rows' padded span
+  calls (at most ``SPAN_CALLS_PER_LAYER["cuda"]`` per layer) run on CUDA only. Skipped on CPU.
 * ``flash_attention_2``: the bf16 check with flash-attention (skipped, and said so, where ``flash_attn`` is absent).
 * ``flex_attention``: the fp32 check with transformers' flex attention: the plugin's padding-free rows take one
   flex_attention call per layer under the segments' block mask (the row says the layout it trained with). Skipped
@@ -101,7 +104,16 @@ MEMORY_FRACTION_MAX = 0.5
 MIX = "long_tailed"
 HEADER = ["check", "setting", "measured", "limit / goal", "result"]
 PASS, FAIL, INFO = "pass", "FAIL", "info"
-CHECKS = ("sdpa-fp32", "sdpa-bf16", "speed", "memory_fraction", "oom", "flash_attention_2", "flex_attention")
+CHECKS = (
+    "sdpa-fp32",
+    "sdpa-bf16",
+    "sdpa-padding-free",
+    "speed",
+    "memory_fraction",
+    "oom",
+    "flash_attention_2",
+    "flex_attention",
+)
 #: (loss type, num_iterations, share_prompt_prefix) of the exactness rows.
 LOSS_CASES = (("grpo", 1, True), ("bnpo", 1, True), ("dapo", 2, True), ("dapo", 2, False))
 #: The wheels a GPU image with torch, transformers, accelerate and peft (and nothing else) lacks: TRL, datasets and
@@ -493,7 +505,10 @@ def differences(session: Session, ours: Run, stock: Run) -> tuple[float, float]:
 
 def describe(spec: RunSpec, share: bool) -> str:
     prompts = "shared prompts" if share else "prompts not shared"
-    return f"{spec.precision}, {spec.attention}, {spec.loss_type}, {spec.num_iterations} iteration(s), {prompts}"
+    forced = "".join(f", {name} {value}" for name, value in spec.plugin if name != "share_prompt_prefix")
+    return (
+        f"{spec.precision}, {spec.attention}, {spec.loss_type}, {spec.num_iterations} iteration(s), {prompts}{forced}"
+    )
 
 
 def trained_note(run: Run) -> str:
@@ -501,11 +516,13 @@ def trained_note(run: Run) -> str:
     return f"trained as: {run.trained_as}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def exact_fp32(session: Session, attention: str) -> list[list]:
+def exact_fp32(session: Session, attention: str, plugin: tuple = ()) -> list[list]:
+    """fp32 against stock; ``plugin``: settings of ours beyond ``share_prompt_prefix`` (one case when given)."""
     rows = []
-    for loss, iterations, share in LOSS_CASES if attention == "sdpa" else LOSS_CASES[2:3]:
+    for loss, iterations, share in LOSS_CASES if attention == "sdpa" and not plugin else LOSS_CASES[2:3]:
         stock = session.run(RunSpec("stock", "fp32", attention, loss, iterations))
-        spec = RunSpec("ours", "fp32", attention, loss, iterations, plugin=(("share_prompt_prefix", share),))
+        settings = (("share_prompt_prefix", share), *plugin)
+        spec = RunSpec("ours", "fp32", attention, loss, iterations, plugin=settings)
         ours = session.run(spec, cache=False)
         params, update = differences(session, ours, stock)
         ok = params <= PARAM_TOLERANCE and update <= UPDATE_TOLERANCE
@@ -521,7 +538,7 @@ def exact_fp32(session: Session, attention: str) -> list[list]:
     return rows
 
 
-def exact_bf16(session: Session, attention: str, stock_attention: str | None = None) -> list[list]:
+def exact_bf16(session: Session, attention: str, stock_attention: str | None = None, plugin: tuple = ()) -> list[list]:
     """bf16 against stock's own noise: another split of the same samples, and bf16 against fp32 (sdpa).
 
     ``stock_attention``: stock's implementation when it differs from ours (flex_attention in bf16 is compared with
@@ -543,12 +560,13 @@ def exact_bf16(session: Session, attention: str, stock_attention: str | None = N
             INFO,
         ]
     ]
-    cases = LOSS_CASES[::3] if stock_attention == attention else LOSS_CASES[2:3]
-    for loss, iterations, share in session.preset.bf16_cases if attention == "sdpa" else cases:
+    cases = LOSS_CASES[::3] if stock_attention == attention and not plugin else LOSS_CASES[2:3]
+    for loss, iterations, share in session.preset.bf16_cases if attention == "sdpa" and not plugin else cases:
         stock = session.run(RunSpec("stock", "bf16", stock_attention, loss, iterations))
         exact = session.run(RunSpec("stock", "fp32", "sdpa", loss, iterations))
         bf16_error = update_difference(initial, stock.params, exact.params)
-        spec = RunSpec("ours", "bf16", attention, loss, iterations, plugin=(("share_prompt_prefix", share),))
+        settings = (("share_prompt_prefix", share), *plugin)
+        spec = RunSpec("ours", "bf16", attention, loss, iterations, plugin=settings)
         ours = session.run(spec, cache=False)
         _, update = differences(session, ours, stock)
         limit = NOISE_MULTIPLE * max(split_noise, bf16_error, NOISE_FLOOR)
@@ -706,6 +724,14 @@ def stock_runs(session: Session, spec: RunSpec) -> None:
         raise Skip(f"skipped: stock GRPOTrainer fails with {spec.attention} here ({why})") from None
 
 
+def sdpa_padding_free(session: Session) -> list[list]:
+    """sdpa's padding-free rows, which "auto" leaves out on CUDA: their padded span calls run on CUDA only."""
+    if not session.cuda:
+        raise Skip("skipped: no CUDA (on a CPU the sdpa rows above train padding-free rows)")
+    forced = (("packing_layout", "padding_free"),)
+    return exact_fp32(session, "sdpa", plugin=forced) + exact_bf16(session, "sdpa", plugin=forced)
+
+
 def flash_attention(session: Session) -> list[list]:
     if not session.cuda:
         raise Skip("skipped: no CUDA")
@@ -734,6 +760,7 @@ FLEX_MIN_LEFT_S = 150.0
 GROUPS = {
     "sdpa-fp32": (lambda session: exact_fp32(session, "sdpa"), "equal to stock (fp32)", "sdpa", 0.0),
     "sdpa-bf16": (lambda session: exact_bf16(session, "sdpa"), "equal to stock (bf16)", "sdpa", 0.0),
+    "sdpa-padding-free": (sdpa_padding_free, "equal to stock (fp32)", "sdpa, packing_layout padding_free", 0.0),
     "speed": (speed, "step time (median)", "stock vs ours, long-tailed", 0.0),
     "memory_fraction": (memory_fraction, "max_memory_fraction_per_device held", "-", 0.0),
     "oom": (oom, "real CUDA out-of-memory recovered", "-", 0.0),
