@@ -498,3 +498,50 @@ def test_the_padded_partition_cuts_where_the_padded_work_is_least(spans, parts):
         for chosen in itertools.combinations(range(1, len(shapes)), count)
     ]
     assert work(cuts) == min(work(c) for c in every)
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_flex_block_mask_is_drawn_from_the_segments_as_torch_would_draw_it(window):
+    """The flex formulation's BlockMask comes from the segments' ranges (no dense width x width mask): over rows of
+    several 128-position blocks, its key blocks per query block are those ``create_block_mask`` finds by evaluating
+    every pair (without a window; with one, a superset the mask_mod narrows), its full blocks are full, and the
+    attention equals the dense rule."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch.manual_seed(5)
+    segments = [
+        Segment(0, 150, (40, 300, 7)),
+        Segment(497, 0, (260,)),
+        Segment(757, 60, (129, 128, 1)),
+        Segment(1075, 0, (5,)),
+    ]
+    layout = SegmentLayout(segments, "flex_attention")
+    ours = layout.block_mask(window, "cpu")
+    labels = layout.position_labels("cpu")
+    segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
+
+    def rule(batch, head, query, key):
+        allowed = (segment[query] == segment[key]) & (key <= query) & ((part[query] == part[key]) | shared[key])
+        return allowed & (position[query] - position[key] < window) if window is not None else allowed
+
+    torch_mask = create_block_mask(rule, None, None, layout.width, layout.width, device="cpu")
+    listed, torch_listed = ours.to_dense()[0, 0].bool(), torch_mask.to_dense()[0, 0].bool()
+    assert listed.shape == torch_listed.shape == (9, 9)
+    assert torch.equal(listed, torch_listed) if window is None else bool((listed >= torch_listed).all())
+    dense = rule(0, 0, torch.arange(layout.width).view(-1, 1), torch.arange(layout.width).view(1, -1))
+    for query_block, full_blocks in enumerate(layout.flex_blocks(window)[1]):
+        for key_block in full_blocks:
+            rows, columns = (
+                slice(query_block * 128, (query_block + 1) * 128),
+                slice(key_block * 128, (key_block + 1) * 128),
+            )
+            assert dense[rows, columns].all()
+    assert any(layout.flex_blocks(None)[1])  # the prefix of 150 and the long blocks do make full blocks
+    query, key, value = (
+        torch.randn(1, 4, layout.width, 8),
+        torch.randn(1, 2, layout.width, 8),
+        torch.randn(1, 2, layout.width, 8),
+    )
+    with eager_flex_attention():
+        out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+    assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
