@@ -48,6 +48,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES
 
 __all__ = [
     "ATTENTION_NAME",
+    "Part",
     "Segment",
     "SegmentLayout",
     "active_segments",
@@ -150,6 +152,16 @@ class SpanCall:
             real_query = torch.arange(self.query_length, device=device).view(1, -1, 1) < query_lengths
             allowed = (allowed & real_query) | (~real_query & (key_positions == 0))
         return allowed.unsqueeze(1)
+
+
+class Part(NamedTuple):
+    """A part of a padding-free row: a plain sequence, a shared prefix or a block of a shared prompt."""
+
+    own: range  #: its row positions
+    shared: range  #: the shared prefix it also attends to (a block's; empty for a prefix or a plain sequence)
+    segment: int  #: the index of its segment
+    is_prefix: bool  #: a shared prefix, which every block of its segment sees
+    first_position: int  #: the position of its first token in its sequence (a block continues from its prefix)
 
 
 @dataclass(frozen=True)
@@ -254,6 +266,22 @@ class SegmentLayout:
     def width(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
+    def parts(self) -> list[Part]:
+        """The row's parts in order: each plain sequence, each shared prefix, each block of a shared prompt."""
+        return self.cached("parts", self._build_parts)
+
+    def _build_parts(self) -> list[Part]:
+        parts = []
+        for index, segment in enumerate(self.segments):
+            prefix = range(segment.start, segment.start + segment.prefix)
+            if segment.prefix:
+                parts.append(Part(prefix, range(0), index, True, 0))
+            offset = prefix.stop
+            for block in segment.blocks:
+                parts.append(Part(range(offset, offset + block), prefix, index, False, segment.prefix))
+                offset += block
+        return parts
+
     # ---- sdpa / eager formulation --------------------------------------------------------------------------------
     def span_calls(self, device, max_calls: int | None = None) -> tuple[list[SpanCall], torch.Tensor]:
         """``(calls, restore)``: the batched calls of a layer, and the permutation that puts their kept outputs,
@@ -268,41 +296,23 @@ class SegmentLayout:
         span under a per-span mask: the spans, sorted by key length, are cut into at most ``max_calls`` calls with
         the least padded attention work.
         """
-        key = ("spans", device, max_calls)
-        if key not in self._cache:
-            groups: dict[tuple[int, int, int], list[_Span]] = defaultdict(list)
-            for span in self._spans():
-                groups[span.shape].append(span)
-            if max_calls is None or len(groups) <= max_calls:
-                calls = [self._shape_call(shape[2], members, device) for shape, members in groups.items()]
-            else:
-                spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
-                cuts = _padded_partition([span.shape for span in spans], max_calls)
-                calls = [_batched_call(spans[a:b], 0, device) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
-            order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
-            if order.numel() != self.width or not torch.equal(
-                order.sort().values, torch.arange(self.width, device=device)
-            ):
-                raise ValueError("segments must cover the row exactly (trailing padding included)")
-            self._cache[key] = (calls, torch.argsort(order))
-        return self._cache[key]
+        return self.cached(("spans", device, max_calls), partial(self._build_span_calls, device, max_calls))
 
-    def _spans(self) -> list[_Span]:
-        """The row's spans: each plain sequence and shared prefix (causal over itself), each block (its queries
-        against ``[prefix ; block]``)."""
-        spans = []
-        for segment in self.segments:
-            prefix = range(segment.start, segment.start + segment.prefix)
-            if segment.prefix:
-                spans.append(_Span((prefix,), (prefix,), 0))
-            offset = segment.start + segment.prefix
-            for block in segment.blocks:
-                own = range(offset, offset + block)
-                spans.append(
-                    _Span((own,), (prefix, own), segment.prefix) if segment.prefix else _Span((own,), (own,), 0)
-                )
-                offset += block
-        return spans
+    def _build_span_calls(self, device, max_calls: int | None) -> tuple[list[SpanCall], torch.Tensor]:
+        groups: dict[tuple[int, int, int], list[_Span]] = defaultdict(list)
+        for part in self.parts():
+            span = _Span((part.own,), (part.shared, part.own), part.first_position)
+            groups[span.shape].append(span)
+        if max_calls is None or len(groups) <= max_calls:
+            calls = [self._shape_call(shape[2], members, device) for shape, members in groups.items()]
+        else:
+            spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
+            cuts = _padded_partition([span.shape for span in spans], max_calls)
+            calls = [_batched_call(spans[a:b], 0, device) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
+        order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
+        if order.numel() != self.width or not torch.equal(order.sort().values, torch.arange(self.width, device=device)):
+            raise ValueError("segments must cover the row exactly (trailing padding included)")
+        return calls, torch.argsort(order)
 
     @staticmethod
     def _shape_call(query_start: int, spans: list[_Span], device) -> SpanCall:
@@ -316,51 +326,47 @@ class SegmentLayout:
     def position_labels(self, device) -> dict[str, torch.Tensor]:
         """Per row position: ``segment`` (index), ``part`` (a prefix or block's own id), ``shared`` (a prefix token
         every block of its segment sees) and ``position`` (within its sequence: blocks continue from the prefix)."""
-        key = ("labels", device)
-        if key not in self._cache:
-            segment, part, shared, position = [], [], [], []
-            part_id = 0
-            for index, item in enumerate(self.segments):
-                parts = [(item.prefix, True)] if item.prefix else []
-                for length, is_prefix in parts + [(block, False) for block in item.blocks]:
-                    first = 0 if is_prefix else item.prefix
-                    segment += [index] * length
-                    part += [part_id] * length  # one id per prefix or block
-                    part_id += 1
-                    shared += [is_prefix] * length
-                    position += range(first, first + length)
-            self._cache[key] = {
-                name: torch.tensor(values, dtype=torch.bool if name == "shared" else torch.long, device=device)
-                for name, values in dict(segment=segment, part=part, shared=shared, position=position).items()
-            }
-        return self._cache[key]
+        return self.cached(("labels", device), partial(self._build_position_labels, device))
+
+    def _build_position_labels(self, device) -> dict[str, torch.Tensor]:
+        parts = self.parts()
+        lengths = torch.tensor([len(part.own) for part in parts])
+        labels = {
+            "segment": torch.tensor([part.segment for part in parts]).repeat_interleave(lengths),
+            "part": torch.arange(len(parts)).repeat_interleave(lengths),
+            "shared": torch.tensor([part.is_prefix for part in parts], dtype=torch.bool).repeat_interleave(lengths),
+            "position": torch.cat(
+                [torch.arange(part.first_position, part.first_position + len(part.own)) for part in parts]
+            ),
+        }
+        return {name: values.to(device) for name, values in labels.items()}
 
     def block_mask(self, window: int | None, device):
         """The flex_attention ``BlockMask`` of the row: a query sees keys of its own segment, at or before it, in its
         own part or in the segment's shared prefix (and within ``window`` positions of its sequence)."""
-        key = ("flex", window, device)
-        if key not in self._cache:
-            from torch.nn.attention.flex_attention import BlockMask
+        return self.cached(("flex", window, device), partial(self._build_block_mask, window, device))
 
-            labels = self.position_labels(device)
-            segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
+    def _build_block_mask(self, window: int | None, device):
+        from torch.nn.attention.flex_attention import BlockMask
 
-            def mask_mod(batch, head, query, key):
-                allowed = (segment[query] == segment[key]) & (key <= query)
-                allowed = allowed & ((part[query] == part[key]) | shared[key])
-                if window is not None:
-                    allowed = allowed & (position[query] - position[key] < window)
-                return allowed
+        labels = self.position_labels(device)
+        segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
 
-            partial, full = self.flex_blocks(window)
-            self._cache[key] = BlockMask.from_kv_blocks(
-                *_block_table(partial, device),
-                *_block_table(full, device),
-                BLOCK_SIZE=FLEX_BLOCK_SIZE,
-                mask_mod=mask_mod,
-                seq_lengths=(self.width, self.width),
-            )
-        return self._cache[key]
+        def mask_mod(batch, head, query, key):
+            allowed = (segment[query] == segment[key]) & (key <= query)
+            allowed = allowed & ((part[query] == part[key]) | shared[key])
+            if window is not None:
+                allowed = allowed & (position[query] - position[key] < window)
+            return allowed
+
+        partial_blocks, full_blocks = self.flex_blocks(window)
+        return BlockMask.from_kv_blocks(
+            *_block_table(partial_blocks, device),
+            *_block_table(full_blocks, device),
+            BLOCK_SIZE=FLEX_BLOCK_SIZE,
+            mask_mod=mask_mod,
+            seq_lengths=(self.width, self.width),
+        )
 
     def flex_blocks(self, window: int | None) -> tuple[list[list[int]], list[list[int]]]:
         """``(partial, full)``: per query block of :data:`FLEX_BLOCK_SIZE` positions, the key blocks some of whose
@@ -373,32 +379,25 @@ class SegmentLayout:
         precedes the query block in that part or lies in its shared prefix (no window: with one, none is full).
         """
         size = FLEX_BLOCK_SIZE
-        parts = []  # (start, end, shared prefix start, shared prefix end)
-        for segment in self.segments:
-            prefix_end = segment.start + segment.prefix
-            if segment.prefix:
-                parts.append((segment.start, prefix_end, 0, 0))
-            offset = prefix_end
-            for block in segment.blocks:
-                parts.append((offset, offset + block, segment.start, prefix_end))
-                offset += block
-        starts = [part[0] for part in parts]
-        partial, full = [], []
+        parts = self.parts()
+        starts = [part.own.start for part in parts]
+        partial_blocks, full_blocks = [], []
         for query_start in range(0, self.width, size):
             query_end = min(query_start + size, self.width)
             first = bisect.bisect_right(starts, query_start) - 1
             last = bisect.bisect_left(starts, query_end)
             seen, whole = set(), set()
-            for start, end, shared_start, shared_end in parts[first:last]:
-                seen.update(range(start // size, (min(end, query_end) - 1) // size + 1))
-                if shared_end > shared_start:
-                    seen.update(range(shared_start // size, (shared_end - 1) // size + 1))
+            for part in parts[first:last]:
+                own, shared = part.own, part.shared
+                seen.update(range(own.start // size, (min(own.stop, query_end) - 1) // size + 1))
+                if shared:
+                    seen.update(range(shared.start // size, (shared.stop - 1) // size + 1))
                 if window is None and last - first == 1:
-                    whole.update(range(-(-start // size), query_start // size))  # own keys before every query
-                    whole.update(range(-(-shared_start // size), shared_end // size))  # the shared prefix
-            full.append(sorted(whole))
-            partial.append(sorted(seen - whole))
-        return partial, full
+                    whole.update(range(-(-own.start // size), query_start // size))  # own keys before every query
+                    whole.update(range(-(-shared.start // size), shared.stop // size))  # the shared prefix
+            full_blocks.append(sorted(whole))
+            partial_blocks.append(sorted(seen - whole))
+        return partial_blocks, full_blocks
 
     # ---- varlen (flash) formulation ------------------------------------------------------------------------------
     def varlen_spans(self, device):
@@ -407,25 +406,16 @@ class SegmentLayout:
         Query spans tile the row in order (so queries need no gathering): each plain sequence, each prefix, each
         block. A span's keys are itself, except a block's: ``[its segment's prefix ; the block]``.
         """
-        key = ("varlen", device)
-        if key not in self._cache:
-            query_lengths, key_ranges = [], []
-            for segment in self.segments:
-                prefix = (segment.start, segment.start + segment.prefix)
-                if segment.prefix:
-                    query_lengths.append(segment.prefix)
-                    key_ranges.append([prefix])
-                offset = segment.start + segment.prefix
-                for block in segment.blocks:
-                    query_lengths.append(block)
-                    key_ranges.append(([prefix] if segment.prefix else []) + [(offset, offset + block)])
-                    offset += block
-            key_lengths = [sum(end - start for start, end in ranges) for ranges in key_ranges]
-            key_index = torch.cat([torch.arange(start, end) for ranges in key_ranges for start, end in ranges])
-            cu_q = torch.tensor([0, *query_lengths]).cumsum(0).to(device, torch.int32)
-            cu_k = torch.tensor([0, *key_lengths]).cumsum(0).to(device, torch.int32)
-            self._cache[key] = (cu_q, cu_k, key_index.to(device), max(query_lengths), max(key_lengths))
-        return self._cache[key]
+        return self.cached(("varlen", device), partial(self._build_varlen_spans, device))
+
+    def _build_varlen_spans(self, device):
+        parts = self.parts()
+        query_lengths = [len(part.own) for part in parts]
+        key_lengths = [len(part.shared) + len(part.own) for part in parts]
+        key_index = torch.cat([torch.arange(r.start, r.stop) for part in parts for r in (part.shared, part.own)])
+        cu_q = torch.tensor([0, *query_lengths]).cumsum(0).to(device, torch.int32)
+        cu_k = torch.tensor([0, *key_lengths]).cumsum(0).to(device, torch.int32)
+        return cu_q, cu_k, key_index.to(device), max(query_lengths), max(key_lengths)
 
 
 def _block_table(blocks: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,12 +92,10 @@ def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall
 
     def build():
         runs = []
-        for segment in layout.segments:
-            prefix = list(range(segment.start, segment.start + segment.prefix))
-            offset = segment.start + segment.prefix
-            for index, block in enumerate(segment.blocks):
-                runs.append((prefix + list(range(offset, offset + block)), 0 if index == 0 else segment.prefix, 0))
-                offset += block
+        for part in layout.parts():
+            if not part.is_prefix:  # the first block after its prefix keeps the prefix's outputs too
+                first = part.own.start == part.shared.stop
+                runs.append(([*part.shared, *part.own], 0 if first else len(part.shared), 0))
         calls = [dataclasses.replace(call, state_rows=None) for call in _bucketed(runs, device)]
         return calls, _kept_positions(calls, device)
 
@@ -138,21 +136,17 @@ def continuation_calls(
 
     def build():
         prefixes: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # length -> (segment, positions)
-        for number, segment in enumerate(layout.segments):
-            if segment.prefix:
-                prefixes[segment.prefix].append((number, list(range(segment.start, segment.start + segment.prefix))))
+        for part in layout.parts():
+            if part.is_prefix:
+                prefixes[len(part.own)].append((part.segment, list(part.own)))
         prefix_calls, bank_row = [], {}
         for length in sorted(prefixes):
             for number, _ in prefixes[length]:
                 bank_row[number] = len(bank_row)
             gather = torch.tensor([positions for _, positions in prefixes[length]])
             prefix_calls.append(RecurrenceCall(gather.to(device), torch.ones_like(gather, dtype=torch.bool).to(device)))
-        runs = []
-        for number, segment in enumerate(layout.segments):
-            offset = segment.start + segment.prefix
-            for block in segment.blocks:
-                runs.append((list(range(offset, offset + block)), 0, bank_row.get(number, len(bank_row))))
-                offset += block
+        zero_row = len(bank_row)
+        runs = [(list(p.own), 0, bank_row.get(p.segment, zero_row)) for p in layout.parts() if not p.is_prefix]
         calls = _bucketed(runs, device)
         return prefix_calls, calls, _kept_positions(prefix_calls + calls, device)
 
