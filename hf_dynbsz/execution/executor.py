@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -89,6 +90,7 @@ class PassExecutor:
         self.pad_token_id = trainer._tokenizer.pad_token_id
         self.checked = not self.args.self_check
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
+        self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)
         self.warned: set[str] = set()
 
     # ------------------------------------------------------------------ the one loop
@@ -525,13 +527,20 @@ class PassExecutor:
             mb = alone_microbatch(table, index, self.pad_token_id, self.accelerator.device)
             return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
 
-        with self.tiles():
+        started = time.perf_counter()
+        with self.tiles(), record_function("dynbsz/self_check"):
             result = run_self_check(
                 layouts, table, run_layout, run_alone, tolerance(self._compute_dtype(model)),
                 agree=lambda index: self.world.all_reduce_max([index])[0],
             )  # fmt: skip
+        self.self_check_seconds = time.perf_counter() - started
         self.self_check_summary = result.summary(layouts)
-        logger.log(logging.WARNING if result.chosen else logging.INFO, "hf_dynbsz: %s", self.self_check_summary)
+        logger.log(
+            logging.WARNING if result.chosen else logging.INFO,
+            "hf_dynbsz: %s It took %.2f s.",
+            self.self_check_summary,
+            self.self_check_seconds,
+        )
         if result.chosen:
             self.parallel.refuse_inexact(result.summary(layouts))
         self.enabled = result.chosen < len(layouts)
