@@ -33,8 +33,9 @@ The checks (one table row each; ``--checks`` picks groups)
   as autocast casts sdpa's), and its step time on the speed mix.
 * ``speed``: the long-tailed mix in bf16: median optimizer-step time after the first step, stock and plugin in the
   same process on the same rollouts; goal: faster than stock. The first step is reported on its own row, with the
-  self-check's part of it; goal: at most 1.5 of the plugin's steady steps. (On CPU: fp32 and the tiny model,
-  information only.)
+  self-check's part of it; goal: at most 1.5 of the plugin's steady steps once the device's warm-up is taken out
+  (what stock's own first step costs over its steady steps: on the H200 the first step was 2.2 steady steps for
+  stock and 2.3 for the plugin's padded rows). (On CPU: fp32 and the tiny model, information only.)
 * ``memory_fraction``: the plugin with ``max_memory_fraction_per_device`` set below what the speed run used (half of
   what its passes added, at most 0.5): the run's ``torch.cuda.max_memory_allocated`` must stay under fraction x
   total; the budgets it chose are reported.
@@ -627,8 +628,9 @@ def speed_of(session: Session, attention: str) -> list[list]:
     )
     tokens = sum(ours.logged("dynbsz/computed_tokens")) / max(sum(ours.logged("dynbsz/stock_computed_tokens")), 1)
     goal, result = ("ours/stock < 1", PASS if ratio < 1 else FAIL) if session.cuda else ("- (tiny model on CPU)", INFO)
-    first_steps = ours.step_seconds[0] / ours_s
-    start_goal = f"ours <= {FIRST_STEP_GOAL:g} of its steady steps"
+    warm_up = max(stock.step_seconds[0] - stock_s, 0.0)  # what stock's first step costs over its steady ones
+    first_steps = (ours.step_seconds[0] - warm_up) / ours_s
+    start_goal = f"ours, less stock's warm-up, <= {FIRST_STEP_GOAL:g} of its steady steps"
     start_result = (PASS if first_steps <= FIRST_STEP_GOAL else FAIL) if session.cuda else INFO
     if ours_spec.plugin:  # a layout forced for comparison: measured, with no goal of its own
         goal, result = "- (a forced layout, for comparison)", INFO
@@ -644,8 +646,8 @@ def speed_of(session: Session, attention: str) -> list[list]:
         [
             "first step",
             setting.rsplit(",", 1)[0] + ", step 1",
-            f"stock {stock.step_seconds[0]:.3f} s, ours {ours.step_seconds[0]:.3f} s "
-            f"({first_step_parts(ours, ours_s)})",
+            f"stock {stock.step_seconds[0]:.3f} s (warm-up {warm_up:.3f} s over its steady step), "
+            f"ours {ours.step_seconds[0]:.3f} s ({first_step_parts(ours, ours_s, warm_up)})",
             start_goal,
             start_result,
         ],
@@ -653,12 +655,13 @@ def speed_of(session: Session, attention: str) -> list[list]:
     ]
 
 
-def first_step_parts(ours: Run, steady_s: float) -> str:
-    """The plugin's first step in its steady steps, and the self-check's part of it (the rest: warm-up, any
-    compilation, the first planning)."""
+def first_step_parts(ours: Run, steady_s: float, warm_up: float) -> str:
+    """The plugin's first step in its steady steps, with and without the device's warm-up that stock's first step
+    pays too (allocator, library handles), and the self-check's part (the rest: any compilation, the first
+    planning)."""
     first = ours.step_seconds[0]
-    check = "" if ours.self_check_seconds is None else f", self-check {ours.self_check_seconds:.3f} s"
-    return f"{first / steady_s:.2f} steady steps{check}"
+    check = "" if ours.self_check_seconds is None else f"; self-check {ours.self_check_seconds:.3f} s"
+    return f"{first / steady_s:.2f} steady steps, {(first - warm_up) / steady_s:.2f} less stock's warm-up{check}"
 
 
 def memory_fraction(session: Session) -> list[list]:
