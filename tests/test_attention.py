@@ -545,3 +545,33 @@ def test_flex_block_mask_is_drawn_from_the_segments_as_torch_would_draw_it(windo
     with eager_flex_attention():
         out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
     assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
+
+
+#: Families of the zoo with flex_attention in transformers, covering what the flex formulation must carry: sliding
+#: windows (mistral, gemma2/3, cohere2, exaone4, all with a window of 8 in the tiny configs), soft-capping (gemma2),
+#: value heads narrower than query heads (deepseek_v3), per-head norms (qwen3, olmo2). gpt_oss's attention sinks
+#: cannot run flex on a CPU (transformers refuses, for stock too); the GPU check covers the rest.
+FLEX_FAMILIES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "deepseek_v3", "cohere2", "olmo2",
+    "granite", "starcoder2", "exaone4", "smollm3",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", FLEX_FAMILIES)
+def test_flex_formulation_gives_stocks_logprobs_across_families(model_type):
+    """Shared prompts in one flex_attention call per layer against stock's own flex forward of the separate
+    sequences (uncompiled on a CPU; forward only: torch has no flex backward on a CPU)."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type(model_type, attn_implementation="flex_attention").eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, token_high=60)
+    table = SequenceTable.from_padded(*batch)
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    with torch.no_grad(), eager_flex_attention():
+        expected, expected_entropy = stock_logps(model, *batch)
+        _, logps, entropy = packed_logps(model, table, order, table.prompt_groups(), "flex_attention")
+    for row, sample in enumerate(order):
+        n = COMPLETIONS[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
+        assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)

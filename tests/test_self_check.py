@@ -151,6 +151,21 @@ def test_none_within_tolerance_means_stock_math(tokenizer):
     assert result.chosen == 1 and len(result.reasons) == 1
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "deepseek_v3"])  # a sliding window; narrower value heads
+def test_flex_attentions_padding_free_rows_pass_the_check(model_type, monkeypatch):
+    """flex_attention's layouts are checked like the others: its padding-free rows with shared prompts (one flex
+    call per layer) equal each sample alone, so the run keeps them."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # flex uncompiled: a CPU compile of each kernel takes about 26 s
+    model = with_fused_head(build_tiny_causal_lm_of_type(model_type, attn_implementation="flex_attention"))
+    flex_shared = Layout("padding_free", True, "flex_attention", attention="varlen")
+    table = SequenceTable.from_padded(*grpo_batch([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2], token_high=60))
+    with torch.no_grad():
+        result = run_self_check([flex_shared, PADDED, MASKED], table, *runners(model, table), limit=1e-4)
+    assert result.chosen == 0 and result.reasons == [] and result.errors[0] < 1e-5
+
+
 def test_tolerance_follows_the_precision():
     assert tolerance(torch.float32) == 1e-4 and tolerance(torch.bfloat16) == tolerance(torch.float16) == 5e-2
 

@@ -596,14 +596,18 @@ def _count_params_meta(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_tiny_causal_lm_of_type(model_type: str, *, seed: int = 0, **config_kwargs):
-    """Build the tiny random-weight float32 model of `model_type` (config_kwargs go to tiny_causal_lm_config)."""
+def build_tiny_causal_lm_of_type(
+    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **config_kwargs
+):
+    """Build the tiny random-weight float32 model of `model_type` (config_kwargs go to tiny_causal_lm_config;
+    `attn_implementation`: transformers' choice when None)."""
     config = tiny_causal_lm_config(model_type, **config_kwargs)
     n = _count_params_meta(config)
     if n > MAX_PARAMS:
         raise ValueError(f"tiny {model_type} would have {n:,} parameters (> {MAX_PARAMS:,})")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    attention = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
     fixup = MODEL_FIXUPS.get(model_type)
     if fixup is not None:
         fixup(model)
