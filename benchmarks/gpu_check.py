@@ -886,6 +886,13 @@ def parse_args(argv=None):
         help="comma-separated ATTENTION[:PACKING_LAYOUT]: the plugin's attention (and layout) in the speed rows "
         "(default: sdpa and sdpa:padding_free on CUDA, sdpa on a CPU)",
     )
+    parser.add_argument(
+        "--span-calls",
+        type=int,
+        default=None,
+        help="sdpa / eager calls per layer over a padding-free row on CUDA (default: the package's "
+        "SPAN_CALLS_PER_LAYER; 0: one call per span shape)",
+    )
     parser.add_argument("--time-budget-s", type=float, default=None, help="groups not started by then are skipped")
     parser.add_argument(
         "--extra-site", type=Path, help="a site-packages folder appended to sys.path (carried wheels, unpacked)"
@@ -920,6 +927,13 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
+    if args.span_calls is not None:
+        from hf_dynbsz.execution.attention import SPAN_CALLS_PER_LAYER
+
+        if args.span_calls:
+            SPAN_CALLS_PER_LAYER["cuda"] = args.span_calls
+        else:
+            SPAN_CALLS_PER_LAYER.pop("cuda", None)
     preset = TINY if args.tiny else FULL
     if args.device == "cpu" and args.tiny:
         torch.set_num_threads(1)  # tiny tensors: one thread is fastest, and steadiest on a shared machine
