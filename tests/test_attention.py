@@ -484,7 +484,7 @@ def test_eager_padded_calls_equal_the_dense_rule(monkeypatch):
 )
 def test_the_padded_partition_cuts_where_the_padded_work_is_least(spans, parts):
     """Against every way of cutting the spans (sorted by key length) into at most ``parts`` consecutive calls."""
-    shapes = sorted(((q, q + extra, extra) for q, extra in spans), key=lambda shape: (shape[1], shape[0]))
+    shapes = sorted(((q, q + extra) for q, extra in spans), key=lambda shape: (shape[1], shape[0]))
 
     def work(cuts):
         bounds = zip([0, *cuts], [*cuts, len(shapes)])

@@ -105,8 +105,8 @@ class SpanCall:
 
     ``queries`` / ``keys``: row positions, span after span (``rows x query_length`` / ``rows x key_length``; padding
     entries point at position 0 and are masked out). A span's keys are positions ``0 .. key_length - 1`` of its
-    sequence; its queries are positions ``query_start .. query_start + query_length - 1`` of the same sequence
-    (``query_start`` > 0: a block attending to its prefix). ``kept``: the indices, in the call's flattened
+    sequence; its queries are the last ``query_length`` of them (a block's queries follow its prefix, which only
+    its keys hold). ``kept``: the indices, in the call's flattened
     ``rows x query_length`` outputs, of the outputs that go back to the row (not padding, nor prefix queries
     recomputed by a causal call over ``[prefix ; block]``).
     """
@@ -114,7 +114,6 @@ class SpanCall:
     queries: torch.Tensor
     keys: torch.Tensor
     rows: int
-    query_starts: tuple[int, ...]
     query_lengths: tuple[int, ...]
     key_lengths: tuple[int, ...]
     kept: torch.Tensor
@@ -135,13 +134,12 @@ class SpanCall:
     def mask(self, window: int | None, device) -> torch.Tensor | None:
         """``(1 or rows, 1, query_length, key_length)`` bool mask (True: may attend), or None for plain causal spans
         of one shape. A padding query attends to its span's first key only (a finite output, dropped)."""
-        start = self.query_starts[0]
-        if not self.padded and len(set(self.query_starts)) == 1:
-            if start == 0 and (window is None or window >= self.key_length):
+        if not self.padded:
+            if self.query_length == self.key_length and (window is None or window >= self.key_length):
                 return None
-            starts = torch.tensor([start], device=device)
-        else:
-            starts = torch.tensor(self.query_starts, device=device)
+            starts = torch.tensor([self.key_length - self.query_length], device=device)
+        else:  # each span's first query: its key length less its query length
+            starts = torch.tensor(self.key_lengths, device=device) - torch.tensor(self.query_lengths, device=device)
         query_positions = starts.view(-1, 1, 1) + torch.arange(self.query_length, device=device).view(1, -1, 1)
         key_positions = torch.arange(self.key_length, device=device).view(1, 1, -1)
         allowed = key_positions <= query_positions
@@ -161,27 +159,26 @@ class Part(NamedTuple):
     shared: range  #: the shared prefix it also attends to (a block's; empty for a prefix or a plain sequence)
     segment: int  #: the index of its segment
     is_prefix: bool  #: a shared prefix, which every block of its segment sees
-    first_position: int  #: the position of its first token in its sequence (a block continues from its prefix)
 
 
 @dataclass(frozen=True)
 class _Span:
-    """A span of the sdpa / eager formulation before batching: its query and key row positions, and the position in
-    its sequence of its first query."""
+    """A span of the sdpa / eager formulation before batching: its query and key row positions (its queries are the
+    last of its keys' sequence positions)."""
 
     queries: tuple[range, ...]
     keys: tuple[range, ...]
-    query_start: int
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return sum(map(len, self.queries)), sum(map(len, self.keys)), self.query_start
+    def shape(self) -> tuple[int, int]:
+        """``(queries, keys)``."""
+        return sum(map(len, self.queries)), sum(map(len, self.keys))
 
 
 def _batched_call(spans: list[_Span], skip: int, device) -> SpanCall:
     """One call over ``spans``, padded to the longest query and key span; ``skip`` leading query outputs of each span
     are dropped."""
-    shapes = np.array([span.shape for span in spans], dtype=np.int64).reshape(-1, 3)
+    shapes = np.array([span.shape for span in spans], dtype=np.int64).reshape(-1, 2)
     query_length, key_length = int(shapes[:, 0].max()), int(shapes[:, 1].max())
     queries = _padded_positions([span.queries for span in spans], shapes[:, 0], query_length)
     keys = _padded_positions([span.keys for span in spans], shapes[:, 1], key_length)
@@ -191,7 +188,6 @@ def _batched_call(spans: list[_Span], skip: int, device) -> SpanCall:
         torch.from_numpy(queries).reshape(-1).to(device),
         torch.from_numpy(keys).reshape(-1).to(device),
         len(spans),
-        tuple(shapes[:, 2].tolist()),
         tuple(shapes[:, 0].tolist()),
         tuple(shapes[:, 1].tolist()),
         torch.from_numpy(kept).to(device),
@@ -208,7 +204,7 @@ def _padded_positions(ranges_of_spans: list[tuple[range, ...]], lengths: np.ndar
     return out
 
 
-def _padded_partition(shapes: list[tuple[int, int, int]], parts: int) -> list[int]:
+def _padded_partition(shapes: list[tuple[int, int]], parts: int) -> list[int]:
     """Where to cut ``shapes`` (sorted by key length) into at most ``parts`` consecutive calls so that the padded
     attention work, the sum over calls of ``spans x longest query x longest key``, is least: the first index of
     each call after the first (dynamic programming over cut points)."""
@@ -275,10 +271,10 @@ class SegmentLayout:
         for index, segment in enumerate(self.segments):
             prefix = range(segment.start, segment.start + segment.prefix)
             if segment.prefix:
-                parts.append(Part(prefix, range(0), index, True, 0))
+                parts.append(Part(prefix, range(0), index, True))
             offset = prefix.stop
             for block in segment.blocks:
-                parts.append(Part(range(offset, offset + block), prefix, index, False, segment.prefix))
+                parts.append(Part(range(offset, offset + block), prefix, index, False))
                 offset += block
         return parts
 
@@ -299,12 +295,12 @@ class SegmentLayout:
         return self.cached(("spans", device, max_calls), partial(self._build_span_calls, device, max_calls))
 
     def _build_span_calls(self, device, max_calls: int | None) -> tuple[list[SpanCall], torch.Tensor]:
-        groups: dict[tuple[int, int, int], list[_Span]] = defaultdict(list)
+        groups: dict[tuple[int, int], list[_Span]] = defaultdict(list)
         for part in self.parts():
-            span = _Span((part.own,), (part.shared, part.own), part.first_position)
+            span = _Span((part.own,), (part.shared, part.own))
             groups[span.shape].append(span)
         if max_calls is None or len(groups) <= max_calls:
-            calls = [self._shape_call(shape[2], members, device) for shape, members in groups.items()]
+            calls = [self._shape_call(members, device) for members in groups.values()]
         else:
             spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
             cuts = _padded_partition([span.shape for span in spans], max_calls)
@@ -315,11 +311,13 @@ class SegmentLayout:
         return calls, torch.argsort(order)
 
     @staticmethod
-    def _shape_call(query_start: int, spans: list[_Span], device) -> SpanCall:
+    def _shape_call(spans: list[_Span], device) -> SpanCall:
         """The call of spans of one shape; blocks at least as long as their prefix as causal calls over
         ``[prefix ; block]`` whose prefix queries are dropped."""
-        if query_start and spans[0].shape[0] >= query_start:
-            return _batched_call([_Span(span.keys, span.keys, 0) for span in spans], query_start, device)
+        queries, keys = spans[0].shape
+        prefix = keys - queries
+        if prefix and queries >= prefix:
+            return _batched_call([_Span(span.keys, span.keys) for span in spans], prefix, device)
         return _batched_call(spans, 0, device)
 
     # ---- flex_attention formulation ------------------------------------------------------------------------------
@@ -335,8 +333,8 @@ class SegmentLayout:
             "segment": torch.tensor([part.segment for part in parts]).repeat_interleave(lengths),
             "part": torch.arange(len(parts)).repeat_interleave(lengths),
             "shared": torch.tensor([part.is_prefix for part in parts], dtype=torch.bool).repeat_interleave(lengths),
-            "position": torch.cat(
-                [torch.arange(part.first_position, part.first_position + len(part.own)) for part in parts]
+            "position": torch.cat(  # a block's positions continue from its prefix's
+                [torch.arange(len(part.shared), len(part.shared) + len(part.own)) for part in parts]
             ),
         }
         return {name: values.to(device) for name, values in labels.items()}
