@@ -95,16 +95,17 @@ def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall
         for part in layout.parts():
             if not part.is_prefix:  # the first block after its prefix keeps the prefix's outputs too
                 first = part.own.start == part.shared.stop
-                runs.append(([*part.shared, *part.own], 0 if first else len(part.shared), 0))
-        calls = [dataclasses.replace(call, state_rows=None) for call in _bucketed(runs, device)]
+                runs.append(([*part.shared, *part.own], 0 if first else len(part.shared), None))
+        calls = _bucketed(runs, device)
         return calls, _kept_positions(calls, device)
 
     return layout.cached(("recurrence", device), build)
 
 
-def _bucketed(runs: list[tuple[list[int], int, int]], device) -> list[RecurrenceCall]:
-    """Calls of ``(positions, kept from, state row)`` runs, one per bucket length (see :func:`bucket_length`)."""
-    buckets: dict[int, list[tuple[list[int], int, int]]] = defaultdict(list)
+def _bucketed(runs: list[tuple[list[int], int, int | None]], device) -> list[RecurrenceCall]:
+    """Calls of ``(positions, kept from, state row)`` runs, one per bucket length (see :func:`bucket_length`); state
+    rows None: every run from a zero state."""
+    buckets: dict[int, list[tuple[list[int], int, int | None]]] = defaultdict(list)
     for run in runs:
         buckets[bucket_length(len(run[0]))].append(run)
     calls = []
@@ -115,8 +116,9 @@ def _bucketed(runs: list[tuple[list[int], int, int]], device) -> list[Recurrence
         keep = (steps >= torch.tensor([[start] for _, start, _ in group])) & (
             steps < torch.tensor([[len(positions)] for positions, _, _ in group])
         )
-        state_rows = torch.tensor([row for _, _, row in group])
-        calls.append(RecurrenceCall(gather.to(device), keep.to(device), state_rows.to(device)))
+        rows = [row for _, _, row in group]
+        state_rows = None if rows[0] is None else torch.tensor(rows, device=device)
+        calls.append(RecurrenceCall(gather.to(device), keep.to(device), state_rows))
     return calls
 
 
