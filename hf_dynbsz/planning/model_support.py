@@ -383,10 +383,7 @@ def _state_carrying_layers(text_config: Any, model: Any) -> tuple[str | None, tu
     planner): the config's layer kinds, segmentable when all are in :data:`SEGMENTED_LAYER_KINDS`.
     """
     carrying = sorted(_layer_kinds(text_config) - MASK_RESPECTING_LAYER_TYPES)
-    why = (
-        f"its {', '.join(carrying)} layers carry state along a row, from one sequence into the next, which the "
-        "attention of a padding-free row does not stop"
-    )
+    why = _carries_state(f"{', '.join(carrying)} layers")
     if model is None or not callable(getattr(model, "named_modules", None)):
         if carrying and not set(carrying) <= SEGMENTED_LAYER_KINDS:
             return why, ()
@@ -406,13 +403,18 @@ def _state_carrying_layers(text_config: Any, model: Any) -> tuple[str | None, tu
         None,
     )
     if loose:
-        return (
-            f"its {loose} modules carry state along a row, from one sequence into the next, which the "
-            "attention of a padding-free row does not stop"
-        ), ()
+        return _carries_state(f"{loose} modules"), ()
     if carrying and not mixers:
         return why, ()
     return None, tuple(sorted({type(module).__name__ for _, module in mixers}))
+
+
+def _carries_state(what: str) -> str:
+    """Why a padding-free row would mix sequences through ``what`` (e.g. "linear_attention layers")."""
+    return (
+        f"its {what} carry state along a row, from one sequence into the next, which the attention of a "
+        "padding-free row does not stop"
+    )
 
 
 def _content_selected_keys(text_config: Any) -> str | None:
