@@ -433,8 +433,6 @@ def make_trainer(session: Session, spec: RunSpec, model):
 
 def trained_as(trainer) -> tuple[str, list]:
     """What the plugin trained with (its layout after the self-check) and its notes; "stock" for stock."""
-    from hf_dynbsz.planning.model_support import Layout
-
     executor = getattr(trainer, "_dynbsz", None)
     if executor is None:
         return "stock", []
@@ -444,8 +442,7 @@ def trained_as(trainer) -> tuple[str, list]:
         print(f"[gpu_check] {summary}", file=sys.stderr, flush=True)
     if not executor.enabled:
         return f"stock math (dynamic batching off; {summary or 'no self-check'})", notes
-    s = executor.scheduler
-    return Layout(s.layout, s.share_prompts, s.segment_attention, s.attention_mask).describe(), notes
+    return executor.scheduler.describe(), notes
 
 
 def train(session: Session, spec: RunSpec) -> Run:

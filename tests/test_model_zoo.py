@@ -435,16 +435,7 @@ def trained_layout(trainer) -> str:
     """What ``trainer`` trained with: its scheduler's layout, or "stock math"."""
     if not trainer._dynbsz.enabled:
         return STOCK
-    scheduler = trainer._dynbsz.scheduler
-    from hf_dynbsz.planning.model_support import Layout
-
-    return Layout(
-        scheduler.layout,
-        scheduler.share_prompts,
-        scheduler.segment_attention,
-        scheduler.attention_mask,
-        segment_recurrence=scheduler.segment_recurrence,
-    ).describe()
+    return trainer._dynbsz.scheduler.describe()
 
 
 def per_sample_error(trainer) -> float:

@@ -456,3 +456,26 @@ def test_repacked_vision_language_models_train_padding_free_and_balanced_other_f
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
     assert scheduler.attention_mask  # image inputs are positioned from the mask
     assert Scheduler.from_args(args, ModelSupport.of(qwen_vl.get_text_config())).balance_across_ranks
+
+
+def test_a_scheduler_describes_the_layout_it_was_built_from():
+    """Every rung of a model's ladder, segment recurrence included, reads back from the scheduler as the layout it
+    came from (the phrase logs, the zoo table and the GPU check report)."""
+    args = SimpleNamespace(
+        packing_layout="auto",
+        oversize_policy="warn",
+        max_tokens_per_microbatch=None,
+        max_tokens_per_microbatch_logprob=None,
+    )
+    support = dataclasses.replace(
+        ModelSupport.of(attn_implementation="sdpa"), sequence_mixers=("Qwen3NextGatedDeltaNet",)
+    )
+    layouts, _ = support.layouts()
+    assert [layout.describe() for layout in layouts] == [
+        "padding_free, shared prompts, segment attention (sdpa), segment recurrence",
+        "padding_free, segment attention (sdpa), segment recurrence",
+        "padded",
+        "padded, attention mask",
+    ]
+    for layout in layouts:
+        assert Scheduler.from_args(args, support, layout=layout).describe() == layout.describe()

@@ -331,6 +331,17 @@ class Scheduler:
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
         )
 
+    def describe(self) -> str:
+        """The layout this scheduler runs, as :meth:`Layout.describe` phrases it (logs, reports)."""
+        return Layout(
+            self.layout,
+            self.share_prompts,
+            self.segment_attention,
+            self.attention_mask,
+            self.attention,
+            segment_recurrence=self.segment_recurrence,
+        ).describe()
+
     def budget(
         self,
         stock_tokens: int,
