@@ -566,8 +566,11 @@ def exact_bf16(session: Session, attention: str, stock_attention: str | None = N
             ]
         )
     split_noise = session.split_noise[stock_attention]
-    cases = LOSS_CASES[::3] if stock_attention == attention and not plugin else LOSS_CASES[2:3]
-    for loss, iterations, share in session.preset.bf16_cases if attention == "sdpa" and not plugin else cases:
+    if plugin or stock_attention != attention:  # a forced setting, or stock on another attention: one case
+        cases = LOSS_CASES[2:3]
+    else:
+        cases = session.preset.bf16_cases if attention == "sdpa" else LOSS_CASES[::3]
+    for loss, iterations, share in cases:
         stock = session.run(RunSpec("stock", "bf16", stock_attention, loss, iterations))
         exact = session.run(RunSpec("stock", "fp32", "sdpa", loss, iterations))
         bf16_error = update_difference(initial, stock.params, exact.params)
@@ -644,7 +647,7 @@ def speed_of(session: Session, attention: str) -> list[list]:
             "first step",
             setting.rsplit(",", 1)[0] + ", step 1",
             f"stock {stock.step_seconds[0]:.3f} s (warm-up {warm_up:.3f} s over its steady step), "
-            f"ours {ours.step_seconds[0]:.3f} s ({first_step_parts(ours, ours_s, warm_up)})",
+            f"ours {ours.step_seconds[0]:.3f} s ({first_step_parts(ours, ours_s, first_steps)})",
             start_goal,
             start_result,
         ],
@@ -652,13 +655,12 @@ def speed_of(session: Session, attention: str) -> list[list]:
     ]
 
 
-def first_step_parts(ours: Run, steady_s: float, warm_up: float) -> str:
-    """The plugin's first step in its steady steps, with and without the device's warm-up that stock's first step
-    pays too (allocator, library handles), and the self-check's part (the rest: any compilation, the first
-    planning)."""
-    first = ours.step_seconds[0]
+def first_step_parts(ours: Run, steady_s: float, first_steps: float) -> str:
+    """The plugin's first step in its steady steps, with and without (``first_steps``) the device's warm-up that
+    stock's first step pays too (allocator, library handles), and the self-check's part (the rest: any
+    compilation, the first planning)."""
     check = "" if ours.self_check_seconds is None else f"; self-check {ours.self_check_seconds:.3f} s"
-    return f"{first / steady_s:.2f} steady steps, {(first - warm_up) / steady_s:.2f} less stock's warm-up{check}"
+    return f"{ours.step_seconds[0] / steady_s:.2f} steady steps, {first_steps:.2f} less stock's warm-up{check}"
 
 
 def memory_fraction(session: Session) -> list[list]:
