@@ -28,34 +28,17 @@ from hf_dynbsz.execution.attention import (
     segment_attention_forward,
     use_segments,
 )
-from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
     build_tiny_causal_lm,
     grpo_batch,
+    packed_logps,
     reference_varlen_attention,
     segment_mask,
     stock_logps,
 )
-
-PAD = 0
-
-
-def packed_logps(model, table, indices, groups, base, pad_to_multiple_of=None):
-    mb = build_microbatch(
-        table,
-        indices,
-        layout="padding_free",
-        pad_token_id=PAD,
-        attention=base,
-        groups=groups,
-        pad_to_multiple_of=pad_to_multiple_of,
-    )
-    with segment_attention(model):
-        use_segments(mb.segments)
-        out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-    return mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager", "flex_attention"])

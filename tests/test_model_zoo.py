@@ -444,7 +444,7 @@ def per_sample_error(trainer) -> float:
     import torch
 
     from hf_dynbsz.execution.packing import SequenceTable
-    from hf_dynbsz.testing import grpo_batch, stock_logps
+    from hf_dynbsz.testing import grpo_batch, logps_alone
 
     if not trainer._dynbsz.enabled:
         return 0.0
@@ -456,11 +456,8 @@ def per_sample_error(trainer) -> float:
     with torch.no_grad():
         logps, _, _ = trainer._dynbsz.no_grad_passes(model, table, batch[2].size(1), False, stock_tokens=40)
         error = 0.0
-        for i, tokens in enumerate(table.tokens):  # alone: no padding, no position ids
-            p, c = int(table.prompt_lengths[i]), int(table.completion_lengths[i])
-            ones = torch.ones(1, p + c, dtype=torch.long)
-            alone, _ = stock_logps(model, tokens[None, :p], ones[:, :p], tokens[None, p:], ones[:, p:])
-            error = max(error, float((logps[i, :c] - alone[0]).abs().max()))
+        for i, c in enumerate(table.completion_lengths.tolist()):  # alone: no padding, no position ids
+            error = max(error, float((logps[i, :c] - logps_alone(model, table, i)).abs().max()))
     return error
 
 

@@ -12,7 +12,6 @@ without their prefix start from a zero state; both differ by far more than the t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -20,8 +19,8 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
-from hf_dynbsz.execution.attention import Segment, SegmentLayout, segment_attention, use_segments
-from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.attention import Segment, SegmentLayout, use_segments
+from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
     bucket_length,
@@ -32,10 +31,9 @@ from hf_dynbsz.execution.recurrence import (
     state_argument,
 )
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.testing import grpo_batch, stock_logps
+from hf_dynbsz.testing import grpo_batch, logps_alone, packed_logps, stock_logps
 from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
-PAD = 0
 TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
 LEAK = 2e-5  # a sequence started from another's state differs by more than this (10x the tolerance)
 
@@ -62,39 +60,17 @@ def mixers(model) -> tuple[str, ...]:
 
 def alone(model, batch) -> list[torch.Tensor]:
     """Each sample's completion log-probs, the sample run alone (no padding)."""
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
-    out = []
-    for sample in range(prompt_ids.size(0)):
-        p, c = int(prompt_mask[sample].sum()), int(completion_mask[sample].sum())
-        if c == 0:
-            out.append(torch.zeros(0))
-            continue
-        one = (
-            prompt_ids[sample : sample + 1, -p:],
-            prompt_mask[sample : sample + 1, -p:],
-            completion_ids[sample : sample + 1, :c],
-            completion_mask[sample : sample + 1, :c],
-        )
-        out.append(stock_logps(model, *one)[0][0])
-    return out
+    table = SequenceTable.from_padded(*batch)
+    return [logps_alone(model, table, sample) for sample in range(len(table.tokens))]
 
 
 def packed(model, batch, order, shared: bool, with_recurrence: bool = True, pad_to_multiple_of=None):
     table = SequenceTable.from_padded(*batch)
-    mb = build_microbatch(
-        table,
-        order,
-        layout="padding_free",
-        pad_token_id=PAD,
-        attention=model.config._attn_implementation,
-        groups=table.prompt_groups() if shared else None,
-        pad_to_multiple_of=pad_to_multiple_of,
-    )
-    recur = segment_recurrence(model, mixers(model)) if with_recurrence else contextlib.nullcontext()
-    with segment_attention(model), recur:
-        use_segments(mb.segments)
-        out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-    return mb.to_completion_layout(out.log_probs)
+    groups = table.prompt_groups() if shared else None
+    attention = model.config._attn_implementation
+    recurrent = mixers(model) if with_recurrence else ()
+    _, logps, _ = packed_logps(model, table, order, groups, attention, pad_to_multiple_of, mixers=recurrent)
+    return logps
 
 
 def largest_error(model, order, shared, **options) -> float:

@@ -10,8 +10,7 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_dynbsz.execution.attention import segment_attention, use_segments
-from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
+from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.self_check import pick_samples, run_self_check, tolerance
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.testing import (
@@ -19,10 +18,10 @@ from hf_dynbsz.testing import (
     build_tiny_causal_lm,
     build_tiny_hybrid_lm,
     grpo_batch,
-    stock_logps,
+    logps_alone,
+    packed_logps,
 )
 
-PAD = 0
 SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
 PLAIN = Layout("padding_free", False, "sdpa", attention="varlen")
 PADDED = Layout("padded")
@@ -38,25 +37,11 @@ def runners(model, table):
 
     def run_layout(layout, indices):
         groups = table.prompt_groups() if layout.share_prompts else None
-        mb = build_microbatch(
-            table,
-            indices,
-            layout=layout.name,
-            pad_token_id=PAD,
-            attention=layout.segment_attention,
-            groups=groups,
-            attention_mask=layout.attention_mask,
-        )
-        with segment_attention(model, layout.segment_attention is not None):
-            use_segments(mb.segments)
-            out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-        return mb.to_completion_layout(out.log_probs)
+        attention, mask = layout.segment_attention, layout.attention_mask
+        return packed_logps(model, table, indices, groups, attention, layout=layout.name, attention_mask=mask)[1]
 
     def run_alone(index):
-        p, c = int(table.prompt_lengths[index]), int(table.completion_lengths[index])
-        tokens = table.tokens[index]
-        ones = torch.ones(1, p + c, dtype=torch.long)
-        return stock_logps(model, tokens[None, :p], ones[:, :p], tokens[None, p:], ones[:, p:])[0]
+        return logps_alone(model, table, index).unsqueeze(0)
 
     return run_layout, run_alone
 

@@ -9,10 +9,12 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.vision`: tiny vision-language models, image prompt datasets, a rollout for image prompts;
 * :mod:`~hf_dynbsz.testing.oracles`: reference computations the results are checked against (stock's log-probs,
   first-fit-decreasing packing, attention masks, parameter differences);
+* :mod:`~hf_dynbsz.testing.passes`: one pass of a bare model as the executor runs it (collator, segment attention,
+  segment recurrence);
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
 
-Every public name of the first four is re-exported here: ``from hf_dynbsz.testing import X``.
+Every public name of the first five is re-exported here: ``from hf_dynbsz.testing import X``.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from hf_dynbsz.testing.fixtures import (
 from hf_dynbsz.testing.oracles import (
     first_fit_decreasing,
     grpo_batch,
+    logps_alone,
     reference_varlen_attention,
     relative_difference,
     segment_mask,
     stock_logps,
     update_difference,
 )
+from hf_dynbsz.testing.passes import packed_logps
 from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, run_peak_mib, run_with_timeout
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
@@ -78,6 +82,8 @@ __all__ = [
     "grpo_batch",
     "image_prompt_dataset",
     "load_tokenizer",
+    "logps_alone",
+    "packed_logps",
     "prompt_dataset",
     "relative_difference",
     "reference_varlen_attention",

@@ -8,6 +8,7 @@ from __future__ import annotations
 __all__ = [
     "first_fit_decreasing",
     "grpo_batch",
+    "logps_alone",
     "reference_varlen_attention",
     "relative_difference",
     "segment_mask",
@@ -28,6 +29,18 @@ def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     labels[:, :-logits_to_keep] = -100
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
+
+def logps_alone(model, table, index: int):
+    """Sample ``index`` of ``table`` (a ``SequenceTable``) run alone, as generation computed it: its completion
+    log-probs ``(completion,)`` through stock's forward of the one unpadded sequence (empty for an empty completion)."""
+    import torch
+
+    p, c = int(table.prompt_lengths[index]), int(table.completion_lengths[index])
+    if c == 0:
+        return torch.zeros(0)
+    tokens, ones = table.tokens[index], torch.ones(1, p + c, dtype=torch.long)
+    return stock_logps(model, tokens[None, :p], ones[:, :p], tokens[None, p:], ones[:, p:])[0][0]
 
 
 def grpo_batch(prompt_lengths, completion_lengths, repeats, *, seed: int = 0, token_high: int = 40, pad_id: int = 0):
