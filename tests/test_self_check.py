@@ -208,6 +208,7 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     scheduler = checked._dynbsz.scheduler  # the next rung: padding-free rows through segment recurrence
     assert scheduler.layout == "padding_free" and scheduler.segment_recurrence
     assert caplog.text.count("self-check") == 1 and "differ from each sample's own" in caplog.text
+    assert checked._dynbsz.self_check_seconds > 0 and "It took" in caplog.text  # its share of the first step
     params = {name: p for name, p in checked.model.named_parameters()}
     assert relative_difference(params, dict(stock.model.named_parameters())) <= 1e-5
     unchecked = train(DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, self_check=False, seed=0)

@@ -102,6 +102,28 @@ def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
     compare_with_stock(model_dir, tmp_path, loss_type="bnpo", beta=0.05, packing_layout=layout, num_iterations=2)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_padded_span_calls_match_stock(model_dir, tmp_path, monkeypatch, loss_type):
+    """Segment attention's padded calls (spans of several shapes sharing a call, as on CUDA) forced on this CPU: the
+    run with shared prompts and old-policy passes still equals stock."""
+    from hf_dynbsz.execution import attention
+
+    monkeypatch.setitem(attention.SPAN_CALLS_PER_LAYER, "cpu", 2)
+    calls, build = [], attention.SegmentLayout._build_span_calls
+
+    def recording(layout, device, max_calls):  # the real build, its calls kept for the checks below
+        built = build(layout, device, max_calls)
+        calls.append(built[0])
+        return built
+
+    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", recording)
+    history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert calls and all(len(layer_calls) <= 2 for layer_calls in calls)
+    assert any(call.padded for layer_calls in calls for call in layer_calls)  # spans of several shapes did share
+
+
 def test_matches_stock_with_sequence_importance_sampling_and_truncation_mask(model_dir, tmp_path):
     compare_with_stock(
         model_dir,
