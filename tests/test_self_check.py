@@ -67,13 +67,35 @@ def test_the_samples_checked_hold_siblings_and_different_lengths():
     assert pick_samples(table_of([4], [2], [1])) == [0, 0, 0, 0]  # the same forwards on a process with one sample
 
 
-def test_a_model_the_layouts_suit_keeps_the_fastest(tokenizer):
+def counting(run_layout):
+    """``run_layout`` that records the layouts it ran."""
+    ran = []
+
+    def run(layout, indices):
+        ran.append(layout)
+        return run_layout(layout, indices)
+
+    return run, ran
+
+
+def test_a_model_the_layouts_suit_keeps_the_fastest_and_runs_no_other(tokenizer):
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
+    run_layout, run_alone = runners(model, table)
+    run_layout, ran = counting(run_layout)
+    with torch.no_grad():
+        result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, run_layout, run_alone, limit=1e-4)
+    assert result.chosen == 0 and result.reasons == [] and result.errors[0] < 1e-5
+    assert ran == [SHARED] and len(result.errors) == 1  # the slower layouts cost nothing
+
+
+@pytest.mark.parametrize("layout", [SHARED, PLAIN, PADDED, MASKED], ids=lambda layout: layout.describe())
+def test_each_layout_equals_the_samples_alone(tokenizer, layout):
     model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
     table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
     with torch.no_grad():
-        result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, *runners(model, table), limit=1e-4)
-    assert result.chosen == 0 and result.reasons == []
-    assert result.errors[0] < 1e-5 and all(error < 1e-5 for error in result.errors)
+        result = run_self_check([layout], table, *runners(model, table), limit=1e-4)
+    assert result.chosen == 0 and result.errors[0] < 1e-5
 
 
 def test_a_layout_that_mixes_sequences_is_left_with_its_reason(tokenizer):
@@ -108,24 +130,47 @@ def test_a_layout_whose_pass_raises_is_left_not_raised(tokenizer):
     ]
 
 
-def test_every_process_takes_the_plainest_layout_any_process_needed(tokenizer):
+def test_every_process_takes_the_first_layout_every_process_passed(tokenizer):
     model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
     table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
-    agreed = []
+    run_layout, run_alone = runners(model, table)
+    run_layout, ran = counting(run_layout)
+    passed_here = []
 
-    def other_process_needs_padded_rows(index):
-        agreed.append(index)
-        return max(index, 2)
+    def another_process_needs_padded_rows(passed):  # the all-reduce: the other process fails the first two
+        passed_here.append(passed)
+        return passed and len(passed_here) > 2
 
     with torch.no_grad():
         result = run_self_check(
-            [SHARED, PLAIN, PADDED, MASKED],
-            table,
-            *runners(model, table),
-            limit=1e-4,
-            agree=other_process_needs_padded_rows,
-        )
-    assert agreed == [0] and result.chosen == 2  # this process passed the first; the run takes the third
+            [SHARED, PLAIN, PADDED, MASKED], table, run_layout, run_alone, limit=1e-4,
+            agree=another_process_needs_padded_rows,
+        )  # fmt: skip
+    assert passed_here == [True, True, True] and ran == [SHARED, PLAIN, PADDED]  # one all-reduce per layout tried
+    assert result.chosen == 2
+    assert result.reasons[0] == f"{SHARED.describe()}: another process found it inexact"
+
+
+def test_a_layout_is_kept_only_when_this_process_passed_it_too(tokenizer):
+    """Another process fails the first layout and passes the second; this one fails the second: neither is kept,
+    though each passed a layout the other did not."""
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    run_layout, run_alone = runners(model, table)
+
+    def plain_rows_wrong_here(layout, indices):
+        logps = run_layout(layout, indices)
+        return logps + 1.0 if layout is PLAIN else logps
+
+    other_process = iter([False, True, True])
+
+    def agree(passed):
+        return passed and next(other_process)
+
+    with torch.no_grad():
+        result = run_self_check([SHARED, PLAIN, PADDED], table, plain_rows_wrong_here, run_alone, 1e-4, agree)
+    assert result.chosen == 2 and len(result.reasons) == 2
+    assert "log-probs differ from each sample's own by 1.00e+00" in result.reasons[1]
 
 
 def test_none_within_tolerance_means_stock_math(tokenizer):

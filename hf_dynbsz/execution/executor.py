@@ -531,7 +531,7 @@ class PassExecutor:
         with self.tiles(), record_function("dynbsz/self_check"):
             result = run_self_check(
                 layouts, table, run_layout, run_alone, tolerance(self._compute_dtype(model)),
-                agree=lambda index: self.world.all_reduce_max([index])[0],
+                agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
             )  # fmt: skip
         self.self_check_seconds = time.perf_counter() - started
         self.self_check_summary = result.summary(layouts)

@@ -2,14 +2,16 @@
 
 :mod:`hf_dynbsz.planning.model_support` decides from the model which layouts can be exact; this module verifies it on
 real samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).
-It runs one no-grad pass over a few of those samples in each layout, fastest first, and compares their completion
+It runs one no-grad pass over a few of those samples in a layout, fastest first, and compares their completion
 log-probs with the *per-sample reference*: each sample alone, as one unpadded row through the model's own attention
 with no position ids given (what the model computes for that sequence by itself, as generation did). The first
-layout within :func:`tolerance` is kept; when none is, stock math runs. A layout whose pass raises is treated as
-failing, so a model the decision module misjudged steps down instead of crashing mid-step.
+layout within :func:`tolerance` on every process is kept, and the slower ones are not run; when none passes, stock
+math runs. A layout whose pass raises is treated as failing, so a model the decision module misjudged steps down
+instead of crashing mid-step.
 
-Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each), and all
-take the plainest layout any process needed (one all-reduce), so the processes stay in lockstep.
+Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each): the
+same count of references, then layout by layout with one all-reduce after each (did every process pass it?), so
+the processes try the same layouts and stop at the same one.
 """
 
 from __future__ import annotations
@@ -81,9 +83,9 @@ def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device
 
 @dataclass(frozen=True)
 class CheckResult:
-    """``chosen``: index of the layout to use (``len(layouts)``: none, stock math); ``errors``: per layout, the
-    largest log-prob difference from the reference on this process (``inf`` when its pass raised); ``reasons``:
-    one line per layout left, for the log."""
+    """``chosen``: index of the layout to use (``len(layouts)``: none, stock math); ``errors``: per layout tried (the
+    chosen one and those before it), the largest log-prob difference from the reference on this process (``inf``
+    when its pass raised); ``reasons``: one line per layout left, for the log."""
 
     chosen: int
     errors: list[float]
@@ -91,7 +93,7 @@ class CheckResult:
 
     def summary(self, layouts: Sequence[Layout]) -> str:
         """What the run trains with and why, for the log."""
-        why = "; ".join(self.reasons) or "another process found the faster layouts inexact"
+        why = "; ".join(self.reasons)
         if self.chosen == len(layouts):
             return (
                 f"self-check: no layout gives each sample's own log-probs on this model, stock GRPOTrainer math "
@@ -111,13 +113,14 @@ def run_self_check(
     run_layout: Callable[[Layout, list[int]], torch.Tensor],
     run_alone: Callable[[int], torch.Tensor],
     limit: float,
-    agree: Callable[[int], int] = lambda index: index,
+    agree: Callable[[bool], bool] = lambda passed: passed,
 ) -> CheckResult:
-    """Check ``layouts`` (fastest first) on a few samples of ``table``.
+    """Check ``layouts`` (fastest first) on a few samples of ``table``, up to the first that every process passes.
 
     ``run_layout(layout, indices)`` returns the completion log-probs ``(rows, width)`` of one pass over those
     samples in that layout; ``run_alone(index)`` those of the sample alone ``(1, width)``; ``limit`` the tolerance;
-    ``agree(index)`` the largest index any process chose (an all-reduce MAX; every process calls it once).
+    ``agree(passed)`` whether every process passed the layout this one ``passed`` or not (an all-reduce; every
+    process calls it once per layout tried).
     """
     samples = pick_samples(table)
     distinct = sorted(set(samples))
@@ -128,25 +131,29 @@ def run_self_check(
         reference.setdefault(index, alone[0])
     errors, reasons = [], []
     for layout in layouts:
-        try:
-            logps = run_layout(layout, distinct)
-            error = max(
-                (
-                    float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
-                    for row, i in enumerate(distinct)
-                    if completions[i]
-                ),
-                default=0.0,
-            )
-            if math.isnan(error):
-                error = math.inf
-            reasons.append(
-                f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
-            )
-        except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
-            error = math.inf
-            reasons.append(f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}")
+        error, reason = _layout_error(layout, distinct, completions, run_layout, reference, limit)
         errors.append(error)
-    chosen = next((n for n, error in enumerate(errors) if error <= limit), len(layouts))
-    chosen = agree(chosen)
-    return CheckResult(chosen, errors, reasons[:chosen])
+        if agree(error <= limit):
+            break
+        reasons.append(reason if error > limit else f"{layout.describe()}: another process found it inexact")
+    chosen = len(reasons)
+    return CheckResult(chosen, errors, reasons)
+
+
+def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str]:
+    """The largest completion log-prob difference of one pass in ``layout`` from the references (``inf`` when the
+    pass raised or gave NaN), and the line that says so."""
+    try:
+        logps = run_layout(layout, distinct)
+        error = max(
+            (
+                float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
+                for row, i in enumerate(distinct)
+                if completions[i]
+            ),
+            default=0.0,
+        )
+    except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
+        return math.inf, f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+    error = math.inf if math.isnan(error) else error
+    return error, f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
