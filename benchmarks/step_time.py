@@ -609,6 +609,7 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         "budget_tokens": [e["dynbsz/budget_tokens"] for e in history if "dynbsz/budget_tokens" in e],
         "tensor_batch_size": getattr(args, "tensor_batch_size", "stock"),
         "profile": profile.result if profile is not None else None,
+        "self_check_s": getattr(getattr(trainer, "_dynbsz", None), "self_check_seconds", None),
         "layout_used": trainer._dynbsz.scheduler.layout
         if getattr(trainer, "_dynbsz", None) and trainer._dynbsz.enabled
         else None,
@@ -696,6 +697,7 @@ def summarise(results: list[dict]) -> list[dict]:
                 "num_rounds": min(len(run["rounds"]) for run in runs) - 1,
                 "repeats": len(runs),
                 "baseline_mb": median([run["baseline_rss_mb"] for run in runs]),
+                **first_step(runs),
             }
         )
     stock = {row["mix"]: row for row in rows if row["config"] == "stock"}
@@ -715,6 +717,36 @@ def summarise(results: list[dict]) -> list[dict]:
     mix_order = {name: i for i, name in enumerate(MIX_LABELS)}
     rows.sort(key=lambda r: (mix_order.get(r["mix"], 99), order.get(r["config"], 99)))
     return rows
+
+
+def first_step(runs: list[dict]) -> dict:
+    """The first optimizer step against the steady ones, each with its share of its round's log-prob pass.
+
+    A step's seconds: its training phase plus the log-prob pass of its generation round divided by the round's
+    optimizer steps; the first step also carries all of the self-check (run once, in the first round's log-prob
+    pass, the first pass of this schedule). ``first_steps``: the first step in steady steps (the mean of the later
+    ones, per index the median over repeats); the first round's data differ from the later rounds', for stock as
+    for the plugin, which this ratio does not take out. ``self_check_steps``: the self-check in steady steps, the
+    plugin's start-up cost beyond the step's own work (data-independent).
+    """
+    spec = runs[0]["spec"]
+    per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
+    checks = [run.get("self_check_s") or 0.0 for run in runs]
+    first = median(
+        [
+            run["steps"][0]["train_s"] + (run["rounds"][0]["logprob_s"] - check) / per_round + check
+            for run, check in zip(runs, checks)
+        ]
+    )
+    logprob = _mean(_per_index(runs, "rounds", "logprob_s", 1))
+    steady = _mean(_per_index(runs, "steps", "train_s", 1)) + (0.0 if logprob != logprob else logprob / per_round)
+    return {
+        "first_s": first,
+        "steady_s": steady,
+        "first_steps": first / steady,
+        "self_check_s": median(checks) if any(run.get("self_check_s") is not None for run in runs) else None,
+        "self_check_steps": median(checks) / steady,
+    }
 
 
 STEP_FIELDS = ("round", "train_s", "train_cpu_s", "train_tokens", "train_real_tokens", "train_passes", "peak_kb")
@@ -738,6 +770,7 @@ def compact_run(result: dict) -> dict:
         "code": result["code"],
         "baseline_rss_mb": result["baseline_rss_mb"],
         "budget_tokens": result["budget_tokens"],
+        "self_check_s": result.get("self_check_s"),
         "steps": [[step[k] for k in STEP_FIELDS] for step in result["steps"]],
         "rounds": [[rnd[k] for k in ROUND_FIELDS] for rnd in result["rounds"]],
     }
@@ -803,6 +836,41 @@ def render_table(rows: list[dict]) -> str:
             ]
         )
     return markdown_table(header, body)
+
+
+def render_first_step_table(rows: list[dict]) -> str:
+    header = [
+        "workload",
+        "trainer",
+        "first step s",
+        "steady step s",
+        "first step in steady steps",
+        "of which self-check s",
+        "self-check in steady steps",
+    ]
+    body = [
+        [
+            MIX_LABELS[row["mix"]],
+            CONFIGS[row["config"]]["label"],
+            _fmt(row["first_s"]),
+            _fmt(row["steady_s"]),
+            _fmt(row["first_steps"]),
+            _fmt(row["self_check_s"]),
+            _fmt(row["self_check_steps"] if row["self_check_s"] is not None else None),
+        ]
+        for row in rows
+    ]
+    return markdown_table(header, body)
+
+
+FIRST_STEP_NOTE = (
+    "First step. A step's seconds here: its training phase plus its share of its generation round's log-prob pass "
+    "(the pass / the round's optimizer steps); the first step also carries the whole self-check, which runs once, "
+    "before the first round's log-prob pass. *steady step*: the mean over the measured steps. *first step in steady "
+    "steps*: first / steady; the first round's samples differ from the later rounds' (for stock too, whose row "
+    "shows what the data alone do to the ratio). *self-check in steady steps*: the self-check / the steady step, "
+    "what the plugin's start-up adds to its first step's own work."
+)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -1058,7 +1126,9 @@ def write_report(args, settings, results, rows, table, setup, loads, code_versio
         f"{' (quick run)' if args.quick else ''}"
     )
     generated = f"Generated by `{command}` in {(time.perf_counter() - started) / 60:.1f} min."
-    markdown = "\n\n".join([title, generated, setup, machine, code, table, COLUMNS_NOTE]) + "\n"
+    first_steps = "## The first step\n\n" + render_first_step_table(rows)
+    markdown = "\n\n".join([title, generated, setup, machine, code, table, COLUMNS_NOTE, first_steps, FIRST_STEP_NOTE])
+    markdown += "\n"
     (args.out_dir / f"{name}.md").write_text(markdown)
     raw = {
         "settings": settings,
