@@ -50,7 +50,8 @@ What it measures, per optimizer step
   over the steps of the run (median over repeats).
 
 The first optimizer step and the first generation round of every process are warm-up and are left out of
-the times (not out of the memory peak).  Every configuration sees the same steps (same data), so a time is
+the times (not out of the memory peak); the report's second table gives the first step apart
+(:func:`first_step`).  Every configuration sees the same steps (same data), so a time is
 aggregated per step index: the median over repeats (robust to other jobs on the machine), then the mean over
 the measured steps (steps differ in their data; the mean is the throughput figure).  Runs are interleaved
 (stock, dynamic..., then the reverse order in the next repeat), one fresh process each.

@@ -1,4 +1,4 @@
-"""The self-check at start: each layout a run may use, against every sample computed alone (torch layer).
+"""The self-check at start: the layouts a run may use, fastest first, against every sample computed alone (torch layer).
 
 :mod:`hf_dynbsz.planning.model_support` decides from the model which layouts can be exact; this module verifies it on
 real samples before the first pass of a run (a training step, or the old-policy / reference log-prob pass before it).

@@ -205,12 +205,13 @@ SETTINGS: tuple[Setting, ...] = (
         kind="bool",
         unit="-",
         summary="check the layout against each sample alone at start; step down if it differs",
-        help="Before the run's first pass, run one no-grad pass over a few of that step's samples in each layout the "
-        "model allows (padding-free with shared prompts, padding-free, padded, padded with an attention mask) and "
-        "compare the completion log-probs with each sample computed alone; keep the fastest layout within tolerance "
-        "(1e-4 in fp32, 5e-2 in bf16/fp16: the check runs in the weights' precision) and log why the others were "
-        "left. When none passes, stock GRPOTrainer math runs. Costs a few small forwards once per run; False skips "
-        "it and trusts the decision read off the model.",
+        help="Before the run's first pass, run one no-grad pass over a few of that step's samples in the fastest "
+        "layout the model allows (padding-free with shared prompts, padding-free, padded, padded with an attention "
+        "mask, in that order) and compare the completion log-probs with each sample computed alone; keep the first "
+        "layout within tolerance on every process (1e-4 in fp32, 5e-2 in bf16/fp16: the check runs in the "
+        "precision the forwards compute in), trying the next one only when it is not, and log why the faster ones "
+        "were left. When none passes, stock GRPOTrainer math runs. Costs five small forwards once per run when the "
+        "fastest layout passes; False skips it and trusts the decision read off the model.",
         expected="true or false",
     ),
     Setting(
