@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -732,7 +733,7 @@ def first_step(runs: list[dict]) -> dict:
     """
     spec = runs[0]["spec"]
     per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
-    checks = [run.get("self_check_s") or 0.0 for run in runs]
+    checks = [run.get("self_check_s") or 0.0 for run in runs]  # stock: none
     first = median(
         [
             run["steps"][0]["train_s"] + (run["rounds"][0]["logprob_s"] - check) / per_round + check
@@ -740,13 +741,14 @@ def first_step(runs: list[dict]) -> dict:
         ]
     )
     logprob = _mean(_per_index(runs, "rounds", "logprob_s", 1))
-    steady = _mean(_per_index(runs, "steps", "train_s", 1)) + (0.0 if logprob != logprob else logprob / per_round)
+    steady = _mean(_per_index(runs, "steps", "train_s", 1)) + (0.0 if math.isnan(logprob) else logprob / per_round)
+    check = median(checks) if runs[0].get("self_check_s") is not None else None
     return {
         "first_s": first,
         "steady_s": steady,
         "first_steps": first / steady,
-        "self_check_s": median(checks) if any(run.get("self_check_s") is not None for run in runs) else None,
-        "self_check_steps": median(checks) / steady,
+        "self_check_s": check,
+        "self_check_steps": None if check is None else check / steady,
     }
 
 
@@ -857,7 +859,7 @@ def render_first_step_table(rows: list[dict]) -> str:
             _fmt(row["steady_s"]),
             _fmt(row["first_steps"]),
             _fmt(row["self_check_s"]),
-            _fmt(row["self_check_steps"] if row["self_check_s"] is not None else None),
+            _fmt(row["self_check_steps"]),
         ]
         for row in rows
     ]

@@ -574,18 +574,13 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
     base = _base_function(module, layout.base_implementation)
     kwargs.pop("sliding_window", None)  # the spans' masks draw the window
     kwargs.pop("is_causal", None)
+    additive = None if layout.base_implementation == "sdpa" else query.dtype  # eager adds its mask to the scores
     outputs = []
     for index, call in enumerate(calls):
         mask = layout.cached(
-            ("span mask", query.device, max_calls, index, window), partial(call.mask, window, query.device)
+            ("span mask", query.device, max_calls, index, window, additive),
+            partial(_call_mask, call, window, query.device, additive),
         )
-        if mask is None and layout.base_implementation != "sdpa":
-            mask = torch.ones(call.query_length, call.key_length, dtype=torch.bool, device=query.device).tril()
-            mask = mask.view(1, 1, *mask.shape)
-        if mask is not None and layout.base_implementation != "sdpa":  # eager adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min
-            )
         out, _ = base(
             module,
             _take_rows(query, call.queries, call.rows),
@@ -600,6 +595,18 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
         outputs.append(out.reshape(-1, out.size(2), out.size(3)).index_select(0, call.kept))
     output = torch.cat(outputs).index_select(0, restore)  # (T, heads, d_v) in row order
     return output.unsqueeze(0).contiguous(), None
+
+
+def _call_mask(call: SpanCall, window: int | None, device, additive: torch.dtype | None) -> torch.Tensor | None:
+    """``call``'s mask as its base takes it, built once per pass (every layer reuses it): for sdpa
+    (``additive`` None) the bool mask, or None for its causal kernel; for eager an additive mask in ``additive``
+    (0 where a query may attend, the dtype's minimum elsewhere), causal where sdpa would get None."""
+    mask = call.mask(window, device)
+    if additive is None:
+        return mask
+    if mask is None:
+        mask = torch.ones(call.query_length, call.key_length, dtype=torch.bool, device=device).tril()[None, None]
+    return torch.zeros(mask.shape, dtype=additive, device=device).masked_fill(~mask, torch.finfo(additive).min)
 
 
 AttentionInterface.register(ATTENTION_NAME, segment_attention_forward)

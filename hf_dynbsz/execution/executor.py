@@ -542,7 +542,7 @@ class PassExecutor:
             self.self_check_seconds,
         )
         if result.chosen:
-            self.parallel.refuse_inexact(result.summary(layouts))
+            self.parallel.refuse_inexact(self.self_check_summary)
         self.enabled = result.chosen < len(layouts)
         if self.enabled and result.chosen:
             self.scheduler = schedulers[result.chosen]
