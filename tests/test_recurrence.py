@@ -30,9 +30,10 @@ from hf_dynbsz.execution.recurrence import (
     segment_recurrence,
     state_argument,
 )
+from hf_dynbsz.execution.self_check import gradient_error
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.testing import grpo_batch, logps_alone, packed_logps, stock_logps
-from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, stock_logps
+from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES, build_tiny_causal_lm_of_type, causal_lm_types
 
 TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
 LEAK = 2e-5  # a sequence started from another's state differs by more than this (10x the tolerance)
@@ -227,3 +228,63 @@ def test_passes_without_a_layout_run_the_mixers_untouched(model):
     assert torch.equal(plain, wrapped)
     wrapped_classes = mixers(model)
     assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ in wrapped_classes)  # gone
+
+
+#: The families from their defaults' layer patterns that also run by default (the others with ``-m zoo``): a Jamba
+#: (four Mamba layers in a row, MoE between them), Qwen3.5's Gated DeltaNet, Mamba (no attention) and LFM2.
+DEFAULT_PATTERN_SUBSET = ("jamba", "qwen3_5_text", "mamba", "lfm2")
+
+
+def _default_pattern_families():
+    installed = set(causal_lm_types())
+    for family in SEGMENT_RECURRENCE_FAMILIES:
+        marks = [pytest.mark.zoo] + ([pytest.mark.representative] if family in DEFAULT_PATTERN_SUBSET else [])
+        if family not in installed:
+            marks.append(pytest.mark.skip(reason=f"{family} is not in the installed transformers"))
+        yield pytest.param(family, marks=marks, id=family)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize("family", list(_default_pattern_families()))
+def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing):
+    """Each segment-recurrence family built from its config's defaults, reduced in size only (its real layer pattern:
+    several recurrent layers in a row, MoE between them where the family has MoE): one training pass of a row with
+    shared prompts gives every sample's own log-probs and the gradients of the samples run alone, with and without
+    gradient checkpointing (whose recomputation must take the forward's path). A Jamba's blocks started from their
+    prefix's states, which its Mamba scan ignores, and its gradients were 1e-2 off (its log-probs 5e-7)."""
+    model = build_tiny_causal_lm_of_type(family, seed=1, layer_pattern="default")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # dropout is off; checkpointing runs in training mode only
+    layout = ModelSupport.of(model=model).layouts()[0][0]
+    assert layout.share_prompts and layout.segment_recurrence
+    table = SequenceTable.from_padded(*grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40))
+    run_layout, run_alone = bare_check_passes(model, table)
+    every = list(range(len(COMPLETIONS)))
+    alone_probes = [run_alone(sample) for sample in every]
+    probe = run_layout(layout, every)
+    for row, sample in enumerate(every):
+        if COMPLETIONS[sample]:
+            assert (probe.logps[row, : COMPLETIONS[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE
+    expected = {name: sum(p.gradients[name] for p in alone_probes) for name in probe.gradients}
+    error, name = gradient_error(probe.gradients, expected)
+    assert error <= 1e-5, (error, name)
+
+
+@pytest.mark.parametrize(("family", "continues"), [("mamba", False), ("qwen3_5_text", True)])
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_whether_blocks_start_from_prefix_states_is_decided_in_fp32_whatever_the_precision(
+    family, continues, precision
+):
+    """Mamba's torch scan ignores the recurrent state its cache hands it: its prefixes must be recomputed. Under bf16
+    autocast the difference hid in bf16's rounding and Mamba's blocks started from their prefix's states (gradients
+    0.37 off); the decision runs the mixer in fp32 whatever the run's precision. Qwen3.5's Gated DeltaNet takes the
+    states, in both."""
+    model = build_tiny_causal_lm_of_type(family, seed=1, layer_pattern="default")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != torch.float32):
+        packed(model, batch, list(range(len(COMPLETIONS))), shared=True)
+    decided = {prefix_states(m) for m in model.modules() if type(m).__name__ in mixers(model)}
+    assert decided == {continues}

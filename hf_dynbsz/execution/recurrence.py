@@ -35,6 +35,7 @@ the layers untouched, so a model without sequence mixers, or a padded pass, sees
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -285,13 +286,55 @@ def _continued(forward, argument: str, kernel: int, layout: SegmentLayout, args,
 
 
 def _agree(recomputed, continued) -> bool:
-    """Whether the prefix-state run gives the recomputed run's outputs (within the self-check's tolerance)."""
+    """Whether the prefix-state run gives the recomputed run's outputs: in fp32 (see :func:`_decided`), within the
+    fp32 tolerance of the self-check relative to the largest output.
+
+    Relative, not absolute: a mixer's output is small beside the residual stream it is added to (about 1e-2 on a tiny
+    random Jamba), so a block that ignores its prefix's recurrent state (Jamba's and Mamba's full-sequence scans start
+    from zero whatever the cache holds) changed the outputs by less than an absolute 1e-4, and the log-probs by 5e-7,
+    while its gradients (``A_log``'s above all) were far from each sample's own. In fp32, not the run's precision:
+    under bf16 the difference hid in bf16's own rounding, and Mamba's blocks started from their prefix's states."""
     from hf_dynbsz.execution.self_check import tolerance
 
-    a = recomputed[0] if isinstance(recomputed, tuple) else recomputed
-    b = continued[0] if isinstance(continued, tuple) else continued
-    scale = max(1.0, a.detach().abs().max().item())
-    return bool((a.detach().float() - b.detach().float()).abs().max().item() <= tolerance(a.dtype) * scale)
+    a = (recomputed[0] if isinstance(recomputed, tuple) else recomputed).detach().float()
+    b = (continued[0] if isinstance(continued, tuple) else continued).detach().float()
+    return bool((a - b).abs().max().item() <= tolerance(torch.float32) * a.abs().max().item())
+
+
+def _in_fp32(module, forward, device):
+    """``forward`` of ``module`` run in fp32 without autocast, on fp32 copies of its floating-point inputs: the module
+    itself where its parameters are fp32, else an fp32 copy of it (one layer, once per module)."""
+    if all(p.dtype == torch.float32 for p in module.parameters()):
+        run = forward
+    else:
+        copied = copy.deepcopy(module).float()
+        copied.__dict__.pop("forward", None)  # the class's own forward (not segment recurrence's wrapper)
+        run = copied.forward
+
+    def fp32(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float()
+        if isinstance(value, (tuple, list)):
+            return type(value)(fp32(item) for item in value)
+        return value
+
+    def forward_fp32(*args, **kwargs):
+        with torch.autocast(torch.device(device).type, enabled=False):
+            return run(*(fp32(a) for a in args), **{name: fp32(value) for name, value in kwargs.items()})
+
+    return forward_fp32
+
+
+def _decided(module, forward, argument, kernel, layout, args, kwargs, width, device) -> bool:
+    """Whether ``module``'s blocks may start from their prefix's final states: its prefix-state run and its recomputed
+    run of this row agree (:func:`_agree`), both in fp32 whatever the run's precision (:func:`_in_fp32`). A mixer that
+    does not take these states keeps recomputing."""
+    try:
+        fp32 = _in_fp32(module, forward, device)
+        recomputed = _recomputed(fp32, layout, args, kwargs, width, device)
+        return _agree(recomputed, _continued(fp32, argument, kernel, layout, args, kwargs, width, device))
+    except Exception:  # noqa: BLE001 - a mixer that does not take these states keeps recomputing
+        return False
 
 
 #: Per mixer module: whether its blocks start from their prefix's final states (True), or its prefixes are
@@ -326,14 +369,11 @@ def _wrap(module):
         if decided is False or not any(segment.prefix for segment in layout.segments):
             return _recomputed(forward, layout, args, kwargs, width, device)
         if decided is None:  # decided in a no-grad pass (the self-check's): a training pass and gradient
-            output = _recomputed(forward, layout, args, kwargs, width, device)  # checkpointing's recomputation
-            if not torch.is_grad_enabled():  # of it must take the same path
-                try:
-                    continued = _continued(forward, argument, kernel, layout, args, kwargs, width, device)
-                    _PREFIX_STATES[module] = _agree(output, continued)
-                except Exception:  # noqa: BLE001 - a mixer that does not take these states keeps recomputing
-                    _PREFIX_STATES[module] = False
-            return output
+            if not torch.is_grad_enabled():  # checkpointing's recomputation of it must take the same path
+                _PREFIX_STATES[module] = _decided(
+                    module, forward, argument, kernel, layout, args, kwargs, width, device
+                )
+            return _recomputed(forward, layout, args, kwargs, width, device)
         return _continued(forward, argument, kernel, layout, args, kwargs, width, device)
 
     return segmented_forward

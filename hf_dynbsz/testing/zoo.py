@@ -21,7 +21,13 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-__all__ = ["TinyConfigUnavailable", "tiny_causal_lm_config", "build_tiny_causal_lm_of_type", "causal_lm_types"]
+__all__ = [
+    "SEGMENT_RECURRENCE_FAMILIES",
+    "TinyConfigUnavailable",
+    "build_tiny_causal_lm_of_type",
+    "causal_lm_types",
+    "tiny_causal_lm_config",
+]
 
 
 class TinyConfigUnavailable(Exception):
@@ -479,9 +485,80 @@ def _default_config(model_type: str):
     return CONFIG_MAPPING[model_type]()
 
 
-def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id: int = 0, eos_token_id: int = 1):
+#: The hybrid and state-space families whose sequence mixers segment recurrence runs per sequence
+#: (:mod:`hf_dynbsz.execution.recurrence`); ``tests/test_model_zoo.py`` checks this against its table.
+SEGMENT_RECURRENCE_FAMILIES = (
+    "bailing_hybrid",
+    "bamba",
+    "falcon_h1",
+    "falcon_mamba",
+    "jamba",
+    "kimi_linear",
+    "lara_mini",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
+    "mamba",
+    "mamba2",
+    "minimax",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_next",
+    "recurrent_gemma",
+    "zamba",
+    "zamba2",
+)
+
+#: Layer patterns of :func:`tiny_causal_lm_config`: one layer of every kind (the zoo's, with the per-type patterns of
+#: :data:`OVERRIDES`), or the default config's own pattern cut to its shortest prefix holding every kind.
+LAYER_PATTERNS = ("one_per_kind", "default")
+#: Config fields that only place the layer kinds: with ``layer_pattern="default"`` the default's own values stay and the
+#: per-type overrides of these are not applied.
+PATTERN_FIELDS = frozenset(
+    {
+        "num_hidden_layers",
+        "layer_types",
+        "block_types",
+        "full_attn_idxs",
+        "attn_layer_indices",
+        "attn_layer_period",
+        "attn_layer_offset",
+        "expert_layer_period",
+        "expert_layer_offset",
+        "hybrid_layer_ids",
+        "layers_block_type",
+        "mlp_layer_types",
+    }
+)
+#: The fewest layers of a default pattern: several recurrent layers in a row where the default has them.
+MIN_DEFAULT_PATTERN_LAYERS = 3
+#: Families whose default config has no layer of the kind their checkpoints are built around (an all-attention LFM2,
+#: an all-Mamba Bamba that generation cannot run): the checkpoints' pattern, recurrent layers in a row, then attention.
+DEFAULT_PATTERN_OVERRIDES: dict[str, dict] = {
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[3]),
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], full_attn_idxs=[3]),
+    "lfm2_moe": dict(num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"]),
+}
+
+
+def tiny_causal_lm_config(
+    model_type: str,
+    *,
+    vocab_size: int = 64,
+    pad_token_id: int = 0,
+    eos_token_id: int = 1,
+    layer_pattern: str = "one_per_kind",
+):
     """A tiny config (random weights later) of transformers' causal-LM architecture `model_type`, or raise
-    `TinyConfigUnavailable(reason)` when none can be built."""
+    `TinyConfigUnavailable(reason)` when none can be built.
+
+    ``layer_pattern``: ``"one_per_kind"`` (the fewest layers with one of every kind, the zoo's) or ``"default"`` (the
+    default config's own layer pattern, cut to its shortest prefix that holds every kind of layer and MLP, at least
+    :data:`MIN_DEFAULT_PATTERN_LAYERS` layers: a Jamba keeps four Mamba layers in a row with MoE between them)."""
+    if layer_pattern not in LAYER_PATTERNS:
+        raise ValueError(f"layer_pattern must be one of {LAYER_PATTERNS}, got {layer_pattern!r}")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise TinyConfigUnavailable(f"{model_type!r} is not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
     if model_type in UNAVAILABLE:
@@ -493,14 +570,21 @@ def tiny_causal_lm_config(model_type: str, *, vocab_size: int = 64, pad_token_id
     fields = _fields(default)
     kwargs: dict = {}
     _tiny_sizes(fields, kwargs)  # 1) sizes
-    _one_layer_per_kind(fields, kwargs)  # 2) layers: keep one layer of every kind
+    if layer_pattern == "default":  # 2) layers: the default's pattern, or one layer of every kind
+        _default_pattern_prefix(default, fields, kwargs)
+    else:
+        _one_layer_per_kind(fields, kwargs)
     for name, value in fields.items():  # 3) dropouts off
         if _is_dropout(name) and _is_number(value):
             kwargs[name] = 0.0 if isinstance(value, float) else 0
     _small_vocabulary(fields, kwargs, vocab_size, pad_token_id, eos_token_id)  # 4) vocab and special tokens
     override = OVERRIDES.get(model_type)  # 5) per-type overrides
     if override is not None:
+        pattern = {name: kwargs[name] for name in PATTERN_FIELDS if name in kwargs}
         override(kwargs, default)
+        if layer_pattern == "default":  # the default's own pattern stays
+            kwargs = {name: value for name, value in kwargs.items() if name not in PATTERN_FIELDS} | pattern
+            kwargs.update(copy.deepcopy(DEFAULT_PATTERN_OVERRIDES.get(model_type, {})))
     return _instantiate(CONFIG_MAPPING[model_type], kwargs)
 
 
@@ -555,6 +639,39 @@ def _one_layer_per_kind(fields: dict, kwargs: dict) -> None:
         kwargs["moe_layer_end_index"] = kwargs[layer_name] - 1
     if "max_window_layers" in fields and _is_number(fields["max_window_layers"]):
         kwargs["max_window_layers"] = min(fields["max_window_layers"], kwargs[layer_name])
+
+
+def _default_pattern_prefix(default, fields: dict, kwargs: dict) -> None:
+    """Step 2 of :func:`tiny_causal_lm_config` with ``layer_pattern="default"``: the default's layers cut to the
+    shortest prefix holding every value of every per-layer pattern (fields, and patterns derived from periods such as
+    Jamba's ``layers_block_type``), at least :data:`MIN_DEFAULT_PATTERN_LAYERS`; per-layer lists cut to it, index lists
+    kept below it. A pattern derived from periods follows the new layer count by itself."""
+    layer_name, n_layers = _layer_count(fields)
+    if not n_layers:
+        return
+    patterns = [
+        list(v)
+        for k, v in fields.items()
+        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS
+    ]
+    for name in ("layers_block_type", "layer_types"):  # derived patterns (properties)
+        derived = getattr(default, name, None)
+        if isinstance(derived, (list, tuple)) and len(derived) == n_layers:
+            patterns.append(list(derived))
+    index_lists = {k: list(v) for k, v in fields.items() if k in INDEX_LISTS and isinstance(v, (list, tuple))}
+    firsts = [next(i for i, item in enumerate(p) if repr(item) == repr(value)) for p in patterns for value in p]
+    prefix = min(n_layers, max([MIN_DEFAULT_PATTERN_LAYERS - 1, *firsts]) + 1)
+    kwargs[layer_name] = prefix
+    for k, v in fields.items():
+        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS:
+            size_key = next((n for n in (k, re.sub(r"_per_layer$", "", k)) if _is_number(SIZES.get(n))), None)
+            sized = size_key and all(_is_number(x) for x in v)  # e.g. per-layer intermediate sizes / head counts
+            kwargs[k] = [SIZES[size_key]] * prefix if sized else list(v[:prefix])
+    for k, v in index_lists.items():
+        kwargs[k] = [i for i in v if isinstance(i, int) and i < prefix]
+    for name in ("moe_layer_end_index", "max_window_layers"):
+        if _is_number(fields.get(name)):
+            kwargs[name] = min(fields[name], prefix - (name == "moe_layer_end_index"))
 
 
 def _small_vocabulary(fields: dict, kwargs: dict, vocab_size: int, pad_token_id: int, eos_token_id: int) -> None:
