@@ -11,15 +11,22 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution.packing import SequenceTable
-from hf_dynbsz.execution.self_check import pick_samples, run_self_check, tolerance
+from hf_dynbsz.execution.self_check import (
+    Probe,
+    checked_parameters,
+    gradient_error,
+    gradient_tolerance,
+    pick_samples,
+    run_self_check,
+    tolerance,
+)
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.testing import (
+    bare_check_passes,
     build_char_tokenizer,
     build_tiny_causal_lm,
     build_tiny_hybrid_lm,
     grpo_batch,
-    logps_alone,
-    packed_logps,
 )
 
 SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
@@ -32,18 +39,9 @@ def table_of(prompt_lengths, completion_lengths, repeats, seed=0):
     return SequenceTable.from_padded(*grpo_batch(prompt_lengths, completion_lengths, repeats, seed=seed))
 
 
-def runners(model, table):
+def runners(model, table, gradients=True):
     """The trainer's two callables, for a bare model: a pass in a layout, and one sample alone."""
-
-    def run_layout(layout, indices):
-        groups = table.prompt_groups() if layout.share_prompts else None
-        attention, mask = layout.segment_attention, layout.attention_mask
-        return packed_logps(model, table, indices, groups, attention, layout=layout.name, attention_mask=mask)[1]
-
-    def run_alone(index):
-        return logps_alone(model, table, index).unsqueeze(0)
-
-    return run_layout, run_alone
+    return bare_check_passes(model, table, gradients)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +157,8 @@ def test_a_layout_is_kept_only_when_this_process_passed_it_too(tokenizer):
     run_layout, run_alone = runners(model, table)
 
     def plain_rows_wrong_here(layout, indices):
-        logps = run_layout(layout, indices)
-        return logps + 1.0 if layout is PLAIN else logps
+        probe = run_layout(layout, indices)
+        return Probe(probe.logps + 1.0, probe.gradients) if layout is PLAIN else probe
 
     tried = iter([SHARED, PLAIN, PADDED])
 
@@ -181,6 +179,123 @@ def test_none_within_tolerance_means_stock_math(tokenizer):
     assert result.chosen == 1 and len(result.reasons) == 1
 
 
+def test_a_layout_whose_gradients_differ_is_left_naming_the_parameter(tokenizer):
+    """Log-probs equal each sample's own, gradients not (a backward that loses a path): the layout is left as one
+    whose log-probs differ, and the reason names the parameter whose gradients differ most."""
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
+    run_layout, run_alone = runners(model, table)
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def backward_loses_half(layout, indices):
+        probe = run_layout(layout, indices)
+        if layout is not SHARED:
+            return probe
+        return Probe(probe.logps, {**probe.gradients, name: probe.gradients[name] * 0.5})
+
+    with torch.no_grad():
+        result = run_self_check(
+            [SHARED, PADDED], table, backward_loses_half, run_alone, limit=1e-4, gradient_limit=1e-3
+        )
+    assert result.chosen == 1 and math.isinf(result.errors[0])
+    assert result.reasons[0].startswith(f"{SHARED.describe()}: gradients differ from each sample's own by 5.00e-01")
+    assert result.reasons[0].endswith(f"at {name} (tolerance 0.001)")
+    assert result.gradient_errors[1] < 1e-6  # the padded rows' gradients equal each sample's own
+
+
+def test_the_gradients_checked_cover_every_kind_of_parameter_in_its_first_and_last_layer():
+    """Jamba from its defaults: four Mamba layers, MoE on layers 1 and 3, attention on layer 4. Every kind of
+    parameter is checked (mixers, their A_log, attention, MLP, experts, router, norms, embeddings, head), each in the
+    first and the last layer that has it, and no layer in between."""
+    import re
+
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type("jamba", layer_pattern="default")
+    names = [name for name, _ in model.named_parameters()]
+    checked = [name for name, _ in checked_parameters(model)]
+    kinds = {re.sub(r"\.\d+\.", ".*.", name) for name in names}
+    assert {re.sub(r"\.\d+\.", ".*.", name) for name in checked} == kinds
+    assert {"model.layers.0.mamba.A_log", "model.layers.3.mamba.A_log"} <= set(checked)
+    assert "model.layers.2.mamba.A_log" not in checked  # between the first and the last Mamba layer
+    assert {"model.layers.1.feed_forward.router.weight", "model.layers.3.feed_forward.router.weight"} <= set(checked)
+    assert "model.layers.4.self_attn.q_proj.weight" in checked and "lm_head.weight" in checked
+
+
+def test_the_gradient_error_is_a_parameters_own_relative_difference_with_a_floor():
+    reference = {"large": torch.full((4,), 10.0), "small": torch.full((4,), 1e-6), "unused": torch.zeros(3)}
+    same = {name: g.clone() for name, g in reference.items()}
+    assert gradient_error(same, reference) == (0.0, "large")
+    off = {**same, "large": reference["large"] * 1.1}
+    error, name = gradient_error(off, reference)
+    assert name == "large" and error == pytest.approx(0.1)
+    # a parameter that hardly learns is measured against 1e-3 of the largest norm (20), not against its own (2e-6)
+    noisy = {**same, "small": reference["small"] * 2}
+    assert gradient_error(noisy, reference)[0] == pytest.approx(2e-6 / 2e-2)
+    assert gradient_error({**same, "unused": torch.full((3,), float("nan"))}, reference) == (math.inf, "unused")
+
+
+def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplog):
+    """Qwen3.5's Gated DeltaNet starts each block from its prefix's final states. Detached, those states give the
+    same forward (the log-probs agree) and lose the blocks' gradients through the prefix: the self-check's gradients
+    refuse the layout, the run trains the next (padding-free rows without shared prompts) and equals stock. The
+    control: with gradients not compared, the same run keeps the layout and leaves stock."""
+    from hf_dynbsz.execution import executor, recurrence
+
+    def detached_bank(states, kernel):
+        return {index: bank.detach() for index, bank in bank_of(states, kernel).items()}
+
+    bank_of = recurrence._bank
+    monkeypatch.setattr(recurrence, "_bank", detached_bank)
+    stock = _train_hybrid(tmp_path / "stock", stock=True)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        checked = _train_hybrid(tmp_path / "checked")
+    scheduler = checked._dynbsz.scheduler
+    assert scheduler.layout == "padding_free" and not scheduler.share_prompts and scheduler.segment_recurrence
+    assert "gradients differ from each sample's own" in caplog.text and "linear_attn" in caplog.text
+    assert _difference(checked, stock) <= 1e-5
+    monkeypatch.setattr(executor, "gradient_tolerance", lambda dtype: math.inf)
+    unchecked = _train_hybrid(tmp_path / "unchecked")
+    assert unchecked._dynbsz.scheduler.share_prompts  # the forward alone cannot tell
+    assert _difference(unchecked, stock) > 1e-4
+
+
+def _train_hybrid(directory, stock=False):
+    """Two steps of a tiny Qwen3.5 (Gated DeltaNet and attention layers) on prompts of equal length, each prompt with
+    several completions."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, prompt_dataset
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    trainer_cls, config_cls = (GRPOTrainer, GRPOConfig) if stock else (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
+    trainer = trainer_cls(
+        model=build_tiny_causal_lm_of_type("qwen3_5_text", seed=0, layer_pattern="default"),
+        reward_funcs=RecordingReward(),
+        args=config_cls(**base_config_kwargs(str(directory), router_aux_loss_coef=0.0)),
+        train_dataset=prompt_dataset(),
+        processing_class=build_char_tokenizer(),
+        rollout_func=ScriptedRollout(
+            lambda rng, n, rank: rng.integers(4, 16, n),
+            lambda rng: 8,
+            max_completion_length=24,
+            seed=0,
+            token_low=3,
+            token_high=60,
+            eos_id=1,
+        ),
+    )
+    trainer.train()
+    return trainer
+
+
+def _difference(trainer, other) -> float:
+    from hf_dynbsz.testing import relative_difference
+
+    return relative_difference(dict(trainer.model.named_parameters()), dict(other.model.named_parameters()))
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "deepseek_v3"])  # a sliding window; narrower value heads
 def test_flex_attentions_padding_free_rows_pass_the_check(model_type, monkeypatch):
     """flex_attention's layouts are checked like the others: its padding-free rows with shared prompts (one flex
@@ -191,8 +306,8 @@ def test_flex_attentions_padding_free_rows_pass_the_check(model_type, monkeypatc
     model = with_fused_head(build_tiny_causal_lm_of_type(model_type, attn_implementation="flex_attention"))
     flex_shared = Layout("padding_free", True, "flex_attention", attention="varlen")
     table = SequenceTable.from_padded(*grpo_batch([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2], token_high=60))
-    with torch.no_grad():
-        result = run_self_check([flex_shared, PADDED, MASKED], table, *runners(model, table), limit=1e-4)
+    with torch.no_grad():  # log-probs only: flex_attention has no backward on CPU (the GPU check trains it)
+        result = run_self_check([flex_shared, PADDED, MASKED], table, *runners(model, table, False), limit=1e-4)
     assert result.chosen == 0 and result.reasons == [] and result.errors[0] < 1e-5
 
 
@@ -263,12 +378,13 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
     assert relative_difference(params, dict(stock.model.named_parameters())) > 1e-5
 
 
-def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerance(tmp_path):
+def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerances(tmp_path):
     """accelerate runs a prepared model's forward under autocast whatever the caller's context, so fp32 weights trained
-    in bf16 mixed precision compute the check's log-probs in bf16: a fp32 tolerance turned that noise into stock math
-    (found on an H200: 8e-3 on every layout, against 1e-4)."""
+    in bf16 mixed precision compute the check's log-probs and gradients in bf16: a fp32 tolerance turned that noise
+    into stock math (found on an H200: 8e-3 on every layout, against 1e-4). How far bf16 rounds depends on the CPU's
+    bf16 kernels, so this reads the tolerances the check applied, not the noise it met (see the next test for the
+    tolerances' effect)."""
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.execution.self_check import tolerance
     from hf_dynbsz.testing import (
         RecordingReward,
         ScriptedRollout,
@@ -299,6 +415,39 @@ def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerance(tmp_path):
     executor = trainer._dynbsz
     assert executor._compute_dtype(trainer.model) == torch.bfloat16  # fp32 weights, bf16 autocast
     trainer.train()
-    assert executor.enabled and executor.self_check_summary.startswith("self-check passed"), executor.self_check_summary
-    error = float(executor.self_check_summary.rsplit("difference ", 1)[1].rstrip(")."))
-    assert tolerance(torch.float32) < error <= tolerance(torch.bfloat16)  # bf16's noise, beyond a fp32 tolerance
+    summary = executor.self_check_summary
+    assert executor.enabled and summary.startswith("self-check passed"), summary
+    assert f"of {tolerance(torch.bfloat16):g}, gradients" in summary, summary
+    assert summary.endswith(f"of {gradient_tolerance(torch.bfloat16):g})."), summary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_difference_between_fp32s_and_bf16s_tolerance_fails_only_in_fp32(tokenizer, dtype):
+    """A layout that moves every log-prob by 1e-3 and one parameter's gradients by 3e-2 (relative): beyond fp32's
+    tolerances, within bf16's (the noise bf16 autocast gives packing, whatever the CPU)."""
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    run_layout, run_alone = runners(model, table)
+
+    def moved(layout, indices):
+        probe = run_layout(layout, indices)
+        gradients = dict(probe.gradients)
+        gradients["lm_head.weight"] = gradients["lm_head.weight"] * 1.03
+        return Probe(probe.logps + 1e-3, gradients) if layout is SHARED else probe
+
+    for shift in ("logps", "gradients"):
+
+        def one_moved(layout, indices, shift=shift):
+            probe, exact = moved(layout, indices), run_layout(layout, indices)
+            return Probe(probe.logps, exact.gradients) if shift == "logps" else Probe(exact.logps, probe.gradients)
+
+        with torch.no_grad():
+            result = run_self_check(
+                [SHARED, PADDED],
+                table,
+                one_moved,
+                run_alone,
+                tolerance(dtype),
+                gradient_limit=gradient_tolerance(dtype),
+            )
+        assert result.chosen == (1 if dtype == torch.float32 else 0), (shift, result.reasons)

@@ -41,7 +41,7 @@ from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_m
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.recurrence import segment_recurrence
 from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
-from hf_dynbsz.execution.self_check import alone_microbatch, run_self_check, tolerance
+from hf_dynbsz.execution.self_check import CheckPasses, gradient_tolerance, run_self_check, tolerance
 from hf_dynbsz.execution.tiling import lm_head_tiles
 from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.planning.memory import FailedPass
@@ -504,37 +504,31 @@ class PassExecutor:
 
     @torch.no_grad()
     def self_check(self, model, table: SequenceTable) -> bool:
-        """Once per run, before its first pass: keep the fastest layout whose log-probs equal each sample's own
-        (:mod:`hf_dynbsz.execution.self_check`); when none does, stock math runs. Returns whether dynamic batching
-        stays on. The check's passes are unsharded, whatever the run's sequence parallelism."""
+        """Once per run, before its first pass: keep the fastest layout whose log-probs and gradients equal each
+        sample's own (:mod:`hf_dynbsz.execution.self_check`); when none does, stock math runs. Returns whether dynamic
+        batching stays on. The check's passes are unsharded, whatever the run's sequence parallelism."""
         if self.checked:
             return self.enabled
         self.checked = True
-        layouts, unsharded = self.capabilities.layouts, NoSequenceParallel()
-        schedulers = [
-            Scheduler.from_args(self.args, self.capabilities.support, self.scheduler.group, layout=layout)
+        layouts = self.capabilities.layouts
+        schedulers = {
+            layout: Scheduler.from_args(self.args, self.capabilities.support, self.scheduler.group, layout=layout)
             for layout in layouts
-        ]
-
-        def run_layout(layout, indices):
-            scheduler = schedulers[layouts.index(layout)]
-            groups = table.prompt_groups() if scheduler.share_prompts else None
-            mb = self.microbatch(table, indices, groups, scheduler)
-            with self.segments(model, scheduler, unsharded):
-                return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
-
-        def run_alone(index):
-            mb = alone_microbatch(table, index, self.pad_token_id, self.accelerator.device)
-            return self.forward(model, mb, False, autocast=False, parallel=unsharded)[0]
-
+        }
+        no_gradients = CheckPasses.gradients_skipped(self, model)
+        passes = CheckPasses(self, model, table, schedulers, NoSequenceParallel(), gradients=no_gradients is None)
+        dtype = self._compute_dtype(model)
         started = time.perf_counter()
         with self.tiles(), record_function("dynbsz/self_check"):
             result = run_self_check(
-                layouts, table, run_layout, run_alone, tolerance(self._compute_dtype(model)),
+                layouts, table, passes.layout, passes.alone, tolerance(dtype),
                 agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
+                gradient_limit=gradient_tolerance(dtype),
             )  # fmt: skip
         self.self_check_seconds = time.perf_counter() - started
         self.self_check_summary = result.summary(layouts)
+        if no_gradients is not None:
+            self.self_check_summary += f" Gradients not compared: {no_gradients}."
         logger.log(
             logging.WARNING if result.chosen else logging.INFO,
             "hf_dynbsz: %s It took %.2f s.",
@@ -545,5 +539,5 @@ class PassExecutor:
             self.parallel.refuse_inexact(self.self_check_summary)
         self.enabled = result.chosen < len(layouts)
         if self.enabled and result.chosen:
-            self.scheduler = schedulers[result.chosen]
+            self.scheduler = schedulers[layouts[result.chosen]]
         return self.enabled

@@ -17,15 +17,28 @@ the processes try the same layouts and stop at the same one.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
 from hf_dynbsz.planning.model_support import Layout
 
-__all__ = ["CheckResult", "alone_microbatch", "pick_samples", "run_self_check", "tolerance"]
+__all__ = [
+    "CheckResult",
+    "Probe",
+    "alone_microbatch",
+    "check_loss",
+    "checked_parameters",
+    "gradient_error",
+    "gradient_tolerance",
+    "gradients_of",
+    "pick_samples",
+    "run_self_check",
+    "tolerance",
+]
 
 #: Samples per check (and per-sample reference forwards on every process).
 SAMPLES = 4
@@ -45,6 +58,82 @@ def tolerance(dtype: torch.dtype) -> float:
     model: visible in fp32, not in bf16 (the decision module rules those layers out from the config).
     """
     return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def gradient_tolerance(dtype: torch.dtype) -> float:
+    """Largest :func:`gradient_error` that passes, in the precision the check computes in (see :func:`tolerance`).
+
+    Packing changes only the order of floating-point sums. Over the 21 segment-recurrence families built from their
+    defaults' layer patterns (with and without gradient checkpointing) the error was at most 1e-6 in fp32 and 2.6e-2
+    under bf16 autocast (on CPU). A tiny Jamba whose blocks ignored their prefix's recurrent state gave 1.0e-2, visible
+    in fp32 only; Falcon-Mamba's 0.39 and a detached prefix state are visible in bf16 too (the prefix-state decision
+    itself runs in fp32: :mod:`hf_dynbsz.execution.recurrence`).
+    """
+    return 1e-3 if dtype in (torch.float32, torch.float64) else HALF_GRADIENT_TOLERANCE
+
+
+#: :func:`gradient_tolerance` in bf16 / fp16: about 10x the noise bf16 autocast gave the families above.
+HALF_GRADIENT_TOLERANCE = 0.25
+
+#: The fraction of the largest gradient norm of any checked parameter that :func:`gradient_error` measures a
+#: parameter's difference against, at the least: parameters that hardly learn from the check's samples (an expert no
+#: token chose, a bias) compare against that floor instead of their own noise.
+GRADIENT_FLOOR = 1e-3
+
+
+def gradient_error(candidate: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest norm of a parameter's gradient difference from the reference's, relative to the norm of that
+    parameter's reference gradient (at least :data:`GRADIENT_FLOOR` of the largest of any parameter), and the
+    parameter's name."""
+    norms = {name: float(g.float().norm()) for name, g in reference.items()}
+    floor = GRADIENT_FLOOR * max(norms.values(), default=0.0)
+    worst, where = 0.0, ""
+    for name, expected in reference.items():
+        difference = float((candidate[name].float() - expected.float()).norm())
+        size = max(norms[name], floor)
+        error = math.inf if math.isnan(difference) else difference / size if size else difference
+        if error > worst or not where:
+            worst, where = error, name
+    return worst, where
+
+
+def checked_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable parameters whose gradients the check compares: every kind of parameter (its name with layer
+    numbers taken out: ``model.layers.*.mamba.A_log``) in the first and the last layer that has it, so attention,
+    sequence mixers, MLPs, experts, routers, norms, embeddings and head are all covered at a cost that does not grow
+    with depth."""
+    first: dict[str, str] = {}
+    last: dict[str, str] = {}
+    parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    for name, _ in parameters:
+        kind = re.sub(r"\.\d+\.", ".*.", name)
+        first.setdefault(kind, name)
+        last[kind] = name
+    kept = set(first.values()) | set(last.values())
+    return [(name, p) for name, p in parameters if name in kept]
+
+
+def gradients_of(loss: torch.Tensor, parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """The gradients of ``loss`` with respect to ``parameters`` (name to tensor; zeros where ``loss`` does not depend
+    on one), through ``torch.autograd.grad``: nothing accumulates into ``.grad`` and no gradient hook of DDP or
+    DeepSpeed runs."""
+    found = [None] * len(parameters)
+    if loss.requires_grad:
+        found = torch.autograd.grad(loss, [p for _, p in parameters], allow_unused=True)
+    return {name: (g if g is not None else torch.zeros_like(p)).detach() for (name, p), g in zip(parameters, found)}
+
+
+def check_loss(logps: torch.Tensor, indices: Sequence[int], completions: Sequence[int]) -> torch.Tensor:
+    """The scalar whose gradients the check compares: each completion token's log-prob times a fixed weight in
+    [-1, 1) drawn for its sample and position (the same for a sample alone and in a pass), summed. ``logps``
+    ``(rows, width)`` holds the samples ``indices`` row by row."""
+    total = logps.new_zeros(())
+    for row, index in enumerate(indices):
+        length = completions[index]
+        if length:
+            weights = torch.rand(length, generator=torch.Generator().manual_seed(index)) * 2 - 1
+            total = total + (logps[row, :length] * weights.to(logps.device, logps.dtype)).sum()
+    return total
 
 
 def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
@@ -82,69 +171,115 @@ def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device
 
 
 @dataclass(frozen=True)
+class Probe:
+    """One pass of the check: completion log-probs ``(rows, width)``, and the gradients of :func:`check_loss` with
+    respect to the checked parameters (name to tensor; None where the pass computed none)."""
+
+    logps: torch.Tensor
+    gradients: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
 class CheckResult:
     """``chosen``: index of the layout to use (``len(layouts)``: none, stock math); ``errors``: per layout tried (the
     chosen one and those before it), the largest log-prob difference from the reference on this process (``inf``
-    when its pass raised); ``reasons``: one line per layout left, for the log."""
+    when its pass raised, or its gradients differed); ``reasons``: one line per layout left, for the log;
+    ``gradient_errors``: per layout whose gradients were compared, :func:`gradient_error`; ``gradients_checked``:
+    whether the probes carried gradients; ``limit``, ``gradient_limit``: the tolerances the check applied."""
 
     chosen: int
     errors: list[float]
     reasons: list[str]
+    gradient_errors: list[float] = field(default_factory=list)
+    gradients_checked: bool = False
+    limit: float = math.nan
+    gradient_limit: float = math.nan
 
     def summary(self, layouts: Sequence[Layout]) -> str:
         """What the run trains with and why, for the log."""
         why = "; ".join(self.reasons)
         if self.chosen == len(layouts):
             return (
-                f"self-check: no layout gives each sample's own log-probs on this model, stock GRPOTrainer math "
-                f"runs ({why})."
+                f"self-check: no layout gives each sample's own log-probs and gradients on this model, stock "
+                f"GRPOTrainer math runs ({why})."
             )
         if self.chosen:
             return (
                 f"self-check: {layouts[self.chosen].describe()} runs, the faster layouts differ from each "
-                f"sample's own log-probs ({why})."
+                f"sample's own log-probs or gradients ({why})."
             )
-        return f"self-check passed: {layouts[0].describe()} (largest log-prob difference {self.errors[0]:.1e})."
+        gradients = ""
+        if self.gradients_checked and self.gradient_errors:
+            gradients = f", gradients {self.gradient_errors[0]:.1e} of {self.gradient_limit:g}"
+        return (
+            f"self-check passed: {layouts[0].describe()} (largest log-prob difference {self.errors[0]:.1e} of "
+            f"{self.limit:g}{gradients})."
+        )
 
 
 def run_self_check(
     layouts: Sequence[Layout],
     table: SequenceTable,
-    run_layout: Callable[[Layout, list[int]], torch.Tensor],
-    run_alone: Callable[[int], torch.Tensor],
+    run_layout: Callable[[Layout, list[int]], Probe],
+    run_alone: Callable[[int, bool], Probe],
     limit: float,
     agree: Callable[[bool], bool] = lambda passed: passed,
+    gradient_limit: float = math.inf,
 ) -> CheckResult:
     """Check ``layouts`` (fastest first) on a few samples of ``table``, up to the first that every process passes.
 
-    ``run_layout(layout, indices)`` returns the completion log-probs ``(rows, width)`` of one pass over those
-    samples in that layout; ``run_alone(index)`` those of the sample alone ``(1, width)``; ``limit`` the tolerance;
-    ``agree(passed)`` whether every process passed the layout this one ``passed`` or not (an all-reduce; every
-    process calls it once per layout tried).
+    ``run_layout(layout, indices)`` returns the :class:`Probe` of one pass over those samples in that layout;
+    ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs; its gradients only when
+    ``gradients``: asked once per distinct sample, and the repeats of :func:`pick_samples` keep the forward count equal
+    on every process); ``limit`` the log-prob tolerance, ``gradient_limit`` the gradient tolerance
+    (:func:`gradient_error`); ``agree(passed)`` whether every process passed the layout this one ``passed`` or not (an
+    all-reduce; every process calls it once per layout tried). Where the probes carry no gradients, only log-probs are
+    compared.
     """
     samples = pick_samples(table)
     distinct = sorted(set(samples))
     completions = table.completion_lengths.tolist()
-    reference = {}
+    reference, reference_gradients = {}, None
     for index in samples:  # the same number of forwards on every process
-        alone = run_alone(index)
-        reference.setdefault(index, alone[0])
-    errors, reasons = [], []
+        probe = run_alone(index, index not in reference)
+        if index not in reference:
+            reference[index] = probe.logps[0]
+            reference_gradients = _summed(reference_gradients, probe.gradients)
+    errors, gradient_errors, reasons = [], [], []
     for layout in layouts:
-        error, reason = _layout_error(layout, distinct, completions, run_layout, reference, limit)
+        error, reason, gradient = _layout_error(layout, distinct, completions, run_layout, reference, limit)
+        if error <= limit and gradient is not None and reference_gradients is not None:
+            gradient_error_, name = gradient_error(gradient, reference_gradients)
+            gradient_errors.append(gradient_error_)
+            if gradient_error_ > gradient_limit:
+                error = math.inf  # a wrong backward trains wrong whatever the forward gives
+                reason = (
+                    f"{layout.describe()}: gradients differ from each sample's own by {gradient_error_:.2e} at "
+                    f"{name} (tolerance {gradient_limit:g})"
+                )
         errors.append(error)
         if agree(error <= limit):
             break
         reasons.append(reason if error > limit else f"{layout.describe()}: another process found it inexact")
     chosen = len(reasons)
-    return CheckResult(chosen, errors, reasons)
+    checked = reference_gradients is not None
+    return CheckResult(chosen, errors, reasons, gradient_errors, checked, limit, gradient_limit)
 
 
-def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str]:
+def _summed(total: dict | None, gradients: dict | None) -> dict | None:
+    if gradients is None:
+        return total
+    if total is None:
+        return dict(gradients)
+    return {name: total[name] + gradient for name, gradient in gradients.items()}
+
+
+def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str, dict | None]:
     """The largest completion log-prob difference of one pass in ``layout`` from the references (``inf`` when the
-    pass raised or gave NaN), and the line that says so."""
+    pass raised or gave NaN), the line that says so, and the pass's gradients (None when it carried none)."""
     try:
-        logps = run_layout(layout, distinct)
+        probe = run_layout(layout, distinct)
+        logps = probe.logps
         error = max(
             (
                 float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
@@ -154,6 +289,72 @@ def _layout_error(layout, distinct, completions, run_layout, reference, limit) -
             default=0.0,
         )
     except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
-        return math.inf, f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+        reason = f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+        return math.inf, reason, None
     error = math.inf if math.isnan(error) else error
-    return error, f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
+    reason = f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
+    return error, reason, probe.gradients
+
+
+class CheckPasses:
+    """The check's passes for one run, through the executor's own collator, segments and forward (torch layer).
+
+    ``executor``: the run's :class:`~hf_dynbsz.execution.executor.PassExecutor`; ``model``: the prepared model;
+    ``schedulers``: one per layout (the layout's collator and segment settings); ``unsharded``: sequence parallelism
+    of size 1 (the check's passes are unsharded, whatever the run's); ``gradients``: whether the passes compute
+    gradients (see :meth:`gradients_skipped`). A pass runs the unwrapped model: the check's gradients go through
+    ``torch.autograd.grad`` and reach neither the parameters' ``.grad`` nor DDP's or DeepSpeed's hooks.
+    """
+
+    def __init__(self, executor, model, table: SequenceTable, schedulers: dict, unsharded, gradients: bool) -> None:
+        self.executor, self.table, self.schedulers, self.unsharded = executor, table, schedulers, unsharded
+        self.model = executor.accelerator.unwrap_model(model)
+        self.parameters = checked_parameters(self.model) if gradients else []
+        self.completions = table.completion_lengths.tolist()
+
+    @staticmethod
+    def gradients_skipped(executor, model) -> str | None:
+        """Why the check compares log-probs only, or None: under ZeRO-3 a process holds a shard of each parameter
+        (``torch.autograd.grad`` cannot give a parameter's whole gradient), and reentrant gradient checkpointing does
+        not support ``torch.autograd.grad``."""
+        plugin = getattr(executor.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.zero_stage == 3:
+            return "DeepSpeed ZeRO-3 partitions the parameters"
+        kwargs = getattr(executor.args, "gradient_checkpointing_kwargs", None) or {}
+        if executor.args.gradient_checkpointing and kwargs.get("use_reentrant"):
+            return "reentrant gradient checkpointing (use_reentrant=True) does not support torch.autograd.grad"
+        if not any(p.requires_grad for p in model.parameters()):
+            return "no trainable parameters"
+        return None
+
+    def alone(self, index: int, gradients: bool) -> Probe:
+        """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``."""
+        executor = self.executor
+        mb = alone_microbatch(self.table, index, executor.pad_token_id, executor.accelerator.device)
+        return self._probe(mb, [index], gradients)
+
+    def layout(self, layout: Layout, indices: list[int]) -> Probe:
+        """One pass over ``indices`` in ``layout``, with gradients. A layout whose sequence mixers start blocks from
+        their prefix's states first runs without gradients: the mixers decide there whether prefix states give the
+        recomputed outputs (:func:`~hf_dynbsz.execution.recurrence.prefix_states`), so that the pass with gradients,
+        and gradient checkpointing's recomputation of it, take the path training will take."""
+        executor, scheduler = self.executor, self.schedulers[layout]
+        groups = self.table.prompt_groups() if scheduler.share_prompts else None
+        mb = executor.microbatch(self.table, indices, groups, scheduler)
+        with executor.segments(self.model, scheduler, self.unsharded):
+            if layout.segment_recurrence and layout.share_prompts and self.parameters:
+                with torch.no_grad():
+                    self._forward(mb)
+            return self._probe(mb, indices, True)
+
+    def _forward(self, mb) -> torch.Tensor:
+        return self.executor.forward(self.model, mb, False, autocast=False, parallel=self.unsharded)[0]
+
+    def _probe(self, mb, indices: list[int], gradients: bool) -> Probe:
+        if not (gradients and self.parameters):
+            with torch.no_grad():
+                return Probe(self._forward(mb))
+        with torch.enable_grad():
+            logps = self._forward(mb)
+            gradients = gradients_of(check_loss(logps, indices, self.completions), self.parameters)
+        return Probe(logps.detach(), gradients)

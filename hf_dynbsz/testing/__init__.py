@@ -49,7 +49,7 @@ from hf_dynbsz.testing.oracles import (
     stock_logps,
     update_difference,
 )
-from hf_dynbsz.testing.passes import packed_logps
+from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
 from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, run_peak_mib, run_with_timeout
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
@@ -70,6 +70,7 @@ __all__ = [
     "TEST_ALPHABET",
     "VISION_LANGUAGE_FAMILIES",
     "VisionScriptedRollout",
+    "bare_check_passes",
     "base_config_kwargs",
     "build_char_tokenizer",
     "build_chat_tokenizer",
@@ -84,6 +85,7 @@ __all__ = [
     "load_tokenizer",
     "logps_alone",
     "packed_logps",
+    "packed_pass",
     "prompt_dataset",
     "relative_difference",
     "reference_varlen_attention",

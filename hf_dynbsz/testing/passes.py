@@ -1,13 +1,16 @@
 """One pass of a bare model (no trainer) as the executor runs it, for the tests of the torch layer: a micro-batch
-built by the packing collator, run through segment attention and segment recurrence. Heavy libraries are imported
-inside the function."""
+built by the packing collator, run through segment attention and segment recurrence; and the self-check's passes over
+such a model. Heavy libraries are imported inside the functions."""
 
 from __future__ import annotations
 
-__all__ = ["packed_logps"]
+import contextlib
+
+__all__ = ["bare_check_passes", "packed_logps", "packed_pass"]
 
 
-def packed_logps(
+@contextlib.contextmanager
+def packed_pass(
     model,
     table,
     indices,
@@ -20,8 +23,10 @@ def packed_logps(
     mixers: tuple[str, ...] = (),
     pad_token_id: int = 0,
 ):
-    """``(micro-batch, log-probs, entropies)`` of samples ``indices`` of ``table`` (a ``SequenceTable``) in one pass,
-    log-probs and entropies completion-aligned ``(rows, width)``; ``model`` has TRL's fused LM head.
+    """Yields ``(micro-batch, log-probs, entropies)`` of samples ``indices`` of ``table`` (a ``SequenceTable``) in one
+    pass, log-probs and entropies completion-aligned ``(rows, width)``; ``model`` has TRL's fused LM head. Segment
+    attention and recurrence stay on inside the context, so a backward there (and gradient checkpointing's
+    recomputation) runs the pass as the executor's does.
 
     ``groups``: prompt groups whose prompts the row shares (None: none shared); ``attention``: the base
     implementation segment attention wraps (None: the model's own attention, as padded rows run); ``layout``,
@@ -45,4 +50,47 @@ def packed_logps(
     with segment_attention(model, attention is not None), segment_recurrence(model, mixers):
         use_segments(mb.segments)
         out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-    return mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
+        yield mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
+
+
+def packed_logps(model, table, indices, groups=None, attention=None, pad_to_multiple_of=None, **options):
+    """``(micro-batch, log-probs, entropies)`` of one :func:`packed_pass` (same arguments)."""
+    with packed_pass(model, table, indices, groups, attention, pad_to_multiple_of, **options) as result:
+        return result
+
+
+def bare_check_passes(model, table, gradients: bool = True):
+    """The self-check's two callables for a bare ``model`` (TRL's fused LM head) and ``table``, as
+    :class:`~hf_dynbsz.execution.self_check.CheckPasses` gives them for a run: ``run_layout(layout, indices)`` and
+    ``run_alone(index, gradients)``, each returning a :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients
+    of :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``)."""
+    import torch
+
+    from hf_dynbsz.execution.self_check import Probe, check_loss, checked_parameters, gradients_of
+    from hf_dynbsz.planning.model_support import ModelSupport
+    from hf_dynbsz.testing.oracles import logps_alone
+
+    parameters = checked_parameters(model) if gradients else []
+    completions = table.completion_lengths.tolist()
+
+    def probe(logps, indices, want):
+        if not (want and parameters):
+            return Probe(logps.detach())
+        return Probe(logps.detach(), gradients_of(check_loss(logps, indices, completions), parameters))
+
+    def run_layout(layout, indices):
+        groups = table.prompt_groups() if layout.share_prompts else None
+        mixers = ModelSupport.of(model=model).sequence_mixers if layout.segment_recurrence else ()
+        options = dict(layout=layout.name, attention_mask=layout.attention_mask, mixers=mixers)
+        if mixers and layout.share_prompts:  # the mixers decide on prefix states in a pass without gradients
+            with torch.no_grad():
+                packed_logps(model, table, indices, groups, layout.segment_attention, **options)
+        with torch.set_grad_enabled(bool(parameters)):
+            with packed_pass(model, table, indices, groups, layout.segment_attention, **options) as (_, logps, _):
+                return probe(logps, indices, True)
+
+    def run_alone(index, want=True):
+        with torch.set_grad_enabled(bool(want and parameters)):
+            return probe(logps_alone(model, table, index).unsqueeze(0), [index], want)
+
+    return run_layout, run_alone
