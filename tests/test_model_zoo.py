@@ -408,13 +408,22 @@ def _rollout(equal_prompts: bool):
     )
 
 
-def train(model_type: str, trainer_cls, config_cls, output_dir: str, equal_prompts: bool, **settings):
-    """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type`` (``settings``: GRPOConfig fields):
+def train(
+    model_type: str,
+    trainer_cls,
+    config_cls,
+    output_dir: str,
+    equal_prompts: bool,
+    layer_pattern: str = "one_per_kind",
+    **settings,
+):
+    """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type`` (``layer_pattern``: see
+    :func:`~hf_dynbsz.testing.zoo.tiny_causal_lm_config`; ``settings``: GRPOConfig fields):
     ``(initial, final parameters, trainer)``."""
     from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_char_tokenizer, prompt_dataset
     from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
-    model = build_tiny_causal_lm_of_type(model_type, seed=0)
+    model = build_tiny_causal_lm_of_type(model_type, seed=0, layer_pattern=layer_pattern)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
     overrides = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
     args = config_cls(**base_config_kwargs(output_dir, **overrides, **settings))
@@ -574,6 +583,57 @@ def test_recurrent_architecture_trains_as_stock_under_each_loss_type(model_type,
         model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, str(tmp_path / "ours"), True, **settings
     )
     assert trained_layout(trainer) == expected(model_type).layout
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+
+
+def test_the_segment_recurrence_families_are_the_tables():
+    from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES
+
+    recurrent = {model_type for model_type, expect in ARCHITECTURES.items() if "segment recurrence" in expect.layout}
+    assert set(SEGMENT_RECURRENCE_FAMILIES) == recurrent
+
+
+#: The segment-recurrence families from their defaults' layer patterns that also run by default (a Jamba: four Mamba
+#: layers in a row, MoE between them, attention last).
+DEFAULT_PATTERN_REPRESENTATIVE = ("jamba",)
+
+
+def _default_pattern_params():
+    """Every segment-recurrence family, shared prompts on and off (marker ``zoo``; Jamba also runs by default)."""
+    for param in _params():
+        (model_type,) = param.values
+        if "segment recurrence" not in expected(model_type).layout:
+            continue
+        marks = [mark for mark in param.marks if mark.name != "representative"]
+        if model_type in DEFAULT_PATTERN_REPRESENTATIVE:
+            marks.append(pytest.mark.representative)
+        for share in (True, False):
+            yield pytest.param(model_type, share, marks=marks, id=f"{model_type}-{'shared' if share else 'unshared'}")
+
+
+@pytest.mark.parametrize(("model_type", "share"), list(_default_pattern_params()))
+def test_recurrent_family_from_its_defaults_layer_pattern_trains_as_stock(model_type, share, tmp_path, one_thread):
+    """Each hybrid and state-space family from its config class's defaults, reduced in size only
+    (``layer_pattern="default"``: its real pattern of layers, several recurrent ones in a row, MoE between them where it
+    has MoE), trains as stock with shared prompts on and off: the one-layer-of-each-kind models of the table above hid
+    a Jamba whose blocks ignored their prefix's recurrent state (A_log 68% off stock)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.testing import relative_difference
+
+    _, stock, _ = train(model_type, GRPOTrainer, GRPOConfig, str(tmp_path / "stock"), True, layer_pattern="default")
+    _, ours, trainer = train(
+        model_type,
+        DynamicBatchGRPOTrainer,
+        DynamicBatchGRPOConfig,
+        str(tmp_path / "ours"),
+        True,
+        layer_pattern="default",
+        share_prompt_prefix=share,
+    )
+    layout = expected(model_type).layout
+    assert trained_layout(trainer) == (layout if share else layout.replace("shared prompts, ", ""))
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
 
 

@@ -263,7 +263,8 @@ def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gr
     run_layout, run_alone = bare_check_passes(model, table)
     every = list(range(len(COMPLETIONS)))
     alone_probes = [run_alone(sample) for sample in every]
-    probe = run_layout(layout, every)
+    run_layout(layout, every, False)  # as in a run: the mixers decide on prefix states without gradients
+    probe = run_layout(layout, every, True)
     for row, sample in enumerate(every):
         if COMPLETIONS[sample]:
             assert (probe.logps[row, : COMPLETIONS[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE

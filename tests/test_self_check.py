@@ -15,6 +15,7 @@ from hf_dynbsz.execution.self_check import (
     Probe,
     checked_parameters,
     gradient_error,
+    gradient_samples,
     gradient_tolerance,
     pick_samples,
     run_self_check,
@@ -65,13 +66,22 @@ def test_the_samples_checked_hold_siblings_and_different_lengths():
     assert pick_samples(table_of([4], [2], [1])) == [0, 0, 0, 0]  # the same forwards on a process with one sample
 
 
+def test_the_gradients_compared_are_the_siblings_and_the_shortest_other_sample():
+    """Completions 3, 9, 1 share a prompt of 5 tokens (median 3: siblings 0 and 2); the longest other sample (1, 14
+    tokens) has its log-probs checked, and the shortest other with a completion (4) its gradients too."""
+    table = table_of([5, 1, 8], [3, 9, 1, 12, 4, 6], [3, 1, 2])
+    distinct = sorted(set(pick_samples(table)))
+    assert distinct == [0, 1, 2, 4]
+    assert gradient_samples(table, distinct) == [0, 2, 4]
+
+
 def counting(run_layout):
     """``run_layout`` that records the layouts it ran."""
     ran = []
 
-    def run(layout, indices):
-        ran.append(layout)
-        return run_layout(layout, indices)
+    def run(layout, indices, gradients):
+        ran.append((layout, gradients))
+        return run_layout(layout, indices, gradients)
 
     return run, ran
 
@@ -84,7 +94,7 @@ def test_a_model_the_layouts_suit_keeps_the_fastest_and_runs_no_other(tokenizer)
     with torch.no_grad():
         result = run_self_check([SHARED, PLAIN, PADDED, MASKED], table, run_layout, run_alone, limit=1e-4)
     assert result.chosen == 0 and result.reasons == [] and result.errors[0] < 1e-5
-    assert ran == [SHARED] and len(result.errors) == 1  # the slower layouts cost nothing
+    assert ran == [(SHARED, False), (SHARED, True)] and len(result.errors) == 1  # the slower layouts cost nothing
 
 
 @pytest.mark.parametrize("layout", [SHARED, PLAIN, PADDED, MASKED], ids=lambda layout: layout.describe())
@@ -115,10 +125,10 @@ def test_a_layout_whose_pass_raises_is_left_not_raised(tokenizer):
     table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
     run_layout, run_alone = runners(model, table)
 
-    def failing_first(layout, indices):
+    def failing_first(layout, indices, gradients):
         if layout is SHARED:
             raise RuntimeError("the attention got an attention mask\nsecond line")
-        return run_layout(layout, indices)
+        return run_layout(layout, indices, gradients)
 
     with torch.no_grad():
         result = run_self_check([SHARED, PADDED], table, failing_first, run_alone, limit=1e-4)
@@ -144,7 +154,8 @@ def test_every_process_takes_the_first_layout_every_process_passed(tokenizer):
             [SHARED, PLAIN, PADDED, MASKED], table, run_layout, run_alone, limit=1e-4,
             agree=another_process_needs_padded_rows,
         )  # fmt: skip
-    assert passed_here == [True, True, True] and ran == [SHARED, PLAIN, PADDED]  # one all-reduce per layout tried
+    assert passed_here == [True, True, True]  # one all-reduce per layout tried
+    assert [layout for layout, gradients in ran if not gradients] == [SHARED, PLAIN, PADDED]
     assert result.chosen == 2
     assert result.reasons[0] == f"{SHARED.describe()}: another process found it inexact"
 
@@ -156,8 +167,8 @@ def test_a_layout_is_kept_only_when_this_process_passed_it_too(tokenizer):
     table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
     run_layout, run_alone = runners(model, table)
 
-    def plain_rows_wrong_here(layout, indices):
-        probe = run_layout(layout, indices)
+    def plain_rows_wrong_here(layout, indices, gradients):
+        probe = run_layout(layout, indices, gradients)
         return Probe(probe.logps + 1.0, probe.gradients) if layout is PLAIN else probe
 
     tried = iter([SHARED, PLAIN, PADDED])
@@ -187,9 +198,9 @@ def test_a_layout_whose_gradients_differ_is_left_naming_the_parameter(tokenizer)
     run_layout, run_alone = runners(model, table)
     name = "model.layers.0.mlp.up_proj.weight"
 
-    def backward_loses_half(layout, indices):
-        probe = run_layout(layout, indices)
-        if layout is not SHARED:
+    def backward_loses_half(layout, indices, gradients):
+        probe = run_layout(layout, indices, gradients)
+        if layout is not SHARED or not gradients:
             return probe
         return Probe(probe.logps, {**probe.gradients, name: probe.gradients[name] * 0.5})
 

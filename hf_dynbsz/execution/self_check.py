@@ -33,6 +33,7 @@ __all__ = [
     "check_loss",
     "checked_parameters",
     "gradient_error",
+    "gradient_samples",
     "gradient_tolerance",
     "gradients_of",
     "pick_samples",
@@ -139,25 +140,43 @@ def check_loss(logps: torch.Tensor, indices: Sequence[int], completions: Sequenc
 def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
     """``count`` sample indices that exercise a layout (repeated when the table holds fewer).
 
-    The two longest completions of the largest prompt group with a prompt of at least 2 tokens (shared prompts
-    are checked on siblings), then the longest and the shortest other samples (padded rows get padding).
+    Two completions of the largest prompt group with a prompt of at least 2 tokens, those nearest the group's median
+    completion length (shared prompts are checked on siblings), then the longest and the shortest other samples
+    (padded rows get padding; the longest reaches what only long sequences meet, such as a sliding window).
     """
     lengths = table.lengths.tolist()
+    chosen = _siblings(table)
+    others = sorted((i for i in range(len(table)) if i not in chosen), key=lambda i: (-lengths[i], i))
+    if others:
+        chosen += [others[0]] + ([others[-1]] if len(others) > 1 else [])
+    chosen = sorted(set(chosen)) or [0]
+    return (chosen * count)[:count]
+
+
+def gradient_samples(table: SequenceTable, picked: Sequence[int]) -> list[int]:
+    """The samples of ``picked`` whose gradients the check compares: the siblings (a prefix's state handed to its
+    blocks, or their keys gathered behind it, carry gradients back to the prompt) and the shortest other sample with a
+    completion. Not the longest: a backward costs twice its forward, and its log-probs are compared all the same."""
+    completions = table.completion_lengths.tolist()
+    siblings = [i for i in _siblings(table) if i in picked]
+    others = sorted((i for i in set(picked) if i not in siblings and completions[i]), key=lambda i: (completions[i], i))
+    return sorted(siblings + others[:1])
+
+
+def _siblings(table: SequenceTable) -> list[int]:
+    """Two samples of the largest prompt group (prompt of at least 2 tokens) whose completion lengths are nearest
+    the group's median (empty completions last)."""
     prompts = table.prompt_lengths.tolist()
     completions = table.completion_lengths.tolist()
     members: dict[int, list[int]] = {}
     for index, group in enumerate(table.prompt_groups()):
         if prompts[index] > 1:
             members.setdefault(group, []).append(index)
-    chosen: list[int] = []
-    if members:
-        siblings = max(members.values(), key=len)
-        chosen += sorted(siblings, key=lambda i: (-completions[i], i))[:2]
-    others = sorted((i for i in range(len(table)) if i not in chosen), key=lambda i: (-lengths[i], i))
-    if others:
-        chosen += [others[0]] + ([others[-1]] if len(others) > 1 else [])
-    chosen = sorted(set(chosen)) or [0]
-    return (chosen * count)[:count]
+    if not members:
+        return []
+    siblings = max(members.values(), key=len)
+    median = sorted(completions[i] for i in siblings)[len(siblings) // 2]
+    return sorted(siblings, key=lambda i: (completions[i] == 0, abs(completions[i] - median), i))[:2]
 
 
 def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
@@ -220,7 +239,7 @@ class CheckResult:
 def run_self_check(
     layouts: Sequence[Layout],
     table: SequenceTable,
-    run_layout: Callable[[Layout, list[int]], Probe],
+    run_layout: Callable[[Layout, list[int], bool], Probe],
     run_alone: Callable[[int, bool], Probe],
     limit: float,
     agree: Callable[[bool], bool] = lambda passed: passed,
@@ -228,35 +247,32 @@ def run_self_check(
 ) -> CheckResult:
     """Check ``layouts`` (fastest first) on a few samples of ``table``, up to the first that every process passes.
 
-    ``run_layout(layout, indices)`` returns the :class:`Probe` of one pass over those samples in that layout;
-    ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs; its gradients only when
-    ``gradients``: asked once per distinct sample, and the repeats of :func:`pick_samples` keep the forward count equal
-    on every process); ``limit`` the log-prob tolerance, ``gradient_limit`` the gradient tolerance
-    (:func:`gradient_error`); ``agree(passed)`` whether every process passed the layout this one ``passed`` or not (an
-    all-reduce; every process calls it once per layout tried). Where the probes carry no gradients, only log-probs are
-    compared.
+    ``run_layout(layout, indices, gradients)`` returns the :class:`Probe` of one pass over those samples in that
+    layout, ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs), each with its
+    gradients when ``gradients``. The log-probs of :func:`pick_samples` (its repeats keep the forward count equal on
+    every process) are compared in one pass without gradients; where they pass, the gradients of
+    :func:`gradient_samples` in a second pass. ``limit`` is the log-prob tolerance, ``gradient_limit`` the gradient
+    tolerance (:func:`gradient_error`); ``agree(passed)`` whether every process passed the layout this one ``passed``
+    or not (an all-reduce; every process calls it once per layout tried). Where the probes carry no gradients, only
+    log-probs are compared.
     """
     samples = pick_samples(table)
     distinct = sorted(set(samples))
+    graded = gradient_samples(table, distinct)
     completions = table.completion_lengths.tolist()
     reference, reference_gradients = {}, None
     for index in samples:  # the same number of forwards on every process
-        probe = run_alone(index, index not in reference)
+        probe = run_alone(index, index in graded and index not in reference)
         if index not in reference:
             reference[index] = probe.logps[0]
             reference_gradients = _summed(reference_gradients, probe.gradients)
     errors, gradient_errors, reasons = [], [], []
     for layout in layouts:
-        error, reason, gradient = _layout_error(layout, distinct, completions, run_layout, reference, limit)
-        if error <= limit and gradient is not None and reference_gradients is not None:
-            gradient_error_, name = gradient_error(gradient, reference_gradients)
-            gradient_errors.append(gradient_error_)
-            if gradient_error_ > gradient_limit:
-                error = math.inf  # a wrong backward trains wrong whatever the forward gives
-                reason = (
-                    f"{layout.describe()}: gradients differ from each sample's own by {gradient_error_:.2e} at "
-                    f"{name} (tolerance {gradient_limit:g})"
-                )
+        error, reason = _layout_error(layout, distinct, completions, run_layout, reference, limit)
+        if error <= limit and reference_gradients is not None:
+            gradient, reason = _gradient_error(layout, graded, run_layout, reference_gradients, gradient_limit)
+            gradient_errors.append(gradient)
+            error = error if gradient <= gradient_limit else math.inf  # a wrong backward trains wrong all the same
         errors.append(error)
         if agree(error <= limit):
             break
@@ -264,6 +280,22 @@ def run_self_check(
     chosen = len(reasons)
     checked = reference_gradients is not None
     return CheckResult(chosen, errors, reasons, gradient_errors, checked, limit, gradient_limit)
+
+
+def _gradient_error(layout, graded, run_layout, reference, gradient_limit) -> tuple[float, str]:
+    """:func:`gradient_error` of one pass in ``layout`` with gradients (``inf`` when it raised), and the line that
+    says so."""
+    try:
+        error, name = gradient_error(run_layout(layout, graded, True).gradients, reference)
+    except Exception as failure:  # noqa: BLE001 - a layout the model cannot train is a layout not to use
+        return (
+            math.inf,
+            f"{layout.describe()}: backward: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}",
+        )
+    return error, (
+        f"{layout.describe()}: gradients differ from each sample's own by {error:.2e} at {name} "
+        f"(tolerance {gradient_limit:g})"
+    )
 
 
 def _summed(total: dict | None, gradients: dict | None) -> dict | None:
@@ -274,12 +306,11 @@ def _summed(total: dict | None, gradients: dict | None) -> dict | None:
     return {name: total[name] + gradient for name, gradient in gradients.items()}
 
 
-def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str, dict | None]:
+def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str]:
     """The largest completion log-prob difference of one pass in ``layout`` from the references (``inf`` when the
-    pass raised or gave NaN), the line that says so, and the pass's gradients (None when it carried none)."""
+    pass raised or gave NaN), and the line that says so."""
     try:
-        probe = run_layout(layout, distinct)
-        logps = probe.logps
+        logps = run_layout(layout, distinct, False).logps
         error = max(
             (
                 float((logps[row, : completions[i]] - reference[i][: completions[i]]).abs().max())
@@ -289,11 +320,9 @@ def _layout_error(layout, distinct, completions, run_layout, reference, limit) -
             default=0.0,
         )
     except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
-        reason = f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
-        return math.inf, reason, None
+        return math.inf, f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
     error = math.inf if math.isnan(error) else error
-    reason = f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
-    return error, reason, probe.gradients
+    return error, f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
 
 
 class CheckPasses:
@@ -333,19 +362,16 @@ class CheckPasses:
         mb = alone_microbatch(self.table, index, executor.pad_token_id, executor.accelerator.device)
         return self._probe(mb, [index], gradients)
 
-    def layout(self, layout: Layout, indices: list[int]) -> Probe:
-        """One pass over ``indices`` in ``layout``, with gradients. A layout whose sequence mixers start blocks from
-        their prefix's states first runs without gradients: the mixers decide there whether prefix states give the
-        recomputed outputs (:func:`~hf_dynbsz.execution.recurrence.prefix_states`), so that the pass with gradients,
-        and gradient checkpointing's recomputation of it, take the path training will take."""
+    def layout(self, layout: Layout, indices: list[int], gradients: bool) -> Probe:
+        """One pass over ``indices`` in ``layout``, with gradients when ``gradients``. The check's first pass of a
+        layout has none: sequence mixers decide there whether their blocks start from their prefix's states
+        (:func:`~hf_dynbsz.execution.recurrence.prefix_states`), so that a pass with gradients, and gradient
+        checkpointing's recomputation of it, take the path training will take."""
         executor, scheduler = self.executor, self.schedulers[layout]
         groups = self.table.prompt_groups() if scheduler.share_prompts else None
         mb = executor.microbatch(self.table, indices, groups, scheduler)
         with executor.segments(self.model, scheduler, self.unsharded):
-            if layout.segment_recurrence and layout.share_prompts and self.parameters:
-                with torch.no_grad():
-                    self._forward(mb)
-            return self._probe(mb, indices, True)
+            return self._probe(mb, indices, gradients)
 
     def _forward(self, mb) -> torch.Tensor:
         return self.executor.forward(self.model, mb, False, autocast=False, parallel=self.unsharded)[0]

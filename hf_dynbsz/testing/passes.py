@@ -61,9 +61,12 @@ def packed_logps(model, table, indices, groups=None, attention=None, pad_to_mult
 
 def bare_check_passes(model, table, gradients: bool = True):
     """The self-check's two callables for a bare ``model`` (TRL's fused LM head) and ``table``, as
-    :class:`~hf_dynbsz.execution.self_check.CheckPasses` gives them for a run: ``run_layout(layout, indices)`` and
-    ``run_alone(index, gradients)``, each returning a :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients
-    of :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``)."""
+    :class:`~hf_dynbsz.execution.self_check.CheckPasses` gives them for a run: ``run_layout(layout, indices,
+    gradients=True)`` and ``run_alone(index, gradients=True)``, each returning a
+    :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients of
+    :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``, and ``gradients`` was given here). As in a
+    run, sequence mixers decide on prefix states in the first pass of a layout with shared prompts: make it one
+    without gradients."""
     import torch
 
     from hf_dynbsz.execution.self_check import Probe, check_loss, checked_parameters, gradients_of
@@ -78,16 +81,13 @@ def bare_check_passes(model, table, gradients: bool = True):
             return Probe(logps.detach())
         return Probe(logps.detach(), gradients_of(check_loss(logps, indices, completions), parameters))
 
-    def run_layout(layout, indices):
+    def run_layout(layout, indices, want=True):
         groups = table.prompt_groups() if layout.share_prompts else None
         mixers = ModelSupport.of(model=model).sequence_mixers if layout.segment_recurrence else ()
         options = dict(layout=layout.name, attention_mask=layout.attention_mask, mixers=mixers)
-        if mixers and layout.share_prompts:  # the mixers decide on prefix states in a pass without gradients
-            with torch.no_grad():
-                packed_logps(model, table, indices, groups, layout.segment_attention, **options)
-        with torch.set_grad_enabled(bool(parameters)):
+        with torch.set_grad_enabled(bool(want and parameters)):
             with packed_pass(model, table, indices, groups, layout.segment_attention, **options) as (_, logps, _):
-                return probe(logps, indices, True)
+                return probe(logps, indices, want)
 
     def run_alone(index, want=True):
         with torch.set_grad_enabled(bool(want and parameters)):
