@@ -1,4 +1,5 @@
-"""Common test hygiene: no DIFFU_* variable of the calling shell leaks into a test."""
+"""Common test hygiene: no DIFFU_* variable of the calling shell leaks into a test; one torch thread per xdist
+worker; the opt-in markers run only when named."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import pytest
 
 DIFFU_PREFIX = "DIFFU_"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per pytest-xdist worker: the README runs two workers on two cores, and tiny models gain nothing from
+    # a second thread. Two threads each made the same trainer tests take 3.5x the CPU time and 3x the wall time
+    # (OpenMP threads spinning for a core the other worker holds); the launched processes run one thread each too
+    # (hf_dynbsz.testing.run_with_timeout).
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -20,8 +29,9 @@ def _clear_diffu_environment(monkeypatch):
 
 
 #: Markers of long runs that run only when asked for with ``-m``: the whole model zoo (its ``representative`` subset
-#: runs by default, see tests/test_model_zoo.py) and 30 launches of a training script checking every exit status.
-OPT_IN_MARKERS = ("zoo", "exits")
+#: runs by default, see tests/test_model_zoo.py), 70 launches of a training script checking every exit status, and the
+#: multi-process runs beyond one launch of each distributed backend (``long``).
+OPT_IN_MARKERS = ("zoo", "exits", "long")
 
 
 def pytest_collection_modifyitems(config, items):

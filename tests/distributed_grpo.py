@@ -144,13 +144,13 @@ def main() -> None:
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
         os.environ[name] = value
-    if cli.inject_oom:
-        from hf_dynbsz.execution.device_memory import inject_out_of_memory
-
-        kind, phase, after, rank = cli.inject_oom.split(":")
-        inject_out_of_memory(kind, phase, int(after), int(rank))
     trainer = None
     for suffix, run in runs(cli):
+        if run.inject_oom:  # armed for this run (a scenario's own), fired once
+            from hf_dynbsz.execution.device_memory import inject_out_of_memory
+
+            kind, phase, after, rank = run.inject_oom.split(":")
+            inject_out_of_memory(kind, phase, int(after), int(rank))
         with corrupt_moved_samples(run.mutate):
             trainer = train(run, run.loss_type, cli.out + suffix)
     if cli.plain_exit:

@@ -203,6 +203,19 @@ HYBRID_RUNS = {
 }
 #: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
 DAMAGES = ("advantage", "old_logps", "weight")
+#: A Qwen3-MoE with TRL's router aux loss (coefficient 1, so a mis-weighted aux loss shows), every long completion on
+#: rank 1, per backend (test_moe_router_aux_loss_...).
+MOE_RUNS = {
+    "ddp": dict(
+        architecture="qwen3_moe", router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, loss_type="grpo", num_iterations=2
+    ),
+    "zero2": dict(
+        architecture="qwen3_moe", router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, loss_type="dapo", num_iterations=1
+    ),
+}
+#: An out-of-memory error injected on one process under DDP with a memory limit (test_an_out_of_memory_pass_...).
+OOM_INJECTIONS = ("training:backward:1:1", "logprob:forward:1:0")
+OOM_RUN = dict(LOPSIDED_ROLLOUT, loss_type="grpo", beta=0.1, num_iterations=2, max_memory_mib=200_000, budget=0)
 
 #: Per accelerate config, the runs its tests compare, each trained by one launch per trainer (``SharedLaunches``).
 SHARED_RUNS = {
@@ -217,8 +230,10 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
-    | {"hybrid": HYBRID_RUNS["ddp"]}
+    | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {f"oom_{injection.split(':')[0]}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
 )
+SHARED_RUNS["cpu_zero2.yaml"]["moe"] = MOE_RUNS["zero2"]
 SHARED_RUNS["cpu_zero3.yaml"]["hybrid"] = HYBRID_RUNS["zero3"]
 
 
@@ -313,6 +328,7 @@ def test_multiturn_rollouts_with_an_environment_mask_match_stock(loss_type, mode
     compare("cpu_ddp.yaml", model_dir, shared_launches, loss_type=loss_type, **MULTITURN_RUN)
 
 
+@pytest.mark.long
 def test_environment_rollouts_match_stock(tmp_path, chat_model_dir):
     """An environment that owns the prompts (no dataset) and the reward; one launch per trainer trains every loss
     type in turn (``--loss_types``)."""
@@ -335,22 +351,13 @@ def test_environment_rollouts_match_stock(tmp_path, chat_model_dir):
 
 
 # ---- mixture-of-experts with TRL's router aux loss: every long completion on rank 1, samples moved -------------
-@pytest.fixture(scope="module")
-def moe_model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-moe-model")), architecture="qwen3_moe")
-
-
-@pytest.mark.parametrize(
-    ("backend", "settings"),
-    [("ddp", dict(loss_type="grpo", num_iterations=2)), ("zero2", dict(loss_type="dapo", num_iterations=1))],
-)
-def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, settings, moe_model_dir, shared_launches):
+@pytest.mark.parametrize("backend", list(MOE_RUNS))
+def test_moe_router_aux_loss_matches_stock_across_two_processes(backend, model_dir, shared_launches):
     """Stock slices' expert counts are summed over the processes and each moved sample keeps its own slice's: the
     parameters and the logged aux_loss equal stock's (coefficient 1, so a mis-weighted aux loss would show)."""
     config, _ = BACKENDS[backend]
-    options = dict(router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, **settings)
-    ours = compare(config, moe_model_dir, shared_launches, **options)
-    _, stock = shared_launches.get("stock", config, moe_model_dir, **options)
+    ours = compare(config, model_dir, shared_launches, **MOE_RUNS[backend])
+    _, stock = shared_launches.get("stock", config, model_dir, **MOE_RUNS[backend])
     for rank in range(2):
         assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
         assert len(ours[rank]["aux_losses"]) == len(stock[rank]["aux_losses"]) == 3
@@ -400,22 +407,12 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, tmp_path,
 
 
 # ---- the budget from memory, and an out-of-memory pass recovered across processes --------------------------------
-@pytest.mark.parametrize("inject_oom", ["training:backward:1:1", "logprob:forward:1:0"])
+@pytest.mark.parametrize("inject_oom", OOM_INJECTIONS)
 def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_stock(
     inject_oom, model_dir, shared_launches
 ):
     """DDP with a memory limit: one process's pass raises, every process re-plans the step, the update is stock's."""
-    ours = compare(
-        "cpu_ddp.yaml",
-        model_dir,
-        shared_launches,
-        loss_type="grpo",
-        beta=0.1,
-        num_iterations=2,
-        max_memory_mib=200_000,
-        inject_oom=inject_oom,
-        **dict(LOPSIDED_ROLLOUT, budget=0),
-    )
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **dict(OOM_RUN, inject_oom=inject_oom))
     for rank in range(2):
         steps = ours[rank]["metrics"]
         assert sum(step["dynbsz/oom_retries"] for step in steps) == 1

@@ -71,6 +71,7 @@ def test_example_short_single_process(tmp_path):
     assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "tokenizer.json").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_example_under_accelerate_zero2(tmp_path):
     config = ROOT / "accelerate_configs" / "cpu_zero2.yaml"

@@ -82,6 +82,7 @@ def capped_run(limit, tmp_path) -> dict:
     return json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"peak_mib')))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_real_memory_cap_holds_and_a_higher_one_buys_larger_passes(tmp_path):
     """Fresh processes on this machine: the default budget's run peaks above the cap; under the cap the run stays

@@ -115,6 +115,7 @@ def test_names_must_match_the_directories(tmp_path, capsys):
     assert code == 2 and "--names gives 2 names for 1 OUTPUT_DIRs" in err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sweep_script_runs_the_example_per_budget_and_reports(tmp_path):
     """examples/sweep.sh end to end, as docs/metrics.md shows it (2 budgets, 2 steps each, offline demo)."""

@@ -67,12 +67,13 @@ def test_the_samples_checked_hold_siblings_and_different_lengths():
 
 
 def test_the_gradients_compared_are_the_siblings_and_the_shortest_other_sample():
-    """Completions 3, 9, 1 share a prompt of 5 tokens (median 3: siblings 0 and 2); the longest other sample (1, 14
-    tokens) has its log-probs checked, and the shortest other with a completion (4) its gradients too."""
+    """Completions 3, 9 and 1 share a prompt of 5 tokens: the siblings checked are the shortest with at least 4 tokens
+    (1: 9 tokens), then the shortest (2: 1 token). The longest other sample (5, 14 tokens) has its log-probs checked,
+    and the shortest other (0, 3 completion tokens) its gradients too."""
     table = table_of([5, 1, 8], [3, 9, 1, 12, 4, 6], [3, 1, 2])
     distinct = sorted(set(pick_samples(table)))
-    assert distinct == [0, 1, 2, 4]
-    assert gradient_samples(table, distinct) == [0, 2, 4]
+    assert distinct == [0, 1, 2, 5]
+    assert gradient_samples(table, distinct) == [0, 1, 2]
 
 
 def counting(run_layout):

@@ -163,6 +163,7 @@ def launch(script: str, config_file: str, out: Path, *arguments: str, processes:
     return records
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sharded_rows_give_every_token_its_log_prob_and_each_shards_gradient_once(tmp_path, model_dir):
     """Fails when a token at a shard boundary is lost or misplaced (log-probs, entropies against stock's own method)
@@ -199,7 +200,10 @@ SEQUENCE_PARALLEL_RUNS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SEQUENCE_PARALLEL_RUNS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=[] if name == "ddp-grpo" else [pytest.mark.long]) for name in SEQUENCE_PARALLEL_RUNS],
+)  # the README's test command runs the DDP run; -m long the ZeRO-2 (4 processes) and ZeRO-3 ones
 def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
     config_file, processes, options = SEQUENCE_PARALLEL_RUNS[name]
     arguments = ("--model_dir", model_dir, *LONG_TAILED, *options)
@@ -235,6 +239,7 @@ def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
     assert difference <= 1e-5, difference
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_sequence_over_one_devices_budget_trains_with_sp_size_2_only(tmp_path, model_dir):
     """budget 20 tokens per device: the long completions (up to 33 tokens with their prompts) are oversize on one

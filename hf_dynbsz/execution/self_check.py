@@ -140,9 +140,9 @@ def check_loss(logps: torch.Tensor, indices: Sequence[int], completions: Sequenc
 def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
     """``count`` sample indices that exercise a layout (repeated when the table holds fewer).
 
-    Two completions of the largest prompt group with a prompt of at least 2 tokens, those nearest the group's median
-    completion length (shared prompts are checked on siblings), then the longest and the shortest other samples
-    (padded rows get padding; the longest reaches what only long sequences meet, such as a sliding window).
+    Two short completions of the largest prompt group with a prompt of at least 2 tokens (shared prompts are checked
+    on siblings: :func:`_siblings`), then the longest and the shortest other samples (padded rows get padding; the
+    longest reaches what only long sequences meet, such as a sliding window).
     """
     lengths = table.lengths.tolist()
     chosen = _siblings(table)
@@ -164,8 +164,9 @@ def gradient_samples(table: SequenceTable, picked: Sequence[int]) -> list[int]:
 
 
 def _siblings(table: SequenceTable) -> list[int]:
-    """Two samples of the largest prompt group (prompt of at least 2 tokens) whose completion lengths are nearest
-    the group's median (empty completions last)."""
+    """Two samples of the largest prompt group (prompt of at least 2 tokens) with the shortest completions of at least
+    :data:`SIBLING_COMPLETION` tokens (shorter ones next, empty ones last): a block of a few tokens already takes its
+    prefix's state or keys, and their backward costs little."""
     prompts = table.prompt_lengths.tolist()
     completions = table.completion_lengths.tolist()
     members: dict[int, list[int]] = {}
@@ -175,8 +176,13 @@ def _siblings(table: SequenceTable) -> list[int]:
     if not members:
         return []
     siblings = max(members.values(), key=len)
-    median = sorted(completions[i] for i in siblings)[len(siblings) // 2]
-    return sorted(siblings, key=lambda i: (completions[i] == 0, abs(completions[i] - median), i))[:2]
+    return sorted(
+        siblings, key=lambda i: (completions[i] == 0, completions[i] < SIBLING_COMPLETION, completions[i], i)
+    )[:2]
+
+
+#: The fewest completion tokens a sibling of :func:`pick_samples` has, where its group has them.
+SIBLING_COMPLETION = 4
 
 
 def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
