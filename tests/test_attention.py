@@ -24,11 +24,13 @@ from hf_dynbsz.execution.attention import (
     ATTENTION_NAME,
     Segment,
     SegmentLayout,
+    device_facts,
     segment_attention,
     segment_attention_forward,
     use_segments,
 )
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.planning.model_support import VARLEN_ATTN
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
@@ -36,6 +38,7 @@ from hf_dynbsz.testing import (
     grpo_batch,
     packed_logps,
     reference_varlen_attention,
+    reference_varlen_attn,
     segment_mask,
     stock_logps,
 )
@@ -558,3 +561,146 @@ def test_flex_formulation_gives_stocks_logprobs_across_families(model_type):
         n = COMPLETIONS[sample]
         assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
         assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+
+
+# ---- torch's varlen_attn: one call per layer, a reference kernel of the same contract standing in on a CPU ----------
+@pytest.fixture
+def varlen_attn_kernel(monkeypatch):
+    """torch's varlen_attn replaced by the reference kernel of its contract (torch has no CPU kernel); returns the
+    calls, each ``(cu_seq_q, cu_seq_k, max_q, max_k, keyword names)``."""
+    calls = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+        calls.append((cu_seq_q.tolist(), cu_seq_k.tolist(), max_q, max_k, window_size, enable_gqa))
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+            window_size=window_size, enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    return calls
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
+def test_varlen_attn_rows_give_stocks_logprobs_in_one_call_per_layer(model, varlen_attn_kernel, pad_to_multiple_of):
+    """Shared prompts and plain sequences in one varlen_attn call per layer: each block's keys are its prompt's
+    gathered in front of it (causal bottom-right); trailing padding is a span of its own, so the spans end at the
+    row's last token (the reference refuses anything else, as pytorch#176793 requires)."""
+    if model.config._attn_implementation == "flex_attention":
+        pytest.skip("varlen_attn stands in for sdpa and eager")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
+    table = SequenceTable.from_padded(*batch)
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    with torch.no_grad():
+        expected, expected_entropy = stock_logps(model, *batch)
+        mb, logps, entropy = packed_logps(model, table, order, table.prompt_groups(), VARLEN_ATTN, pad_to_multiple_of)
+    for row, sample in enumerate(order):
+        n = COMPLETIONS[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
+        assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+    assert len(varlen_attn_kernel) == model.config.num_hidden_layers  # one call per layer over the whole row
+    cu_q, cu_k, max_q, max_k, window, gqa = varlen_attn_kernel[0]
+    assert cu_q[-1] == mb.computed_tokens and window == (-1, 0) and gqa  # 4 query heads on 2 key/value heads
+    assert len(cu_q) == len(cu_k) and cu_k[-1] > cu_q[-1]  # the gathered prefixes: more keys than queries
+
+
+def test_varlen_attn_gradients_equal_those_of_separate_sequences(model, varlen_attn_kernel):
+    if model.config._attn_implementation == "flex_attention":
+        pytest.skip("varlen_attn stands in for sdpa and eager")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
+    table = SequenceTable.from_padded(*batch)
+    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
+
+    def gradients(compute):
+        model.zero_grad()
+        compute().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def ours():
+        _, logps, _ = packed_logps(model, table, list(range(len(COMPLETIONS))), table.prompt_groups(), VARLEN_ATTN, 8)
+        return (logps * weights).sum()
+
+    expected = gradients(lambda: (stock_logps(model, *batch)[0] * batch[3] * weights).sum())
+    got = gradients(ours)
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "qwen3", "llama"])
+def test_varlen_attn_keeps_each_sequence_its_own_across_families(model_type, varlen_attn_kernel):
+    """Sliding windows of 8 (Mistral; Gemma-3's mixed layers, with its own query scaling), per-head norms (Qwen3):
+    rows longer than the windows equal stock's padded forward."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type(model_type).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt_lengths, completions, repeats = [9, 4, 13], [6, 1, 19, 3, 8, 0, 25, 7], [4, 3, 1]
+    batch = grpo_batch(prompt_lengths, completions, repeats)
+    table = SequenceTable.from_padded(*batch)
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        _, logps, _ = packed_logps(model, table, order, table.prompt_groups(), VARLEN_ATTN)
+    for row, sample in enumerate(order):
+        n = completions[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=1e-5, rtol=0), (row, sample)
+    windows = {call[4] for call in varlen_attn_kernel}
+    assert ((7, 0) in windows) == (model_type in ("mistral", "gemma3_text"))  # a window of 8: 7 keys before
+
+
+def older_varlen_attn(version: str):
+    """A varlen_attn with an older torch's signature over the reference kernel: 2.10 (``is_causal``, no ``scale``,
+    no ``enable_gqa``: equal heads only) or 2.11 (``window_size`` and ``scale``, no ``enable_gqa``)."""
+    calls = []
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        calls.append({"is_causal": is_causal})
+        window = (-1, 0) if is_causal else (-1, -1)
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window)
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):  # fmt: skip
+        calls.append({"window_size": window_size, "scale": scale})
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+        )
+
+    return {"2.10": torch_2_10, "2.11": torch_2_11}[version], calls
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_installed_signature_is_read_at_run_time(monkeypatch, version, window):
+    """Older torch releases' varlen_attn: what their signature lacks is made up exactly (key/value heads repeated
+    without enable_gqa, queries scaled without scale); a window without window_size is refused."""
+    kernel, calls = older_varlen_attn(version)
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    torch.manual_seed(6)
+    segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 0, (2,))]
+    layout = SegmentLayout(segments, VARLEN_ATTN)
+    query, key, value = torch.randn(1, 4, 21, 8), torch.randn(1, 2, 21, 8), torch.randn(1, 2, 21, 8)
+    if window is not None and version == "2.10":
+        with pytest.raises(RuntimeError, match="takes no window_size"):
+            segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+        return
+    out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+    assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
+    assert calls == [{"is_causal": True}] if version == "2.10" else calls[0]["scale"] == 0.3
+
+
+def test_varlen_attn_refuses_what_it_cannot_compute(varlen_attn_kernel):
+    layout = SegmentLayout([Segment(0, 0, (3,))], VARLEN_ATTN)
+    query = torch.zeros(1, 2, 3, 4)
+    for features in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"dropout": 0.1}):
+        with pytest.raises(RuntimeError, match="does not compute"):
+            segment_attention_of(layout, query, query, query, **features)
+    assert not varlen_attn_kernel
+
+
+def test_device_facts_read_this_machine():
+    facts = device_facts("cpu", "no", torch.float32)
+    assert (facts.type, facts.capability, facts.compute_dtype) == ("cpu", None, "float32")
+    assert facts.varlen_attn and facts.varlen_window  # torch 2.13 has varlen_attn (no CPU kernel) with window_size
+    assert device_facts("cpu", "bf16", torch.float32).compute_dtype == "bfloat16"
+    assert facts.torch_version >= (2, 13)

@@ -9,6 +9,8 @@ difference of the parameter *updates*, which is what would expose a mis-weighted
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -540,3 +542,29 @@ def test_nothing_the_trainer_keeps_grows_with_the_steps(model_dir, tmp_path):
         state = {name: value for name, value in vars(trainer).items() if name.startswith("_dynbsz")}
         sizes.append(footprint(state))
     assert sizes[0] == sizes[1] > 0, sizes
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_varlen_attn_rows_match_stock(model_dir, tmp_path, monkeypatch, loss_type):
+    """The run a capable GPU gets on sdpa (torch's varlen_attn, one call per layer; shared prompts gathered in front
+    of each completion), on this CPU with the reference kernel of varlen_attn's contract standing in for torch's:
+    shared prompts, old-policy and reference passes, parameters after training equal stock's."""
+    from hf_dynbsz.execution import attention, setup
+    from hf_dynbsz.planning.model_support import DeviceFacts
+    from hf_dynbsz.testing import reference_varlen_attn
+
+    capable = DeviceFacts("cuda", (9, 0), (2, 13), varlen_attn=True, varlen_window=True, compute_dtype="bfloat16")
+    monkeypatch.setattr(setup, "device_facts", lambda *args: capable)
+    calls = []
+
+    @functools.wraps(reference_varlen_attn)  # its signature is what the caller reads
+    def kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return reference_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
+    history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert calls and all(call["enable_gqa"] and call["window_size"] == (-1, 0) for call in calls)

@@ -31,6 +31,15 @@ query heads, sliding windows, GQA, dtype handling) is the model's own:
   the sequence), built once per pass and window. transformers compiles flex_attention once per process; a new row
   width makes torch recompile once more with dynamic shapes, after which widths reuse the kernel. Its inputs are
   cast to autocast's dtype, as sdpa's are;
+* varlen_attn (models on sdpa or eager, on CUDA, where :mod:`hf_dynbsz.planning.model_support` finds nothing against
+  it): one call per layer of torch's own FlashAttention-2 varlen kernel (``torch.nn.attention.varlen.varlen_attn``,
+  torch >= 2.10; no flash-attn install) over the whole row, with the spans of the flash-attention formulation below
+  (each shared prompt's keys and values gathered in front of each of its blocks, causal bottom-right; padding a span
+  of its own, so no token follows ``cu_seq[-1]``, pytorch#176793). Partial attentions are never merged through their
+  log-sum-exp (the kernel's backward drops the log-sum-exp's gradient). The installed signature is read at run time
+  (:func:`varlen_attn_keywords`: ``is_causal`` or ``window_size``, ``scale``, ``enable_gqa``); inputs are cast to
+  autocast's dtype, one dtype for query, key and value. CI has no GPU: a reference kernel of the same contract
+  (:func:`hf_dynbsz.testing.reference_varlen_attn`) stands in for it on CPU (:data:`VARLEN_ATTN_KERNEL`);
 * flash-attention: one varlen call whose query spans are the prefixes and blocks and whose key spans are
   ``[prefix ; own block]`` (keys gathered; causal masks of flash-attention >= 2.1 align bottom-right, and so do
   sliding windows), through transformers' own flash-attention integration. CI has no GPU: the index arithmetic is
@@ -44,6 +53,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import inspect
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -55,7 +66,7 @@ import torch
 from transformers import AttentionInterface
 
 from hf_dynbsz.planning.cost import text_config_of
-from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES
+from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES, VARLEN_ATTN, DeviceFacts
 
 __all__ = [
     "ATTENTION_NAME",
@@ -63,9 +74,11 @@ __all__ = [
     "Segment",
     "SegmentLayout",
     "active_segments",
+    "device_facts",
     "segment_attention",
     "segment_attention_forward",
     "use_segments",
+    "varlen_attn_keywords",
 ]
 
 ATTENTION_NAME = "hf_dynbsz_segments"
@@ -252,6 +265,17 @@ class SegmentLayout:
     def flash(self) -> bool:
         """Whether the base implementation is a flash-attention varlen kernel (else: sdpa or eager per span)."""
         return bool(self.base_implementation) and self.base_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the base is torch's own varlen kernel (:data:`~hf_dynbsz.planning.model_support.VARLEN_ATTN`)."""
+        return self.base_implementation == VARLEN_ATTN
+
+    @property
+    def gathers(self) -> bool:
+        """Whether some key span is gathered (a shared prompt's prefix in front of its blocks): without one the key
+        spans are the query spans, and the row's keys are used as they are."""
+        return any(segment.prefix for segment in self.segments)
 
     @property
     def flex(self) -> bool:
@@ -477,6 +501,82 @@ def _flash_varlen(module, layout, query, key, value, cu_q, cu_k, max_q, max_k, s
 #: The varlen kernel of the flash formulation; tests replace it with a reference kernel.
 VARLEN_KERNEL = _flash_varlen
 
+#: torch's ``varlen_attn`` as segment attention calls it; None: ``torch.nn.attention.varlen.varlen_attn``, looked up
+#: at the first call. CPU tests put a reference kernel of the same contract here (torch has no CPU kernel).
+VARLEN_ATTN_KERNEL = None
+
+
+def _varlen_attn_kernel():
+    if VARLEN_ATTN_KERNEL is not None:
+        return VARLEN_ATTN_KERNEL
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=8)
+def varlen_attn_keywords(kernel) -> frozenset[str]:
+    """The parameters ``kernel`` (a ``varlen_attn``) takes, read once: torch 2.10's has ``is_causal`` and no
+    ``scale``; 2.11 takes ``window_size`` (``(-1, 0)`` is causal) instead of ``is_causal``; 2.12 adds ``enable_gqa``."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def _torch_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, window: int | None):
+    """One ``varlen_attn`` call: ``query`` ``(Tq, heads, d)``, ``key``/``value`` ``(Tk, kv_heads, d)``, causal and
+    aligned bottom-right in each span, within ``window`` positions when the layer has one. Keywords the installed
+    kernel lacks are made up exactly: no ``enable_gqa``, key and value heads are repeated (as transformers'
+    ``repeat_kv``); no ``scale``, the queries are scaled so that the kernel's default scale gives ``scaling``. A
+    window without ``window_size`` raises (the planner rules that out: ``ModelSupport.varlen_attn_reason``)."""
+    kernel = _varlen_attn_kernel()
+    keywords = varlen_attn_keywords(kernel)
+    query, key, value = _autocast_inputs(query, key, value)
+    key, value = key.to(query.dtype), value.to(query.dtype)  # one dtype for all three
+    options = {}
+    heads, kv_heads = query.size(1), key.size(1)
+    if kv_heads != heads:
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:
+            key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    if window is not None and window < max_k:
+        if "window_size" not in keywords:
+            raise RuntimeError("this torch's varlen_attn takes no window_size; the layer has a sliding window")
+        options["window_size"] = (window - 1, 0)  # the key aligned with the query and window - 1 before it
+    elif "window_size" in keywords:
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    default_scale = query.size(-1) ** -0.5
+    if "scale" in keywords:
+        options["scale"] = scaling
+    elif scaling is not None and scaling != default_scale:
+        query = query * (scaling / default_scale)
+    return kernel(query, key, value, cu_q, cu_k, max_q, max_k, **options)
+
+
+def device_facts(device, mixed_precision: str | None, dtype: torch.dtype) -> DeviceFacts:
+    """The :class:`~hf_dynbsz.planning.model_support.DeviceFacts` of ``device`` for a run whose forwards compute in
+    ``mixed_precision``'s dtype ("bf16", "fp16") or else ``dtype`` (the weights')."""
+    device = torch.device(device)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    keywords = varlen_attn_keywords(varlen_attn) if varlen_attn is not None else frozenset()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision), dtype)
+    capability = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        capability = tuple(torch.cuda.get_device_capability(device))
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return DeviceFacts(
+        type=device.type,
+        capability=capability,
+        torch_version=(major, minor),
+        varlen_attn=varlen_attn is not None,
+        varlen_window="window_size" in keywords,
+        compute_dtype=str(compute).removeprefix("torch."),
+    )
+
 
 def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs):
     """transformers' flex_attention integration over the whole row under the segments' block mask (soft-capping and
@@ -489,6 +589,25 @@ def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
         module, query, key, value, layout.block_mask(window, query.device), scaling=scaling, dropout=dropout, **features
     )
     return out, None
+
+
+def _varlen_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs):
+    """The whole row in one ``varlen_attn`` call (:func:`_torch_varlen`); each shared prompt's keys and values are
+    gathered in front of each of its blocks."""
+    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or dropout:
+        raise RuntimeError(
+            f"{type(module).__name__} passes {', '.join(unsupported) or f'dropout={dropout}'} to its attention, which "
+            "torch's varlen_attn does not compute (hf_dynbsz.planning.model_support rules such models out)"
+        )
+    cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans(query.device)
+    if layout.gathers:
+        key, value = key.index_select(2, key_index), value.index_select(2, key_index)
+    out = _torch_varlen(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
+        scaling, window,
+    )  # fmt: skip
+    return out.unsqueeze(0), None
 
 
 def _autocast_inputs(query, key, value):
@@ -567,6 +686,8 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
             **features,
         )
         return out.unsqueeze(0), None
+    if layout.varlen:
+        return _varlen_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     if layout.flex:
         return _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     max_calls = SPAN_CALLS_PER_LAYER.get(query.device.type)
