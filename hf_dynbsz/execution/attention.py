@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 import inspect
 import sys
@@ -121,7 +122,9 @@ class SpanCall:
     sequence; its queries are the last ``query_length`` of them (a block's queries follow its prefix, which only
     its keys hold). ``kept``: the indices, in the call's flattened
     ``rows x query_length`` outputs, of the outputs that go back to the row (not padding, nor prefix queries
-    recomputed by a causal call over ``[prefix ; block]``).
+    recomputed by a causal call over ``[prefix ; block]``). ``starts`` / ``lengths``: per span, the key position of
+    its first query (key length less query length) and its query length, as tensors beside the others (a mask is
+    drawn from them on the device, no host value read there).
     """
 
     queries: torch.Tensor
@@ -130,6 +133,17 @@ class SpanCall:
     query_lengths: tuple[int, ...]
     key_lengths: tuple[int, ...]
     kept: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    TENSORS = ("queries", "keys", "kept", "starts", "lengths")
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.TENSORS]
+
+    def with_tensors(self, tensors) -> SpanCall:
+        """This call with its tensors replaced (moved to a device), in :data:`TENSORS` order."""
+        return dataclasses.replace(self, **dict(zip(self.TENSORS, tensors)))
 
     @property
     def query_length(self) -> int:
@@ -144,23 +158,24 @@ class SpanCall:
         """Whether spans of several shapes share the call (padding to the longest, under a per-span mask)."""
         return len({*self.query_lengths, self.query_length}) > 1 or len({*self.key_lengths, self.key_length}) > 1
 
-    def mask(self, window: int | None, device) -> torch.Tensor | None:
+    def mask(self, window: int | None, device=None) -> torch.Tensor | None:
         """``(1 or rows, 1, query_length, key_length)`` bool mask (True: may attend), or None for plain causal spans
-        of one shape. A padding query attends to its span's first key only (a finite output, dropped)."""
+        of one shape. A padding query attends to its span's first key only (a finite output, dropped). Drawn on the
+        device of the call's tensors (``device`` is that device; device operations only)."""
+        device = self.starts.device
         if not self.padded:
             if self.query_length == self.key_length and (window is None or window >= self.key_length):
                 return None
-            starts = torch.tensor([self.key_length - self.query_length], device=device)
+            starts = self.starts[:1]
         else:  # each span's first query: its key length less its query length
-            starts = torch.tensor(self.key_lengths, device=device) - torch.tensor(self.query_lengths, device=device)
+            starts = self.starts
         query_positions = starts.view(-1, 1, 1) + torch.arange(self.query_length, device=device).view(1, -1, 1)
         key_positions = torch.arange(self.key_length, device=device).view(1, 1, -1)
         allowed = key_positions <= query_positions
         if window is not None:
             allowed &= key_positions > query_positions - window
         if self.padded:  # causality keeps a real query off its span's padding keys (they follow its last key)
-            query_lengths = torch.tensor(self.query_lengths, device=device).view(-1, 1, 1)
-            real_query = torch.arange(self.query_length, device=device).view(1, -1, 1) < query_lengths
+            real_query = torch.arange(self.query_length, device=device).view(1, -1, 1) < self.lengths.view(-1, 1, 1)
             allowed = (allowed & real_query) | (~real_query & (key_positions == 0))
         return allowed.unsqueeze(1)
 
@@ -188,9 +203,9 @@ class _Span:
         return sum(map(len, self.queries)), sum(map(len, self.keys))
 
 
-def _batched_call(spans: list[_Span], skip: int, device) -> SpanCall:
-    """One call over ``spans``, padded to the longest query and key span; ``skip`` leading query outputs of each span
-    are dropped."""
+def _batched_call(spans: list[_Span], skip: int) -> SpanCall:
+    """One call over ``spans`` (its tensors on the host), padded to the longest query and key span; ``skip`` leading
+    query outputs of each span are dropped."""
     shapes = np.array([span.shape for span in spans], dtype=np.int64).reshape(-1, 2)
     query_length, key_length = int(shapes[:, 0].max()), int(shapes[:, 1].max())
     queries = _padded_positions([span.queries for span in spans], shapes[:, 0], query_length)
@@ -198,12 +213,14 @@ def _batched_call(spans: list[_Span], skip: int, device) -> SpanCall:
     columns = np.arange(query_length)
     kept = np.flatnonzero((columns >= skip) & (columns < shapes[:, :1]))
     return SpanCall(
-        torch.from_numpy(queries).reshape(-1).to(device),
-        torch.from_numpy(keys).reshape(-1).to(device),
+        torch.from_numpy(queries).reshape(-1),
+        torch.from_numpy(keys).reshape(-1),
         len(spans),
         tuple(shapes[:, 0].tolist()),
         tuple(shapes[:, 1].tolist()),
-        torch.from_numpy(kept).to(device),
+        torch.from_numpy(kept),
+        torch.from_numpy(shapes[:, 1] - shapes[:, 0]),
+        torch.from_numpy(shapes[:, 0].copy()),
     )
 
 
@@ -253,6 +270,49 @@ class SegmentLayout:
         self.segments = segments
         self.base_implementation = base_implementation
         self._cache: dict = {}
+
+    # ---- the pass's device tensors, moved once -------------------------------------------------------------------
+    def host_tensors(self, device) -> dict[str, torch.Tensor]:
+        """The index tensors the layers of a pass on ``device`` will read, built on the host now (when the pass is
+        built): the varlen spans (varlen_attn, flash-attention), the position labels and block tables of
+        flex_attention without a window, or the span calls of sdpa / eager (as many calls as
+        :data:`SPAN_CALLS_PER_LAYER` allows on ``device``). The pass moves them with its inputs in one copy and
+        gives them back to :meth:`adopt`; every length and maximum stays a host value."""
+        device = torch.device(device)
+        if self.varlen or self.flash:
+            cu_q, cu_k, key_index, _, _ = self.varlen_spans("cpu")
+            return {"varlen/cu_q": cu_q, "varlen/cu_k": cu_k, "varlen/key_index": key_index}
+        if self.flex:
+            tensors = {f"labels/{name}": values for name, values in self.position_labels("cpu").items()}
+            tensors.update(zip(("flex/partial", "flex/partial_index", "flex/full", "flex/full_index"),
+                               self.flex_tables(None, "cpu")))  # fmt: skip
+            return tensors
+        calls, restore = self.span_calls("cpu", SPAN_CALLS_PER_LAYER.get(device.type))
+        tensors = {"spans/restore": restore}
+        for index, call in enumerate(calls):
+            tensors.update({f"spans/{index}/{name}": t for name, t in zip(SpanCall.TENSORS, call.host_tensors())})
+        return tensors
+
+    def adopt(self, moved: dict[str, torch.Tensor], device) -> None:
+        """Take :meth:`host_tensors`, moved to ``device``, as what the layers read there (no copy in a layer)."""
+        device = torch.device(device)
+        if self.varlen or self.flash:
+            _, _, _, max_q, max_k = self.varlen_spans("cpu")
+            key_index = moved["varlen/key_index"]
+            self._cache[("varlen", device)] = (moved["varlen/cu_q"], moved["varlen/cu_k"], key_index, max_q, max_k)
+        elif self.flex:
+            labels = {name.split("/", 1)[1]: t for name, t in moved.items() if name.startswith("labels/")}
+            self._cache[("labels", device)] = labels
+            tables = ("flex/partial", "flex/partial_index", "flex/full", "flex/full_index")
+            self._cache[("flex tables", None, device)] = tuple(moved[name] for name in tables)
+        else:
+            max_calls = SPAN_CALLS_PER_LAYER.get(device.type)
+            calls, _ = self.span_calls("cpu", max_calls)
+            calls = [
+                call.with_tensors(moved[f"spans/{index}/{name}"] for name in SpanCall.TENSORS)
+                for index, call in enumerate(calls)
+            ]
+            self._cache[("spans", device, max_calls)] = (calls, moved["spans/restore"])
 
     def cached(self, key, build):
         """``build()``, computed once per layout and ``key``: every layer of the pass, and the recomputation of
@@ -316,38 +376,52 @@ class SegmentLayout:
         span under a per-span mask: the spans, sorted by key length, are cut into at most ``max_calls`` calls with
         the least padded attention work.
         """
-        return self.cached(("spans", device, max_calls), partial(self._build_span_calls, device, max_calls))
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.cached(("spans", device, max_calls), partial(self._build_span_calls, device, max_calls))
+
+        def moved():  # built on the host, then moved (a pass built by the collator has them moved already)
+            calls, restore = self.span_calls("cpu", max_calls)
+            return [call.with_tensors(t.to(device) for t in call.host_tensors()) for call in calls], restore.to(device)
+
+        return self.cached(("spans", device, max_calls), moved)
 
     def _build_span_calls(self, device, max_calls: int | None) -> tuple[list[SpanCall], torch.Tensor]:
+        """The calls on the host (``device`` is the CPU; checked on the host that they cover the row once)."""
         groups: dict[tuple[int, int], list[_Span]] = defaultdict(list)
         for part in self.parts():
             span = _Span((part.own,), (part.shared, part.own))
             groups[span.shape].append(span)
         if max_calls is None or len(groups) <= max_calls:
-            calls = [self._shape_call(members, device) for members in groups.values()]
+            calls = [self._shape_call(members) for members in groups.values()]
         else:
             spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
             cuts = _padded_partition([span.shape for span in spans], max_calls)
-            calls = [_batched_call(spans[a:b], 0, device) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
+            calls = [_batched_call(spans[a:b], 0) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
         order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
-        if order.numel() != self.width or not torch.equal(order.sort().values, torch.arange(self.width, device=device)):
+        if order.numel() != self.width or not torch.equal(order.sort().values, torch.arange(self.width)):
             raise ValueError("segments must cover the row exactly (trailing padding included)")
         return calls, torch.argsort(order)
 
     @staticmethod
-    def _shape_call(spans: list[_Span], device) -> SpanCall:
+    def _shape_call(spans: list[_Span]) -> SpanCall:
         """The call of spans of one shape; blocks at least as long as their prefix as causal calls over
         ``[prefix ; block]`` whose prefix queries are dropped."""
         queries, keys = spans[0].shape
         prefix = keys - queries
         if prefix and queries >= prefix:
-            return _batched_call([_Span(span.keys, span.keys) for span in spans], prefix, device)
-        return _batched_call(spans, 0, device)
+            return _batched_call([_Span(span.keys, span.keys) for span in spans], prefix)
+        return _batched_call(spans, 0)
 
     # ---- flex_attention formulation ------------------------------------------------------------------------------
     def position_labels(self, device) -> dict[str, torch.Tensor]:
         """Per row position: ``segment`` (index), ``part`` (a prefix or block's own id), ``shared`` (a prefix token
         every block of its segment sees) and ``position`` (within its sequence: blocks continue from the prefix)."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            return self.cached(
+                ("labels", device), lambda: {name: t.to(device) for name, t in self.position_labels("cpu").items()}
+            )
         return self.cached(("labels", device), partial(self._build_position_labels, device))
 
     def _build_position_labels(self, device) -> dict[str, torch.Tensor]:
@@ -381,14 +455,24 @@ class SegmentLayout:
                 allowed = allowed & (position[query] - position[key] < window)
             return allowed
 
-        partial_blocks, full_blocks = self.flex_blocks(window)
         return BlockMask.from_kv_blocks(
-            *_block_table(partial_blocks, device),
-            *_block_table(full_blocks, device),
+            *self.flex_tables(window, device),
             BLOCK_SIZE=FLEX_BLOCK_SIZE,
             mask_mod=mask_mod,
             seq_lengths=(self.width, self.width),
         )
+
+    def flex_tables(self, window: int | None, device) -> tuple[torch.Tensor, ...]:
+        """``(partial counts, partial indices, full counts, full indices)`` of the block mask of ``window`` on
+        ``device`` (:meth:`flex_blocks` as ``BlockMask.from_kv_blocks`` takes them)."""
+        device = torch.device(device)
+
+        def build():
+            partial_blocks, full_blocks = self.flex_blocks(window)
+            tables = (*_block_table(partial_blocks), *_block_table(full_blocks))
+            return tuple(table.to(device) for table in tables)
+
+        return self.cached(("flex tables", window, device), build)
 
     def flex_blocks(self, window: int | None) -> tuple[list[list[int]], list[list[int]]]:
         """``(partial, full)``: per query block of :data:`FLEX_BLOCK_SIZE` positions, the key blocks some of whose
@@ -428,26 +512,32 @@ class SegmentLayout:
         Query spans tile the row in order (so queries need no gathering): each plain sequence, each prefix, each
         block. A span's keys are itself, except a block's: ``[its segment's prefix ; the block]``.
         """
-        return self.cached(("varlen", device), partial(self._build_varlen_spans, device))
+        device = torch.device(device)
+        if device.type != "cpu":  # built on the host, then moved (a pass built by the collator has them moved already)
+            return self.cached(
+                ("varlen", device),
+                lambda: tuple(t.to(device) if torch.is_tensor(t) else t for t in self.varlen_spans("cpu")),
+            )
+        return self.cached(("varlen", device), self._build_varlen_spans)
 
-    def _build_varlen_spans(self, device):
+    def _build_varlen_spans(self):
         parts = self.parts()
         query_lengths = [len(part.own) for part in parts]
         key_lengths = [len(part.shared) + len(part.own) for part in parts]
         key_index = torch.cat([torch.arange(r.start, r.stop) for part in parts for r in (part.shared, part.own)])
-        cu_q = torch.tensor([0, *query_lengths]).cumsum(0).to(device, torch.int32)
-        cu_k = torch.tensor([0, *key_lengths]).cumsum(0).to(device, torch.int32)
-        return cu_q, cu_k, key_index.to(device), max(query_lengths), max(key_lengths)
+        cu_q = torch.tensor([0, *query_lengths]).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0, *key_lengths]).cumsum(0).to(torch.int32)
+        return cu_q, cu_k, key_index, max(query_lengths), max(key_lengths)
 
 
-def _block_table(blocks: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts, indices)`` of a ``BlockMask`` over a square of ``len(blocks)`` blocks: per query block, how many key
-    blocks it lists, and which (first, the rest of its row 0)."""
+def _block_table(blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, indices)`` of a ``BlockMask`` over a square of ``len(blocks)`` blocks, on the host: per query block,
+    how many key blocks it lists, and which (first, the rest of its row 0)."""
     counts = torch.tensor([len(row) for row in blocks], dtype=torch.int32)
     indices = torch.zeros(len(blocks), len(blocks), dtype=torch.int32)
     for row, listed in enumerate(blocks):
         indices[row, : len(listed)] = torch.tensor(listed, dtype=torch.int32)
-    return counts.view(1, 1, -1).to(device), indices.view(1, 1, *indices.shape).to(device)
+    return counts.view(1, 1, -1), indices.view(1, 1, *indices.shape)
 
 
 #: The layout of the pass being run (set by :func:`use_segments`, cleared when :func:`segment_attention` exits).

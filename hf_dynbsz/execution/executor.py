@@ -92,6 +92,7 @@ class PassExecutor:
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
         self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)
         self.warned: set[str] = set()
+        self._dummies: dict = {}  # the dummy micro-batch of each layout (lockstep passes)
 
     # ------------------------------------------------------------------ the one loop
     def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction):
@@ -253,6 +254,7 @@ class PassExecutor:
     def _start_training(self, pooled: StepBatch, aux: RouterAuxLoss | None, schedule) -> _TrainingPasses:
         """A training attempt: cross-rank balancing gives this process the samples it runs."""
         moved = pooled if schedule.exchange is None else self.move(pooled, schedule.exchange)
+        moved = moved.weights_on(self.accelerator.device)  # once per step: each pass picks its rows on the device
         if aux is not None:
             aux.probabilities.zero_()
         bonus = None
@@ -267,7 +269,7 @@ class PassExecutor:
         with record_function("dynbsz/forward"):
             logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
         with record_function("dynbsz/loss"):
-            rows = state.batch.rows(group, logps.size(1))
+            rows = state.batch.rows(group, logps.size(1), mb.sample_index)
             loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
             if aux is not None:
                 loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
@@ -329,11 +331,12 @@ class PassExecutor:
             mb = self.microbatch(state.table, group, schedule.groups)
         with record_function("dynbsz/no_grad_forward"):
             logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
-        state.results[group, 0, : logps.size(1)] = logps.float()
+        index = mb.sample_index  # on the device (a host list as an index would be copied there, and wait)
+        state.results[:, 0, : logps.size(1)].index_copy_(0, index, logps.float())
         if compute_entropy:
-            state.results[group, 1, : entropies.size(1)] = entropies.float()
+            state.results[:, 1, : entropies.size(1)].index_copy_(0, index, entropies.float())
         if router is not None:
-            state.statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
+            state.statistics.index_copy_(0, index, router.pass_statistics(router_logits, mb.token_rows, len(group)))
 
     # ------------------------------------------------------------------ planning a step
     def _budget(self, table: SequenceTable, stock_tokens: int, kind: str) -> int:
@@ -438,14 +441,12 @@ class PassExecutor:
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
         scheduler = self.scheduler
-        mb = dummy_microbatch(
-            self.pad_token_id,
-            self.accelerator.device,
-            scheduler.segment_attention,
-            scheduler.attention_mask,
-            scheduler.position_offset,
-            width=self.parallel.dummy_width,
-        )
+        key = (scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
+        if key not in self._dummies:  # built and moved once per run: a dummy pass copies nothing to the device
+            self._dummies[key] = dummy_microbatch(
+                self.pad_token_id, self.accelerator.device, *key, width=self.parallel.dummy_width
+            )
+        mb = self._dummies[key]
         use_segments(mb.segments)
         inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
         with self.no_sync(model, last is None or last), self.accelerator.autocast():
