@@ -383,16 +383,14 @@ def test_flex_formulation_runs_in_autocasts_dtype_as_sdpa_does(monkeypatch):
     in bf16 from autocast; flex_attention gets no cast, and its compiled CUDA backward finds no kernel for mixed dtypes
     (pytorch/pytorch#176025). The flex formulation casts them as autocast casts sdpa's, and computes what the sdpa
     formulation computes under the same autocast."""
-    from transformers.integrations import flex_attention as integration
-
     seen = []
-    original = integration.flex_attention_forward
+    original = attention.FLEX_KERNEL
 
-    def recording(module, query, key, value, *args, **kwargs):
+    def recording(query, key, value, *args, **kwargs):
         seen.append((query.dtype, key.dtype, value.dtype))
-        return original(module, query, key, value, *args, **kwargs)
+        return original(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(integration, "flex_attention_forward", recording)
+    monkeypatch.setattr(attention, "FLEX_KERNEL", recording)
     torch.manual_seed(2)
     segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,))]
     width = segments[-1].end
@@ -704,3 +702,60 @@ def test_device_facts_read_this_machine():
     assert facts.varlen_attn and facts.varlen_window  # torch 2.13 has varlen_attn (no CPU kernel) with window_size
     assert device_facts("cpu", "bf16", torch.float32).compute_dtype == "bfloat16"
     assert facts.torch_version >= (2, 13)
+
+
+# ---- flex_attention: a few row widths, each compiled once; explicit kernel options where Inductor finds none --------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100_000))
+def test_flex_rows_take_a_few_widths_of_whole_blocks(tokens):
+    width, blocks = attention.flex_row_width(tokens), -(-tokens // 128)
+    assert width % attention.FLEX_BLOCK_SIZE == 0 and tokens <= width <= 1.5 * 128 * blocks
+    assert width // 128 in {2**k for k in range(20)} | {3 * 2**k for k in range(20)}
+
+
+def test_flex_row_widths_are_two_per_octave():
+    widths = sorted({attention.flex_row_width(tokens) for tokens in range(1, 8193)})
+    assert widths == [128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+
+
+def test_a_flex_row_pads_to_its_width_with_a_segment_of_its_own(model):
+    if model.config._attn_implementation != "flex_attention":
+        pytest.skip("the flex formulation's rows")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
+    table = SequenceTable.from_padded(*batch)
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        mb, logps, _ = packed_logps(model, table, list(range(8)), table.prompt_groups(), "flex_attention")
+    assert mb.computed_tokens == 128 > mb.real_tokens and mb.segments.width == 128
+    last = mb.segments.segments[-1]
+    assert (last.start, last.prefix, last.blocks) == (mb.real_tokens, 0, (128 - mb.real_tokens,))
+    for row in range(8):
+        n = COMPLETIONS[row]
+        assert torch.allclose(logps[row, :n], expected[row, :n], atol=2e-6, rtol=0)
+
+
+def test_flex_kernel_falls_back_to_explicit_options_when_inductor_finds_no_valid_choice(caplog):
+    """The first call of a shape compiles forward and backward on copies; a NoValidChoicesError there switches the
+    process to FLEX_FALLBACK_OPTIONS (logged once); any other error is the caller's."""
+    calls = []
+
+    def compiled(query, key, value, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+        calls.append(kernel_options)
+        if kernel_options is None:
+            raise RuntimeError("InductorError: LoweringException: NoValidChoicesError: No choices to select")
+        return query * 2
+
+    kernel = attention._FlexKernel()
+    kernel.function = compiled
+    query = torch.ones(1, 2, 128, 4)
+    kernel._compile(query, query, query, None, 0.5, False)
+    assert kernel.options is attention.FLEX_FALLBACK_OPTIONS and calls == [None, attention.FLEX_FALLBACK_OPTIONS]
+    assert "no valid kernel choice" in caplog.text
+
+    def broken(*args, **kwargs):
+        raise ValueError("something else")
+
+    kernel = attention._FlexKernel()
+    kernel.function = broken
+    with pytest.raises(ValueError, match="something else"):
+        kernel._compile(query, query, query, None, 0.5, False)

@@ -56,6 +56,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ from transformers import AttentionInterface
 from hf_dynbsz.planning.cost import text_config_of
 from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES, VARLEN_ATTN, DeviceFacts
 
+logger = logging.getLogger("hf_dynbsz")
+
 __all__ = [
     "ATTENTION_NAME",
     "Part",
@@ -76,6 +79,7 @@ __all__ = [
     "SegmentLayout",
     "active_segments",
     "device_facts",
+    "flex_row_width",
     "segment_attention",
     "segment_attention_forward",
     "use_segments",
@@ -668,17 +672,96 @@ def device_facts(device, mixed_precision: str | None, dtype: torch.dtype) -> Dev
     )
 
 
-def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs):
-    """transformers' flex_attention integration over the whole row under the segments' block mask (soft-capping and
-    sinks as the integration applies them)."""
-    from transformers.integrations.flex_attention import flex_attention_forward
+def flex_row_width(tokens: int) -> int:
+    """The width of a flex_attention row of ``tokens`` tokens: the least of ``FLEX_BLOCK_SIZE x {1, 2, 3, 4, 6, 8,
+    12, ...}`` (two widths per octave, multiples of 128) at least ``tokens``. A row pads to it (the padding a segment
+    of its own), so rows of any length take one of a few widths, each compiled once: at most 1.5x the tokens rounded
+    up to whole blocks."""
+    blocks = max(-(-int(tokens) // FLEX_BLOCK_SIZE), 1)
+    power = 1 << (blocks - 1).bit_length()  # the least power of two >= blocks
+    return FLEX_BLOCK_SIZE * (power * 3 // 4 if blocks <= power * 3 // 4 else power)
 
+
+#: Explicit block sizes for flex_attention's Triton kernels when Inductor's autotuning finds no valid choice
+#: (``NoValidChoicesError``, pytorch#146260; torchtune#2113 falls back to block sizes of 32 the same way).
+FLEX_FALLBACK_OPTIONS = {
+    "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32, "num_stages": 1,
+}  # fmt: skip
+
+
+class _FlexKernel:
+    """flex_attention compiled once per process with static shapes (one kernel per row width: :func:`flex_row_width`
+    keeps them few), its kernel options (None, or :data:`FLEX_FALLBACK_OPTIONS` once Inductor found no valid choice),
+    and the input shapes it has compiled for (``compiles``: one per row width, dtype and head layout)."""
+
+    def __init__(self) -> None:
+        self.function = None
+        self.options: dict | None = None
+        self.compiled: set = set()
+
+    @property
+    def compiles(self) -> int:
+        return len(self.compiled)
+
+    def __call__(self, query, key, value, block_mask, scale, enable_gqa):
+        if self.function is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self.function = torch.compile(flex_attention, dynamic=False)
+        shape = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, enable_gqa)
+        if shape not in self.compiled and query.device.type == "cuda":
+            self._compile(query, key, value, block_mask, scale, enable_gqa)
+            self.compiled.add(shape)
+        return self.function(
+            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=self.options
+        )
+
+    def _compile(self, query, key, value, block_mask, scale, enable_gqa) -> None:
+        """Compile forward AND backward for these shapes now, on copies of the inputs (a backward that finds no valid
+        kernel would otherwise fail in the pass's backward, past the reach of a fallback), with the fallback options
+        when Inductor finds no valid choice."""
+        for options in (self.options, FLEX_FALLBACK_OPTIONS):
+            try:
+                with torch.enable_grad():
+                    inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+                    out = self.function(
+                        *inputs, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options
+                    )
+                    out.float().sum().backward()
+            except Exception as error:
+                if "NoValidChoices" not in f"{type(error).__name__}: {error}" or options is FLEX_FALLBACK_OPTIONS:
+                    raise
+                first_line = str(error).splitlines()[0][:200]
+                logger.warning(
+                    "hf_dynbsz: flex_attention found no valid kernel choice; explicit kernel options %s from now on "
+                    "(%s).", FLEX_FALLBACK_OPTIONS, first_line,
+                )  # fmt: skip
+                continue
+            self.options = options
+            return
+
+
+#: The process's flex_attention kernel (segment attention's flex formulation).
+FLEX_KERNEL = _FlexKernel()
+
+
+def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs):
+    """One flex_attention call over the whole row under the segments' block mask (built once per pass and window,
+    shared by the layers), compiled once per row width (:data:`FLEX_KERNEL`), one dtype for query, key and value
+    (autocast's). Soft-capping and sinks go through transformers' integration, which applies them."""
     features = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
     query, key, value = _autocast_inputs(query, key, value)
-    out, _ = flex_attention_forward(
-        module, query, key, value, layout.block_mask(window, query.device), scaling=scaling, dropout=dropout, **features
-    )
-    return out, None
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    block_mask = layout.block_mask(window, query.device)
+    if dropout:
+        raise RuntimeError(f"flex_attention has no dropout; {type(module).__name__} passes dropout={dropout}")
+    if features or query.size(1) % key.size(1):
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        out, _ = flex_attention_forward(module, query, key, value, block_mask, scaling=scaling, **features)
+        return out, None
+    out = FLEX_KERNEL(query, key, value, block_mask, scaling, query.size(1) != key.size(1))
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _varlen_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs):

@@ -469,6 +469,10 @@ def _padding_free_inputs(
         row.add_segment(members)
     total = row.offset
     width = round_up(total, pad_to_multiple_of)
+    if attention == "flex_attention":  # a few row widths, each compiled once
+        from hf_dynbsz.execution.attention import flex_row_width
+
+        width = round_up(flex_row_width(width), pad_to_multiple_of)
     if width > total:
         row.pad(width - total, pad_token_id)
     position_ids = torch.cat(row.positions).unsqueeze(0)
@@ -555,6 +559,10 @@ def dummy_microbatch(
     Its forward still runs every layer, so ZeRO-3 gathers and DDP/ZeRO-2 reductions happen on every rank.
     ``attention``, ``attention_mask`` and ``position_offset`` as in :func:`build_microbatch`.
     """
+    if attention == "flex_attention":  # one of the row widths flex_attention compiles for anyway
+        from hf_dynbsz.execution.attention import flex_row_width
+
+        width = flex_row_width(width)
     host = {
         "input_ids": torch.full((1, width), pad_token_id, dtype=torch.long),
         "position_ids": (torch.arange(width) + position_offset).unsqueeze(0),
