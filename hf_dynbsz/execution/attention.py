@@ -764,6 +764,28 @@ def _flex(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     return out.transpose(1, 2).contiguous(), None
 
 
+def _flash_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs):
+    """The whole row in one varlen call of the flash-attention formulation (:data:`VARLEN_KERNEL`)."""
+    cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans(query.device)
+    features = {name: kwargs.get(name) for name in ("softcap", "s_aux")}
+    out = VARLEN_KERNEL(
+        module,
+        layout,
+        query[0].transpose(0, 1),
+        key[0, :, key_index].transpose(0, 1),
+        value[0, :, key_index].transpose(0, 1),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        scaling,
+        dropout,
+        sliding_window=window,
+        **features,
+    )
+    return out.unsqueeze(0), None
+
+
 def _varlen_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs):
     """The whole row in one ``varlen_attn`` call (:func:`_torch_varlen`); each shared prompt's keys and values are
     gathered in front of each of its blocks."""
@@ -841,24 +863,7 @@ def _segment_attention(module, query, key, value, attention_mask, scaling, dropo
     # The layer's window: what it passes (None on a full-attention layer), else its own attribute.
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if layout.flash:
-        cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans(query.device)
-        features = {name: kwargs.get(name) for name in ("softcap", "s_aux")}
-        out = VARLEN_KERNEL(
-            module,
-            layout,
-            query[0].transpose(0, 1),
-            key[0, :, key_index].transpose(0, 1),
-            value[0, :, key_index].transpose(0, 1),
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            scaling,
-            dropout,
-            sliding_window=window,
-            **features,
-        )
-        return out.unsqueeze(0), None
+        return _flash_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     if layout.varlen:
         return _varlen_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs)
     if layout.flex:

@@ -264,19 +264,7 @@ def build_microbatch(
         built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, groups)
     else:
         built = _padded_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention_mask)
-    host = {name: value for name, value in built.model_inputs.items() if value.device.type == "cpu"}
-    host.update(
-        input_ids=built.input_ids,
-        shift_labels=built.shift_labels,
-        gather_index=samples.gather_index,
-        completion_mask=samples.completion_mask,
-        token_index=torch.cat(samples.token_index),
-        row_index=torch.cat(samples.row_index),
-        sample_index=torch.tensor(indices, dtype=torch.long),
-    )
-    if built.position_ids is not None:
-        host["position_ids"] = built.position_ids + position_offset
-    moved = _move_with_segments(host, built.segments, device)
+    moved = _move_with_segments(_host_inputs(built, samples, position_offset), built.segments, device)
     model_inputs = {**built.model_inputs, **{name: moved[name] for name in built.model_inputs}}
     model_inputs["input_ids"] = moved["input_ids"]
     if built.position_ids is not None:
@@ -293,6 +281,23 @@ def build_microbatch(
         token_rows=(moved["token_index"], moved["row_index"]),
         sample_index=moved["sample_index"],
     )
+
+
+def _host_inputs(built: _LayoutInputs, samples: _Samples, position_offset: int) -> dict[str, torch.Tensor]:
+    """Every host tensor of a pass (its model inputs, labels, the maps back to the samples), by name."""
+    host = {name: value for name, value in built.model_inputs.items() if value.device.type == "cpu"}
+    host.update(
+        input_ids=built.input_ids,
+        shift_labels=built.shift_labels,
+        gather_index=samples.gather_index,
+        completion_mask=samples.completion_mask,
+        token_index=torch.cat(samples.token_index),
+        row_index=torch.cat(samples.row_index),
+        sample_index=torch.tensor(samples.indices, dtype=torch.long),
+    )
+    if built.position_ids is not None:
+        host["position_ids"] = built.position_ids + position_offset
+    return host
 
 
 def to_device_once(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
