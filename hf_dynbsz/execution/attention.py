@@ -95,7 +95,8 @@ FLEX_BLOCK_SIZE = 128
 #: shape, no padding). On a CPU padding costs compute and a call costs little: one call per shape ran a long-tailed
 #: step 5.36x faster than stock, 4 padded calls 3.57x (step_time.py, 2 cores). On a GPU a call's launches and gathers
 #: cost more than its attention: a call per shape ran a step 6.4x slower than stock (H200, gpu_check.py), hence a few
-#: padded calls there (not yet measured on a GPU: gpu_check.py's sdpa:padding_free row measures it).
+#: padded calls there (not yet measured on a GPU). On CUDA models on sdpa and eager take torch's varlen_attn instead,
+#: where it runs; the span formulation remains for fp32 with packing_layout="padding_free".
 SPAN_CALLS_PER_LAYER: dict[str, int] = {"cuda": 4}
 
 
