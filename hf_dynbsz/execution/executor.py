@@ -621,12 +621,15 @@ class PassExecutor:
     def _layout_timing(self, model, table, layouts, schedulers, result, run_layout, run_alone):
         """The run's layout timing (:mod:`hf_dynbsz.execution.layout_timing`), from the self-check's result: on a
         device of :data:`~hf_dynbsz.execution.layout_timing.MEASURED_DEVICE_TYPES` with ``packing_layout="auto"``
-        (and no sequence parallelism), the chosen layout and the first layout of each other family below it that
+        (no sequence parallelism, no memory limit: the memory model learns each pass's peak in the run's layout), the
+        chosen layout and the first layout of each other family below it that
         the self-check passes too (the same check: ``run_layout``, the references of ``run_alone`` computed once,
         one all-reduce per layout tried); :data:`NO_LAYOUT_TIMING` (nothing measured) otherwise. ``result``: the
         self-check's :class:`~hf_dynbsz.execution.self_check.CheckResult`."""
         device = self.accelerator.device.type
         if not self.enabled or self.args.packing_layout != "auto" or self.parallel.size > 1:
+            return NO_LAYOUT_TIMING
+        if self.memory.limit_mib is not None:  # the memory model learns each pass's peak in the run's own layout
             return NO_LAYOUT_TIMING
         if device not in MEASURED_DEVICE_TYPES:
             return NO_LAYOUT_TIMING

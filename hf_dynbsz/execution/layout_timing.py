@@ -21,7 +21,8 @@ family that passes becomes a :class:`Candidate`. :class:`LayoutTiming` times the
 
 The choice and every candidate's figures are logged once and published in the step's metrics
 (``dynbsz/layout_predicted_seconds/<name>``). ``packing_layout="padded"`` or ``"padding_free"`` pins the layout
-(nothing is measured). :data:`NO_LAYOUT_TIMING` is the off state: the identity the executor always holds.
+(nothing is measured), and so do sequence parallelism and a memory limit (whose model learns each pass's peak in the
+run's own layout). :data:`NO_LAYOUT_TIMING` is the off state: the identity the executor always holds.
 """
 
 from __future__ import annotations
