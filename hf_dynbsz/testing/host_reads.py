@@ -13,7 +13,7 @@ synchronisations with ``torch.cuda.set_sync_debug_mode``.
 from __future__ import annotations
 
 import contextlib
-import sys
+import inspect
 from collections import Counter
 
 import torch
@@ -45,7 +45,7 @@ def _boolean_index(args) -> bool:
 def _own_caller(owners: tuple[str, ...]) -> str | None:
     """``file:line`` of the first frame outside torch and this module, when it is in one of ``owners`` (path parts)
     and not in ``hf_dynbsz/testing``."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
         if "/torch/" not in name and not name.endswith("/testing/host_reads.py"):
