@@ -1,5 +1,6 @@
 """One command that proves the plugin's GPU paths against stock ``trl.GRPOTrainer``: at most 8 minutes on one H100
-or H200, and the same plumbing in under a minute on CPU (``--device cpu --tiny``, which the test suite runs).
+or H200 (a time budget of 450 s skips the groups not started by then, and says so), and the same plumbing in about
+two minutes on CPU (``--device cpu --tiny``, which the test suite runs).
 
 What it trains
 --------------
@@ -31,11 +32,33 @@ The checks (one table row each; ``--checks`` picks groups)
   where stock cannot run it. Then the plugin's flex in bf16 against stock's sdpa in bf16 (stock's own flex does not
   compile in bf16 mixed precision on torch 2.11: autocast leaves its inputs in mixed dtypes, which the plugin casts
   as autocast casts sdpa's), and its step time on the speed mix.
-* ``speed``: the long-tailed mix in bf16: median optimizer-step time after the first step, stock and plugin in the
-  same process on the same rollouts; goal: faster than stock. The first step is reported on its own row, with the
-  self-check's part of it; goal: at most 1.5 of the plugin's steady steps once the device's warm-up is taken out
-  (what stock's own first step costs over its steady steps: on the H200 the first step was 2.2 steady steps for
-  stock and 2.3 for the plugin's padded rows). (On CPU: fp32 and the tiny model, information only.)
+* ``padded``: padded rows pinned (``packing_layout="padded"``), one fp32 and one bf16 case: a layout the speed rows
+  time. (On CUDA the sdpa fp32 rows train padded rows too: torch's varlen_attn computes in bf16 and fp16 only; the
+  sdpa bf16 rows train its padding-free rows, which "auto" and "padding_free" give there.)
+* ``speed``: bf16, at the ``0.5B`` preset and a ``1.5B`` preset (Qwen2.5-1.5B's shape: hidden 1536, 28 layers,
+  where compute rather than launches dominates), on the ``long_tailed`` and ``prompt_heavy`` mixes: one row for
+  stock (``speed: stock``) and one per plugin layout (``speed: padded``, ``speed: varlen``, ``speed: flex``,
+  ``speed: auto``: the default, whose layout the layout timing chooses), stock and plugin in the same process on the
+  same rollouts. Each row: the median steady step (after the first) and its training phase (the step less TRL's
+  generation and scoring), the computed tokens against stock's, the token limit (stock's computed tokens over
+  ours) and the share of it reached. Goals: every row faster than stock; ``auto`` at least 3x stock and 70% of the
+  token limit on the long-tailed mix at 1.5B, at least 4x on the prompt-heavy mix. ``first step: auto``: the first
+  step in steady steps, less the device's warm-up (stock's first step over its steady one), with the self-check's
+  part; goal: at most 1.5. ``flex compiles``: the flex_attention shapes the run compiled, and dynamo's graphs, against
+  the row widths it used; goal: at most one per row width. (On CPU: fp32 and the tiny model, information only;
+  varlen and flex need CUDA.)
+* ``probes``: ``host syncs``: the plugin's steady training passes (steps 2-3) under
+  ``torch.cuda.set_sync_debug_mode("warn")``, every sync counted by the package that issued it; goal: none from the
+  plugin (TRL's fused LM head selects its scored positions with a boolean mask, a sync per pass that stock has too).
+  ``profile``: one steady plugin step under ``torch.profiler``: the top operators by CUDA time and the share of the
+  step the GPU sits idle, written next to the table (``<output>_profile.md``).
+
+How long it takes on one H100 (estimated, not measured: the one GPU run so far was on an H200, 225 s for the groups
+before this version): about 70 s of exactness runs at 0.5B; the speed rows about 200 s at 0.5B (stock's step about
+1 s there, 5 steps a run, 5 runs a mix, 2 mixes, a minute of them flex_attention's compiles) and about 100 s at 1.5B
+(3 times the FLOPs a step; stock, padded, varlen and auto: flex is timed at 0.5B only); the probes, the memory and
+out-of-memory checks about 80 s: about 450 s. The 450 s budget skips the groups not started by then (the flash and
+flex exactness rows come last), and the speed group skips the mixes not started.
 * ``memory_fraction``: the plugin with ``max_memory_fraction_per_device`` set below what the speed run used (half of
   what its passes added, at most 0.5): the run's ``torch.cuda.max_memory_allocated`` must stay under fraction x
   total; the budgets it chose are reported.
@@ -84,6 +107,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    PROMPT_HEAVY_RANGE,
     PROMPT_RANGE,
     REPO_ROOT,
     RESULTS_DIR,
@@ -95,6 +119,9 @@ from common import (  # noqa: E402
 )
 
 ensure_repo_on_path()
+import gpu_probes  # noqa: E402
+
+PROFILED_STEP = 3  # the plugin's step profiled by the "profile" probe: a steady one
 
 PARAM_TOLERANCE = 1e-5  # relative difference of the parameters (tests/test_trainer.py)
 UPDATE_TOLERANCE = 1e-3  # relative difference of the parameter updates (tests/test_trainer.py)
@@ -111,7 +138,9 @@ CHECKS = (
     "sdpa-fp32",
     "sdpa-bf16",
     "sdpa-padding-free",
+    "padded",
     "speed",
+    "probes",
     "memory_fraction",
     "oom",
     "flash_attention_2",
@@ -183,13 +212,18 @@ FULL = Preset(
     max_completion_length=512,
     steps=2,
     speed_batch=(8, 4),
-    speed_steps=6,
+    speed_steps=5,
     speed_max_completion_length=1024,
-    time_budget_s=420.0,
+    time_budget_s=450.0,
     bf16_cases=LOSS_CASES,
     **_SHARED,
 )
-#: The CPU plumbing run: under a minute on 2 cores.
+#: Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads on 2 key/value heads, MLP 8960; about 1.8B parameters with
+#: an untied head): where compute rather than launches dominates a step. The speed rows only.
+LARGE = dataclasses.replace(
+    FULL, name="1.5B", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960
+)
+#: The CPU plumbing run: under two minutes on 2 cores.
 TINY = Preset(
     name="tiny",
     hidden_size=32,
@@ -209,6 +243,11 @@ TINY = Preset(
 )
 
 
+PRESETS = {preset.name: preset for preset in (FULL, LARGE, TINY)}
+#: The presets of the speed rows, by the run's preset.
+SPEED_PRESETS = {FULL.name: (FULL.name, LARGE.name), TINY.name: (TINY.name,)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """One training run; equal specs give equal runs (cached)."""
@@ -225,6 +264,9 @@ class RunSpec:
     config: tuple = ()  # extra settings of both configs
     keep_params: bool = True
     memory_fraction: float | None = None  # torch.cuda.set_per_process_memory_fraction during train()
+    preset: str | None = None  # the model's preset (None: the session's); other presets' weights are not checked
+    mix: str = "long_tailed"  # the length mix of the rollouts (benchmarks/common.py)
+    probe: str | None = None  # "syncs": count the host syncs of steady passes; "profile": profile a steady step
 
 
 @dataclasses.dataclass
@@ -237,6 +279,9 @@ class Run:
     notes: list
     logs: list
     self_check_seconds: float | None = None  # ours: the self-check's share of the first step
+    generation_seconds: list = dataclasses.field(default_factory=list)  # per step: TRL's generation and scoring
+    probe: object = None  # the probe's result: a SyncCounter, or (profile markdown, GPU idle share)
+    flex_compiles: int | None = None  # flex_attention shapes the process compiled (ours, flex)
     base_allocated_mib: float | None = None
     peak_allocated_mib: float | None = None
     base_reserved_mib: float | None = None
@@ -287,10 +332,10 @@ class Session:
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def build_model(self, attention: str):
+    def build_model(self, attention: str, preset: str | None = None):
         from hf_dynbsz.testing import build_tiny_causal_lm
 
-        preset = self.preset
+        preset = PRESETS[preset] if preset else self.preset
         with self.torch.device(self.device):  # built on the device: a 0.5B model initialises there in a second
             return build_tiny_causal_lm(
                 self.tokenizer,
@@ -300,17 +345,17 @@ class Session:
                 num_key_value_heads=preset.num_kv_heads,
                 intermediate_size=preset.intermediate_size,
                 vocab_size=preset.vocab_size,
-                max_position_embeddings=PROMPT_RANGE[1] + preset.speed_max_completion_length + 64,
+                max_position_embeddings=PROMPT_HEAVY_RANGE[1] + preset.speed_max_completion_length + 64,
                 attn_implementation=attention,
                 seed=0,
             )
 
-    def rollout(self, max_completion_length: int):
+    def rollout(self, max_completion_length: int, mix: str = MIX):
         from hf_dynbsz.testing import ScriptedRollout
 
         return ScriptedRollout(
-            lambda rng, n, rank: completion_lengths(MIX, n, max_completion_length, rng),
-            lambda rng: prompt_lengths(MIX, 1, rng)[0],
+            lambda rng, n, rank: completion_lengths(mix, n, max_completion_length, rng),
+            lambda rng: prompt_lengths(mix, 1, rng)[0],
             max_completion_length=max_completion_length,
             seed=0,
             token_low=3,
@@ -426,7 +471,7 @@ def make_trainer(session: Session, spec: RunSpec, model):
         args=args,
         train_dataset=session.dataset,
         processing_class=session.tokenizer,
-        rollout_func=session.rollout(kwargs["max_completion_length"]),
+        rollout_func=session.rollout(kwargs["max_completion_length"], spec.mix),
     )
     return trainer, reward
 
@@ -449,13 +494,17 @@ def train(session: Session, spec: RunSpec) -> Run:
     from transformers import PrinterCallback
 
     torch = session.torch
-    model = session.build_model(spec.attention)
-    if not all(torch.equal(p, session.initial[name]) for name, p in model.named_parameters()):
+    model = session.build_model(spec.attention, spec.preset)
+    if spec.preset is None and not all(torch.equal(p, session.initial[name]) for name, p in model.named_parameters()):
         raise RuntimeError("the model was not rebuilt with the same initial weights")
     trainer, reward = make_trainer(session, spec, model)
     trainer.remove_callback(PrinterCallback)  # the log dicts of every step: the table is what this prints
     clock = step_clock(session.synchronize)
     trainer.add_callback(clock)
+    trainer._gpu_check_synchronize = session.synchronize
+    generation = gpu_probes.generation_clock(trainer)
+    probe = install_probe(session, spec, trainer)
+    compiled_before = flex_compiles()
     captured = _Captured()
     logging.getLogger("hf_dynbsz").addHandler(captured)
     session.release()
@@ -489,11 +538,51 @@ def train(session: Session, spec: RunSpec) -> Run:
         notes=notes,
         logs=captured.messages,
         self_check_seconds=getattr(getattr(trainer, "_dynbsz", None), "self_check_seconds", None),
+        generation_seconds=generation,
+        probe=probe_result(session, probe),
+        flex_compiles=compiled_in(compiled_before)
+        if spec.attention == "flex_attention" and spec.trainer == "ours"
+        else None,
         **memory,
     )
     del trainer, model
     session.release()
     return run
+
+
+def install_probe(session: Session, spec: RunSpec, trainer):
+    """The run's probe: a sync counter on the plugin's executor, or a profiler of one steady step (the third)."""
+    if spec.probe == "syncs":
+        counter = gpu_probes.SyncCounter(session.torch)
+        counter.install(trainer._dynbsz)
+        return counter
+    if spec.probe == "profile":
+        profiler = gpu_probes.step_profiler(session.torch, PROFILED_STEP, session.cuda)
+        trainer.add_callback(profiler)
+        return profiler
+    return None
+
+
+def compiled_in(before: tuple[set, int | None]) -> tuple[set, int | None]:
+    """What a run compiled: the shapes new since ``before`` and dynamo's graphs added."""
+    shapes, graphs = flex_compiles()
+    return shapes - before[0], None if graphs is None or before[1] is None else graphs - before[1]
+
+
+def probe_result(session: Session, probe):
+    if isinstance(probe, gpu_probes.SyncCounter) or probe is None:
+        return probe
+    return gpu_probes.profile_summary(probe, session.cuda)
+
+
+def flex_compiles() -> tuple[set, int | None]:
+    """``(shapes, dynamo graphs)`` compiled by this process so far: the flex_attention shapes of segment attention's
+    kernel (one per row width, dtype and head layout), and dynamo's count of distinct graphs."""
+    from torch._dynamo.utils import counters
+
+    from hf_dynbsz.execution.attention import FLEX_KERNEL
+
+    return set(FLEX_KERNEL.compiled), counters["stats"].get("unique_graphs")
 
 
 # --------------------------------------------------------------------------------------------------------- checks
@@ -592,75 +681,184 @@ def exact_bf16(session: Session, attention: str, stock_attention: str | None = N
     return rows
 
 
-def speed_specs(session: Session, attention: str = "sdpa") -> tuple[RunSpec, RunSpec]:
-    """Stock (sdpa, its users' default) and ours with ``attention`` (``name[:packing_layout]``) on the speed mix."""
-    attention, _, layout = attention.partition(":")
-    preset = session.preset
+#: The speed rows' layouts of the plugin: name -> (attention implementation, packing_layout; None: "auto").
+SPEED_LAYOUTS = {
+    "padded": ("sdpa", "padded"),
+    "varlen": ("sdpa", "padding_free"),  # on CUDA in bf16: torch's varlen_attn (the run's "trained as" says)
+    "flex": ("flex_attention", "padding_free"),
+    "auto": ("sdpa", None),  # the default: the layout timing's choice among those the self-check passes
+}
+SPEED_MIXES = ("long_tailed", "prompt_heavy")
+#: The speed goals of the automatic choice, by (preset, mix): (least speed-up over stock, least share of the token
+#: limit); every row must also be faster than stock.
+SPEED_GOALS = {
+    ("1.5B", "long_tailed"): (3.0, 0.7),
+    ("0.5B", "prompt_heavy"): (4.0, 0.0),
+    ("1.5B", "prompt_heavy"): (4.0, 0.0),
+}
+
+
+def speed_spec(session: Session, preset: str, mix: str, layout: str | None = None) -> RunSpec:
+    """Stock (``layout`` None: sdpa, its users' default) or the plugin in one of :data:`SPEED_LAYOUTS` on ``mix`` at
+    ``preset``, bf16 on CUDA (fp32 on a CPU)."""
+    main = preset == session.preset.name
+    sizes = PRESETS[preset]
     common = dict(
         precision="bf16" if session.cuda else "fp32",
-        batch=preset.speed_batch,
-        steps=preset.speed_steps,
-        max_completion_length=preset.speed_max_completion_length,
+        batch=sizes.speed_batch,
+        steps=sizes.speed_steps,
+        max_completion_length=sizes.speed_max_completion_length,
         keep_params=False,
+        preset=None if main else preset,
+        mix=mix,
     )
-    plugin = (("packing_layout", layout),) if layout else ()
-    return RunSpec("stock", **common), RunSpec("ours", attention=attention, plugin=plugin, **common)
+    if layout is None:
+        return RunSpec("stock", **common)
+    attention, packing = SPEED_LAYOUTS[layout]
+    return RunSpec("ours", attention=attention, plugin=(("packing_layout", packing),) if packing else (), **common)
 
 
 def speed(session: Session) -> list[list]:
+    """The speed rows: per preset and mix, stock's, then each plugin layout's against it in the same process."""
+    layouts = (session.args.speed_layouts or ",".join(SPEED_LAYOUTS)).split(",")
     rows = []
-    # on a CPU "auto" already gives sdpa's padding-free rows: the forced row would repeat it
-    default = "sdpa,sdpa:padding_free" if session.cuda else "sdpa"
-    for attention in (session.args.speed_attention or default).split(","):
-        rows += speed_of(session, attention)
+    for preset in SPEED_PRESETS[session.preset.name]:
+        for mix in SPEED_MIXES:
+            if session.time_left() <= 0:
+                rows.append([f"speed: {preset}", f"{preset}, {mix}", "-", "-", "skipped: time budget spent"])
+                continue
+            rows += speed_rows(session, preset, mix, layouts)
+            session.forget(keep=lambda spec: spec.keep_params)
     return rows
 
 
-def speed_of(session: Session, attention: str) -> list[list]:
-    stock_spec, ours_spec = speed_specs(session, attention)
-    stock, ours = session.run(stock_spec), session.run(ours_spec)
-    stock_s, ours_s = statistics.median(stock.step_seconds[1:]), statistics.median(ours.step_seconds[1:])
-    ratio = ours_s / stock_s
-    per_device, accumulation = ours_spec.batch
+def speed_rows(session: Session, preset: str, mix: str, layouts: list[str]) -> list[list]:
+    stock = session.run(speed_spec(session, preset, mix))
+    sizes = PRESETS[preset]
+    per_device, accumulation = sizes.speed_batch
     setting = (
-        f"{ours_spec.precision}, stock sdpa, ours {attention}, {MIX}, {per_device}x{accumulation} samples per step, "
-        f"max completion {ours_spec.max_completion_length}, steps 2-{ours_spec.steps}"
+        f"{preset}, {mix}, {'bf16' if session.cuda else 'fp32'}, {per_device}x{accumulation} samples per step, "
+        f"max completion {sizes.speed_max_completion_length}, steps 2-{sizes.speed_steps}"
     )
-    tokens = sum(ours.logged("dynbsz/computed_tokens")) / max(sum(ours.logged("dynbsz/stock_computed_tokens")), 1)
-    goal, result = ("ours/stock < 1", PASS if ratio < 1 else FAIL) if session.cuda else ("- (tiny model on CPU)", INFO)
-    warm_up = max(stock.step_seconds[0] - stock_s, 0.0)  # what stock's first step costs over its steady ones
+    stock_s, stock_train = steady(stock)
+    rows = [["speed: stock", setting, f"step {stock_s:.3f} s (training phase {stock_train:.3f} s)", "-", INFO]]
+    for layout in layouts:
+        if layout == "flex" and preset != session.preset.name:
+            rows.append([f"speed: {layout}", setting, "-", "-", "skipped: flex is timed at the main preset only "
+                         "(its compiles for another model shape would take a minute of the time budget)"])  # fmt: skip
+            continue
+        if not session.cuda and layout in ("varlen", "flex"):
+            why = "torch's varlen_attn has no CPU kernel" if layout == "varlen" else "flex_attention compiles for CUDA"
+            rows.append([f"speed: {layout}", setting, "-", "-", f"skipped: no CUDA ({why})"])
+            continue
+        ours = session.run(speed_spec(session, preset, mix, layout))
+        rows.append(layout_row(session, layout, setting, stock, ours, SPEED_GOALS.get((preset, mix))))
+        if layout == "auto":
+            rows.append(first_step_row(session, setting, stock, ours))
+        if ours.flex_compiles is not None:
+            rows.append(compiles_row(setting, ours))
+    return rows
+
+
+def steady(run: Run) -> tuple[float, float]:
+    """``(median steady step, median steady training phase)`` in seconds: steps after the first; the training phase
+    is the step less TRL's generation and scoring (:func:`gpu_probes.generation_clock`)."""
+    steps = run.step_seconds[1:]
+    generation = run.generation_seconds[1 : len(run.step_seconds)]
+    train = [step - gen for step, gen in zip(steps, generation)] or steps
+    return statistics.median(steps), statistics.median(train)
+
+
+def layout_row(session: Session, layout: str, setting: str, stock: Run, ours: Run, goals) -> list:
+    stock_s, stock_train = steady(stock)
+    ours_s, ours_train = steady(ours)
+    speedup, train_speedup = stock_s / ours_s, stock_train / ours_train
+    computed = sum(ours.logged("dynbsz/computed_tokens")[1:])
+    tokens = computed / max(sum(ours.logged("dynbsz/stock_computed_tokens")[1:]), 1)
+    limit = 1.0 / tokens if tokens else math.nan
+    reached = speedup / limit if limit else math.nan
+    measured = (
+        f"step {ours_s:.3f} s (training phase {ours_train:.3f} s): {speedup:.2f}x stock's step, {train_speedup:.2f}x "
+        f"its training phase; computed tokens {tokens:.2f}x stock's, token limit {limit:.2f}x, {reached:.0%} of it "
+        f"reached (trained as: {ours.trained_as})"
+    )
+    goal, ok = "faster than stock", speedup > 1
+    if layout == "varlen" and session.cuda and "varlen_attn" not in ours.trained_as:
+        goal, ok = "faster than stock, through varlen_attn", False
+    if layout == "auto" and goals:
+        least, share = goals
+        goal += f", >= {least:g}x" + (f" and >= {share:.0%} of the token limit" if share else "")
+        ok = ok and speedup >= least and reached >= share
+    return [f"speed: {layout}", setting, measured, goal if session.cuda else "- (CPU: information)",
+            (PASS if ok else FAIL) if session.cuda else INFO]  # fmt: skip
+
+
+def first_step_row(session: Session, setting: str, stock: Run, ours: Run) -> list:
+    """The plugin's first step in its steady steps, less the device's warm-up (stock's first step over its steady
+    ones), with the self-check's part; goal :data:`FIRST_STEP_GOAL`."""
+    stock_s, ours_s = steady(stock)[0], steady(ours)[0]
+    warm_up = max(stock.step_seconds[0] - stock_s, 0.0)
     first_steps = (ours.step_seconds[0] - warm_up) / ours_s
-    start_goal = f"ours, less stock's warm-up, <= {FIRST_STEP_GOAL:g} of its steady steps"
-    start_result = (PASS if first_steps <= FIRST_STEP_GOAL else FAIL) if session.cuda else INFO
-    if ours_spec.plugin:  # a layout forced for comparison: measured, with no goal of its own
-        goal, result = "- (a forced layout, for comparison)", INFO
-        start_goal, start_result = goal, INFO
+    check = "" if ours.self_check_seconds is None else f"; self-check {ours.self_check_seconds:.3f} s"
     return [
-        [
-            "step time (median)",
-            setting,
-            f"stock {stock_s:.3f} s, ours {ours_s:.3f} s: ours/stock {ratio:.2f} ({ours.trained_as})",
-            goal,
-            result,
-        ],
-        [
-            "first step",
-            setting.rsplit(",", 1)[0] + ", step 1",
-            f"stock {stock.step_seconds[0]:.3f} s (warm-up {warm_up:.3f} s over its steady step), "
-            f"ours {ours.step_seconds[0]:.3f} s ({first_step_parts(ours, ours_s, first_steps)})",
-            start_goal,
-            start_result,
-        ],
-        ["computed tokens", setting, f"ours/stock {tokens:.2f} (padding and shared prompts saved)", "-", INFO],
+        "first step: auto",
+        setting.rsplit(",", 1)[0] + ", step 1",
+        f"stock {stock.step_seconds[0]:.3f} s (warm-up {warm_up:.3f} s over its steady step), ours "
+        f"{ours.step_seconds[0]:.3f} s: {ours.step_seconds[0] / ours_s:.2f} steady steps, {first_steps:.2f} less "
+        f"stock's warm-up{check}",
+        f"<= {FIRST_STEP_GOAL:g} steady steps less stock's warm-up" if session.cuda else "-",
+        (PASS if first_steps <= FIRST_STEP_GOAL else FAIL) if session.cuda else INFO,
     ]
 
 
-def first_step_parts(ours: Run, steady_s: float, first_steps: float) -> str:
-    """The plugin's first step in its steady steps, with and without (``first_steps``) the device's warm-up that
-    stock's first step pays too (allocator, library handles), and the self-check's part (the rest: any
-    compilation, the first planning)."""
-    check = "" if ours.self_check_seconds is None else f"; self-check {ours.self_check_seconds:.3f} s"
-    return f"{ours.step_seconds[0] / steady_s:.2f} steady steps, {first_steps:.2f} less stock's warm-up{check}"
+def compiles_row(setting: str, ours: Run) -> list:
+    """flex_attention's compiles in a run: the shapes the process compiled (one per row width and dtype)."""
+    compiled, graphs = ours.flex_compiles
+    widths = sorted({shape[0][2] for shape in compiled})
+    ok = graphs <= len(widths) if graphs is not None else len(compiled) <= len(widths)
+    return [
+        "flex compiles",
+        setting,
+        f"{len(compiled)} shapes compiled for {len(widths)} row widths {widths}; dynamo graphs {graphs}",
+        "at most one per row width",
+        PASS if ok else FAIL,
+    ]
+
+
+def probes(session: Session) -> list[list]:
+    """The host syncs of the plugin's steady passes, and a profile of one of its steady steps."""
+    return host_syncs(session) + profile_row(session)
+
+
+def host_syncs(session: Session) -> list[list]:
+    setting = f"{session.preset.name}, {MIX}, bf16, packing_layout auto, training passes of steps 2-3"
+    if not session.cuda:
+        return [["host syncs", setting, "-", "-", "skipped: no CUDA (tests/test_host_reads.py counts them on a CPU)"]]
+    spec = dataclasses.replace(speed_spec(session, session.preset.name, MIX, "auto"), steps=3, probe="syncs")
+    counter = session.run(spec, cache=False).probe
+    per_pass = counter.per_pass()
+    plugin = sum(count for origin, count in per_pass.items() if origin.startswith("plugin"))
+    found = "; ".join(f"{origin} {count:.2f}" for origin, count in per_pass.items()) or "none"
+    return [
+        [
+            "host syncs",
+            setting + " under torch.cuda.set_sync_debug_mode('warn')",
+            f"per steady pass ({counter.passes} passes): {found}",
+            "plugin's own: 0 (others: stock has them too)",
+            PASS if plugin == 0 else FAIL,
+        ]
+    ]
+
+
+def profile_row(session: Session) -> list[list]:
+    spec = dataclasses.replace(speed_spec(session, session.preset.name, MIX, "auto"), steps=PROFILED_STEP,
+                               probe="profile")  # fmt: skip
+    summary, idle = session.run(spec, cache=False).probe
+    path = session.args.output.with_name(session.args.output.stem + "_profile.md")
+    path.write_text(f"# One steady plugin step under torch.profiler (step {PROFILED_STEP}, {spec.mix}, "
+                    f"{session.preset.name}, packing_layout auto)\n\n{summary}")  # fmt: skip
+    measured = (f"GPU idle {idle:.0%} of the step" if idle is not None else "no GPU") + f"; top operators: {path.name}"
+    return [["profile", f"{session.preset.name}, {MIX}, step {PROFILED_STEP} of the plugin", measured, "-", INFO]]
 
 
 def memory_fraction(session: Session) -> list[list]:
@@ -668,7 +866,7 @@ def memory_fraction(session: Session) -> list[list]:
         raise Skip("skipped: no CUDA")
     torch = session.torch
     session.forget(keep=lambda spec: not spec.keep_params)  # nothing held but the weights of the run
-    _, ours_spec = speed_specs(session)
+    ours_spec = speed_spec(session, session.preset.name, MIX, "auto")
     free = session.run(ours_spec)
     total = torch.cuda.get_device_properties(session.device).total_memory / 2**20
     held = free.base_allocated_mib + session.param_mib  # weights (and whatever the process keeps) + gradients
@@ -755,6 +953,12 @@ def sdpa_padding_free(session: Session) -> list[list]:
     return exact_fp32(session, "sdpa", plugin=forced) + exact_bf16(session, "sdpa", plugin=forced)
 
 
+def padded(session: Session) -> list[list]:
+    """Padded rows pinned (a layout the speed rows time): one fp32 and one bf16 case."""
+    pinned = (("packing_layout", "padded"),)
+    return exact_fp32(session, "sdpa", plugin=pinned) + exact_bf16(session, "sdpa", plugin=pinned)
+
+
 def flash_attention(session: Session) -> list[list]:
     if not session.cuda:
         raise Skip("skipped: no CUDA")
@@ -773,8 +977,7 @@ def flex_attention(session: Session) -> list[list]:
         raise Skip("skipped: this torch has no flex attention")
     stock_runs(session, RunSpec("stock", "fp32", "flex_attention", "dapo", 2))
     rows = exact_fp32(session, "flex_attention")
-    rows += exact_bf16(session, "flex_attention", stock_attention="sdpa")
-    return rows + speed_of(session, "flex_attention")
+    return rows + exact_bf16(session, "flex_attention", stock_attention="sdpa")
 
 
 #: Flex attention compiles its kernels on first use (and again for new shapes): it starts only with this much left.
@@ -784,7 +987,9 @@ GROUPS = {
     "sdpa-fp32": (lambda session: exact_fp32(session, "sdpa"), "equal to stock (fp32)", "sdpa", 0.0),
     "sdpa-bf16": (lambda session: exact_bf16(session, "sdpa"), "equal to stock (bf16)", "sdpa", 0.0),
     "sdpa-padding-free": (sdpa_padding_free, "equal to stock (fp32)", "sdpa, packing_layout padding_free", 0.0),
-    "speed": (speed, "step time (median)", "stock vs ours, long-tailed", 0.0),
+    "padded": (padded, "equal to stock (fp32)", "sdpa, packing_layout padded", 0.0),
+    "speed": (speed, "speed", "stock vs ours", 0.0),
+    "probes": (probes, "host syncs", "-", 0.0),
     "memory_fraction": (memory_fraction, "max_memory_fraction_per_device held", "-", 0.0),
     "oom": (oom, "real CUDA out-of-memory recovered", "-", 0.0),
     "flash_attention_2": (flash_attention, "equal to stock (bf16)", "flash_attention_2", 0.0),
@@ -880,10 +1085,9 @@ def parse_args(argv=None):
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "gpu_check.md", help="where the table goes")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated groups of {', '.join(CHECKS)}")
     parser.add_argument(
-        "--speed-attention",
+        "--speed-layouts",
         default=None,
-        help="comma-separated ATTENTION[:PACKING_LAYOUT]: the plugin's attention (and layout) in the speed rows "
-        "(default: sdpa and sdpa:padding_free on CUDA, sdpa on a CPU)",
+        help=f"comma-separated layouts of the plugin's speed rows, of {', '.join(SPEED_LAYOUTS)} (default: all)",
     )
     parser.add_argument(
         "--span-calls",
@@ -907,6 +1111,9 @@ def parse_args(argv=None):
     unknown = set(args.checks.split(",")) - set(CHECKS)
     if unknown:
         parser.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    unknown = set((args.speed_layouts or "auto").split(",")) - set(SPEED_LAYOUTS)
+    if unknown:
+        parser.error(f"unknown speed layouts {sorted(unknown)}; choose from {', '.join(SPEED_LAYOUTS)}")
     return args
 
 

@@ -24,11 +24,13 @@ from hf_dynbsz.execution.attention import (
     ATTENTION_NAME,
     Segment,
     SegmentLayout,
+    device_facts,
     segment_attention,
     segment_attention_forward,
     use_segments,
 )
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.planning.model_support import VARLEN_ATTN
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
     build_char_tokenizer,
@@ -36,6 +38,7 @@ from hf_dynbsz.testing import (
     grpo_batch,
     packed_logps,
     reference_varlen_attention,
+    reference_varlen_attn,
     segment_mask,
     stock_logps,
 )
@@ -380,16 +383,14 @@ def test_flex_formulation_runs_in_autocasts_dtype_as_sdpa_does(monkeypatch):
     in bf16 from autocast; flex_attention gets no cast, and its compiled CUDA backward finds no kernel for mixed dtypes
     (pytorch/pytorch#176025). The flex formulation casts them as autocast casts sdpa's, and computes what the sdpa
     formulation computes under the same autocast."""
-    from transformers.integrations import flex_attention as integration
-
     seen = []
-    original = integration.flex_attention_forward
+    original = attention.FLEX_KERNEL
 
-    def recording(module, query, key, value, *args, **kwargs):
+    def recording(query, key, value, *args, **kwargs):
         seen.append((query.dtype, key.dtype, value.dtype))
-        return original(module, query, key, value, *args, **kwargs)
+        return original(query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(integration, "flex_attention_forward", recording)
+    monkeypatch.setattr(attention, "FLEX_KERNEL", recording)
     torch.manual_seed(2)
     segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,))]
     width = segments[-1].end
@@ -558,3 +559,203 @@ def test_flex_formulation_gives_stocks_logprobs_across_families(model_type):
         n = COMPLETIONS[sample]
         assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
         assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+
+
+# ---- torch's varlen_attn: one call per layer, a reference kernel of the same contract standing in on a CPU ----------
+@pytest.fixture
+def varlen_attn_kernel(monkeypatch):
+    """torch's varlen_attn replaced by the reference kernel of its contract (torch has no CPU kernel); returns the
+    calls, each ``(cu_seq_q, cu_seq_k, max_q, max_k, keyword names)``."""
+    calls = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+        calls.append((cu_seq_q.tolist(), cu_seq_k.tolist(), max_q, max_k, window_size, enable_gqa))
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+            window_size=window_size, enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    return calls
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
+def test_varlen_attn_rows_give_stocks_logprobs_in_one_call_per_layer(model, varlen_attn_kernel, pad_to_multiple_of):
+    """Shared prompts and plain sequences in one varlen_attn call per layer: each block's keys are its prompt's
+    gathered in front of it (causal bottom-right); trailing padding is a span of its own, so the spans end at the
+    row's last token (the reference refuses anything else, as pytorch#176793 requires)."""
+    if model.config._attn_implementation == "flex_attention":
+        pytest.skip("varlen_attn stands in for sdpa and eager")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
+    table = SequenceTable.from_padded(*batch)
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    with torch.no_grad():
+        expected, expected_entropy = stock_logps(model, *batch)
+        mb, logps, entropy = packed_logps(model, table, order, table.prompt_groups(), VARLEN_ATTN, pad_to_multiple_of)
+    for row, sample in enumerate(order):
+        n = COMPLETIONS[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
+        assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+    assert len(varlen_attn_kernel) == model.config.num_hidden_layers  # one call per layer over the whole row
+    cu_q, cu_k, max_q, max_k, window, gqa = varlen_attn_kernel[0]
+    assert cu_q[-1] == mb.computed_tokens and window == (-1, 0) and gqa  # 4 query heads on 2 key/value heads
+    assert len(cu_q) == len(cu_k) and cu_k[-1] > cu_q[-1]  # the gathered prefixes: more keys than queries
+
+
+def test_varlen_attn_gradients_equal_those_of_separate_sequences(model, varlen_attn_kernel):
+    if model.config._attn_implementation == "flex_attention":
+        pytest.skip("varlen_attn stands in for sdpa and eager")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
+    table = SequenceTable.from_padded(*batch)
+    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
+
+    def gradients(compute):
+        model.zero_grad()
+        compute().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def ours():
+        _, logps, _ = packed_logps(model, table, list(range(len(COMPLETIONS))), table.prompt_groups(), VARLEN_ATTN, 8)
+        return (logps * weights).sum()
+
+    expected = gradients(lambda: (stock_logps(model, *batch)[0] * batch[3] * weights).sum())
+    got = gradients(ours)
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "qwen3", "llama"])
+def test_varlen_attn_keeps_each_sequence_its_own_across_families(model_type, varlen_attn_kernel):
+    """Sliding windows of 8 (Mistral; Gemma-3's mixed layers, with its own query scaling), per-head norms (Qwen3):
+    rows longer than the windows equal stock's padded forward."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type(model_type).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt_lengths, completions, repeats = [9, 4, 13], [6, 1, 19, 3, 8, 0, 25, 7], [4, 3, 1]
+    batch = grpo_batch(prompt_lengths, completions, repeats)
+    table = SequenceTable.from_padded(*batch)
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        _, logps, _ = packed_logps(model, table, order, table.prompt_groups(), VARLEN_ATTN)
+    for row, sample in enumerate(order):
+        n = completions[sample]
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=1e-5, rtol=0), (row, sample)
+    windows = {call[4] for call in varlen_attn_kernel}
+    assert ((7, 0) in windows) == (model_type in ("mistral", "gemma3_text"))  # a window of 8: 7 keys before
+
+
+def older_varlen_attn(version: str):
+    """A varlen_attn with an older torch's signature over the reference kernel: 2.10 (``is_causal``, no ``scale``,
+    no ``enable_gqa``: equal heads only) or 2.11 (``window_size`` and ``scale``, no ``enable_gqa``)."""
+    calls = []
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        calls.append({"is_causal": is_causal})
+        window = (-1, 0) if is_causal else (-1, -1)
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window)
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):  # fmt: skip
+        calls.append({"window_size": window_size, "scale": scale})
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+        )
+
+    return {"2.10": torch_2_10, "2.11": torch_2_11}[version], calls
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_installed_signature_is_read_at_run_time(monkeypatch, version, window):
+    """Older torch releases' varlen_attn: what their signature lacks is made up exactly (key/value heads repeated
+    without enable_gqa, queries scaled without scale); a window without window_size is refused."""
+    kernel, calls = older_varlen_attn(version)
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    torch.manual_seed(6)
+    segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 0, (2,))]
+    layout = SegmentLayout(segments, VARLEN_ATTN)
+    query, key, value = torch.randn(1, 4, 21, 8), torch.randn(1, 2, 21, 8), torch.randn(1, 2, 21, 8)
+    if window is not None and version == "2.10":
+        with pytest.raises(RuntimeError, match="takes no window_size"):
+            segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+        return
+    out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
+    assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
+    assert calls == [{"is_causal": True}] if version == "2.10" else calls[0]["scale"] == 0.3
+
+
+def test_varlen_attn_refuses_what_it_cannot_compute(varlen_attn_kernel):
+    layout = SegmentLayout([Segment(0, 0, (3,))], VARLEN_ATTN)
+    query = torch.zeros(1, 2, 3, 4)
+    for features in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"dropout": 0.1}):
+        with pytest.raises(RuntimeError, match="does not compute"):
+            segment_attention_of(layout, query, query, query, **features)
+    assert not varlen_attn_kernel
+
+
+def test_device_facts_read_this_machine():
+    facts = device_facts("cpu", "no", torch.float32)
+    assert (facts.type, facts.capability, facts.compute_dtype) == ("cpu", None, "float32")
+    assert facts.varlen_attn and facts.varlen_window  # torch 2.13 has varlen_attn (no CPU kernel) with window_size
+    assert device_facts("cpu", "bf16", torch.float32).compute_dtype == "bfloat16"
+    assert facts.torch_version >= (2, 13)
+
+
+# ---- flex_attention: a few row widths, each compiled once; explicit kernel options where Inductor finds none --------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100_000))
+def test_flex_rows_take_a_few_widths_of_whole_blocks(tokens):
+    width, blocks = attention.flex_row_width(tokens), -(-tokens // 128)
+    assert width % attention.FLEX_BLOCK_SIZE == 0 and tokens <= width <= 1.5 * 128 * blocks
+    assert width // 128 in {2**k for k in range(20)} | {3 * 2**k for k in range(20)}
+
+
+def test_flex_row_widths_are_two_per_octave():
+    widths = sorted({attention.flex_row_width(tokens) for tokens in range(1, 8193)})
+    assert widths == [128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+
+
+def test_a_flex_row_pads_to_its_width_with_a_segment_of_its_own(model):
+    if model.config._attn_implementation != "flex_attention":
+        pytest.skip("the flex formulation's rows")
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
+    table = SequenceTable.from_padded(*batch)
+    with torch.no_grad():
+        expected, _ = stock_logps(model, *batch)
+        mb, logps, _ = packed_logps(model, table, list(range(8)), table.prompt_groups(), "flex_attention")
+    assert mb.computed_tokens == 128 > mb.real_tokens and mb.segments.width == 128
+    last = mb.segments.segments[-1]
+    assert (last.start, last.prefix, last.blocks) == (mb.real_tokens, 0, (128 - mb.real_tokens,))
+    for row in range(8):
+        n = COMPLETIONS[row]
+        assert torch.allclose(logps[row, :n], expected[row, :n], atol=2e-6, rtol=0)
+
+
+def test_flex_kernel_falls_back_to_explicit_options_when_inductor_finds_no_valid_choice(caplog):
+    """The first call of a shape compiles forward and backward on copies; a NoValidChoicesError there switches the
+    process to FLEX_FALLBACK_OPTIONS (logged once); any other error is the caller's."""
+    calls = []
+
+    def compiled(query, key, value, block_mask=None, scale=None, enable_gqa=False, kernel_options=None):
+        calls.append(kernel_options)
+        if kernel_options is None:
+            raise RuntimeError("InductorError: LoweringException: NoValidChoicesError: No choices to select")
+        return query * 2
+
+    kernel = attention._FlexKernel()
+    kernel.function = compiled
+    query = torch.ones(1, 2, 128, 4)
+    kernel._compile(query, query, query, None, 0.5, False)
+    assert kernel.options is attention.FLEX_FALLBACK_OPTIONS and calls == [None, attention.FLEX_FALLBACK_OPTIONS]
+    assert "no valid kernel choice" in caplog.text
+
+    def broken(*args, **kwargs):
+        raise ValueError("something else")
+
+    kernel = attention._FlexKernel()
+    kernel.function = broken
+    with pytest.raises(ValueError, match="something else"):
+        kernel._compile(query, query, query, None, 0.5, False)

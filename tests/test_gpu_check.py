@@ -55,10 +55,24 @@ def test_the_tiny_run_passes_and_reports_every_check(tmp_path):
     assert all("params" in measured and "update" in measured for _, measured, _, result in fp32 if result == "pass")
     assert results["stock's bf16 noise"][0][-1] == "info"
     bf16 = [row for row in results["equal to stock (bf16)"] if row[0].startswith("bf16, sdpa")]
+    bf16 = [row for row in bf16 if "packing_layout" not in row[0]]
     assert len(bf16) == 2 and all(row[-1] == "pass" for row in bf16)
-    for check in ("step time (median)", "first step", "computed tokens"):  # on CPU the speed rows are information
-        (setting, measured, _, result), *_ = results[check]
-        assert result == "info" and "ours" in measured and "long_tailed" in setting
+    padded = [row for row in fp32 + results["equal to stock (bf16)"] if "packing_layout padded" in row[0]]
+    assert len(padded) == 2 and all(row[-1] == "pass" and "trained as: padded" in row[1] for row in padded)
+    for layout in ("stock", "padded", "auto"):  # on CPU the speed rows are information, on both mixes
+        speed_rows = results[f"speed: {layout}"]
+        mixes = [setting.split(", ")[:2] for setting, *_ in speed_rows]
+        assert mixes == [["tiny", "long_tailed"], ["tiny", "prompt_heavy"]]
+        assert all(result == "info" and "step" in measured for _, measured, _, result in speed_rows)
+        if layout != "stock":
+            assert all("token limit" in measured and "training phase" in measured for _, measured, *_ in speed_rows)
+    for layout in ("varlen", "flex"):  # their kernels run on CUDA only
+        assert all(row[-1].startswith("skipped: no CUDA") for row in results[f"speed: {layout}"])
+    assert [row[-1] for row in results["first step: auto"]] == ["info", "info"]
+    assert results["host syncs"][0][-1].startswith("skipped: no CUDA")
+    ((_, measured, _, result),) = results["profile"]
+    assert result == "info" and "gpu_check_profile.md" in measured
+    assert "dynbsz/forward" in (tmp_path / "gpu_check_profile.md").read_text()  # the plugin's step, profiled
     assert results["max_memory_fraction_per_device held"][0][-1] == "skipped: no CUDA"
     assert results["real CUDA out-of-memory recovered"][0][-1] == "skipped: no CUDA"
     skipped = [row for row in rows if row[1] in ("flash_attention_2", "flex_attention")]
@@ -84,6 +98,9 @@ def test_an_extra_site_outside_a_site_packages_folder_is_refused(tmp_path):
     assert script.parse_args(["--extra-site", str(tmp_path / "site-packages")]).extra_site.name == "site-packages"
     with pytest.raises(SystemExit):
         script.parse_args(["--checks", "sdpa-fp32,nothing"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--speed-layouts", "varlen,nothing"])
+    assert script.parse_args(["--speed-layouts", "varlen,auto"]).speed_layouts == "varlen,auto"
 
 
 def test_the_carried_wheels_pin_a_trl_the_package_accepts():

@@ -10,7 +10,7 @@ import pytest
 from transformers import CONFIG_MAPPING
 
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops
-from hf_dynbsz.planning.model_support import Layout, ModelSupport
+from hf_dynbsz.planning.model_support import VARLEN_ATTN, DeviceFacts, Layout, ModelSupport
 
 
 def support_of(model_type, attn_implementation="sdpa", **config):
@@ -255,3 +255,80 @@ def test_auto_on_cuda_leaves_out_the_span_formulations_padding_free_rows(attenti
     assert support.layouts("auto", True, device_type="cpu")[0][0].name == "padding_free"
     flex = support_of("llama", attn_implementation="flex_attention").layouts("auto", True, device_type="cuda")[0]
     assert flex[0].segment_attention == "flex_attention"
+
+
+# ---- torch's varlen_attn on CUDA: where it runs, and the one reason where it does not -------------------------------
+#: A device where varlen_attn runs: an H100 (sm90), torch 2.13, bf16 mixed precision.
+CAPABLE = DeviceFacts(
+    type="cuda", capability=(9, 0), torch_version=(2, 13), varlen_attn=True, varlen_window=True,
+    compute_dtype="bfloat16",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_on_a_capable_gpu_sdpa_and_eager_take_varlen_attn_padding_free_rows(attention):
+    support = support_of("llama", attn_implementation=attention)
+    layouts, notes = support.layouts("auto", True, CAPABLE)
+    assert names(layouts) == [
+        ("padding_free", True, VARLEN_ATTN, False, "varlen"),
+        ("padding_free", False, VARLEN_ATTN, False, "varlen"),
+        ("padded", False, None, False, "dense"),
+        ("padded", False, None, True, "dense"),
+    ]
+    assert notes == [] and support.varlen_attn_reason(CAPABLE) is None
+    assert support.layouts("padding_free", True, CAPABLE)[0][0].segment_attention == VARLEN_ATTN
+    # flex_attention and flash-attention keep their own kernel; a CPU keeps the span formulation
+    assert (
+        support_of("llama", attn_implementation="flex_attention").layouts("auto", True, CAPABLE)[0][0].segment_attention
+        == "flex_attention"
+    )  # noqa: E501
+    assert support.layouts("auto", True, dataclasses.replace(CAPABLE, type="cpu"))[0][0].segment_attention == attention
+
+
+@pytest.mark.parametrize(
+    "device, reason",
+    [
+        (dataclasses.replace(CAPABLE, compute_dtype="float32"), "computes in bf16 or fp16 only"),
+        (dataclasses.replace(CAPABLE, capability=(7, 5)), "(sm75) is below sm80"),
+        (dataclasses.replace(CAPABLE, varlen_attn=False, torch_version=(2, 9)), "torch 2.9 has no"),
+        ("cuda", "torch unknown has no"),  # a device known by its type alone
+    ],
+)
+def test_a_device_varlen_attn_cannot_use_falls_back_to_todays_ladder_with_one_reason(device, reason):
+    support = support_of("qwen2")
+    assert reason in support.varlen_attn_reason(device)
+    layouts, notes = support.layouts("auto", True, device)
+    assert [layout.name for layout in layouts] == ["padded", "padded"]  # padded rows, as before varlen_attn
+    (note,) = [note for note in notes if "varlen_attn" in note]
+    assert reason in note and "6.4x slower than stock" in note
+    pinned, pinned_notes = support.layouts("padding_free", True, device)  # asked for: the span formulation
+    assert pinned[0].segment_attention == "sdpa" and any(reason in note for note in pinned_notes)
+
+
+@pytest.mark.parametrize(
+    "model_type, config, reason",
+    [
+        ("gemma2", {}, "soft-capped (attn_logit_softcapping=50.0)"),
+        ("gpt_oss", {}, "sinks"),
+        ("deepseek_v3", {}, "value heads (128) differ in size from its query and key heads (192)"),
+        ("llama", {"attention_dropout": 0.1}, "attention_dropout=0.1"),
+        ("mistral", {}, None),  # a sliding window, and a torch whose varlen_attn takes window_size
+        ("qwen2", {}, None),
+    ],
+)
+def test_what_varlen_attn_cannot_compute_as_the_model_does_is_named(model_type, config, reason):
+    support = support_of(model_type, attn_implementation="eager", **config)
+    assert support.varlen_attn_reason(CAPABLE) == (reason and support.varlen_attn_blocker)
+    if reason:
+        assert reason in support.varlen_attn_reason(CAPABLE)
+        assert support.layouts("auto", True, CAPABLE)[0][0].name == "padded"
+
+
+def test_sliding_windows_need_a_varlen_attn_that_takes_window_size():
+    no_window = dataclasses.replace(CAPABLE, varlen_window=False, torch_version=(2, 10))
+    assert support_of("mistral").sliding_windows and "window_size" in support_of("mistral").varlen_attn_reason(
+        no_window
+    )
+    assert not support_of("qwen2").sliding_windows  # use_sliding_window=False
+    assert support_of("qwen2").varlen_attn_reason(no_window) is None
+    assert support_of("gemma3_text").sliding_windows  # sliding_attention layers

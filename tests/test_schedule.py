@@ -479,3 +479,20 @@ def test_a_scheduler_describes_the_layout_it_was_built_from():
     ]
     for layout in layouts:
         assert Scheduler.from_args(args, support, layout=layout).describe() == layout.describe()
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "padded"])
+def test_step_cost_is_the_cost_of_the_passes_this_scheduler_would_plan(layout):
+    """What the layout timing predicts a candidate's step from: the sum over the passes one process alone plans,
+    each as its workload model costs it; no collective."""
+    workload = WorkloadModel(1.0, 0.01)
+    scheduler = Scheduler(layout, "varlen" if layout == "padding_free" else "dense", workload)
+    lengths, budget = [30, 5, 41, 12, 12, 7, 60], 64
+    schedule = scheduler.plan(lengths, budget)
+    expected = sum(
+        workload.cost([lengths[i] for i in group], layout, None, scheduler.attention)
+        for group in schedule.microbatches
+        if group
+    )
+    assert scheduler.step_cost(lengths, budget) == pytest.approx(expected)
+    assert scheduler.step_cost([], budget) == 0.0

@@ -9,6 +9,8 @@ difference of the parameter *updates*, which is what would expose a mis-weighted
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -35,7 +37,9 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-def compare_with_stock(model_dir, tmp_path, **overrides):
+def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
+    """Stock and ours from the same model; ours's parameters within the tolerances of stock's. ``repacked_steps``:
+    the steps ours repacks (default: all of them)."""
     dyn_overrides = {
         key: overrides.pop(key)
         for key in list(overrides)
@@ -60,7 +64,7 @@ def compare_with_stock(model_dir, tmp_path, **overrides):
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
     assert update_difference(init, ours, stock) <= UPDATE_TOLERANCE
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert len(steps) == overrides.get("max_steps", 2)
+    assert len(steps) == (repacked_steps or overrides.get("max_steps", 2))
     return history
 
 
@@ -540,3 +544,105 @@ def test_nothing_the_trainer_keeps_grows_with_the_steps(model_dir, tmp_path):
         state = {name: value for name, value in vars(trainer).items() if name.startswith("_dynbsz")}
         sizes.append(footprint(state))
     assert sizes[0] == sizes[1] > 0, sizes
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_varlen_attn_rows_match_stock(model_dir, tmp_path, monkeypatch, loss_type):
+    """The run a capable GPU gets on sdpa (torch's varlen_attn, one call per layer; shared prompts gathered in front
+    of each completion), on this CPU with the reference kernel of varlen_attn's contract standing in for torch's:
+    shared prompts, old-policy and reference passes, parameters after training equal stock's."""
+    from hf_dynbsz.execution import attention, setup
+    from hf_dynbsz.planning.model_support import DeviceFacts
+    from hf_dynbsz.testing import reference_varlen_attn
+
+    capable = DeviceFacts("cuda", (9, 0), (2, 13), varlen_attn=True, varlen_window=True, compute_dtype="bfloat16")
+    monkeypatch.setattr(setup, "device_facts", lambda *args: capable)
+    calls = []
+
+    @functools.wraps(reference_varlen_attn)  # its signature is what the caller reads
+    def kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return reference_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
+    history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert calls and all(call["enable_gqa"] and call["window_size"] == (-1, 0) for call in calls)
+
+
+class _LabelClock:
+    """A pass takes the seconds its layout's name says (the layout timing's clock, faked)."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.per_pass, self.labels = seconds, []
+
+    def start(self, label):
+        self.labels.append(label)
+        return label
+
+    def stop(self, token) -> None:
+        pass
+
+    def seconds(self, token) -> float:
+        return self.per_pass[token]
+
+
+@pytest.mark.parametrize("winner", ["padded", "stock"])
+def test_the_measured_layout_choice_matches_stock(model_dir, tmp_path, monkeypatch, caplog, winner):
+    """The layout timing of a GPU run on this CPU (a fake clock: padded rows 100x faster a pass than the sdpa spans):
+    from the second step some passes run padded, the others padding-free, and after the choice
+    the run keeps padded rows (or, when stock's slices are predicted fastest, turns dynamic batching off); the
+    parameters after training equal stock's either way."""
+    from hf_dynbsz.execution import executor, layout_timing
+
+    monkeypatch.setattr(layout_timing, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
+    monkeypatch.setattr(executor, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
+    clock = _LabelClock({"spans": 1.0, "padded": 0.01})
+    monkeypatch.setattr(executor, "pass_clock", lambda device: clock)
+    built_layouts, build, finish = [], executor.build_microbatch, executor.PassExecutor._finish_layout_timing
+
+    def recording(*args, **kwargs):  # the layout of every training pass (with gradients), and where the choice is
+        if torch.is_grad_enabled():
+            built_layouts.append(kwargs["layout"])
+        return build(*args, **kwargs)
+
+    def finishing(self, *args):
+        finish(self, *args)
+        if self.layout_timing.decision is not None and "step end" not in built_layouts:
+            built_layouts.append("step end")
+
+    monkeypatch.setattr(executor, "build_microbatch", recording)
+    monkeypatch.setattr(executor.PassExecutor, "_finish_layout_timing", finishing)
+    if winner == "stock":
+        decide = layout_timing.LayoutTiming._decide
+
+        def stock_wins(self, step_units, stock):
+            decide(self, step_units, stock)
+            self.decision["chosen"] = "stock"
+            return None
+
+        monkeypatch.setattr(layout_timing.LayoutTiming, "_decide", stock_wins)
+    with caplog.at_level("INFO", logger="hf_dynbsz"):
+        history = compare_with_stock(
+            model_dir, tmp_path, 2 if winner == "stock" else None, loss_type="dapo", beta=0.05, num_iterations=2,
+            max_steps=4,
+            max_tokens_per_microbatch=45, share_prompt_prefix=False,  # passes of a few samples: padded ones fit
+        )  # fmt: skip
+    assert "layout timing: spans, padded pass the self-check" in caplog.text
+    assert {"spans", "padded"} <= set(clock.labels)  # both ran timed passes
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry or "loss" in entry]
+    decided = [i for i, step in enumerate(steps) if "dynbsz/layout_timing_overhead_seconds" in step]
+    assert len(decided) == 1 and decided[0] >= 1  # chosen after a measuring step, published once
+    assert {"padding_free", "padded"} <= set(built_layouts[: built_layouts.index("step end")])  # a pass padded
+    assert (
+        steps[decided[0]]["dynbsz/layout_predicted_seconds/padded"]
+        < steps[decided[0]]["dynbsz/layout_predicted_seconds/spans"]
+    )
+    after = steps[decided[0] + 1 :]
+    if winner == "padded":
+        assert "keeps padded" in caplog.text
+        assert after and set(built_layouts[built_layouts.index("step end") + 1 :]) == {"padded"}
+    else:
+        assert after and not any("dynbsz/microbatches" in step for step in after)  # stock's own steps

@@ -12,6 +12,7 @@ widest slice's completion width, or ``(samples, 1)`` for per-sequence values.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -150,10 +151,12 @@ class StepBatch:
         """Tokens the entropy bonus acts on, as stock's ``effective_mask``: loss mask x high-entropy mask."""
         return self.loss_mask if self.high_entropy is None else self.loss_mask * self.high_entropy
 
-    def rows(self, indices: list[int], width: int) -> SampleRows:
-        """The rows ``indices`` of the per-sample tensors, per-token ones cropped to ``width`` columns."""
+    def rows(self, indices: list[int], width: int, index: torch.Tensor | None = None) -> SampleRows:
+        """The rows ``indices`` of the per-sample tensors, per-token ones cropped to ``width`` columns. ``index``:
+        ``indices`` already on the device (a pass's :attr:`~hf_dynbsz.execution.packing.MicroBatch.sample_index`:
+        no copy here); the weights and slice ids are read where :meth:`weights_on` put them."""
         device = self.loss_mask.device
-        index = torch.tensor(indices, device=device)
+        index = torch.tensor(indices, device=device) if index is None else index
 
         def crop(tensor: torch.Tensor) -> torch.Tensor:
             picked = tensor[index]
@@ -166,9 +169,19 @@ class StepBatch:
             per_token={key: crop(tensor) for key, tensor in self.per_token.items()},
             entropy_mask=entropy_mask,
             bonus_mask=crop(self.bonus_mask),
-            policy_weights=self.policy_weights.to(device)[index],
-            entropy_weights=self.entropy_weights.to(device)[index],
-            slice_ids=self.slice_ids.to(device)[index],
+            policy_weights=self.policy_weights[index],  # (on the device since weights_on)
+            entropy_weights=self.entropy_weights[index],
+            slice_ids=self.slice_ids[index],
+        )
+
+    def weights_on(self, device) -> StepBatch:
+        """This batch with its loss weights and slice ids on ``device``, once per step before the passes (each pass
+        then picks its rows there)."""
+        return dataclasses.replace(
+            self,
+            policy_weights=self.policy_weights.to(device),
+            entropy_weights=self.entropy_weights.to(device),
+            slice_ids=self.slice_ids.to(device),
         )
 
     # ---- moving samples between processes (cross-rank balancing) --------------------------------------------

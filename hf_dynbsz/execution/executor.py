@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -34,6 +35,14 @@ from torch.profiler import record_function
 from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
+from hf_dynbsz.execution.layout_timing import (
+    MEASURED_DEVICE_TYPES,
+    NO_LAYOUT_TIMING,
+    Candidate,
+    LayoutTiming,
+    family,
+    pass_clock,
+)
 from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.multimodal import MediaPolicy, rope_positions
@@ -92,6 +101,9 @@ class PassExecutor:
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
         self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)
         self.warned: set[str] = set()
+        self._dummies: dict = {}  # the dummy micro-batch of each layout (lockstep passes)
+        self.layout_timing = NO_LAYOUT_TIMING  # on CUDA with packing_layout "auto": set by the self-check
+        self._pass_scheduler: Scheduler | None = None  # a timed pass's candidate layout (layout timing)
 
     # ------------------------------------------------------------------ the one loop
     def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction):
@@ -108,26 +120,31 @@ class PassExecutor:
             self._warn_oversize(schedule, kind)
             with record_function("dynbsz/exchange"):
                 state = start(schedule)
-            with self._pass_context(model, kind):
-                failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule))
+            timed = self.layout_timing.pass_candidates(schedule, kind, schedule.lengths)  # None: nothing timed
+            with self._pass_context(model, kind, segments=timed is None):
+                failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule), timed)
             if failure is None:
                 return schedule, state
             self.recovery.recover(model, failure)
 
-    def _pass_context(self, model, kind: str):
+    def _pass_context(self, model, kind: str, segments: bool = True):
+        """Around a step's passes: TRL's loss context, the LM head's tiles, and (``segments``; a measuring step of
+        the layout timing enters each pass's own) segment attention."""
         stack = contextlib.ExitStack()
         if kind == "training":
             stack.enter_context(self.trainer.compute_loss_context_manager())
         stack.enter_context(self.tiles())
-        stack.enter_context(self.segments(model))
+        if segments:
+            stack.enter_context(self.segments(model))
         return stack
 
-    def _run_passes(self, model, schedule, kind: str, run_pass) -> FailedPass | None:
+    def _run_passes(self, model, schedule, kind: str, run_pass, timed: list[int] | None = None) -> FailedPass | None:
         """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.
 
         Training passes synchronise gradients on the last, or, where an out-of-memory error is recovered across
         processes, in a dummy pass after every process agreed that none failed. Returns None, or the failure (here,
-        or agreed from another process) after which the step is re-planned.
+        or agreed from another process) after which the step is re-planned. ``timed``: per pass, the layout
+        timing's candidate that runs it (None: every pass in the run's layout).
         """
         training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
         failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
@@ -138,23 +155,33 @@ class PassExecutor:
                 break
             shape = self.parallel.per_process(next(shapes)) if group else None
             if not group or failure is not None:  # a failed process keeps the others' collectives going
-                self.dummy_pass(model, last if training and failure is None else None)
+                with self.segments(model) if timed is not None else contextlib.nullcontext():
+                    self.dummy_pass(model, last if training and failure is None else None)
                 continue
-            failure = self._run_pass(model, unwrapped, kind, run_pass, group, last, shape, schedule)
+            candidate = None if timed is None else timed[position]
+            failure = self._run_pass(model, unwrapped, kind, run_pass, group, last, shape, schedule, candidate)
         failure = self.recovery.agree(failure, self.scheduler.group, kind)
         if sync_apart and failure is None:
-            self.dummy_pass(model, True)
+            with self.segments(model) if timed is not None else contextlib.nullcontext():
+                self.dummy_pass(model, True)
         return failure
 
-    def _run_pass(self, model, unwrapped, kind: str, run_pass, group, last, shape, schedule) -> FailedPass | None:
-        """One real pass; with a memory limit measured (teaching the memory model). Returns its failure, if any."""
+    def _run_pass(
+        self, model, unwrapped, kind: str, run_pass, group, last, shape, schedule, candidate: int | None = None
+    ) -> FailedPass | None:
+        """One real pass; with a memory limit measured (teaching the memory model); ``candidate``: in that layout
+        of the layout timing, timed. Returns its failure, if any."""
         held = None
         if self.memory.limit_mib is not None:
             held = self.meters.memory.held()
             self.meters.predicted(self.memory.peak(kind, *shape, held))
         rank = self.accelerator.process_index
         try:
-            with self.no_sync(model, last or kind != "training"), injected_fault(unwrapped, kind, rank):
+            with (
+                self.no_sync(model, last or kind != "training"),
+                injected_fault(unwrapped, kind, rank),
+                self._timed_pass(model, candidate, [schedule.lengths[i] for i in group]),
+            ):
                 run_pass(group, last)
         except Exception as error:  # noqa: BLE001 - only a recovered out-of-memory error is not raised again
             self.recovery.check(error)
@@ -166,6 +193,23 @@ class PassExecutor:
             return None
         release_cached_memory(self.accelerator.device)  # after the error (and the frames it held) is gone
         return failure
+
+    @contextlib.contextmanager
+    def _timed_pass(self, model, candidate: int | None, lengths: list[int]):
+        """A pass in the layout of the layout timing's ``candidate`` (its micro-batch, its segment attention),
+        timed (None: the run's layout, untimed)."""
+        if candidate is None:
+            yield
+            return
+        timing = self.layout_timing
+        self._pass_scheduler = timing.candidates[candidate].scheduler
+        try:
+            with self.segments(model, self._pass_scheduler):
+                token = timing.start(candidate)
+                yield
+                timing.record(candidate, token, lengths)
+        finally:
+            self._pass_scheduler = None
 
     # ------------------------------------------------------------------ training passes
     def train_step(self, model, batch: StepBatch) -> torch.Tensor:
@@ -190,6 +234,7 @@ class PassExecutor:
             schedule, state = self.run(
                 model, "training", pooled.table, pooled.stock_microbatch_tokens, start, partial(self._train, model, aux)
             )
+            self._finish_layout_timing(pooled, schedule)
             losses = state.losses
             total = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
             total = total / self.parallel.size  # a group's processes each hold its whole loss: logged once
@@ -208,7 +253,30 @@ class PassExecutor:
             table=state.batch.table,
             replicas=self.parallel.size,
         )
+        self.layout_timing.publish(trainer._metrics["train"])
         return total
+
+    def _finish_layout_timing(self, batch: StepBatch, schedule) -> None:
+        """After a training step's passes: the layout timing reads its clocks and, once it has chosen, the run
+        keeps the chosen layout (stock's: dynamic batching off) from the next step on."""
+        timing = self.layout_timing
+        if not timing.measuring or timing.decision is not None:
+            return
+        table = batch.table
+        lengths, prompts = table.lengths.tolist(), table.prompt_lengths.tolist()
+        groups = table.prompt_groups()
+        width = batch.stock_microbatch_tokens / max(self.args.per_device_train_batch_size, 1)  # stock's padded row
+
+        def step_costs():
+            return [c.scheduler.step_cost(lengths, schedule.budget, prompts, groups) for c in timing.candidates]
+
+        kept = timing.finish_step(step_costs, (batch.stock_computed_tokens, batch.stock_computed_tokens * width))
+        if timing.decision is None:
+            return
+        if kept is None:
+            self.enabled = False
+        else:
+            self.scheduler = kept.scheduler
 
     def _step_statistics(self, model, batch: StepBatch, ga: int) -> RouterAuxLoss | None:
         """What the passes need from the whole step before the first: stock's high-entropy mask and, for an MoE
@@ -253,6 +321,7 @@ class PassExecutor:
     def _start_training(self, pooled: StepBatch, aux: RouterAuxLoss | None, schedule) -> _TrainingPasses:
         """A training attempt: cross-rank balancing gives this process the samples it runs."""
         moved = pooled if schedule.exchange is None else self.move(pooled, schedule.exchange)
+        moved = moved.weights_on(self.accelerator.device)  # once per step: each pass picks its rows on the device
         if aux is not None:
             aux.probabilities.zero_()
         bonus = None
@@ -267,7 +336,7 @@ class PassExecutor:
         with record_function("dynbsz/forward"):
             logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
         with record_function("dynbsz/loss"):
-            rows = state.batch.rows(group, logps.size(1))
+            rows = state.batch.rows(group, logps.size(1), mb.sample_index)
             loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
             if aux is not None:
                 loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
@@ -329,11 +398,12 @@ class PassExecutor:
             mb = self.microbatch(state.table, group, schedule.groups)
         with record_function("dynbsz/no_grad_forward"):
             logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
-        state.results[group, 0, : logps.size(1)] = logps.float()
+        index = mb.sample_index  # on the device (a host list as an index would be copied there, and wait)
+        state.results[:, 0, : logps.size(1)].index_copy_(0, index, logps.float())
         if compute_entropy:
-            state.results[group, 1, : entropies.size(1)] = entropies.float()
+            state.results[:, 1, : entropies.size(1)].index_copy_(0, index, entropies.float())
         if router is not None:
-            state.statistics[group] = router.pass_statistics(router_logits, mb.token_rows, len(group))
+            state.statistics.index_copy_(0, index, router.pass_statistics(router_logits, mb.token_rows, len(group)))
 
     # ------------------------------------------------------------------ planning a step
     def _budget(self, table: SequenceTable, stock_tokens: int, kind: str) -> int:
@@ -383,7 +453,8 @@ class PassExecutor:
     # ------------------------------------------------------------------ one pass
     def microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
         """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's)."""
-        scheduler = scheduler or self.scheduler
+        scheduler = scheduler or self._pass_scheduler or self.scheduler
+        groups = groups if scheduler.share_prompts else None  # (a timed candidate may not share prompts)
         if (
             scheduler.layout == "padding_free" and table.positions is None and self.capabilities.support.multimodal_rope
         ):  # once per table: each sample's own M-RoPE positions
@@ -438,14 +509,12 @@ class PassExecutor:
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
         scheduler = self.scheduler
-        mb = dummy_microbatch(
-            self.pad_token_id,
-            self.accelerator.device,
-            scheduler.segment_attention,
-            scheduler.attention_mask,
-            scheduler.position_offset,
-            width=self.parallel.dummy_width,
-        )
+        key = (scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
+        if key not in self._dummies:  # built and moved once per run: a dummy pass copies nothing to the device
+            self._dummies[key] = dummy_microbatch(
+                self.pad_token_id, self.accelerator.device, *key, width=self.parallel.dummy_width
+            )
+        mb = self._dummies[key]
         use_segments(mb.segments)
         inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
         with self.no_sync(model, last is None or last), self.accelerator.autocast():
@@ -540,4 +609,42 @@ class PassExecutor:
         self.enabled = result.chosen < len(layouts)
         if self.enabled and result.chosen:
             self.scheduler = schedulers[layouts[result.chosen]]
+        self.layout_timing = self._layout_timing(model, table, layouts, schedulers, result, passes)
         return self.enabled
+
+    def _layout_timing(self, model, table, layouts, schedulers, result, passes: CheckPasses):
+        """The run's layout timing (:mod:`hf_dynbsz.execution.layout_timing`), from the self-check's result: on a
+        device of :data:`~hf_dynbsz.execution.layout_timing.MEASURED_DEVICE_TYPES` with ``packing_layout="auto"``
+        (no sequence parallelism, no memory limit: the memory model learns each pass's peak in the run's layout), the
+        chosen layout and the first layout of each other family below it that
+        the self-check passes too (the same check through ``passes``, log-probs and gradients, the samples alone
+        computed once, one all-reduce per layout tried); :data:`NO_LAYOUT_TIMING` (nothing measured) otherwise.
+        ``result``: the self-check's :class:`~hf_dynbsz.execution.self_check.CheckResult`; ``schedulers``: one per
+        layout."""
+        device = self.accelerator.device.type
+        if not self.enabled or self.args.packing_layout != "auto" or self.parallel.size > 1:
+            return NO_LAYOUT_TIMING
+        if self.memory.limit_mib is not None:  # the memory model learns each pass's peak in the run's own layout
+            return NO_LAYOUT_TIMING
+        if device not in MEASURED_DEVICE_TYPES:
+            return NO_LAYOUT_TIMING
+        chosen = result.chosen
+        candidates = [Candidate(family(layouts[chosen]), schedulers[layouts[chosen]])]
+        alone = functools.cache(passes.alone)
+        dtype = self._compute_dtype(model)
+        for index in range(chosen + 1, len(layouts)):
+            name = family(layouts[index])
+            if name in {candidate.name for candidate in candidates}:
+                continue
+            with self.tiles():
+                result = run_self_check(
+                    [layouts[index]], table, passes.layout, alone, tolerance(dtype),
+                    agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
+                    gradient_limit=gradient_tolerance(dtype),
+                )  # fmt: skip
+            if result.chosen == 0:
+                candidates.append(Candidate(name, schedulers[layouts[index]]))
+        if len(candidates) == 1:
+            return NO_LAYOUT_TIMING
+        logger.info("hf_dynbsz: layout timing: %s pass the self-check.", ", ".join(c.name for c in candidates))
+        return LayoutTiming(candidates, pass_clock(device), self.world.all_gather)

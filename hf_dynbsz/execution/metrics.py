@@ -156,8 +156,10 @@ class StepMetrics:
     """Accumulates one optimizer step's metrics on this process; :meth:`publish` reduces and logs them."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)  # metric -> sum over tokens (or sequences)
-        self.counts: dict[str, float] = defaultdict(float)  # metric -> tokens (or sequences)
+        # metric -> sum over tokens (or sequences), and tokens (or sequences): 0-d float64 tensors on the passes'
+        # device, added to without reading them on the host (read once, in publish)
+        self.sums: dict[str, torch.Tensor | float] = defaultdict(float)
+        self.counts: dict[str, torch.Tensor | float] = defaultdict(float)
         self.sequence_low: list[torch.Tensor] = []  # per-sequence low-clip ratios, for clip_ratio/low_min
         self.sequence_high: list[torch.Tensor] = []
         self.pass_real_tokens: list[int] = []  # real tokens of each real pass
@@ -172,20 +174,20 @@ class StepMetrics:
         mask: torch.Tensor,
     ) -> None:
         """One real pass: its token counts and the per-token tensors of
-        :func:`hf_dynbsz.execution.loss.per_token_policy_loss`."""
+        :func:`hf_dynbsz.execution.loss.per_token_policy_loss`. Sums stay on the device (no host read in a pass)."""
         self.pass_real_tokens.append(real_tokens)
         self.computed_tokens += computed_tokens
         mask = mask.float()
-        tokens = mask.sum().item()
+        tokens = mask.sum().double()
 
         def add(name: str, values: torch.Tensor) -> None:
             values = values.detach().float()
             if values.size(1) == 1:  # one value per sequence (importance_sampling_level="sequence", vespo phi)
-                self.sums[name] += values.sum().item()
-                self.counts[name] += float(values.size(0))
+                self.sums[name] = self.sums[name] + values.sum().double()
+                self.counts[name] = self.counts[name] + float(values.size(0))
             else:
-                self.sums[name] += (values * mask).sum().item()
-                self.counts[name] += tokens
+                self.sums[name] = self.sums[name] + (values * mask).sum().double()
+                self.counts[name] = self.counts[name] + tokens
 
         add("entropy", entropies)
         for name in _TOKEN_MEAN_METRICS:
@@ -245,18 +247,17 @@ class StepMetrics:
             else 0.0
         )
         names = sorted(self.sums)
-        local = [value for name in names for value in (self.sums[name], self.counts[name])]
-        local += [
-            sum(self.pass_real_tokens),
-            self.computed_tokens,
-            stock_computed_tokens,
-            schedule.prompt_tokens_saved,
-            flops,
-        ]
-        local = [value / replicas for value in local]  # each sample counted once (sequence parallelism: per group)
         device = accelerator.device
-        totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
-        totals = totals.tolist()
+        sums = [
+            torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
+            for name in names
+            for value in (self.sums[name], self.counts[name])
+        ]
+        host = [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved]
+        local = torch.cat([torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device),
+                           torch.tensor([*host, flops], dtype=torch.float64, device=device)])  # fmt: skip
+        local = local / replicas  # each sample counted once (sequence parallelism: per group)
+        totals = accelerator.reduce(local, reduction="sum").tolist()
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
         if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max

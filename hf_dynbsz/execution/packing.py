@@ -42,6 +42,8 @@ from hf_dynbsz.execution.multimodal import join_media, media_digest, media_recor
 from hf_dynbsz.planning.partition import LAYOUTS, round_up
 from hf_dynbsz.planning.schedule import prompt_segments
 
+__all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
+
 
 @dataclass
 class SequenceTable:
@@ -217,6 +219,8 @@ class MicroBatch:
     computed_tokens: int
     segments: object | None = None
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: ``indices`` as a device tensor (rows of per-sample tensors are picked with it, no host list on the device)
+    sample_index: torch.Tensor | None = None
 
     def to_completion_layout(self, per_position: torch.Tensor) -> torch.Tensor:
         """(1 or rows, positions) model output -> (rows, completion_width), zero where not a completion token."""
@@ -260,21 +264,78 @@ def build_microbatch(
         built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, groups)
     else:
         built = _padded_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention_mask)
-    model_inputs = built.model_inputs
-    model_inputs["input_ids"] = built.input_ids.to(device)
+    moved = _move_with_segments(_host_inputs(built, samples, position_offset), built.segments, device)
+    model_inputs = {**built.model_inputs, **{name: moved[name] for name in built.model_inputs}}
+    model_inputs["input_ids"] = moved["input_ids"]
     if built.position_ids is not None:
-        model_inputs["position_ids"] = (built.position_ids + position_offset).to(device)
+        model_inputs["position_ids"] = moved["position_ids"]
     return MicroBatch(
         indices=list(indices),
         model_inputs=model_inputs,
-        shift_labels=built.shift_labels.to(device),
-        gather_index=samples.gather_index.to(device),
-        completion_mask=samples.completion_mask.to(device),
+        shift_labels=moved["shift_labels"],
+        gather_index=moved["gather_index"],
+        completion_mask=moved["completion_mask"],
         real_tokens=built.real_tokens,
         computed_tokens=built.computed_tokens,
         segments=built.segments,
-        token_rows=(torch.cat(samples.token_index).to(device), torch.cat(samples.row_index).to(device)),
+        token_rows=(moved["token_index"], moved["row_index"]),
+        sample_index=moved["sample_index"],
     )
+
+
+def _host_inputs(built: _LayoutInputs, samples: _Samples, position_offset: int) -> dict[str, torch.Tensor]:
+    """Every host tensor of a pass (its model inputs, labels, the maps back to the samples), by name."""
+    host = {name: value for name, value in built.model_inputs.items() if value.device.type == "cpu"}
+    host.update(
+        input_ids=built.input_ids,
+        shift_labels=built.shift_labels,
+        gather_index=samples.gather_index,
+        completion_mask=samples.completion_mask,
+        token_index=torch.cat(samples.token_index),
+        row_index=torch.cat(samples.row_index),
+        sample_index=torch.tensor(samples.indices, dtype=torch.long),
+    )
+    if built.position_ids is not None:
+        host["position_ids"] = built.position_ids + position_offset
+    return host
+
+
+def to_device_once(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """``tensors`` (host tensors of integers or booleans: ids, positions, labels, index arithmetic) on ``device`` in
+    ONE host-to-device copy: flattened into one int64 buffer, pinned on CUDA and copied ``non_blocking``, then
+    viewed and cast back on the device. A pass's copy never waits for the device (a pageable or blocking copy
+    synchronises the host with it). On the CPU the tensors themselves. Floating-point tensors (image inputs) are
+    moved by the caller."""
+    device = torch.device(device)
+    if device.type == "cpu" or not tensors:
+        return dict(tensors)
+    return _one_copy(tensors, device)
+
+
+def _one_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """:func:`to_device_once`'s copy (on any device, the CPU too: its test)."""
+    names = list(tensors)
+    flat = torch.cat([tensors[name].reshape(-1).to(torch.int64) for name in names])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=True)
+    out, offset = {}, 0
+    for name in names:
+        tensor = tensors[name]
+        out[name] = moved[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.dtype)
+        offset += tensor.numel()
+    return out
+
+
+def _move_with_segments(host: dict[str, torch.Tensor], segments, device) -> dict[str, torch.Tensor]:
+    """``host`` and the index tensors of the pass's segment layout (:meth:`SegmentLayout.host_tensors`), moved in one
+    copy; the layout adopts its own."""
+    if segments is None:
+        return to_device_once(host, device)
+    own = segments.host_tensors(device)
+    moved = to_device_once({**host, **own}, device)
+    segments.adopt({name: moved[name] for name in own}, device)
+    return moved
 
 
 class _Samples:
@@ -413,12 +474,16 @@ def _padding_free_inputs(
         row.add_segment(members)
     total = row.offset
     width = round_up(total, pad_to_multiple_of)
+    if attention == "flex_attention":  # a few row widths, each compiled once
+        from hf_dynbsz.execution.attention import flex_row_width
+
+        width = round_up(flex_row_width(width), pad_to_multiple_of)
     if width > total:
         row.pad(width - total, pad_token_id)
     position_ids = torch.cat(row.positions).unsqueeze(0)
     if row.rope:  # (4, 1, width): text positions (segment boundaries), then the 3 M-RoPE rows
         position_ids = torch.cat([position_ids, torch.cat(row.rope, dim=1)]).unsqueeze(1)
-    model_inputs = {name: torch.cat(values).unsqueeze(0).to(samples.device) for name, values in row.fields.items()}
+    model_inputs = {name: torch.cat(values).unsqueeze(0) for name, values in row.fields.items()}  # (moved later)
     if table.media is not None:
         model_inputs.update(samples.media_inputs(table, row.shown))
     segment_layout = None
@@ -458,7 +523,7 @@ def _padded_inputs(
         mask = torch.zeros(rows, width, dtype=torch.long)
         for j, n in enumerate(seq_lengths):
             mask[j, :n] = 1
-        model_inputs["attention_mask"] = mask.to(samples.device)
+        model_inputs["attention_mask"] = mask  # (moved with the pass's other inputs)
     if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
         model_inputs.update(_padded_media_inputs(table, samples, width))
         position_ids = None
@@ -479,7 +544,7 @@ def _padded_media_inputs(table: SequenceTable, samples: _Samples, width: int) ->
         aligned = torch.zeros(len(samples.indices), width, dtype=values[0].dtype)
         for j, i in enumerate(samples.indices):
             aligned[j, : samples.seq_lengths[j]] = values[i].cpu()
-        inputs[name] = aligned.to(samples.device)
+        inputs[name] = aligned  # (moved with the pass's other inputs)
     if table.media is not None:
         inputs.update(samples.media_inputs(table, samples.indices))
     return inputs
@@ -499,26 +564,32 @@ def dummy_microbatch(
     Its forward still runs every layer, so ZeRO-3 gathers and DDP/ZeRO-2 reductions happen on every rank.
     ``attention``, ``attention_mask`` and ``position_offset`` as in :func:`build_microbatch`.
     """
-    input_ids = torch.full((1, width), pad_token_id, dtype=torch.long)
-    shift_labels = torch.tensor([[pad_token_id] * (width - 1) + [-100]], dtype=torch.long)
-    model_inputs = {
-        "input_ids": input_ids.to(device),
-        "position_ids": (torch.arange(width) + position_offset).unsqueeze(0).to(device),
+    if attention == "flex_attention":  # one of the row widths flex_attention compiles for anyway
+        from hf_dynbsz.execution.attention import flex_row_width
+
+        width = flex_row_width(width)
+    host = {
+        "input_ids": torch.full((1, width), pad_token_id, dtype=torch.long),
+        "position_ids": (torch.arange(width) + position_offset).unsqueeze(0),
+        "shift_labels": torch.tensor([[pad_token_id] * (width - 1) + [-100]], dtype=torch.long),
     }
     if attention_mask:
-        model_inputs["attention_mask"] = torch.ones(1, width, dtype=torch.long, device=device)
+        host["attention_mask"] = torch.ones(1, width, dtype=torch.long)
     segment_layout = None
     if attention is not None:
         from hf_dynbsz.execution.attention import Segment, SegmentLayout
 
         segment_layout = SegmentLayout([Segment(0, 0, (width,))], attention)
+    moved = _move_with_segments(host, segment_layout, device)
+    labels = moved.pop("shift_labels")
     return MicroBatch(
         indices=[],
-        model_inputs=model_inputs,
-        shift_labels=shift_labels.to(device),
+        model_inputs=moved,
+        shift_labels=labels,
         gather_index=torch.zeros(0, 1, dtype=torch.long, device=device),
         completion_mask=torch.zeros(0, 1, dtype=torch.long, device=device),
         real_tokens=0,
         computed_tokens=0,
         segments=segment_layout,
+        sample_index=torch.zeros(0, dtype=torch.long, device=device),
     )

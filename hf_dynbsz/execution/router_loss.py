@@ -103,7 +103,7 @@ class RouterAuxLoss:
         """``(rows, width)`` statistics of one pass of the router pass: each sample's expert counts, then tokens."""
         token_index, row_index = token_rows
         counts, _ = router_statistics(router_logits, token_index, row_index, rows, self.top_k, self.num_experts)
-        tokens = torch.bincount(row_index, minlength=rows).to(counts).unsqueeze(1)
+        tokens = counts.new_zeros(rows).index_add_(0, row_index, counts.new_ones(row_index.numel())).unsqueeze(1)
         return torch.cat([counts, tokens], dim=1)
 
     def add_counts(self, slice_ids: torch.Tensor, statistics: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ import logging
 import torch
 from accelerate.utils import DistributedType
 
+from hf_dynbsz.execution.attention import device_facts
 from hf_dynbsz.execution.device_memory import pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
@@ -47,7 +48,7 @@ def build_executor(trainer) -> PassExecutor:
         world,
         aux_loss=trainer.aux_loss_enabled,
         external_generation=trainer.use_vllm or trainer.use_transformers_continuous_batching,
-        device_type=accelerator.device.type,
+        device_type=device_facts(accelerator.device, accelerator.mixed_precision, next(model.parameters()).dtype),
         zero3=zero3_on_several_processes(accelerator),
     )
     for note in capabilities.notes:

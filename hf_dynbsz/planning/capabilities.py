@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.model_support import (
     REPACKED_VISION_MODEL_TYPES,
+    DeviceFacts,
     Layout,
     ModelSupport,
     images_stay_on_their_process,
@@ -83,13 +84,14 @@ class Capabilities:
         *,
         aux_loss: bool,
         external_generation: bool,
-        device_type: str = "cpu",
+        device_type: str | DeviceFacts = "cpu",
         zero3: bool = False,
     ) -> Capabilities:
         """``model``: the unwrapped model (PEFT's base model); ``aux_loss``: an MoE router aux loss is trained;
         ``external_generation``: vLLM or continuous batching generate (they schedule their own batches);
-        ``device_type``: where it trains (:meth:`ModelSupport.layouts`); ``zero3``: DeepSpeed ZeRO-3 partitions the
-        parameters over several processes (segment recurrence is then off: :data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
+        ``device_type``: where it trains, a type or its :class:`DeviceFacts` (:meth:`ModelSupport.layouts`);
+        ``zero3``: DeepSpeed ZeRO-3 partitions the parameters over several processes (segment recurrence is then off:
+        :data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)

@@ -23,11 +23,13 @@ from typing import Any
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops, config_value, text_config_of
 
 __all__ = [
+    "DeviceFacts",
     "Layout",
     "router_aux_loss_coef",
     "ModelSupport",
     "REPACKED_VISION_MODEL_TYPES",
     "VARLEN_ATTENTION_PREFIXES",
+    "VARLEN_ATTN",
     "base_model",
     "images_stay_on_their_process",
     "vision_language_mode",
@@ -87,6 +89,15 @@ VISION_LANGUAGE_PADDED = (
 
 #: The base implementations segment attention runs per segment.
 SEGMENT_ATTENTION_BASES = ("sdpa", "eager", "flex_attention")
+#: The segment attention base of torch's own FlashAttention-2 varlen kernel (``torch.nn.attention.varlen.varlen_attn``):
+#: one call per layer over a padding-free row, for models on sdpa or eager on CUDA (:meth:`ModelSupport.layouts`).
+VARLEN_ATTN = "varlen_attn"
+#: The first torch release with ``varlen_attn`` (and its backward).
+VARLEN_ATTN_MIN_TORCH = (2, 10)
+#: The oldest CUDA compute capability FlashAttention-2 runs on (Ampere).
+VARLEN_ATTN_MIN_CAPABILITY = (8, 0)
+#: The precisions ``varlen_attn`` computes in.
+VARLEN_ATTN_DTYPES = ("bfloat16", "float16")
 #: The bases segment attention runs as spans: a call per span shape and layer (a few padded calls on CUDA).
 SPAN_FORMULATION_BASES = ("sdpa", "eager")
 #: Why packing_layout "auto" trains padded rows on CUDA with sdpa or eager (benchmarks/results/gpu_check.md).
@@ -156,6 +167,31 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class DeviceFacts:
+    """Where a run trains, as the decisions of this module need it; read by the torch layer
+    (:func:`hf_dynbsz.execution.attention.device_facts`), given here as plain values (no torch in ``planning``).
+
+    ``type``: "cuda", "cpu", ...; ``capability``: the CUDA compute capability ``(major, minor)`` (None elsewhere);
+    ``torch_version``: ``(major, minor)`` of the installed torch; ``varlen_attn``: whether
+    ``torch.nn.attention.varlen.varlen_attn`` is importable; ``varlen_window``: whether it takes ``window_size``
+    (torch 2.11 and newer: sliding windows); ``compute_dtype``: what the forwards compute in ("bfloat16" under bf16
+    mixed precision, else the weights' dtype name).
+    """
+
+    type: str = "cpu"
+    capability: tuple[int, int] | None = None
+    torch_version: tuple[int, int] | None = None
+    varlen_attn: bool = False
+    varlen_window: bool = False
+    compute_dtype: str = "float32"
+
+    @classmethod
+    def of(cls, device: DeviceFacts | str) -> DeviceFacts:
+        """``device`` itself, or facts of a device known only by its type (nothing else known of it)."""
+        return device if isinstance(device, DeviceFacts) else cls(type=device)
+
+
+@dataclass(frozen=True)
 class ModelSupport:
     """What the plugin can run exactly for one model; build it with :meth:`of`.
 
@@ -171,7 +207,11 @@ class ModelSupport:
     * ``repacking_blocker``: no layout can be exact, stock math runs (a sample's log-probs depend on the row it is
       padded to, in stock's own forward too);
     * ``router_aux_blocker``: the MoE router aux loss (when TRL trains one) cannot be repacked;
-      ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.execution.router_loss`).
+      ``router_aux`` is ``(experts, experts per token)`` when it can (:mod:`hf_dynbsz.execution.router_loss`);
+    * ``varlen_attn_blocker``: torch's ``varlen_attn`` cannot compute the model's attention exactly as its own
+      function does (soft-capping, attention sinks, value heads of another size than query heads, attention
+      dropout); the device's side is :meth:`varlen_attn_reason`'s. ``sliding_windows``: some layer attends within
+      a sliding window (``varlen_attn`` needs ``window_size`` for it).
 
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
     ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
@@ -190,6 +230,8 @@ class ModelSupport:
     repacking_blocker: str | None = None
     router_aux: tuple[int, int] | None = None
     router_aux_blocker: str | None = None
+    varlen_attn_blocker: str | None = None
+    sliding_windows: bool = False
     position_offset: int = 0
     multimodal_rope: bool = False
     sequence_mixers: tuple[str, ...] = ()
@@ -244,6 +286,8 @@ class ModelSupport:
             repacking_blocker=_content_selected_keys(text),
             router_aux=router_aux,
             router_aux_blocker=router_blocker,
+            varlen_attn_blocker=_varlen_attn_blocker(text, decoder),
+            sliding_windows=_sliding_windows(text),
             position_offset=_position_offset(model),
             sequence_mixers=mixers if padding_free is None else (),
             multimodal_rope=vision == "repacked" and config_value(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
@@ -251,15 +295,20 @@ class ModelSupport:
 
     # ------------------------------------------------------------------ what a run uses
     def layouts(
-        self, packing_layout: str = "auto", share_prompt_prefix: bool = True, device_type: str = "cpu"
+        self,
+        packing_layout: str = "auto",
+        share_prompt_prefix: bool = True,
+        device_type: str | DeviceFacts = "cpu",
     ) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
 
-        ``device_type``: where the run trains ("cuda", "cpu"). On CUDA "auto" leaves out the padding-free rows of
-        segment attention's span formulation (sdpa, eager), which ran a step 6.4x slower than stock with a call per
-        span shape and layer, where padded rows ran it 1.1x faster; its few padded calls per layer have not been
-        measured on a GPU yet (:data:`SPANS_ON_CUDA`). flash-attention and flex_attention keep their padding-free
-        rows (one call per layer).
+        ``device_type``: where the run trains, a type ("cuda", "cpu") or the :class:`DeviceFacts` of the device. On
+        CUDA, models on sdpa or eager run their padding-free rows through torch's ``varlen_attn`` (one call per
+        layer, :data:`VARLEN_ATTN`) wherever :meth:`varlen_attn_reason` allows it (a type alone says too little:
+        it does not). Where it does not, "auto" leaves out the padding-free rows of segment attention's span
+        formulation, which ran a step 6.4x slower than stock with a call per span shape and layer, where padded
+        rows ran it 1.1x faster (:data:`SPANS_ON_CUDA`), with the reason as a note. flash-attention and
+        flex_attention keep their padding-free rows (one call per layer).
 
         ``packing_layout`` "auto" starts from padding-free rows where each sequence can attend to itself alone
         (segment attention, or a flash-attention varlen kernel) and goes down to padded rows; "padding_free"
@@ -275,10 +324,9 @@ class ModelSupport:
             return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
         notes = []
         varlen = bool(self.attn_implementation) and self.attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
-        base = None if self.segment_attention_blocker else (self.attn_implementation or "eager")
-        if base in SPAN_FORMULATION_BASES and device_type == "cuda" and packing_layout == "auto":
-            base = None
-            notes.append(f"padding-free rows are not used on {self.attn_implementation or 'eager'}: {SPANS_ON_CUDA}")
+        base, note = self._segment_base(packing_layout, DeviceFacts.of(device_type))
+        if note and packing_layout != "padded" and self.padding_free_blocker is None:
+            notes.append(note)
         ladder: list[Layout] = []
         if packing_layout != "padded" and self.padding_free_blocker is None:
             recurrence = bool(self.sequence_mixers)
@@ -310,6 +358,50 @@ class ModelSupport:
             )
             notes.append(f"share_prompt_prefix is not applied: {why or 'packing_layout resolves to padded rows'}")
         return ladder, notes
+
+    def _segment_base(self, packing_layout: str, device: DeviceFacts) -> tuple[str | None, str | None]:
+        """``(base, note)``: the base segment attention runs padding-free rows with on ``device`` (None: none), and
+        why a span base (sdpa, eager) does not run as itself on CUDA (None: nothing to say).
+
+        On CUDA sdpa and eager take torch's ``varlen_attn`` (:data:`VARLEN_ATTN`: one call per layer) wherever
+        :meth:`varlen_attn_reason` finds nothing against it; otherwise "auto" trains padded rows
+        (:data:`SPANS_ON_CUDA`) and "padding_free" the span formulation, each with the reason."""
+        if self.segment_attention_blocker:
+            return None, None
+        base = self.attn_implementation or "eager"
+        if base not in SPAN_FORMULATION_BASES or device.type != "cuda":
+            return base, None
+        why = self.varlen_attn_reason(device)
+        if why is None:
+            return VARLEN_ATTN, None
+        if packing_layout == "padding_free":
+            return base, f"padding-free rows run {base}'s span formulation, not torch's varlen_attn: {why}"
+        return None, f"padding-free rows are not used on {base}: varlen_attn cannot run them ({why}); {SPANS_ON_CUDA}"
+
+    def varlen_attn_reason(self, device: DeviceFacts | str) -> str | None:
+        """Why torch's ``varlen_attn`` cannot compute this model's attention on ``device`` exactly as the model's own
+        function does (one line), or None when it can. The first of: not CUDA, the model's own features
+        (``varlen_attn_blocker``), torch without ``varlen_attn`` (below 2.10), a GPU below sm80, fp32 forwards,
+        sliding windows on a torch whose ``varlen_attn`` takes no ``window_size``."""
+        device = DeviceFacts.of(device)
+        if device.type != "cuda":
+            return f"it runs on CUDA only, this run trains on {device.type}"
+        if self.varlen_attn_blocker:
+            return self.varlen_attn_blocker
+        if not device.varlen_attn:
+            version = ".".join(map(str, device.torch_version)) if device.torch_version else "unknown"
+            return f"torch {version} has no torch.nn.attention.varlen.varlen_attn (it arrived in torch 2.10)"
+        if device.capability is None or tuple(device.capability) < VARLEN_ATTN_MIN_CAPABILITY:
+            found = "unknown" if device.capability is None else "sm{}{}".format(*device.capability)
+            return f"the GPU's compute capability ({found}) is below sm80, FlashAttention-2's least"
+        if device.compute_dtype not in VARLEN_ATTN_DTYPES:
+            return (
+                f"the forwards compute in {device.compute_dtype} and varlen_attn computes in bf16 or fp16 only "
+                "(bf16=True trains in bf16 mixed precision)"
+            )
+        if self.sliding_windows and not device.varlen_window:
+            return "the model has sliding-window layers and this torch's varlen_attn takes no window_size (torch 2.11)"
+        return None
 
     def router_aux_mode(self, coef: float) -> str | None:
         """The plan table's ``router aux loss`` row: None without one (``coef`` 0), "repacked", or why not."""
@@ -454,6 +546,39 @@ def _bidirectional(text_config: Any, model: Any) -> str | None:
     ):
         return "its attention looks in both directions"
     return None
+
+
+def _varlen_attn_blocker(text_config: Any, model: Any) -> str | None:
+    """Why torch's ``varlen_attn`` cannot compute this model's attention as its own function does, whatever the
+    device (one line), or None: scores soft-capped, attention sinks, value heads of another size than query and key
+    heads (multi-head latent attention), attention dropout (``varlen_attn`` has none)."""
+    softcap = config_value(text_config, "attn_logit_softcapping")
+    if softcap is not None:
+        return f"its attention scores are soft-capped (attn_logit_softcapping={softcap})"
+    if config_value(text_config, "model_type") == "gpt_oss" or any(
+        getattr(module, "sinks", None) is not None for module in _self_attention_modules(model)
+    ):
+        return "its attention has sinks"
+    value_dim = config_value(text_config, "v_head_dim")
+    nope, rope = config_value(text_config, "qk_nope_head_dim"), config_value(text_config, "qk_rope_head_dim")
+    query_dim = config_value(text_config, "head_dim")
+    if isinstance(nope, int) and isinstance(rope, int):
+        query_dim = nope + rope
+    if isinstance(value_dim, int) and isinstance(query_dim, int) and value_dim != query_dim:
+        return f"its value heads ({value_dim}) differ in size from its query and key heads ({query_dim})"
+    dropout = config_value(text_config, "attention_dropout")
+    if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0:
+        return f"its attention drops out (attention_dropout={dropout})"
+    return None
+
+
+def _sliding_windows(text_config: Any) -> bool:
+    """Whether some layer attends within a sliding window (``sliding_attention`` layers, or a ``sliding_window`` the
+    config does not turn off with ``use_sliding_window=False``)."""
+    if "sliding_attention" in _layer_kinds(text_config):
+        return True
+    window = config_value(text_config, "sliding_window")
+    return isinstance(window, int) and config_value(text_config, "use_sliding_window") is not False
 
 
 def _segment_attention_blocker(

@@ -475,6 +475,40 @@ class Scheduler:
         )
         return dataclasses.replace(schedule, exchange=exchange if assignment.moved else None, balance=assignment)
 
+    def step_cost(
+        self,
+        lengths: Sequence[int],
+        budget: int,
+        prompt_lengths: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+    ) -> float:
+        """The cost, in this scheduler's workload model, of these samples (``lengths`` tokens each) laid out as this
+        scheduler alone would lay them out under ``budget``: the sum over its passes, each as the partitioner costs
+        it (a padded pass: rows x its longest). No collective: :mod:`hf_dynbsz.execution.layout_timing` predicts each
+        candidate layout's step from it."""
+        lengths = [int(length) for length in lengths]
+        if not lengths:
+            return 0.0
+        prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
+        completions = [n - p for n, p in zip(lengths, prompts)]
+        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
+        units = build_units(prompts, completions, groups, budget)
+        bins = partition_by_token_budget(
+            [unit.tokens for unit in units],
+            budget,
+            num_microbatches=max(self._passes_needed(units, budget), 1),
+            layout=self.layout,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            workload=self.workload,
+            attention=self.attention,
+            pairs=[unit.pairs for unit in units],
+        )
+        if self.layout == "padded":
+            return sum(
+                self.workload.cost([units[u].tokens for u in b], "padded", self.pad_to_multiple_of) for b in bins if b
+            )
+        return sum(sum(self._unit_costs([units[u] for u in b])) for b in bins)
+
     def _unit_costs(self, units: list[Unit]) -> list[float]:
         """Costs of units as the balancing sees them (the partitioner's workload model)."""
         return item_costs(

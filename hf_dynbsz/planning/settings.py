@@ -160,9 +160,11 @@ SETTINGS: tuple[Setting, ...] = (
         summary="auto: padding_free with flash-attention or segment attention, padded otherwise",
         help="Micro-batch layout: 'padding_free' (the samples of a micro-batch concatenated into one row, each "
         "attending to itself only: flash-attention varlen kernels, or segment attention on sdpa, eager and "
-        "flex_attention), 'padded' (each micro-batch padded only to its own longest row), or 'auto': "
-        "padding_free where each sequence can attend to itself alone (flash-attention, or a model segment attention "
-        "supports), padded otherwise.",
+        "flex_attention, through torch's varlen_attn on CUDA for sdpa and eager), 'padded' (each micro-batch padded "
+        "only to its own longest row), or 'auto': padding_free where each sequence can attend to itself alone "
+        "(flash-attention, or a model segment attention supports), padded otherwise; on CUDA 'auto' times the "
+        "layouts the self-check passes on the run's own passes and keeps the fastest. 'padding_free' and 'padded' "
+        "pin the layout.",
         fix="'auto' packs rows padding-free where each sequence can attend to itself alone and pads otherwise.",
     ),
     Setting(

@@ -10,6 +10,7 @@ __all__ = [
     "grpo_batch",
     "logps_alone",
     "reference_varlen_attention",
+    "reference_varlen_attn",
     "relative_difference",
     "segment_mask",
     "stock_logps",
@@ -153,6 +154,69 @@ def reference_varlen_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=True)
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs)
+
+
+def reference_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux=None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+):
+    """``torch.nn.attention.varlen.varlen_attn`` (torch 2.13's signature and contract) in plain PyTorch, for CPU tests
+    (torch has no CPU kernel): ``query`` ``(Tq, heads, d)``, ``key``/``value`` ``(Tk, kv_heads, d)``, span ``i`` of the
+    queries (``cu_seq_q[i]:cu_seq_q[i + 1]``) attends to span ``i`` of the keys, per-segment softmax. ``window_size``
+    ``(left, right)`` as FlashAttention draws it, aligned bottom-right: query ``t`` of a span of ``q`` queries and
+    ``k`` keys sees key ``j`` when ``t + k - q - left <= j <= t + k - q + right`` (a negative side: unbounded;
+    ``(-1, 0)`` is causal). Returns ``(Tq, heads, d)``.
+
+    Stricter than the kernel where a caller's index arithmetic could be wrong unnoticed: ``cu_seq_*`` must be int32,
+    start at 0 and end at the row's last token (tokens after ``cu_seq[-1]`` get NaN gradients from the kernel,
+    pytorch#176793), ``max_q``/``max_k`` must be the spans' true maxima (Python ints), and key heads must equal query
+    heads unless ``enable_gqa`` (as torch >= 2.12 checks).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    for name, cu, total, longest in (("q", cu_seq_q, query.size(0), max_q), ("k", cu_seq_k, key.size(0), max_k)):
+        bounds = cu.tolist()
+        if cu.dtype != torch.int32 or cu.dim() != 1 or bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"cu_seq_{name} must be int32 from 0 to the {total} tokens, got {cu.dtype} {bounds}")
+        spans = [b - a for a, b in zip(bounds, bounds[1:])]
+        if not isinstance(longest, int) or longest != max(spans) or min(spans) < 0:
+            raise ValueError(f"max_{name}={longest!r} is not the longest span of {spans}")
+    if len(cu_seq_q) != len(cu_seq_k):
+        raise ValueError("cu_seq_q and cu_seq_k must hold as many spans")
+    if query.size(1) != key.size(1) and not enable_gqa:
+        raise ValueError(f"Hq={query.size(1)} and Hkv={key.size(1)}: set enable_gqa=True for GQA")
+    left, right = window_size
+    q_bounds, k_bounds = cu_seq_q.tolist(), cu_seq_k.tolist()
+    outputs = []
+    for i in range(len(q_bounds) - 1):
+        q = query[q_bounds[i] : q_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        q_len, k_len = q.size(2), k.size(2)
+        diagonal = torch.arange(q_len).unsqueeze(1) + k_len - q_len  # the key aligned with each query
+        keys = torch.arange(k_len).unsqueeze(0)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool)
+        if left >= 0:
+            mask &= keys >= diagonal - left
+        if right >= 0:
+            mask &= keys <= diagonal + right
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    out = torch.cat(outputs)
+    if return_aux is not None and return_aux.lse:
+        raise NotImplementedError("the reference gives no log-sum-exp (training never merges partial attention)")
+    return out
 
 
 def relative_difference(a: dict, b: dict) -> float:
