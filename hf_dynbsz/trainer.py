@@ -32,7 +32,7 @@ from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
-from hf_dynbsz.parallel.distributed import destroy_process_group_at_exit
+from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 check_trl_version()
@@ -62,7 +62,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz = build_executor(self)
         self._dynbsz_window: list[dict] = []  # the optimizer step's stock slices, collected call by call
         self.add_callback(_LogPlanAtTrainBegin(self))
-        destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (gloo)
+        destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (final barrier, holds)
 
     __init__.__signature__ = _STOCK_INIT
 

@@ -22,6 +22,7 @@ from trl.trainer.utils import nanmax, nanmin
 from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_rss, status_mib
 from hf_dynbsz.execution.loss import CLIPPED_LOSSES
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.parallel.collectives import gather_values, reduce_sum
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
@@ -254,9 +255,7 @@ class StepMetrics:
             flops,
         ]
         local = [value / replicas for value in local]  # each sample counted once (sequence parallelism: per group)
-        device = accelerator.device
-        totals = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device), reduction="sum")
-        totals = totals.tolist()
+        totals = reduce_sum(torch.tensor(local, dtype=torch.float64, device=accelerator.device)).tolist()
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
         if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
@@ -275,14 +274,13 @@ class StepMetrics:
 
     def _publish_clip_extremes(self, store: dict[str, list], accelerator) -> None:
         """Stock's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the extremes of the per-sequence means over
-        every process (two gathers)."""
+        every process (two gathers each: lengths, values)."""
         for name, values, pick in (
             ("clip_ratio/low_min", self.sequence_low, nanmin),
             ("clip_ratio/high_max", self.sequence_high, nanmax),
         ):
             local_values = torch.cat(values) if values else torch.zeros(0, device=accelerator.device)
-            padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
-            gathered = accelerator.gather(padded)
+            gathered = torch.cat(gather_values(local_values.float()))
             store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
 
     def _publish_passes(self, store: dict[str, list], schedule: StepSchedule) -> None:
