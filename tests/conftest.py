@@ -20,7 +20,7 @@ def _clear_diffu_environment(monkeypatch):
 
 
 #: Markers of long runs that run only when asked for with ``-m``: the whole model zoo (its ``representative`` subset
-#: runs by default, see tests/test_model_zoo.py) and 30 launches of a training script checking every exit status.
+#: runs by default, see tests/test_model_zoo.py) and 90 launches of training scripts checking every exit status.
 OPT_IN_MARKERS = ("zoo", "exits")
 
 
