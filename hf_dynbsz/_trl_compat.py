@@ -123,6 +123,14 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "reads",
         "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
     ),
+    # ---- torch
+    InternalName(
+        "torch.Tensor",
+        "_use_count",
+        "calls",
+        "parallel.collectives releases a collective's held tensors once no C++ holder but the tensor's Python object "
+        "and the holds is left: the work object a gloo or NCCL worker thread drops is one",
+    ),
     # ---- transformers
     InternalName(
         "transformers.PretrainedConfig instance",

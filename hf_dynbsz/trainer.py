@@ -12,6 +12,9 @@ TRL hooks overridden, and why:
 * ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call.
 * ``_get_per_token_logps_and_entropies``: run no-grad log-prob passes by the schedule (grad calls go to stock).
 * ``_generate_single_turn``: generate a device's samples in chunks of ``per_device_generation_batch_size``.
+* ``store_flos`` (transformers' ``Trainer``): the FLOP count's gather, the last collective of ``train()``, through the
+  plugin's collectives (:mod:`hf_dynbsz.parallel.collectives`). transformers' drops the gathered tensors at once, and a
+  gloo worker thread freeing them while a script that returned after ``train()`` finalized aborted the process.
 
 Every other internal name of TRL, transformers or accelerate the plugin touches is listed, with its reason, in
 :mod:`hf_dynbsz._trl_compat`.
@@ -24,6 +27,7 @@ import time
 
 import torch
 from transformers import TrainerCallback
+from transformers.training_args import ParallelMode
 from trl import GRPOTrainer
 
 from hf_dynbsz._trl_compat import check_trl_version
@@ -32,7 +36,7 @@ from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
-from hf_dynbsz.parallel.distributed import destroy_process_group_at_exit
+from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 check_trl_version()
@@ -62,7 +66,7 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self._dynbsz = build_executor(self)
         self._dynbsz_window: list[dict] = []  # the optimizer step's stock slices, collected call by call
         self.add_callback(_LogPlanAtTrainBegin(self))
-        destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (gloo)
+        destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (final barrier, holds)
 
     __init__.__signature__ = _STOCK_INIT
 
@@ -170,6 +174,15 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             token_fields=token_fields,
         )
         return table if executor.self_check(model, table) else None
+
+    def store_flos(self) -> None:
+        # Override: transformers' sum of every process's FLOP count (distributed_broadcast_scalars: an all-gather of
+        # float32 scalars, summed), through the plugin's collectives, which hold the tensors (see the module).
+        if self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+            return super().store_flos()
+        flos = torch.tensor([self.current_flos], device=self.args.device)
+        self.state.total_flos += torch.cat(gather_values(flos)).sum().item()
+        self.current_flos = 0
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Override: bound generation memory by generating this device's samples in chunks.

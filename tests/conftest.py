@@ -29,7 +29,7 @@ def _clear_diffu_environment(monkeypatch):
 
 
 #: Markers of long runs that run only when asked for with ``-m``: the whole model zoo (its ``representative`` subset
-#: runs by default, see tests/test_model_zoo.py), 70 launches of a training script checking every exit status, and the
+#: runs by default, see tests/test_model_zoo.py), 90 launches of training scripts checking every exit status, and the
 #: multi-process runs beyond one launch of each distributed backend (``long``).
 OPT_IN_MARKERS = ("zoo", "exits", "long")
 

@@ -33,6 +33,7 @@ import torch
 from trl import GRPOTrainer
 
 from hf_dynbsz.execution.batch import SampleRows
+from hf_dynbsz.parallel.collectives import reduce_sum
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
 GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
@@ -309,11 +310,11 @@ class EntropyBonus:
         # stock logs, per slice, its policy loss (before the /GA of the sequence-normalised types), averaged over ranks
         # Slices are numbered across processes (a balanced sample may run elsewhere): one sum gives every process's.
         scale = 1.0 if trainer.loss_type in GLOBAL_TOKEN_LOSSES else float(gradient_accumulation_steps)
-        totals = trainer.accelerator.reduce(self.slice_policy_loss * scale, reduction="sum")
+        totals = reduce_sum(self.slice_policy_loss * scale)
         for value in totals.float().view(trainer.accelerator.num_processes, -1).nanmean(0):
             metrics["policy_loss"].append(value.item())
         if trainer.use_adaptive_entropy:
-            totals = trainer.accelerator.reduce(self.entropy_stats, reduction="sum")
+            totals = reduce_sum(self.entropy_stats)
             world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
             if world_entropy <= args.entropy_target:
                 trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)

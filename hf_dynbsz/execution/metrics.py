@@ -22,6 +22,7 @@ from trl.trainer.utils import nanmax, nanmin
 from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_rss, status_mib
 from hf_dynbsz.execution.loss import CLIPPED_LOSSES
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.parallel.collectives import gather_values, reduce_sum
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
@@ -257,7 +258,7 @@ class StepMetrics:
         local = torch.cat([torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device),
                            torch.tensor([*host, flops], dtype=torch.float64, device=device)])  # fmt: skip
         local = local / replicas  # each sample counted once (sequence parallelism: per group)
-        totals = accelerator.reduce(local, reduction="sum").tolist()
+        totals = reduce_sum(local).tolist()
         for position, name in enumerate(names):
             store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
         if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
@@ -276,14 +277,13 @@ class StepMetrics:
 
     def _publish_clip_extremes(self, store: dict[str, list], accelerator) -> None:
         """Stock's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the extremes of the per-sequence means over
-        every process (two gathers)."""
+        every process (two gathers each: lengths, values)."""
         for name, values, pick in (
             ("clip_ratio/low_min", self.sequence_low, nanmin),
             ("clip_ratio/high_max", self.sequence_high, nanmax),
         ):
             local_values = torch.cat(values) if values else torch.zeros(0, device=accelerator.device)
-            padded = accelerator.pad_across_processes(local_values.float(), dim=0, pad_index=float("nan"))
-            gathered = accelerator.gather(padded)
+            gathered = torch.cat(gather_values(local_values.float()))
             store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
 
     def _publish_passes(self, store: dict[str, list], schedule: StepSchedule) -> None:

@@ -30,6 +30,7 @@ import contextlib
 
 import torch
 
+from hf_dynbsz.parallel.collectives import reduce_sum
 from hf_dynbsz.planning.model_support import base_model
 
 __all__ = ["RouterAuxLoss", "captured_router_logits", "router_statistics"]
@@ -112,7 +113,7 @@ class RouterAuxLoss:
 
     def agree(self, accelerator) -> None:
         """Sum the slices' counts over processes (every process then holds every slice's)."""
-        self.counts = accelerator.reduce(self.counts, reduction="sum")
+        self.counts = reduce_sum(self.counts)
 
     def _routed(self, counts: torch.Tensor) -> torch.Tensor:
         """``L x n_m`` of slices with these counts: every token of every router layer picks ``top_k`` experts."""
@@ -138,7 +139,7 @@ class RouterAuxLoss:
 
     def publish(self, metrics: dict[str, list], accelerator) -> None:
         """Stock's ``aux_loss`` figure: per stock slice, ``aux(m)`` averaged over processes, one entry per slice."""
-        probabilities = accelerator.reduce(self.probabilities, reduction="sum")
+        probabilities = reduce_sum(self.probabilities)
         aux = self.num_experts * (self.counts[:, :-1] * probabilities).sum(dim=1) / self._routed(self.counts) ** 2
         for value in aux.float().view(accelerator.num_processes, -1).mean(0):
             metrics["aux_loss"].append(value.item())

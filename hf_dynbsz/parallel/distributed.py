@@ -5,11 +5,12 @@
 balanced :class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids,
 masks, fp32 and fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and
 NCCL both support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
+Its collectives go through :mod:`hf_dynbsz.parallel.collectives`, which holds their tensors until no worker thread
+of gloo or NCCL holds them.
 """
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable
 
 import torch
@@ -17,11 +18,10 @@ import torch.distributed as dist
 
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.parallel.collectives import all_reduce, all_to_all_single, gather_values
 from hf_dynbsz.planning.schedule import Exchange
 
-__all__ = ["ProcessGroup", "destroy_process_group_at_exit", "zero3_on_several_processes"]
-
-_EXIT_HANDLER: list[bool] = [False]  # registered in this process
+__all__ = ["ProcessGroup", "zero3_on_several_processes"]
 
 
 def zero3_on_several_processes(accelerator) -> bool:
@@ -30,30 +30,6 @@ def zero3_on_several_processes(accelerator) -> bool:
     a collective)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, while it is still alive (once per process).
-
-    A script that trains and returns, as TRL's own scripts do, never calls ``trainer.end()``: gloo's worker threads
-    can then still hold work objects with tensors when the interpreter is torn down, and releasing them aborts the
-    process ("terminate called without an active exception", SIGABRT) after training succeeded (pytorch PR #179291
-    describes the race). Destroying the group from an ``atexit`` handler, which runs before finalization, releases
-    the groups' registrations while the interpreter is alive; it is a no-op when the script destroyed the group itself
-    (``trainer.end()``). It does not stop gloo's threads under DDP: a ``DistributedDataParallel`` model keeps the
-    group's backend alive past ``destroy_process_group`` (checked on torch 2.13: after it, and after deleting the DDP
-    model, each process still runs gloo's loop thread and two worker threads), for stock ``GRPOTrainer`` too; they end
-    with the process.
-    """
-    if _EXIT_HANDLER[0] or not (dist.is_available() and dist.is_initialized()):
-        return
-    _EXIT_HANDLER[0] = True
-    atexit.register(_destroy_if_initialized)
-
-
-def _destroy_if_initialized() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class ProcessGroup:
@@ -76,21 +52,14 @@ class ProcessGroup:
         if not self._distributed:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.long, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
         if not self._distributed:
             return [list(values)]
-        size = torch.tensor([len(values)], dtype=torch.long, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.num_processes)]
-        dist.all_gather(sizes, size, group=self.group)
-        sizes = [int(s) for s in sizes]
-        padded = torch.zeros(max(sizes), dtype=torch.long, device=self.device)
-        padded[: len(values)] = torch.tensor(values, dtype=torch.long)
-        gathered = [torch.empty_like(padded) for _ in range(self.num_processes)]
-        dist.all_gather(gathered, padded, group=self.group)
-        return [tensor[:size].tolist() for tensor, size in zip(gathered, sizes)]
+        own = torch.tensor(values, dtype=torch.long, device=self.device)
+        return [part.tolist() for part in gather_values(own, self.group)]
 
     def send_to_runners(
         self, records: list[torch.Tensor], exchange: Exchange, size: Callable[[int, int], int] | None = None
@@ -179,8 +148,7 @@ class ProcessGroup:
         send_splits = [int(part.numel()) for part in send]
         receive_splits = [sum(sizes) for sizes in incoming_sizes]
         received = torch.empty(sum(receive_splits), dtype=torch.float64, device=self.device)
-        dist.all_to_all_single(
-            received, torch.cat(send).to(self.device, torch.float64), receive_splits, send_splits, group=self.group
-        )
-        parts = received.split(receive_splits)
+        sent = torch.cat(send).to(self.device, torch.float64)
+        all_to_all_single(received, sent, receive_splits, send_splits, group=self.group)
+        parts = received.detach().split(receive_splits)  # views of an alias: the received tensor stays this module's
         return [list(part.split(sizes)) if sizes else [] for part, sizes in zip(parts, incoming_sizes)]

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dynbsz.execution.attention import ATTENTION_NAME, segment_attention_forward
+from hf_dynbsz.parallel.collectives import all_gather, all_gather_objects
 from hf_dynbsz.planning.cost import config_value, text_config_of
 
 __all__ = [
@@ -110,7 +111,7 @@ class _GatherShards(torch.autograd.Function):
     def forward(ctx, shard, group, rank, size):
         ctx.rank, ctx.width = rank, shard.size(-1)
         parts = [torch.empty_like(shard) for _ in range(size)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
+        all_gather(parts, shard.detach().contiguous(), group)  # an alias of the shard: a tensor of this gather's own
         return torch.cat(parts, dim=-1)
 
     @staticmethod
@@ -195,9 +196,7 @@ class SequenceParallel:
 
     # ---- pooling the group's samples ---------------------------------------------------------------------------
     def _gather_objects(self, value):
-        gathered = [None] * self.size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
+        return all_gather_objects(value, self.group)
 
     def pool_batch(self, batch):
         """The group's training samples, every process's in group order, each with its stock loss weights."""
