@@ -20,8 +20,9 @@ def _clear_diffu_environment(monkeypatch):
 
 
 #: Markers of long runs that run only when asked for with ``-m``: the whole model zoo (its ``representative`` subset
-#: runs by default, see tests/test_model_zoo.py) and 30 launches of a training script checking every exit status.
-OPT_IN_MARKERS = ("zoo", "exits")
+#: runs by default, see tests/test_model_zoo.py), 30 launches of a training script checking every exit status, and TRL's
+#: RLOOTrainer tests restated offline (their ``representative`` subset runs by default, tests/test_rloo_trl_suite.py).
+OPT_IN_MARKERS = ("zoo", "exits", "trl_suite")
 
 
 def pytest_collection_modifyitems(config, items):

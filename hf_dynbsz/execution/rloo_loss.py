@@ -110,7 +110,14 @@ class SliceMetrics(StepMetrics):
         self.slices.index_add_(0, loss_metrics["slice_ids"].to(self.slices.device), figures.detach().double())
 
     def publish(self, store: dict[str, list], accelerator, *, replicas: int = 1, **kwargs) -> None:
-        """Stock's per-slice figures (one all-reduce), then the step's ``dynbsz/*`` figures."""
+        """Stock's per-slice figures (:meth:`publish_slices`), then the step's ``dynbsz/*`` figures."""
+        self.publish_slices(store, accelerator, replicas)
+        super().publish(store, accelerator, replicas=replicas, **kwargs)
+
+    def publish_slices(self, store: dict[str, list], accelerator, replicas: int = 1) -> None:
+        """One all-reduce, then per stock slice ``k`` (over every process) its entry of each figure, as stock's
+        ``k``-th ``_compute_loss`` appends it. ``replicas``: processes that ran the same samples (a sequence-parallel
+        group), counted once."""
         totals = accelerator.reduce(self.slices / replicas, reduction="sum")
         per_slice = totals.view(accelerator.num_processes, -1, _SLICE_COLUMNS).sum(0)  # slice k of every process
         for sequences, low, high, entropy, tokens in per_slice.tolist():
@@ -121,4 +128,3 @@ class SliceMetrics(StepMetrics):
             store["clip_ratio/high_mean"].append(high / sequences)
             store["clip_ratio/high_max"].append(float(high > 0))
             store["clip_ratio/region_mean"].append((low + high) / sequences)
-        super().publish(store, accelerator, replicas=replicas, **kwargs)
