@@ -87,7 +87,7 @@ RLOO_OPTIONS = {
     "beta_zero": dict(beta=0.0),
     # reference log-probs (packed no-grad passes) in the reward; old log-probs (packed no-grad passes) and ratios
     # that move off 1 and clip in the second iteration
-    "beta_and_two_iterations": dict(beta=0.1, num_iterations=2, max_steps=3),
+    "beta_and_two_iterations": dict(beta=0.1, num_iterations=2),
     "clipping_bounds_and_truncation_mask": dict(
         epsilon=0.1, epsilon_high=0.3, num_iterations=2, mask_truncated_completions=True, max_completion_length=8
     ),
@@ -99,12 +99,9 @@ RLOO_OPTIONS = {
 
 @pytest.mark.parametrize("options", list(RLOO_OPTIONS))
 def test_matches_stock(model_dir, tmp_path, options):
-    compare_with_stock(model_dir, tmp_path, **RLOO_OPTIONS[options])
-
-
-def test_logged_clip_ratios_match_stocks_when_ratios_clip(model_dir, tmp_path):
-    steps = compare_with_stock(model_dir, tmp_path, num_iterations=2, epsilon=0.05, max_steps=2)
-    assert any(step["clip_ratio/region_mean"] > 0 for step in steps)  # the figures compared are not all zeros
+    steps = compare_with_stock(model_dir, tmp_path, **RLOO_OPTIONS[options])
+    if RLOO_OPTIONS[options].get("num_iterations", 1) > 1:  # ratios off 1: the clip ratios compared are not all 0
+        assert any(step["clip_ratio/region_mean"] > 0 for step in steps)
 
 
 def test_shared_prompts_really_happen_in_both_layouts(model_dir, tmp_path):
@@ -248,16 +245,13 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
         per_device_generation_batch_size=3,
     )
     assert completions_a == completions_b and relative_difference(first, second) == 0.0
-    compare_with_stock(model_dir, tmp_path / "whole", per_device_generation_batch_size=8)  # the share: stock's
 
 
 def test_the_budget_from_memory_and_an_out_of_memory_pass_match_stock(model_dir, tmp_path):
     from hf_dynbsz.execution.device_memory import inject_out_of_memory
 
     inject_out_of_memory("training", "backward", 1)
-    steps = compare_with_stock(
-        model_dir, tmp_path, beta=0.1, num_iterations=2, max_memory_per_device_mib=100_000, max_steps=3
-    )
+    steps = compare_with_stock(model_dir, tmp_path, beta=0.1, num_iterations=2, max_memory_per_device_mib=100_000)
     assert sum(step["dynbsz/oom_retries"] for step in steps) == 1
     assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
 
@@ -282,7 +276,7 @@ def train_vision(trainer_cls, config_cls, tmp_path, **overrides):
     model, processor = build_tiny_vision_language_model("qwen2_vl")
     model.save_pretrained(tmp_path / "model")  # TRL loads the reference model from the policy's directory
     reward = RecordingReward()
-    settings = dict(shuffle_dataset=False, max_steps=3, max_completion_length=16, beta=0.1, num_iterations=2)
+    settings = dict(shuffle_dataset=False, max_steps=2, max_completion_length=16, beta=0.1, num_iterations=2)
     trainer = trainer_cls(
         model=str(tmp_path / "model"),
         reward_funcs=reward,
@@ -312,7 +306,7 @@ def test_generated_image_prompts_match_stock(tmp_path, monkeypatch, repacked):
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
     assert update_difference(initial, ours, stock) <= UPDATE_TOLERANCE
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert len(steps) == (3 if repacked else 0)
+    assert len(steps) == (2 if repacked else 0)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
     assert relative_difference(stock, initial) > 1e-4  # it trained
 

@@ -140,15 +140,7 @@ def length_reward(completions, **kwargs):
 
 
 # ---- training ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "model",
-    [
-        pytest.param("qwen2", marks=representative),
-        pytest.param("qwen3_moe", marks=representative),
-        "gpt_oss",
-        "cohere2",
-    ],
-)
+@pytest.mark.parametrize("model", [pytest.param("qwen2", marks=representative), "qwen3_moe", "gpt_oss", "cohere2"])
 def test_train(trainer_class, hub, tmp_path, model):
     trainer = trainer_class(model=hub[model], reward_funcs=hub["reward"], args=args(tmp_path), train_dataset=zen())
     train_and_check(trainer)
@@ -164,8 +156,7 @@ def test_train_dataset_format(trainer_class, hub, tmp_path, config_name):
     train_and_check(trainer)
 
 
-@representative
-@pytest.mark.parametrize("num_generations_eval", [None, 1])
+@pytest.mark.parametrize("num_generations_eval", [pytest.param(None, marks=representative), 1])
 def test_train_with_eval(trainer_class, hub, tmp_path, num_generations_eval):
     config = args(
         tmp_path,
@@ -279,8 +270,9 @@ def peft_rules(base_param_names) -> dict:
     }
 
 
-@representative
-@pytest.mark.parametrize("how", ["peft_config", "peft_model", "peft_config_with_gradient_checkpointing"])
+@pytest.mark.parametrize(
+    "how", [pytest.param("peft_config", marks=representative), "peft_model", "peft_config_with_gradient_checkpointing"]
+)
 def test_train_peft(trainer_class, hub, tmp_path, how):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -559,7 +551,7 @@ def image_dataset():
 @pytest.mark.parametrize(
     "family, overrides",
     [
-        pytest.param("qwen2_vl", {}, marks=representative),
+        ("qwen2_vl", {}),
         ("qwen2_5_vl", {}),
         ("llava", {}),
         ("qwen2_vl", dict(pad_to_multiple_of=7)),
