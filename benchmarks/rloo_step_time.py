@@ -264,6 +264,22 @@ def render_table(rows: list[dict]) -> str:
     return markdown_table(header, body)
 
 
+#: The per-step and per-round figures kept in the raw-data file.
+STEP_FIELDS = ("train_s", "train_cpu_s", "train_tokens", "train_passes")
+ROUND_FIELDS = ("logprob_s", "logprob_cpu_s", "logprob_tokens")
+
+
+def compact_run(result: dict) -> dict:
+    """One worker's raw data as the tables use it: its configuration, and per step and per round the figures of
+    ``STEP_FIELDS`` and ``ROUND_FIELDS`` (4 significant digits)."""
+    return {
+        "config": result["spec"]["config"],
+        "layout": result["layout"],
+        "steps": [[float(f"{step[k]:.4g}") for k in STEP_FIELDS] for step in result["steps"]],
+        "rounds": [[float(f"{rnd[k]:.4g}") for k in ROUND_FIELDS] for rnd in result["rounds"]],
+    }
+
+
 def check_same_inputs(results: list[dict]) -> None:
     """Every run saw the same rounds (length fingerprints), whatever its trainer."""
     fingerprints = {json.dumps([r["fingerprint"] for r in result["rounds"]]) for result in results}
@@ -332,16 +348,8 @@ def main() -> None:
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "rloo_step_time.md").write_text(report + "\n")
-    raw = [
-        {
-            "spec": {k: v for k, v in r["spec"].items() if k != "output_dir"},
-            "steps": r["steps"],
-            "rounds": r["rounds"],
-            "layout": r["layout"],
-        }
-        for r in results
-    ]
-    (args.out_dir / "rloo_step_time.json").write_text(json.dumps({"rows": rows, "runs": raw}, indent=1) + "\n")
+    raw = [compact_run(result) for result in results]
+    (args.out_dir / "rloo_step_time.json").write_text(json.dumps({"rows": rows, "runs": raw}) + "\n")
     print(table)
 
 
