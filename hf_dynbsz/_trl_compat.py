@@ -1,8 +1,8 @@
 """Every private or internal name of TRL, transformers and accelerate the plugin touches, in one list.
 
-TRL's private ``GRPOTrainer`` hooks change between releases. The plugin keeps its overrides few, and this module
-lists each name it overrides, calls, reads or writes that is not public API, with the reason. The test suite
-(``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
+TRL's private ``GRPOTrainer`` and ``RLOOTrainer`` hooks change between releases. The plugin keeps its overrides few,
+and this module lists each name it overrides, calls, reads or writes that is not public API, with the reason. The
+test suite (``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
 method still takes the parameters we pass), so a TRL upgrade fails one clear test instead of a deep traceback;
 it also checks that the plugin's code touches no private name missing from this list. For the hooks the plugin
 overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's signature and with
@@ -52,10 +52,10 @@ class InternalName:
     """One internal name: where it lives, what the plugin does with it and why.
 
     ``owner`` is an import path (``"trl.GRPOTrainer"``, ``"trl.kernels.chunked_logprob"``) or ``"GRPOTrainer
-    instance"`` for attributes ``GRPOTrainer.__init__`` sets. ``use`` is one of "overrides", "calls", "reads",
-    "writes", "passes" (a keyword argument of a forward). ``parameters`` are the parameters of a method the
-    plugin relies on, checked against the installed signature. ``returns``, for an override, is the length of the tuple
-    it returns, which stock's callers must unpack.
+    instance"`` (``"RLOOTrainer instance"``) for attributes the trainer's ``__init__`` sets. ``use`` is one of
+    "overrides", "calls", "reads", "writes", "passes" (a keyword argument of a forward). ``parameters`` are the
+    parameters of a method the plugin relies on, checked against the installed signature. ``returns``, for an
+    override, is the length of the tuple it returns, which stock's callers must unpack (None: one value, not a tuple).
     """
 
     owner: str
@@ -119,6 +119,54 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
     InternalName("GRPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
     InternalName(
         "GRPOTrainer instance",
+        "aux_loss_enabled",
+        "reads",
+        "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
+    ),
+    # ---- RLOOTrainer: the same hooks (DynamicBatchRLOOTrainer shares the GRPO trainer's), its own generation signature
+    InternalName(
+        "trl.RLOOTrainer",
+        "_get_per_token_logps_and_entropies",
+        "overrides",
+        "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
+        (
+            "model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+            "batch_size",
+            "compute_entropy",
+            "compute_aux_loss",
+            *_MULTIMODAL_PARAMETERS,
+        ),
+        returns=3,
+    ),
+    InternalName(
+        "trl.RLOOTrainer",
+        "_generate_single_turn",
+        "overrides",
+        "generates a device's samples in chunks of per_device_generation_batch_size",
+        ("prompt_ids", "images", "multimodal_fields"),
+        returns=None,  # the completion ids (RLOO has no generation log-probs)
+    ),
+    InternalName(
+        "trl.RLOOTrainer",
+        "_prepare_inputs",
+        "calls",
+        "stock generation, scoring (summed old log-probs), shuffling and slicing of each accumulation step",
+        ("generation_batch",),
+    ),
+    InternalName("RLOOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
+    InternalName("RLOOTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"),
+    InternalName(
+        "RLOOTrainer instance",
+        "_current_train_step_time",
+        "writes",
+        "the step_time metric, as stock training_step keeps it",
+    ),
+    InternalName("RLOOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
+    InternalName(
+        "RLOOTrainer instance",
         "aux_loss_enabled",
         "reads",
         "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
@@ -288,7 +336,8 @@ def check_trl_version(version: str | None = None) -> bool:
     if not inside and not _checked:
         warnings.warn(
             f"hf_dynbsz was tested with trl>={lower},<{upper} but trl {version} is installed. "
-            "DynamicBatchGRPOTrainer overrides private GRPOTrainer hooks that change between TRL releases "
+            "DynamicBatchGRPOTrainer and DynamicBatchRLOOTrainer override private GRPOTrainer hooks and "
+            "RLOOTrainer hooks that change between TRL releases "
             "(listed in hf_dynbsz._trl_compat): run the test suite (or compare against stock GRPOTrainer) before "
             f"trusting results, or install 'trl>={lower},<{upper}'.",
             RuntimeWarning,

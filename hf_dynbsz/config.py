@@ -1,4 +1,5 @@
-"""``DynamicBatchGRPOConfig``: TRL's ``GRPOConfig`` plus the settings of token-budget micro-batching.
+"""``DynamicBatchGRPOConfig`` and ``DynamicBatchRLOOConfig``: TRL's ``GRPOConfig`` and ``RLOOConfig`` plus the settings
+of token-budget micro-batching (one set of fields, :class:`DynamicBatchFields`, from one settings table).
 
 Units: *samples* are completions; *tokens* are prompt + completion tokens; *per device* means one process,
 *global* means all processes. TRL's ``generation_batch_size`` keeps its meaning: GLOBAL samples per
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
 
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
@@ -22,7 +23,9 @@ from hf_dynbsz.planning.settings import DEFAULTS, config_docstring, setting
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields, validate_grpo_fields
 
 __all__ = [
+    "DynamicBatchFields",
     "DynamicBatchGRPOConfig",
+    "DynamicBatchRLOOConfig",
     "default_ddp_backend",
     "ensure_dynamic_batch_fields",
     "take_sequence_parallelism",
@@ -41,7 +44,11 @@ def _field(name: str):
 
 
 @dataclass
-class DynamicBatchGRPOConfig(GRPOConfig):
+class DynamicBatchFields:
+    """The plugin's fields and their ``__post_init__``, shared by the configs of both trainers: a dataclass placed
+    before TRL's config (``class DynamicBatchGRPOConfig(DynamicBatchFields, GRPOConfig)``), so its fields follow
+    TRL's and its ``__post_init__`` runs around TRL's."""
+
     dynamic_batching: bool = _field("dynamic_batching")
     max_tokens_per_microbatch: int | None = _field("max_tokens_per_microbatch")
     max_tokens_per_microbatch_logprob: int | None = _field("max_tokens_per_microbatch_logprob")
@@ -81,13 +88,23 @@ class DynamicBatchGRPOConfig(GRPOConfig):
                 generation_batch_size=self.generation_batch_size,
                 steps_per_generation=self.steps_per_generation,
             )
-            # 4. TRL's checks and derivations.
+            # 4. TRL's checks and derivations (GRPOConfig's or RLOOConfig's: the next class after this one).
             super().__post_init__()
             # 5. Ours (also converts string values from the command line or YAML).
             validate_dynamic_batch_fields(self)
             validate_grpo_fields(self)
         except ValueError as error:  # name the DIFFU_* variables behind the values
             raise with_env_sources(error, self) from None
+
+
+@dataclass
+class DynamicBatchGRPOConfig(DynamicBatchFields, GRPOConfig):
+    pass
+
+
+@dataclass
+class DynamicBatchRLOOConfig(DynamicBatchFields, RLOOConfig):
+    pass
 
 
 def take_sequence_parallelism(args) -> None:
@@ -197,18 +214,24 @@ def _rederive_and_validate(args, previous_per_device_train_batch_size: int) -> N
     validate_grpo_fields(args)
 
 
-DynamicBatchGRPOConfig.__doc__ = f"""
-    Configuration of [`~hf_dynbsz.DynamicBatchGRPOTrainer`]: every [`~trl.GRPOConfig`] parameter plus the ones
+def _config_doc(trainer: str) -> str:
+    return f"""
+    Configuration of [`~hf_dynbsz.DynamicBatch{trainer}Trainer`]: every [`~trl.{trainer}Config`] parameter plus the ones
     below (written once, in `hf_dynbsz.planning.settings`). With `dynamic_batching=False` the trainer behaves exactly
-    like TRL's `GRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
+    like TRL's `{trainer}Trainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
 
     Parameters:
 {config_docstring()}
     """
 
 
-def trainer_config(args, model):
-    """The trainer's config: stock's default when ``args`` is None, with the dynamic-batching fields in place.
+DynamicBatchGRPOConfig.__doc__ = _config_doc("GRPO")
+DynamicBatchRLOOConfig.__doc__ = _config_doc("RLOO")
+
+
+def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, algorithm: str = "GRPO"):
+    """The trainer's config: stock's default when ``args`` is None (``config_class`` with stock's output directory,
+    ``<model>-<algorithm>``), with the dynamic-batching fields in place.
 
     Raises before any work when DeepSpeed runs without a GPU and ``ddp_backend`` is unset (see
     :func:`default_ddp_backend`).
@@ -217,7 +240,7 @@ def trainer_config(args, model):
         from trl.trainer.utils import get_config_model_id
 
         name = model if isinstance(model, str) else get_config_model_id(model.config)
-        args = DynamicBatchGRPOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
+        args = config_class(output_dir=f"{name.split('/')[-1]}-{algorithm}")
     ensure_dynamic_batch_fields(args)
     if default_ddp_backend(args.ddp_backend) != args.ddp_backend and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(

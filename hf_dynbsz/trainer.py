@@ -1,12 +1,15 @@
-"""`DynamicBatchGRPOTrainer`: TRL's GRPOTrainer with token-budget micro-batches and the same math.
+"""`DynamicBatchGRPOTrainer` and `DynamicBatchRLOOTrainer`: TRL's GRPOTrainer and RLOOTrainer with token-budget
+micro-batches and the same math.
 
 An optimizer step consumes exactly stock's samples (stock's ``_prepare_inputs`` still generates, scores, shuffles
 and slices them). Instead of one forward/backward per fixed slice, the trainer collects the step's slices into a
 :class:`~hf_dynbsz.execution.batch.StepBatch` and hands it to the pass executor
 (:mod:`hf_dynbsz.execution.executor`), which plans and runs the step's passes with stock's per-sample loss weights.
-Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`.
+Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`; the two
+trainers differ only in their loss (:mod:`hf_dynbsz.execution.step_loss`), their config class and the signature of
+``_generate_single_turn``. Both hold the hooks of :class:`TokenBudgetHooks`.
 
-TRL hooks overridden, and why:
+TRL hooks overridden (the same names in both trainers), and why:
 
 * ``__init__``: stock's signature; the config gains the plugin's fields, and a dataset too small is refused early.
 * ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call.
@@ -28,47 +31,53 @@ import time
 import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOTrainer
 
 from hf_dynbsz._trl_compat import check_trl_version
-from hf_dynbsz.config import trainer_config
+from hf_dynbsz.config import DynamicBatchGRPOConfig, DynamicBatchRLOOConfig, trainer_config
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
+from hf_dynbsz.execution.step_loss import GRPOLoss, RLOOLoss
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 check_trl_version()
 
 _STOCK_INIT = inspect.signature(GRPOTrainer.__init__)
+_RLOO_STOCK_INIT = inspect.signature(RLOOTrainer.__init__)
 
 
-class DynamicBatchGRPOTrainer(GRPOTrainer):
-    """Drop-in replacement for :class:`trl.GRPOTrainer` with token-budget micro-batches.
+class TokenBudgetHooks:
+    """TRL's hooks over the pass executor, shared by the two trainers (placed before TRL's trainer class:
+    ``class DynamicBatchGRPOTrainer(TokenBudgetHooks, GRPOTrainer)``). A trainer class names its stock constructor's
+    signature, config class and loss; its ``__init__`` calls :meth:`_dynbsz_arguments` and :meth:`_dynbsz_start`."""
 
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchGRPOConfig` or a plain
-    ``GRPOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
-    """
+    _dynbsz_stock_init: inspect.Signature
+    _dynbsz_config_class: type
+    _dynbsz_loss_class: type
+    _dynbsz_algorithm: str  # stock's default output directory is <model>-<algorithm>
 
-    def __init__(self, *args, **kwargs):
-        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
+    def _dynbsz_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Stock's constructor arguments, with the plugin's config fields filled in before TRL reads them."""
         try:
-            bound = _STOCK_INIT.bind(self, *args, **kwargs)
+            bound = self._dynbsz_stock_init.bind(self, *args, **kwargs)
         except TypeError:
-            bound = None  # a call stock does not accept: stock's own __init__ raises its TypeError below
-        if bound is not None:
-            bound.arguments["args"] = trainer_config(bound.arguments.get("args"), bound.arguments["model"])
-            if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
-                validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
-            args, kwargs = bound.args[1:], bound.kwargs
-        super().__init__(*args, **kwargs)
-        self._dynbsz = build_executor(self)
+            return args, kwargs  # a call stock does not accept: stock's own __init__ raises its TypeError
+        bound.arguments["args"] = trainer_config(
+            bound.arguments.get("args"), bound.arguments["model"], self._dynbsz_config_class, self._dynbsz_algorithm
+        )
+        if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
+            validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
+        return bound.args[1:], bound.kwargs
+
+    def _dynbsz_start(self) -> None:
+        """After TRL's constructor: the executor with the trainer's loss, and the plan logged at the first step."""
+        self._dynbsz = build_executor(self, self._dynbsz_loss_class)
         self._dynbsz_window: list[dict] = []  # the optimizer step's stock slices, collected call by call
         self.add_callback(_LogPlanAtTrainBegin(self))
         destroy_process_group_at_exit()  # a script without trainer.end() must exit cleanly (final barrier, holds)
-
-    __init__.__signature__ = _STOCK_INIT
 
     def training_step(self, model, inputs, num_items_in_batch):
         # Override: collect the optimizer step's stock slices; run the step's passes on its last call.
@@ -184,8 +193,9 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
         self.state.total_flos += torch.cat(gather_values(flos)).sum().item()
         self.current_flos = 0
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # Override: bound generation memory by generating this device's samples in chunks.
+    def _generation_chunks(self, prompt_ids, images, multimodal_fields) -> list | None:
+        """This device's prompts in chunks of ``per_device_generation_batch_size``, or None where generation runs as
+        stock's (no chunk size, fewer prompts, vLLM or continuous batching, images)."""
         chunk = self.args.per_device_generation_batch_size
         if (
             chunk is None
@@ -196,22 +206,81 @@ class DynamicBatchGRPOTrainer(GRPOTrainer):
             or images is not None
             or multimodal_fields
         ):
+            return None
+        return [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
+
+
+class DynamicBatchGRPOTrainer(TokenBudgetHooks, GRPOTrainer):
+    """Drop-in replacement for :class:`trl.GRPOTrainer` with token-budget micro-batches.
+
+    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchGRPOConfig` or a plain
+    ``GRPOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
+    """
+
+    _dynbsz_stock_init = _STOCK_INIT
+    _dynbsz_config_class = DynamicBatchGRPOConfig
+    _dynbsz_loss_class = GRPOLoss
+    _dynbsz_algorithm = "GRPO"
+
+    def __init__(self, *args, **kwargs):
+        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
+        args, kwargs = self._dynbsz_arguments(args, kwargs)
+        super().__init__(*args, **kwargs)
+        self._dynbsz_start()
+
+    __init__.__signature__ = _STOCK_INIT
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # Override: bound generation memory by generating this device's samples in chunks.
+        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
+        if chunks is None:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         completion_ids = []
-        for start in range(0, len(prompt_ids), chunk):
+        for chunk in chunks:
             chunk_ids, _ = super()._generate_single_turn(
-                prompt_ids[start : start + chunk], None, multimodal_fields, num_generations, has_tool_images
+                chunk, None, multimodal_fields, num_generations, has_tool_images
             )
             completion_ids.extend(chunk_ids)
         return completion_ids, None
 
 
+class DynamicBatchRLOOTrainer(TokenBudgetHooks, RLOOTrainer):
+    """Drop-in replacement for :class:`trl.RLOOTrainer` with token-budget micro-batches.
+
+    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRLOOConfig` or a plain
+    ``RLOOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
+    """
+
+    _dynbsz_stock_init = _RLOO_STOCK_INIT
+    _dynbsz_config_class = DynamicBatchRLOOConfig
+    _dynbsz_loss_class = RLOOLoss
+    _dynbsz_algorithm = "RLOO"
+
+    def __init__(self, *args, **kwargs):
+        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
+        args, kwargs = self._dynbsz_arguments(args, kwargs)
+        super().__init__(*args, **kwargs)
+        self._dynbsz_start()
+
+    __init__.__signature__ = _RLOO_STOCK_INIT
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        # Override: bound generation memory by generating this device's samples in chunks.
+        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
+        if chunks is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        completion_ids = []
+        for chunk in chunks:
+            completion_ids.extend(super()._generate_single_turn(chunk, None, multimodal_fields))
+        return completion_ids
+
+
 class _LogPlanAtTrainBegin(TrainerCallback):
     """Logs the batch-size plan once, from the main process, when training starts."""
 
-    def __init__(self, trainer: DynamicBatchGRPOTrainer):
+    def __init__(self, trainer: TokenBudgetHooks):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -1,7 +1,10 @@
 """Worker for the multi-process tests: `accelerate launch --config_file <yaml> tests/distributed_grpo.py ...`.
 
-Trains stock GRPOTrainer or DynamicBatchGRPOTrainer from a saved tiny model and writes, from rank 0, the
-final (gathered) parameters, the completions every rank generated, and each rank's dynbsz metrics.
+Trains stock GRPOTrainer or DynamicBatchGRPOTrainer (``--trainer stock|dynamic``), or stock RLOOTrainer or
+DynamicBatchRLOOTrainer (``--trainer rloo_stock|rloo_dynamic``: the GRPO-only flags ``--loss_type``,
+``--top_entropy_quantile``, ``--entropy_coef`` do not apply, and RLOO has no ``rollout_func``: generation only) from a
+saved tiny model and writes, from rank 0, the final (gathered) parameters, the completions every rank generated, and
+each rank's dynbsz metrics.
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
 (18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
@@ -83,7 +86,7 @@ def corrupt_moved_samples(what: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["stock", "dynamic"], required=True)
+    parser.add_argument("--trainer", choices=["stock", "dynamic", "rloo_stock", "rloo_dynamic"], required=True)
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--loss_type", default="dapo")
@@ -195,21 +198,37 @@ def text_model(cli, out: str):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
 
 
-def train(cli, loss_type: str, out: str):
-    """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
+def trainer_classes(trainer: str):
+    """``(stock trainer, stock config, our trainer, our config)`` of ``--trainer``'s algorithm."""
+    if trainer.startswith("rloo"):
+        from trl import RLOOConfig, RLOOTrainer
+
+        from hf_dynbsz import DynamicBatchRLOOConfig, DynamicBatchRLOOTrainer
+
+        return RLOOTrainer, RLOOConfig, DynamicBatchRLOOTrainer, DynamicBatchRLOOConfig
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 
+    return GRPOTrainer, GRPOConfig, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig
+
+
+def train(cli, loss_type: str, out: str):
+    """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
+    stock_trainer, stock_config, dynamic_trainer, dynamic_config = trainer_classes(cli.trainer)
+    rloo = cli.trainer.startswith("rloo")
+    if rloo and (cli.rollout != "generate" or cli.vision):
+        raise SystemExit("--trainer rloo_*: RLOOTrainer takes no rollout_func (--rollout generate, no --vision)")
     overrides = dict(
-        loss_type=loss_type,
         beta=cli.beta,
         num_iterations=cli.num_iterations,
         max_steps=cli.max_steps,
-        top_entropy_quantile=cli.top_entropy_quantile,
-        entropy_coef=cli.entropy_coef,
         router_aux_loss_coef=cli.router_aux_loss_coef,
     )
+    if not rloo:  # GRPO's loss settings
+        overrides.update(
+            loss_type=loss_type, top_entropy_quantile=cli.top_entropy_quantile, entropy_coef=cli.entropy_coef
+        )
     if cli.lopsided:
         overrides.update(
             shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
@@ -222,18 +241,19 @@ def train(cli, loss_type: str, out: str):
         overrides.update(ddp_find_unused_parameters=True, max_completion_length=24)
         # built before the config: under ZeRO-3 a config makes models built afterwards partitioned at birth
         vision_model, processor = build_tiny_vision_language_model(cli.vision)
-    if cli.trainer == "stock":
+    if cli.trainer.endswith("stock"):
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**base_config_kwargs(out + "-run", ddp_backend="gloo", **overrides))
+        trainer_cls = stock_trainer
+        args = stock_config(**base_config_kwargs(out + "-run", ddp_backend="gloo", **overrides))
     else:
-        trainer_cls = DynamicBatchGRPOTrainer
+        trainer_cls = dynamic_trainer
         if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
             from accelerate.parallelism_config import ParallelismConfig
 
             overrides.update(
                 parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel)
             )
-        args = DynamicBatchGRPOConfig(
+        args = dynamic_config(
             **base_config_kwargs(
                 out + "-run",
                 max_tokens_per_microbatch=cli.budget or None,
@@ -297,7 +317,12 @@ def train(cli, loss_type: str, out: str):
         kwargs.update(environment_factory=CountingEnvironment, reward_funcs=None, train_dataset=None)
     trainer = trainer_cls(**kwargs)
     trainer.train()
+    write_results(trainer, reward, cli, out)
+    return trainer
 
+
+def write_results(trainer, reward, cli, out: str) -> None:
+    """Each rank's record and, from rank 0, the final (gathered) parameters, under ``out``."""
     accelerator = trainer.accelerator
     unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -312,6 +337,12 @@ def train(cli, loss_type: str, out: str):
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    # the loss metrics stock logs per slice and the Trainer averages per step (entropy, clip ratios)
+    logged = [
+        {name: entry[name] for name in entry if name == "entropy" or name.startswith("clip_ratio/")}
+        for entry in trainer.state.log_history
+        if "entropy" in entry
+    ]
     rank_record = {
         "rank": accelerator.process_index,
         "completions": reward.completions,
@@ -319,6 +350,7 @@ def train(cli, loss_type: str, out: str):
         "rewards": rewards,
         "aux_losses": aux_losses,
         "losses": losses,
+        "logged": logged,
     }
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)
@@ -328,7 +360,6 @@ def train(cli, loss_type: str, out: str):
     if not cli.plain_exit:
         accelerator.wait_for_everyone()
     # --plain_exit: as a user's script, no barrier: process 0 still saves while the others return and exit
-    return trainer
 
 
 if __name__ == "__main__":

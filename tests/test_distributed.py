@@ -79,7 +79,7 @@ def read_records(out: Path, config: str, trainer: str) -> list[dict]:
     return records
 
 
-#: Flags of tests/distributed_grpo.py that only DynamicBatchGRPOTrainer reads: stock's run is the same without them.
+#: Flags of tests/distributed_grpo.py that only the plugin's trainers read: stock's run is the same without them.
 OURS_ONLY = frozenset(
     {"budget", "balance", "max_memory_mib", "inject_oom", "mutate", "oversize_policy", "tensor_batch_size"}
 )
@@ -89,16 +89,19 @@ class SharedLaunches:
     """2-process runs of tests/distributed_grpo.py, each run once per module and shared by the tests that read it.
 
     A launch's start-up (about 14 s on 2 CPU cores) costs more than a tiny run (about 2 s): the runs a backend's
-    tests compare (``SHARED_RUNS``) train in one launch per trainer (``--scenarios``), and a stock run other tests
-    compare against too (named by its flags, ``OURS_ONLY`` left out) is launched once."""
+    tests compare (``shared_runs``, default ``SHARED_RUNS``) train in one launch per trainer (``--scenarios``), and a
+    stock run other tests compare against too (named by its flags, ``OURS_ONLY`` left out) is launched once.
+    ``trainer`` is the worker's ``--trainer`` (a stock one ends in ``stock``)."""
 
-    def __init__(self, directory: Path, model_dir: str) -> None:
+    def __init__(self, directory: Path, model_dir: str, shared_runs: dict | None = None) -> None:
         self.directory, self.model_dir, self.runs = directory, model_dir, {}
+        self.shared_runs = SHARED_RUNS if shared_runs is None else shared_runs
 
     @staticmethod
     def flags(trainer: str, options: dict) -> dict:
         """The flags of ``options`` that ``trainer`` reads (stock: ``OURS_ONLY`` left out)."""
-        return {name: value for name, value in options.items() if trainer != "stock" or name not in OURS_ONLY}
+        stock = trainer.endswith("stock")
+        return {name: value for name, value in options.items() if not stock or name not in OURS_ONLY}
 
     @classmethod
     def key(cls, trainer: str, config: str, model_dir: str, options: dict) -> tuple:
@@ -108,7 +111,7 @@ class SharedLaunches:
         """The output prefix and each rank's record of ``trainer``'s run with ``options``."""
         key = self.key(trainer, config, model_dir, options)
         if key not in self.runs:
-            shared = SHARED_RUNS.get(config, {}) if model_dir == self.model_dir else {}
+            shared = self.shared_runs.get(config, {}) if model_dir == self.model_dir else {}
             group = {}  # one run per key not yet run (stock's runs of several scenarios can be one)
             for name, flags in shared.items():
                 run = self.key(trainer, config, model_dir, flags)

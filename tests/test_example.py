@@ -202,3 +202,24 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
     logged = [entry["step"] for entry in state["log_history"] if "reward" in entry]
     assert logged == [1, 2, 3, 4, 5, 6]  # steps 1-2 from the checkpoint, 3-6 from the resumed run
     assert all("dynbsz/computed_tokens" in entry for entry in state["log_history"] if "reward" in entry)
+
+
+def test_rloo_example_short_single_process(tmp_path):
+    """examples/rloo.py: the same demo on DynamicBatchRLOOTrainer, with RLOO's reference model (beta 0.05) loaded
+    from the initial tiny model it saves."""
+    output = run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "rloo.py"),
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+            *SHORT,
+        ],
+        cwd=tmp_path,
+    )
+    assert "hf_dynbsz batch-size plan" in output
+    assert re.search(r"step +2 \| reward=[0-9.]+ \| .*dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)", output)
+    assert summary_steps(output) == 2
+    assert (tmp_path / "out" / "initial-model" / "config.json").exists()  # the reference model's weights

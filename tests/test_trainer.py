@@ -338,10 +338,13 @@ def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- drop-in: stock's constructor and hook signatures
-def overridden_stock_methods() -> list[str]:
-    return [
-        name for name, value in vars(DynamicBatchGRPOTrainer).items() if callable(value) and hasattr(GRPOTrainer, name)
-    ]
+def overridden_stock_methods(ours=DynamicBatchGRPOTrainer, stock=GRPOTrainer) -> list[str]:
+    """Stock's methods that ``ours`` or a class of the plugin it inherits from (the hooks both trainers share)
+    defines."""
+    plugin = [cls for cls in ours.__mro__ if cls.__module__.startswith("hf_dynbsz")]
+    return sorted(
+        {name for cls in plugin for name, value in vars(cls).items() if callable(value) and hasattr(stock, name)}
+    )
 
 
 def test_constructor_and_overridden_hooks_have_stocks_signatures():

@@ -35,26 +35,43 @@ def resolve(path: str):
         return importlib.import_module(path)
 
 
+def trainer_pair(owner: str):
+    """``(stock class, ours)`` of an owner ``"trl.GRPOTrainer"`` / ``"trl.RLOOTrainer"`` (or its instance)."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer
+
+    if "RLOOTrainer" in owner:
+        return RLOOTrainer, DynamicBatchRLOOTrainer
+    return GRPOTrainer, DynamicBatchGRPOTrainer
+
+
 @pytest.fixture(scope="module")
-def stock_trainer(tmp_path_factory):
+def stock_trainers(tmp_path_factory):
+    """A stock trainer of each kind, by the owner name of its instance attributes."""
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, RLOOConfig
 
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-    args = GRPOConfig(**base_config_kwargs(str(tmp_path_factory.mktemp("out"))))
-    return GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=RecordingReward(),
-        args=args,
-        train_dataset=prompt_dataset(),
-        processing_class=load_tokenizer(model_dir),
-    )
+    trainers = {}
+    for owner, config in (("GRPOTrainer instance", GRPOConfig), ("RLOOTrainer instance", RLOOConfig)):
+        stock, _ = trainer_pair(owner)
+        trainers[owner] = stock(
+            model=AutoModelForCausalLM.from_pretrained(model_dir),
+            reward_funcs=RecordingReward(),
+            args=config(**base_config_kwargs(str(tmp_path_factory.mktemp("out")), beta=0.0)),
+            train_dataset=prompt_dataset(),
+            processing_class=load_tokenizer(model_dir),
+        )
+    return trainers
 
 
 @pytest.mark.parametrize("entry", INTERNAL_NAMES, ids=lambda entry: f"{entry.owner}.{entry.name}")
-def test_internal_name_exists_in_the_installed_versions(entry, stock_trainer):
-    if entry.owner == "GRPOTrainer instance":
-        assert hasattr(stock_trainer, entry.name), f"GRPOTrainer no longer sets {entry.name} ({entry.why})"
+def test_internal_name_exists_in_the_installed_versions(entry, stock_trainers):
+    stock_trainer = stock_trainers["GRPOTrainer instance"]
+    if entry.owner in stock_trainers:
+        trainer = stock_trainers[entry.owner]
+        assert hasattr(trainer, entry.name), f"{type(trainer).__name__} no longer sets {entry.name} ({entry.why})"
         return
     if entry.owner == "transformers.PretrainedConfig instance":
         assert hasattr(stock_trainer.model.config, entry.name)
@@ -140,17 +157,16 @@ def returned_lengths(function) -> set[int]:
 
 @pytest.mark.parametrize("entry", OVERRIDES, ids=lambda entry: entry.name)
 def test_each_override_fits_stock_callers(entry):
-    """Stock's callers can call the override (same parameters, same order) and unpack what it returns."""
-    from trl import GRPOTrainer
-
-    from hf_dynbsz import DynamicBatchGRPOTrainer
-
-    stock, override = getattr(GRPOTrainer, entry.name), getattr(DynamicBatchGRPOTrainer, entry.name)
+    """Stock's callers can call the override (same parameters, same order) and unpack what it returns (a tuple of
+    ``entry.returns`` values; one value, not a tuple, where it is None)."""
+    stock_class, ours = trainer_pair(entry.owner)
+    stock, override = getattr(stock_class, entry.name), getattr(ours, entry.name)
     assert override is not stock
     assert override_drift(inspect.signature(stock), inspect.signature(override)) == []
-    stock_module = inspect.getsource(inspect.getmodule(GRPOTrainer))
-    assert unpacked_lengths(stock_module, entry.name) == {entry.returns}, f"stock unpacks {entry.name} differently"
-    assert returned_lengths(override) == {entry.returns}
+    stock_module = inspect.getsource(inspect.getmodule(stock_class))
+    expected = set() if entry.returns is None else {entry.returns}
+    assert unpacked_lengths(stock_module, entry.name) == expected, f"stock unpacks {entry.name} differently"
+    assert returned_lengths(override) == expected
 
 
 # TRL v1.9.0's _generate_single_turn, signature as in its trl/trainer/grpo_trainer.py (the body is not needed)

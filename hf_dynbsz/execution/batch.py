@@ -25,12 +25,14 @@ __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
 
 #: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence), and
 #: the value that pads a row past its completion: neutral where TRL sums over all columns (vespo sums the log of
-#: the importance ratio over the row, and TRL's own ratio is 1 past the completion mask).
+#: the importance ratio over the row, and TRL's own ratio is 1 past the completion mask). ``old_logps`` is
+#: RLOOTrainer's: each sequence's summed old-policy log-probs, ``(rows,)``.
 PER_TOKEN_KEYS = {
     "old_per_token_logps": 0.0,
     "ref_per_token_logps": 0.0,
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 1.0,
+    "old_logps": 0.0,
 }
 
 
@@ -38,6 +40,15 @@ def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.
     if tensor.size(1) >= width:
         return tensor[:, :width]
     return torch.cat([tensor, tensor.new_full((tensor.size(0), width - tensor.size(1)), value)], dim=1)
+
+
+def _num_items(inputs: dict, rows: int) -> torch.Tensor:
+    """``(rows,)``: the generation round's global loss tokens GRPOTrainer hands each slice (``num_items_in_batch``);
+    zeros for a trainer whose loss does not read it (RLOOTrainer)."""
+    items = inputs.get("num_items_in_batch")
+    if items is None:
+        return torch.zeros(rows)
+    return items.detach().float().cpu().expand(rows)
 
 
 @dataclass
@@ -112,12 +123,12 @@ class StepBatch:
             adv = inputs["advantages"]
             advantages.append(_pad_columns(adv, width) if adv.dim() == 2 else adv)
             for key in keys:
-                values = inputs[key]
+                values = inputs[key] if inputs[key].dim() == 2 else inputs[key].unsqueeze(1)  # (rows,): per sequence
                 per_token[key].append(
                     values if values.size(1) == 1 else _pad_columns(values, width, PER_TOKEN_KEYS[key])
                 )
             slice_ids.append(torch.full((rows,), rank * len(window) + slice_id, dtype=torch.long))
-            num_items.append(inputs["num_items_in_batch"].detach().float().cpu().expand(rows))
+            num_items.append(_num_items(inputs, rows))
             slice_tokens.append(rows * (inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)))
         slice_rows = torch.zeros(num_processes * len(window), dtype=torch.long)
         slice_rows[rank * len(window) : (rank + 1) * len(window)] = torch.tensor([len(ids) for ids in slice_ids])

@@ -43,7 +43,6 @@ from hf_dynbsz.execution.layout_timing import (
     family,
     pass_clock,
 )
-from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.multimodal import MediaPolicy, rope_positions
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
@@ -67,10 +66,11 @@ PassFunction = Callable[[object, object, list[int], bool], None]
 
 @dataclasses.dataclass
 class _TrainingPasses:
-    """A training attempt's samples (after the exchange), entropy bonus, metrics and per-pass losses."""
+    """A training attempt's samples (after the exchange), the loss's state (GRPO's entropy bonus; see
+    :class:`~hf_dynbsz.execution.step_loss.StepLoss`), metrics and per-pass losses."""
 
     batch: StepBatch
-    bonus: EntropyBonus | None
+    loss_state: object
     metrics: StepMetrics
     losses: list[torch.Tensor]
 
@@ -86,16 +86,18 @@ class _NoGradPasses:
 
 
 class PassExecutor:
-    """Runs a step's passes for a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` (``trainer``: TRL's loss
-    settings, metrics store and hooks). Built at start by :func:`hf_dynbsz.execution.setup.build_executor`."""
+    """Runs a step's passes for a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` or
+    :class:`~hf_dynbsz.trainer.DynamicBatchRLOOTrainer` (``trainer``: TRL's metrics store and hooks) with the trainer's
+    loss (``loss``: :class:`~hf_dynbsz.execution.step_loss.StepLoss`). Built at start by
+    :func:`hf_dynbsz.execution.setup.build_executor`."""
 
-    def __init__(self, trainer, *, capabilities, parallel, memory, meters, world) -> None:
+    def __init__(self, trainer, *, capabilities, parallel, memory, meters, world, loss) -> None:
         self.trainer, self.accelerator, self.args = trainer, trainer.accelerator, trainer.args
         self.capabilities, self.scheduler, self.enabled = capabilities, capabilities.scheduler, capabilities.enabled
         self.parallel, self.memory, self.meters, self.world = parallel, memory, meters, world
         self.media = MediaPolicy.of(capabilities.vision_language, self.accelerator, world)
         self.recovery = OutOfMemoryRecovery(self.accelerator, memory, meters, sequence_parallel_size=parallel.size)
-        self.loss_settings = LossSettings.from_trainer(trainer)
+        self.loss = loss  # the trainer's per-sample loss and weights (GRPO's or RLOO's)
         self.pad_token_id = trainer._tokenizer.pad_token_id
         self.checked = not self.args.self_check
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
@@ -217,18 +219,8 @@ class PassExecutor:
         trainer, device = self.trainer, self.accelerator.device
         with self.meters.clock.phase("train"):
             ga = trainer.current_gradient_accumulation_steps
-            aux = self._step_statistics(model, batch, ga)
-            batch.policy_weights, batch.entropy_weights = sample_weights(
-                self.loss_settings,
-                batch.loss_tokens,
-                batch.slice_ids,
-                batch.slice_rows,
-                batch.num_items,
-                gradient_accumulation_steps=ga,
-                steps_per_generation=self.args.steps_per_generation,
-                num_processes=self.accelerator.num_processes,
-                entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
-            )
+            aux, entropies = self._step_statistics(model, batch, ga)
+            self.loss.weigh(batch, entropies, gradient_accumulation_steps=ga)
             pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
             start = partial(self._start_training, pooled, aux)
             schedule, state = self.run(
@@ -238,14 +230,13 @@ class PassExecutor:
             losses = state.losses
             total = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
             total = total / self.parallel.size  # a group's processes each hold its whole loss: logged once
-            if state.bonus is not None:
-                state.bonus.finish(trainer, ga)
+            self.loss.finish(state.loss_state, ga)
             if aux is not None:
                 aux.publish(trainer._metrics["train"], self.accelerator)
         state.metrics.publish(
             trainer._metrics["train"],
             self.accelerator,
-            loss_type=trainer.loss_type,
+            loss_type=self.loss.loss_type,
             schedule=schedule,
             stock_computed_tokens=state.batch.stock_computed_tokens,
             group=self.scheduler.group,
@@ -278,10 +269,11 @@ class PassExecutor:
         else:
             self.scheduler = kept.scheduler
 
-    def _step_statistics(self, model, batch: StepBatch, ga: int) -> RouterAuxLoss | None:
-        """What the passes need from the whole step before the first: stock's high-entropy mask and, for an MoE
-        model, every stock micro-batch's expert counts (one no-grad pass over the step's samples). Returns the
-        step's router aux loss (None without one)."""
+    def _step_statistics(self, model, batch: StepBatch, ga: int):
+        """What the passes need from the whole step before the first, from one no-grad pass over the step's samples:
+        per-token entropies where the loss's weights need them (GRPO's ``top_entropy_quantile``) and, for an MoE
+        model, every stock micro-batch's expert counts. Returns the step's router aux loss and the entropies (each
+        None without one)."""
         trainer = self.trainer
         aux = None
         if self.capabilities.router_aux:  # stock's MoE router aux loss, per sample
@@ -289,34 +281,16 @@ class PassExecutor:
             aux = RouterAuxLoss(
                 trainer.router_aux_loss_coef, *router, len(batch.slice_rows), ga, self.accelerator.device
             )
-        masked = trainer.top_entropy_quantile < 1.0
+        masked = self.loss.needs_step_entropies
         if not masked and aux is None:
-            return None
+            return None, None
         _, entropies, counts = self.no_grad_passes(
             model, batch.table, batch.width, masked, batch.stock_microbatch_tokens, router=aux
         )
-        if masked:
-            batch.high_entropy = self._high_entropy_mask(batch, entropies)
         if aux is not None:
             aux.add_counts(batch.slice_ids, counts)
             aux.agree(self.accelerator)
-        return aux
-
-    def _high_entropy_mask(self, batch: StepBatch, entropies: torch.Tensor) -> torch.Tensor:
-        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from the entropies of one no-grad pass.
-
-        Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so the
-        mask must be known before the first pass: TRL's own ``get_high_entropy_mask`` is applied slice by slice to
-        the entropies of a no-grad pass over the step (the same gathers on every rank: one per slice).
-        """
-        high_entropy = torch.zeros_like(batch.loss_mask)
-        slice_ids = batch.slice_ids.to(batch.loss_mask.device)
-        quantile = 1 - self.trainer.top_entropy_quantile
-        for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
-            rows = (slice_ids == slice_id).nonzero().flatten()
-            selected = self.trainer.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], quantile)
-            high_entropy[rows] = selected.to(batch.loss_mask.dtype)
-        return high_entropy
+        return aux, entropies
 
     def _start_training(self, pooled: StepBatch, aux: RouterAuxLoss | None, schedule) -> _TrainingPasses:
         """A training attempt: cross-rank balancing gives this process the samples it runs."""
@@ -324,10 +298,7 @@ class PassExecutor:
         moved = moved.weights_on(self.accelerator.device)  # once per step: each pass picks its rows on the device
         if aux is not None:
             aux.probabilities.zero_()
-        bonus = None
-        if self.trainer._entropy_bonus_enabled:
-            bonus = EntropyBonus(self.trainer, len(moved.slice_rows), self.accelerator.device)
-        return _TrainingPasses(moved, bonus, StepMetrics(), [])
+        return _TrainingPasses(moved, self.loss.attempt(moved), self.loss.metrics(moved), [])
 
     def _train(self, model, aux: RouterAuxLoss | None, state: _TrainingPasses, schedule, group, last: bool) -> None:
         """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
@@ -337,7 +308,7 @@ class PassExecutor:
             logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
         with record_function("dynbsz/loss"):
             rows = state.batch.rows(group, logps.size(1), mb.sample_index)
-            loss, loss_metrics = microbatch_loss(self.loss_settings, logps, entropies, rows, state.bonus)
+            loss, loss_metrics = self.loss.pass_loss(state.loss_state, logps, entropies, rows)
             if aux is not None:
                 loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
         with record_function("dynbsz/backward"):
@@ -561,6 +532,7 @@ class PassExecutor:
             with self.no_sync(model, last):
                 with self.trainer.compute_loss_context_manager(), self.tiles():
                     loss = self.trainer.compute_loss(model, inputs)
+                loss = self.loss.stock_loss(loss, self.trainer.current_gradient_accumulation_steps)
                 self.backward(model, loss, last)
             total += loss.detach()
         return total

@@ -1,8 +1,9 @@
 """Start-up of a run (torch layer): what the trainer holds after TRL's constructor, and the plan it logs.
 
-:func:`build_executor` reads the run's capabilities off the model and settings
-(:class:`~hf_dynbsz.planning.capabilities.Capabilities`), refuses a sequence parallelism the run cannot use before any
-work, forms its groups, builds the memory model and returns the :class:`~hf_dynbsz.execution.executor.PassExecutor`.
+:func:`build_executor` builds the trainer's loss (:mod:`hf_dynbsz.execution.step_loss`: GRPO's or RLOO's), reads the
+run's capabilities off the model and settings (:class:`~hf_dynbsz.planning.capabilities.Capabilities`), refuses a
+sequence parallelism the run cannot use before any work, forms its groups, builds the memory model and returns the
+:class:`~hf_dynbsz.execution.executor.PassExecutor`.
 :func:`log_batch_size_plan` writes the start-up plan table (:mod:`hf_dynbsz.planning.plan`) from the main process.
 """
 
@@ -18,6 +19,7 @@ from hf_dynbsz.execution.attention import device_facts
 from hf_dynbsz.execution.device_memory import pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
+from hf_dynbsz.execution.step_loss import GRPOLoss, StepLoss
 from hf_dynbsz.parallel.distributed import ProcessGroup, zero3_on_several_processes
 from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.planning.capabilities import Capabilities
@@ -36,10 +38,12 @@ logger = logging.getLogger("hf_dynbsz")
 __all__ = ["build_executor", "log_batch_size_plan"]
 
 
-def build_executor(trainer) -> PassExecutor:
-    """The executor of ``trainer`` (a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` after TRL's constructor),
-    with every decision of the run made once: capabilities (logged with their reasons), sequence parallelism, the
-    memory model, the vision-language policy."""
+def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecutor:
+    """The executor of ``trainer`` (a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` or
+    :class:`~hf_dynbsz.trainer.DynamicBatchRLOOTrainer` after TRL's constructor), with every decision of the run made
+    once: its loss (``loss_class`` built from the trainer), capabilities (logged with their reasons), sequence
+    parallelism, the memory model, the vision-language policy."""
+    loss = loss_class(trainer)
     model, accelerator = base_model(trainer.model), trainer.accelerator
     world = ProcessGroup(accelerator)  # every process (decisions all must agree on)
     capabilities = Capabilities.of(
@@ -53,7 +57,7 @@ def build_executor(trainer) -> PassExecutor:
     )
     for note in capabilities.notes:
         logger.warning("hf_dynbsz: %s.", note)
-    parallel = _sequence_parallel(trainer, model, capabilities)
+    parallel = _sequence_parallel(trainer, model, capabilities, loss)
     meters = StepMeters(
         capabilities.support.model_flops,
         accelerator.device,
@@ -62,14 +66,14 @@ def build_executor(trainer) -> PassExecutor:
     )
     memory = _memory_model(trainer.args, accelerator, model, capabilities.support.attn_implementation)
     executor = PassExecutor(
-        trainer, capabilities=capabilities, parallel=parallel, memory=memory, meters=meters, world=world
+        trainer, capabilities=capabilities, parallel=parallel, memory=memory, meters=meters, world=world, loss=loss
     )
     if executor.enabled and executor.media.note:
         logger.warning("hf_dynbsz: %s.", executor.media.note)
     return executor
 
 
-def _sequence_parallel(trainer, model, capabilities: Capabilities):
+def _sequence_parallel(trainer, model, capabilities: Capabilities, loss: StepLoss):
     """``sequence_parallel_size`` > 1: check the run allows it (raise before any work), form the groups and plan
     passes between groups (:mod:`hf_dynbsz.parallel.sequence_parallel`); size 1: the identity."""
     size = int(getattr(trainer.args, "sequence_parallel_size", 1) or 1)
@@ -82,7 +86,7 @@ def _sequence_parallel(trainer, model, capabilities: Capabilities):
         support=capabilities.support,
         vision_language=capabilities.vision_language,
         router_aux=capabilities.router_aux,
-        entropy_bonus=bool(trainer._entropy_bonus_enabled),
+        entropy_bonus=loss.entropy_bonus,
         text_config=text_config_of(model.config),
     )
     if blocker is not None:

@@ -1,0 +1,117 @@
+"""RLOO with token-budget micro-batches: ``examples/grpo.py``'s script, on ``DynamicBatchRLOOTrainer``.
+
+**No arguments: an offline demo** (nothing is downloaded; 1-2 minutes on 2 CPU cores)::
+
+    python examples/rloo.py
+    accelerate launch examples/rloo.py
+
+The same tiny task as ``examples/grpo.py`` (a tiny Qwen2-style model with random weights learns to answer a prompt
+word with a completion of the length the word names: 4 to 60 characters), trained by RLOO: each completion's
+advantage is its reward minus the mean reward of the other completions of its prompt, with RLOO's default KL
+penalty in the reward (``beta`` 0.05: the reference model is the initial tiny model, saved to
+``<output_dir>/initial-model`` so that TRL can load it). The run prints the batch-size table, one line per optimizer
+step (``reward``, ``dynbsz/microbatches_max_over_ranks`` against stock's fixed count, ``dynbsz/computed_tokens``
+against ``dynbsz/stock_computed_tokens``, ...) and a summary; the model and ``trainer_state.json`` are saved to
+``runs/rloo-tiny``.
+
+**With a model and a dataset**, as TRL's own ``trl/scripts/rloo.py``::
+
+    python examples/rloo.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K \\
+        --reward_funcs think_format_reward --max_completion_length 1024 --output_dir runs/rloo-qwen3
+
+Every ``DynamicBatchRLOOConfig`` option is a flag (``--max_tokens_per_microbatch 8192``, ``--dynamic_batching false``
+for stock RLOOTrainer, ...), as is every ``RLOOConfig`` / ``TrainingArguments`` and ``ModelConfig`` one; the script
+arguments, rewards, console output and multi-process notes are ``examples/grpo.py``'s (this script imports them from
+it: keep the two files together).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from trl import ModelConfig, TrlParser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the two scripts
+import grpo  # noqa: E402
+
+from hf_dynbsz import DynamicBatchRLOOConfig  # noqa: E402
+
+MODEL_DEFAULTS = dict(output_dir="runs/rloo")
+# The offline demo: examples/grpo.py's settings (RLOO's own defaults otherwise, beta 0.05 included).
+TINY_DEFAULTS = dict(grpo.TINY_DEFAULTS, output_dir="runs/rloo-tiny")
+
+
+def tiny_reference(model, tokenizer, output_dir: str, is_main_process: bool) -> None:
+    """Save the initial tiny model where TRL loads the reference model from (``beta`` > 0: TRL builds it from the
+    policy's ``name_or_path``), by the main process; every process then points its model there."""
+    from accelerate import PartialState
+
+    path = os.path.join(output_dir, "initial-model")
+    with PartialState().main_process_first():
+        if is_main_process:
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    model.config._name_or_path = path
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = grpo.uses_named_model(argv)
+    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
+    parser = TrlParser((grpo.GRPOScriptArguments, DynamicBatchRLOOConfig, ModelConfig))
+    parser.set_defaults(**defaults)
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    grpo.setup_logging(training_args.process_index == 0)
+
+    from hf_dynbsz import DynamicBatchRLOOTrainer
+
+    if named:
+        model, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
+        reward_names = script_args.reward_funcs
+    else:
+        if script_args.dataset_name:
+            raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
+        if "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
+        model, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+        if training_args.beta != 0.0:
+            tiny_reference(model, tokenizer, training_args.output_dir, training_args.process_index == 0)
+        dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed)
+        peft_config, reward_names = None, ["length_reward"]
+
+    eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
+    target = script_args.target_length or max(1, training_args.max_completion_length // 2)
+    trainer = DynamicBatchRLOOTrainer(
+        model=model,
+        reward_funcs=grpo.build_reward_funcs(reward_names, target, eos_ids),
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    stock_passes = training_args.gradient_accumulation_steps  # stock: one pass per accumulation step
+    if script_args.log_style == "compact":
+        grpo.use_compact_logs(trainer, stock_passes)
+
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=grpo.resume_value(training_args.resume_from_checkpoint))
+    seconds = time.perf_counter() - start
+
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: what `hf-dynbsz report` reads
+    accelerator = trainer.accelerator
+    accelerator.print(f"Model, tokenizer and trainer_state.json saved to {training_args.output_dir}")
+    accelerator.print(grpo.summarize(trainer.state.log_history, stock_passes, accelerator.num_processes, seconds))
+    accelerator.wait_for_everyone()
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
+        trainer.end()
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The loss the pass executor trains with: one object per TRL trainer, chosen at setup (torch layer).
+
+Everything the executor does (the budget, the layouts, shared prompts, balancing, sequence parallelism, the memory
+budget, out-of-memory recovery, the router aux loss) is the same for every trainer; what differs is each sample's
+loss and weight, and the loss metrics stock logs. :class:`StepLoss` is that part, and the executor holds one:
+
+* :class:`GRPOLoss`: ``GRPOTrainer``'s loss types, entropy bonus and ``top_entropy_quantile``
+  (:mod:`hf_dynbsz.execution.loss`);
+* :class:`RLOOLoss`: ``RLOOTrainer``'s sequence-level clipped ratio of summed log-probs
+  (:mod:`hf_dynbsz.execution.rloo_loss`).
+
+The trainer class names its loss (``DynamicBatchGRPOTrainer`` -> :class:`GRPOLoss`, ``DynamicBatchRLOOTrainer`` ->
+:class:`RLOOLoss`); :func:`hf_dynbsz.execution.setup.build_executor` builds it from the trainer after TRL's
+constructor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.rloo_loss import RLOOSettings, SliceMetrics, rloo_pass_loss, rloo_sample_weights
+
+__all__ = ["GRPOLoss", "RLOOLoss", "StepLoss"]
+
+
+class StepLoss(Protocol):
+    """What the executor asks of a trainer's loss, per optimizer step (``state``: what one training attempt of the
+    step carries from pass to pass, e.g. the entropy bonus's sums; None when the loss needs none)."""
+
+    #: the name :meth:`~hf_dynbsz.execution.metrics.StepMetrics.publish` reads (stock's clip extremes for GRPO's
+    #: clipped loss types)
+    loss_type: str
+    #: the loss has an entropy term (sequence parallelism does not run it)
+    entropy_bonus: bool
+    #: the step's weights need its per-token entropies, from one no-grad pass before the first training pass
+    needs_step_entropies: bool
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        """Set ``batch``'s per-sample weights (and masks) to stock's, in place."""
+
+    def attempt(self, batch: StepBatch):
+        """The state of one training attempt over ``batch`` (the samples this process runs)."""
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        """The metrics of one training attempt over ``batch``."""
+
+    def pass_loss(
+        self, state, per_token_logps: torch.Tensor, entropies: torch.Tensor, rows: SampleRows
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One pass's loss (with gradient) and the tensors its metrics read."""
+
+    def finish(self, state, gradient_accumulation_steps: int) -> None:
+        """Stock's bookkeeping at the optimizer-step boundary."""
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        """Stock's ``compute_loss`` of one slice as the Trainer backpropagates it (for steps that keep stock's
+        slices)."""
+
+
+class GRPOLoss:
+    """``GRPOTrainer``'s loss: :func:`~hf_dynbsz.execution.loss.sample_weights` for every loss type, the entropy bonus
+    (:class:`~hf_dynbsz.execution.loss.EntropyBonus`) and ``top_entropy_quantile``'s per-slice mask."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.settings = LossSettings.from_trainer(trainer)
+        self.loss_type = trainer.loss_type
+        self.entropy_bonus = bool(trainer._entropy_bonus_enabled)
+        self.needs_step_entropies = trainer.top_entropy_quantile < 1.0
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        if self.needs_step_entropies:
+            batch.high_entropy = self._high_entropy_mask(batch, entropies)
+        batch.policy_weights, batch.entropy_weights = sample_weights(
+            self.settings,
+            batch.loss_tokens,
+            batch.slice_ids,
+            batch.slice_rows,
+            batch.num_items,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            steps_per_generation=self.trainer.args.steps_per_generation,
+            num_processes=self.trainer.accelerator.num_processes,
+            entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
+        )
+
+    def _high_entropy_mask(self, batch: StepBatch, entropies: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from the entropies of one no-grad pass.
+
+        Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so the
+        mask must be known before the first pass: TRL's own ``get_high_entropy_mask`` is applied slice by slice to
+        the entropies of a no-grad pass over the step (the same gathers on every rank: one per slice).
+        """
+        high_entropy = torch.zeros_like(batch.loss_mask)
+        slice_ids = batch.slice_ids.to(batch.loss_mask.device)
+        quantile = 1 - self.trainer.top_entropy_quantile
+        for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
+            rows = (slice_ids == slice_id).nonzero().flatten()
+            selected = self.trainer.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], quantile)
+            high_entropy[rows] = selected.to(batch.loss_mask.dtype)
+        return high_entropy
+
+    def attempt(self, batch: StepBatch) -> EntropyBonus | None:
+        if not self.trainer._entropy_bonus_enabled:
+            return None
+        return EntropyBonus(self.trainer, len(batch.slice_rows), self.trainer.accelerator.device)
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics()
+
+    def pass_loss(self, state: EntropyBonus | None, per_token_logps, entropies, rows: SampleRows):
+        return microbatch_loss(self.settings, per_token_logps, entropies, rows, state)
+
+    def finish(self, state: EntropyBonus | None, gradient_accumulation_steps: int) -> None:
+        if state is not None:
+            state.finish(self.trainer, gradient_accumulation_steps)
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # GRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
+
+
+class RLOOLoss:
+    """``RLOOTrainer``'s loss: each sequence's clipped ratio of summed log-probs, weight ``1 / (B GA)``
+    (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice
+    (:class:`~hf_dynbsz.execution.rloo_loss.SliceMetrics`). No entropy term."""
+
+    loss_type = "rloo"
+    entropy_bonus = False
+    needs_step_entropies = False
+
+    def __init__(self, trainer) -> None:
+        self.settings = RLOOSettings.from_trainer(trainer)
+        self.device = trainer.accelerator.device
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = rloo_sample_weights(
+            batch.slice_ids, batch.slice_rows, gradient_accumulation_steps=gradient_accumulation_steps
+        )
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def attempt(self, batch: StepBatch) -> None:
+        return None
+
+    def metrics(self, batch: StepBatch) -> SliceMetrics:
+        return SliceMetrics(len(batch.slice_rows), self.device)
+
+    def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
+        return rloo_pass_loss(self.settings, per_token_logps, rows)
+
+    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
+        return None
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)

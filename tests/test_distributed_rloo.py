@@ -1,0 +1,90 @@
+"""DynamicBatchRLOOTrainer against stock RLOOTrainer on 2 processes, for real: `accelerate launch`, gloo, DDP and
+DeepSpeed ZeRO-3.
+
+Rank 1's prompts are about 20x longer than rank 0's (``--lopsided``): cross-rank balancing moves samples between the
+processes, with everything that belongs to them (summed old log-probs, advantages, slice, weight). The runs of a
+backend share one launch per trainer (``SharedLaunches`` of ``tests/test_distributed.py``, ``--trainer
+rloo_stock|rloo_dynamic``): under DDP with ``beta`` in the reward and two iterations, an MoE model with its router aux
+loss, and sequence parallelism over both processes; under ZeRO-3 with a reference model. Parameters within 1e-5 of
+stock's, the same completions on every rank, and stock's logged entropy and clip ratios.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_distributed import SharedLaunches
+
+from hf_dynbsz.testing import relative_difference, save_tiny_model
+
+pytestmark = pytest.mark.slow
+
+#: Rank 1's prompts about 20x longer than rank 0's (balancing on, the default): samples move to rank 0.
+LOPSIDED = dict(lopsided=True, budget=96, max_steps=2)
+RLOO_RUNS = {
+    "cpu_ddp.yaml": {
+        "balanced": dict(LOPSIDED, beta=0.1, num_iterations=2),
+        "moe": dict(LOPSIDED, architecture="qwen3_moe", router_aux_loss_coef=1.0),
+        # one group of both processes: each pass's rows sharded over them (DeepSpeed Ulysses on packed rows)
+        "sequence_parallel": dict(sequence_parallel=2, budget=24, beta=0.1),
+    },
+    "cpu_zero3.yaml": {"balanced": dict(LOPSIDED, beta=0.1)},
+}
+BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, model_dir):
+    return SharedLaunches(tmp_path_factory.mktemp("rloo-launches"), model_dir, RLOO_RUNS)
+
+
+def compare(config: str, scenario: str, model_dir, launches) -> tuple[list[dict], list[dict]]:
+    """Ours against stock, both run with ``scenario``'s flags under ``config``: same completions, parameters within
+    1e-5, stock's logged loss metrics; returns each rank's records, ours and stock's."""
+    options = RLOO_RUNS[config][scenario]
+    stock_out, stock = launches.get("rloo_stock", config, model_dir, **options)
+    our_out, ours = launches.get("rloo_dynamic", config, model_dir, **options)
+    for rank in range(2):
+        assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
+        assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
+        assert len(ours[rank]["logged"]) == len(stock[rank]["logged"])
+        for our_step, stock_step in zip(ours[rank]["logged"], stock[rank]["logged"]):
+            assert our_step == pytest.approx(stock_step, rel=1e-5, abs=1e-6)
+    difference = relative_difference(torch.load(f"{our_out}.params.pt"), torch.load(f"{stock_out}.params.pt"))
+    assert difference <= 1e-5, difference
+    return ours, stock
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_balancing_moves_samples_and_matches_stock(backend, model_dir, launches):
+    ours, _ = compare(BACKENDS[backend], "balanced", model_dir, launches)
+    for rank in range(2):
+        steps = ours[rank]["metrics"]
+        assert len(steps) == 2
+        assert any(step["dynbsz/samples_moved"] > 0 for step in steps)
+        for step in steps:  # lockstep: every rank ran the agreed number of passes
+            assert (
+                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            )
+
+
+def test_moe_router_aux_loss_matches_stock_across_two_processes(model_dir, launches):
+    ours, stock = compare("cpu_ddp.yaml", "moe", model_dir, launches)
+    for rank in range(2):
+        assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
+        assert len(ours[rank]["aux_losses"]) == len(stock[rank]["aux_losses"]) == 2
+        assert ours[rank]["aux_losses"] == pytest.approx(stock[rank]["aux_losses"], rel=1e-5)
+
+
+def test_sequence_parallelism_matches_stock(model_dir, launches):
+    """Stock trains each process's samples on that process; ours pools the two processes' samples and shards each
+    pass's rows over both (a budget of 24 tokens per process: 48 per pass of the group)."""
+    ours, _ = compare("cpu_ddp.yaml", "sequence_parallel", model_dir, launches)
+    for rank in range(2):
+        assert all(step["dynbsz/budget_tokens"] == 48 for step in ours[rank]["metrics"])
+        assert any(step["dynbsz/prompt_tokens_saved"] > 0 for step in ours[rank]["metrics"])
