@@ -302,6 +302,7 @@ def test_balancing_moves_image_samples_with_their_images_and_matches_stock(famil
     assert max(moved) > 0, moved
 
 
+@pytest.mark.long
 def test_image_steps_keep_stocks_slices_under_zero3_and_every_process_finishes(tmp_path, model_dir):
     """ZeRO-3 gathers the vision tower in every forward that runs it. Repacked passes differ between the processes in
     how many run it (lopsided completions, balancing off: the short rank pads with lockstep passes, which have no
@@ -455,6 +456,7 @@ def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_st
         ]
 
 
+@pytest.mark.long
 def test_an_out_of_memory_pass_under_zero3_stops_every_process_with_the_reason(tmp_path, model_dir):
     """DeepSpeed does not let a step's gradients be discarded: the failing process stops with why, and the launcher
     stops the other (which waits in a parameter gather): no process hangs."""
