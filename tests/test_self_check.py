@@ -16,6 +16,7 @@ from hf_dynbsz.execution.self_check import (
     checked_parameters,
     gradient_error,
     gradient_samples,
+    gradient_table,
     gradient_tolerance,
     pick_samples,
     run_self_check,
@@ -74,6 +75,22 @@ def test_the_gradients_compared_are_the_siblings_and_the_shortest_other_sample()
     distinct = sorted(set(pick_samples(table)))
     assert distinct == [0, 1, 2, 5]
     assert gradient_samples(table, distinct) == [0, 1, 2]
+
+
+def test_the_gradient_passes_keep_each_completions_first_tokens_and_the_whole_prompt():
+    """The passes with gradients run each sample's prompt and its first GRADIENT_COMPLETION completion tokens (here
+    3): a block of a few tokens already takes its prefix's state or keys; token fields and positions are cut alike."""
+    table = table_of([5, 1, 8], [3, 9, 1, 12, 4, 6], [3, 1, 2])
+    table.token_fields = {"mm_token_type_ids": [torch.arange(len(tokens)) for tokens in table.tokens]}
+    table.positions = [torch.arange(len(tokens)).expand(3, -1) for tokens in table.tokens]
+    cut = gradient_table(table, 3)
+    assert cut.prompt_lengths.tolist() == [5, 5, 5, 1, 8, 8]
+    assert cut.completion_lengths.tolist() == [3, 3, 1, 3, 3, 3]
+    assert cut.prompt_groups() == table.prompt_groups()
+    for i, tokens in enumerate(cut.tokens):
+        assert torch.equal(tokens, table.tokens[i][: len(tokens)]) and len(tokens) == int(cut.lengths[i])
+        assert torch.equal(cut.token_fields["mm_token_type_ids"][i], torch.arange(len(tokens)))
+        assert torch.equal(cut.positions[i], torch.arange(len(tokens)).expand(3, -1))
 
 
 def counting(run_layout):

@@ -564,7 +564,7 @@ class PassExecutor:
             result = run_self_check(
                 layouts, table, passes.layout, passes.alone, tolerance(dtype),
                 agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
-                gradient_limit=gradient_tolerance(dtype),
+                gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
             )  # fmt: skip
         self.self_check_seconds = time.perf_counter() - started
         self.self_check_summary = result.summary(layouts)
@@ -612,7 +612,7 @@ class PassExecutor:
                 result = run_self_check(
                     [layouts[index]], table, passes.layout, alone, tolerance(dtype),
                     agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
-                    gradient_limit=gradient_tolerance(dtype),
+                    gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
                 )  # fmt: skip
             if result.chosen == 0:
                 candidates.append(Candidate(name, schedulers[layouts[index]]))

@@ -34,6 +34,7 @@ __all__ = [
     "checked_parameters",
     "gradient_error",
     "gradient_samples",
+    "gradient_table",
     "gradient_tolerance",
     "gradients_of",
     "pick_samples",
@@ -184,6 +185,29 @@ def _siblings(table: SequenceTable) -> list[int]:
 #: The fewest completion tokens a sibling of :func:`pick_samples` has, where its group has them.
 SIBLING_COMPLETION = 4
 
+#: Completion tokens per sample that the gradient comparison keeps (:func:`gradient_table`).
+GRADIENT_COMPLETION = 16
+
+
+def gradient_table(table: SequenceTable, completion_tokens: int = GRADIENT_COMPLETION) -> SequenceTable:
+    """``table`` with every completion cut to its first ``completion_tokens`` tokens (prompts, their images, token
+    fields and positions kept alike): the samples of the check's passes with gradients. A block of a few tokens
+    already takes its prefix's state or keys, and hands gradients back through them; a backward's cost grows with
+    the tokens (a step of 512-token completions checked whole took 3.4 times the check of log-probs alone)."""
+    completions = table.completion_lengths.clamp(max=completion_tokens)
+    lengths = (table.prompt_lengths + completions).tolist()
+    fields = table.token_fields
+    return SequenceTable(
+        tokens=[tokens[:length] for tokens, length in zip(table.tokens, lengths)],
+        prompt_lengths=table.prompt_lengths,
+        completion_lengths=completions,
+        media=table.media,
+        token_fields={name: [v[:n] for v, n in zip(values, lengths)] for name, values in fields.items()}
+        if fields
+        else fields,
+        positions=None if table.positions is None else [p[:, :n] for p, n in zip(table.positions, lengths)],
+    )
+
 
 def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
     """The per-sample reference's input: sample ``index`` as one unpadded row with an all-ones attention mask and no
@@ -250,28 +274,29 @@ def run_self_check(
     limit: float,
     agree: Callable[[bool], bool] = lambda passed: passed,
     gradient_limit: float = math.inf,
+    gradients: bool = True,
 ) -> CheckResult:
     """Check ``layouts`` (fastest first) on a few samples of ``table``, up to the first that every process passes.
 
     ``run_layout(layout, indices, gradients)`` returns the :class:`Probe` of one pass over those samples in that
-    layout, ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs), each with its
-    gradients when ``gradients``. The log-probs of :func:`pick_samples` (its repeats keep the forward count equal on
-    every process) are compared in one pass without gradients; where they pass, the gradients of
-    :func:`gradient_samples` in a second pass. ``limit`` is the log-prob tolerance, ``gradient_limit`` the gradient
-    tolerance (:func:`gradient_error`); ``agree(passed)`` whether every process passed the layout this one ``passed``
-    or not (an all-reduce; every process calls it once per layout tried). Where the probes carry no gradients, only
-    log-probs are compared.
+    layout, ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs); with ``gradients``,
+    over the samples of :func:`gradient_table` and with the gradients of :func:`check_loss`. The log-probs of
+    :func:`pick_samples` (its repeats keep the forward count equal on every process) are compared in one pass without
+    gradients; where they pass, the gradients of :func:`gradient_samples` in a second pass. ``limit`` is the log-prob
+    tolerance, ``gradient_limit`` the gradient tolerance (:func:`gradient_error`); ``agree(passed)`` whether every
+    process passed the layout this one ``passed`` or not (an all-reduce; every process calls it once per layout
+    tried). ``gradients=False``, or probes that carry none, compare log-probs only (``gradients=False`` where the
+    gradient passes' count may not differ between processes: under ZeRO-3 every forward gathers parameters).
     """
     samples = pick_samples(table)
     distinct = sorted(set(samples))
-    graded = gradient_samples(table, distinct)
     completions = table.completion_lengths.tolist()
     reference, reference_gradients = {}, None
     for index in samples:  # the same number of forwards on every process
-        probe = run_alone(index, index in graded and index not in reference)
-        if index not in reference:
-            reference[index] = probe.logps[0]
-            reference_gradients = _summed(reference_gradients, probe.gradients)
+        reference.setdefault(index, run_alone(index, False).logps[0])
+    graded = gradient_samples(table, distinct) if gradients else []
+    for index in graded:
+        reference_gradients = _summed(reference_gradients, run_alone(index, True).gradients)
     errors, gradient_errors, reasons = [], [], []
     for layout in layouts:
         error, reason = _layout_error(layout, distinct, completions, run_layout, reference, limit)
@@ -342,10 +367,10 @@ class CheckPasses:
     """
 
     def __init__(self, executor, model, table: SequenceTable, schedulers: dict, unsharded, gradients: bool) -> None:
-        self.executor, self.table, self.schedulers, self.unsharded = executor, table, schedulers, unsharded
+        self.executor, self.schedulers, self.unsharded = executor, schedulers, unsharded
+        self.tables = {False: table, True: gradient_table(table)}  # by whether a pass computes gradients
         self.model = executor.accelerator.unwrap_model(model)
         self.parameters = checked_parameters(self.model) if gradients else []
-        self.completions = table.completion_lengths.tolist()
 
     @staticmethod
     def gradients_skipped(executor, model) -> str | None:
@@ -364,29 +389,29 @@ class CheckPasses:
 
     def alone(self, index: int, gradients: bool) -> Probe:
         """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``."""
-        executor = self.executor
-        mb = alone_microbatch(self.table, index, executor.pad_token_id, executor.accelerator.device)
-        return self._probe(mb, [index], gradients)
+        executor, table = self.executor, self.tables[gradients]
+        mb = alone_microbatch(table, index, executor.pad_token_id, executor.accelerator.device)
+        return self._probe(mb, table, [index], gradients)
 
     def layout(self, layout: Layout, indices: list[int], gradients: bool) -> Probe:
         """One pass over ``indices`` in ``layout``, with gradients when ``gradients``. The check's first pass of a
         layout has none: sequence mixers decide there whether their blocks start from their prefix's states
         (:func:`~hf_dynbsz.execution.recurrence.prefix_states`), so that a pass with gradients, and gradient
         checkpointing's recomputation of it, take the path training will take."""
-        executor, scheduler = self.executor, self.schedulers[layout]
-        groups = self.table.prompt_groups() if scheduler.share_prompts else None
-        mb = executor.microbatch(self.table, indices, groups, scheduler)
+        executor, scheduler, table = self.executor, self.schedulers[layout], self.tables[gradients]
+        groups = table.prompt_groups() if scheduler.share_prompts else None
+        mb = executor.microbatch(table, indices, groups, scheduler)
         with executor.segments(self.model, scheduler, self.unsharded):
-            return self._probe(mb, indices, gradients)
+            return self._probe(mb, table, indices, gradients)
 
     def _forward(self, mb) -> torch.Tensor:
         return self.executor.forward(self.model, mb, False, autocast=False, parallel=self.unsharded)[0]
 
-    def _probe(self, mb, indices: list[int], gradients: bool) -> Probe:
+    def _probe(self, mb, table: SequenceTable, indices: list[int], gradients: bool) -> Probe:
         if not (gradients and self.parameters):
             with torch.no_grad():
                 return Probe(self._forward(mb))
         with torch.enable_grad():
             logps = self._forward(mb)
-            gradients = gradients_of(check_loss(logps, indices, self.completions), self.parameters)
-        return Probe(logps.detach(), gradients)
+            loss = check_loss(logps, indices, table.completion_lengths.tolist())
+            return Probe(logps.detach(), gradients_of(loss, self.parameters))

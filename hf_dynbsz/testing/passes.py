@@ -64,33 +64,36 @@ def bare_check_passes(model, table, gradients: bool = True):
     :class:`~hf_dynbsz.execution.self_check.CheckPasses` gives them for a run: ``run_layout(layout, indices,
     gradients=True)`` and ``run_alone(index, gradients=True)``, each returning a
     :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients of
-    :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``, and ``gradients`` was given here). As in a
+    :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``, and ``gradients`` was given here), over
+    the samples of :func:`~hf_dynbsz.execution.self_check.gradient_table` as in a run. As in a
     run, sequence mixers decide on prefix states in the first pass of a layout with shared prompts: make it one
     without gradients."""
     import torch
 
-    from hf_dynbsz.execution.self_check import Probe, check_loss, checked_parameters, gradients_of
+    from hf_dynbsz.execution.self_check import Probe, check_loss, checked_parameters, gradient_table, gradients_of
     from hf_dynbsz.planning.model_support import ModelSupport
     from hf_dynbsz.testing.oracles import logps_alone
 
     parameters = checked_parameters(model) if gradients else []
-    completions = table.completion_lengths.tolist()
+    tables = {False: table, True: gradient_table(table)}  # by whether a pass computes gradients
 
     def probe(logps, indices, want):
         if not (want and parameters):
             return Probe(logps.detach())
+        completions = tables[True].completion_lengths.tolist()
         return Probe(logps.detach(), gradients_of(check_loss(logps, indices, completions), parameters))
 
     def run_layout(layout, indices, want=True):
-        groups = table.prompt_groups() if layout.share_prompts else None
+        rows = tables[bool(want and parameters)]
+        groups = rows.prompt_groups() if layout.share_prompts else None
         mixers = ModelSupport.of(model=model).sequence_mixers if layout.segment_recurrence else ()
         options = dict(layout=layout.name, attention_mask=layout.attention_mask, mixers=mixers)
         with torch.set_grad_enabled(bool(want and parameters)):
-            with packed_pass(model, table, indices, groups, layout.segment_attention, **options) as (_, logps, _):
+            with packed_pass(model, rows, indices, groups, layout.segment_attention, **options) as (_, logps, _):
                 return probe(logps, indices, want)
 
     def run_alone(index, want=True):
         with torch.set_grad_enabled(bool(want and parameters)):
-            return probe(logps_alone(model, table, index).unsqueeze(0), [index], want)
+            return probe(logps_alone(model, tables[bool(want and parameters)], index).unsqueeze(0), [index], want)
 
     return run_layout, run_alone
