@@ -110,7 +110,7 @@ class DynamicBatchRLOOConfig(DynamicBatchFields, RLOOConfig):
 def take_sequence_parallelism(args) -> None:
     """Move ``parallelism_config.sp_size`` into ``sequence_parallel_size``, in place.
 
-    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.parallel.sequence_parallel`): accelerate
+    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.execution.sequence_parallel`): accelerate
     then sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
     GRPO does not have, and TRL's ``GRPOConfig`` refuses it). Raises for what only accelerate's path would run.
     """

@@ -10,7 +10,7 @@ For a step's samples (:class:`~hf_dynbsz.execution.batch.StepBatch`) or a no-gra
 4. runs each pass, and a dummy pass wherever another process has a pass and this one has none (lockstep);
 5. on an out-of-memory error re-plans the step (:mod:`hf_dynbsz.execution.recovery`).
 
-Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.parallel.sequence_parallel`); at size 1
+Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.execution.sequence_parallel`); at size 1
 pooling, sharding and gathering are the identity. Vision-language decisions come from
 :class:`~hf_dynbsz.execution.multimodal.MediaPolicy`. The trainer (:mod:`hf_dynbsz.trainer`) only calls
 :meth:`PassExecutor.train_step`, :meth:`PassExecutor.no_grad_passes`, :meth:`PassExecutor.train_step_stock` and
@@ -50,8 +50,8 @@ from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.recurrence import segment_recurrence
 from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
 from hf_dynbsz.execution.self_check import CheckPasses, gradient_tolerance, run_self_check, tolerance
+from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.execution.tiling import lm_head_tiles
-from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.planning.memory import FailedPass
 from hf_dynbsz.planning.model_support import base_model
 from hf_dynbsz.planning.schedule import Scheduler
@@ -318,10 +318,7 @@ class PassExecutor:
 
     def move(self, samples, exchange):
         """The samples (a step's batch, or a no-grad table) this process runs under a balanced exchange."""
-        group = self.scheduler.group
-        if isinstance(samples, StepBatch):
-            return group.move_batch(samples, exchange, self.media.moves_media)
-        return group.move_table(samples, exchange, self.media.moves_media)
+        return samples.moved(self.scheduler.group, exchange, self.media.moves_media)
 
     # ------------------------------------------------------------------ no-grad passes
     @torch.no_grad()
