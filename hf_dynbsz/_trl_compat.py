@@ -267,7 +267,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "log-probs and entropies of a packed row without full logits",
         ("fused_lm_head", "shift_labels"),
     ),
-    # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/parallel/sequence_parallel.py)
+    # ---- DeepSpeed Ulysses (sequence parallelism, hf_dynbsz/execution/sequence_parallel.py)
     InternalName(
         "deepspeed.runtime.sequence_parallel.parallel_state_sp",
         "_release_sequence_parallel_groups",

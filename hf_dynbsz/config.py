@@ -12,8 +12,11 @@ feeds TRL's derivation of ``generation_batch_size``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import GRPOConfig, RLOOConfig
 
@@ -26,6 +29,7 @@ __all__ = [
     "DynamicBatchFields",
     "DynamicBatchGRPOConfig",
     "DynamicBatchRLOOConfig",
+    "check_as_training",
     "default_ddp_backend",
     "ensure_dynamic_batch_fields",
     "take_sequence_parallelism",
@@ -110,7 +114,7 @@ class DynamicBatchRLOOConfig(DynamicBatchFields, RLOOConfig):
 def take_sequence_parallelism(args) -> None:
     """Move ``parallelism_config.sp_size`` into ``sequence_parallel_size``, in place.
 
-    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.parallel.sequence_parallel`): accelerate
+    hf-dynbsz runs DeepSpeed Ulysses on its own packed rows (:mod:`hf_dynbsz.execution.sequence_parallel`): accelerate
     then sees plain data parallelism over all processes (its Ulysses path shards a ``DataLoader``'s token batches, which
     GRPO does not have, and TRL's ``GRPOConfig`` refuses it). Raises for what only accelerate's path would run.
     """
@@ -249,3 +253,38 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
             "hf_dynbsz.DynamicBatchGRPOConfig (sets it for you) or pass ddp_backend='gloo'."
         )
     return args
+
+
+def check_as_training(options, generation_batch_size: int) -> None:
+    """Build the :class:`DynamicBatchGRPOConfig` training would build from ``options`` (``hf-dynbsz plan``'s parsed
+    namespace of the user's raw values), so that the planner rejects exactly what training rejects, with training's
+    own messages (one validation, not a copy).
+
+    What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
+    checked by the launcher, not here), and the generation round is ``generation_batch_size``, the one planned for the
+    run's processes (the planning process is one process, the run may be many).
+    """
+
+    def default(f: dataclasses.Field) -> Any:
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    # The options the user gave (defaults left to the config, so deprecated fields stay quiet).
+    values = {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(DynamicBatchGRPOConfig)
+        if f.init and hasattr(options, f.name) and getattr(options, f.name) != default(f)
+    }
+    values.update(
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        deepspeed=None,
+        report_to="none",
+        do_eval=False,
+        eval_strategy="no",
+        generation_batch_size=generation_batch_size,
+        steps_per_generation=None,
+    )
+    with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
+        warnings.simplefilter("ignore", FutureWarning)
+        DynamicBatchGRPOConfig(**values)

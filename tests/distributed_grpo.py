@@ -57,18 +57,18 @@ def lopsided_dataset(num_blocks: int = 8):
 
 @contextlib.contextmanager
 def corrupt_moved_samples(what: str):
-    """Inside the context, ProcessGroup.move_batch damages ``what`` of every sample that arrives from another process
+    """Inside the context, StepBatch.moved damages ``what`` of every sample that arrives from another process
     (``what`` "none": nothing)."""
-    from hf_dynbsz.parallel.distributed import ProcessGroup
+    from hf_dynbsz.execution.batch import StepBatch
 
     if what == "none":
         yield
         return
-    move_batch = ProcessGroup.move_batch
+    moved_batch = StepBatch.moved
 
-    def damaged(self, batch, exchange, media=False):
-        moved = move_batch(self, batch, exchange, media)
-        arrived = torch.tensor([origin != self.rank for origin, _ in exchange.incoming])
+    def damaged(self, group, exchange, media=False):
+        moved = moved_batch(self, group, exchange, media)
+        arrived = torch.tensor([origin != group.rank for origin, _ in exchange.incoming])
         if what == "advantage":
             moved.advantages[arrived] = -moved.advantages[arrived]
         elif what == "old_logps":
@@ -77,11 +77,11 @@ def corrupt_moved_samples(what: str):
             moved.policy_weights[arrived] *= 1.5
         return moved
 
-    ProcessGroup.move_batch = damaged
+    StepBatch.moved = damaged
     try:
         yield
     finally:
-        ProcessGroup.move_batch = move_batch
+        StepBatch.moved = moved_batch
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ from transformers.training_args import ParallelMode
 from hf_dynbsz import DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
+from hf_dynbsz.execution.sequence_parallel import SequenceParallel
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit
 from hf_dynbsz.parallel.distributed import ProcessGroup
-from hf_dynbsz.parallel.sequence_parallel import SequenceParallel
 from hf_dynbsz.planning.schedule import Exchange
 from hf_dynbsz.testing.exit_window import widen_exit_window
 

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
+from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
 
 

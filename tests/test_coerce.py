@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_dynbsz.planning.coerce import check_int, coerce_int, coerce_optional_int, parse_int
+from hf_dynbsz.planning.coerce import (
+    check_choice,
+    check_int,
+    check_lengths,
+    check_optional_int,
+    coerce_int,
+    coerce_optional_int,
+    parse_int,
+)
 from hf_dynbsz.planning.env import read_env_overrides
 
 
@@ -56,3 +64,37 @@ def test_environment_variables_read_integers_with_the_same_rule():
     assert read_env_overrides({"DIFFU_MAX_TOKENS": " 12 "}) == {"max_tokens_per_microbatch": ("DIFFU_MAX_TOKENS", 12)}
     with pytest.raises(ValueError, match=r"DIFFU_MAX_TOKENS='\+5' is not valid"):
         read_env_overrides({"DIFFU_MAX_TOKENS": "+5"})
+
+
+# --------------------------------------------------------------------------- the algorithms' arguments
+def test_check_choice_names_the_argument_and_the_choices():
+    assert check_choice("layout", "padded", ("padding_free", "padded")) == "padded"
+    with pytest.raises(ValueError, match="layout must be 'padding_free' or 'padded', got 'rows'"):
+        check_choice("layout", "rows", ("padding_free", "padded"))
+
+
+def test_check_optional_int_passes_none_and_checks_the_rest():
+    assert check_optional_int("pad_to_multiple_of", None) is None
+    assert check_optional_int("pad_to_multiple_of", np.int32(8)) == 8
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be an integer >= 1, got 0"):
+        check_optional_int("pad_to_multiple_of", 0)
+
+
+@pytest.mark.parametrize(
+    "lengths, message",
+    [
+        ("123", "must be a sequence of positive integers"),
+        ([[1, 2], [3, 4]], "must be one-dimensional"),
+        ([3, 2.5], r"lengths\[1\] must be an integer number of tokens, got 2.5"),
+        (np.array([1.0, 2.0]), "must be an integer array"),
+        ([4, 0, 2], r"lengths\[1\] must be a positive number of tokens \(>= 1\), got 0"),
+    ],
+)
+def test_check_lengths_names_the_first_bad_entry(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        check_lengths(lengths)
+
+
+def test_check_lengths_gives_int64_and_takes_an_empty_list():
+    assert check_lengths([3, np.uint8(2)]).dtype == np.int64
+    assert check_lengths([]).tolist() == []

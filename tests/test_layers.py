@@ -80,3 +80,101 @@ def test_no_function_in_the_package_is_over_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def module_name(path: Path) -> str:
+    """``hf_dynbsz/planning/cost.py`` -> ``hf_dynbsz.planning.cost`` (a package is its ``__init__``'s name)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The ``hf_dynbsz`` modules ``path`` imports anywhere in it (at the top, inside a function, under
+    ``TYPE_CHECKING``): ``from hf_dynbsz.a import b`` imports the module ``hf_dynbsz.a.b`` where there is one, else
+    ``hf_dynbsz.a``."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names if alias.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & MODULES.keys()
+            modules |= submodules or {node.module}
+    return modules - {module_name(path)}
+
+
+IMPORT_GRAPH = {name: imported_modules(path) for name, path in MODULES.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` that hold more than one module (Tarjan's algorithm): each is
+    a set of modules that import each other, directly or through others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_import_graph_is_found():
+    assert "hf_dynbsz.planning.plan" in IMPORT_GRAPH["hf_dynbsz.cli"], IMPORT_GRAPH["hf_dynbsz.cli"]
+    assert "hf_dynbsz.planning.settings" in IMPORT_GRAPH["hf_dynbsz.planning.coerce"]  # under TYPE_CHECKING
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_module_of_the_package_imports_itself_through_others():
+    """The modules form floors: no import circle, however long, at the top or inside a function."""
+    cycles = import_cycles(IMPORT_GRAPH)
+    assert not cycles, "; ".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_planning_imports_nothing_of_the_package_outside_planning():
+    for name, imported in IMPORT_GRAPH.items():
+        if name.startswith("hf_dynbsz.planning"):
+            outside = {module for module in imported if not module.startswith("hf_dynbsz.planning")}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def floor_imports(importer: str, imported: str) -> list[str]:
+    """Every ``a -> b`` import of a module of folder ``importer`` from a module of folder ``imported``."""
+    return [
+        f"{name} -> {module}"
+        for name, modules in IMPORT_GRAPH.items()
+        if name.startswith(f"hf_dynbsz.{importer}.")
+        for module in sorted(modules)
+        if module.startswith(f"hf_dynbsz.{imported}.")
+    ]
+
+
+def test_execution_stands_on_parallel_and_parallel_imports_nothing_of_execution():
+    """``parallel/`` moves tensors between processes; ``execution/`` builds what travels (a batch's records) and
+    runs the passes: one direction only."""
+    assert floor_imports("execution", "parallel"), "the check looks at the wrong folders"
+    assert not floor_imports("parallel", "execution"), floor_imports("parallel", "execution")

@@ -27,8 +27,8 @@ from hf_dynbsz.execution.layout_timing import (
     family,
     predicted_seconds,
 )
+from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import VARLEN_ATTN, Layout
-from hf_dynbsz.planning.partition import WorkloadModel
 from hf_dynbsz.planning.schedule import Scheduler
 
 QUADRATIC = 0.01  # cost units per attention pair: rows of tens of tokens cost visibly more padded

@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.partition import (
     OversizeSequenceError,
-    microbatch_tokens,
     min_num_microbatches,
     partition_by_token_budget,
-    round_up,
     token_lower_bound,
 )
+from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 from hf_dynbsz.testing import first_fit_decreasing
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None)

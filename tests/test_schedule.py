@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.planning.partition import OversizeSequenceError, microbatch_tokens
+from hf_dynbsz.planning.partition import OversizeSequenceError
 from hf_dynbsz.planning.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.tokens import microbatch_tokens
 
 
 class OtherProcesses:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
+from hf_dynbsz.execution.check_passes import compute_dtype
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.self_check import (
     Probe,
@@ -269,7 +270,7 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     same forward (the log-probs agree) and lose the blocks' gradients through the prefix: the self-check's gradients
     refuse the layout, the run trains the next (padding-free rows without shared prompts) and equals stock. The
     control: with gradients not compared, the same run keeps the layout and leaves stock."""
-    from hf_dynbsz.execution import executor, recurrence
+    from hf_dynbsz.execution import check_passes, recurrence
 
     def detached_bank(states, kernel):
         return {index: bank.detach() for index, bank in bank_of(states, kernel).items()}
@@ -283,7 +284,7 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     assert scheduler.layout == "padding_free" and not scheduler.share_prompts and scheduler.segment_recurrence
     assert "gradients differ from each sample's own" in caplog.text and "linear_attn" in caplog.text
     assert _difference(checked, stock) <= 1e-5
-    monkeypatch.setattr(executor, "gradient_tolerance", lambda dtype: math.inf)
+    monkeypatch.setattr(check_passes, "gradient_tolerance", lambda dtype: math.inf)
     unchecked = _train_hybrid(tmp_path / "unchecked")
     assert unchecked._dynbsz.scheduler.share_prompts  # the forward alone cannot tell
     assert _difference(unchecked, stock) > 1e-4
@@ -442,7 +443,7 @@ def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerances(tmp_path):
         ),
     )
     executor = trainer._dynbsz
-    assert executor._compute_dtype(trainer.model) == torch.bfloat16  # fp32 weights, bf16 autocast
+    assert compute_dtype(executor.accelerator, trainer.model) == torch.bfloat16  # fp32 weights, bf16 autocast
     trainer.train()
     summary = executor.self_check_summary
     assert executor.enabled and summary.startswith("self-check passed"), summary

@@ -1,4 +1,4 @@
-"""Sequence parallelism (hf_dynbsz/parallel/sequence_parallel.py): DeepSpeed Ulysses on packed rows, exact.
+"""Sequence parallelism (hf_dynbsz/execution/sequence_parallel.py): DeepSpeed Ulysses on packed rows, exact.
 
 Single-process specifications: the config takes accelerate's ``ParallelismConfig(sp_size=N)`` (stock's refuses it),
 what cannot run is refused at start naming the setting and the fix, a pass's budget spans the group. Multi-process
@@ -22,7 +22,7 @@ from trl import GRPOConfig
 
 from hf_dynbsz import DynamicBatchGRPOConfig
 from hf_dynbsz.execution.packing import dummy_microbatch
-from hf_dynbsz.parallel.sequence_parallel import sequence_parallel_blocker
+from hf_dynbsz.execution.sequence_parallel import sequence_parallel_blocker
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.planning.schedule import Scheduler
 from hf_dynbsz.testing import base_config_kwargs, relative_difference, run_with_timeout, save_tiny_model

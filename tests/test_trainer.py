@@ -598,13 +598,13 @@ def test_the_measured_layout_choice_matches_stock(model_dir, tmp_path, monkeypat
     from the second step some passes run padded, the others padding-free, and after the choice
     the run keeps padded rows (or, when stock's slices are predicted fastest, turns dynamic batching off); the
     parameters after training equal stock's either way."""
-    from hf_dynbsz.execution import executor, layout_timing
+    from hf_dynbsz.execution import check_passes, device_pass, executor, layout_timing
 
     monkeypatch.setattr(layout_timing, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
-    monkeypatch.setattr(executor, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
+    monkeypatch.setattr(check_passes, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
     clock = _LabelClock({"spans": 1.0, "padded": 0.01})
-    monkeypatch.setattr(executor, "pass_clock", lambda device: clock)
-    built_layouts, build, finish = [], executor.build_microbatch, executor.PassExecutor._finish_layout_timing
+    monkeypatch.setattr(check_passes, "pass_clock", lambda device: clock)
+    built_layouts, build, finish = [], device_pass.build_microbatch, executor.PassExecutor._finish_layout_timing
 
     def recording(*args, **kwargs):  # the layout of every training pass (with gradients), and where the choice is
         if torch.is_grad_enabled():
@@ -616,7 +616,7 @@ def test_the_measured_layout_choice_matches_stock(model_dir, tmp_path, monkeypat
         if self.layout_timing.decision is not None and "step end" not in built_layouts:
             built_layouts.append("step end")
 
-    monkeypatch.setattr(executor, "build_microbatch", recording)
+    monkeypatch.setattr(device_pass, "build_microbatch", recording)
     monkeypatch.setattr(executor.PassExecutor, "_finish_layout_timing", finishing)
     if winner == "stock":
         decide = layout_timing.LayoutTiming._decide

@@ -917,7 +917,7 @@ def segment_attention(model, enabled: bool = True, name: str = ATTENTION_NAME):
     """Run ``model``'s attention through :func:`segment_attention_forward` inside the context (forward AND backward:
     gradient checkpointing recomputes the forward during backward). The layouts of the passes are given by
     :func:`use_segments`; the active one is cleared on exit. ``name``: the registered implementation to switch to
-    (:data:`hf_dynbsz.parallel.sequence_parallel.ULYSSES_ATTENTION_NAME` wraps this one for sharded rows)."""
+    (:data:`hf_dynbsz.execution.sequence_parallel.ULYSSES_ATTENTION_NAME` wraps this one for sharded rows)."""
     if not enabled:
         yield
         return

@@ -20,6 +20,8 @@ import torch
 
 from hf_dynbsz.execution.multimodal import TOKEN_FIELDS, split_media
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.parallel.distributed import ProcessGroup
+from hf_dynbsz.planning.schedule import Exchange
 
 __all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
 
@@ -204,6 +206,15 @@ class StepBatch:
         if self.high_entropy is not None:
             fields.append(("high_entropy", self.high_entropy, True))
         return fields
+
+    def moved(self, group: ProcessGroup, exchange: Exchange, media: bool = False) -> StepBatch:
+        """The training samples this process runs under ``exchange``, each with everything that belongs to it (with
+        ``media``, the same on every process, their image inputs and token fields too)."""
+        records = group.send_to_runners(self.records(), exchange, self.record_size)
+        moved = self.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
+        if media:
+            moved.table = moved.table.with_media_records(group.send_to_runners(self.table.media_records(), exchange))
+        return moved
 
     def record_size(self, prompt_length: int, completion_length: int) -> int:
         """Values in the record of a sample with these lengths: its tokens, its rows up to its completion

@@ -10,7 +10,7 @@ For a step's samples (:class:`~hf_dynbsz.execution.batch.StepBatch`) or a no-gra
 4. runs each pass, and a dummy pass wherever another process has a pass and this one has none (lockstep);
 5. on an out-of-memory error re-plans the step (:mod:`hf_dynbsz.execution.recovery`).
 
-Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.parallel.sequence_parallel`); at size 1
+Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.execution.sequence_parallel`); at size 1
 pooling, sharding and gathering are the identity. Vision-language decisions come from
 :class:`~hf_dynbsz.execution.multimodal.MediaPolicy`. The trainer (:mod:`hf_dynbsz.trainer`) only calls
 :meth:`PassExecutor.train_step`, :meth:`PassExecutor.no_grad_passes`, :meth:`PassExecutor.train_step_stock` and
@@ -21,39 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import time
 import warnings
 from collections.abc import Callable
 from functools import partial
 
 import torch
-from accelerate.utils import DistributedType
 from torch.profiler import record_function
 
-from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.check_passes import check_layouts
 from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
-from hf_dynbsz.execution.layout_timing import (
-    MEASURED_DEVICE_TYPES,
-    NO_LAYOUT_TIMING,
-    Candidate,
-    LayoutTiming,
-    family,
-    pass_clock,
-)
+from hf_dynbsz.execution.device_pass import DevicePass
+from hf_dynbsz.execution.layout_timing import NO_LAYOUT_TIMING
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.multimodal import MediaPolicy, rope_positions
-from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
+from hf_dynbsz.execution.multimodal import MediaPolicy
+from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
-from hf_dynbsz.execution.recurrence import segment_recurrence
-from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits
-from hf_dynbsz.execution.self_check import CheckPasses, gradient_tolerance, run_self_check, tolerance
-from hf_dynbsz.execution.tiling import lm_head_tiles
-from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel
+from hf_dynbsz.execution.router_loss import RouterAuxLoss
 from hf_dynbsz.planning.memory import FailedPass
-from hf_dynbsz.planning.model_support import base_model
 from hf_dynbsz.planning.schedule import Scheduler
 
 logger = logging.getLogger("hf_dynbsz")
@@ -85,7 +71,7 @@ class _NoGradPasses:
     statistics: torch.Tensor | None
 
 
-class PassExecutor:
+class PassExecutor(DevicePass):
     """Runs a step's passes for a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` or
     :class:`~hf_dynbsz.trainer.DynamicBatchRLOOTrainer` (``trainer``: TRL's metrics store and hooks) with the trainer's
     loss (``loss``: :class:`~hf_dynbsz.execution.step_loss.StepLoss`). Built at start by
@@ -105,7 +91,6 @@ class PassExecutor:
         self.warned: set[str] = set()
         self._dummies: dict = {}  # the dummy micro-batch of each layout (lockstep passes)
         self.layout_timing = NO_LAYOUT_TIMING  # on CUDA with packing_layout "auto": set by the self-check
-        self._pass_scheduler: Scheduler | None = None  # a timed pass's candidate layout (layout timing)
 
     # ------------------------------------------------------------------ the one loop
     def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction):
@@ -177,13 +162,10 @@ class PassExecutor:
         if self.memory.limit_mib is not None:
             held = self.meters.memory.held()
             self.meters.predicted(self.memory.peak(kind, *shape, held))
-        rank = self.accelerator.process_index
+        rank, lengths = self.accelerator.process_index, [schedule.lengths[i] for i in group]
+        timed = self.layout_timing.timed(candidate, lengths, partial(self.segments, model))
         try:
-            with (
-                self.no_sync(model, last or kind != "training"),
-                injected_fault(unwrapped, kind, rank),
-                self._timed_pass(model, candidate, [schedule.lengths[i] for i in group]),
-            ):
+            with self.no_sync(model, last or kind != "training"), injected_fault(unwrapped, kind, rank), timed:
                 run_pass(group, last)
         except Exception as error:  # noqa: BLE001 - only a recovered out-of-memory error is not raised again
             self.recovery.check(error)
@@ -195,23 +177,6 @@ class PassExecutor:
             return None
         release_cached_memory(self.accelerator.device)  # after the error (and the frames it held) is gone
         return failure
-
-    @contextlib.contextmanager
-    def _timed_pass(self, model, candidate: int | None, lengths: list[int]):
-        """A pass in the layout of the layout timing's ``candidate`` (its micro-batch, its segment attention),
-        timed (None: the run's layout, untimed)."""
-        if candidate is None:
-            yield
-            return
-        timing = self.layout_timing
-        self._pass_scheduler = timing.candidates[candidate].scheduler
-        try:
-            with self.segments(model, self._pass_scheduler):
-                token = timing.start(candidate)
-                yield
-                timing.record(candidate, token, lengths)
-        finally:
-            self._pass_scheduler = None
 
     # ------------------------------------------------------------------ training passes
     def train_step(self, model, batch: StepBatch) -> torch.Tensor:
@@ -248,25 +213,12 @@ class PassExecutor:
         return total
 
     def _finish_layout_timing(self, batch: StepBatch, schedule) -> None:
-        """After a training step's passes: the layout timing reads its clocks and, once it has chosen, the run
-        keeps the chosen layout (stock's: dynamic batching off) from the next step on."""
-        timing = self.layout_timing
-        if not timing.measuring or timing.decision is not None:
-            return
-        table = batch.table
-        lengths, prompts = table.lengths.tolist(), table.prompt_lengths.tolist()
-        groups = table.prompt_groups()
-        width = batch.stock_microbatch_tokens / max(self.args.per_device_train_batch_size, 1)  # stock's padded row
-
-        def step_costs():
-            return [c.scheduler.step_cost(lengths, schedule.budget, prompts, groups) for c in timing.candidates]
-
-        kept = timing.finish_step(step_costs, (batch.stock_computed_tokens, batch.stock_computed_tokens * width))
-        if timing.decision is None:
-            return
-        if kept is None:
+        """After a training step's passes: once the layout timing has chosen, the run keeps the chosen layout
+        (stock's: dynamic batching off) from the next step on."""
+        decided, kept = self.layout_timing.finish_training_step(batch, schedule, self.args.per_device_train_batch_size)
+        if decided and kept is None:
             self.enabled = False
-        else:
+        elif decided:
             self.scheduler = kept.scheduler
 
     def _step_statistics(self, model, batch: StepBatch, ga: int):
@@ -318,10 +270,7 @@ class PassExecutor:
 
     def move(self, samples, exchange):
         """The samples (a step's batch, or a no-grad table) this process runs under a balanced exchange."""
-        group = self.scheduler.group
-        if isinstance(samples, StepBatch):
-            return group.move_batch(samples, exchange, self.media.moves_media)
-        return group.move_table(samples, exchange, self.media.moves_media)
+        return samples.moved(self.scheduler.group, exchange, self.media.moves_media)
 
     # ------------------------------------------------------------------ no-grad passes
     @torch.no_grad()
@@ -394,16 +343,6 @@ class PassExecutor:
             table.lengths.tolist(), budget, kind, prompt_lengths=table.prompt_lengths.tolist(), groups=groups
         )
 
-    def _allocate_gradients(self, model, kind: str) -> None:
-        """With a memory limit, the step's gradients exist (as zeros) before a training step is planned, so that what
-        the process holds includes them and every pass starts from the same memory (accumulating into zeros is
-        exact). DeepSpeed holds its own gradient buffers."""
-        if kind != "training" or self.memory.limit_mib is None or self._deepspeed:
-            return
-        for parameter in model.parameters():
-            if parameter.requires_grad and parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-
     def _warn_oversize(self, schedule, kind: str) -> None:
         if not schedule.oversize or kind in self.warned:
             return
@@ -420,102 +359,6 @@ class PassExecutor:
                 "the limit."
             )
         warnings.warn(message + " This warning is shown once.", stacklevel=4)
-
-    # ------------------------------------------------------------------ one pass
-    def microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
-        """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's)."""
-        scheduler = scheduler or self._pass_scheduler or self.scheduler
-        groups = groups if scheduler.share_prompts else None  # (a timed candidate may not share prompts)
-        if (
-            scheduler.layout == "padding_free" and table.positions is None and self.capabilities.support.multimodal_rope
-        ):  # once per table: each sample's own M-RoPE positions
-            unwrapped = self.accelerator.unwrap_model(base_model(self.trainer.model))
-            table.positions = rope_positions(unwrapped, table.tokens, table.token_fields, table.media)
-        return build_microbatch(
-            table,
-            group,
-            layout=scheduler.layout,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.parallel.row_multiple(self.args.pad_to_multiple_of),
-            device=self.accelerator.device,
-            attention=scheduler.segment_attention,
-            groups=groups,
-            attention_mask=scheduler.attention_mask,
-            position_offset=scheduler.position_offset,
-        )
-
-    @contextlib.contextmanager
-    def segments(self, model, scheduler: Scheduler | None = None, parallel=None):
-        """Segment attention for the passes (forward and backward) when padding-free rows use it, through
-        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses), and segment
-        recurrence for the model's sequence mixers (the identity for a model without any, and for padded passes)."""
-        scheduler = scheduler or self.scheduler
-        enabled = scheduler.segment_attention is not None
-        name = (parallel or self.parallel).attention_name
-        unwrapped = self.accelerator.unwrap_model(model)
-        mixers = self.capabilities.support.sequence_mixers if scheduler.segment_recurrence else ()
-        with segment_attention(unwrapped, enabled, name), segment_recurrence(unwrapped, mixers):
-            yield
-
-    def forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True, parallel=None):
-        """Completion-aligned ``(rows, width)`` log-probs, entropies (or None) and, for ``router``, the router logits
-        (per layer; or None) of one micro-batch; under the accelerator's autocast unless ``autocast`` is False.
-        ``parallel`` (default: the run's sequence parallelism): this process runs its shard of the row and the
-        shards' outputs are gathered (the identity at size 1)."""
-        parallel = parallel or self.parallel
-        use_segments(mb.segments)
-        extra = {"output_router_logits": True} if router else {}
-        capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
-        precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
-        inputs, labels = parallel.shard(mb.model_inputs, mb.shift_labels)
-        with precision, capture as router_logits:
-            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True, **extra)
-        log_probs = parallel.gather(outputs.log_probs)
-        entropies = mb.to_completion_layout(parallel.gather(outputs.entropy)) if compute_entropy else None
-        return mb.to_completion_layout(log_probs), entropies, router_logits[-1] if router else None
-
-    def dummy_pass(self, model, last: bool | None = None) -> None:
-        """A tiny pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
-
-        With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
-        """
-        scheduler = self.scheduler
-        key = (scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
-        if key not in self._dummies:  # built and moved once per run: a dummy pass copies nothing to the device
-            self._dummies[key] = dummy_microbatch(
-                self.pad_token_id, self.accelerator.device, *key, width=self.parallel.dummy_width
-            )
-        mb = self._dummies[key]
-        use_segments(mb.segments)
-        inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
-        with self.no_sync(model, last is None or last), self.accelerator.autocast():
-            outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
-            if last is not None:
-                self.backward(model, outputs.log_probs.sum() * 0.0, last)
-
-    @property
-    def _deepspeed(self) -> bool:
-        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
-
-    def no_sync(self, model, last: bool):
-        """Around a training pass's forward AND backward (DDP decides in the forward whether the backward
-        all-reduces): no gradient synchronisation unless ``last``. DeepSpeed decides at its boundary instead."""
-        if last or self._deepspeed:
-            return contextlib.nullcontext()
-        return self.accelerator.no_sync(model)
-
-    def backward(self, model, loss, last: bool) -> None:
-        """One backward of a multi-pass optimizer step (inside :meth:`no_sync` unless ``last``); gradients sync (and
-        DeepSpeed steps) on the last only."""
-        self.accelerator.gradient_state._set_sync_gradients(last)
-        try:
-            self.accelerator.backward(loss, **({"scale_wrt_gas": False} if self._deepspeed else {}))
-        finally:
-            self.accelerator.gradient_state._set_sync_gradients(True)
-
-    def tiles(self):
-        """TRL's fused LM head tiled by ``tensor_batch_size`` (stock's own tile with dynamic_batching off)."""
-        return lm_head_tiles(self.args.tensor_batch_size if self.args.dynamic_batching else None)
 
     # ------------------------------------------------------------------ stock's path, and the self-check
     def train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
@@ -537,86 +380,12 @@ class PassExecutor:
             total += loss.detach()
         return total
 
-    def _compute_dtype(self, model) -> torch.dtype:
-        """The precision the self-check's forwards compute in: the weights', or the autocast dtype of mixed precision
-        (accelerate runs a prepared model's forward under autocast whatever the caller's context)."""
-        mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
-        return mixed or next(self.accelerator.unwrap_model(model).parameters()).dtype
-
     @torch.no_grad()
     def self_check(self, model, table: SequenceTable) -> bool:
         """Once per run, before its first pass: keep the fastest layout whose log-probs and gradients equal each
-        sample's own (:mod:`hf_dynbsz.execution.self_check`); when none does, stock math runs. Returns whether dynamic
-        batching stays on. The check's passes are unsharded, whatever the run's sequence parallelism."""
-        if self.checked:
-            return self.enabled
-        self.checked = True
-        layouts = self.capabilities.layouts
-        schedulers = {
-            layout: Scheduler.from_args(self.args, self.capabilities.support, self.scheduler.group, layout=layout)
-            for layout in layouts
-        }
-        no_gradients = CheckPasses.gradients_skipped(self, model)
-        passes = CheckPasses(self, model, table, schedulers, NoSequenceParallel(), gradients=no_gradients is None)
-        dtype = self._compute_dtype(model)
-        started = time.perf_counter()
-        with self.tiles(), record_function("dynbsz/self_check"):
-            result = run_self_check(
-                layouts, table, passes.layout, passes.alone, tolerance(dtype),
-                agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
-                gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
-            )  # fmt: skip
-        self.self_check_seconds = time.perf_counter() - started
-        self.self_check_summary = result.summary(layouts)
-        if no_gradients is not None:
-            self.self_check_summary += f" Gradients not compared: {no_gradients}."
-        logger.log(
-            logging.WARNING if result.chosen else logging.INFO,
-            "hf_dynbsz: %s It took %.2f s.",
-            self.self_check_summary,
-            self.self_check_seconds,
-        )
-        if result.chosen:
-            self.parallel.refuse_inexact(self.self_check_summary)
-        self.enabled = result.chosen < len(layouts)
-        if self.enabled and result.chosen:
-            self.scheduler = schedulers[layouts[result.chosen]]
-        self.layout_timing = self._layout_timing(model, table, layouts, schedulers, result, passes)
+        sample's own (:func:`~hf_dynbsz.execution.check_passes.check_layouts`); when none does, stock math runs.
+        Returns whether dynamic batching stays on."""
+        if not self.checked:
+            self.checked = True
+            check_layouts(self, model, table)
         return self.enabled
-
-    def _layout_timing(self, model, table, layouts, schedulers, result, passes: CheckPasses):
-        """The run's layout timing (:mod:`hf_dynbsz.execution.layout_timing`), from the self-check's result: on a
-        device of :data:`~hf_dynbsz.execution.layout_timing.MEASURED_DEVICE_TYPES` with ``packing_layout="auto"``
-        (no sequence parallelism, no memory limit: the memory model learns each pass's peak in the run's layout), the
-        chosen layout and the first layout of each other family below it that
-        the self-check passes too (the same check through ``passes``, log-probs and gradients, the samples alone
-        computed once, one all-reduce per layout tried); :data:`NO_LAYOUT_TIMING` (nothing measured) otherwise.
-        ``result``: the self-check's :class:`~hf_dynbsz.execution.self_check.CheckResult`; ``schedulers``: one per
-        layout."""
-        device = self.accelerator.device.type
-        if not self.enabled or self.args.packing_layout != "auto" or self.parallel.size > 1:
-            return NO_LAYOUT_TIMING
-        if self.memory.limit_mib is not None:  # the memory model learns each pass's peak in the run's own layout
-            return NO_LAYOUT_TIMING
-        if device not in MEASURED_DEVICE_TYPES:
-            return NO_LAYOUT_TIMING
-        chosen = result.chosen
-        candidates = [Candidate(family(layouts[chosen]), schedulers[layouts[chosen]])]
-        alone = functools.cache(passes.alone)
-        dtype = self._compute_dtype(model)
-        for index in range(chosen + 1, len(layouts)):
-            name = family(layouts[index])
-            if name in {candidate.name for candidate in candidates}:
-                continue
-            with self.tiles():
-                result = run_self_check(
-                    [layouts[index]], table, passes.layout, alone, tolerance(dtype),
-                    agree=lambda passed: self.world.all_reduce_max([int(not passed)])[0] == 0,
-                    gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
-                )  # fmt: skip
-            if result.chosen == 0:
-                candidates.append(Candidate(name, schedulers[layouts[index]]))
-        if len(candidates) == 1:
-            return NO_LAYOUT_TIMING
-        logger.info("hf_dynbsz: layout timing: %s pass the self-check.", ", ".join(c.name for c in candidates))
-        return LayoutTiming(candidates, pass_clock(device), self.world.all_gather)

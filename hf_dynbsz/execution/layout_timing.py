@@ -27,6 +27,7 @@ run's own layout). :data:`NO_LAYOUT_TIMING` is the off state: the identity the e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -36,6 +37,7 @@ from typing import Protocol
 import torch
 
 from hf_dynbsz.planning.model_support import VARLEN_ATTN, Layout
+from hf_dynbsz.planning.schedule import Scheduler
 
 logger = logging.getLogger("hf_dynbsz")
 
@@ -178,6 +180,13 @@ class _Off:
     """The executor's layout timing when nothing is measured: the identity."""
 
     measuring = False
+    pass_scheduler = None
+
+    def timed(self, candidate: int | None, lengths, segments) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def finish_training_step(self, batch, schedule, rows_per_slice: int) -> tuple[bool, None]:
+        return False, None
 
     def pass_candidates(self, schedule, kind: str, lengths: Sequence[int]) -> None:
         return None
@@ -214,6 +223,42 @@ class LayoutTiming:
         self._tokens: list[tuple[int, object, list[float]]] = []  # this step's (candidate, clock token, costs)
         self.decision: dict | None = None  # once chosen: what to publish
         self.published = False
+        self.pass_scheduler: Scheduler | None = None  # while a timed pass runs: its candidate's
+
+    @contextlib.contextmanager
+    def timed(self, candidate: int | None, lengths: Sequence[int], segments: Callable):
+        """Around a pass over samples of these ``lengths``: in the layout of ``candidate`` (its scheduler is
+        :attr:`pass_scheduler`, the executor's collator reads it; ``segments(scheduler)``: the segment attention it
+        runs under), timed. ``candidate`` None: the run's layout, untimed."""
+        if candidate is None:
+            yield
+            return
+        self.pass_scheduler = self.candidates[candidate].scheduler
+        try:
+            with segments(self.pass_scheduler):
+                token = self.start(candidate)
+                yield
+                self.record(candidate, token, lengths)
+        finally:
+            self.pass_scheduler = None
+
+    def finish_training_step(self, batch, schedule, rows_per_slice: int) -> tuple[bool, Candidate | None]:
+        """After a training step's passes (``batch``: the step's pooled
+        :class:`~hf_dynbsz.execution.batch.StepBatch`; ``schedule``: its plan; ``rows_per_slice``:
+        ``per_device_train_batch_size``): :meth:`finish_step` with the step's cost in each candidate's model and
+        stock's slices. Returns ``(chosen in this step, the candidate kept)``; kept None: stock's slices."""
+        if self.decision is not None:
+            return False, None
+        table = batch.table
+        lengths, prompts = table.lengths.tolist(), table.prompt_lengths.tolist()
+        groups = table.prompt_groups()
+        width = batch.stock_microbatch_tokens / max(rows_per_slice, 1)  # stock's padded row
+
+        def step_costs():
+            return [c.scheduler.step_cost(lengths, schedule.budget, prompts, groups) for c in self.candidates]
+
+        kept = self.finish_step(step_costs, (batch.stock_computed_tokens, batch.stock_computed_tokens * width))
+        return self.decision is not None, kept
 
     # ---- one measuring step ------------------------------------------------------------------------------------
     def pass_candidates(self, schedule, kind: str, lengths: Sequence[int]) -> list[int] | None:

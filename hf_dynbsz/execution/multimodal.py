@@ -36,6 +36,8 @@ import hashlib
 
 import torch
 
+from hf_dynbsz.parallel.distributed import zero3_on_several_processes
+
 __all__ = [
     "MEDIA_KEYS",
     "TOKEN_FIELDS",
@@ -246,8 +248,6 @@ class MediaPolicy:
 
     @classmethod
     def of(cls, vision_language: str | None, accelerator, world) -> MediaPolicy:
-        from hf_dynbsz.parallel.distributed import zero3_on_several_processes  # parallel imports this layer
-
         return cls(vision_language, zero3_on_several_processes=zero3_on_several_processes(accelerator), world=world)
 
     def stock(self, *inputs: dict) -> bool:

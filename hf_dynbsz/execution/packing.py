@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dynbsz.execution.multimodal import join_media, media_digest, media_record, read_media_record
-from hf_dynbsz.planning.partition import LAYOUTS, round_up
-from hf_dynbsz.planning.schedule import prompt_segments
+from hf_dynbsz.parallel.distributed import ProcessGroup
+from hf_dynbsz.planning.schedule import Exchange, prompt_segments
+from hf_dynbsz.planning.tokens import LAYOUTS, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
 
@@ -140,6 +141,19 @@ class SequenceTable:
             offset += p
         self._groups = groups
         return groups
+
+    def moved(self, group: ProcessGroup, exchange: Exchange, media: bool = False) -> SequenceTable:
+        """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
+        process runs under ``exchange``. ``media`` must be the same on every process (the model is
+        vision-language)."""
+        records = group.send_to_runners([tokens.double() for tokens in self.tokens], exchange, lambda p, c: p + c)
+        shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
+        moved = SequenceTable(
+            tokens=[record.long() for record in records],
+            prompt_lengths=torch.tensor([p for p, _ in shapes]),
+            completion_lengths=torch.tensor([c for _, c in shapes]),
+        )
+        return moved.with_media_records(group.send_to_runners(self.media_records(), exchange)) if media else moved
 
     def media_records(self) -> list[torch.Tensor]:
         """Per sample, its image inputs and token fields as one float64 record (:func:`~hf_dynbsz.execution.multimodal.

@@ -19,9 +19,9 @@ from hf_dynbsz.execution.attention import device_facts
 from hf_dynbsz.execution.device_memory import pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
+from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.execution.step_loss import GRPOLoss, StepLoss
 from hf_dynbsz.parallel.distributed import ProcessGroup, zero3_on_several_processes
-from hf_dynbsz.parallel.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.planning.capabilities import Capabilities
 from hf_dynbsz.planning.cost import text_config_of
 from hf_dynbsz.planning.memory import (
@@ -75,7 +75,7 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
 
 def _sequence_parallel(trainer, model, capabilities: Capabilities, loss: StepLoss):
     """``sequence_parallel_size`` > 1: check the run allows it (raise before any work), form the groups and plan
-    passes between groups (:mod:`hf_dynbsz.parallel.sequence_parallel`); size 1: the identity."""
+    passes between groups (:mod:`hf_dynbsz.execution.sequence_parallel`); size 1: the identity."""
     size = int(getattr(trainer.args, "sequence_parallel_size", 1) or 1)
     if size <= 1:
         return NoSequenceParallel()

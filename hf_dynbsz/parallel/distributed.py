@@ -5,6 +5,8 @@
 balanced :class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids,
 masks, fp32 and fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and
 NCCL both support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
+The records are the torch layer's (``StepBatch.moved`` and ``SequenceTable.moved`` in :mod:`hf_dynbsz.execution`
+build and read them): this module moves tensors and imports nothing of that layer.
 Its collectives go through :mod:`hf_dynbsz.parallel.collectives`, which holds their tensors until no worker thread
 of gloo or NCCL holds them.
 """
@@ -16,8 +18,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.parallel.collectives import all_reduce, all_to_all_single, gather_values
 from hf_dynbsz.planning.schedule import Exchange
 
@@ -35,7 +35,7 @@ def zero3_on_several_processes(accelerator) -> bool:
 class ProcessGroup:
     """All processes of the accelerator's run, or with ``group`` (a ``torch.distributed`` group this process belongs
     to) the processes of that group: ``rank`` and ``num_processes`` are then within it (under sequence parallelism,
-    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.parallel.sequence_parallel`).
+    the processes that hold the same shard of their groups' rows: :mod:`hf_dynbsz.execution.sequence_parallel`).
     Every process of the group must make the same calls in the same order."""
 
     def __init__(self, accelerator, group=None) -> None:
@@ -104,27 +104,6 @@ class ProcessGroup:
             for i, record in zip(indices, from_one):
                 result[i] = record
         return result
-
-    def move_batch(self, batch: StepBatch, exchange: Exchange, media: bool = False) -> StepBatch:
-        """The training samples this process runs, each with everything that belongs to it (with ``media``, the same
-        on every process, their image inputs and token fields too)."""
-        records = self.send_to_runners(batch.records(), exchange, batch.record_size)
-        moved = batch.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
-        if media:
-            moved.table = moved.table.with_media_records(self.send_to_runners(batch.table.media_records(), exchange))
-        return moved
-
-    def move_table(self, table: SequenceTable, exchange: Exchange, media: bool = False) -> SequenceTable:
-        """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
-        process runs. ``media`` must be the same on every process (the model is vision-language)."""
-        records = self.send_to_runners([tokens.double() for tokens in table.tokens], exchange, lambda p, c: p + c)
-        shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
-        moved = SequenceTable(
-            tokens=[record.long() for record in records],
-            prompt_lengths=torch.tensor([p for p, _ in shapes]),
-            completion_lengths=torch.tensor([c for _, c in shapes]),
-        )
-        return moved.with_media_records(self.send_to_runners(table.media_records(), exchange)) if media else moved
 
     def return_rows(self, rows: list[torch.Tensor], exchange: Exchange, width: int, k: int) -> torch.Tensor:
         """Per-token results of the samples this process ran (``rows``: one ``(k, completion)`` tensor each, in

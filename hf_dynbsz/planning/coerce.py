@@ -2,10 +2,11 @@
 
 One set of functions, used by the settings table (:func:`coerce_setting`), the batch-size plan
 (:mod:`hf_dynbsz.planning.plan`), the ``DIFFU_*`` overrides (:mod:`hf_dynbsz.planning.env`), the command line and the
-partitioner's argument checks (:func:`check_int`). Errors name the setting, the value and the fix:
+argument checks of the partitioner, the cost model and the token accounting (:func:`check_int`, :func:`check_choice`,
+:func:`check_lengths`). Errors name the setting, the value and the fix:
 "<name> must be <expected>, got <value>: <fix>".
 
-Pure Python (no torch, no TRL, no numpy import).
+Pure Python and numpy (no torch, no TRL).
 """
 
 from __future__ import annotations
@@ -14,17 +15,24 @@ import math
 import numbers
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from hf_dynbsz.planning.settings import Setting
 
 __all__ = [
+    "check_choice",
     "check_int",
+    "check_length_list",
+    "check_lengths",
+    "check_optional_int",
     "coerce_bool",
     "coerce_int",
     "coerce_optional_int",
     "coerce_pad_to_multiple_of",
     "coerce_setting",
     "finite_number",
+    "is_integer",
     "is_none_text",
     "parse_int",
 ]
@@ -139,3 +147,64 @@ def coerce_setting(spec: Setting, value: Any) -> Any:
     if spec.accepts_none:
         return coerce_optional_int(spec.name, value, spec.expected, spec.fix)
     return coerce_int(spec.name, value, spec.expected)
+
+
+# --------------------------------------------------------------------------- #
+# The algorithms' arguments (the partitioner and the cost model)
+# --------------------------------------------------------------------------- #
+def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the strings ``choices``: "<name> must be 'a' or 'b', got <value>"."""
+    if not isinstance(value, str) or value not in choices:
+        expected = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_optional_int(name: str, value) -> int | None:
+    """None, or an integer >= 1 as :func:`check_int` checks it."""
+    if value is None:
+        return None
+    return check_int(name, value)
+
+
+def check_length_list(values) -> list[int]:
+    """Lengths of one micro-batch as a list of ints (validated like ``lengths``)."""
+    return check_lengths(values, name="lengths_in_microbatch").tolist()
+
+
+def check_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """Return ``lengths`` as a 1-D int64 array, or raise ValueError naming the first bad entry."""
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise ValueError(
+            f"{name} must be a sequence of positive integers (tokens per sequence), got {type(lengths).__name__}"
+        )
+    if len(lengths) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.asarray(lengths)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} must be a flat sequence of positive integers (tokens per sequence): {exc}") from None
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional (one token count per sequence), got shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        if isinstance(lengths, np.ndarray):
+            raise ValueError(f"{name} must be an integer array (tokens per sequence), got dtype {array.dtype}")
+        for position, value in enumerate(lengths):
+            if not is_integer(value):
+                raise ValueError(
+                    f"{name}[{position}] must be an integer number of tokens, got {value!r} ({type(value).__name__})"
+                )
+        raise ValueError(f"{name} values must fit in a 64-bit integer, got {array.max()!r}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} values must fit in a 64-bit integer, got {int(array.max())}")
+    array = array.astype(np.int64, copy=False)
+    not_positive = np.flatnonzero(array < 1)
+    if not_positive.size:
+        position = int(not_positive[0])
+        raise ValueError(f"{name}[{position}] must be a positive number of tokens (>= 1), got {int(array[position])}")
+    return array

@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from hf_dynbsz.planning.coerce import check_choice, check_length_list, check_optional_int
+from hf_dynbsz.planning.tokens import ATTENTION_KINDS, LAYOUTS, microbatch_tokens, round_up
+
 __all__ = [
     "GENERIC_DECODER",
     "CONFIG_VALUE_KINDS",
@@ -221,10 +224,8 @@ class WorkloadModel:
     @classmethod
     def from_flops(cls, flops: ModelFlops, layout: str = "padding_free", attention: str = "varlen") -> WorkloadModel:
         """The weights of :meth:`from_model_config` from a model's :class:`ModelFlops`."""
-        from hf_dynbsz.planning.partition import ATTENTION_KINDS, LAYOUTS, _check_choice
-
-        layout = _check_choice("layout", layout, LAYOUTS)
-        attention = _check_choice("attention", attention, ATTENTION_KINDS)
+        layout = check_choice("layout", layout, LAYOUTS)
+        attention = check_choice("attention", attention, ATTENTION_KINDS)
         computed_pair_fraction = 0.5 if (layout == "padding_free" and attention == "varlen") else 1.0
         return cls(linear_weight=1.0, quadratic_weight=flops.per_pair * computed_pair_fraction / flops.per_token)
 
@@ -250,20 +251,10 @@ class WorkloadModel:
         * padded: ``rows`` rows of ``R = round_up(max L)``:
           ``linear * rows * R + quad * rows * R**2`` (``attention`` is ignored).
         """
-        from hf_dynbsz.planning.partition import (
-            ATTENTION_KINDS,
-            LAYOUTS,
-            _as_int_list,
-            _check_choice,
-            _check_optional_positive_int,
-            microbatch_tokens,
-            round_up,
-        )
-
-        layout = _check_choice("layout", layout, LAYOUTS)
-        attention = _check_choice("attention", attention, ATTENTION_KINDS)
-        pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
-        values = _as_int_list(lengths_in_microbatch)
+        layout = check_choice("layout", layout, LAYOUTS)
+        attention = check_choice("attention", attention, ATTENTION_KINDS)
+        pad_to_multiple_of = check_optional_int("pad_to_multiple_of", pad_to_multiple_of)
+        values = check_length_list(lengths_in_microbatch)
         if not values:
             return 0.0
         tokens = microbatch_tokens(values, layout, pad_to_multiple_of)

@@ -54,19 +54,18 @@ from __future__ import annotations
 
 import functools
 import heapq
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from hf_dynbsz.planning.balance import balance, improve
+from hf_dynbsz.planning.coerce import check_choice, check_lengths, check_optional_int
 from hf_dynbsz.planning.coerce import check_int as _check_positive_int
 from hf_dynbsz.planning.cost import Lengths, WorkloadModel
+from hf_dynbsz.planning.tokens import ATTENTION_KINDS, LAYOUTS, ceil_div, round_up
 
 __all__ = [
     "OversizeSequenceError",
-    "round_up",
-    "microbatch_tokens",
     "item_costs",
     "oversize_error",
     "oversize_indices",
@@ -75,11 +74,9 @@ __all__ = [
     "partition_by_token_budget",
 ]
 
-LAYOUTS = ("padding_free", "padded")  # the user-facing names of packing_layout
 #: Passes stop being evened out once the costliest is within this fraction of the mean cost: 0.5% of a pass is
 #: below the run-to-run noise of its own time, and the planning of a step of thousands of samples stays at a few ms.
 CLOSE_ENOUGH = 5e-3
-ATTENTION_KINDS = ("varlen", "dense")
 
 
 class OversizeSequenceError(ValueError):
@@ -106,41 +103,6 @@ class OversizeSequenceError(ValueError):
         self.length = length
         self.max_tokens = max_tokens
         self.required_tokens = required_tokens
-
-
-# --------------------------------------------------------------------------- #
-# Token accounting
-# --------------------------------------------------------------------------- #
-def ceil_div(numerator, denominator):
-    """``ceil(numerator / denominator)`` of positive integers (or integer numpy arrays), exactly."""
-    return -(-numerator // denominator)
-
-
-def round_up(length: int, multiple: int | None) -> int:
-    """``length`` rounded up to a multiple of ``multiple`` (unchanged when ``multiple`` is None or 1)."""
-    if multiple is None or multiple == 1:
-        return int(length)
-    if multiple < 1:
-        raise ValueError(f"pad_to_multiple_of must be an integer >= 1 or None, got {multiple!r}")
-    return ceil_div(int(length), int(multiple)) * int(multiple)
-
-
-def microbatch_tokens(
-    lengths_in_microbatch, layout: str = "padding_free", pad_to_multiple_of: int | None = None
-) -> int:
-    """Tokens actually computed for one micro-batch.
-
-    padding_free = sum of lengths (rounded up to pad_to_multiple_of if given);
-    padded = rows * round_up(max length).  An empty micro-batch computes 0 tokens.
-    """
-    layout = _check_choice("layout", layout, LAYOUTS)
-    pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
-    values = _as_int_list(lengths_in_microbatch)
-    if not values:
-        return 0
-    if layout == "padding_free":
-        return round_up(sum(values), pad_to_multiple_of)
-    return len(values) * round_up(max(values), pad_to_multiple_of)
 
 
 def oversize_error(
@@ -199,7 +161,7 @@ def item_costs(
     * padded: a row of ``R = round_up(L)`` tokens, ``linear * R + quad * R**2`` (similar lengths share a
       micro-batch, so a row costs about its own padded length).
     """
-    values = _validate_lengths(lengths).astype(np.float64)
+    values = check_lengths(lengths).astype(np.float64)
     if layout == "padded":
         multiple = pad_to_multiple_of or 1
         values = ceil_div(values, multiple) * multiple
@@ -217,7 +179,7 @@ def token_lower_bound(lengths: Lengths, max_tokens: int) -> int:
     one micro-batch and its tokens do not fill the others; every other token needs room under the budget.
     0 for empty input.
     """
-    values = _validate_lengths(lengths)
+    values = check_lengths(lengths)
     max_tokens = _check_positive_int("max_tokens", max_tokens)
     over = values > max_tokens
     return int(over.sum()) + ceil_div(int(values[~over].sum()), max_tokens)
@@ -284,8 +246,8 @@ def partition_by_token_budget(
         ascending order; micro-batches ordered by their smallest index, empty
         ones last.  Every index appears exactly once.  Same input, same output.
     """
-    layout = _check_choice("layout", layout, LAYOUTS)
-    attention = _check_choice("attention", attention, ATTENTION_KINDS)
+    layout = check_choice("layout", layout, LAYOUTS)
+    attention = check_choice("attention", attention, ATTENTION_KINDS)
     if workload is None:
         workload = WorkloadModel.default(layout=layout, attention=attention)
     elif not isinstance(workload, WorkloadModel):
@@ -321,64 +283,6 @@ def partition_by_token_budget(
 
 
 # --------------------------------------------------------------------------- #
-# Validation helpers
-# --------------------------------------------------------------------------- #
-def _check_choice(name: str, value, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        expected = " or ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-    return value
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_optional_positive_int(name: str, value) -> int | None:
-    if value is None:
-        return None
-    return _check_positive_int(name, value)
-
-
-def _as_int_list(values) -> list[int]:
-    """Lengths of one micro-batch as a list of ints (validated like ``lengths``)."""
-    return _validate_lengths(values, name="lengths_in_microbatch").tolist()
-
-
-def _validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
-    """Return ``lengths`` as a 1-D int64 array, or raise ValueError naming the first bad entry."""
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise ValueError(
-            f"{name} must be a sequence of positive integers (tokens per sequence), got {type(lengths).__name__}"
-        )
-    if len(lengths) == 0:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        array = np.asarray(lengths)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{name} must be a flat sequence of positive integers (tokens per sequence): {exc}") from None
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional (one token count per sequence), got shape {array.shape}")
-    if array.dtype.kind not in "iu":
-        if isinstance(lengths, np.ndarray):
-            raise ValueError(f"{name} must be an integer array (tokens per sequence), got dtype {array.dtype}")
-        for position, value in enumerate(lengths):
-            if not _is_integer(value):
-                raise ValueError(
-                    f"{name}[{position}] must be an integer number of tokens, got {value!r} ({type(value).__name__})"
-                )
-        raise ValueError(f"{name} values must fit in a 64-bit integer, got {array.max()!r}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} values must fit in a 64-bit integer, got {int(array.max())}")
-    array = array.astype(np.int64, copy=False)
-    not_positive = np.flatnonzero(array < 1)
-    if not_positive.size:
-        position = int(not_positive[0])
-        raise ValueError(f"{name}[{position}] must be a positive number of tokens (>= 1), got {int(array[position])}")
-    return array
-
-
-# --------------------------------------------------------------------------- #
 # Problem set-up shared by all entry points
 # --------------------------------------------------------------------------- #
 @dataclass
@@ -402,10 +306,10 @@ class _Problem:
 
     @classmethod
     def build(cls, lengths, max_tokens, layout, pad_to_multiple_of) -> _Problem:
-        layout = _check_choice("layout", layout, LAYOUTS)
+        layout = check_choice("layout", layout, LAYOUTS)
         max_tokens = _check_positive_int("max_tokens", max_tokens)
-        pad_to_multiple_of = _check_optional_positive_int("pad_to_multiple_of", pad_to_multiple_of)
-        values = _validate_lengths(lengths)
+        pad_to_multiple_of = check_optional_int("pad_to_multiple_of", pad_to_multiple_of)
+        values = check_lengths(lengths)
         multiple = pad_to_multiple_of or 1
         if layout == "padding_free":
             # round_up(sum, m) <= max_tokens  <=>  sum <= floor(max_tokens / m) * m

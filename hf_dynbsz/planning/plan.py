@@ -28,9 +28,9 @@ from typing import Any
 from hf_dynbsz.planning.coerce import coerce_int, coerce_optional_int, coerce_pad_to_multiple_of
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.generation_round import resolve_generation_round, user_generation_settings
-from hf_dynbsz.planning.partition import ceil_div
 from hf_dynbsz.planning.plan_table import plan_rows, text_table
 from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, setting
+from hf_dynbsz.planning.tokens import ceil_div
 
 # Re-exported for importers that have not moved to hf_dynbsz.planning.validation yet (hf_dynbsz/trainer.py).
 from hf_dynbsz.planning.validation import validated_fields
@@ -214,7 +214,7 @@ class BatchSizePlan:
     router_aux: str | None = None
     #: with a memory limit: ``(setting, per-device value, meaning)`` rows of :func:`hf_dynbsz.planning.memory.plan_rows`
     memory_rows: tuple = ()
-    #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.parallel.sequence_parallel`); 1 = off
+    #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.execution.sequence_parallel`); 1 = off
     sequence_parallel_size: int = 1
 
     # ---- construction ----------------------------------------------------------------------------------------

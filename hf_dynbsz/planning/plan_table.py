@@ -13,18 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hf_dynbsz.planning.model_support import images_stay_on_their_process
 from hf_dynbsz.planning.settings import setting
 
-if TYPE_CHECKING:
-    from hf_dynbsz.planning.plan import BatchSizePlan
-
 __all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
 
+#: A :class:`~hf_dynbsz.planning.plan.BatchSizePlan`, read by attribute (that module imports this one, not the
+#: reverse: the plan renders its table with these rows).
+Plan = Any
 #: A cell: fixed text, or a function of the plan giving it.
-Cell = str | Callable[["BatchSizePlan"], str]
+Cell = str | Callable[[Plan], str]
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ class Row:
     per_device: Cell
     global_: Cell
     meaning: Cell
-    when: Callable[[BatchSizePlan], bool] | None = None
+    when: Callable[[Plan], bool] | None = None
 
-    def cells(self, plan: BatchSizePlan) -> tuple[str, str, str, str]:
+    def cells(self, plan: Plan) -> tuple[str, str, str, str]:
         def text(cell: Cell) -> str:
             return cell if isinstance(cell, str) else cell(plan)
 
@@ -51,25 +51,25 @@ def fraction_text(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
-def _attr(name: str) -> Callable[[BatchSizePlan], str]:
+def _attr(name: str) -> Callable[[Plan], str]:
     """The plan's attribute ``name`` as text (fractions as ``n/d``)."""
 
-    def value(plan: BatchSizePlan) -> str:
+    def value(plan: Plan) -> str:
         number = getattr(plan, name)
         return fraction_text(number) if isinstance(number, Fraction) else str(number)
 
     return value
 
 
-def _on_off(name: str) -> Callable[[BatchSizePlan], str]:
+def _on_off(name: str) -> Callable[[Plan], str]:
     return lambda plan: "on" if getattr(plan, name) else "off"
 
 
-def _none_or(name: str) -> Callable[[BatchSizePlan], str]:
+def _none_or(name: str) -> Callable[[Plan], str]:
     return lambda plan: "none" if getattr(plan, name) is None else str(getattr(plan, name))
 
 
-def _summary_if_on(name: str, off: str) -> Callable[[BatchSizePlan], str]:
+def _summary_if_on(name: str, off: str) -> Callable[[Plan], str]:
     """The setting's summary when the plan has it on, else ``off``."""
     return lambda plan: setting(name).summary if getattr(plan, name) else off
 
@@ -81,22 +81,22 @@ _ROUND_SOURCE_TEXT = {
 }
 
 
-def _chunk(plan: BatchSizePlan) -> str:
+def _chunk(plan: Plan) -> str:
     suffix = " (all)" if plan.per_device_generation_batch_size is None else ""
     return f"{plan.generation_chunk_size}{suffix}"
 
 
-def _budget(name: str, unset: str) -> Callable[[BatchSizePlan], str]:
+def _budget(name: str, unset: str) -> Callable[[Plan], str]:
     """A token budget per device (``unset`` when automatic)."""
     return lambda plan: unset if getattr(plan, name) is None else str(getattr(plan, name))
 
 
-def _budget_all(name: str) -> Callable[[BatchSizePlan], str]:
+def _budget_all(name: str) -> Callable[[Plan], str]:
     """A token budget over all processes ("-" when automatic)."""
     return lambda plan: "-" if getattr(plan, name) is None else str(getattr(plan, name) * plan.num_processes)
 
 
-def _train_budget_meaning(plan: BatchSizePlan) -> str:
+def _train_budget_meaning(plan: Plan) -> str:
     if plan.max_tokens_per_microbatch is not None:
         return setting("max_tokens_per_microbatch").summary
     return (
@@ -105,17 +105,17 @@ def _train_budget_meaning(plan: BatchSizePlan) -> str:
     )
 
 
-def _logprob_budget_meaning(plan: BatchSizePlan) -> str:
+def _logprob_budget_meaning(plan: Plan) -> str:
     default = "; default 2 x training budget" if plan.max_tokens_per_microbatch_logprob is None else ""
     return setting("max_tokens_per_microbatch_logprob").summary + default
 
 
-def _balance(plan: BatchSizePlan) -> str:
+def _balance(plan: Plan) -> str:
     on = plan.balance_across_ranks and not images_stay_on_their_process(plan.vision_language)
     return ("on" if on else "off") + (" (1 process)" if plan.num_processes == 1 else "")
 
 
-def _balance_meaning(plan: BatchSizePlan) -> str:
+def _balance_meaning(plan: Plan) -> str:
     if plan.num_processes == 1:
         return "no-op on one process"
     if images_stay_on_their_process(plan.vision_language):  # this family's samples are not balanced
@@ -123,7 +123,7 @@ def _balance_meaning(plan: BatchSizePlan) -> str:
     return setting("balance_across_ranks").summary
 
 
-def _images_meaning(plan: BatchSizePlan) -> str:
+def _images_meaning(plan: Plan) -> str:
     if plan.vision_language == "repacked":
         return (
             "each sample's images move with it (into its micro-batch, to another process); padding-free rows hold a "
@@ -132,28 +132,28 @@ def _images_meaning(plan: BatchSizePlan) -> str:
     return "image steps run stock GRPOTrainer micro-batches: this model family is not repacked"
 
 
-def _router_meaning(plan: BatchSizePlan) -> str:
+def _router_meaning(plan: Plan) -> str:
     if plan.router_aux == "repacked":
         return "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
     return plan.router_aux
 
 
-def _sequence_parallel(plan: BatchSizePlan) -> bool:
+def _sequence_parallel(plan: Plan) -> bool:
     return plan.sequence_parallel_size > 1
 
 
-def _group_budget(name: str, unset: str) -> Callable[[BatchSizePlan], str]:
+def _group_budget(name: str, unset: str) -> Callable[[Plan], str]:
     """The tokens one sequence-parallel group's pass holds: size x the per-device budget."""
 
-    def value(plan: BatchSizePlan) -> str:
+    def value(plan: Plan) -> str:
         budget, size = getattr(plan, name), plan.sequence_parallel_size
         return f"{size} x {unset}" if budget is None else str(size * budget)
 
     return value
 
 
-def _group_meaning(name: str) -> Callable[[BatchSizePlan], str]:
-    def meaning(plan: BatchSizePlan) -> str:
+def _group_meaning(name: str) -> Callable[[Plan], str]:
+    def meaning(plan: Plan) -> str:
         size = plan.sequence_parallel_size
         return (
             f"the longest sequence one {name} pass holds without running oversize: {size} x the per-device budget, "
@@ -309,7 +309,7 @@ PLAN_ROWS: tuple[Row, ...] = (
 )
 
 
-def plan_rows(plan: BatchSizePlan) -> list[tuple[str, str, str, str]]:
+def plan_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
     """The ``(setting, per device, global, meaning)`` rows of ``plan``'s table: :data:`PLAN_ROWS` that apply, then the
     memory limit's rows; a value a ``DIFFU_*`` variable set says so in its meaning, where the user looks for it."""
     rows = [row.cells(plan) for row in PLAN_ROWS if row.when is None or row.when(plan)]

@@ -28,18 +28,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hf_dynbsz.planning.balance import Assignment, assign
+from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import Layout, ModelSupport, images_stay_on_their_process
 from hf_dynbsz.planning.partition import (
-    WorkloadModel,
     item_costs,
-    microbatch_tokens,
     min_num_microbatches,
     oversize_error,
     oversize_indices,
     partition_by_token_budget,
-    round_up,
 )
 from hf_dynbsz.planning.settings import setting
+from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 
 __all__ = [
     "RankGroup",
@@ -292,7 +291,7 @@ class Scheduler:
     attention_mask: bool = False
     position_offset: int = 0
     group: RankGroup = SINGLE_PROCESS
-    #: processes sharing each pass's row (:mod:`hf_dynbsz.parallel.sequence_parallel`): a pass holds this many budgets
+    #: processes sharing each pass's row (:mod:`hf_dynbsz.execution.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
 
     @classmethod

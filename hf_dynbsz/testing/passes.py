@@ -61,7 +61,7 @@ def packed_logps(model, table, indices, groups=None, attention=None, pad_to_mult
 
 def bare_check_passes(model, table, gradients: bool = True):
     """The self-check's two callables for a bare ``model`` (TRL's fused LM head) and ``table``, as
-    :class:`~hf_dynbsz.execution.self_check.CheckPasses` gives them for a run: ``run_layout(layout, indices,
+    :class:`~hf_dynbsz.execution.check_passes.CheckPasses` gives them for a run: ``run_layout(layout, indices,
     gradients=True)`` and ``run_alone(index, gradients=True)``, each returning a
     :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients of
     :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``, and ``gradients`` was given here), over
