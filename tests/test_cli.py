@@ -1,4 +1,5 @@
-"""Specification of the ``hf-dynbsz plan`` command (run as a subprocess, like a user would)."""
+"""Specification of the ``hf-dynbsz plan`` command (through ``main()`` in this process; one run as a subprocess, like
+a user would, for its exit status and output)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def test_console_script_is_declared():
         assert tomllib.loads(text)["project"]["scripts"]["hf-dynbsz"] == "hf_dynbsz.cli:main"
 
 
-def test_valid_config_prints_the_plan():
-    result = run_plan(
+def test_valid_config_prints_the_plan(plan_in_process):
+    result = plan_in_process(
         "--per_device_train_batch_size", 4,
         "--gradient_accumulation_steps", 4,
         "--num_generations", 8,
@@ -97,6 +98,7 @@ def test_output_dir_is_not_required_and_defaults_plan_one_process(plan_in_proces
 
 
 def test_invalid_config_exits_2_with_message_and_no_traceback():
+    """As a user runs it: a process of its own, its exit status and its output."""
     result = run_plan("--per_device_train_batch_size", 4, "--generation_batch_size", 12, "--num_generations", 8)
     assert result.returncode == 2
     assert "generation_batch_size (12) must be divisible by num_generations (8): use 8 or 16" in result.stderr
@@ -123,8 +125,8 @@ def test_environment_overrides_are_honoured_and_reported(plan_in_process):
     assert table_row(result.stdout, "per_device_train_batch_size")[:2] == ["16", "16"]
 
 
-def test_bad_environment_value_exits_2():
-    result = run_plan(env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "2.5"})
+def test_bad_environment_value_exits_2(plan_in_process):
+    result = plan_in_process(env_overrides={"DIFFU_TRAIN_BATCH_SIZE": "2.5"})
     assert result.returncode == 2
     assert "DIFFU_TRAIN_BATCH_SIZE='2.5'" in result.stderr
     assert "a positive integer number of samples per device" in result.stderr
