@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,88 +35,67 @@ SPEED_LIMITS_MIB = (1700, 2200)  # section 3: the longest sequence alone (2048 +
 SWEEP_BUDGETS = (512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
-def worker(spec: dict) -> dict:
-    """One training run in this (fresh) process."""
-    ensure_repo_on_path()
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+def completion_lengths(mix: str, longest: int):
+    """This benchmark's completion lengths (tokens, 8 to ``longest``): lognormal with median ``longest / 7`` and
+    sigma 1.0 ("long_tailed"), or median ``longest / 3`` and sigma 0.4 ("short")."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    median = longest / 7 if mix == "long_tailed" else longest / 3
+    sigma = 1.0 if mix == "long_tailed" else 0.4
+    return lambda rng, n, rank: np.clip(rng.lognormal(np.log(median), sigma, n), 8, longest).astype(int)
+
+
+def build_run(spec: dict):
+    """The trainer of ``spec``: stock's or the plugin's (its token budget and memory limit), 4 layers of
+    ``spec["hidden"]``, the mix's scripted completions."""
     from hf_dynbsz.testing import (
-        ResidentSetSampler,
-        ScriptedRollout,
+        ModelShape,
         build_char_tokenizer,
-        build_tiny_causal_lm,
-        run_peak_mib,
+        build_trainer,
+        numbered_prompts,
+        run_config,
+        tokenizer_rollout,
     )
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
     hidden, longest = spec["hidden"], spec.get("max_completion", MIX[spec["mix"]])
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
+    shape = ModelShape(hidden, 4, num_heads=hidden // 64, num_kv_heads=hidden // 64, vocab_size=4000)
+    model = shape.build(tokenizer, max_positions=longest + 128)
+    rollout = tokenizer_rollout(
         tokenizer,
-        hidden_size=hidden,
-        num_hidden_layers=4,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        intermediate_size=3 * hidden,
-        vocab_size=4000,
-        max_position_embeddings=longest + 128,
-        attn_implementation="sdpa",
-        seed=0,
-    )
-    median = longest / 7 if spec["mix"] == "long_tailed" else longest / 3
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: np.clip(
-            rng.lognormal(np.log(median), 1.0 if spec["mix"] == "long_tailed" else 0.4, n), 8, longest
-        ).astype(int),
+        completion_lengths(spec["mix"], longest),
         lambda rng: int(rng.integers(32, 96)),
         max_completion_length=longest,
         seed=spec["seed"],
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
     )
-    common = dict(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec.get("batch", 2),
-        gradient_accumulation_steps=spec.get("accum", 4),
+    batch, accum = spec.get("batch", 2), spec.get("accum", 4)
+    fields = dict(
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
         num_generations=8,
         max_completion_length=longest,
         max_steps=spec["steps"],
         learning_rate=1e-5,
         beta=0.0,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
         gradient_checkpointing=spec["checkpointing"],
         seed=spec["seed"],
     )
     if spec["trainer"] == "stock":
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
+        args = run_config("grpo_stock", spec["output_dir"], **fields)
     else:
-        trainer_cls = DynamicBatchGRPOTrainer
-        args = DynamicBatchGRPOConfig(
-            **common, max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit")
-        )
-    samples = spec.get("batch", 2) * spec.get("accum", 4)
-    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(samples * spec["steps"] // 8 + 8)]})
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        rollout_func=rollout,
-    )
+        limits = dict(max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit"))
+        args = run_config("grpo_dynamic", spec["output_dir"], **fields, **limits)
+    dataset = numbered_prompts(batch * accum * spec["steps"] // 8 + 8, prefix="p")
+    return build_trainer(args, model, tokenizer, dataset=dataset, rollout=rollout)
+
+
+def worker(spec: dict) -> dict:
+    """One training run in this (fresh) process."""
+    ensure_repo_on_path()
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker, run_peak_mib
+
+    quiet_worker(threads=1)
+    trainer = build_run(spec)
     start = time.perf_counter()
     with ResidentSetSampler() as sampler:  # with a limit the trainer resets VmHWM before each pass
         trainer.train()

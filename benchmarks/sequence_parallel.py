@@ -38,75 +38,60 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT_TOKENS = 16
+if str(ROOT) not in sys.path:  # the driver runs from a checkout
+    sys.path.insert(0, str(ROOT))
 
 
-def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int) -> None:
+def build_run(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int):
+    """The plugin's trainer of one run: completions of ``length`` tokens after a prompt of PROMPT_TOKENS, one
+    sequence per pass over the sequence-parallel group, ``layers`` layers of hidden 256."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.execution.device_memory import status_mib
-    from hf_dynbsz.testing import ResidentSetSampler, ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import (
+        ModelShape,
+        build_char_tokenizer,
+        build_trainer,
+        numbered_prompts,
+        run_config,
+        tokenizer_rollout,
+    )
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        vocab_size=64,
-        max_position_embeddings=length + PROMPT_TOKENS + 8,
-        attn_implementation="sdpa",
-        seed=0,
+    shape = ModelShape(256, layers, num_heads=8, num_kv_heads=2, vocab_size=64)
+    model = shape.build(tokenizer, max_positions=length + PROMPT_TOKENS + 8)
+    rollout = tokenizer_rollout(
+        tokenizer, lambda rng, n, rank: np.full(n, length), lambda rng: PROMPT_TOKENS, max_completion_length=length
     )
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: np.full(n, length),
-        lambda rng: PROMPT_TOKENS,
-        max_completion_length=length,
-        seed=0,
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    per_device = 2 // sequence_parallel_size
     budget = -(-(length + PROMPT_TOKENS) // sequence_parallel_size)  # one sequence per pass, over the group
-    args = DynamicBatchGRPOConfig(
-        output_dir=out + "-run",
-        per_device_train_batch_size=per_device,
+    args = run_config(
+        "grpo_dynamic",
+        out + "-run",
+        per_device_train_batch_size=2 // sequence_parallel_size,
         gradient_accumulation_steps=1,
         num_generations=2,
         max_completion_length=length,
         max_steps=steps,
         beta=0.0,
         learning_rate=1e-6,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
         max_tokens_per_microbatch=budget,
         max_tokens_per_microbatch_logprob=budget,
         self_check=False,
         sequence_parallel_size=sequence_parallel_size,
-        dataloader_num_workers=0,
         gradient_checkpointing=False,
         activation_checkpointing=False,
     )
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
-        processing_class=tokenizer,
-        rollout_func=rollout,
+    reward = lambda completions, **kw: [float(i % 2) for i in range(len(completions))]  # noqa: E731
+    return build_trainer(
+        args, model, tokenizer, dataset=numbered_prompts(64, prefix="p"), reward=reward, rollout=rollout
     )
+
+
+def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int) -> None:
+    from hf_dynbsz.execution.device_memory import status_mib
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker
+
+    quiet_worker(threads=1)
+    trainer = build_run(length, sequence_parallel_size, steps, out, layers)
     before = status_mib("VmRSS")
     with ResidentSetSampler() as sampler:
         trainer.train()
@@ -128,28 +113,15 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layer
 
 
 def run(length: int, size: int, steps: int, scratch: Path, layers: int = 4) -> dict:
+    from hf_dynbsz.testing import accelerate_command
+
     out = scratch / f"L{length}-sp{size}"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-        "--num_processes",
-        str(size),
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--length",
-        str(length),
-        "--size",
-        str(size),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        "--layers",
-        str(layers),
-    ]
+    command = accelerate_command(
+        "cpu_ddp.yaml",
+        Path(__file__).resolve(),
+        *("--worker", "--length", length, "--size", size, "--steps", steps, "--out", out, "--layers", layers),
+        num_processes=size,
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -12,9 +12,12 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.passes`: one pass of a bare model as the executor runs it (collator, segment attention,
   segment recurrence);
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
+* :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
+  plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
 
-Every public name of the first five is re-exported here: ``from hf_dynbsz.testing import X``.
+Every public name but the zoo's is re-exported here: ``from hf_dynbsz.testing import X``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,33 @@ from hf_dynbsz.testing.fixtures import (
     run_training,
     save_tiny_model,
 )
+from hf_dynbsz.testing.harness import (
+    CPU_RUN_FIELDS,
+    TRAINERS,
+    ModelShape,
+    accelerate_command,
+    build_trainer,
+    length_reward,
+    mix_rollout,
+    numbered_prompts,
+    quiet_worker,
+    run_config,
+    run_script_worker,
+    step_clock,
+    tokenizer_rollout,
+    trainer_classes,
+)
+from hf_dynbsz.testing.mixes import (
+    MIX_LABELS,
+    MIXES,
+    PROMPT_HEAVY_RANGE,
+    PROMPT_RANGE,
+    UNIFORM_PROMPT,
+    completion_lengths,
+    longest_prompt,
+    prompt_lengths,
+    sequence_lengths,
+)
 from hf_dynbsz.testing.oracles import (
     first_fit_decreasing,
     grpo_batch,
@@ -61,16 +91,25 @@ from hf_dynbsz.testing.vision import (
 
 __all__ = [
     "CHAT_SPECIAL_TOKENS",
+    "CPU_RUN_FIELDS",
     "CountingEnvironment",
     "DEFAULT_ALPHABET",
+    "MIXES",
+    "MIX_LABELS",
+    "ModelShape",
     "MultiTurnRollout",
+    "PROMPT_HEAVY_RANGE",
+    "PROMPT_RANGE",
     "REPO_ROOT",
     "RecordingReward",
     "ResidentSetSampler",
     "ScriptedRollout",
     "TEST_ALPHABET",
+    "TRAINERS",
+    "UNIFORM_PROMPT",
     "VISION_LANGUAGE_FAMILIES",
     "VisionScriptedRollout",
+    "accelerate_command",
     "bare_check_passes",
     "base_config_kwargs",
     "build_char_tokenizer",
@@ -79,23 +118,37 @@ __all__ = [
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
     "build_tiny_vision_language_model",
+    "build_trainer",
     "checkpointing_field",
+    "completion_lengths",
     "first_fit_decreasing",
     "grpo_batch",
     "image_prompt_dataset",
+    "length_reward",
     "load_tokenizer",
     "logps_alone",
+    "longest_prompt",
+    "mix_rollout",
+    "numbered_prompts",
     "packed_logps",
     "packed_pass",
     "prompt_dataset",
-    "relative_difference",
+    "prompt_lengths",
+    "quiet_worker",
     "reference_varlen_attention",
     "reference_varlen_attn",
+    "relative_difference",
+    "run_config",
     "run_peak_mib",
+    "run_script_worker",
     "run_training",
     "run_with_timeout",
     "save_tiny_model",
     "segment_mask",
+    "sequence_lengths",
+    "step_clock",
     "stock_logps",
+    "tokenizer_rollout",
+    "trainer_classes",
     "update_difference",
 ]
