@@ -85,29 +85,21 @@ def timed_train_steps(trainer) -> list[float]:
 
 def worker(spec: dict) -> None:
     """One 2-process run (this function runs on every process under accelerate launch)."""
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        numbered_prompts,
-        quiet_worker,
-        run_config,
-        tokenizer_rollout,
-    )
+    from hf_dynbsz.testing import ModelShape, quiet_worker, scripted_run
 
     quiet_worker(threads=1)
-    tokenizer = build_char_tokenizer()
-    model = ModelShape(128, 3, vocab_size=4096).build(tokenizer, attention="sdpa", max_positions=1024)
-    rollout = tokenizer_rollout(
-        tokenizer, completion_lengths(spec["lengths"]), lambda rng: PROMPT, max_completion_length=LONG + 1
-    )
-    args = run_config(
+    trainer = scripted_run(
         "grpo_dynamic",
         spec["output_dir"],
+        ModelShape(128, 3, vocab_size=4096),
+        completion_lengths=completion_lengths(spec["lengths"]),
+        prompt_length=lambda rng: PROMPT,
+        max_completion_length=LONG + 1,
+        max_positions=1024,
+        prompts=8 * spec["steps"] + 8,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_generations=4,
-        max_completion_length=LONG + 1,
         max_steps=spec["steps"],
         learning_rate=1e-5,
         lr_scheduler_type="constant",
@@ -115,8 +107,6 @@ def worker(spec: dict) -> None:
         balance_across_ranks=spec["balance"],
         activation_checkpointing=False,
     )
-    dataset = numbered_prompts(8 * spec["steps"] + 8, prefix="prompt-")
-    trainer = build_trainer(args, model, tokenizer, dataset=dataset, rollout=rollout)
     timings = timed_train_steps(trainer)
     trainer.train()
     history = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]

@@ -48,45 +48,35 @@ def completion_lengths(mix: str, longest: int):
 def build_run(spec: dict):
     """The trainer of ``spec``: stock's or the plugin's (its token budget and memory limit), 4 layers of
     ``spec["hidden"]``, the mix's scripted completions."""
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        numbered_prompts,
-        run_config,
-        tokenizer_rollout,
-    )
+    from hf_dynbsz.testing import ModelShape, scripted_run
 
     hidden, longest = spec["hidden"], spec.get("max_completion", MIX[spec["mix"]])
-    tokenizer = build_char_tokenizer()
-    shape = ModelShape(hidden, 4, num_heads=hidden // 64, num_kv_heads=hidden // 64, vocab_size=4000)
-    model = shape.build(tokenizer, max_positions=longest + 128)
-    rollout = tokenizer_rollout(
-        tokenizer,
-        completion_lengths(spec["mix"], longest),
-        lambda rng: int(rng.integers(32, 96)),
-        max_completion_length=longest,
-        seed=spec["seed"],
-    )
     batch, accum = spec.get("batch", 2), spec.get("accum", 4)
-    fields = dict(
+    stock = spec["trainer"] == "stock"
+    limits = (
+        {} if stock else dict(max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit"))
+    )
+    return scripted_run(
+        "grpo_stock" if stock else "grpo_dynamic",
+        spec["output_dir"],
+        ModelShape(hidden, 4, num_heads=hidden // 64, num_kv_heads=hidden // 64, vocab_size=4000),
+        completion_lengths=completion_lengths(spec["mix"], longest),
+        prompt_length=lambda rng: int(rng.integers(32, 96)),
+        max_completion_length=longest,
+        max_positions=longest + 128,
+        prompts=batch * accum * spec["steps"] // 8 + 8,
+        prompt_prefix="p",
+        rollout_seed=spec["seed"],
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accum,
         num_generations=8,
-        max_completion_length=longest,
         max_steps=spec["steps"],
         learning_rate=1e-5,
         beta=0.0,
         gradient_checkpointing=spec["checkpointing"],
         seed=spec["seed"],
+        **limits,
     )
-    if spec["trainer"] == "stock":
-        args = run_config("grpo_stock", spec["output_dir"], **fields)
-    else:
-        limits = dict(max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit"))
-        args = run_config("grpo_dynamic", spec["output_dir"], **fields, **limits)
-    dataset = numbered_prompts(batch * accum * spec["steps"] // 8 + 8, prefix="p")
-    return build_trainer(args, model, tokenizer, dataset=dataset, rollout=rollout)
 
 
 def worker(spec: dict) -> dict:

@@ -47,29 +47,23 @@ def build_run(length: int, sequence_parallel_size: int, steps: int, out: str, la
     sequence per pass over the sequence-parallel group, ``layers`` layers of hidden 256."""
     import numpy as np
 
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        numbered_prompts,
-        run_config,
-        tokenizer_rollout,
-    )
+    from hf_dynbsz.testing import ModelShape, scripted_run
 
-    tokenizer = build_char_tokenizer()
-    shape = ModelShape(256, layers, num_heads=8, num_kv_heads=2, vocab_size=64)
-    model = shape.build(tokenizer, max_positions=length + PROMPT_TOKENS + 8)
-    rollout = tokenizer_rollout(
-        tokenizer, lambda rng, n, rank: np.full(n, length), lambda rng: PROMPT_TOKENS, max_completion_length=length
-    )
     budget = -(-(length + PROMPT_TOKENS) // sequence_parallel_size)  # one sequence per pass, over the group
-    args = run_config(
+    return scripted_run(
         "grpo_dynamic",
         out + "-run",
+        ModelShape(256, layers, num_heads=8, num_kv_heads=2, vocab_size=64),
+        completion_lengths=lambda rng, n, rank: np.full(n, length),
+        prompt_length=lambda rng: PROMPT_TOKENS,
+        max_completion_length=length,
+        max_positions=length + PROMPT_TOKENS + 8,
+        prompts=64,
+        prompt_prefix="p",
+        reward=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
         per_device_train_batch_size=2 // sequence_parallel_size,
         gradient_accumulation_steps=1,
         num_generations=2,
-        max_completion_length=length,
         max_steps=steps,
         beta=0.0,
         learning_rate=1e-6,
@@ -79,10 +73,6 @@ def build_run(length: int, sequence_parallel_size: int, steps: int, out: str, la
         sequence_parallel_size=sequence_parallel_size,
         gradient_checkpointing=False,
         activation_checkpointing=False,
-    )
-    reward = lambda completions, **kw: [float(i % 2) for i in range(len(completions))]  # noqa: E731
-    return build_trainer(
-        args, model, tokenizer, dataset=numbered_prompts(64, prefix="p"), reward=reward, rollout=rollout
     )
 
 

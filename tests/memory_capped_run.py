@@ -19,39 +19,29 @@ def build_run(limit: int | None, output_dir: str):
     completions (up to 768 tokens) per step, 3 steps."""
     import numpy as np
 
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        numbered_prompts,
-        run_config,
-        tokenizer_rollout,
-    )
+    from hf_dynbsz.testing import ModelShape, scripted_run
 
-    tokenizer = build_char_tokenizer()
-    model = ModelShape(512, 4, num_heads=8, num_kv_heads=8, vocab_size=4000).build(tokenizer, max_positions=900)
     longest = 768
-    rollout = tokenizer_rollout(
-        tokenizer,
-        lambda rng, n, rank: np.clip(rng.lognormal(np.log(longest / 5), 0.8, n), 8, longest).astype(int),
-        lambda rng: int(rng.integers(32, 96)),
-        max_completion_length=longest,
-    )
-    args = run_config(
+    return scripted_run(
         "grpo_dynamic",
         output_dir,
+        ModelShape(512, 4, num_heads=8, num_kv_heads=8, vocab_size=4000),
+        completion_lengths=lambda rng, n, rank: np.clip(rng.lognormal(np.log(longest / 5), 0.8, n), 8, longest).astype(
+            int
+        ),
+        prompt_length=lambda rng: int(rng.integers(32, 96)),
+        max_completion_length=longest,
+        max_positions=900,
+        prompts=32,
+        prompt_prefix="p",
+        reward=lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions],
         per_device_train_batch_size=16,
         gradient_accumulation_steps=1,
         num_generations=8,
-        max_completion_length=longest,
         max_steps=3,
         beta=0.0,
         gradient_checkpointing=False,
         max_memory_per_device_mib=limit,
-    )
-    reward = lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions]  # noqa: E731
-    return build_trainer(
-        args, model, tokenizer, dataset=numbered_prompts(32, prefix="p"), reward=reward, rollout=rollout
     )
 
 

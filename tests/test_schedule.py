@@ -240,9 +240,6 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
         lambda rng: rng.integers(2, 21),
         max_completion_length=40,
         seed=6,
-        token_low=3,
-        token_high=7,
-        eos_id=1,
     )
     run_training(
         Recording,

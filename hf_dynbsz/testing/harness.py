@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_dynbsz.testing.fixtures import ScriptedRollout, build_tiny_causal_lm
+from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS, ScriptedRollout, build_tiny_causal_lm
 from hf_dynbsz.testing.mixes import completion_lengths, prompt_lengths
 from hf_dynbsz.testing.processes import REPO_ROOT, run_with_timeout
 
@@ -27,27 +27,21 @@ __all__ = [
     "ModelShape",
     "accelerate_command",
     "build_trainer",
+    "flag_arguments",
+    "grpo_worker_command",
     "length_reward",
     "mix_rollout",
     "numbered_prompts",
     "quiet_worker",
     "run_config",
     "run_script_worker",
+    "scripted_run",
+    "snapshot_parameters",
     "step_clock",
     "tokenizer_rollout",
     "trainer_classes",
 ]
 
-#: The fields every CPU run sets: no reporting or saving, a log entry per step, fp32 on the CPU, no progress bar.
-CPU_RUN_FIELDS = dict(
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    use_cpu=True,
-    bf16=False,
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-)
 #: The trainers a run can name: (module, trainer class, config class).
 TRAINERS = {
     "grpo_stock": ("trl", "GRPOTrainer", "GRPOConfig"),
@@ -162,16 +156,17 @@ class ScriptedGeneration:
         return self._scripted_completions
 
 
-def build_trainer(args, model, processing_class, *, dataset, reward=length_reward, rollout=None, **kwargs):
-    """The trainer of config ``args`` (stock's or the plugin's, GRPO or RLOO: the config's class picks it) on
-    ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO (no ``rollout_func``), its
-    tokenization and generation (:class:`ScriptedGeneration`). ``kwargs`` go to the constructor."""
-    for key, names in TRAINERS.items():
-        if type(args).__name__ == names[2]:
-            trainer_cls = trainer_classes(key)[0]
-            break
-    else:
+def build_trainer(
+    args, model, processing_class, *, dataset, reward=length_reward, rollout=None, trainer_cls=None, **kwargs
+):
+    """The trainer of config ``args`` (stock's or the plugin's, GRPO or RLOO: the config's class picks it, unless
+    ``trainer_cls`` is given) on ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO (no
+    ``rollout_func``), its tokenization and generation (:class:`ScriptedGeneration`). ``kwargs`` go to the
+    constructor."""
+    key = next((key for key, names in TRAINERS.items() if type(args).__name__ == names[2]), None)
+    if key is None:
         raise TypeError(f"args: a config of {sorted(TRAINERS)}, got {type(args).__name__}")
+    trainer_cls = trainer_cls or trainer_classes(key)[0]
     if rollout is not None and key.startswith("rloo"):
         trainer_cls = type(f"Scripted{trainer_cls.__name__}", (ScriptedGeneration, trainer_cls), {"rollout": rollout})
     elif rollout is not None:
@@ -179,6 +174,42 @@ def build_trainer(args, model, processing_class, *, dataset, reward=length_rewar
     return trainer_cls(
         model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=processing_class, **kwargs
     )
+
+
+def scripted_run(
+    name: str,
+    output_dir: str,
+    shape: ModelShape,
+    *,
+    completion_lengths: Callable,
+    prompt_length: Callable,
+    max_completion_length: int,
+    max_positions: int,
+    prompts: int,
+    prompt_prefix: str = "prompt-",
+    rollout_seed: int = 0,
+    reward=length_reward,
+    **fields,
+):
+    """A whole scripted run, ready to train: trainer ``name`` (:func:`trainer_classes`) on a model of ``shape`` with
+    the character tokenizer, the scripted completions and prompts of ``completion_lengths`` and ``prompt_length``
+    (:class:`~hf_dynbsz.testing.ScriptedRollout`, seeded by ``rollout_seed``), ``prompts`` numbered prompts, the
+    config of :func:`run_config` with ``fields``."""
+    from hf_dynbsz.testing.fixtures import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = shape.build(tokenizer, max_positions=max_positions)
+    rollout = tokenizer_rollout(
+        tokenizer, completion_lengths, prompt_length, max_completion_length=max_completion_length, seed=rollout_seed
+    )
+    args = run_config(name, output_dir, max_completion_length=max_completion_length, **fields)
+    dataset = numbered_prompts(prompts, prefix=prompt_prefix)
+    return build_trainer(args, model, tokenizer, dataset=dataset, reward=reward, rollout=rollout)
+
+
+def snapshot_parameters(model) -> dict:
+    """A detached copy of every named parameter of ``model`` (to compare a run's before and after)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def quiet_worker(threads: int | None = 1) -> None:
@@ -226,6 +257,22 @@ def accelerate_command(
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
     return command + [str(script), *map(str, arguments)]
+
+
+def flag_arguments(options: dict) -> list[str]:
+    """Command-line flags of ``options``: ``--key value`` each, ``--key`` alone for ``True``."""
+    arguments = []
+    for key, value in options.items():
+        arguments += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return arguments
+
+
+def grpo_worker_command(config: str, out, model_dir: str, trainer: str, **options) -> list[str]:
+    """``accelerate launch`` of ``tests/distributed_grpo.py`` (the multi-process tests' worker) under ``config``:
+    ``trainer`` trained from ``model_dir``, each rank's record written to ``{out}.rank{N}.json``; ``options`` become
+    its flags (:func:`flag_arguments`)."""
+    arguments = ["--trainer", trainer, "--model_dir", model_dir, "--out", out, *flag_arguments(options)]
+    return accelerate_command(config, "tests/distributed_grpo.py", *arguments)
 
 
 def run_script_worker(
