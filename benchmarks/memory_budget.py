@@ -221,9 +221,12 @@ def main() -> None:
     report(results, cli.out_dir, cli.quick, results["seconds"])
 
 
-def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
+def prediction_section(results: dict, quick: bool, seconds: float) -> list[str]:
+    """The report's heading and section 1: predicted against measured peaks of every training pass."""
     steps = results.get("steps", 8)
-    lines = [
+    header = ["hidden", "checkpointing", "passes", "pass tokens", "first step (prior) max error"]
+    header += ["later: median error", "later: max error", "increment median error", "fitted model"]
+    return [
         f"# The budget from memory ({'quick' if quick else 'full'} run)",
         "",
         f"{machine_description()}; {seconds:.0f} s. Tiny decoder, 4 layers, vocabulary 4000, "
@@ -236,24 +239,20 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         "the memory model, against the measured one. The first step runs on the prior (read off the config); "
         "later steps on the model refitted from the passes measured so far.",
         "",
-        markdown_table(
-            [
-                "hidden",
-                "checkpointing",
-                "passes",
-                "pass tokens",
-                "first step (prior) max error",
-                "later: median error",
-                "later: max error",
-                "increment median error",
-                "fitted model",
-            ],
-            prediction_rows(results["prediction"]),
-        ),
+        markdown_table(header, prediction_rows(results["prediction"])),
         "",
     ]
-    sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
-    lines += [
+
+
+def mean_step(run: dict) -> float:
+    """Mean step time (seconds) after the first step (all steps when there is one)."""
+    return statistics.mean(run["step_times"][1:] or run["step_times"])
+
+
+def sweep_section(sweep: list[dict]) -> list[str]:
+    """Section 2's first table: each fixed budget's run peak and mean step."""
+    rows = [[r["spec"]["budget"], f"{r['run_peak_mib']:.0f}", f"{mean_step(r):.2f}"] for r in sweep]
+    return [
         "## 2. The budget chosen under a limit, against the largest that fits",
         "",
         "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
@@ -261,19 +260,13 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks "
         "and VmHWM):",
         "",
-        markdown_table(
-            ["budget", "run peak (MiB)", "mean step (s)"],
-            [
-                [
-                    r["spec"]["budget"],
-                    f"{r['run_peak_mib']:.0f}",
-                    f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}",
-                ]
-                for r in sweep
-            ],
-        ),
+        markdown_table(["budget", "run peak (MiB)", "mean step (s)"], rows),
         "",
     ]
+
+
+def limited_section(results: dict, sweep: list[dict]) -> list[str]:
+    """Section 2's second table: per limit, the memory-chosen budgets against the largest fixed one under it."""
     rows = []
     for limit in LIMITS_MIB:
         fitting = [r["spec"]["budget"] for r in sweep if r["run_peak_mib"] <= limit]
@@ -294,30 +287,20 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
                 f"{statistics.median(learnt) / largest:.2f}" if largest else "-",
             ]
         )
-    lines += [
-        "The run with the memory-chosen budget at each limit:",
-        "",
-        markdown_table(
-            [
-                "limit (MiB)",
-                "run peak (MiB)",
-                "under the limit",
-                "largest fixed budget under it",
-                "first step's budget (prior)",
-                "later budgets",
-                "median later / largest",
-            ],
-            rows,
-        ),
-        "",
-    ]
+    header = ["limit (MiB)", "run peak (MiB)", "under the limit", "largest fixed budget under it"]
+    header += ["first step's budget (prior)", "later budgets", "median later / largest"]
+    return ["The run with the memory-chosen budget at each limit:", "", markdown_table(header, rows), ""]
+
+
+def speed_section(results: dict) -> list[str]:
+    """Section 3: step times, passes and budgets per mix, speed-up against stock."""
     speed_rows = []
     for mix in ("long_tailed", "short"):
         runs = [r for r in results["speed"] if r["spec"]["mix"] == mix]
         stock = next((r for r in runs if r["label"] == "stock"), None)
         for r in runs:
-            mean = statistics.mean(r["step_times"][1:] or r["step_times"])
-            stock_mean = statistics.mean(stock["step_times"][1:] or stock["step_times"]) if stock else None
+            mean = mean_step(r)
+            stock_mean = mean_step(stock) if stock else None
             budgets = [b for b in r["budgets"] if b]
             speed_rows.append(
                 [
@@ -330,16 +313,21 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
                     f"{r['run_peak_mib']:.0f}",
                 ]
             )
-    lines += [
+    header = ["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget", "run peak (MiB)"]
+    return [
         "## 3. Step time",
         "",
         "Mean step time after the first step; passes per step and median budget.",
         "",
-        markdown_table(
-            ["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget", "run peak (MiB)"], speed_rows
-        ),
+        markdown_table(header, speed_rows),
         "",
     ]
+
+
+def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
+    sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
+    lines = prediction_section(results, quick, seconds) + sweep_section(sweep)
+    lines += limited_section(results, sweep) + speed_section(results)
     (out_dir / "memory_budget.md").write_text("\n".join(lines))
     plot(results, out_dir / "memory_budget.png")
     print("\n".join(lines))

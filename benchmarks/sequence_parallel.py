@@ -159,7 +159,7 @@ def longest_under(cap: float, size: int, results: dict, scratch: Path, layers: i
     return low
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -179,24 +179,16 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="lengths 1024,2048, 2 layers, resolution 512")
     cli = parser.parse_args()
-    if cli.worker:
-        worker(cli.length, cli.size, cli.steps, cli.out, cli.layers)
-        return
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common import machine_description, markdown_table
-
     if cli.quick:
         cli.lengths, cli.layers, cli.resolution = "1024,2048", 2, 512
-    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
-    scratch.mkdir(parents=True, exist_ok=True)
-    lengths = [int(v) for v in cli.lengths.split(",")]
-    results = {}
-    for length in lengths:
-        for size in (1, 2):
-            results[length, size] = run(length, size, cli.steps, scratch, cli.layers)
-            print(json.dumps(results[length, size]), flush=True)
-    cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
-    longest = {size: longest_under(cap, size, results, scratch, cli.layers, cli.resolution) for size in (1, 2)}
+    return cli
+
+
+def report_text(results: dict, lengths: list[int], cap: float, longest: dict, quick: bool) -> str:
+    """The report: per length, the peaks, increments and step times of sp_size 1 and 2; the longest completion under
+    ``cap`` MiB of each."""
+    from common import machine_description, markdown_table
+
     rows = []
     for length in lengths:
         one, two = results[length, 1], results[length, 2]
@@ -213,54 +205,65 @@ def main() -> None:
                 f"{one['step_seconds'] / two['step_seconds']:.2f}x",
             ]
         )
-    table = markdown_table(
-        [
-            "tokens per sequence",
-            "peak MiB/process, sp 1",
-            "sp 2",
-            "increment MiB, sp 1",
-            "sp 2",
-            "increment sp 2 / sp 1",
-            "s/step, sp 1",
-            "sp 2",
-            "speed-up",
-        ],
-        rows,
-    )
+    header = ["tokens per sequence", "peak MiB/process, sp 1", "sp 2", "increment MiB, sp 1", "sp 2"]
+    header += ["increment sp 2 / sp 1", "s/step, sp 1", "sp 2", "speed-up"]
     ratio = (longest[2] / longest[1]) if longest[1] and longest[2] else None
     summary = (
         f"Longest completion whose measured per-process peak stays under {cap:.0f} MiB: sp_size=1: "
         f"{longest[1]} tokens, sp_size=2: {longest[2]} tokens" + (f" ({ratio:.2f}x)." if ratio else ".")
     )
-    command = "python benchmarks/sequence_parallel.py" + (" --quick" if cli.quick else "")
-    text = (
+    command = "python benchmarks/sequence_parallel.py" + (" --quick" if quick else "")
+    return (
         f"# Sequence parallelism (DeepSpeed Ulysses): sp_size 1 vs 2\n\n`{command}` on {machine_description()}.\n\n"
         f"Two completions of L tokens (prompt {PROMPT_TOKENS}) per step, one sequence per training pass; "
-        "see the script's docstring for the setup.\n\n" + table + "\n\n" + summary + "\n"
+        "see the script's docstring for the setup.\n\n" + markdown_table(header, rows) + "\n\n" + summary + "\n"
     )
+
+
+def plot(results: dict, cap: float) -> None:
+    """Peak MiB per process against completion tokens, per sp_size, with the cap (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for size in (1, 2):
+        points = sorted((length, record["peak_mib"]) for (length, s), record in results.items() if s == size)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"sp_size={size}")
+    axis.axhline(cap, color="gray", linestyle="--", label=f"cap {cap:.0f} MiB")
+    axis.set_xlabel("completion tokens")
+    axis.set_ylabel("peak MiB per process")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(RESULTS / "sequence_parallel.png", dpi=120)
+
+
+def main() -> None:
+    cli = parse_args()
+    if cli.worker:
+        worker(cli.length, cli.size, cli.steps, cli.out, cli.layers)
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
+    scratch.mkdir(parents=True, exist_ok=True)
+    lengths = [int(v) for v in cli.lengths.split(",")]
+    results = {}
+    for length in lengths:
+        for size in (1, 2):
+            results[length, size] = run(length, size, cli.steps, scratch, cli.layers)
+            print(json.dumps(results[length, size]), flush=True)
+    cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
+    longest = {size: longest_under(cap, size, results, scratch, cli.layers, cli.resolution) for size in (1, 2)}
+    text = report_text(results, lengths, cap, longest, cli.quick)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sequence_parallel.md").write_text(text)
     (RESULTS / "sequence_parallel.json").write_text(
         json.dumps({"cap_mib": cap, "longest": longest, "runs": [results[key] for key in sorted(results)]}, indent=1)
     )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, axis = plt.subplots(figsize=(6, 4))
-        for size in (1, 2):
-            points = sorted((length, record["peak_mib"]) for (length, s), record in results.items() if s == size)
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"sp_size={size}")
-        axis.axhline(cap, color="gray", linestyle="--", label=f"cap {cap:.0f} MiB")
-        axis.set_xlabel("completion tokens")
-        axis.set_ylabel("peak MiB per process")
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(RESULTS / "sequence_parallel.png", dpi=120)
-    except ImportError:
-        pass
+    plot(results, cap)
     print(text)
 
 
