@@ -181,10 +181,10 @@ def real_runs(repeats: int, steps: int, timeout: float) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- part 2
 def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: int = 16384) -> list[dict]:
     import numpy as np
-    from common import sequence_lengths
 
     from hf_dynbsz.planning.cost import WorkloadModel
     from hf_dynbsz.planning.schedule import Scheduler, simulate_processes
+    from hf_dynbsz.testing import sequence_lengths
 
     workload = WorkloadModel.default("padding_free", "varlen")
     rows = []

@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmarks: the length mixes (defined in :mod:`hf_dynbsz.testing.mixes`, which describes
-them, and re-exported here), table formatting, machine facts. Every benchmark builds its runs with
-:mod:`hf_dynbsz.testing.harness`.
+"""Shared pieces of the benchmarks' reports: table formatting, machine facts. The benchmarks build their runs with
+:mod:`hf_dynbsz.testing.harness` and draw lengths from the named mixes of :mod:`hf_dynbsz.testing.mixes` (importing
+this module puts the repository on ``sys.path``).
 
 A *sequence* length is prompt + completion tokens (the unit of the token budget).
 """
@@ -25,17 +25,6 @@ def ensure_repo_on_path() -> None:
 
 
 ensure_repo_on_path()
-from hf_dynbsz.testing.mixes import (  # noqa: E402, F401  (the mixes, re-exported)
-    MIX_LABELS,
-    MIXES,
-    PROMPT_HEAVY_RANGE,
-    PROMPT_RANGE,
-    UNIFORM_PROMPT,
-    completion_lengths,
-    longest_prompt,
-    prompt_lengths,
-    sequence_lengths,
-)
 
 
 def median(values) -> float:

@@ -106,27 +106,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    PROMPT_HEAVY_RANGE,
-    PROMPT_RANGE,
-    REPO_ROOT,
-    RESULTS_DIR,
-    ensure_repo_on_path,
-    machine_description,
-    markdown_table,
-)
-
-ensure_repo_on_path()
 import gpu_probes  # noqa: E402
+from common import REPO_ROOT, RESULTS_DIR, machine_description, markdown_table  # noqa: E402
 
-from hf_dynbsz.testing import (  # noqa: E402
-    ModelShape,
-    build_trainer,
-    mix_rollout,
-    numbered_prompts,
-    snapshot_parameters,
-    step_clock,
-)
+from hf_dynbsz.testing import PROMPT_HEAVY_RANGE, PROMPT_RANGE, ModelShape, snapshot_parameters, step_clock  # noqa: E402
 
 PROFILED_STEP = 3  # the plugin's step profiled by the "profile" probe: a steady one
 
@@ -208,13 +191,8 @@ FULL = Preset(
     model=ModelShape(
         hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=2, intermediate_size=2816, vocab_size=151_936
     ),
-    max_completion_length=512,
-    steps=2,
-    speed_batch=(8, 4),
-    speed_steps=5,
-    speed_max_completion_length=1024,
-    time_budget_s=450.0,
-    bf16_cases=LOSS_CASES,
+    **dict(max_completion_length=512, steps=2, time_budget_s=450.0, bf16_cases=LOSS_CASES),
+    **dict(speed_batch=(8, 4), speed_steps=5, speed_max_completion_length=1024),
     **_SHARED,
 )
 #: Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads on 2 key/value heads, MLP 8960; about 1.8B parameters with
@@ -228,13 +206,8 @@ LARGE = dataclasses.replace(
 TINY = Preset(
     name="tiny",
     model=ModelShape(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
-    max_completion_length=48,
-    steps=1,
-    speed_batch=(4, 2),
-    speed_steps=3,
-    speed_max_completion_length=64,
-    time_budget_s=240.0,
-    bf16_cases=LOSS_CASES[::3],
+    **dict(max_completion_length=48, steps=1, time_budget_s=240.0, bf16_cases=LOSS_CASES[::3]),
+    **dict(speed_batch=(4, 2), speed_steps=3, speed_max_completion_length=64),
     **_SHARED,
 )
 
@@ -298,7 +271,7 @@ class Session:
     def __init__(self, args, preset: Preset):
         import torch
 
-        from hf_dynbsz.testing import build_char_tokenizer
+        from hf_dynbsz.testing import build_char_tokenizer, numbered_prompts
 
         self.torch, self.preset, self.args = torch, preset, args
         # an explicit index: torch.cuda.set_per_process_memory_fraction refuses a bare "cuda"
@@ -334,6 +307,8 @@ class Session:
             return preset.model.build(self.tokenizer, max_positions=positions, attention=attention)
 
     def rollout(self, max_completion_length: int, mix: str = MIX):
+        from hf_dynbsz.testing import mix_rollout
+
         return mix_rollout(mix, self.tokenizer, max_completion_length)
 
     def release(self) -> None:
@@ -390,7 +365,7 @@ def make_trainer(session: Session, spec: RunSpec, model):
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_trainer
 
     preset = session.preset
     per_device, accumulation = spec.batch or preset.batch

@@ -56,19 +56,8 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    MIX_LABELS,
-    MIXES,
-    PROMPT_RANGE,
-    RESULTS_DIR,
-    ensure_repo_on_path,
-    load_average,
-    machine_description,
-    markdown_table,
-    sequence_lengths,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 
-ensure_repo_on_path()
 from hf_dynbsz.planning.partition import (  # noqa: E402
     WorkloadModel,
     microbatch_tokens,
@@ -76,7 +65,7 @@ from hf_dynbsz.planning.partition import (  # noqa: E402
     partition_by_token_budget,
     token_lower_bound,
 )
-from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
+from hf_dynbsz.testing import MIX_LABELS, MIXES, PROMPT_RANGE, first_fit_decreasing, sequence_lengths  # noqa: E402
 
 LAYOUTS = ("padding_free", "padded")
 ALGORITHMS = ("ours", "ffd", "sorted_greedy", "fixed_safe", "fixed_mean")

@@ -42,16 +42,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    ensure_repo_on_path,
-    load_average,
-    longest_prompt,
-    machine_description,
-    markdown_table,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 from step_time import (  # noqa: E402
     PRESETS,
+    SPEC_KEYS,
     Probe,
     _mean,
     _per_index,
@@ -62,7 +56,7 @@ from step_time import (  # noqa: E402
     schedule_fields,
 )
 
-ensure_repo_on_path()
+from hf_dynbsz.testing import longest_prompt  # noqa: E402
 
 MIX = "long_tailed"
 CONFIGS = {
@@ -144,17 +138,8 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def render_table(rows: list[dict]) -> str:
-    header = [
-        "trainer",
-        "layout",
-        "train s/step",
-        "speed-up",
-        "token limit",
-        "train CPU s/step (speed-up)",
-        "train tokens/step",
-        "passes/step",
-        "log-prob s/round (speed-up)",
-    ]
+    header = ["trainer", "layout", "train s/step", "speed-up", "token limit", "train CPU s/step (speed-up)"]
+    header += ["train tokens/step", "passes/step", "log-prob s/round (speed-up)"]
     body = [
         [
             CONFIGS[row["config"]],
@@ -209,21 +194,7 @@ def main() -> None:
         return
     preset = PRESETS["quick" if args.quick else "default"]
     repeats = args.repeats or preset["repeats"]
-    spec = {
-        key: preset[key]
-        for key in (
-            "rounds",
-            "max_completion_length",
-            "hidden_size",
-            "num_layers",
-            "vocab_size",
-            "batch_size",
-            "grad_accum",
-            "steps_per_generation",
-            "num_iterations",
-            "num_generations",
-        )
-    }
+    spec = {key: preset[key] for key in SPEC_KEYS}
     spec.update(mix=MIX, seed=0)
     started, results, loads = time.perf_counter(), [], [load_average()]
     for repeat in range(repeats):

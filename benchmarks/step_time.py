@@ -83,20 +83,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    MIX_LABELS,
-    PROMPT_RANGE,
-    RESULTS_DIR,
-    completion_lengths,
-    ensure_repo_on_path,
-    load_average,
-    longest_prompt,
-    machine_description,
-    markdown_table,
-    median,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table, median  # noqa: E402
 
-ensure_repo_on_path()
+from hf_dynbsz.testing import MIX_LABELS, PROMPT_RANGE, completion_lengths, longest_prompt  # noqa: E402
 
 CONFIGS = {
     "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
@@ -140,38 +129,25 @@ HYBRID_DEFAULTS = dict(mixes="long_tailed,prompt_heavy", configs="stock,padded,p
 #: ``--model qwen3_5``: every how-many-th layer is full attention (Qwen3.5's ``full_attention_interval``).
 HYBRID_FULL_ATTENTION_INTERVAL = 4
 
+#: Both presets' schedule: 8 samples per optimizer step (4 per pass, 2 accumulated), a generation round of 16 samples
+#: (4 completions per prompt) feeding two optimizer steps.
+SCHEDULE = dict(batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4)
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
     "quick": dict(
         mixes="long_tailed,uniform",
         configs="stock,padded,padding_free",
         repeats=1,
-        rounds=2,
-        max_completion_length=256,
-        hidden_size=64,
-        num_layers=2,
-        vocab_size=1024,
-        batch_size=4,
-        grad_accum=2,
-        steps_per_generation=4,
-        num_iterations=1,
-        num_generations=4,
+        **dict(rounds=2, max_completion_length=256, hidden_size=64, num_layers=2, vocab_size=1024),
+        **SCHEDULE,
     ),
     # the default run: < ~20 minutes on 2 CPU cores.
     "default": dict(
         mixes="long_tailed,bimodal,uniform",
         configs="stock,padded,padding_free,padding_free_no_share,padding_free_half,padded_trl_tile",
         repeats=3,
-        rounds=3,
-        max_completion_length=1024,
-        hidden_size=128,
-        num_layers=3,
-        vocab_size=4096,
-        batch_size=4,
-        grad_accum=2,
-        steps_per_generation=4,
-        num_iterations=1,
-        num_generations=4,
+        **dict(rounds=3, max_completion_length=1024, hidden_size=128, num_layers=3, vocab_size=4096),
+        **SCHEDULE,
     ),
 }
 SPEC_KEYS = (
@@ -750,22 +726,9 @@ def _fmt(value, pattern="{:.2f}"):
 
 
 def render_table(rows: list[dict]) -> str:
-    header = [
-        "workload",
-        "trainer",
-        "budget (tokens)",
-        "train s/step",
-        "speed-up",
-        "token limit",
-        "of limit",
-        "train CPU s/step (speed-up)",
-        "train tokens/step (padding)",
-        "passes/step",
-        "log-prob s/round",
-        "log-prob speed-up (limit)",
-        "peak RSS over baseline MB (vs stock)",
-        "training-phase peak MB (vs stock)",
-    ]
+    header = ["workload", "trainer", "budget (tokens)", "train s/step", "speed-up", "token limit", "of limit"]
+    header += ["train CPU s/step (speed-up)", "train tokens/step (padding)", "passes/step", "log-prob s/round"]
+    header += ["log-prob speed-up (limit)", "peak RSS over baseline MB (vs stock)", "training-phase peak MB (vs stock)"]
     body = []
     for row in rows:
         if row["config"] == "stock":
@@ -795,15 +758,8 @@ def render_table(rows: list[dict]) -> str:
 
 
 def render_first_step_table(rows: list[dict]) -> str:
-    header = [
-        "workload",
-        "trainer",
-        "first step s",
-        "steady step s",
-        "first step in steady steps",
-        "of which self-check s",
-        "self-check in steady steps",
-    ]
+    header = ["workload", "trainer", "first step s", "steady step s", "first step in steady steps"]
+    header += ["of which self-check s", "self-check in steady steps"]
     body = [
         [
             MIX_LABELS[row["mix"]],

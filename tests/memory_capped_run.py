@@ -35,13 +35,8 @@ def build_run(limit: int | None, output_dir: str):
         prompts=32,
         prompt_prefix="p",
         reward=lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions],
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=1,
-        num_generations=8,
-        max_steps=3,
-        beta=0.0,
-        gradient_checkpointing=False,
-        max_memory_per_device_mib=limit,
+        **dict(per_device_train_batch_size=16, gradient_accumulation_steps=1, num_generations=8, max_steps=3),
+        **dict(beta=0.0, gradient_checkpointing=False, max_memory_per_device_mib=limit),
     )
 
 

@@ -26,9 +26,9 @@ from hf_dynbsz.parallel.collectives import (
     gather_values,
     reduce_sum,
 )
+from hf_dynbsz.testing import REPO_ROOT as ROOT
 from hf_dynbsz.testing import accelerate_command, run_with_timeout
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 
 

@@ -35,6 +35,8 @@ from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 PAD = 0
 #: Large enough that the aux loss moves the parameters far more than the tolerance (stock's default is 0.001).
 COEF = 1.0
+#: The plugin's trainer and config (``train``'s first two arguments).
+PLUGIN = (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -129,12 +131,7 @@ def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, n
     settings = dict(loss_type=loss_type, num_iterations=num_iterations, max_steps=3)
     initial, stock, stock_history, _ = train(GRPOTrainer, GRPOConfig, model_type, str(tmp_path / "s"), **settings)
     _, ours, history, trainer = train(
-        DynamicBatchGRPOTrainer,
-        DynamicBatchGRPOConfig,
-        model_type,
-        str(tmp_path / "o"),
-        max_tokens_per_microbatch=48,
-        **settings,
+        *PLUGIN, model_type, str(tmp_path / "o"), max_tokens_per_microbatch=48, **settings
     )
     assert trainer._dynbsz.enabled and trainer._dynbsz.capabilities.router_aux
     assert trainer._dynbsz.scheduler.share_prompts  # padding-free rows with shared prompts

@@ -24,6 +24,7 @@ from hf_dynbsz.execution.packing import dummy_microbatch
 from hf_dynbsz.parallel.sequence_parallel import sequence_parallel_blocker
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.testing import REPO_ROOT as ROOT
 from hf_dynbsz.testing import (
     accelerate_command,
     base_config_kwargs,
@@ -33,7 +34,6 @@ from hf_dynbsz.testing import (
     save_tiny_model,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 300
 
 

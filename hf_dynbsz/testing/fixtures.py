@@ -120,14 +120,22 @@ def build_tiny_causal_lm(
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
+        **_token_fields(tokenizer),
+    )
+    config._attn_implementation = attn_implementation
+    model = seeded_model(Qwen2ForCausalLM, config, tokenizer, seed)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _token_fields(tokenizer) -> dict:
+    """The config fields every test model takes from the tokenizer: its vocabulary's pad and eos ids, no bos, an
+    untied LM head."""
+    return dict(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    config._attn_implementation = attn_implementation
-    model = seeded_model(Qwen2ForCausalLM, config, tokenizer, seed)
-    return model.to(dtype) if dtype is not None else model
 
 
 def seeded_model(model_class, config, tokenizer, seed: int):
@@ -144,19 +152,9 @@ def seeded_model(model_class, config, tokenizer, seed: int):
 def _small_config_fields(tokenizer) -> dict:
     """The sizes of the tiny hybrid and MoE models (hidden 32, 2 layers of 4 heads on 2 key/value heads of 8) and the
     tokenizer's vocabulary and ids."""
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return dict(vocab_size=len(tokenizer), **sizes, **heads, **_token_fields(tokenizer))
 
 
 def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
@@ -416,28 +414,13 @@ def checkpointing_field() -> str:
 
 
 #: The fields every CPU run sets: no reporting or saving, a log entry per step, fp32 on the CPU, no progress bar.
-CPU_RUN_FIELDS = dict(
-    report_to="none",
-    logging_steps=1,
-    save_strategy="no",
-    use_cpu=True,
-    bf16=False,
-    dataloader_num_workers=0,
-    disable_tqdm=True,
-)
-#: The comparison runs' schedule and optimizer: SGD at a constant, large rate so that a mis-weighted sample shows.
-COMPARISON_FIELDS = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
-    num_generations=4,
-    max_completion_length=24,
-    max_steps=2,
-    learning_rate=0.5,
-    optim="sgd",
-    lr_scheduler_type="constant",
-    max_grad_norm=1e9,
-    seed=0,
-)
+CPU_RUN_FIELDS = dict(report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
+CPU_RUN_FIELDS.update(use_cpu=True, bf16=False, dataloader_num_workers=0)
+#: The comparison runs' schedule (2 steps of 8 samples, 4 completions per prompt, up to 24 tokens each) and optimizer:
+#: SGD at a constant, large rate so that a mis-weighted sample shows.
+COMPARISON_FIELDS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
+COMPARISON_FIELDS.update(max_completion_length=24, max_steps=2, seed=0)
+COMPARISON_FIELDS.update(learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=1e9)
 
 
 def base_config_kwargs(output_dir: str, **overrides) -> dict:

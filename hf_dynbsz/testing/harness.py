@@ -27,18 +27,23 @@ __all__ = [
     "ModelShape",
     "accelerate_command",
     "build_trainer",
+    "construction_arguments",
+    "construction_error",
     "flag_arguments",
     "grpo_worker_command",
     "length_reward",
     "mix_rollout",
     "numbered_prompts",
+    "positional_trainer",
     "quiet_worker",
     "run_config",
     "run_script_worker",
+    "saved_model_trainer",
     "scripted_run",
     "snapshot_parameters",
     "step_clock",
     "tokenizer_rollout",
+    "training_mode_trainer",
     "trainer_classes",
 ]
 
@@ -205,6 +210,72 @@ def scripted_run(
     args = run_config(name, output_dir, max_completion_length=max_completion_length, **fields)
     dataset = numbered_prompts(prompts, prefix=prompt_prefix)
     return build_trainer(args, model, tokenizer, dataset=dataset, reward=reward, rollout=rollout)
+
+
+def saved_model_trainer(args, model_dir: str, **kwargs):
+    """The trainer of ``args`` (:func:`build_trainer`) on the model saved in ``model_dir`` (fp32) with its tokenizer,
+    the prompt dataset and a :class:`~hf_dynbsz.testing.RecordingReward`: the comparison runs' trainer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.fixtures import RecordingReward, load_tokenizer, prompt_dataset
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return build_trainer(
+        args, model, load_tokenizer(model_dir), dataset=prompt_dataset(), reward=RecordingReward(), **kwargs
+    )
+
+
+def training_mode_trainer(args, model_dir: str, accumulation: int):
+    """:func:`saved_model_trainer` in training mode with the accumulation count the Trainer loop sets
+    (``accumulation`` slices per optimizer step): a trainer whose loss methods a test calls directly."""
+    trainer = saved_model_trainer(args, model_dir)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = accumulation
+    return trainer
+
+
+def positional_trainer(trainer_cls, config_cls, model_dir: str, output_dir: str):
+    """``(trainer, args)``: ``trainer_cls`` built with stock's positional order (model, reward_funcs, args,
+    train_dataset, eval_dataset, processing_class) on the model saved in ``model_dir``, ``args`` a plain
+    ``config_cls`` of the comparison runs."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.fixtures import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
+
+    args = config_cls(**base_config_kwargs(output_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return trainer_cls(model, RecordingReward(), args, prompt_dataset(), None, load_tokenizer(model_dir)), args
+
+
+def construction_arguments(config_cls, output_dir: str, missing: str) -> dict:
+    """A trainer's keyword arguments but the model and tokenizer (a :class:`~hf_dynbsz.testing.RecordingReward`,
+    the prompt dataset, ``config_cls``'s comparison config), ``missing`` left out (``args`` missing: stock's default
+    config, which wants bf16 on a CPU machine)."""
+    from hf_dynbsz.testing.fixtures import RecordingReward, base_config_kwargs, prompt_dataset
+
+    kwargs = dict(
+        reward_funcs=RecordingReward(),
+        train_dataset=prompt_dataset(),
+        args=config_cls(**base_config_kwargs(output_dir)),
+    )
+    del kwargs[missing]
+    return kwargs
+
+
+def construction_error(trainer_cls, model_dir: str, **kwargs) -> tuple[type, str]:
+    """The type and message of the exception ``trainer_cls`` raises when built on the model saved in ``model_dir``
+    with ``kwargs`` (AssertionError when it is built)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.fixtures import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    try:
+        trainer_cls(model=model, processing_class=load_tokenizer(model_dir), **kwargs)
+    except Exception as error:  # noqa: BLE001 - whatever stock raises is the expected answer
+        return type(error), str(error)
+    raise AssertionError(f"{trainer_cls.__name__} was built with {sorted(kwargs)}")
 
 
 def snapshot_parameters(model) -> dict:
