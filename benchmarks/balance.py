@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 from common import RESULTS_DIR, ensure_repo_on_path, load_average, machine_description, markdown_table  # noqa: E402
 
 ensure_repo_on_path()
-from hf_dynbsz.testing import run_with_timeout  # noqa: E402
+from hf_dynbsz.testing import accelerate_command, run_with_timeout  # noqa: E402
 
 LONG, SHORT, PROMPT = 416, 32, 32
 CONFIGS = {  # name: (lengths, balance_across_ranks)
@@ -55,74 +55,21 @@ CONFIGS = {  # name: (lengths, balance_across_ranks)
 
 
 # --------------------------------------------------------------------------------------------------- part 1
-def worker(spec: dict) -> None:
-    """One 2-process run (this function runs on every process under accelerate launch)."""
+def completion_lengths(lengths: str):
+    """The scripted completion lengths (tokens) of ``lengths``: "lopsided" gives every long one to process 1,
+    "even" alternates long and short on every process."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
-
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        vocab_size=4096,
-        max_position_embeddings=1024,
-        seed=0,
-    )
-
-    def completion_lengths(rng, n, rank):
-        if spec["lengths"] == "lopsided":
+    def draw(rng, n, rank):
+        if lengths == "lopsided":
             return np.full(n, LONG if rank == 1 else SHORT)
         return np.array([LONG if i % 2 == 0 else SHORT for i in range(n)])
 
-    rollout = ScriptedRollout(
-        completion_lengths,
-        lambda rng: PROMPT,
-        max_completion_length=LONG + 1,
-        seed=0,
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    args = DynamicBatchGRPOConfig(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=LONG + 1,
-        max_steps=spec["steps"],
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        seed=0,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        balance_across_ranks=spec["balance"],
-        activation_checkpointing=False,
-    )
-    dataset = Dataset.from_dict({"prompt": [f"prompt-{i}" for i in range(8 * spec["steps"] + 8)]})
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [len(c) % 7 / 7.0 for c in completions],
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        rollout_func=rollout,
-    )
+    return draw
+
+
+def timed_train_steps(trainer) -> list[float]:
+    """The wall time of each of the plugin's training steps (seconds), filled as the trainer trains."""
     timings = []
     train_step = trainer._dynbsz.train_step
 
@@ -133,6 +80,34 @@ def worker(spec: dict) -> None:
         return result
 
     trainer._dynbsz.train_step = timed
+    return timings
+
+
+def worker(spec: dict) -> None:
+    """One 2-process run (this function runs on every process under accelerate launch)."""
+    from hf_dynbsz.testing import ModelShape, quiet_worker, scripted_run
+
+    quiet_worker(threads=1)
+    trainer = scripted_run(
+        "grpo_dynamic",
+        spec["output_dir"],
+        ModelShape(128, 3, vocab_size=4096),
+        completion_lengths=completion_lengths(spec["lengths"]),
+        prompt_length=lambda rng: PROMPT,
+        max_completion_length=LONG + 1,
+        max_positions=1024,
+        prompts=8 * spec["steps"] + 8,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_steps=spec["steps"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        seed=0,
+        balance_across_ranks=spec["balance"],
+        activation_checkpointing=False,
+    )
+    timings = timed_train_steps(trainer)
     trainer.train()
     history = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     if trainer.accelerator.is_main_process:
@@ -153,7 +128,6 @@ def worker(spec: dict) -> None:
 
 def run_config(name: str, steps: int, timeout: float) -> dict:
     lengths, balance = CONFIGS[name]
-    config = Path(__file__).resolve().parents[1] / "accelerate_configs" / "cpu_ddp.yaml"
     with tempfile.TemporaryDirectory(prefix="dynbsz-balance-") as tmp:
         spec = {
             "lengths": lengths,
@@ -162,16 +136,7 @@ def run_config(name: str, steps: int, timeout: float) -> dict:
             "output_dir": os.path.join(tmp, "out"),
             "result": os.path.join(tmp, "result.json"),
         }
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            str(Path(__file__).resolve()),
-            "--worker",
-            json.dumps(spec),
-        ]
+        command = accelerate_command("cpu_ddp.yaml", Path(__file__).resolve(), "--worker", json.dumps(spec))
         run_with_timeout(command, Path(tmp), timeout, f"balance benchmark run {name}")
         with open(spec["result"]) as handle:
             return json.load(handle)
@@ -216,10 +181,10 @@ def real_runs(repeats: int, steps: int, timeout: float) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- part 2
 def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: int = 16384) -> list[dict]:
     import numpy as np
-    from common import sequence_lengths
 
     from hf_dynbsz.planning.cost import WorkloadModel
     from hf_dynbsz.planning.schedule import Scheduler, simulate_processes
+    from hf_dynbsz.testing import sequence_lengths
 
     workload = WorkloadModel.default("padding_free", "varlen")
     rows = []

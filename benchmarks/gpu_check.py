@@ -106,20 +106,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    PROMPT_HEAVY_RANGE,
-    PROMPT_RANGE,
-    REPO_ROOT,
-    RESULTS_DIR,
-    completion_lengths,
-    ensure_repo_on_path,
-    machine_description,
-    markdown_table,
-    prompt_lengths,
-)
-
-ensure_repo_on_path()
 import gpu_probes  # noqa: E402
+from common import REPO_ROOT, RESULTS_DIR, machine_description, markdown_table  # noqa: E402
+
+from hf_dynbsz.testing import PROMPT_HEAVY_RANGE, PROMPT_RANGE, ModelShape, snapshot_parameters, step_clock  # noqa: E402
 
 PROFILED_STEP = 3  # the plugin's step profiled by the "profile" probe: a steady one
 
@@ -180,12 +170,7 @@ class Preset:
     """Model and run sizes: ``full`` for a GPU, ``tiny`` for the CPU plumbing run."""
 
     name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int | None  # None: the tokenizer's
+    model: ModelShape  # vocab_size None: the tokenizer's
     max_completion_length: int
     batch: tuple[int, int]  # per_device_train_batch_size, gradient_accumulation_steps of the exactness runs
     split: tuple[int, int]  # the same samples split otherwise: stock's own bf16 noise
@@ -203,42 +188,26 @@ _SHARED = dict(batch=(4, 2), split=(2, 4), oom_batch=(8, 2), learning_rate=0.1)
 #: About 0.58B parameters (Qwen2.5-0.5B's vocabulary and depth, untied head); under 5 minutes on an H100.
 FULL = Preset(
     name="0.5B",
-    hidden_size=1024,
-    num_layers=24,
-    num_heads=16,
-    num_kv_heads=2,
-    intermediate_size=2816,
-    vocab_size=151_936,
-    max_completion_length=512,
-    steps=2,
-    speed_batch=(8, 4),
-    speed_steps=5,
-    speed_max_completion_length=1024,
-    time_budget_s=450.0,
-    bf16_cases=LOSS_CASES,
+    model=ModelShape(
+        hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=2, intermediate_size=2816, vocab_size=151_936
+    ),
+    **dict(max_completion_length=512, steps=2, time_budget_s=450.0, bf16_cases=LOSS_CASES),
+    **dict(speed_batch=(8, 4), speed_steps=5, speed_max_completion_length=1024),
     **_SHARED,
 )
 #: Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads on 2 key/value heads, MLP 8960; about 1.8B parameters with
 #: an untied head): where compute rather than launches dominates a step. The speed rows only.
 LARGE = dataclasses.replace(
-    FULL, name="1.5B", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960
+    FULL,
+    name="1.5B",
+    model=dataclasses.replace(FULL.model, hidden_size=1536, num_layers=28, num_heads=12, intermediate_size=8960),
 )
 #: The CPU plumbing run: under two minutes on 2 cores.
 TINY = Preset(
     name="tiny",
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    vocab_size=None,
-    max_completion_length=48,
-    steps=1,
-    speed_batch=(4, 2),
-    speed_steps=3,
-    speed_max_completion_length=64,
-    time_budget_s=240.0,
-    bf16_cases=LOSS_CASES[::3],
+    model=ModelShape(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+    **dict(max_completion_length=48, steps=1, time_budget_s=240.0, bf16_cases=LOSS_CASES[::3]),
+    **dict(speed_batch=(4, 2), speed_steps=3, speed_max_completion_length=64),
     **_SHARED,
 )
 
@@ -301,9 +270,8 @@ class Session:
 
     def __init__(self, args, preset: Preset):
         import torch
-        from datasets import Dataset
 
-        from hf_dynbsz.testing import build_char_tokenizer
+        from hf_dynbsz.testing import build_char_tokenizer, numbered_prompts
 
         self.torch, self.preset, self.args = torch, preset, args
         # an explicit index: torch.cuda.set_per_process_memory_fraction refuses a bare "cuda"
@@ -315,12 +283,12 @@ class Session:
         self.start = time.monotonic()
         self.deadline = self.start + (args.time_budget_s or preset.time_budget_s)
         self.tokenizer = build_char_tokenizer()
-        self.dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(512)]})
+        self.dataset = numbered_prompts(512, width=5)
         self.tmp = tempfile.mkdtemp(prefix="gpu_check-")
         self.cache: dict[RunSpec, Run] = {}
         self.split_noise: dict[str, float] = {}  # stock's bf16 noise per attention, measured once
         model = self.build_model("sdpa")
-        self.initial = snapshot(model)
+        self.initial = snapshot_parameters(model)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         del model
@@ -333,35 +301,15 @@ class Session:
         return self.deadline - time.monotonic()
 
     def build_model(self, attention: str, preset: str | None = None):
-        from hf_dynbsz.testing import build_tiny_causal_lm
-
         preset = PRESETS[preset] if preset else self.preset
+        positions = PROMPT_HEAVY_RANGE[1] + preset.speed_max_completion_length + 64
         with self.torch.device(self.device):  # built on the device: a 0.5B model initialises there in a second
-            return build_tiny_causal_lm(
-                self.tokenizer,
-                hidden_size=preset.hidden_size,
-                num_hidden_layers=preset.num_layers,
-                num_attention_heads=preset.num_heads,
-                num_key_value_heads=preset.num_kv_heads,
-                intermediate_size=preset.intermediate_size,
-                vocab_size=preset.vocab_size,
-                max_position_embeddings=PROMPT_HEAVY_RANGE[1] + preset.speed_max_completion_length + 64,
-                attn_implementation=attention,
-                seed=0,
-            )
+            return preset.model.build(self.tokenizer, max_positions=positions, attention=attention)
 
     def rollout(self, max_completion_length: int, mix: str = MIX):
-        from hf_dynbsz.testing import ScriptedRollout
+        from hf_dynbsz.testing import mix_rollout
 
-        return ScriptedRollout(
-            lambda rng, n, rank: completion_lengths(mix, n, max_completion_length, rng),
-            lambda rng: prompt_lengths(mix, 1, rng)[0],
-            max_completion_length=max_completion_length,
-            seed=0,
-            token_low=3,
-            token_high=len(self.tokenizer),
-            eos_id=self.tokenizer.eos_token_id,
-        )
+        return mix_rollout(mix, self.tokenizer, max_completion_length)
 
     def release(self) -> None:
         gc.collect()
@@ -388,31 +336,6 @@ class Session:
         """Drop cached runs (their parameters) but those ``keep`` names."""
         self.cache = {spec: run for spec, run in self.cache.items() if keep(spec)}
         self.release()
-
-
-def snapshot(model) -> dict:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-# --------------------------------------------------------------------------------------------------------- training
-def step_clock(synchronize):
-    """A callback recording each optimizer step's wall time (device synchronised at both ends)."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.seconds: list[float] = []
-            self.begin = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            synchronize()
-            self.begin = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            synchronize()
-            self.seconds.append(time.perf_counter() - self.begin)
-
-    return StepClock()
 
 
 class _Captured(logging.Handler):
@@ -442,7 +365,7 @@ def make_trainer(session: Session, spec: RunSpec, model):
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs
+    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_trainer
 
     preset = session.preset
     per_device, accumulation = spec.batch or preset.batch
@@ -464,14 +387,9 @@ def make_trainer(session: Session, spec: RunSpec, model):
     else:
         args = DynamicBatchGRPOConfig(**kwargs, **dict(spec.plugin))
         cls = faulty_trainer() if session.args.fault == "loss_scale" else DynamicBatchGRPOTrainer
-    reward = RecordingReward()
-    trainer = cls(
-        model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=session.dataset,
-        processing_class=session.tokenizer,
-        rollout_func=session.rollout(kwargs["max_completion_length"], spec.mix),
+    reward, rollout = RecordingReward(), session.rollout(kwargs["max_completion_length"], spec.mix)
+    trainer = build_trainer(
+        args, model, session.tokenizer, dataset=session.dataset, reward=reward, rollout=rollout, trainer_cls=cls
     )
     return trainer, reward
 
@@ -530,7 +448,7 @@ def train(session: Session, spec: RunSpec) -> Run:
             torch.cuda.set_per_process_memory_fraction(1.0, session.device)
     layout, notes = trained_as(trainer)
     run = Run(
-        params=snapshot(trainer.model) if spec.keep_params else None,
+        params=snapshot_parameters(trainer.model) if spec.keep_params else None,
         completions=list(reward.completions),
         history=list(trainer.state.log_history),
         step_seconds=list(clock.seconds),

@@ -31,9 +31,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, completion_lengths, ensure_repo_on_path, machine_description, prompt_lengths  # noqa: E402
+from common import RESULTS_DIR, machine_description  # noqa: E402
 
-ensure_repo_on_path()
+from hf_dynbsz.testing import completion_lengths, prompt_lengths  # noqa: E402
 
 MIX = "long_tailed"
 MAX_COMPLETION = 24

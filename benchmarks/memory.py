@@ -94,13 +94,11 @@ def measure_generation(chunk: int | None, samples: int, new_tokens: int) -> dict
     model = build_tiny_causal_lm(
         tokenizer, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=VOCAB
     )
+    run = dict(output_dir="/tmp/hf-dynbsz-memory-bench", report_to="none", use_cpu=True)
+    batch = dict(per_device_train_batch_size=samples, num_generations=samples, max_completion_length=new_tokens)
     args = DynamicBatchGRPOConfig(
-        output_dir="/tmp/hf-dynbsz-memory-bench",
-        report_to="none",
-        use_cpu=True,
-        per_device_train_batch_size=samples,
-        num_generations=samples,
-        max_completion_length=new_tokens,
+        **run,
+        **batch,
         per_device_generation_batch_size=chunk,
         generation_kwargs={"min_new_tokens": new_tokens},  # every sample is max length: comparable peaks
     )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,88 +35,57 @@ SPEED_LIMITS_MIB = (1700, 2200)  # section 3: the longest sequence alone (2048 +
 SWEEP_BUDGETS = (512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
-def worker(spec: dict) -> dict:
-    """One training run in this (fresh) process."""
-    ensure_repo_on_path()
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+def completion_lengths(mix: str, longest: int):
+    """This benchmark's completion lengths (tokens, 8 to ``longest``): lognormal with median ``longest / 7`` and
+    sigma 1.0 ("long_tailed"), or median ``longest / 3`` and sigma 0.4 ("short")."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import (
-        ResidentSetSampler,
-        ScriptedRollout,
-        build_char_tokenizer,
-        build_tiny_causal_lm,
-        run_peak_mib,
-    )
+    median = longest / 7 if mix == "long_tailed" else longest / 3
+    sigma = 1.0 if mix == "long_tailed" else 0.4
+    return lambda rng, n, rank: np.clip(rng.lognormal(np.log(median), sigma, n), 8, longest).astype(int)
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
+
+def build_run(spec: dict):
+    """The trainer of ``spec``: stock's or the plugin's (its token budget and memory limit), 4 layers of
+    ``spec["hidden"]``, the mix's scripted completions."""
+    from hf_dynbsz.testing import ModelShape, scripted_run
+
     hidden, longest = spec["hidden"], spec.get("max_completion", MIX[spec["mix"]])
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=hidden,
-        num_hidden_layers=4,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        intermediate_size=3 * hidden,
-        vocab_size=4000,
-        max_position_embeddings=longest + 128,
-        attn_implementation="sdpa",
-        seed=0,
+    batch, accum = spec.get("batch", 2), spec.get("accum", 4)
+    stock = spec["trainer"] == "stock"
+    limits = (
+        {} if stock else dict(max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit"))
     )
-    median = longest / 7 if spec["mix"] == "long_tailed" else longest / 3
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: np.clip(
-            rng.lognormal(np.log(median), 1.0 if spec["mix"] == "long_tailed" else 0.4, n), 8, longest
-        ).astype(int),
-        lambda rng: int(rng.integers(32, 96)),
+    return scripted_run(
+        "grpo_stock" if stock else "grpo_dynamic",
+        spec["output_dir"],
+        ModelShape(hidden, 4, num_heads=hidden // 64, num_kv_heads=hidden // 64, vocab_size=4000),
+        completion_lengths=completion_lengths(spec["mix"], longest),
+        prompt_length=lambda rng: int(rng.integers(32, 96)),
         max_completion_length=longest,
-        seed=spec["seed"],
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    common = dict(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec.get("batch", 2),
-        gradient_accumulation_steps=spec.get("accum", 4),
+        max_positions=longest + 128,
+        prompts=batch * accum * spec["steps"] // 8 + 8,
+        prompt_prefix="p",
+        rollout_seed=spec["seed"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
         num_generations=8,
-        max_completion_length=longest,
         max_steps=spec["steps"],
         learning_rate=1e-5,
         beta=0.0,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
         gradient_checkpointing=spec["checkpointing"],
         seed=spec["seed"],
+        **limits,
     )
-    if spec["trainer"] == "stock":
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
-    else:
-        trainer_cls = DynamicBatchGRPOTrainer
-        args = DynamicBatchGRPOConfig(
-            **common, max_tokens_per_microbatch=spec.get("budget"), max_memory_per_device_mib=spec.get("limit")
-        )
-    samples = spec.get("batch", 2) * spec.get("accum", 4)
-    dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(samples * spec["steps"] // 8 + 8)]})
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=lambda completions, **kw: [len(c) % 7 / 7 for c in completions],
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        rollout_func=rollout,
-    )
+
+
+def worker(spec: dict) -> dict:
+    """One training run in this (fresh) process."""
+    ensure_repo_on_path()
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker, run_peak_mib
+
+    quiet_worker(threads=1)
+    trainer = build_run(spec)
     start = time.perf_counter()
     with ResidentSetSampler() as sampler:  # with a limit the trainer resets VmHWM before each pass
         trainer.train()
@@ -253,9 +221,12 @@ def main() -> None:
     report(results, cli.out_dir, cli.quick, results["seconds"])
 
 
-def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
+def prediction_section(results: dict, quick: bool, seconds: float) -> list[str]:
+    """The report's heading and section 1: predicted against measured peaks of every training pass."""
     steps = results.get("steps", 8)
-    lines = [
+    header = ["hidden", "checkpointing", "passes", "pass tokens", "first step (prior) max error"]
+    header += ["later: median error", "later: max error", "increment median error", "fitted model"]
+    return [
         f"# The budget from memory ({'quick' if quick else 'full'} run)",
         "",
         f"{machine_description()}; {seconds:.0f} s. Tiny decoder, 4 layers, vocabulary 4000, "
@@ -268,24 +239,20 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         "the memory model, against the measured one. The first step runs on the prior (read off the config); "
         "later steps on the model refitted from the passes measured so far.",
         "",
-        markdown_table(
-            [
-                "hidden",
-                "checkpointing",
-                "passes",
-                "pass tokens",
-                "first step (prior) max error",
-                "later: median error",
-                "later: max error",
-                "increment median error",
-                "fitted model",
-            ],
-            prediction_rows(results["prediction"]),
-        ),
+        markdown_table(header, prediction_rows(results["prediction"])),
         "",
     ]
-    sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
-    lines += [
+
+
+def mean_step(run: dict) -> float:
+    """Mean step time (seconds) after the first step (all steps when there is one)."""
+    return statistics.mean(run["step_times"][1:] or run["step_times"])
+
+
+def sweep_section(sweep: list[dict]) -> list[str]:
+    """Section 2's first table: each fixed budget's run peak and mean step."""
+    rows = [[r["spec"]["budget"], f"{r['run_peak_mib']:.0f}", f"{mean_step(r):.2f}"] for r in sweep]
+    return [
         "## 2. The budget chosen under a limit, against the largest that fits",
         "",
         "32 samples per step (per_device_train_batch_size 8, gradient_accumulation_steps 4), long-tailed "
@@ -293,19 +260,13 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
         "per pass) and each run's whole-process peak (the resident set sampled every 2 ms, the logged step peaks "
         "and VmHWM):",
         "",
-        markdown_table(
-            ["budget", "run peak (MiB)", "mean step (s)"],
-            [
-                [
-                    r["spec"]["budget"],
-                    f"{r['run_peak_mib']:.0f}",
-                    f"{statistics.mean(r['step_times'][1:] or r['step_times']):.2f}",
-                ]
-                for r in sweep
-            ],
-        ),
+        markdown_table(["budget", "run peak (MiB)", "mean step (s)"], rows),
         "",
     ]
+
+
+def limited_section(results: dict, sweep: list[dict]) -> list[str]:
+    """Section 2's second table: per limit, the memory-chosen budgets against the largest fixed one under it."""
     rows = []
     for limit in LIMITS_MIB:
         fitting = [r["spec"]["budget"] for r in sweep if r["run_peak_mib"] <= limit]
@@ -326,30 +287,20 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
                 f"{statistics.median(learnt) / largest:.2f}" if largest else "-",
             ]
         )
-    lines += [
-        "The run with the memory-chosen budget at each limit:",
-        "",
-        markdown_table(
-            [
-                "limit (MiB)",
-                "run peak (MiB)",
-                "under the limit",
-                "largest fixed budget under it",
-                "first step's budget (prior)",
-                "later budgets",
-                "median later / largest",
-            ],
-            rows,
-        ),
-        "",
-    ]
+    header = ["limit (MiB)", "run peak (MiB)", "under the limit", "largest fixed budget under it"]
+    header += ["first step's budget (prior)", "later budgets", "median later / largest"]
+    return ["The run with the memory-chosen budget at each limit:", "", markdown_table(header, rows), ""]
+
+
+def speed_section(results: dict) -> list[str]:
+    """Section 3: step times, passes and budgets per mix, speed-up against stock."""
     speed_rows = []
     for mix in ("long_tailed", "short"):
         runs = [r for r in results["speed"] if r["spec"]["mix"] == mix]
         stock = next((r for r in runs if r["label"] == "stock"), None)
         for r in runs:
-            mean = statistics.mean(r["step_times"][1:] or r["step_times"])
-            stock_mean = statistics.mean(stock["step_times"][1:] or stock["step_times"]) if stock else None
+            mean = mean_step(r)
+            stock_mean = mean_step(stock) if stock else None
             budgets = [b for b in r["budgets"] if b]
             speed_rows.append(
                 [
@@ -362,16 +313,21 @@ def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
                     f"{r['run_peak_mib']:.0f}",
                 ]
             )
-    lines += [
+    header = ["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget", "run peak (MiB)"]
+    return [
         "## 3. Step time",
         "",
         "Mean step time after the first step; passes per step and median budget.",
         "",
-        markdown_table(
-            ["mix", "run", "step (s)", "speed-up vs stock", "passes per step", "budget", "run peak (MiB)"], speed_rows
-        ),
+        markdown_table(header, speed_rows),
         "",
     ]
+
+
+def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
+    sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
+    lines = prediction_section(results, quick, seconds) + sweep_section(sweep)
+    lines += limited_section(results, sweep) + speed_section(results)
     (out_dir / "memory_budget.md").write_text("\n".join(lines))
     plot(results, out_dir / "memory_budget.png")
     print("\n".join(lines))

@@ -56,19 +56,8 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    MIX_LABELS,
-    MIXES,
-    PROMPT_RANGE,
-    RESULTS_DIR,
-    ensure_repo_on_path,
-    load_average,
-    machine_description,
-    markdown_table,
-    sequence_lengths,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 
-ensure_repo_on_path()
 from hf_dynbsz.planning.partition import (  # noqa: E402
     WorkloadModel,
     microbatch_tokens,
@@ -76,7 +65,7 @@ from hf_dynbsz.planning.partition import (  # noqa: E402
     partition_by_token_budget,
     token_lower_bound,
 )
-from hf_dynbsz.testing import first_fit_decreasing  # noqa: E402
+from hf_dynbsz.testing import MIX_LABELS, MIXES, PROMPT_RANGE, first_fit_decreasing, sequence_lengths  # noqa: E402
 
 LAYOUTS = ("padding_free", "padded")
 ALGORITHMS = ("ours", "ffd", "sorted_greedy", "fixed_safe", "fixed_mean")
@@ -288,7 +277,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -301,64 +290,45 @@ def main() -> None:
     parser.add_argument("--mixes", default=",".join(MIXES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
-    n = args.n or (10_000 if args.quick else 100_000)
-    repeats = args.repeats or (1 if args.quick else 3)
+    return parser.parse_args()
+
+
+def measure_mix(args, mix: str, n: int, repeats: int) -> tuple[list[dict], list[tuple]]:
+    """``mix``'s rows (one per layout and algorithm) and its planning-time tables (one per layout)."""
     budget = args.max_tokens
-    longest_possible = PROMPT_RANGE[1] + args.max_completion_length
-    started = time.perf_counter()
-
-    rows = []
-    speed_tables = []
-    for mix in args.mixes.split(","):
-        lengths = sequence_lengths(mix, n, args.max_completion_length, args.seed)
-        safe_rows = max(1, budget // longest_possible)
-        mean_rows = max(1, int(budget // lengths.mean()))
-        print(
-            f"{mix}: {n} lengths, median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max "
-            f"{lengths.max()}; safe B={safe_rows}, mean B={mean_rows}",
-            flush=True,
-        )
-        for layout in LAYOUTS:
-            for algorithm in ALGORITHMS:
-                result = evaluate(lengths, args.step_size, budget, layout, algorithm, safe_rows, mean_rows, repeats)
-                result.update(
-                    mix=mix,
-                    layout=layout,
-                    algorithm=algorithm,
-                    safe_rows=safe_rows,
-                    mean_rows=mean_rows,
-                    count_ratio=result["microbatches"] / result["lower_bound"],
-                    ms_per_100k=result["seconds_per_100k"] * 1000,
-                )
-                rows.append(result)
-                print(
-                    f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
-                    f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
-                    f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k",
-                    flush=True,
-                )
-            speed_tables.append(
-                (
-                    mix,
-                    layout,
-                    time_steps(
-                        mix, budget, layout, args.max_completion_length, steps=3 if args.quick else 12, seed=args.seed
-                    ),
-                )
+    lengths = sequence_lengths(mix, n, args.max_completion_length, args.seed)
+    safe_rows = max(1, budget // (PROMPT_RANGE[1] + args.max_completion_length))
+    mean_rows = max(1, int(budget // lengths.mean()))
+    print(
+        f"{mix}: {n} lengths, median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max "
+        f"{lengths.max()}; safe B={safe_rows}, mean B={mean_rows}",
+        flush=True,
+    )
+    rows, speed_tables = [], []
+    for layout in LAYOUTS:
+        for algorithm in ALGORITHMS:
+            result = evaluate(lengths, args.step_size, budget, layout, algorithm, safe_rows, mean_rows, repeats)
+            result.update(mix=mix, layout=layout, algorithm=algorithm, safe_rows=safe_rows, mean_rows=mean_rows)
+            result.update(
+                count_ratio=result["microbatches"] / result["lower_bound"],
+                ms_per_100k=result["seconds_per_100k"] * 1000,
             )
+            rows.append(result)
+            print(
+                f"  {layout:6s} {algorithm:13s} micro-batches {result['microbatches']:6d} "
+                f"(x{result['count_ratio']:.3f} of bound)  over {result['over_count']}  "
+                f"imbalance {result['imbalance']:.3f}  {result['ms_per_100k']:.0f} ms/100k",
+                flush=True,
+            )
+        steps = 3 if args.quick else 12
+        timings = time_steps(mix, budget, layout, args.max_completion_length, steps=steps, seed=args.seed)
+        speed_tables.append((mix, layout, timings))
+    return rows, speed_tables
 
-    header = [
-        "mix",
-        "layout",
-        "algorithm",
-        "micro-batches",
-        "/ lower bound",
-        "computed / real tokens",
-        "over budget (worst excess tokens)",
-        "imbalance max/mean (worst step)",
-        "ms per 100k sequences",
-    ]
+
+def quality_table(rows: list[dict]) -> str:
+    header = ["mix", "layout", "algorithm", "micro-batches", "/ lower bound", "computed / real tokens"]
+    header += ["over budget (worst excess tokens)", "imbalance max/mean (worst step)", "ms per 100k sequences"]
     body = []
     for row in rows:
         label = ALGORITHM_LABELS[row["algorithm"]]
@@ -382,49 +352,69 @@ def main() -> None:
                 f"{row['ms_per_100k']:.0f}",
             ]
         )
-    quality = markdown_table(header, body)
-    speed_body = []
+    return markdown_table(header, body)
+
+
+def speed_table(speed_tables: list[tuple]) -> str:
+    body = []
     for mix, layout, timings in speed_tables:
         for label, count, median_ms, worst_ms in timings:
-            speed_body.append([MIX_LABELS[mix], layout, label, count, f"{median_ms:.1f}", f"{worst_ms:.1f}"])
-    speed = markdown_table(["mix", "layout", "calls per step", "micro-batches", "median ms", "worst ms"], speed_body)
-    worst_median = max(median for _, _, timings in speed_tables for _, _, median, _ in timings)
+            body.append([MIX_LABELS[mix], layout, label, count, f"{median_ms:.1f}", f"{worst_ms:.1f}"])
+    return markdown_table(["mix", "layout", "calls per step", "micro-batches", "median ms", "worst ms"], body)
 
+
+QUALITY_NOTE = (
+    "*micro-batches / lower bound*: total micro-batches over the sum of per-step `token_lower_bound` "
+    "(ceil(tokens / budget)). *computed / real tokens*: positions computed (padding included) over real "
+    "tokens. *over budget*: micro-batches with more computed tokens than the budget (largest excess in "
+    "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
+    "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled. The lower "
+    "bound counts tokens only, so the padded layout cannot reach it (a padded micro-batch computes rows x "
+    "its longest row); there first-fit decreasing on the sorted lengths is already the fewest "
+    "micro-batches, "
+    "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
+    "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
+    "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing."
+)
+
+
+def report_markdown(args, quality: str, speed: str, settings: str, worst_median: float, seconds: float) -> str:
+    command = "python benchmarks/partition.py" + (" --quick" if args.quick else "")
+    sections = [
+        f"# Partitioner vs baselines{' (quick run)' if args.quick else ''}",
+        f"Generated by `{command}` in {seconds:.0f} s. {settings}",
+        f"Machine: {machine_description()}; load average {load_average()} (shared machine).",
+        "## Quality and speed, per optimizer step of " + str(args.step_size) + " sequences",
+        quality,
+        QUALITY_NOTE,
+        f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
+        speed,
+        f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
+        f"process agreed on (each step new data, so first-fit is computed once per step as in training). "
+        f"Target: "
+        f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    n = args.n or (10_000 if args.quick else 100_000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    started = time.perf_counter()
+    rows, speed_tables = [], []
+    for mix in args.mixes.split(","):
+        mix_rows, mix_speed = measure_mix(args, mix, n, repeats)
+        rows += mix_rows
+        speed_tables += mix_speed
+    quality, speed = quality_table(rows), speed_table(speed_tables)
+    worst_median = max(median for _, _, timings in speed_tables for _, _, median, _ in timings)
     settings = (
         f"{n:,} sequences per mix (prompt {PROMPT_RANGE[0]}-{PROMPT_RANGE[1]} tokens + completion, "
-        f"max_completion_length {args.max_completion_length}), budget {budget} tokens per micro-batch, "
+        f"max_completion_length {args.max_completion_length}), budget {args.max_tokens} tokens per micro-batch, "
         f"partitioned in steps of {args.step_size} sequences; timings: median of {repeats} pass(es)."
     )
-    command = "python benchmarks/partition.py" + (" --quick" if args.quick else "")
-    markdown = (
-        "\n\n".join(
-            [
-                f"# Partitioner vs baselines{' (quick run)' if args.quick else ''}",
-                f"Generated by `{command}` in {time.perf_counter() - started:.0f} s. {settings}",
-                f"Machine: {machine_description()}; load average {load_average()} (shared machine).",
-                "## Quality and speed, per optimizer step of " + str(args.step_size) + " sequences",
-                quality,
-                "*micro-batches / lower bound*: total micro-batches over the sum of per-step `token_lower_bound` "
-                "(ceil(tokens / budget)). *computed / real tokens*: positions computed (padding included) over real "
-                "tokens. *over budget*: micro-batches with more computed tokens than the budget (largest excess in "
-                "brackets). *imbalance*: max / mean of `WorkloadModel.default` cost over a step's micro-batches, mean "
-                "over steps (worst step in brackets). *ms per 100k sequences*: all per-step calls, scaled. The lower "
-                "bound counts tokens only, so the padded layout cannot reach it (a padded micro-batch computes rows x "
-                "its longest row); there first-fit decreasing on the sorted lengths is already the fewest "
-                "micro-batches, "
-                "and ours matches that count while evening out the cost. Fixed-count rows in the padded layout are "
-                "padded the way stock TRL pads them, to the longest sequence of the step. The uniform mix has nothing "
-                "to optimise (all sequences equal): every algorithm ties there, and it checks that ours costs nothing.",
-                f"## Planning time per optimizer step of {STEP_SAMPLES:,} sequences",
-                speed,
-                f"What the scheduler runs per step and process: the pass count, then the partition at the count every "
-                f"process agreed on (each step new data, so first-fit is computed once per step as in training). "
-                f"Target: "
-                f"under {STEP_TARGET_MS:g} ms per step; the largest median here is {worst_median:.1f} ms.",
-            ]
-        )
-        + "\n"
-    )
+    markdown = report_markdown(args, quality, speed, settings, worst_median, time.perf_counter() - started)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = "partition_quick" if args.quick else "partition"
     (args.out_dir / f"{name}.md").write_text(markdown)

@@ -13,8 +13,8 @@ trained by four trainers with every plugin setting at its default (padding-free 
   ``step_time.py``'s scripted ``rollout_func``;
 * ``rloo_stock``, ``rloo_dynamic``: ``RLOOTrainer`` and ``DynamicBatchRLOOTrainer``. RLOO takes no ``rollout_func``:
   the same scripted rollout stands in for its tokenization and generation (``_tokenize_prompts`` and
-  ``_generate_single_turn`` overridden in this script, for both), so all four trainers see the same prompts and
-  completions (the driver checks the rounds' length fingerprints).
+  ``_generate_single_turn`` overridden by the harness's ``build_trainer``, for both), so all four trainers see the
+  same prompts and completions (the driver checks the rounds' length fingerprints).
 
 ``beta`` is 0 for all four (RLOO's default 0.05 would load a reference model from the model's path; GRPO's default
 is 0). Both algorithms compute the old-policy log-probs in a no-grad pass per round (RLOO always does).
@@ -36,37 +36,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    completion_lengths,
-    ensure_repo_on_path,
-    load_average,
-    longest_prompt,
-    machine_description,
-    markdown_table,
-    prompt_lengths,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 from step_time import (  # noqa: E402
     PRESETS,
+    SPEC_KEYS,
     Probe,
     _mean,
     _per_index,
     code_fingerprint,
     git_state,
     num_prompts,
-    reward_by_content,  # noqa: E402
+    reward_by_content,
+    schedule_fields,
 )
 
-ensure_repo_on_path()
-from hf_dynbsz.testing import run_with_timeout  # noqa: E402
+from hf_dynbsz.testing import longest_prompt  # noqa: E402
 
 MIX = "long_tailed"
 CONFIGS = {
@@ -78,105 +68,29 @@ CONFIGS = {
 
 
 # --------------------------------------------------------------------------------------------------- worker
-class ScriptedGeneration:
-    """RLOOTrainer has no ``rollout_func``: ``rollout`` (the benchmark's scripted rollout) stands in for its prompt
-    tokenization and generation, giving the prompt and completion ids GRPO's runs get from it."""
-
-    rollout = None
-
-    def _tokenize_prompts(self, prompts):
-        result = self.rollout(prompts, self)
-        self._scripted_completions = result["completion_ids"]
-        return result["prompt_ids"], None, {}
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        return self._scripted_completions
-
-
-def trainer_and_args(config: str, common: dict, rollout):
-    """The trainer class, its config and the constructor's extra keyword arguments of ``config``."""
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-    import hf_dynbsz
-
-    classes = {
-        "grpo_stock": (GRPOTrainer, GRPOConfig),
-        "grpo_dynamic": (hf_dynbsz.DynamicBatchGRPOTrainer, hf_dynbsz.DynamicBatchGRPOConfig),
-        "rloo_stock": (RLOOTrainer, RLOOConfig),
-        "rloo_dynamic": (hf_dynbsz.DynamicBatchRLOOTrainer, hf_dynbsz.DynamicBatchRLOOConfig),
-    }
-    trainer_cls, config_cls = classes[config]
-    if config.startswith("grpo"):
-        return trainer_cls, config_cls(**common), {"rollout_func": rollout}
-    scripted = type(f"Scripted{trainer_cls.__name__}", (ScriptedGeneration, trainer_cls), {"rollout": rollout})
-    return scripted, config_cls(**common), {}
-
-
 def run_worker(spec: dict) -> dict:
     import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
 
-    from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import (
+        ModelShape,
+        build_char_tokenizer,
+        build_trainer,
+        mix_rollout,
+        numbered_prompts,
+        quiet_worker,
+        run_config,
+    )
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
+    quiet_worker(threads=1)
     torch.set_num_interop_threads(1)
     tokenizer = build_char_tokenizer()
     max_len = spec["max_completion_length"]
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=spec["hidden_size"],
-        num_hidden_layers=spec["num_layers"],
-        num_attention_heads=max(2, spec["hidden_size"] // 32),
-        num_key_value_heads=max(1, spec["hidden_size"] // 64),
-        intermediate_size=3 * spec["hidden_size"],
-        vocab_size=spec["vocab_size"],
-        max_position_embeddings=longest_prompt(MIX) + max_len + 64,
-        attn_implementation="sdpa",
-        seed=0,
-    )
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: completion_lengths(MIX, n, max_len, rng),
-        lambda rng: prompt_lengths(MIX, 1, rng)[0],
-        max_completion_length=max_len,
-        seed=spec["seed"],
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
-    common = dict(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec["batch_size"],
-        gradient_accumulation_steps=spec["grad_accum"],
-        steps_per_generation=spec["steps_per_generation"],
-        num_generations=spec["num_generations"],
-        max_completion_length=max_len,
-        num_iterations=spec["num_iterations"],
-        max_steps=spec["rounds"] * steps_per_round,
-        beta=0.0,
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        seed=spec["seed"],
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    trainer_cls, args, extra = trainer_and_args(spec["config"], common, rollout)
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=reward_by_content,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]}),
-        processing_class=tokenizer,
-        **extra,
-    )
+    shape = ModelShape(spec["hidden_size"], spec["num_layers"], vocab_size=spec["vocab_size"])
+    model = shape.build(tokenizer, max_positions=longest_prompt(MIX) + max_len + 64)
+    rollout = mix_rollout(MIX, tokenizer, max_len, spec["seed"])
+    args = run_config(spec["config"], spec["output_dir"], **schedule_fields(spec), beta=0.0)
+    dataset = numbered_prompts(num_prompts(spec), width=5)
+    trainer = build_trainer(args, model, tokenizer, dataset=dataset, reward=reward_by_content, rollout=rollout)
     probe = Probe(trainer, rollout)
     trainer.train()
     executor = getattr(trainer, "_dynbsz", None)
@@ -191,21 +105,9 @@ def run_worker(spec: dict) -> dict:
 
 # --------------------------------------------------------------------------------------------------- driver
 def run_one(spec: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dynbsz-rloo-bench-") as tmp:
-        spec = dict(spec, output_dir=os.path.join(tmp, "out"))
-        result_path = os.path.join(tmp, "result.json")
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            json.dumps(spec),
-            "--worker-out",
-            result_path,
-        ]
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        run_with_timeout(command, Path(tmp), timeout, f"worker for {spec['config']}", env=env)
-        with open(result_path) as handle:
-            return json.load(handle)
+    from hf_dynbsz.testing import run_script_worker
+
+    return run_script_worker(__file__, spec, timeout, f"worker for {spec['config']}", prefix="dynbsz-rloo-bench-")
 
 
 def summarise(results: list[dict]) -> list[dict]:
@@ -236,17 +138,8 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def render_table(rows: list[dict]) -> str:
-    header = [
-        "trainer",
-        "layout",
-        "train s/step",
-        "speed-up",
-        "token limit",
-        "train CPU s/step (speed-up)",
-        "train tokens/step",
-        "passes/step",
-        "log-prob s/round (speed-up)",
-    ]
+    header = ["trainer", "layout", "train s/step", "speed-up", "token limit", "train CPU s/step (speed-up)"]
+    header += ["train tokens/step", "passes/step", "log-prob s/round (speed-up)"]
     body = [
         [
             CONFIGS[row["config"]],
@@ -301,21 +194,7 @@ def main() -> None:
         return
     preset = PRESETS["quick" if args.quick else "default"]
     repeats = args.repeats or preset["repeats"]
-    spec = {
-        key: preset[key]
-        for key in (
-            "rounds",
-            "max_completion_length",
-            "hidden_size",
-            "num_layers",
-            "vocab_size",
-            "batch_size",
-            "grad_accum",
-            "steps_per_generation",
-            "num_iterations",
-            "num_generations",
-        )
-    }
+    spec = {key: preset[key] for key in SPEC_KEYS}
     spec.update(mix=MIX, seed=0)
     started, results, loads = time.perf_counter(), [], [load_average()]
     for repeat in range(repeats):

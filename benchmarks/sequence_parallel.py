@@ -38,75 +38,50 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT_TOKENS = 16
+if str(ROOT) not in sys.path:  # the driver runs from a checkout
+    sys.path.insert(0, str(ROOT))
 
 
-def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int) -> None:
+def build_run(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int):
+    """The plugin's trainer of one run: completions of ``length`` tokens after a prompt of PROMPT_TOKENS, one
+    sequence per pass over the sequence-parallel group, ``layers`` layers of hidden 256."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.execution.device_memory import status_mib
-    from hf_dynbsz.testing import ResidentSetSampler, ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import ModelShape, scripted_run
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        vocab_size=64,
-        max_position_embeddings=length + PROMPT_TOKENS + 8,
-        attn_implementation="sdpa",
-        seed=0,
-    )
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: np.full(n, length),
-        lambda rng: PROMPT_TOKENS,
-        max_completion_length=length,
-        seed=0,
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    per_device = 2 // sequence_parallel_size
     budget = -(-(length + PROMPT_TOKENS) // sequence_parallel_size)  # one sequence per pass, over the group
-    args = DynamicBatchGRPOConfig(
-        output_dir=out + "-run",
-        per_device_train_batch_size=per_device,
+    return scripted_run(
+        "grpo_dynamic",
+        out + "-run",
+        ModelShape(256, layers, num_heads=8, num_kv_heads=2, vocab_size=64),
+        completion_lengths=lambda rng, n, rank: np.full(n, length),
+        prompt_length=lambda rng: PROMPT_TOKENS,
+        max_completion_length=length,
+        max_positions=length + PROMPT_TOKENS + 8,
+        prompts=64,
+        prompt_prefix="p",
+        reward=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
+        per_device_train_batch_size=2 // sequence_parallel_size,
         gradient_accumulation_steps=1,
         num_generations=2,
-        max_completion_length=length,
         max_steps=steps,
         beta=0.0,
         learning_rate=1e-6,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
         max_tokens_per_microbatch=budget,
         max_tokens_per_microbatch_logprob=budget,
         self_check=False,
         sequence_parallel_size=sequence_parallel_size,
-        dataloader_num_workers=0,
         gradient_checkpointing=False,
         activation_checkpointing=False,
     )
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [float(i % 2) for i in range(len(completions))],
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(64)]}),
-        processing_class=tokenizer,
-        rollout_func=rollout,
-    )
+
+
+def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layers: int) -> None:
+    from hf_dynbsz.execution.device_memory import status_mib
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker
+
+    quiet_worker(threads=1)
+    trainer = build_run(length, sequence_parallel_size, steps, out, layers)
     before = status_mib("VmRSS")
     with ResidentSetSampler() as sampler:
         trainer.train()
@@ -128,28 +103,15 @@ def worker(length: int, sequence_parallel_size: int, steps: int, out: str, layer
 
 
 def run(length: int, size: int, steps: int, scratch: Path, layers: int = 4) -> dict:
+    from hf_dynbsz.testing import accelerate_command
+
     out = scratch / f"L{length}-sp{size}"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-        "--num_processes",
-        str(size),
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--length",
-        str(length),
-        "--size",
-        str(size),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        "--layers",
-        str(layers),
-    ]
+    command = accelerate_command(
+        "cpu_ddp.yaml",
+        Path(__file__).resolve(),
+        *("--worker", "--length", length, "--size", size, "--steps", steps, "--out", out, "--layers", layers),
+        num_processes=size,
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -197,7 +159,7 @@ def longest_under(cap: float, size: int, results: dict, scratch: Path, layers: i
     return low
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -217,24 +179,16 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="lengths 1024,2048, 2 layers, resolution 512")
     cli = parser.parse_args()
-    if cli.worker:
-        worker(cli.length, cli.size, cli.steps, cli.out, cli.layers)
-        return
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common import machine_description, markdown_table
-
     if cli.quick:
         cli.lengths, cli.layers, cli.resolution = "1024,2048", 2, 512
-    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
-    scratch.mkdir(parents=True, exist_ok=True)
-    lengths = [int(v) for v in cli.lengths.split(",")]
-    results = {}
-    for length in lengths:
-        for size in (1, 2):
-            results[length, size] = run(length, size, cli.steps, scratch, cli.layers)
-            print(json.dumps(results[length, size]), flush=True)
-    cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
-    longest = {size: longest_under(cap, size, results, scratch, cli.layers, cli.resolution) for size in (1, 2)}
+    return cli
+
+
+def report_text(results: dict, lengths: list[int], cap: float, longest: dict, quick: bool) -> str:
+    """The report: per length, the peaks, increments and step times of sp_size 1 and 2; the longest completion under
+    ``cap`` MiB of each."""
+    from common import machine_description, markdown_table
+
     rows = []
     for length in lengths:
         one, two = results[length, 1], results[length, 2]
@@ -251,54 +205,65 @@ def main() -> None:
                 f"{one['step_seconds'] / two['step_seconds']:.2f}x",
             ]
         )
-    table = markdown_table(
-        [
-            "tokens per sequence",
-            "peak MiB/process, sp 1",
-            "sp 2",
-            "increment MiB, sp 1",
-            "sp 2",
-            "increment sp 2 / sp 1",
-            "s/step, sp 1",
-            "sp 2",
-            "speed-up",
-        ],
-        rows,
-    )
+    header = ["tokens per sequence", "peak MiB/process, sp 1", "sp 2", "increment MiB, sp 1", "sp 2"]
+    header += ["increment sp 2 / sp 1", "s/step, sp 1", "sp 2", "speed-up"]
     ratio = (longest[2] / longest[1]) if longest[1] and longest[2] else None
     summary = (
         f"Longest completion whose measured per-process peak stays under {cap:.0f} MiB: sp_size=1: "
         f"{longest[1]} tokens, sp_size=2: {longest[2]} tokens" + (f" ({ratio:.2f}x)." if ratio else ".")
     )
-    command = "python benchmarks/sequence_parallel.py" + (" --quick" if cli.quick else "")
-    text = (
+    command = "python benchmarks/sequence_parallel.py" + (" --quick" if quick else "")
+    return (
         f"# Sequence parallelism (DeepSpeed Ulysses): sp_size 1 vs 2\n\n`{command}` on {machine_description()}.\n\n"
         f"Two completions of L tokens (prompt {PROMPT_TOKENS}) per step, one sequence per training pass; "
-        "see the script's docstring for the setup.\n\n" + table + "\n\n" + summary + "\n"
+        "see the script's docstring for the setup.\n\n" + markdown_table(header, rows) + "\n\n" + summary + "\n"
     )
+
+
+def plot(results: dict, cap: float) -> None:
+    """Peak MiB per process against completion tokens, per sp_size, with the cap (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for size in (1, 2):
+        points = sorted((length, record["peak_mib"]) for (length, s), record in results.items() if s == size)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"sp_size={size}")
+    axis.axhline(cap, color="gray", linestyle="--", label=f"cap {cap:.0f} MiB")
+    axis.set_xlabel("completion tokens")
+    axis.set_ylabel("peak MiB per process")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(RESULTS / "sequence_parallel.png", dpi=120)
+
+
+def main() -> None:
+    cli = parse_args()
+    if cli.worker:
+        worker(cli.length, cli.size, cli.steps, cli.out, cli.layers)
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "hf-dynbsz-sp-bench"
+    scratch.mkdir(parents=True, exist_ok=True)
+    lengths = [int(v) for v in cli.lengths.split(",")]
+    results = {}
+    for length in lengths:
+        for size in (1, 2):
+            results[length, size] = run(length, size, cli.steps, scratch, cli.layers)
+            print(json.dumps(results[length, size]), flush=True)
+    cap = cli.cap_mib or results[lengths[1], 1]["peak_mib"]
+    longest = {size: longest_under(cap, size, results, scratch, cli.layers, cli.resolution) for size in (1, 2)}
+    text = report_text(results, lengths, cap, longest, cli.quick)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sequence_parallel.md").write_text(text)
     (RESULTS / "sequence_parallel.json").write_text(
         json.dumps({"cap_mib": cap, "longest": longest, "runs": [results[key] for key in sorted(results)]}, indent=1)
     )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, axis = plt.subplots(figsize=(6, 4))
-        for size in (1, 2):
-            points = sorted((length, record["peak_mib"]) for (length, s), record in results.items() if s == size)
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"sp_size={size}")
-        axis.axhline(cap, color="gray", linestyle="--", label=f"cap {cap:.0f} MiB")
-        axis.set_xlabel("completion tokens")
-        axis.set_ylabel("peak MiB per process")
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(RESULTS / "sequence_parallel.png", dpi=120)
-    except ImportError:
-        pass
+    plot(results, cap)
     print(text)
 
 

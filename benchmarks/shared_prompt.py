@@ -31,7 +31,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_time  # noqa: E402
-from common import MIX_LABELS, RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
+
+from hf_dynbsz.testing import MIX_LABELS  # noqa: E402
 
 CONFIGS = ("stock", "padding_free_no_share", "padding_free")
 LABELS = {

@@ -78,28 +78,14 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    MIX_LABELS,
-    PROMPT_RANGE,
-    RESULTS_DIR,
-    completion_lengths,
-    ensure_repo_on_path,
-    load_average,
-    longest_prompt,
-    machine_description,
-    markdown_table,
-    median,
-    prompt_lengths,
-)
+from common import RESULTS_DIR, load_average, machine_description, markdown_table, median  # noqa: E402
 
-ensure_repo_on_path()
-from hf_dynbsz.testing import run_with_timeout  # noqa: E402
+from hf_dynbsz.testing import MIX_LABELS, PROMPT_RANGE, completion_lengths, longest_prompt  # noqa: E402
 
 CONFIGS = {
     "stock": {"label": "stock GRPOTrainer", "layout": None, "budget": None},
@@ -143,38 +129,25 @@ HYBRID_DEFAULTS = dict(mixes="long_tailed,prompt_heavy", configs="stock,padded,p
 #: ``--model qwen3_5``: every how-many-th layer is full attention (Qwen3.5's ``full_attention_interval``).
 HYBRID_FULL_ATTENTION_INTERVAL = 4
 
+#: Both presets' schedule: 8 samples per optimizer step (4 per pass, 2 accumulated), a generation round of 16 samples
+#: (4 completions per prompt) feeding two optimizer steps.
+SCHEDULE = dict(batch_size=4, grad_accum=2, steps_per_generation=4, num_iterations=1, num_generations=4)
 PRESETS = {
     # ~1-2 minutes: tiny model, short completions, one repeat, two workloads.
     "quick": dict(
         mixes="long_tailed,uniform",
         configs="stock,padded,padding_free",
         repeats=1,
-        rounds=2,
-        max_completion_length=256,
-        hidden_size=64,
-        num_layers=2,
-        vocab_size=1024,
-        batch_size=4,
-        grad_accum=2,
-        steps_per_generation=4,
-        num_iterations=1,
-        num_generations=4,
+        **dict(rounds=2, max_completion_length=256, hidden_size=64, num_layers=2, vocab_size=1024),
+        **SCHEDULE,
     ),
     # the default run: < ~20 minutes on 2 CPU cores.
     "default": dict(
         mixes="long_tailed,bimodal,uniform",
         configs="stock,padded,padding_free,padding_free_no_share,padding_free_half,padded_trl_tile",
         repeats=3,
-        rounds=3,
-        max_completion_length=1024,
-        hidden_size=128,
-        num_layers=3,
-        vocab_size=4096,
-        batch_size=4,
-        grad_accum=2,
-        steps_per_generation=4,
-        num_iterations=1,
-        num_generations=4,
+        **dict(rounds=3, max_completion_length=1024, hidden_size=128, num_layers=3, vocab_size=4096),
+        **SCHEDULE,
     ),
 }
 SPEC_KEYS = (
@@ -382,22 +355,15 @@ def code_fingerprint() -> str:
 
 
 def run_worker(spec: dict) -> dict:
-    import torch
+    from hf_dynbsz.testing import ModelShape, build_char_tokenizer, mix_rollout, numbered_prompts, quiet_worker
 
-    ensure_repo_on_path()
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     fingerprint = code_fingerprint()
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
-
-    from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm
-
-    hf_logging.set_verbosity_error()
+    quiet_worker(spec.get("threads"))
     if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
+        import torch
+
         torch.set_num_interop_threads(spec["threads"])
-    mix, max_len = spec["mix"], spec["max_completion_length"]
     if spec.get("model") == "qwen2_vl":
         return run_vision_worker(spec, fingerprint)
     tokenizer = build_char_tokenizer()
@@ -406,29 +372,11 @@ def run_worker(spec: dict) -> dict:
     elif spec.get("model") == "qwen3_5":
         model = build_hybrid_model(spec, len(tokenizer))
     else:
-        model = build_tiny_causal_lm(
-            tokenizer,
-            hidden_size=spec["hidden_size"],
-            num_hidden_layers=spec["num_layers"],
-            num_attention_heads=max(2, spec["hidden_size"] // 32),
-            num_key_value_heads=max(1, spec["hidden_size"] // 64),
-            intermediate_size=3 * spec["hidden_size"],
-            vocab_size=spec["vocab_size"],
-            max_position_embeddings=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64,
-            attn_implementation="sdpa",
-            seed=0,
-        )
+        shape = ModelShape(spec["hidden_size"], spec["num_layers"], vocab_size=spec["vocab_size"])
+        model = shape.build(tokenizer, max_positions=longest_prompt(spec["mix"]) + spec["max_completion_length"] + 64)
     num_params = sum(p.numel() for p in model.parameters())
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: completion_lengths(mix, n, max_len, rng),
-        lambda rng: prompt_lengths(mix, 1, rng)[0],
-        max_completion_length=max_len,
-        seed=spec["seed"],
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
-    )
-    dataset = Dataset.from_dict({"prompt": [f"prompt-{i:05d}" for i in range(num_prompts(spec))]})
+    rollout = mix_rollout(spec["mix"], tokenizer, spec["max_completion_length"], spec["seed"])
+    dataset = numbered_prompts(num_prompts(spec), width=5)
     return train_and_measure(spec, fingerprint, model, tokenizer, rollout, dataset, num_params)
 
 
@@ -540,15 +488,11 @@ def run_vision_worker(spec: dict, fingerprint: str) -> dict:
     return train_and_measure(spec, fingerprint, model, processor, rollout, dataset, num_params)
 
 
-def train_and_measure(spec, fingerprint, model, processing_class, rollout, dataset, num_params) -> dict:
-    import torch
-    from trl import GRPOConfig, GRPOTrainer
-
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-
+def schedule_fields(spec: dict) -> dict:
+    """The config fields of the benchmark's schedule (shared with ``rloo_step_time.py``): ``spec``'s batch,
+    accumulation, generation and step counts, a constant learning rate of 1e-5, the seed."""
     steps_per_round = spec["steps_per_generation"] * spec["num_iterations"] // spec["grad_accum"]
-    common = dict(
-        output_dir=spec["output_dir"],
+    return dict(
         per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=spec["grad_accum"],
         steps_per_generation=spec["steps_per_generation"],
@@ -559,36 +503,38 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         seed=spec["seed"],
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
+
+
+def config_of(spec: dict):
+    """The trainer config of ``spec["config"]`` (a key of :data:`CONFIGS`)."""
+    from hf_dynbsz.testing import run_config
+
     config = CONFIGS[spec["config"]]
     if config["layout"] is None:
-        args = GRPOConfig(**common)
-        trainer_cls = GRPOTrainer
-    else:
-        extra = {key: config[key] for key in ("tensor_batch_size", "share_prompt_prefix") if key in config}
-        budget = None
-        if config["budget"] == "half":
-            longest = VISION_PROMPT_TOKENS if spec.get("model") == "qwen2_vl" else longest_prompt(spec["mix"])
-            budget = spec["batch_size"] // 2 * (longest + spec["max_completion_length"])
-        args = DynamicBatchGRPOConfig(
-            **common, packing_layout=config["layout"], max_tokens_per_microbatch=budget, **extra
-        )
-        trainer_cls = DynamicBatchGRPOTrainer
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=reward_by_content,
-        args=args,
-        train_dataset=dataset,
-        processing_class=processing_class,
-        rollout_func=rollout,
+        return run_config("grpo_stock", spec["output_dir"], **schedule_fields(spec))
+    extra = {key: config[key] for key in ("tensor_batch_size", "share_prompt_prefix") if key in config}
+    budget = None
+    if config["budget"] == "half":
+        longest = VISION_PROMPT_TOKENS if spec.get("model") == "qwen2_vl" else longest_prompt(spec["mix"])
+        budget = spec["batch_size"] // 2 * (longest + spec["max_completion_length"])
+    return run_config(
+        "grpo_dynamic",
+        spec["output_dir"],
+        **schedule_fields(spec),
+        packing_layout=config["layout"],
+        max_tokens_per_microbatch=budget,
+        **extra,
     )
+
+
+def train_and_measure(spec, fingerprint, model, processing_class, rollout, dataset, num_params) -> dict:
+    import torch
+
+    from hf_dynbsz.testing import build_trainer
+
+    args = config_of(spec)
+    trainer = build_trainer(args, model, processing_class, dataset=dataset, reward=reward_by_content, rollout=rollout)
     probe = Probe(trainer, rollout)
     profile = StepProfile(spec["profile_step"]) if spec.get("profile_step") else None
     if profile is not None:
@@ -620,27 +566,10 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
 
 # --------------------------------------------------------------------------------------------------- driver
 def run_one(spec: dict, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dynbsz-bench-") as tmp:
-        spec = dict(spec, output_dir=os.path.join(tmp, "out"))
-        result_path = os.path.join(tmp, "result.json")
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            json.dumps(spec),
-            "--worker-out",
-            result_path,
-        ]
-        threads = str(spec.get("threads") or 1)
-        run_with_timeout(
-            command,
-            Path(tmp),
-            timeout,
-            f"worker for {spec['mix']}/{spec['config']}",
-            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
-        )
-        with open(result_path) as handle:
-            return json.load(handle)
+    from hf_dynbsz.testing import run_script_worker
+
+    label = f"worker for {spec['mix']}/{spec['config']}"
+    return run_script_worker(__file__, spec, timeout, label, prefix="dynbsz-bench-", threads=spec.get("threads") or 1)
 
 
 def _mean(values):
@@ -797,22 +726,9 @@ def _fmt(value, pattern="{:.2f}"):
 
 
 def render_table(rows: list[dict]) -> str:
-    header = [
-        "workload",
-        "trainer",
-        "budget (tokens)",
-        "train s/step",
-        "speed-up",
-        "token limit",
-        "of limit",
-        "train CPU s/step (speed-up)",
-        "train tokens/step (padding)",
-        "passes/step",
-        "log-prob s/round",
-        "log-prob speed-up (limit)",
-        "peak RSS over baseline MB (vs stock)",
-        "training-phase peak MB (vs stock)",
-    ]
+    header = ["workload", "trainer", "budget (tokens)", "train s/step", "speed-up", "token limit", "of limit"]
+    header += ["train CPU s/step (speed-up)", "train tokens/step (padding)", "passes/step", "log-prob s/round"]
+    header += ["log-prob speed-up (limit)", "peak RSS over baseline MB (vs stock)", "training-phase peak MB (vs stock)"]
     body = []
     for row in rows:
         if row["config"] == "stock":
@@ -842,15 +758,8 @@ def render_table(rows: list[dict]) -> str:
 
 
 def render_first_step_table(rows: list[dict]) -> str:
-    header = [
-        "workload",
-        "trainer",
-        "first step s",
-        "steady step s",
-        "first step in steady steps",
-        "of which self-check s",
-        "self-check in steady steps",
-    ]
+    header = ["workload", "trainer", "first step s", "steady step s", "first step in steady steps"]
+    header += ["of which self-check s", "self-check in steady steps"]
     body = [
         [
             MIX_LABELS[row["mix"]],

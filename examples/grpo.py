@@ -482,10 +482,17 @@ def main(argv: list[str] | None = None):
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
     seconds = time.perf_counter() - start
 
-    trainer.save_model(training_args.output_dir)
+    finish(trainer, training_args.output_dir, stock_passes, seconds)
+    return trainer
+
+
+def finish(trainer, output_dir: str, stock_passes: int, seconds: float) -> None:
+    """After training: the model, tokenizer and ``trainer_state.json`` saved to ``output_dir``, the run's summary
+    printed (``stock_passes``: stock's passes per step; ``seconds``: the training time), every process waited for."""
+    trainer.save_model(output_dir)
     trainer.save_state()  # trainer_state.json (every logged metric, per step): what `hf-dynbsz report` reads
     accelerator = trainer.accelerator
-    accelerator.print(f"Model, tokenizer and trainer_state.json saved to {training_args.output_dir}")
+    accelerator.print(f"Model, tokenizer and trainer_state.json saved to {output_dir}")
     accelerator.print(summarize(trainer.state.log_history, stock_passes, accelerator.num_processes, seconds))
     if accelerator.num_processes > 1:
         print(
@@ -496,7 +503,6 @@ def main(argv: list[str] | None = None):
     accelerator.wait_for_everyone()
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
         trainer.end()
-    return trainer
 
 
 if __name__ == "__main__":

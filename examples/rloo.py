@@ -102,14 +102,7 @@ def main(argv: list[str] | None = None):
     trainer.train(resume_from_checkpoint=grpo.resume_value(training_args.resume_from_checkpoint))
     seconds = time.perf_counter() - start
 
-    trainer.save_model(training_args.output_dir)
-    trainer.save_state()  # trainer_state.json: what `hf-dynbsz report` reads
-    accelerator = trainer.accelerator
-    accelerator.print(f"Model, tokenizer and trainer_state.json saved to {training_args.output_dir}")
-    accelerator.print(grpo.summarize(trainer.state.log_history, stock_passes, accelerator.num_processes, seconds))
-    accelerator.wait_for_everyone()
-    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
-        trainer.end()
+    grpo.finish(trainer, training_args.output_dir, stock_passes, seconds)
     return trainer
 
 

@@ -36,10 +36,12 @@ from hf_dynbsz.testing import (
     VisionScriptedRollout,
     base_config_kwargs,
     build_tiny_vision_language_model,
+    build_trainer,
     image_prompt_dataset,
     load_tokenizer,
     prompt_dataset,
     save_tiny_model,
+    trainer_classes,
 )
 
 
@@ -198,124 +200,97 @@ def text_model(cli, out: str):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
 
 
-def trainer_classes(trainer: str):
-    """``(stock trainer, stock config, our trainer, our config)`` of ``--trainer``'s algorithm."""
-    if trainer.startswith("rloo"):
-        from trl import RLOOConfig, RLOOTrainer
-
-        from hf_dynbsz import DynamicBatchRLOOConfig, DynamicBatchRLOOTrainer
-
-        return RLOOTrainer, RLOOConfig, DynamicBatchRLOOTrainer, DynamicBatchRLOOConfig
-    from trl import GRPOConfig, GRPOTrainer
-
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-
-    return GRPOTrainer, GRPOConfig, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig
-
-
-def train(cli, loss_type: str, out: str):
-    """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
-    stock_trainer, stock_config, dynamic_trainer, dynamic_config = trainer_classes(cli.trainer)
-    rloo = cli.trainer.startswith("rloo")
-    if rloo and (cli.rollout != "generate" or cli.vision):
-        raise SystemExit("--trainer rloo_*: RLOOTrainer takes no rollout_func (--rollout generate, no --vision)")
-    overrides = dict(
+def config_fields(cli, loss_type: str) -> dict:
+    """The config fields the flags set, for stock's and the plugin's trainers alike."""
+    fields = dict(
         beta=cli.beta,
         num_iterations=cli.num_iterations,
         max_steps=cli.max_steps,
         router_aux_loss_coef=cli.router_aux_loss_coef,
     )
-    if not rloo:  # GRPO's loss settings
-        overrides.update(
-            loss_type=loss_type, top_entropy_quantile=cli.top_entropy_quantile, entropy_coef=cli.entropy_coef
-        )
+    if not cli.trainer.startswith("rloo"):  # GRPO's loss settings
+        fields.update(loss_type=loss_type, top_entropy_quantile=cli.top_entropy_quantile, entropy_coef=cli.entropy_coef)
     if cli.lopsided:
-        overrides.update(
+        fields.update(
             shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
         )
     if cli.no_gradient_checkpointing:
-        overrides.update(gradient_checkpointing=False)
+        fields.update(gradient_checkpointing=False)
     if cli.rollout == "environment":
-        overrides.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
+        fields.update(max_completion_length=16)  # chat prompts with a tool schema are ~680 tokens long
     if cli.vision:  # a pass without images leaves the vision tower without gradients: DDP must be told
-        overrides.update(ddp_find_unused_parameters=True, max_completion_length=24)
-        # built before the config: under ZeRO-3 a config makes models built afterwards partitioned at birth
-        vision_model, processor = build_tiny_vision_language_model(cli.vision)
+        fields.update(ddp_find_unused_parameters=True, max_completion_length=24)
+    return fields
+
+
+def run_args(cli, loss_type: str, out: str):
+    """The config of ``--trainer``: the comparison runs' (:func:`~hf_dynbsz.testing.base_config_kwargs`) with the
+    flags' fields, and for the plugin its own settings."""
+    config_cls = trainer_classes(cli.trainer)[1]
+    fields = config_fields(cli, loss_type)
     if cli.trainer.endswith("stock"):
         # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
-        trainer_cls = stock_trainer
-        args = stock_config(**base_config_kwargs(out + "-run", ddp_backend="gloo", **overrides))
-    else:
-        trainer_cls = dynamic_trainer
-        if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
-            from accelerate.parallelism_config import ParallelismConfig
+        return config_cls(**base_config_kwargs(out + "-run", ddp_backend="gloo", **fields))
+    if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
+        from accelerate.parallelism_config import ParallelismConfig
 
-            overrides.update(
-                parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel)
-            )
-        args = dynamic_config(
-            **base_config_kwargs(
-                out + "-run",
-                max_tokens_per_microbatch=cli.budget or None,
-                tensor_batch_size=cli.tensor_batch_size,
-                oversize_policy=cli.oversize_policy,
-                balance_across_ranks=cli.balance == "on",
-                max_memory_per_device_mib=cli.max_memory_mib,
-                **overrides,
-            )
-        )
-    reward = RecordingReward()
-    if cli.vision:
-        kwargs = dict(
-            model=vision_model,
-            reward_funcs=reward,
-            args=args,
-            processing_class=processor,
-            train_dataset=image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1]),
-            rollout_func=VisionScriptedRollout(
-                processor,
-                lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
-                max_completion_length=24,
-                seed=1,
-                token_low=3,
-                token_high=30,
-                eos_id=processor.tokenizer.eos_token_id,
-            ),
-        )
-    else:
-        model = text_model(cli, out)
-        kwargs = dict(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            processing_class=load_tokenizer(cli.model_dir),
-            train_dataset=lopsided_dataset() if cli.lopsided else prompt_dataset(),
-        )
+        fields.update(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sequence_parallel))
+    plugin = dict(
+        max_tokens_per_microbatch=cli.budget or None,
+        tensor_batch_size=cli.tensor_batch_size,
+        oversize_policy=cli.oversize_policy,
+        balance_across_ranks=cli.balance == "on",
+        max_memory_per_device_mib=cli.max_memory_mib,
+    )
+    return config_cls(**base_config_kwargs(out + "-run", **plugin, **fields))
+
+
+def scripted_rollout(cli):
+    """``--rollout``'s scripted rollout (None: the model generates)."""
     if cli.rollout == "lopsided":
-        kwargs["rollout_func"] = ScriptedRollout(
+        return ScriptedRollout(
             lambda rng, n, rank: rng.integers(18, 25, n) if rank == cli.long_rank else rng.integers(1, 4, n),
             lambda rng: rng.integers(3, 9),
             max_completion_length=24,
             seed=1,
-            token_low=3,
-            token_high=7,
-            eos_id=1,
         )
-    elif cli.rollout == "multiturn":
-        kwargs["rollout_func"] = MultiTurnRollout(
-            turn_lengths=lambda rng: rng.integers(1, 7),
-            env_lengths=lambda rng: rng.integers(2, 9),
-            prompt_length=lambda rng: rng.integers(3, 12),
+    if cli.rollout == "multiturn":
+        turn_lengths, env_lengths = (lambda rng: rng.integers(1, 7)), (lambda rng: rng.integers(2, 9))
+        prompt_length = lambda rng: rng.integers(3, 12)  # noqa: E731
+        return MultiTurnRollout(turn_lengths, env_lengths, prompt_length, max_completion_length=24, seed=2)
+    return None
+
+
+def train(cli, loss_type: str, out: str):
+    """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
+    if cli.trainer.startswith("rloo") and (cli.rollout != "generate" or cli.vision):
+        raise SystemExit("--trainer rloo_*: RLOOTrainer takes no rollout_func (--rollout generate, no --vision)")
+    if cli.vision:  # built before the config: under ZeRO-3 a config makes models built afterwards partitioned at birth
+        model, processing_class = build_tiny_vision_language_model(cli.vision)
+        dataset = image_prompt_dataset([1, 2, 2, 1, 1, 1, 2, 1])
+        rollout = VisionScriptedRollout(
+            processing_class,
+            lambda rng, n, rank: rng.integers(18, 25, n) if rank == 1 else rng.integers(1, 4, n),
             max_completion_length=24,
-            seed=2,
+            seed=1,
             token_low=3,
-            token_high=7,
-            eos_id=1,
+            token_high=30,
+            eos_id=processing_class.tokenizer.eos_token_id,
         )
-    elif cli.rollout == "environment":  # the environment owns the prompts (no dataset) and the reward
+    args = run_args(cli, loss_type, out)
+    if not cli.vision:
+        model, processing_class, rollout = text_model(cli, out), load_tokenizer(cli.model_dir), None
+        dataset = lopsided_dataset() if cli.lopsided else prompt_dataset()
+    rollout = scripted_rollout(cli) or rollout
+    reward = RecordingReward()
+    funcs, kwargs = reward, {}
+    if cli.rollout == "environment":  # the environment owns the prompts (no dataset) and the reward
         CountingEnvironment.restart()
-        kwargs.update(environment_factory=CountingEnvironment, reward_funcs=None, train_dataset=None)
-    trainer = trainer_cls(**kwargs)
+        dataset, funcs, kwargs = None, None, dict(environment_factory=CountingEnvironment)
+    trainer_cls = trainer_classes(cli.trainer)[0]
+    trainer = build_trainer(
+        args, model, processing_class, dataset=dataset, reward=funcs, rollout=rollout, trainer_cls=trainer_cls, **kwargs
+    )
     trainer.train()
     write_results(trainer, reward, cli, out)
     return trainer

@@ -14,71 +14,37 @@ import sys
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-def main(limit: int | None) -> None:
+def build_run(limit: int | None, output_dir: str):
+    """The plugin's trainer under ``limit`` MiB (None: no limit): 4 layers of hidden 512, 16 long-tailed scripted
+    completions (up to 768 tokens) per step, 3 steps."""
     import numpy as np
-    import torch
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import (
-        ResidentSetSampler,
-        ScriptedRollout,
-        build_char_tokenizer,
-        build_tiny_causal_lm,
-        run_peak_mib,
-    )
+    from hf_dynbsz.testing import ModelShape, scripted_run
 
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=1536,
-        vocab_size=4000,
-        max_position_embeddings=900,
-        attn_implementation="sdpa",
-        seed=0,
-    )
     longest = 768
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: np.clip(rng.lognormal(np.log(longest / 5), 0.8, n), 8, longest).astype(int),
-        lambda rng: int(rng.integers(32, 96)),
+    return scripted_run(
+        "grpo_dynamic",
+        output_dir,
+        ModelShape(512, 4, num_heads=8, num_kv_heads=8, vocab_size=4000),
+        completion_lengths=lambda rng, n, rank: np.clip(rng.lognormal(np.log(longest / 5), 0.8, n), 8, longest).astype(
+            int
+        ),
+        prompt_length=lambda rng: int(rng.integers(32, 96)),
         max_completion_length=longest,
-        seed=0,
-        token_low=3,
-        token_high=len(tokenizer),
-        eos_id=tokenizer.eos_token_id,
+        max_positions=900,
+        prompts=32,
+        prompt_prefix="p",
+        reward=lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions],
+        **dict(per_device_train_batch_size=16, gradient_accumulation_steps=1, num_generations=8, max_steps=3),
+        **dict(beta=0.0, gradient_checkpointing=False, max_memory_per_device_mib=limit),
     )
-    args = DynamicBatchGRPOConfig(
-        output_dir=sys.argv[2],
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=1,
-        num_generations=8,
-        max_completion_length=longest,
-        max_steps=3,
-        beta=0.0,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-        max_memory_per_device_mib=limit,
-    )
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions],
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"p{i}" for i in range(32)]}),
-        processing_class=tokenizer,
-        rollout_func=rollout,
-    )
+
+
+def main(limit: int | None) -> None:
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker, run_peak_mib
+
+    quiet_worker(threads=1)
+    trainer = build_run(limit, sys.argv[2])
     with ResidentSetSampler() as sampler:  # the trainer resets VmHWM before each pass: sample the peak as well
         trainer.train()
     peak = run_peak_mib(trainer.state.log_history, sampler)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
-from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
+from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_trainer, load_tokenizer, prompt_dataset
 
 
 def padded(rows: list[tuple[list[int], list[int]]], pad: int):
@@ -41,46 +41,33 @@ def padded(rows: list[tuple[list[int], list[int]]], pad: int):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--out", required=True)
-    cli = parser.parse_args()
+def sharded_trainer(model_dir: str, out: str):
+    """DynamicBatchGRPOTrainer on the saved model with sequence_parallel_size 2 (accelerate's ParallelismConfig), a
+    budget of 24 tokens per device."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz import DynamicBatchGRPOConfig
+
+    parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2)
+    args = DynamicBatchGRPOConfig(
+        **base_config_kwargs(out + "-run", max_tokens_per_microbatch=24, parallelism_config=parallelism)
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return build_trainer(args, model, load_tokenizer(model_dir), dataset=prompt_dataset(), reward=RecordingReward())
+
+
+def logprob_differences(trainer, tokens) -> tuple[float, float]:
+    """The largest differences of the no-grad log-probs and entropies of TRL's hook against stock's own method, on
+    this rank's samples (one prompt with 3 completions, plus plain sequences of odd lengths)."""
     from trl import GRPOTrainer
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.execution.packing import SequenceTable
-
-    args = DynamicBatchGRPOConfig(
-        **base_config_kwargs(
-            cli.out + "-run",
-            max_tokens_per_microbatch=24,
-            parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2),
-        )
-    )
-    model = AutoModelForCausalLM.from_pretrained(cli.model_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(cli.model_dir)
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=RecordingReward(),
-        args=args,
-        processing_class=tokenizer,
-        train_dataset=prompt_dataset(),
-    )
-    rank = trainer.accelerator.process_index
-    generator = torch.Generator().manual_seed(rank)
-
-    def tokens(n):
-        return torch.randint(3, 7, (n,), generator=generator).tolist()
-
-    shared = tokens(9)  # one prompt with 3 completions (a shared segment), plus plain sequences of odd lengths
+    shared = tokens(9)
     rows = [(shared, tokens(n)) for n in (5, 14, 3)] + [(tokens(p), tokens(c)) for p, c in ((4, 21), (7, 1), (3, 9))]
-    prompt_ids, prompt_mask, completion_ids, completion_mask = padded(rows, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = padded(rows, trainer.processing_class.pad_token_id)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    width = completion_ids.size(1)
+    width, model = completion_ids.size(1), trainer.model
     with torch.no_grad():
         ours, our_entropy = trainer._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, width, compute_entropy=True
@@ -89,14 +76,18 @@ def main() -> None:
             trainer, model, input_ids, attention_mask, width, compute_entropy=True
         )[:2]
     mask = completion_mask.bool()
-    logprob_difference = (ours - stock)[mask].abs().max().item()
-    entropy_difference = (our_entropy - stock_entropy)[mask].abs().max().item()
+    return (ours - stock)[mask].abs().max().item(), (our_entropy - stock_entropy)[mask].abs().max().item()
 
-    # one training pass over the same samples on both ranks (rank 0's), sharded vs not
-    generator.manual_seed(0)
+
+def gradient_difference(trainer, tokens):
+    """One training pass over the same samples on both ranks (drawn by ``tokens``), sharded vs not: the largest
+    relative difference of the group's summed gradients against the unsharded pass's, and the pass's row width."""
+    from hf_dynbsz.execution.packing import SequenceTable
+
+    model = trainer.model
     shared = tokens(9)
     rows = [(shared, tokens(n)) for n in (5, 14, 3)] + [(tokens(p), tokens(c)) for p, c in ((4, 21), (7, 1))]
-    table = SequenceTable.from_padded(*padded(rows, tokenizer.pad_token_id))
+    table = SequenceTable.from_padded(*padded(rows, trainer.processing_class.pad_token_id))
     mb = trainer._dynbsz.microbatch(table, list(range(len(rows))), table.prompt_groups())
     weights = torch.linspace(0.5, 2.0, mb.completion_mask.numel()).view(mb.completion_mask.shape)
 
@@ -112,16 +103,26 @@ def main() -> None:
     for grad in sharded:
         dist.all_reduce(grad)
     whole = gradients(False)
-    gradient_difference = max(
-        ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(sharded, whole)
-    )
-    record = {
-        "rank": rank,
-        "logprob": logprob_difference,
-        "entropy": entropy_difference,
-        "gradient": gradient_difference,
-        "row_width": int(mb.shift_labels.size(1)),
-    }
+    difference = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(sharded, whole))
+    return difference, int(mb.shift_labels.size(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    cli = parser.parse_args()
+    trainer = sharded_trainer(cli.model_dir, cli.out)
+    rank = trainer.accelerator.process_index
+    generator = torch.Generator().manual_seed(rank)
+
+    def tokens(n):
+        return torch.randint(3, 7, (n,), generator=generator).tolist()
+
+    logprob, entropy = logprob_differences(trainer, tokens)
+    generator.manual_seed(0)  # the training pass: rank 0's samples on both ranks
+    gradient, row_width = gradient_difference(trainer, tokens)
+    record = {"rank": rank, "logprob": logprob, "entropy": entropy, "gradient": gradient, "row_width": row_width}
     with open(f"{cli.out}.rank{rank}.json", "w") as f:
         json.dump(record, f)
     print(record, flush=True)

@@ -130,17 +130,23 @@ def test_groups_split_across_passes_and_duplicate_prompts_of_other_groups(model)
                 assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0)
 
 
+def weighted_samples():
+    """The gradient tests' samples: stock's padded batch, its table, a loss weight per sample (0.5 to 2)."""
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
+    return batch, SequenceTable.from_padded(*batch), torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
+
+
+def gradients(model, compute) -> dict:
+    """The gradients (by parameter name) of the scalar ``compute()`` returns."""
+    model.zero_grad()
+    compute().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
 def test_gradients_equal_those_of_separate_sequences(model):
     if model.config._attn_implementation == "flex_attention":
         pytest.skip("flex_attention has no backward on CPU (torch raises NotImplementedError); the GPU check trains it")
-    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
-    table = SequenceTable.from_padded(*batch)
-    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
-
-    def gradients(compute):
-        model.zero_grad()
-        compute().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    batch, table, weights = weighted_samples()
 
     def stock():
         logps, _ = stock_logps(model, *batch)
@@ -151,7 +157,7 @@ def test_gradients_equal_those_of_separate_sequences(model):
         _, logps, _ = packed_logps(model, table, order, table.prompt_groups(), model.config._attn_implementation)
         return (logps * weights).sum()
 
-    expected, got = gradients(stock), gradients(ours)
+    expected, got = gradients(model, stock), gradients(model, ours)
     for name in expected:
         assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
 
@@ -606,21 +612,14 @@ def test_varlen_attn_rows_give_stocks_logprobs_in_one_call_per_layer(model, varl
 def test_varlen_attn_gradients_equal_those_of_separate_sequences(model, varlen_attn_kernel):
     if model.config._attn_implementation == "flex_attention":
         pytest.skip("varlen_attn stands in for sdpa and eager")
-    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=5)
-    table = SequenceTable.from_padded(*batch)
-    weights = torch.linspace(0.5, 2.0, len(COMPLETIONS)).unsqueeze(1)
-
-    def gradients(compute):
-        model.zero_grad()
-        compute().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    batch, table, weights = weighted_samples()
 
     def ours():
         _, logps, _ = packed_logps(model, table, list(range(len(COMPLETIONS))), table.prompt_groups(), VARLEN_ATTN, 8)
         return (logps * weights).sum()
 
-    expected = gradients(lambda: (stock_logps(model, *batch)[0] * batch[3] * weights).sum())
-    got = gradients(ours)
+    expected = gradients(model, lambda: (stock_logps(model, *batch)[0] * batch[3] * weights).sum())
+    got = gradients(model, ours)
     for name in expected:
         assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
 

@@ -468,15 +468,7 @@ def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_proce
 
     from hf_dynbsz.planning.memory import MemoryModel
 
-    config = Qwen2Config(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    )
-    config.save_pretrained(tmp_path)
+    config = Qwen2Config.from_pretrained(memory_model_config(tmp_path))
     options = (
         "--model_config",
         tmp_path,

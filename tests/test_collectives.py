@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 import weakref
 from pathlib import Path
 
@@ -27,9 +26,9 @@ from hf_dynbsz.parallel.collectives import (
     gather_values,
     reduce_sum,
 )
-from hf_dynbsz.testing import run_with_timeout
+from hf_dynbsz.testing import REPO_ROOT as ROOT
+from hf_dynbsz.testing import accelerate_command, run_with_timeout
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -113,17 +112,7 @@ def test_no_tensor_of_the_plugin_s_collectives_is_freed_by_a_worker_thread_and_t
     they return, and returns (process 0 a second later). Before the holds, 2 to 41 tensors per process were freed on
     gloo's worker threads in each of 3 launches (one still pending while the interpreter finalizes aborts the
     process), and process 1 did not wait for process 0 at exit."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-        str(ROOT / "tests" / "exit_collectives.py"),
-        str(tmp_path / "exit"),
-        "--linger",
-        "1",
-    ]
+    command = accelerate_command("cpu_ddp.yaml", "tests/exit_collectives.py", tmp_path / "exit", "--linger", "1")
     output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, "the plugin's collectives, then a plain exit")
     assert "terminate called" not in output, output[-2000:]
     records = [json.loads(Path(f"{tmp_path / 'exit'}.rank{rank}.json").read_text()) for rank in range(2)]

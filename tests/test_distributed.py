@@ -12,13 +12,18 @@ Every launch runs under a timeout and every rank must write its result file.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_dynbsz.testing import relative_difference, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import (
+    accelerate_command,
+    grpo_worker_command,
+    relative_difference,
+    run_with_timeout,
+    save_tiny_model,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,30 +46,9 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-def worker_command(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[str]:
-    """``accelerate launch`` of tests/distributed_grpo.py on 2 processes; ``options`` become its flags."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / config),
-        str(ROOT / "tests" / "distributed_grpo.py"),
-        "--trainer",
-        trainer,
-        "--model_dir",
-        model_dir,
-        "--out",
-        str(out),
-    ]
-    for key, value in options.items():
-        command += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    return command
-
-
 def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[dict]:
     """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
-    command = worker_command(config, out, model_dir, trainer, **options)
+    command = grpo_worker_command(config, out, model_dir, trainer, **options)
     run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} run under {config}")
     return read_records(out, config, trainer)
 
@@ -128,7 +112,7 @@ class SharedLaunches:
         """One launch of ``trainer`` training every ``(name, flags)`` of ``group`` (keyed by run) in turn."""
         out = self.directory / f"{trainer}-{Path(config).stem}-{len(self.runs)}"
         scenarios = json.dumps(dict(group.values()))
-        command = worker_command(config, out, self.model_dir, trainer, scenarios=scenarios)
+        command = grpo_worker_command(config, out, self.model_dir, trainer, scenarios=scenarios)
         run_with_timeout(
             command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} runs {sorted(dict(group.values()))} under {config}"
         )
@@ -338,7 +322,7 @@ def test_environment_rollouts_match_stock(tmp_path, chat_model_dir):
     type in turn (``--loss_types``)."""
     options = dict(rollout="environment", loss_types=",".join(ROLLOUT_LOSS_TYPES), max_steps=2, budget=1600)
     for trainer in ("stock", "dynamic"):
-        command = worker_command("cpu_ddp.yaml", tmp_path / trainer, chat_model_dir, trainer, **options)
+        command = grpo_worker_command("cpu_ddp.yaml", tmp_path / trainer, chat_model_dir, trainer, **options)
         run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{trainer} environment rollouts under DDP")
     for loss_type in ROLLOUT_LOSS_TYPES:
         records = {
@@ -400,7 +384,7 @@ def test_a_script_without_trainer_end_exits_cleanly_every_time(series, launch_nu
     raises on any other status) and print no abort."""
     config, extra, _ = EXIT_SERIES[series]
     out = tmp_path / f"run{launch_number}"
-    command = worker_command(
+    command = grpo_worker_command(
         config, out, model_dir, "dynamic", plain_exit=True, max_steps=3, rollout="lopsided", long_rank=0,
         linger=1, budget=64, **extra,
     )  # fmt: skip
@@ -423,15 +407,7 @@ def test_the_reported_lopsided_script_exits_cleanly_every_time(launch_number, tm
     (balancing moves samples every step), dapo, 3 steps; process 0 saves its parameters while process 1 returns. It
     aborted process 1 in 3 of 60 launches before the plugin held its collectives' tensors and waited at exit."""
     out = tmp_path / f"run{launch_number}"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-        str(ROOT / "tests" / "exit_lopsided.py"),
-        str(out),
-    ]
+    command = accelerate_command("cpu_ddp.yaml", "tests/exit_lopsided.py", out)
     output = run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"lopsided launch {launch_number}")
     assert "terminate called" not in output, output[-2000:]
     for rank in range(2):
@@ -460,24 +436,14 @@ def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_st
 def test_an_out_of_memory_pass_under_zero3_stops_every_process_with_the_reason(tmp_path, model_dir):
     """DeepSpeed does not let a step's gradients be discarded: the failing process stops with why, and the launcher
     stops the other (which waits in a parameter gather): no process hangs."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_zero3.yaml"),
-        str(ROOT / "tests" / "distributed_grpo.py"),
-        "--trainer",
-        "dynamic",
-        "--model_dir",
+    command = grpo_worker_command(
+        "cpu_zero3.yaml",
+        tmp_path / "ours",
         model_dir,
-        "--out",
-        str(tmp_path / "ours"),
-        "--inject_oom",
-        "training:forward:1:1",
-        "--max_memory_mib",
-        "200000",
-    ]
+        "dynamic",
+        inject_oom="training:forward:1:1",
+        max_memory_mib=200000,
+    )
     # a hang raises on the timeout (every process killed); exiting 0 raises too
     output = run_with_timeout(
         command, ROOT, LAUNCH_TIMEOUT_S, "ZeRO-3 run with an out-of-memory error", expect_failure=True

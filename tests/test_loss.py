@@ -16,18 +16,20 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz.execution import loss as loss_module
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, per_token_policy_loss, sample_weights
 from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
+from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
 MAX_COMPLETION = 12
+#: The slices' step: GA slices of ROWS samples (2 completions per prompt) per optimizer step.
+STEP = dict(gradient_accumulation_steps=GA, steps_per_generation=GA, per_device_train_batch_size=ROWS)
+STEP.update(max_completion_length=MAX_COMPLETION, num_generations=2)
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +39,8 @@ def model_dir(tmp_path_factory):
 
 def stock_trainer(model_dir, tmp_path, **config) -> GRPOTrainer:
     """A real stock trainer in training mode, its accumulation count set as the Trainer loop sets it."""
-    config = {
-        "gradient_accumulation_steps": GA,
-        "steps_per_generation": GA,
-        "per_device_train_batch_size": ROWS,
-        "max_completion_length": MAX_COMPLETION,
-        "num_generations": 2,
-        **config,
-    }
-    args = GRPOConfig(**base_config_kwargs(str(tmp_path), **config))
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        reward_funcs=RecordingReward(),
-        args=args,
-        train_dataset=prompt_dataset(),
-        processing_class=load_tokenizer(model_dir),
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = GA
-    return trainer
+    config = {**STEP, **config}
+    return training_mode_trainer(GRPOConfig(**base_config_kwargs(str(tmp_path), **config)), model_dir, GA)
 
 
 def completion_logps(trainer, inputs, compute_entropy=True):

@@ -123,9 +123,6 @@ def tensorboard_run(tmp_path_factory):
         lambda rng: rng.integers(3, 12),
         max_completion_length=24,
         seed=3,
-        token_low=3,
-        token_high=7,
-        eos_id=1,
     )
     *_, history = run_training(
         DynamicBatchGRPOTrainer,

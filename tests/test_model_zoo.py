@@ -397,15 +397,8 @@ def _rollout(equal_prompts: bool):
     from hf_dynbsz.testing import ScriptedRollout
 
     prompt_length = (lambda rng: 6) if equal_prompts else (lambda rng: rng.integers(2, 12))
-    return ScriptedRollout(
-        lambda rng, n, rank: rng.geometric(0.12, n),
-        prompt_length,
-        max_completion_length=24,
-        seed=0,
-        token_low=3,
-        token_high=60,
-        eos_id=1,
-    )
+    lengths = lambda rng, n, rank: rng.geometric(0.12, n)  # noqa: E731
+    return ScriptedRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=60)
 
 
 def train(
@@ -420,24 +413,27 @@ def train(
     """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type`` (``layer_pattern``: see
     :func:`~hf_dynbsz.testing.zoo.tiny_causal_lm_config`; ``settings``: GRPOConfig fields):
     ``(initial, final parameters, trainer)``."""
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, build_char_tokenizer, prompt_dataset
+    from hf_dynbsz.testing import (
+        RecordingReward,
+        base_config_kwargs,
+        build_char_tokenizer,
+        build_trainer,
+        prompt_dataset,
+        snapshot_parameters,
+    )
     from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
     model = build_tiny_causal_lm_of_type(model_type, seed=0, layer_pattern=layer_pattern)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
     overrides = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
     args = config_cls(**base_config_kwargs(output_dir, **overrides, **settings))
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=RecordingReward(),
-        args=args,
-        train_dataset=prompt_dataset(),
-        processing_class=build_char_tokenizer(),
-        rollout_func=_rollout(equal_prompts),
+    dataset, reward, rollout = prompt_dataset(), RecordingReward(), _rollout(equal_prompts)
+    trainer = build_trainer(
+        args, model, build_char_tokenizer(), dataset=dataset, reward=reward, rollout=rollout, trainer_cls=trainer_cls
     )
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    initial = snapshot_parameters(model)
     trainer.train()
-    return initial, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, trainer
+    return initial, snapshot_parameters(trainer.model), trainer
 
 
 def trained_layout(trainer) -> str:

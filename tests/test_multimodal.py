@@ -145,19 +145,20 @@ def test_a_micro_batch_of_samples_without_images_gets_no_image_inputs():
     assert split_media({"input_ids": torch.ones(2, 3)}, 2) is None
 
 
+def image_table(prompt_ids, completion_ids, media, fields):
+    """The table of padded prompts and completions (id 0: padding) with images ``media`` and token type ids."""
+    masks = (prompt_ids > 0).long(), (completion_ids > 0).long()
+    return SequenceTable.from_padded(
+        prompt_ids, masks[0], completion_ids, masks[1], media=media, token_fields={"mm_token_type_ids": fields}
+    )
+
+
 def test_vision_language_micro_batches_are_padded_rows_with_mask_token_fields_and_images():
     prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
     completion_ids = torch.tensor([[3, 4, 0], [3, 0, 0]])
     media = split_media(grid_inputs([1, 1]), 2)
     fields = torch.tensor([[0, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
-    table = SequenceTable.from_padded(
-        prompt_ids,
-        (prompt_ids > 0).long(),
-        completion_ids,
-        (completion_ids > 0).long(),
-        media=media,
-        token_fields={"mm_token_type_ids": fields},
-    )
+    table = image_table(prompt_ids, completion_ids, media, fields)
     assert table.multimodal
     mb = build_microbatch(table, [1, 0], layout="padded", pad_token_id=0)
     assert mb.model_inputs["input_ids"].tolist() == [[7, 8, 9, 3], [5, 6, 3, 4]]
@@ -244,14 +245,7 @@ def test_a_samples_images_and_token_fields_survive_the_trip_to_another_process(m
     media = split_media(inputs, 3)
     prompt_ids, completion_ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 4, 4]]), torch.tensor([[3, 0], [3, 2], [1, 0]])
     fields = torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
-    table = SequenceTable.from_padded(
-        prompt_ids,
-        (prompt_ids > 0).long(),
-        completion_ids,
-        (completion_ids > 0).long(),
-        media=media,
-        token_fields={"mm_token_type_ids": fields},
-    )
+    table = image_table(prompt_ids, completion_ids, media, fields)
     records = table.media_records()
     assert all(record.dtype == torch.float64 and record.dim() == 1 for record in records)
     bare = SequenceTable(

@@ -16,17 +16,19 @@ from collections import defaultdict
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from hf_dynbsz.execution import rloo_loss as rloo_module
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.packing import build_microbatch
 from hf_dynbsz.execution.rloo_loss import RLOOSettings, SliceMetrics, rloo_pass_loss, rloo_sample_weights
-from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
+from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
 
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
 MAX_COMPLETION = 12
+#: The slices' step: GA slices of ROWS samples (2 completions per prompt) per optimizer step.
+STEP = dict(gradient_accumulation_steps=GA, steps_per_generation=GA, per_device_train_batch_size=ROWS)
+STEP.update(max_completion_length=MAX_COMPLETION, num_generations=2)
 METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max")
 
 
@@ -37,25 +39,8 @@ def model_dir(tmp_path_factory):
 
 def stock_trainer(model_dir, tmp_path, **config) -> RLOOTrainer:
     """A real stock trainer in training mode, its accumulation count set as the Trainer loop sets it."""
-    config = {
-        "gradient_accumulation_steps": GA,
-        "steps_per_generation": GA,
-        "per_device_train_batch_size": ROWS,
-        "max_completion_length": MAX_COMPLETION,
-        "num_generations": 2,
-        "beta": 0.0,
-        **config,
-    }
-    trainer = RLOOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        reward_funcs=RecordingReward(),
-        args=RLOOConfig(**base_config_kwargs(str(tmp_path), **config)),
-        train_dataset=prompt_dataset(),
-        processing_class=load_tokenizer(model_dir),
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = GA
-    return trainer
+    config = {**STEP, "beta": 0.0, **config}
+    return training_mode_trainer(RLOOConfig(**base_config_kwargs(str(tmp_path), **config)), model_dir, GA)
 
 
 def completion_logps(trainer, inputs):

@@ -20,12 +20,22 @@ import pytest
 from trl import RLOOConfig, RLOOTrainer
 
 from hf_dynbsz import DynamicBatchRLOOConfig, DynamicBatchRLOOTrainer
-from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
+from hf_dynbsz.testing import (
+    construction_arguments,
+    construction_error,
+    positional_trainer,
+    relative_difference,
+    run_training,
+    save_tiny_model,
+    update_difference,
+)
 
 # Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
 SMALL_BUDGET = 40
 PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-3
+#: The plugin's trainer and config (``run_training``'s first two arguments).
+PLUGIN = (DynamicBatchRLOOTrainer, DynamicBatchRLOOConfig)
 #: Settings only DynamicBatchRLOOConfig has.
 OURS = (
     "max_tokens_per_microbatch",
@@ -59,13 +69,7 @@ def compare_with_stock(model_dir, tmp_path, trainer_kwargs=None, **overrides):
         RLOOTrainer, RLOOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs=trainer_kwargs, **overrides
     )
     init2, ours, our_completions, history = run_training(
-        DynamicBatchRLOOTrainer,
-        DynamicBatchRLOOConfig,
-        model_dir,
-        str(tmp_path / "ours"),
-        trainer_kwargs=trainer_kwargs,
-        **overrides,
-        **ours_only,
+        *PLUGIN, model_dir, str(tmp_path / "ours"), trainer_kwargs=trainer_kwargs, **overrides, **ours_only
     )
     assert our_completions == stock_completions, "generations must be identical for the same seed"
     assert relative_difference(init2, init) == 0.0
@@ -156,39 +160,15 @@ def test_constructor_and_overridden_hooks_have_stocks_signatures():
         assert ours == stock, f"{name}: {ours} != stock {stock}"
 
 
-def construction_error(cls, model_dir, **kwargs):
-    from transformers import AutoModelForCausalLM
-
-    from hf_dynbsz.testing import load_tokenizer
-
-    with pytest.raises(Exception) as raised:
-        cls(model=AutoModelForCausalLM.from_pretrained(model_dir), processing_class=load_tokenizer(model_dir), **kwargs)
-    return type(raised.value), str(raised.value)
-
-
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])
 def test_construction_errors_are_stocks(model_dir, tmp_path, missing):
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, prompt_dataset
-
-    kwargs = dict(
-        reward_funcs=RecordingReward(),
-        train_dataset=prompt_dataset(),
-        args=RLOOConfig(**base_config_kwargs(str(tmp_path))),
-    )
-    del kwargs[missing]  # args=None: stock's default config, which wants bf16 on this CPU machine
+    kwargs = construction_arguments(RLOOConfig, str(tmp_path), missing)
     stock = construction_error(RLOOTrainer, model_dir, **kwargs)
     assert construction_error(DynamicBatchRLOOTrainer, model_dir, **kwargs) == stock
 
 
 def test_stocks_positional_call_order_works(model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
-
-    args = RLOOConfig(**base_config_kwargs(str(tmp_path)))
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    # model, reward_funcs, args, train_dataset, eval_dataset, processing_class: as stock takes them
-    trainer = DynamicBatchRLOOTrainer(model, RecordingReward(), args, prompt_dataset(), None, load_tokenizer(model_dir))
+    trainer, args = positional_trainer(DynamicBatchRLOOTrainer, RLOOConfig, model_dir, str(tmp_path))
     assert trainer.args is args and trainer._dynbsz.enabled and args.max_tokens_per_microbatch is None
 
 
@@ -238,11 +218,7 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
     )
     assert generated_rows and max(generated_rows) <= 3  # 8 samples per device: chunks of 3, 3, 2
     _, second, completions_b, _ = run_training(
-        DynamicBatchRLOOTrainer,
-        DynamicBatchRLOOConfig,
-        model_dir,
-        str(tmp_path / "b"),
-        per_device_generation_batch_size=3,
+        *PLUGIN, model_dir, str(tmp_path / "b"), per_device_generation_batch_size=3
     )
     assert completions_a == completions_b and relative_difference(first, second) == 0.0
 

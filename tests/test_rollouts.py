@@ -26,9 +26,6 @@ def multi_turn_rollout():
         prompt_length=lambda rng: rng.integers(3, 12),
         max_completion_length=24,
         seed=2,
-        token_low=3,
-        token_high=7,
-        eos_id=1,
     )
 
 

@@ -23,9 +23,11 @@ from hf_dynbsz.testing import (
     ScriptedRollout,
     base_config_kwargs,
     build_char_tokenizer,
+    build_trainer,
     grpo_batch,
     prompt_dataset,
     relative_difference,
+    snapshot_parameters,
     update_difference,
 )
 from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
@@ -33,6 +35,8 @@ from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 PAD = 0
 #: Large enough that the aux loss moves the parameters far more than the tolerance (stock's default is 0.001).
 COEF = 1.0
+#: The plugin's trainer and config (``train``'s first two arguments).
+PLUGIN = (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -91,29 +95,17 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
 
 
 def train(trainer_cls, config_cls, model_type, output_dir, coef=COEF, **overrides):
-    rollout = ScriptedRollout(
-        lambda rng, n, rank: rng.geometric(0.1, n),
-        lambda rng: rng.integers(3, 12),
-        max_completion_length=24,
-        seed=0,
-        token_low=3,
-        token_high=60,
-        eos_id=1,
-    )
+    lengths, prompt_length = (lambda rng, n, rank: rng.geometric(0.1, n)), (lambda rng: rng.integers(3, 12))
+    rollout = ScriptedRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=60)
     model = build_tiny_causal_lm_of_type(model_type)
     args = config_cls(**base_config_kwargs(output_dir, router_aux_loss_coef=coef, **overrides))
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=RecordingReward(),
-        args=args,
-        train_dataset=prompt_dataset(),
-        processing_class=build_char_tokenizer(),
-        rollout_func=rollout,
+    tokenizer, reward = build_char_tokenizer(), RecordingReward()
+    trainer = build_trainer(
+        args, model, tokenizer, dataset=prompt_dataset(), reward=reward, rollout=rollout, trainer_cls=trainer_cls
     )
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    initial = snapshot_parameters(model)
     trainer.train()
-    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    return initial, final, trainer.state.log_history, trainer
+    return initial, snapshot_parameters(trainer.model), trainer.state.log_history, trainer
 
 
 @pytest.fixture(autouse=True)
@@ -139,12 +131,7 @@ def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, n
     settings = dict(loss_type=loss_type, num_iterations=num_iterations, max_steps=3)
     initial, stock, stock_history, _ = train(GRPOTrainer, GRPOConfig, model_type, str(tmp_path / "s"), **settings)
     _, ours, history, trainer = train(
-        DynamicBatchGRPOTrainer,
-        DynamicBatchGRPOConfig,
-        model_type,
-        str(tmp_path / "o"),
-        max_tokens_per_microbatch=48,
-        **settings,
+        *PLUGIN, model_type, str(tmp_path / "o"), max_tokens_per_microbatch=48, **settings
     )
     assert trainer._dynbsz.enabled and trainer._dynbsz.capabilities.router_aux
     assert trainer._dynbsz.scheduler.share_prompts  # padding-free rows with shared prompts

@@ -241,9 +241,6 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
         lambda rng: rng.integers(2, 21),
         max_completion_length=40,
         seed=6,
-        token_low=3,
-        token_high=7,
-        eos_id=1,
     )
     run_training(
         Recording,
@@ -265,15 +262,8 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
     from hf_dynbsz.cli import main
 
-    settings_ = dict(
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=40,
-        max_steps=4,
-        packing_layout=layout,
-        max_tokens_per_microbatch=budget,
-    )
+    schedule = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_steps=4)
+    settings_ = dict(schedule, max_completion_length=40, packing_layout=layout, max_tokens_per_microbatch=budget)
     model_dir, batches, schedules, groups = _train_recording_schedules(tmp_path, monkeypatch, settings_)
     assert len(batches) == len(schedules) == 4
     assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
@@ -318,15 +308,15 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
         assert [step["microbatches"] for step in generic] != [schedule.microbatches for schedule in schedules]
 
 
+def scheduler_args(**fields) -> SimpleNamespace:
+    """The scheduler's settings at their defaults ("auto" layout, no fixed budgets, shared prompts), ``fields`` set."""
+    defaults = dict(packing_layout="auto", oversize_policy="warn", share_prompt_prefix=True)
+    return SimpleNamespace(**defaults, max_tokens_per_microbatch=None, max_tokens_per_microbatch_logprob=None, **fields)
+
+
 # ---- shared prompts: units are prompt-group pieces ----------------------------------------------------------------
 def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention():
-    args = SimpleNamespace(
-        packing_layout="auto",
-        oversize_policy="warn",
-        max_tokens_per_microbatch=None,
-        max_tokens_per_microbatch_logprob=None,
-        share_prompt_prefix=True,
-    )
+    args = scheduler_args()
     segments = ModelSupport.of(attn_implementation="sdpa")
     no_segments = dataclasses.replace(segments, segment_attention_blocker="no AttentionInterface")
     assert Scheduler.from_args(args, segments).share_prompts
@@ -443,14 +433,7 @@ def test_repacked_vision_language_models_train_padding_free_and_balanced_other_f
     assert ModelSupport.of(qwen_vl.get_text_config()).vision_language is None  # the language model alone: text
     assert ModelSupport.of(qwen_vl).padding_free_blocker is None  # repacked: padding-free rows carry M-RoPE
     assert "position ids" in ModelSupport.of(idefics).padding_free_blocker
-    args = SimpleNamespace(
-        packing_layout="auto",
-        oversize_policy="warn",
-        max_tokens_per_microbatch=None,
-        max_tokens_per_microbatch_logprob=None,
-        balance_across_ranks=True,
-        share_prompt_prefix=True,
-    )
+    args = scheduler_args(balance_across_ranks=True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
     assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", True, True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(idefics, attn_implementation="flash_attention_2"))

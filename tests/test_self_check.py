@@ -293,28 +293,20 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
 def _train_hybrid(directory, stock=False):
     """Two steps of a tiny Qwen3.5 (Gated DeltaNet and attention layers) on prompts of equal length, each prompt with
     several completions."""
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, prompt_dataset
+    from hf_dynbsz import DynamicBatchGRPOConfig
+    from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, build_trainer, prompt_dataset
     from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
-    trainer_cls, config_cls = (GRPOTrainer, GRPOConfig) if stock else (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
-    trainer = trainer_cls(
-        model=build_tiny_causal_lm_of_type("qwen3_5_text", seed=0, layer_pattern="default"),
-        reward_funcs=RecordingReward(),
-        args=config_cls(**base_config_kwargs(str(directory), router_aux_loss_coef=0.0)),
-        train_dataset=prompt_dataset(),
-        processing_class=build_char_tokenizer(),
-        rollout_func=ScriptedRollout(
-            lambda rng, n, rank: rng.integers(4, 16, n),
-            lambda rng: 8,
-            max_completion_length=24,
-            seed=0,
-            token_low=3,
-            token_high=60,
-            eos_id=1,
-        ),
+    config_cls = GRPOConfig if stock else DynamicBatchGRPOConfig
+    args = config_cls(**base_config_kwargs(str(directory), router_aux_loss_coef=0.0))
+    model = build_tiny_causal_lm_of_type("qwen3_5_text", seed=0, layer_pattern="default")
+    lengths = lambda rng, n, rank: rng.integers(4, 16, n)  # noqa: E731
+    rollout = ScriptedRollout(lengths, lambda rng: 8, max_completion_length=24, seed=0, token_high=60)
+    reward = RecordingReward()
+    trainer = build_trainer(
+        args, model, build_char_tokenizer(), dataset=prompt_dataset(), reward=reward, rollout=rollout
     )
     trainer.train()
     return trainer
@@ -358,31 +350,27 @@ def test_the_trainer_checks_once_and_logs_a_step_down(tmp_path, caplog):
         RecordingReward,
         ScriptedRollout,
         base_config_kwargs,
+        build_trainer,
         prompt_dataset,
         relative_difference,
     )
 
     def train(trainer_cls, config_cls, **settings):
-        rollout = ScriptedRollout(
-            lambda rng, n, rank: rng.geometric(0.1, n),
-            lambda rng: rng.integers(3, 12),
-            max_completion_length=24,
-            seed=0,
-            token_low=3,
-            token_high=40,
-            eos_id=1,
-        )
+        lengths, prompt_length = (lambda rng, n, rank: rng.geometric(0.1, n)), (lambda rng: rng.integers(3, 12))
+        rollout = ScriptedRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=40)
         model = build_tiny_hybrid_lm(build_char_tokenizer())
         args = config_cls(
             **base_config_kwargs(str(tmp_path / str(len(settings))), router_aux_loss_coef=0.0, **settings)
         )
-        trainer = trainer_cls(
-            model=model,
-            reward_funcs=RecordingReward(),
-            args=args,
-            train_dataset=prompt_dataset(),
-            processing_class=build_char_tokenizer(),
-            rollout_func=rollout,
+        dataset, reward = prompt_dataset(), RecordingReward()
+        trainer = build_trainer(
+            args,
+            model,
+            build_char_tokenizer(),
+            dataset=dataset,
+            reward=reward,
+            rollout=rollout,
+            trainer_cls=trainer_cls,
         )
         if trainer_cls is DynamicBatchGRPOTrainer:
             capabilities = trainer._dynbsz.capabilities
@@ -414,34 +402,23 @@ def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerances(tmp_path):
     into stock math (found on an H200: 8e-3 on every layout, against 1e-4). How far bf16 rounds depends on the CPU's
     bf16 kernels, so this reads the tolerances the check applied, not the noise it met (see the next test for the
     tolerances' effect)."""
-    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz import DynamicBatchGRPOConfig
     from hf_dynbsz.testing import (
         RecordingReward,
         ScriptedRollout,
         base_config_kwargs,
         build_char_tokenizer,
         build_tiny_causal_lm,
+        build_trainer,
         prompt_dataset,
     )
 
     tokenizer = build_char_tokenizer()
     args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), bf16=True, max_steps=1, self_check=True))
-    trainer = DynamicBatchGRPOTrainer(
-        model=build_tiny_causal_lm(tokenizer),
-        reward_funcs=RecordingReward(),
-        args=args,
-        train_dataset=prompt_dataset(),
-        processing_class=tokenizer,
-        rollout_func=ScriptedRollout(
-            lambda rng, n, rank: rng.integers(20, 60, n),
-            lambda rng: rng.integers(3, 12),
-            max_completion_length=64,
-            seed=0,
-            token_low=3,
-            token_high=40,
-            eos_id=1,
-        ),
-    )
+    lengths, prompt_length = (lambda rng, n, rank: rng.integers(20, 60, n)), (lambda rng: rng.integers(3, 12))
+    rollout = ScriptedRollout(lengths, prompt_length, max_completion_length=64, seed=0, token_high=40)
+    model, reward = build_tiny_causal_lm(tokenizer), RecordingReward()
+    trainer = build_trainer(args, model, tokenizer, dataset=prompt_dataset(), reward=reward, rollout=rollout)
     executor = trainer._dynbsz
     assert compute_dtype(executor.accelerator, trainer.model) == torch.bfloat16  # fp32 weights, bf16 autocast
     trainer.train()

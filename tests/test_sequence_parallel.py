@@ -11,7 +11,6 @@ balanced against each other.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,9 +24,16 @@ from hf_dynbsz.execution.packing import dummy_microbatch
 from hf_dynbsz.execution.sequence_parallel import sequence_parallel_blocker
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.planning.schedule import Scheduler
-from hf_dynbsz.testing import base_config_kwargs, relative_difference, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import REPO_ROOT as ROOT
+from hf_dynbsz.testing import (
+    accelerate_command,
+    base_config_kwargs,
+    grpo_worker_command,
+    relative_difference,
+    run_with_timeout,
+    save_tiny_model,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -141,19 +147,7 @@ def model_dir(tmp_path_factory):
 
 
 def launch(script: str, config_file: str, out: Path, *arguments: str, processes: int = 2) -> list[dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / config_file),
-        "--num_processes",
-        str(processes),
-        str(ROOT / "tests" / script),
-        "--out",
-        str(out),
-        *arguments,
-    ]
+    command = accelerate_command(config_file, f"tests/{script}", "--out", out, *arguments, num_processes=processes)
     run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{script} under {config_file}")
     records = []
     for rank in range(processes):
@@ -245,27 +239,8 @@ def test_a_sequence_over_one_devices_budget_trains_with_sp_size_2_only(tmp_path,
     """budget 20 tokens per device: the long completions (up to 33 tokens with their prompts) are oversize on one
     device (oversize_policy='error' stops the run) and fit a group of two (40 tokens), as the ddp-grpo run above
     shows by matching stock."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
-        str(ROOT / "tests" / "distributed_grpo.py"),
-        "--trainer",
-        "dynamic",
-        "--model_dir",
-        model_dir,
-        "--out",
-        str(tmp_path / "alone"),
-        *LONG_TAILED,
-        "--loss_type",
-        "grpo",
-        "--budget",
-        "20",
-        "--oversize_policy",
-        "error",
-    ]
+    options = dict(loss_type="grpo", budget=20, oversize_policy="error")
+    command = [*grpo_worker_command("cpu_ddp.yaml", tmp_path / "alone", model_dir, "dynamic", **options), *LONG_TAILED]
     output = run_with_timeout(
         command, ROOT, LAUNCH_TIMEOUT_S, "the same run without sequence parallelism", expect_failure=True
     )

@@ -18,12 +18,17 @@ from trl import GRPOConfig, GRPOTrainer
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
 from hf_dynbsz.testing import (
     checkpointing_field,
+    construction_arguments,
+    construction_error,
+    positional_trainer,
     relative_difference,
     run_training,
     save_tiny_model,
     update_difference,
 )
 
+#: The plugin's trainer and config (``run_training``'s first two arguments).
+PLUGIN = (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 # Forces repacking: prompts are 3-18 tokens, completions 0-24, so stock slices of 4 rows get cut up.
 SMALL_BUDGET = 40
@@ -216,14 +221,7 @@ def test_plain_grpo_config_is_accepted(model_dir, tmp_path):
 
 def test_oversize_error_policy_raises_before_any_update(model_dir, tmp_path):
     with pytest.raises(OversizeSequenceError, match="max_tokens_per_microbatch=4"):
-        run_training(
-            DynamicBatchGRPOTrainer,
-            DynamicBatchGRPOConfig,
-            model_dir,
-            str(tmp_path / "b"),
-            max_tokens_per_microbatch=4,
-            oversize_policy="error",
-        )
+        run_training(*PLUGIN, model_dir, str(tmp_path / "b"), max_tokens_per_microbatch=4, oversize_policy="error")
 
 
 # ---------------------------------------------------------------- memory knobs reach the code paths
@@ -258,11 +256,7 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
     generate_rows = {rows for rows, generating, _, _ in calls if generating}
     assert generate_rows and max(generate_rows) <= 3  # 8 samples per device -> chunks of 3, 3, 2
     _, second, completions_b, _ = run_training(
-        DynamicBatchGRPOTrainer,
-        DynamicBatchGRPOConfig,
-        model_dir,
-        str(tmp_path / "b"),
-        per_device_generation_batch_size=3,
+        *PLUGIN, model_dir, str(tmp_path / "b"), per_device_generation_batch_size=3
     )
     assert completions_a == completions_b
     assert relative_difference(first, second) == 0.0
@@ -271,8 +265,7 @@ def test_generation_is_chunked_and_deterministic_per_chunk_size(model_dir, tmp_p
 def test_generation_chunk_at_least_the_share_is_stock(model_dir, tmp_path):
     _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "a"))
     _, ours, our_completions, _ = run_training(
-        DynamicBatchGRPOTrainer,
-        DynamicBatchGRPOConfig,
+        *PLUGIN,
         model_dir,
         str(tmp_path / "b"),
         per_device_generation_batch_size=8,
@@ -369,27 +362,9 @@ def test_constructor_and_overridden_hooks_have_stocks_signatures():
         assert ours == stock, f"{name}: {ours} != stock {stock}"
 
 
-def construction_error(cls, model_dir, **kwargs):
-    from transformers import AutoModelForCausalLM
-
-    from hf_dynbsz.testing import load_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with pytest.raises(Exception) as raised:
-        cls(model=model, processing_class=load_tokenizer(model_dir), **kwargs)
-    return type(raised.value), str(raised.value)
-
-
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])
 def test_construction_errors_are_stocks(model_dir, tmp_path, missing):
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, prompt_dataset
-
-    kwargs = dict(
-        reward_funcs=RecordingReward(),
-        train_dataset=prompt_dataset(),
-        args=GRPOConfig(**base_config_kwargs(str(tmp_path))),
-    )
-    del kwargs[missing]  # args=None: stock's default config, which wants bf16 on this CPU machine
+    kwargs = construction_arguments(GRPOConfig, str(tmp_path), missing)
     stock = construction_error(GRPOTrainer, model_dir, **kwargs)
     assert construction_error(DynamicBatchGRPOTrainer, model_dir, **kwargs) == stock
     assert stock[0] is ValueError
@@ -398,19 +373,14 @@ def test_construction_errors_are_stocks(model_dir, tmp_path, missing):
 
 
 def test_stocks_positional_call_order_works(model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from hf_dynbsz.testing import RecordingReward, prompt_dataset
 
-    from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset
-
-    args = GRPOConfig(**base_config_kwargs(str(tmp_path)))
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    # model, reward_funcs, args, train_dataset, eval_dataset, processing_class: as stock takes them
-    trainer = DynamicBatchGRPOTrainer(model, RecordingReward(), args, prompt_dataset(), None, load_tokenizer(model_dir))
+    trainer, args = positional_trainer(DynamicBatchGRPOTrainer, GRPOConfig, model_dir, str(tmp_path))
     assert trainer.args is args and trainer._dynbsz.enabled
     assert args.max_tokens_per_microbatch is None  # the plain GRPOConfig got the plugin's fields
     with pytest.raises(TypeError):
         DynamicBatchGRPOTrainer(
-            model,
+            trainer.model,
             RecordingReward(),
             args,
             prompt_dataset(),
@@ -447,8 +417,7 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
         GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs={"peft_config": lora()}, **overrides
     )
     _, ours, completions, history = run_training(
-        DynamicBatchGRPOTrainer,
-        DynamicBatchGRPOConfig,
+        *PLUGIN,
         model_dir,
         str(tmp_path / "ours"),
         trainer_kwargs={"peft_config": lora()},

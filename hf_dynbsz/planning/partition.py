@@ -62,10 +62,12 @@ from hf_dynbsz.planning.balance import balance, improve
 from hf_dynbsz.planning.coerce import check_choice, check_lengths, check_optional_int
 from hf_dynbsz.planning.coerce import check_int as _check_positive_int
 from hf_dynbsz.planning.cost import Lengths, WorkloadModel
-from hf_dynbsz.planning.tokens import ATTENTION_KINDS, LAYOUTS, ceil_div, round_up
+from hf_dynbsz.planning.tokens import ATTENTION_KINDS, LAYOUTS, ceil_div, microbatch_tokens, round_up
 
 __all__ = [
     "OversizeSequenceError",
+    "round_up",  # from planning.tokens, still importable from here
+    "microbatch_tokens",  # from planning.tokens, still importable from here
     "item_costs",
     "oversize_error",
     "oversize_indices",

@@ -12,15 +12,19 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.passes`: one pass of a bare model as the executor runs it (collator, segment attention,
   segment recurrence);
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
+* :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
+  plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
 
-Every public name of the first five is re-exported here: ``from hf_dynbsz.testing import X``.
+Every public name but the zoo's is re-exported here: ``from hf_dynbsz.testing import X``.
 """
 
 from __future__ import annotations
 
 from hf_dynbsz.testing.fixtures import (
     CHAT_SPECIAL_TOKENS,
+    COMPARISON_FIELDS,
     DEFAULT_ALPHABET,
     TEST_ALPHABET,
     CountingEnvironment,
@@ -39,6 +43,42 @@ from hf_dynbsz.testing.fixtures import (
     run_training,
     save_tiny_model,
 )
+from hf_dynbsz.testing.harness import (
+    CPU_RUN_FIELDS,
+    TRAINERS,
+    ModelShape,
+    accelerate_command,
+    build_trainer,
+    construction_arguments,
+    construction_error,
+    flag_arguments,
+    grpo_worker_command,
+    length_reward,
+    mix_rollout,
+    numbered_prompts,
+    positional_trainer,
+    quiet_worker,
+    run_config,
+    run_script_worker,
+    saved_model_trainer,
+    scripted_run,
+    snapshot_parameters,
+    step_clock,
+    tokenizer_rollout,
+    trainer_classes,
+    training_mode_trainer,
+)
+from hf_dynbsz.testing.mixes import (
+    MIX_LABELS,
+    MIXES,
+    PROMPT_HEAVY_RANGE,
+    PROMPT_RANGE,
+    UNIFORM_PROMPT,
+    completion_lengths,
+    longest_prompt,
+    prompt_lengths,
+    sequence_lengths,
+)
 from hf_dynbsz.testing.oracles import (
     first_fit_decreasing,
     grpo_batch,
@@ -51,7 +91,7 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
-from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, run_peak_mib, run_with_timeout
+from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, loaded_by_import, run_peak_mib, run_with_timeout
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
     VisionScriptedRollout,
@@ -61,16 +101,26 @@ from hf_dynbsz.testing.vision import (
 
 __all__ = [
     "CHAT_SPECIAL_TOKENS",
+    "COMPARISON_FIELDS",
+    "CPU_RUN_FIELDS",
     "CountingEnvironment",
     "DEFAULT_ALPHABET",
+    "MIXES",
+    "MIX_LABELS",
+    "ModelShape",
     "MultiTurnRollout",
+    "PROMPT_HEAVY_RANGE",
+    "PROMPT_RANGE",
     "REPO_ROOT",
     "RecordingReward",
     "ResidentSetSampler",
     "ScriptedRollout",
     "TEST_ALPHABET",
+    "TRAINERS",
+    "UNIFORM_PROMPT",
     "VISION_LANGUAGE_FAMILIES",
     "VisionScriptedRollout",
+    "accelerate_command",
     "bare_check_passes",
     "base_config_kwargs",
     "build_char_tokenizer",
@@ -79,23 +129,47 @@ __all__ = [
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
     "build_tiny_vision_language_model",
+    "build_trainer",
     "checkpointing_field",
+    "completion_lengths",
+    "construction_arguments",
+    "construction_error",
     "first_fit_decreasing",
+    "flag_arguments",
     "grpo_batch",
+    "grpo_worker_command",
     "image_prompt_dataset",
+    "length_reward",
     "load_tokenizer",
+    "loaded_by_import",
     "logps_alone",
+    "longest_prompt",
+    "mix_rollout",
+    "numbered_prompts",
     "packed_logps",
     "packed_pass",
+    "positional_trainer",
     "prompt_dataset",
-    "relative_difference",
+    "prompt_lengths",
+    "quiet_worker",
     "reference_varlen_attention",
     "reference_varlen_attn",
+    "relative_difference",
+    "run_config",
     "run_peak_mib",
+    "run_script_worker",
     "run_training",
     "run_with_timeout",
     "save_tiny_model",
+    "saved_model_trainer",
+    "scripted_run",
     "segment_mask",
+    "sequence_lengths",
+    "snapshot_parameters",
+    "step_clock",
     "stock_logps",
+    "tokenizer_rollout",
+    "trainer_classes",
+    "training_mode_trainer",
     "update_difference",
 ]

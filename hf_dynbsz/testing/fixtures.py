@@ -19,6 +19,8 @@ __all__ = [
     "RecordingReward",
     "ScriptedRollout",
     "TEST_ALPHABET",
+    "CPU_RUN_FIELDS",
+    "COMPARISON_FIELDS",
     "base_config_kwargs",
     "checkpointing_field",
     "build_char_tokenizer",
@@ -118,14 +120,22 @@ def build_tiny_causal_lm(
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
+        **_token_fields(tokenizer),
+    )
+    config._attn_implementation = attn_implementation
+    model = seeded_model(Qwen2ForCausalLM, config, tokenizer, seed)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _token_fields(tokenizer) -> dict:
+    """The config fields every test model takes from the tokenizer: its vocabulary's pad and eos ids, no bos, an
+    untied LM head."""
+    return dict(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    config._attn_implementation = attn_implementation
-    model = seeded_model(Qwen2ForCausalLM, config, tokenizer, seed)
-    return model.to(dtype) if dtype is not None else model
 
 
 def seeded_model(model_class, config, tokenizer, seed: int):
@@ -139,6 +149,14 @@ def seeded_model(model_class, config, tokenizer, seed: int):
     return model
 
 
+def _small_config_fields(tokenizer) -> dict:
+    """The sizes of the tiny hybrid and MoE models (hidden 32, 2 layers of 4 heads on 2 key/value heads of 8) and the
+    tokenizer's vocabulary and ids."""
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return dict(vocab_size=len(tokenizer), **sizes, **heads, **_token_fields(tokenizer))
+
+
 def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
     """A Qwen3-Next-style causal LM with random weights: a linear-attention (gated delta net) layer, whose state
     runs along the row, then a full-attention layer; dense MLPs (no router). Set ``router_aux_loss_coef=0`` in
@@ -146,23 +164,13 @@ def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        **_small_config_fields(tokenizer),
         linear_num_value_heads=2,
         linear_num_key_heads=2,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention"],
         mlp_only_layers=[0, 1],
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
     )
     return seeded_model(Qwen3NextForCausalLM, config, tokenizer, seed)
 
@@ -173,20 +181,7 @@ def build_tiny_moe_lm(tokenizer, *, seed: int = 0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
+        **_small_config_fields(tokenizer), moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
     )
     return seeded_model(Qwen3MoeForCausalLM, config, tokenizer, seed)
 
@@ -270,7 +265,8 @@ class ScriptedRollout:
     tokens, seeded by the string). Token ids are drawn from ``[token_low, token_high)``; a completion shorter than
     ``max_completion_length`` ends with ``eos_id`` (finished), one at the cap does not (truncated). ``rounds``
     records, per round, the sample count, real tokens, the sorted lengths (a fingerprint to compare runs) and each
-    sample's ``(prompt, completion)`` lengths.
+    sample's ``(prompt, completion)`` lengths. The token defaults are the test tokenizer's
+    (``build_char_tokenizer(TEST_ALPHABET)``: its characters, eos id 1).
     """
 
     def __init__(
@@ -280,9 +276,9 @@ class ScriptedRollout:
         *,
         max_completion_length: int,
         seed: int,
-        token_low: int,
-        token_high: int,
-        eos_id: int,
+        token_low: int = 3,
+        token_high: int = 3 + len(TEST_ALPHABET),
+        eos_id: int = 1,
     ):
         self.completion_lengths, self.prompt_length = completion_lengths, prompt_length
         self.max_len, self.seed = max_completion_length, seed
@@ -417,30 +413,19 @@ def checkpointing_field() -> str:
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
+#: The fields every CPU run sets: no reporting or saving, a log entry per step, fp32 on the CPU, no progress bar.
+CPU_RUN_FIELDS = dict(report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
+CPU_RUN_FIELDS.update(use_cpu=True, bf16=False, dataloader_num_workers=0)
+#: The comparison runs' schedule (2 steps of 8 samples, 4 completions per prompt, up to 24 tokens each) and optimizer:
+#: SGD at a constant, large rate so that a mis-weighted sample shows.
+COMPARISON_FIELDS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
+COMPARISON_FIELDS.update(max_completion_length=24, max_steps=2, seed=0)
+COMPARISON_FIELDS.update(learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=1e9)
+
+
 def base_config_kwargs(output_dir: str, **overrides) -> dict:
-    """Config of the comparison runs: SGD at a constant, large rate so that a mis-weighted sample shows."""
-    kwargs = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=24,
-        max_steps=2,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=1e9,
-        seed=0,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return kwargs
+    """Config of the comparison runs (:data:`COMPARISON_FIELDS` on a CPU run), ``overrides`` on top."""
+    return {"output_dir": output_dir, **COMPARISON_FIELDS, **CPU_RUN_FIELDS, **overrides}
 
 
 def run_training(

@@ -9,7 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "ResidentSetSampler", "run_peak_mib", "run_with_timeout"]
+__all__ = ["REPO_ROOT", "ResidentSetSampler", "loaded_by_import", "run_peak_mib", "run_with_timeout"]
 
 #: The repository root (``hf_dynbsz/testing/processes.py`` is two folders below it).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +30,18 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
+
+
+def loaded_by_import(module: str, libraries=("torch", "trl")) -> dict[str, bool]:
+    """Whether importing ``module`` in a fresh interpreter (the repository on its path) loads each of ``libraries``."""
+    import sys
+
+    code = f"import sys, {module}; print(*(name in sys.modules for name in {tuple(libraries)!r}))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return dict(zip(libraries, (word == "True" for word in out.stdout.split())))
 
 
 def run_with_timeout(

@@ -100,19 +100,16 @@ def build_tiny_vision_language_model(
     return seeded_model(model_class, config, tokenizer, seed), processor
 
 
+#: The width of the CLIP and Qwen2.5-VL vision towers: 32, an MLP of 64.
+_TOWER_WIDTH = dict(hidden_size=32, intermediate_size=64)
+
+
 def _llava_parts(tokenizer, text: dict, template: str):
     """LLaVA's ``(config, processor, model class)``: a CLIP tower of 28 x 28 pixels, the language model ``text``."""
     import transformers
 
-    vision = transformers.CLIPVisionConfig(
-        image_size=28,
-        patch_size=14,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        projection_dim=32,
-    )
+    tower = dict(num_hidden_layers=1, num_attention_heads=2, projection_dim=32, **_TOWER_WIDTH)
+    vision = transformers.CLIPVisionConfig(image_size=28, patch_size=14, **tower)
     config = transformers.LlavaConfig(
         vision_config=vision,
         text_config=transformers.Qwen2Config(**text),
@@ -153,13 +150,7 @@ def _qwen_vl_parts(family: str, tokenizer, text: dict, template: str, hidden_siz
     if family == "qwen2_vl":  # width 32 inside the tower; its merger projects to the language model's width
         vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
     else:
-        vision.update(
-            hidden_size=32,
-            intermediate_size=64,
-            out_hidden_size=hidden_size,
-            window_size=56,
-            fullatt_block_indexes=[0],
-        )
+        vision.update(**_TOWER_WIDTH, out_hidden_size=hidden_size, window_size=56, fullatt_block_indexes=[0])
     config = getattr(transformers, config_name)(
         text_config=text,
         vision_config=vision,

@@ -1,0 +1,92 @@
+"""The harness that builds the tests', the benchmarks' and the GPU check's runs (hf_dynbsz/testing/harness.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hf_dynbsz.testing import (
+    REPO_ROOT,
+    ModelShape,
+    accelerate_command,
+    build_char_tokenizer,
+    build_trainer,
+    grpo_worker_command,
+    mix_rollout,
+    numbered_prompts,
+    run_config,
+    trainer_classes,
+)
+
+
+def test_a_trainer_is_named_by_algorithm_and_kind_and_an_unknown_name_lists_the_known():
+    from trl import GRPOConfig, RLOOTrainer
+
+    assert trainer_classes("rloo_stock")[0] is RLOOTrainer
+    assert trainer_classes("stock")[1] is GRPOConfig  # the multi-process worker's --trainer names: GRPO's
+    with pytest.raises(ValueError, match="trainer 'ppo': choose from .*'grpo_dynamic'"):
+        trainer_classes("ppo")
+
+
+def test_a_run_config_is_a_cpu_run_whose_fields_override_the_defaults(tmp_path):
+    args = run_config("grpo_dynamic", str(tmp_path), logging_steps=5, max_tokens_per_microbatch=64)
+    assert args.use_cpu and not args.bf16 and args.report_to == [] and args.save_strategy == "no"
+    assert args.logging_steps == 5 and args.max_tokens_per_microbatch == 64
+
+
+def test_a_model_shape_left_open_takes_the_benchmarks_proportions():
+    model = ModelShape(64, 1, vocab_size=100).build(build_char_tokenizer(), max_positions=128)
+    config = model.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (2, 1, 192)
+    assert (config.vocab_size, config.max_position_embeddings, config.num_hidden_layers) == (100, 128, 1)
+
+
+def test_a_mix_rollout_draws_the_mix_lengths_and_the_tokenizers_tokens():
+    tokenizer = build_char_tokenizer()
+    rollout = mix_rollout("uniform", tokenizer, 40)
+    trainer = type("Trainer", (), {"accelerator": type("Accelerator", (), {"process_index": 0})})()
+    result = rollout(["a", "b"], trainer)
+    assert [len(ids) for ids in result["prompt_ids"]] == [64, 64]  # the uniform mix: prompts of 64 tokens
+    assert [len(ids) for ids in result["completion_ids"]] == [20, 20]  # and completions of M / 2
+    assert all(3 <= t < len(tokenizer) for ids in result["completion_ids"] for t in ids[:-1])
+    assert result["completion_ids"][0][-1] == tokenizer.eos_token_id  # shorter than M: finished
+
+
+def test_rloo_takes_the_scripted_rollout_as_its_generation(tmp_path):
+    tokenizer = build_char_tokenizer()
+    model = ModelShape(32, 1).build(tokenizer)
+    rollout = mix_rollout("uniform", tokenizer, 8)
+    args = run_config("rloo_stock", str(tmp_path), max_completion_length=8, num_generations=2, beta=0.0)
+    trainer = build_trainer(args, model, tokenizer, dataset=numbered_prompts(4), rollout=rollout)
+    prompt_ids, _, _ = trainer._tokenize_prompts(["prompt-0", "prompt-1"])
+    assert prompt_ids == [rollout.prompt_ids("prompt-0"), rollout.prompt_ids("prompt-1")]
+    completions = trainer._generate_single_turn(prompt_ids, None, None)  # the round the prompts drew
+    assert [len(ids) for ids in completions] == [4, 4] and all(ids[-1] == tokenizer.eos_token_id for ids in completions)
+    assert len(rollout.rounds) == 1
+
+
+def test_one_command_builder_launches_every_worker(tmp_path):
+    command = accelerate_command("cpu_ddp.yaml", "tests/exit_lopsided.py", tmp_path / "out", num_processes=2)
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[3:7] == [
+        "--config_file",
+        str(REPO_ROOT / "accelerate_configs" / "cpu_ddp.yaml"),
+        "--num_processes",
+        "2",
+    ]
+    assert command[7:] == [str(REPO_ROOT / "tests" / "exit_lopsided.py"), str(tmp_path / "out")]
+    worker = grpo_worker_command(
+        "cpu_zero3.yaml", tmp_path / "o", "model", "dynamic", budget=20, no_gradient_checkpointing=True
+    )
+    assert worker[5] == str(REPO_ROOT / "tests" / "distributed_grpo.py")
+    assert worker[6:] == [
+        "--trainer",
+        "dynamic",
+        "--model_dir",
+        "model",
+        "--out",
+        str(tmp_path / "o"),
+        "--budget",
+        "20",
+    ] + ["--no_gradient_checkpointing"]
