@@ -66,6 +66,18 @@ class InternalName:
     returns: int | None = None
 
 
+#: The parameters of both trainers' ``_get_per_token_logps_and_entropies``, which the plugin overrides.
+_LOGPS_PARAMETERS = (
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+    *_MULTIMODAL_PARAMETERS,
+)
+
 INTERNAL_NAMES: tuple[InternalName, ...] = (
     # ---- GRPOTrainer hooks the trainer overrides
     InternalName(
@@ -73,16 +85,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "_get_per_token_logps_and_entropies",
         "overrides",
         "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
-        (
-            "model",
-            "input_ids",
-            "attention_mask",
-            "logits_to_keep",
-            "batch_size",
-            "compute_entropy",
-            "compute_aux_loss",
-            *_MULTIMODAL_PARAMETERS,
-        ),
+        _LOGPS_PARAMETERS,
         returns=3,  # (log-probs, entropies, aux loss) since TRL 1.7; (log-probs, entropies) before
     ),
     InternalName(
@@ -129,16 +132,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "_get_per_token_logps_and_entropies",
         "overrides",
         "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
-        (
-            "model",
-            "input_ids",
-            "attention_mask",
-            "logits_to_keep",
-            "batch_size",
-            "compute_entropy",
-            "compute_aux_loss",
-            *_MULTIMODAL_PARAMETERS,
-        ),
+        _LOGPS_PARAMETERS,
         returns=3,
     ),
     InternalName(
