@@ -592,7 +592,7 @@ def test_varlen_attn_rows_give_stocks_logprobs_in_one_call_per_layer(model, varl
     gathered in front of it (causal bottom-right); trailing padding is a span of its own, so the spans end at the
     row's last token (the reference refuses anything else, as pytorch#176793 requires)."""
     if model.config._attn_implementation == "flex_attention":
-        pytest.skip("varlen_attn stands in for sdpa and eager")
+        pytest.skip("varlen_attn replaces sdpa and eager only: a model on flex_attention keeps its own kernel")
     batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
     table = SequenceTable.from_padded(*batch)
     order = [5, 0, 7, 2, 4, 1, 6, 3]
@@ -611,7 +611,7 @@ def test_varlen_attn_rows_give_stocks_logprobs_in_one_call_per_layer(model, varl
 
 def test_varlen_attn_gradients_equal_those_of_separate_sequences(model, varlen_attn_kernel):
     if model.config._attn_implementation == "flex_attention":
-        pytest.skip("varlen_attn stands in for sdpa and eager")
+        pytest.skip("varlen_attn replaces sdpa and eager only: a model on flex_attention keeps its own kernel")
     batch, table, weights = weighted_samples()
 
     def ours():
@@ -719,7 +719,7 @@ def test_flex_row_widths_are_two_per_octave():
 
 def test_a_flex_row_pads_to_its_width_with_a_segment_of_its_own(model):
     if model.config._attn_implementation != "flex_attention":
-        pytest.skip("the flex formulation's rows")
+        pytest.skip("row widths in whole 128-position blocks apply only to models on flex_attention")
     batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS)
     table = SequenceTable.from_padded(*batch)
     with torch.no_grad():

@@ -166,6 +166,11 @@ class StepMetrics:
         self.pass_real_tokens: list[int] = []  # real tokens of each real pass
         self.computed_tokens = 0  # token positions computed by the real passes, padding included
 
+    def count_pass(self, real_tokens: int, computed_tokens: int) -> None:
+        """One real pass's tokens: its real ones, and the positions it computed (padding included)."""
+        self.pass_real_tokens.append(real_tokens)
+        self.computed_tokens += computed_tokens
+
     def add_pass(
         self,
         real_tokens: int,
@@ -176,8 +181,7 @@ class StepMetrics:
     ) -> None:
         """One real pass: its token counts and the per-token tensors of
         :func:`hf_dynbsz.execution.loss.per_token_policy_loss`. Sums stay on the device (no host read in a pass)."""
-        self.pass_real_tokens.append(real_tokens)
-        self.computed_tokens += computed_tokens
+        self.count_pass(real_tokens, computed_tokens)
         mask = mask.float()
         tokens = mask.sum().double()
 

@@ -102,8 +102,7 @@ class SliceMetrics(StepMetrics):
         mask: torch.Tensor,
     ) -> None:
         """One real pass: its token counts, and its samples' figures into their stock slices (no host sync)."""
-        self.pass_real_tokens.append(real_tokens)
-        self.computed_tokens += computed_tokens
+        self.count_pass(real_tokens, computed_tokens)
         mask = mask.to(entropies.dtype)
         low, high = loss_metrics["clip_ratio/low"], loss_metrics["clip_ratio/high"]
         figures = torch.stack([torch.ones_like(low), low, high, (entropies * mask).sum(1), mask.sum(1)], dim=1)

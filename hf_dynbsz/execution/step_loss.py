@@ -105,7 +105,7 @@ class GRPOLoss:
         return high_entropy
 
     def attempt(self, batch: StepBatch) -> EntropyBonus | None:
-        if not self.trainer._entropy_bonus_enabled:
+        if not self.entropy_bonus:
             return None
         return EntropyBonus(self.trainer, len(batch.slice_rows), self.trainer.accelerator.device)
 
