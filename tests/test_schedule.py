@@ -277,6 +277,17 @@ def test_simulated_processes_compute_what_processes_meeting_at_collectives_compu
             assert mine == theirs
 
 
+def test_a_simulated_process_that_fails_before_the_collective_stops_the_others():
+    """Without balancing, a process whose own samples are bad fails before the all-reduce and the others cannot go
+    on; with balancing every process reads every process's samples after the all-gather and raises the same error."""
+    lengths, budgets = [[10, 0], [10]], [100, 100]  # a sample of 0 tokens on process 0
+    alone, stopped = simulate_processes(scheduler("padding_free", "varlen"), lengths, budgets)
+    assert isinstance(alone, ValueError) and "lengths[1] must be a positive number of tokens" in str(alone)
+    assert isinstance(stopped, RuntimeError) and "simulated process 0 failed before the collective" in str(stopped)
+    balanced = simulate_processes(scheduler("padding_free", "varlen", balance_across_ranks=True), lengths, budgets)
+    assert [str(error) for error in balanced] == [str(alone)] * 2
+
+
 # ---- the planner simulates exactly what training runs -----------------------------------------------------------
 def _train_recording_schedules(tmp_path, monkeypatch, settings_):
     """Train a tiny model on scripted random lengths; the model's folder and each step's batch, training schedule
