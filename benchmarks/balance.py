@@ -12,12 +12,13 @@ repeats; runs interleave the configurations. Goal: lopsided / even <= 1.10 with 
 
 Part 2, simulation: each step, every one of ``P`` processes holds 16 samples of the long-tailed mix of
 ``benchmarks/common.py`` (max completion 4096 tokens, prompts 32-96). The processes' schedules are computed by
-:func:`hf_dynbsz.planning.schedule.simulate_processes` (the trainer's own scheduling code, the processes meeting at real
-collectives in threads) for a 7B-class decoder (the partitioner's default workload model) with padding-free rows
+:func:`hf_dynbsz.planning.schedule.simulate_processes` (the trainer's own scheduling code, each collective computed
+over the processes' values) for a 7B-class decoder (the partitioner's default workload model) with padding-free rows
 on a varlen kernel and a budget of 16,384 tokens per pass. A process's predicted time is the sum of its passes'
 costs; a step's predicted time is that of the slowest process (every process waits for it at the gradient
 synchronisation); *perfect* is the total cost over ``P``. Goal: within 5% of perfect at 128 processes. The
-planning time each process spends per step (all-gather aside) is measured too.
+planning time a process spends per balanced step (all-gather aside) is measured too: ``Scheduler.plan`` on process
+0, its all-gather answered with every process's values, checked equal to the simulated schedule.
 
 Usage (from the repository root)::
 
@@ -179,6 +180,42 @@ def real_runs(repeats: int, steps: int, timeout: float) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------- part 2
+class Gathered:
+    """The collectives of process 0 when every process's all-gather values are known: one process's planning, the
+    collective itself aside."""
+
+    rank = 0
+
+    def __init__(self, gathered: list[list[int]]) -> None:
+        self.gathered, self.num_processes = gathered, len(gathered)
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        assert values == self.gathered[self.rank]
+        return self.gathered
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        raise AssertionError("a balanced step runs no all-reduce")
+
+
+def planning_seconds(scheduler, per_process, budget: int, prompts, expected) -> float:
+    """Seconds process 0 spends in ``Scheduler.plan`` for a balanced step (its schedule checked against the
+    simulated one, ``expected``)."""
+    import dataclasses
+
+    from hf_dynbsz.planning.schedule import StepRequest
+
+    gathered = [
+        StepRequest(own, [n - p for n, p in zip(lengths, own)], None, budget).values()
+        for lengths, own in zip(per_process, prompts)
+    ]
+    planner = dataclasses.replace(scheduler, group=Gathered(gathered))
+    start = time.perf_counter()
+    schedule = planner.plan(per_process[0], budget, prompt_lengths=prompts[0])
+    seconds = time.perf_counter() - start
+    assert schedule == expected, "process 0 planned otherwise than simulated"
+    return seconds
+
+
 def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: int = 16384) -> list[dict]:
     import numpy as np
 
@@ -199,10 +236,9 @@ def simulate(process_counts: list[int], steps: int, samples: int = 16, budget: i
                 scheduler = Scheduler(
                     layout="padding_free", attention="varlen", workload=workload, balance_across_ranks=balance
                 )
-                start = time.perf_counter()
                 schedules = simulate_processes(scheduler, per_process, [budget] * processes, prompts)
                 if balance:
-                    planning.append((time.perf_counter() - start) / processes)
+                    planning.append(planning_seconds(scheduler, per_process, budget, prompts, schedules[0]))
                 times = [
                     sum(workload.cost([s.lengths[i] for i in group]) for group in s.microbatches if group)
                     for s in schedules

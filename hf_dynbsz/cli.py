@@ -20,6 +20,7 @@ Invalid settings exit with status 2 and the validation message on stderr (no tra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -114,6 +115,7 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@functools.cache  # one parser per process: building it reads every config field's help
 def _plan_parser():
     from transformers import HfArgumentParser
 

@@ -563,3 +563,122 @@ def test_a_gpu_plan_trains_padded_rows_on_sdpa_and_padding_free_ones_on_flex(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert table_row(result.stdout, "packing layout")[0] == layout
+
+
+# ---- every combination of the command's discrete flags prints a plan ------------------------------------------
+#: The flags whose every combination is run (processes x lengths format x samples past the full steps x balancing x
+#: layout x shared prompts x budget): 648 runs of about 10 ms each.
+CORE_FLAGS = {
+    "processes": (1, 3),
+    "format": ("totals", "pairs", "triples"),
+    "extra_samples": (0, 1, 5),  # past 2 full steps of 4 samples per process: none, process 0's alone, two processes
+    "balance_across_ranks": ("true", "false"),
+    "packing_layout": ("auto", "padding_free", "padded"),
+    "share_prompt_prefix": ("true", "false"),
+    "budget": ("auto", "fits", "oversize"),
+}
+#: Flags each taking every value on a share of the combinations (shuffled, seeded): every value meets many of the
+#: core ones. ``model`` is a folder written by :func:`flag_models`.
+OTHER_FLAGS = {
+    "json": (False, True),
+    "pad_to_multiple_of": (None, 8),
+    "oversize_policy": ("warn", "error"),
+    "attn_implementation": (None, "sdpa", "eager", "flex_attention", "flash_attention_2"),
+    "use_cpu": (None, "true"),
+    "model": (None, "qwen2", "qwen2_vl"),
+    "max_memory_per_device_mib": (None, 20000),
+}
+BUDGETS = {"auto": None, "fits": 400, "oversize": 100}  # lengths up to 160 tokens
+
+
+def flag_combinations() -> list[dict]:
+    """Every combination of :data:`CORE_FLAGS`, each with values of :data:`OTHER_FLAGS` (balanced, shuffled)."""
+    import itertools
+    import random
+
+    core = [dict(zip(CORE_FLAGS, values)) for values in itertools.product(*CORE_FLAGS.values())]
+    for number, (name, values) in enumerate(OTHER_FLAGS.items()):
+        spread = [values[i % len(values)] for i in range(len(core))]
+        random.Random(number).shuffle(spread)
+        for combination, value in zip(core, spread):
+            combination[name] = value
+    return core
+
+
+def flag_lengths_file(folder: Path, fmt: str, samples: int) -> Path:
+    """``samples`` lengths in ``fmt``: prompts of 5-40 tokens shared by runs of 4 (num_generations), completions of
+    1-120 tokens (seeded)."""
+    import random
+
+    rng = random.Random(samples)
+    lines = []
+    for i in range(samples):
+        if i % 4 == 0:
+            prompt = rng.randint(5, 40)
+        completion = rng.randint(1, 120)
+        lines.append({"totals": f"{prompt + completion}", "pairs": f"{prompt} {completion}"}.get(fmt, ""))
+        lines[-1] = lines[-1] or f"{prompt} {completion} {i // 4}"
+    path = folder / f"{fmt}_{samples}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def flag_models(folder: Path) -> dict[str, Path]:
+    """A text model and a vision-language model, as config folders (``--model_config``)."""
+    from transformers import CONFIG_MAPPING
+
+    models = {"qwen2": memory_model_config(folder / "qwen2")}
+    CONFIG_MAPPING["qwen2_vl"]().save_pretrained(folder / "qwen2_vl")
+    return {**models, "qwen2_vl": folder / "qwen2_vl"}
+
+
+def flag_options(combination: dict, lengths: Path, models: dict[str, Path]) -> list:
+    options = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2, "--num_generations", 4]
+    options += ["--num_processes", combination["processes"], "--lengths", lengths]
+    for name in ("balance_across_ranks", "packing_layout", "share_prompt_prefix", "oversize_policy"):
+        options += [f"--{name}", combination[name]]
+    if BUDGETS[combination["budget"]]:
+        options += ["--max_tokens_per_microbatch", BUDGETS[combination["budget"]]]
+    for name in ("pad_to_multiple_of", "attn_implementation", "use_cpu", "max_memory_per_device_mib"):
+        if combination[name] is not None:
+            options += [f"--{name}", combination[name]]
+    if combination["model"]:
+        options += ["--model_config", models[combination["model"]]]
+    return options + (["--json"] if combination["json"] else [])
+
+
+def printed_steps(result, combination: dict) -> list[str]:
+    """The step labels the plan printed (``2*``: partial), from its table or its JSON document."""
+    if combination["json"]:
+        steps = json.loads(result.stdout)["steps"]
+        return [str(n) + ("*" if step["partial"] else "") for n, step in enumerate(steps, start=1)]
+    assert table_row(result.stdout, "per_device_train_batch_size")  # the plan table
+    steps = lengths_table(result.stdout)
+    assert ("total" in steps) == (combination["processes"] == 1), "the table over one process has a total row"
+    return [step for step in steps if step != "total"]
+
+
+def test_every_combination_of_the_plan_flags_prints_a_plan(tmp_path, plan_in_process):
+    """Processes 1 and 3, balancing on and off, every layout, shared prompts on and off, totals / pairs / groups,
+    the automatic budget and given ones (with sequences over it), partial last steps on one process or two: each
+    prints the plan and the simulation of every step (a partial step on one process crashed the table), or, with a
+    sequence over the budget and oversize_policy="error", training's error (exit 2)."""
+    models = flag_models(tmp_path)
+    failures = []
+    for combination in flag_combinations():
+        samples = 2 * 4 * combination["processes"] + combination["extra_samples"]
+        lengths = flag_lengths_file(tmp_path, combination["format"], samples)
+        try:
+            result = plan_in_process(*flag_options(combination, lengths, models))
+            if combination["budget"] == "oversize" and combination["oversize_policy"] == "error":
+                assert result.returncode == 2 and "more than the micro-batch budget" in result.stderr
+                continue
+            assert result.returncode == 0, result.stderr
+            full, partial = divmod(samples, 4 * combination["processes"])
+            expected = [str(n) for n in range(1, full + 1)] + ([f"{full + 1}*"] if partial else [])
+            assert printed_steps(result, combination) == expected
+        except AssertionError as error:
+            failures.append(f"{combination}: {error}\n{result.stdout[-600:]}{result.stderr[-600:]}")
+        except Exception as error:  # noqa: BLE001 - a crash of the command is a failure of this combination
+            failures.append(f"{combination}: {type(error).__name__}: {error}")
+    assert not failures, f"{len(failures)} combinations failed, the first:\n" + "\n".join(failures[:3])

@@ -200,6 +200,94 @@ def test_oversize_on_one_process_stops_every_process():
     assert "sequence 1 of this process's step has 900 tokens" in str(plans[1])
 
 
+def threaded_plans(planner, lengths, budgets, prompts, groups) -> list:
+    """:meth:`Scheduler.plan` on every process as training calls it: each process a thread, meeting the others at
+    real barrier-synchronised collectives; each process's schedule, or the exception it raised."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    count, posted = len(lengths), {}
+    barrier = threading.Barrier(count, timeout=60)
+
+    class Threaded:
+        num_processes = count
+
+        def __init__(self, rank):
+            self.rank, self.calls = rank, 0
+
+        def all_gather(self, values):
+            call, self.calls = self.calls, self.calls + 1
+            posted[call, self.rank] = list(values)
+            barrier.wait()
+            return [list(posted[call, process]) for process in range(count)]
+
+        def all_reduce_max(self, values):
+            return [max(column) for column in zip(*self.all_gather(values))]
+
+    def run(rank):
+        try:
+            return dataclasses.replace(planner, group=Threaded(rank)).plan(
+                lengths[rank], budgets[rank], prompt_lengths=prompts[rank], groups=groups[rank]
+            )
+        except Exception as error:  # noqa: BLE001 - the process's result
+            return error
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(run, range(count)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    samples=st.lists(
+        st.lists(st.tuples(st.integers(1, 30), st.integers(0, 90), st.integers(0, 3)), max_size=10),
+        min_size=1,
+        max_size=4,
+    ),
+    budgets=st.lists(st.integers(20, 300), min_size=4, max_size=4),
+    layout=st.sampled_from(["padding_free", "padded"]),
+    balance=st.booleans(),
+    share=st.booleans(),
+    policy=st.sampled_from(["warn", "error"]),
+    pad=st.sampled_from([None, 8]),
+)
+def test_simulated_processes_compute_what_processes_meeting_at_collectives_compute(
+    samples, budgets, layout, balance, share, policy, pad
+):
+    """simulate_processes (one thread, each collective computed over the processes' values) returns, for every
+    process, what Scheduler.plan returns on that process when the processes meet at real collectives: the same
+    schedule (passes, exchange, assignment) or the same error."""
+    planner = scheduler(
+        layout,
+        "varlen" if layout == "padding_free" else "dense",
+        balance_across_ranks=balance,
+        share_prompts=share and layout == "padding_free",
+        oversize_policy=policy,
+        pad_to_multiple_of=pad,
+    )
+    lengths = [[p + c for p, c, _ in process] for process in samples]
+    prompts = [[p for p, _, _ in process] for process in samples]
+    groups = [[g for _, _, g in process] for process in samples]
+    budgets = budgets[: len(samples)]
+    simulated = simulate_processes(planner, lengths, budgets, prompts, groups=groups)
+    threaded = threaded_plans(planner, lengths, budgets, prompts, groups)
+    for mine, theirs in zip(simulated, threaded):
+        if isinstance(theirs, Exception):
+            assert (type(mine), str(mine)) == (type(theirs), str(theirs))
+        else:
+            assert mine == theirs
+
+
+def test_a_simulated_process_that_fails_before_the_collective_stops_the_others():
+    """Without balancing, a process whose own samples are bad fails before the all-reduce and the others cannot go
+    on; with balancing every process reads every process's samples after the all-gather and raises the same error."""
+    lengths, budgets = [[10, 0], [10]], [100, 100]  # a sample of 0 tokens on process 0
+    alone, stopped = simulate_processes(scheduler("padding_free", "varlen"), lengths, budgets)
+    assert isinstance(alone, ValueError) and "lengths[1] must be a positive number of tokens" in str(alone)
+    assert isinstance(stopped, RuntimeError) and "simulated process 0 failed before the collective" in str(stopped)
+    balanced = simulate_processes(scheduler("padding_free", "varlen", balance_across_ranks=True), lengths, budgets)
+    assert [str(error) for error in balanced] == [str(alone)] * 2
+
+
 # ---- the planner simulates exactly what training runs -----------------------------------------------------------
 def _train_recording_schedules(tmp_path, monkeypatch, settings_):
     """Train a tiny model on scripted random lengths; the model's folder and each step's batch, training schedule

@@ -12,6 +12,7 @@ import pytest
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.schedule import Scheduler, stock_microbatch_tokens
 from hf_dynbsz.planning.simulation import StepFigures, prompt_groups, read_lengths, simulate
+from hf_dynbsz.planning.simulation_table import render_processes
 
 
 def write(tmp_path, text: str) -> str:
@@ -84,6 +85,18 @@ def test_simulate_cuts_optimizer_steps_over_the_processes_process_0_first():
     first = rounds[0]
     assert len(first.balanced) == len(first.unbalanced) == 2
     assert first.stock_tokens == 4 * 13 + 4 * 17  # each process's samples padded to its longest
+
+
+def test_a_partial_step_on_one_process_has_nothing_to_balance():
+    samples = [(10 + i, None, None) for i in range(9)]  # a full step over two processes, then one sample
+    full, partial = simulate(plan(processes=2), scheduler(budget=40), samples)
+    assert partial.lengths == [[18]] and partial.balanced[0].balance is None  # one process: no assignment
+    assert partial.imbalance == (1.0, 1.0)
+    balance = full.balanced[0].balance
+    assert full.imbalance == (balance.imbalance_before, balance.imbalance_after)
+    table = render_processes(plan(processes=2), scheduler(budget=40), [full, partial])
+    assert "over the processes that hold them" in table
+    assert table.splitlines()[-1].split()[:9] == ["2*", "1", "18", "40", "1", "1", "1.00", "1.00", "0"]
 
 
 def test_simulate_budget_is_stock_micro_batch_without_a_setting():

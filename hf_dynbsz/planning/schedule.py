@@ -44,8 +44,10 @@ __all__ = [
     "RankGroup",
     "SINGLE_PROCESS",
     "Scheduler",
+    "StepRequest",
     "StepSchedule",
     "Unit",
+    "arrivals",
     "build_units",
     "prompt_segments",
     "row_tokens",
@@ -124,12 +126,17 @@ class Exchange:
     @property
     def incoming(self) -> list[tuple[int, int]]:
         """``(origin process, index)`` of the samples this process runs, in its local order after the exchange."""
-        return [
-            (origin, index)
-            for origin, targets in enumerate(self.destination)
-            for index, target in enumerate(targets)
-            if target == self.rank
-        ]
+        return arrivals(self.destination)[self.rank]
+
+
+def arrivals(destination: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """Per process, the ``(origin process, index)`` of the samples it runs after an exchange, in its local order:
+    by origin, then by index (``destination[p][i]``: the process sample ``i`` of process ``p`` runs on)."""
+    arrived: list[list[tuple[int, int]]] = [[] for _ in destination]
+    for origin, targets in enumerate(destination):
+        for index, target in enumerate(targets):
+            arrived[target].append((origin, index))
+    return arrived
 
 
 @dataclass(frozen=True)
@@ -266,6 +273,72 @@ class StepSchedule:
 
 
 @dataclass(frozen=True)
+class StepRequest:
+    """What one process brings to the scheduling of a step: its samples' ``prompts`` and ``completions`` (tokens),
+    their prompt ``groups`` (None: no shared prompts) and its ``budget`` (tokens per pass)."""
+
+    prompts: list[int]
+    completions: list[int]
+    groups: list[int] | None
+    budget: int
+
+    @property
+    def lengths(self) -> list[int]:
+        """Prompt + completion tokens per sample."""
+        return [p + c for p, c in zip(self.prompts, self.completions)]
+
+    def values(self) -> list[int]:
+        """What the process contributes to the all-gather of cross-rank balancing: the budget, then each sample's
+        prompt, completion and group (-1 without groups)."""
+        groups = self.groups if self.groups is not None else [-1] * len(self.prompts)
+        return [self.budget, *[v for sample in zip(self.prompts, self.completions, groups) for v in sample]]
+
+    @classmethod
+    def from_values(cls, values: Sequence[int], grouped: bool) -> StepRequest:
+        """The request of a process from its :meth:`values` (``grouped``: the groups are kept)."""
+        return cls(list(values[1::3]), list(values[2::3]), list(values[3::3]) if grouped else None, values[0])
+
+
+@dataclass(frozen=True)
+class _Lockstep:
+    """A process's step without balancing, before the processes agree: its request and units, the passes it needs
+    alone and its longest sequence over the budget (tokens; 0: none)."""
+
+    request: StepRequest
+    units: list[Unit]
+    needed: int
+    longest_oversize: int
+
+    def values(self) -> list[int]:
+        """What the process contributes to the all-reduce MAX of lockstep."""
+        return [self.needed, self.longest_oversize]
+
+
+@dataclass(frozen=True)
+class _Balancing:
+    """Cross-rank balancing of a step as every process computes it from the all-gathered requests (process order).
+
+    ``budget``: the largest of the processes' budgets; ``shapes[p]``: process ``p``'s ``(prompt, completion)`` per
+    sample; ``units[p]``: its units; ``over[p]``: its longest sequence over the budget (0: none; empty unless
+    ``oversize_policy="error"``); ``destination[p][i]``: where its sample ``i`` runs (``moved`` units move);
+    ``arrived[p]``: the ``(origin, index)`` of the samples process ``p`` runs (:func:`arrivals`); ``runs[p]``: the
+    ``(origin, unit)`` it runs; ``needed[p]``: the passes those take.
+    """
+
+    budget: int
+    requests: list[StepRequest]
+    shapes: list[list[tuple[int, int]]]
+    units: list[list[Unit]]
+    over: list[int]
+    assignment: Assignment
+    moved: int
+    destination: list[list[int]]
+    arrived: list[list[tuple[int, int]]]
+    runs: list[list[tuple[int, Unit]]]
+    needed: list[int]
+
+
+@dataclass(frozen=True)
 class Scheduler:
     """The scheduling decisions of one run: layout, budgets, oversize policy, shared prompts, balancing, lockstep.
 
@@ -396,83 +469,115 @@ class Scheduler:
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
         sample's lengths lets every process compute the same assignment of units to processes
         (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the
-        same message, before any pass runs.
+        same message, before any pass runs. Each phase is a method of its own, the collectives between them:
+        :func:`simulate_processes` runs the same phases for every simulated process, each collective computed
+        directly over the processes' values.
         """
+        request = self._request(lengths, budget, prompt_lengths, groups)
+        if self._balances(self.group.num_processes):
+            agreed = self._balancing(self.group.all_gather(request.values()), request.groups is not None)
+            return self._balanced_schedule(agreed, self.group.rank, kind)
+        own = self._lockstep(request)
+        return self._in_lockstep(own, self.group.all_reduce_max(own.values()), kind)
+
+    def _request(
+        self,
+        lengths: Sequence[int],
+        budget: int,
+        prompt_lengths: Sequence[int] | None,
+        groups: Sequence[int] | None,
+    ) -> StepRequest:
+        """What this process brings to the step's scheduling (:meth:`plan`'s arguments, as integers)."""
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
         groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
-        if self.balance_across_ranks and self.group.num_processes > 1:
-            return self._plan_balanced(prompts, completions, groups, budget, kind)
-        units = build_units(prompts, completions, groups, budget)
-        needed = self._passes_needed(units, budget)
-        longest_oversize = max((lengths[i] for i in self._oversize(units, budget)), default=0)
-        passes, longest_anywhere = self.group.all_reduce_max([needed, longest_oversize])
-        if longest_anywhere and self.oversize_policy == "error":
-            raise self._oversize_error(units, lengths, longest_anywhere, budget, kind, "a sequence on another process")
-        return self._partition(prompts, completions, groups, units, budget, passes, needed)
+        return StepRequest(prompts, completions, groups, budget)
 
-    def _plan_balanced(
-        self, prompts: list[int], completions: list[int], groups: list[int] | None, budget: int, kind: str
-    ) -> StepSchedule:
-        """:meth:`plan` with cross-rank balancing: one all-gather, then the same decisions on every process."""
-        rank, count = self.group.rank, self.group.num_processes
-        own_groups = groups if groups is not None else [-1] * len(prompts)
-        gathered = self.group.all_gather(
-            [budget, *[v for sample in zip(prompts, completions, own_groups) for v in sample]]
+    def _balances(self, num_processes: int) -> bool:
+        """Whether a step over ``num_processes`` processes is balanced across them (one process: nothing to balance)."""
+        return self.balance_across_ranks and num_processes > 1
+
+    def _lockstep(self, request: StepRequest) -> _Lockstep:
+        """This process's part of a step without balancing, up to the all-reduce of :meth:`_Lockstep.values`."""
+        units = build_units(request.prompts, request.completions, request.groups, request.budget)
+        longest_oversize = self._longest_oversize(request.lengths, units, request.budget)
+        return _Lockstep(request, units, self._passes_needed(units, request.budget), longest_oversize)
+
+    def _in_lockstep(self, own: _Lockstep, agreed: Sequence[int], kind: str) -> StepSchedule:
+        """This process's passes once the processes agreed (all-reduce MAX of :meth:`_Lockstep.values`: the pass count
+        and the longest oversize sequence anywhere)."""
+        passes, longest_anywhere = agreed
+        request = own.request
+        if longest_anywhere and self.oversize_policy == "error":
+            raise self._oversize_error(
+                own.units, request.lengths, longest_anywhere, request.budget, kind, "a sequence on another process"
+            )
+        return self._partition(
+            request.prompts, request.completions, request.groups, own.units, request.budget, passes, own.needed
         )
-        budget = max(values[0] for values in gathered)  # automatic budgets differ: the largest is stock's bound
-        triples = [list(zip(values[1::3], values[2::3], values[3::3])) for values in gathered]
-        shapes = [[(p, c) for p, c, _ in process] for process in triples]
-        process_groups = [None if groups is None else [g for _, _, g in process] for process in triples]
-        units = [
-            build_units([p for p, _ in shapes[q]], [c for _, c in shapes[q]], process_groups[q], budget)
-            for q in range(count)
-        ]
+
+    def _balancing(self, gathered: list[list[int]], grouped: bool) -> _Balancing:
+        """What every process computes alike from every process's :meth:`StepRequest.values` (the all-gather), in
+        process order; ``grouped``: the requests carry prompt groups."""
+        requests = [StepRequest.from_values(values, grouped) for values in gathered]
+        budget = max(request.budget for request in requests)  # automatic budgets differ: the largest is stock's bound
+        units = [build_units(r.prompts, r.completions, r.groups, budget) for r in requests]
+        over = []
         if self.oversize_policy == "error":
-            over = [
-                max((shapes[q][i][0] + shapes[q][i][1] for i in self._oversize(units[q], budget)), default=0)
-                for q in range(count)
-            ]
-            if max(over):
-                elsewhere = f"a sequence on process {next(q for q, longest in enumerate(over) if longest)}"
-                raise self._oversize_error(
-                    units[rank], [p + c for p, c in shapes[rank]], max(over), budget, kind, elsewhere
-                )
+            over = [self._longest_oversize(r.lengths, u, budget) for r, u in zip(requests, units)]
         assignment = assign([self._unit_costs(process_units) for process_units in units])
-        targets = iter(assignment.destination)
-        destinations = [[0] * len(process) for process in shapes]
-        for q in range(count):
-            for unit in units[q]:
-                target = next(targets)
-                for i in unit.samples:
-                    destinations[q][i] = target
-        exchange = Exchange(rank, shapes, destinations)
-        local_index = {origin: j for j, origin in enumerate(exchange.incoming)}
-        runs = [[] for _ in range(count)]  # units each process runs, in its own sample numbering
-        for q in range(count):
-            for unit in units[q]:
-                target = destinations[q][unit.samples[0]]
-                runs[target].append(
-                    Unit(
-                        tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank else unit.samples,
-                        unit.tokens,
-                        unit.pairs,
-                    )
-                )
-        passes = max(self._passes_needed(run, budget) for run in runs)
-        local = exchange.incoming
-        local_groups = None if groups is None else _renumber([(q, process_groups[q][i]) for q, i in local])
-        schedule = self._partition(
-            [shapes[q][i][0] for q, i in local],
-            [shapes[q][i][1] for q, i in local],
-            local_groups,
-            sorted(runs[rank], key=lambda unit: unit.samples[0]),
-            budget,
-            passes,
-            self._passes_needed(runs[rank], budget),
+        destination = [[0] * len(request.prompts) for request in requests]
+        runs: list[list[tuple[int, Unit]]] = [[] for _ in requests]
+        every_unit = ((origin, unit) for origin, process_units in enumerate(units) for unit in process_units)
+        for (origin, unit), target in zip(every_unit, assignment.destination):
+            for i in unit.samples:
+                destination[origin][i] = target
+            runs[target].append((origin, unit))
+        return _Balancing(
+            budget=budget,
+            requests=requests,
+            shapes=[list(zip(request.prompts, request.completions)) for request in requests],
+            units=units,
+            over=over,
+            assignment=assignment,
+            moved=assignment.moved,
+            destination=destination,
+            arrived=arrivals(destination),
+            runs=runs,
+            needed=[self._passes_needed([unit for _, unit in run], budget) for run in runs],
         )
-        return dataclasses.replace(schedule, exchange=exchange if assignment.moved else None, balance=assignment)
+
+    def _balanced_schedule(self, agreed: _Balancing, rank: int, kind: str) -> StepSchedule:
+        """Process ``rank``'s passes under the balancing every process computed alike (:meth:`_balancing`)."""
+        budget, requests = agreed.budget, agreed.requests
+        if agreed.over and max(agreed.over):
+            elsewhere = f"a sequence on process {next(q for q, longest in enumerate(agreed.over) if longest)}"
+            raise self._oversize_error(
+                agreed.units[rank], requests[rank].lengths, max(agreed.over), budget, kind, elsewhere
+            )
+        local = agreed.arrived[rank]
+        local_index = {origin: j for j, origin in enumerate(local)}
+        units = [  # the units this process runs, in its own sample numbering
+            Unit(tuple(sorted(local_index[q, i] for i in unit.samples)), unit.tokens, unit.pairs)
+            for q, unit in agreed.runs[rank]
+        ]
+        grouped = requests[0].groups is not None
+        schedule = self._partition(
+            [requests[q].prompts[i] for q, i in local],
+            [requests[q].completions[i] for q, i in local],
+            _renumber([(q, requests[q].groups[i]) for q, i in local]) if grouped else None,
+            sorted(units, key=lambda unit: unit.samples[0]),
+            budget,
+            max(agreed.needed),
+            agreed.needed[rank],
+        )
+        exchange = Exchange(rank, agreed.shapes, agreed.destination) if agreed.moved else None
+        return dataclasses.replace(schedule, exchange=exchange, balance=agreed.assignment)
+
+    def _longest_oversize(self, lengths: list[int], units: list[Unit], budget: int) -> int:
+        """The longest of the samples over ``budget`` (tokens; 0: none)."""
+        return max((lengths[i] for i in self._oversize(units, budget)), default=0)
 
     def step_cost(
         self,
@@ -639,59 +744,40 @@ def simulate_processes(
     kind: str = "training",
     groups: Sequence[Sequence[int]] | None = None,
 ) -> list:
-    """The schedules ``num_processes`` processes would compute, each from its own ``lengths`` and budget.
+    """The schedules ``len(lengths)`` processes would compute, each from its own ``lengths`` and budget.
 
-    Runs :meth:`Scheduler.plan` once per simulated process, in threads that meet at real (barrier-synchronised)
-    collectives, so the planner and the tests exercise exactly the code training runs. Returns each process's
-    :class:`StepSchedule`, or the exception it raised.
+    Runs the phases of :meth:`Scheduler.plan` for every simulated process in turn, in this thread: each process's
+    part up to the collective, the collective computed directly over every process's values (what it returns on
+    each), then each process's passes; with balancing, the decisions every process computes alike from the
+    all-gather are computed once. The planner and the tests so run the code training runs. Returns each process's
+    :class:`StepSchedule`, or the exception it raised (a process that fails before the collective leaves the others
+    a ``RuntimeError``, as a real collective would).
     """
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     count = len(lengths)
-    posted: dict[tuple[int, int], list[int]] = {}  # (collective number, process) -> values
-    arrived: dict[int, int] = {}  # collective number -> processes that posted
-    failed: list[int] = []
-    condition = threading.Condition()
+    balanced = scheduler._balances(count)
 
-    class _Simulated:
-        num_processes = count
+    def before_collective(rank: int):
+        prompts = None if prompt_lengths is None else prompt_lengths[rank]
+        request = scheduler._request(lengths[rank], budgets[rank], prompts, None if groups is None else groups[rank])
+        return request if balanced else scheduler._lockstep(request)
 
-        def __init__(self, rank: int) -> None:
-            self.rank, self.calls = rank, 0
+    own = [_attempt(before_collective, rank) for rank in range(count)]
+    failed = [rank for rank, value in enumerate(own) if isinstance(value, Exception)]
+    if failed:
+        stopped = RuntimeError(f"simulated process {failed[0]} failed before the collective")
+        return [value if isinstance(value, Exception) else stopped for value in own]
+    if balanced:  # the all-gather: every process's values, in process order
+        agreed = _attempt(scheduler._balancing, [request.values() for request in own], own[0].groups is not None)
+        if isinstance(agreed, Exception):
+            return [agreed] * count
+        return [_attempt(scheduler._balanced_schedule, agreed, rank, kind) for rank in range(count)]
+    agreed = [max(column) for column in zip(*(part.values() for part in own))]  # the all-reduce MAX
+    return [_attempt(scheduler._in_lockstep, part, agreed, kind) for part in own]
 
-        def all_gather(self, values: list[int]) -> list[list[int]]:
-            call, self.calls = self.calls, self.calls + 1
-            with condition:
-                posted[call, self.rank] = list(values)
-                arrived[call] = arrived.get(call, 0) + 1
-                if arrived[call] == count:  # the last one wakes the others (not every arrival: P^2 wake-ups)
-                    condition.notify_all()
-                if not condition.wait_for(lambda: failed or arrived[call] == count, 60):
-                    raise TimeoutError("a simulated process did not reach the collective")
-                if arrived[call] < count:
-                    raise RuntimeError(f"simulated process {failed[0]} failed before the collective")
-                return [list(posted[call, p]) for p in range(count)]
 
-        def all_reduce_max(self, values: list[int]) -> list[int]:
-            return [max(column) for column in zip(*self.all_gather(values))]
-
-    def run(rank: int):
-        try:
-            planner = dataclasses.replace(scheduler, group=_Simulated(rank))
-            prompts = None if prompt_lengths is None else prompt_lengths[rank]
-            return planner.plan(
-                lengths[rank],
-                budgets[rank],
-                kind,
-                prompt_lengths=prompts,
-                groups=None if groups is None else groups[rank],
-            )
-        except Exception as error:  # noqa: BLE001 - returned to the caller, as every process would raise it
-            with condition:
-                failed.append(rank)
-                condition.notify_all()
-            return error
-
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(run, range(count)))
+def _attempt(function, *args):
+    """``function(*args)``, or the exception it raised (a simulated process's result)."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - returned to the caller, as the simulated process would raise it
+        return error

@@ -3,9 +3,10 @@
 :func:`read_lengths` reads the lengths file (totals, ``PROMPT COMPLETION`` or ``PROMPT COMPLETION GROUP`` per
 sample); :func:`simulate` cuts the samples into optimizer steps over ``num_processes`` processes and schedules each
 step with the trainer's own :class:`~hf_dynbsz.planning.schedule.Scheduler` (through
-:func:`~hf_dynbsz.planning.schedule.simulate_processes`, the real collectives between threads), with and without
-cross-rank balancing; :class:`StepFigures` are a step's figures on one process (passes, lower bound, utilisation,
-computed and stock tokens) and their totals. The command line (:mod:`hf_dynbsz.cli`) renders them.
+:func:`~hf_dynbsz.planning.schedule.simulate_processes`: the scheduler's phases for every process in one thread, each
+collective computed over the processes' values), with and without cross-rank balancing; :class:`StepFigures` are a
+step's figures on one process (passes, lower bound, utilisation, computed and stock tokens) and their totals. The
+command line (:mod:`hf_dynbsz.cli`) renders them.
 
 Units: lengths, budgets and token counts are tokens. Pure Python (no torch, no TRL).
 """
@@ -129,15 +130,24 @@ class SimulatedRound:
     unbalanced: list[StepSchedule]  # per process, balance_across_ranks off
     partial: bool
 
+    @property
+    def imbalance(self) -> tuple[float, float]:
+        """The rank imbalance (largest per-process cost over the mean, workload model) without and with balancing:
+        1.0 each for a step whose samples are all on one process (a partial step: nothing to balance)."""
+        balance = self.balanced[0].balance
+        return (1.0, 1.0) if balance is None else (balance.imbalance_before, balance.imbalance_after)
+
 
 def simulate(plan, scheduler: Scheduler, lengths: list[Sample]) -> list[SimulatedRound]:
     """The schedules of each optimizer step of ``lengths`` (samples in training order), as every process computes
-    them: a step takes ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples (the
-    last may be partial), process 0's first, and is scheduled by ``scheduler`` exactly as the trainer schedules it,
-    with and without cross-rank balancing. ``plan`` is the run's :class:`~hf_dynbsz.planning.plan.BatchSizePlan`.
-    With ``max_tokens_per_microbatch`` unset, each process's budget is the automatic one,
-    ``per_device_train_batch_size`` rows of stock TRL's padded width. Stock pads to the whole generation batch; equal
-    to the optimizer step's when ``steps_per_generation == gradient_accumulation_steps`` (the default)."""
+    them: a step takes ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples, process
+    0's first (the last step may be partial: it is simulated over the processes that hold its samples), and is
+    scheduled by ``scheduler`` exactly as the trainer schedules it, with and without cross-rank balancing
+    (:func:`~hf_dynbsz.planning.schedule.simulate_processes`). ``plan`` is the run's
+    :class:`~hf_dynbsz.planning.plan.BatchSizePlan`. With ``max_tokens_per_microbatch`` unset, each process's budget
+    is the automatic one, ``per_device_train_batch_size`` rows of stock TRL's padded width. Stock pads to the whole
+    generation batch; equal to the optimizer step's when ``steps_per_generation == gradient_accumulation_steps`` (the
+    default)."""
     per_process, processes = plan.per_device_samples_per_optimizer_step, plan.num_processes
     rounds = []
     for start in range(0, len(lengths), per_process * processes):
@@ -232,8 +242,8 @@ def processes_as_dict(rounds: list[SimulatedRound]) -> list[dict[str, Any]]:
             "budget": step.balanced[0].budget,
             "passes_without_balancing": step.unbalanced[0].passes,
             "passes": step.balanced[0].passes,
-            "rank_imbalance_before": step.balanced[0].balance.imbalance_before,
-            "rank_imbalance_after": step.balanced[0].balance.imbalance_after,
+            "rank_imbalance_before": step.imbalance[0],
+            "rank_imbalance_after": step.imbalance[1],
             "samples_moved": step.balanced[0].samples_moved,
             "processes": [{"lengths": s.lengths, "microbatches": s.microbatches} for s in step.balanced],
             "processes_without_balancing": [

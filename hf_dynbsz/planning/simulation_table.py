@@ -128,7 +128,7 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
     rows = []
     for number, step in enumerate(rounds, start=1):
         active = step.balanced if scheduler.balance_across_ranks else step.unbalanced
-        balance = step.balanced[0].balance
+        before, after = step.imbalance
         computed = sum(sum(s.pass_tokens) for s in active)
         rows.append(
             (
@@ -138,8 +138,8 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
                 str(active[0].budget),
                 str(step.unbalanced[0].passes),
                 str(step.balanced[0].passes),
-                f"{balance.imbalance_before:.2f}",
-                f"{balance.imbalance_after:.2f}",
+                f"{before:.2f}",
+                f"{after:.2f}",
                 str(step.balanced[0].samples_moved),
                 str(computed),
                 str(step.stock_tokens),
@@ -154,5 +154,5 @@ def render_processes(plan, scheduler: Scheduler, rounds: list[SimulatedRound]) -
     )
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False)]
     if any(step.partial for step in rounds):
-        notes.append("* partial optimizer step (fewer samples than a full step).")
+        notes.append("* partial optimizer step (fewer samples than a full step), over the processes that hold them.")
     return "\n".join([*notes, "", *text_table(header, rows, ">" * len(header))])
