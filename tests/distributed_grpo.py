@@ -102,14 +102,12 @@ def main() -> None:
     parser.add_argument("--top_entropy_quantile", type=float, default=1.0)
     parser.add_argument("--entropy_coef", type=float, default=0.0)
     parser.add_argument("--lopsided", action="store_true")
-    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
     parser.add_argument("--loss_types", default=None, help="comma-separated: train once per loss type, in turn")
     parser.add_argument(
         "--scenarios", default=None, help='JSON {"name": {"flag": value}}: train once per name, in turn'
     )
     parser.add_argument("--balance", choices=["on", "off"], default="on")
-    parser.add_argument("--vllm", choices=["none", "server", "colocate"], default="none", help="TRL's vLLM path")
-    parser.add_argument("--vllm_is_mode", default="token_truncate", help="vllm_importance_sampling_mode (GRPO)")
+    add_generation_flags(parser)
     parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
@@ -171,6 +169,14 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def add_generation_flags(parser) -> None:
+    """Where the completions come from: ``--rollout`` (generated or scripted), ``--vllm`` (TRL's vLLM path through the
+    stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there)."""
+    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
+    parser.add_argument("--vllm", choices=["none", "server", "colocate"], default="none", help="TRL's vLLM path")
+    parser.add_argument("--vllm_is_mode", default="token_truncate", help="vllm_importance_sampling_mode (GRPO)")
 
 
 def runs(cli) -> list[tuple[str, argparse.Namespace]]:

@@ -219,7 +219,7 @@ def grpo_matrix():
                 yield pytest.param(loss_type, mode, *run, marks=marks, id=f"{loss_type}-{mode}-{run[0]}-{run[1]}")
 
 
-@pytest.mark.parametrize(("loss_type", "mode", "vllm_mode", "num_iterations"), grpo_matrix())
+@pytest.mark.parametrize(("loss_type", "mode", "vllm_mode", "num_iterations"), list(grpo_matrix()))
 def test_grpo_matches_stock_on_the_vllm_path(model_dir, tmp_path, loss_type, mode, vllm_mode, num_iterations):
     fields = vllm_fields(vllm_mode, num_iterations, loss_type=loss_type, vllm_importance_sampling_mode=mode)
     fields.update(IS_BOUNDS, beta=0.0, **LOSS_FIELDS.get(loss_type, {}))
@@ -268,7 +268,7 @@ def rloo_runs():
         yield pytest.param(*run, marks=marks, id=f"{run[0]}-{run[1]}")
 
 
-@pytest.mark.parametrize(("vllm_mode", "num_iterations"), rloo_runs())
+@pytest.mark.parametrize(("vllm_mode", "num_iterations"), list(rloo_runs()))
 def test_rloo_matches_stock_on_the_vllm_path(model_dir, tmp_path, vllm_mode, num_iterations):
     # RLOO asks vLLM for no log-probs; with two iterations its ratio reads the plugin's packed old log-probs
     fields = vllm_fields(vllm_mode, num_iterations, beta=0.0)

@@ -158,7 +158,7 @@ class StandInEngine:
 
 
 #: vLLM's sampling parameters at their neutral values: the stand-in samples with a temperature alone.
-NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": (0, -1), "min_p": (0.0, None), "repetition_penalty": 1.0}
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": (0, -1, None), "min_p": (0.0, None), "repetition_penalty": 1.0}
 
 
 def check_sampling(params: dict) -> None:
