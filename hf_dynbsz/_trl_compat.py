@@ -241,6 +241,14 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",
         ("sync_gradients",),
     ),
+    # ---- TRL's vLLM generation (the test stand-in of hf_dynbsz.testing.vllm_standin, not the trainer)
+    InternalName(
+        "trl.generation.vllm_generation.VLLMGeneration instance",
+        "_llm_weights_sleeping",
+        "writes",
+        "the vLLM stand-in's _init_vllm sets it as TRL's does in colocate mode (whether the engine's weights sleep "
+        "until the first sync)",
+    ),
     # ---- TRL's fused LM head
     InternalName(
         "trl.kernels.chunked_logprob",
