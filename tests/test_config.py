@@ -11,7 +11,9 @@ from trl import GRPOConfig
 from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
 from hf_dynbsz.planning import env
 from hf_dynbsz.planning.plan import BatchSizePlan
-from hf_dynbsz.planning.settings import DEFAULTS
+from hf_dynbsz.planning.settings import defaults_of
+
+DEFAULTS = defaults_of("grpo")  # the fields a GRPO config adds (a distillation's adds its teacher's budget too)
 
 NEW_FIELDS = (
     "dynamic_batching",

@@ -29,6 +29,8 @@ __all__ = [
     "build_trainer",
     "construction_arguments",
     "construction_error",
+    "distillation_config",
+    "distillation_trainer",
     "flag_arguments",
     "grpo_worker_command",
     "length_reward",
@@ -37,6 +39,7 @@ __all__ = [
     "positional_trainer",
     "quiet_worker",
     "run_config",
+    "run_distillation",
     "run_script_worker",
     "saved_model_trainer",
     "scripted_run",
@@ -53,6 +56,8 @@ TRAINERS = {
     "grpo_dynamic": ("hf_dynbsz", "DynamicBatchGRPOTrainer", "DynamicBatchGRPOConfig"),
     "rloo_stock": ("trl", "RLOOTrainer", "RLOOConfig"),
     "rloo_dynamic": ("hf_dynbsz", "DynamicBatchRLOOTrainer", "DynamicBatchRLOOConfig"),
+    "distillation_stock": ("trl", "DistillationTrainer", "DistillationConfig"),
+    "distillation_dynamic": ("hf_dynbsz", "DynamicBatchDistillationTrainer", "DynamicBatchDistillationConfig"),
 }
 _ALIASES = {"stock": "grpo_stock", "dynamic": "grpo_dynamic", "ours": "grpo_dynamic"}
 
@@ -147,8 +152,8 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 
 class ScriptedGeneration:
-    """RLOOTrainer has no ``rollout_func``: ``rollout`` (a scripted rollout) stands in for its prompt tokenization
-    and generation, giving the prompt and completion ids GRPO's runs get from it."""
+    """RLOOTrainer and DistillationTrainer have no ``rollout_func``: ``rollout`` (a scripted rollout) stands in for
+    their prompt tokenization and generation, giving the prompt and completion ids GRPO's runs get from it."""
 
     rollout = None
 
@@ -157,8 +162,17 @@ class ScriptedGeneration:
         self._scripted_completions = result["completion_ids"]
         return result["prompt_ids"], None, {}
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         return self._scripted_completions
+
+
+class RecordedGeneration:
+    """A distillation trainer that records the completion ids it generated, in order (``generated``)."""
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        self.__dict__.setdefault("generated", []).extend(list(ids) for ids in result[1])
+        return result
 
 
 def build_trainer(
@@ -210,6 +224,60 @@ def scripted_run(
     args = run_config(name, output_dir, max_completion_length=max_completion_length, **fields)
     dataset = numbered_prompts(prompts, prefix=prompt_prefix)
     return build_trainer(args, model, tokenizer, dataset=dataset, reward=reward, rollout=rollout)
+
+
+def distillation_config(name: str, output_dir: str, **fields):
+    """The config of distillation trainer ``name`` ("distillation_stock" or "distillation_dynamic") for the comparison
+    runs: :data:`~hf_dynbsz.testing.fixtures.COMPARISON_FIELDS` (no ``num_generations``: one completion per prompt) on
+    a CPU run, ``fields`` on top."""
+    from hf_dynbsz.testing.fixtures import COMPARISON_FIELDS
+
+    comparison = {key: value for key, value in COMPARISON_FIELDS.items() if key != "num_generations"}
+    return trainer_classes(name)[1](**{"output_dir": output_dir, **comparison, **CPU_RUN_FIELDS, **fields})
+
+
+def distillation_trainer(
+    name: str,
+    output_dir: str,
+    *,
+    model_dir: str,
+    teacher=None,
+    rollout=None,
+    dataset=None,
+    trainer_kwargs=None,
+    **fields,
+):
+    """Distillation trainer ``name`` (:func:`distillation_config` with ``fields``) on the student saved in
+    ``model_dir`` (fp32) and its tokenizer, recording its generations (:class:`RecordedGeneration`). ``teacher``: a
+    model, a saved model's directory (TRL loads it), or None for :func:`~hf_dynbsz.testing.build_tiny_teacher`;
+    ``rollout``: a scripted rollout standing in for generation (:class:`ScriptedGeneration`); ``dataset``: the prompts
+    (default :func:`~hf_dynbsz.testing.prompt_dataset`); ``trainer_kwargs`` go to the constructor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.fixtures import build_tiny_teacher, load_tokenizer, prompt_dataset
+
+    trainer_cls = trainer_classes(name)[0]
+    bases = (RecordedGeneration, ScriptedGeneration, trainer_cls) if rollout else (RecordedGeneration, trainer_cls)
+    trainer_cls = type(f"Recorded{trainer_cls.__name__}", bases, {"rollout": rollout})
+    tokenizer = load_tokenizer(model_dir)
+    return trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        teacher_model=build_tiny_teacher(tokenizer) if teacher is None else teacher,
+        args=distillation_config(name, output_dir, **fields),
+        train_dataset=prompt_dataset() if dataset is None else dataset,
+        processing_class=tokenizer,
+        **(trainer_kwargs or {}),
+    )
+
+
+def run_distillation(name: str, output_dir: str, **kwargs):
+    """Train :func:`distillation_trainer` and return ``(initial parameters, final parameters, generated completion
+    ids, log history)``."""
+    trainer = distillation_trainer(name, output_dir, **kwargs)
+    initial = snapshot_parameters(trainer.model)
+    trainer.train()
+    return initial, snapshot_parameters(trainer.model), trainer.__dict__.get("generated", []), trainer.state.log_history
 
 
 def saved_model_trainer(args, model_dir: str, **kwargs):
