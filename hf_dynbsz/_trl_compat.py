@@ -2,11 +2,12 @@
 
 TRL's private ``GRPOTrainer``, ``RLOOTrainer`` and ``DistillationTrainer`` hooks change between releases. The
 plugin keeps its overrides few, and this module lists each name it overrides, calls, reads or writes that is not
-public API, with the reason. The test suite (``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
-method still takes the parameters we pass), so a TRL upgrade fails one clear test instead of a deep traceback;
-it also checks that the plugin's code touches no private name missing from this list. For the hooks the plugin
-overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's signature and with
-the tuple stock's callers unpack, the two ways these hooks changed between TRL releases (``docs/trl-compatibility.md``).
+public API, with the reason. The test suite (``tests/test_trl_compat.py``) checks that every name still exists in the
+installed versions (and that each method still takes the parameters we pass), so a TRL upgrade fails one clear test
+instead of a deep traceback; it also checks that the plugin's code touches no private name missing from this list.
+For the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with
+stock's signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
+(``docs/trl-compatibility.md``).
 
 :data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
 at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
@@ -386,8 +387,8 @@ def check_trl_version(version: str | None = None) -> bool:
     if not inside and not _checked:
         warnings.warn(
             f"hf_dynbsz was tested with trl>={lower},<{upper} but trl {version} is installed. "
-            "DynamicBatchGRPOTrainer and DynamicBatchRLOOTrainer override private GRPOTrainer hooks and "
-            "RLOOTrainer hooks that change between TRL releases "
+            "DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer and DynamicBatchDistillationTrainer override private "
+            "GRPOTrainer hooks, RLOOTrainer hooks and DistillationTrainer hooks that change between TRL releases "
             "(listed in hf_dynbsz._trl_compat): run the test suite (or compare against stock GRPOTrainer) before "
             f"trusting results, or install 'trl>={lower},<{upper}'.",
             RuntimeWarning,

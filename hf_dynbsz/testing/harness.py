@@ -160,6 +160,7 @@ class ScriptedGeneration:
     def _tokenize_prompts(self, prompts):
         result = self.rollout(prompts, self)
         self._scripted_completions = result["completion_ids"]
+        self._scripted_env_mask = result.get("env_mask")
         return result["prompt_ids"], None, {}
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
@@ -167,12 +168,15 @@ class ScriptedGeneration:
 
 
 class RecordedGeneration:
-    """A distillation trainer that records the completion ids it generated, in order (``generated``)."""
+    """A distillation trainer that records the completion ids it generated, in order (``generated``); with a scripted
+    rollout that gives an ``env_mask`` (:class:`~hf_dynbsz.testing.MultiTurnRollout`), that mask is the tool mask,
+    as stock's tool loop returns it (0 on a tool result's tokens)."""
 
     def _generate(self, prompts):
-        result = super()._generate(prompts)
-        self.__dict__.setdefault("generated", []).extend(list(ids) for ids in result[1])
-        return result
+        prompt_ids, completion_ids, tool_mask, images, tool_images = super()._generate(prompts)
+        self.__dict__.setdefault("generated", []).extend(list(ids) for ids in completion_ids)
+        tool_mask = self.__dict__.pop("_scripted_env_mask", None) or tool_mask
+        return prompt_ids, completion_ids, tool_mask, images, tool_images
 
 
 def build_trainer(
@@ -245,9 +249,10 @@ def distillation_trainer(
     rollout=None,
     dataset=None,
     trainer_kwargs=None,
+    args=None,
     **fields,
 ):
-    """Distillation trainer ``name`` (:func:`distillation_config` with ``fields``) on the student saved in
+    """Distillation trainer ``name`` (:func:`distillation_config` with ``fields``, or ``args``) on the student saved in
     ``model_dir`` (fp32) and its tokenizer, recording its generations (:class:`RecordedGeneration`). ``teacher``: a
     model, a saved model's directory (TRL loads it), or None for :func:`~hf_dynbsz.testing.build_tiny_teacher`;
     ``rollout``: a scripted rollout standing in for generation (:class:`ScriptedGeneration`); ``dataset``: the prompts
@@ -264,7 +269,7 @@ def distillation_trainer(
     return trainer_cls(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         teacher_model=build_tiny_teacher(tokenizer) if teacher is None else teacher,
-        args=distillation_config(name, output_dir, **fields),
+        args=args if args is not None else distillation_config(name, output_dir, **fields),
         train_dataset=prompt_dataset() if dataset is None else dataset,
         processing_class=tokenizer,
         **(trainer_kwargs or {}),
