@@ -193,10 +193,11 @@ class PassExecutor(DevicePass):
             self.loss.weigh(batch, entropies, gradient_accumulation_steps=ga)
             self.loss.prepare(self, model, batch)  # what the passes read that other passes compute (a teacher's)
             pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
-            start = partial(self._start_training, pooled, aux)
+            start, run_pass = partial(self._start_training, pooled, aux), partial(self._train, model, aux)
             schedule, state = self.run(
-                model, "training", pooled.table, pooled.stock_microbatch_tokens, start, partial(self._train, model, aux)
-            )
+                model, "training", pooled.table, pooled.stock_microbatch_tokens, start, run_pass,
+                dummy=partial(self.loss.dummy_pass, self),
+            )  # fmt: skip
             self._finish_layout_timing(pooled, schedule)
             losses = state.losses
             total = torch.stack(losses).sum() if losses else torch.zeros((), device=device)

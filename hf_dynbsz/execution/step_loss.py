@@ -89,6 +89,10 @@ class StepLoss(Protocol):
         """The models the self-check compares each layout on, each with whether its gradients are compared (the
         trained model; a distillation's teacher too, log-probs only)."""
 
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        """A lockstep training pass that runs what a real pass runs (under ZeRO-3 the same parameter gathers) and
+        learns nothing (:meth:`~hf_dynbsz.execution.device_pass.DevicePass.dummy_pass`'s contract)."""
+
 
 class _LogProbLoss:
     """A loss over the policy's completion log-probs (GRPO's and RLOO's): a training pass is the model's fused LM
@@ -104,6 +108,9 @@ class _LogProbLoss:
 
     def checked_models(self, model) -> list[tuple[object, bool]]:
         return [(model, True)]
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)
 
 
 class GRPOLoss(_LogProbLoss):
@@ -271,6 +278,22 @@ class DistillationLoss:
 
     def checked_models(self, model) -> list[tuple[object, bool]]:
         return [(model, True), (self.teacher.model, False)]
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        """A real pass's work without a loss token: the student's backbone over a tiny row and the divergence of no
+        token, which still gathers both LM heads under ZeRO-3 (forward and backward), as every real pass does."""
+        mb = executor.lockstep_microbatch()
+        none = mb.gather_index.new_zeros(0)
+        teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
+        unwrapped = executor.accelerator.unwrap_model(model)
+        use_segments(mb.segments)
+        with executor.no_sync(model, last is None or last):
+            divergence, _ = self.trainer._forward_redirection(
+                model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
+                none, teacher,
+            )  # fmt: skip
+            if last is not None:
+                executor.backward(model, divergence.sum() * 0.0, last)
 
 
 def _add_fused_lm_head(model, temperature: float) -> None:

@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.distillation_loss import backbone_hidden_states
-from hf_dynbsz.execution.packing import SequenceTable, dummy_microbatch
+from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.planning.cost import config_value, text_config_of
 
 __all__ = ["Teacher"]
@@ -103,8 +103,4 @@ class Teacher:
     def dummy_pass(self, executor, model, last=None) -> None:
         """A lockstep pass: the teacher's backbone over a tiny row, as a real pass runs it (under ZeRO-3 the same
         parameter gathers)."""
-        scheduler = executor.scheduler
-        key = ("teacher", scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
-        if key not in executor._dummies:
-            executor._dummies[key] = dummy_microbatch(executor.pad_token_id, executor.accelerator.device, *key[1:])
-        self._forward(executor._dummies[key])
+        self._forward(executor.lockstep_microbatch())
