@@ -182,14 +182,19 @@ class RecordedGeneration:
 def build_trainer(
     args, model, processing_class, *, dataset, reward=length_reward, rollout=None, trainer_cls=None, **kwargs
 ):
-    """The trainer of config ``args`` (stock's or the plugin's, GRPO or RLOO: the config's class picks it, unless
-    ``trainer_cls`` is given) on ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO (no
-    ``rollout_func``), its tokenization and generation (:class:`ScriptedGeneration`). ``kwargs`` go to the
-    constructor."""
+    """The trainer of config ``args`` (stock's or the plugin's, GRPO, RLOO or distillation: the config's class picks it,
+    unless ``trainer_cls`` is given) on ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO
+    and distillation (no ``rollout_func``), their tokenization and generation (:class:`ScriptedGeneration`). A
+    distillation (``kwargs`` give its ``teacher_model``) takes no reward and records its generations
+    (:class:`RecordedGeneration`). ``kwargs`` go to the constructor."""
     key = next((key for key, names in TRAINERS.items() if type(args).__name__ == names[2]), None)
     if key is None:
         raise TypeError(f"args: a config of {sorted(TRAINERS)}, got {type(args).__name__}")
     trainer_cls = trainer_cls or trainer_classes(key)[0]
+    if key.startswith("distillation"):
+        bases = (RecordedGeneration, ScriptedGeneration) if rollout is not None else (RecordedGeneration,)
+        trainer_cls = type(f"Recorded{trainer_cls.__name__}", (*bases, trainer_cls), {"rollout": rollout})
+        return trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=processing_class, **kwargs)
     if rollout is not None and key.startswith("rloo"):
         trainer_cls = type(f"Scripted{trainer_cls.__name__}", (ScriptedGeneration, trainer_cls), {"rollout": rollout})
     elif rollout is not None:
@@ -262,16 +267,15 @@ def distillation_trainer(
 
     from hf_dynbsz.testing.fixtures import build_tiny_teacher, load_tokenizer, prompt_dataset
 
-    trainer_cls = trainer_classes(name)[0]
-    bases = (RecordedGeneration, ScriptedGeneration, trainer_cls) if rollout else (RecordedGeneration, trainer_cls)
-    trainer_cls = type(f"Recorded{trainer_cls.__name__}", bases, {"rollout": rollout})
     tokenizer = load_tokenizer(model_dir)
-    return trainer_cls(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+    return build_trainer(
+        args if args is not None else distillation_config(name, output_dir, **fields),
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        tokenizer,
+        dataset=prompt_dataset() if dataset is None else dataset,
+        rollout=rollout,
+        trainer_cls=trainer_classes(name)[0],
         teacher_model=build_tiny_teacher(tokenizer) if teacher is None else teacher,
-        args=args if args is not None else distillation_config(name, output_dir, **fields),
-        train_dataset=prompt_dataset() if dataset is None else dataset,
-        processing_class=tokenizer,
         **(trainer_kwargs or {}),
     )
 
