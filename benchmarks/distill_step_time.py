@@ -47,6 +47,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
+from rloo_step_time import check_same_inputs  # noqa: E402
 from step_time import Probe, _mean, _per_index, code_fingerprint, git_state  # noqa: E402
 
 from hf_dynbsz.testing import longest_prompt  # noqa: E402
@@ -189,13 +190,6 @@ def compact_run(result: dict) -> dict:
         "steps": [[float(f"{step[k]:.4g}") for k in STEP_FIELDS] for step in result["steps"]],
         "budgets": result["budgets"],
     }
-
-
-def check_same_inputs(results: list[dict]) -> None:
-    """Every run saw the same rounds (length fingerprints), whatever its trainer."""
-    fingerprints = {json.dumps([r["fingerprint"] for r in result["rounds"]]) for result in results}
-    if len(fingerprints) != 1:
-        raise RuntimeError("the trainers saw different completions: the comparison would not be fair")
 
 
 def goals(rows: list[dict]) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,16 +151,7 @@ def main(argv: list[str] | None = None):
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    stock_passes = training_args.gradient_accumulation_steps  # stock: one pass per accumulation step
-    if script_args.log_style == "compact":
-        grpo.use_compact_logs(trainer, stock_passes, metrics=COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1])
-
-    start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=grpo.resume_value(training_args.resume_from_checkpoint))
-    seconds = time.perf_counter() - start
-
-    grpo.finish(trainer, training_args.output_dir, stock_passes, seconds)
-    return trainer
+    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1])
 
 
 if __name__ == "__main__":

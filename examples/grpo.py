@@ -476,16 +476,19 @@ def main(argv: list[str] | None = None):
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    return train_and_finish(trainer, script_args, training_args)
+
+
+def train_and_finish(trainer, script_args, training_args, metrics=COMPACT_METRICS):
+    """The scripts' run: the console lines (``--log_style compact``: ``metrics`` per step), training (resumed where
+    ``--resume_from_checkpoint`` says), then :func:`finish`; returns ``trainer``."""
     # Stock TRL runs one forward/backward of per_device_train_batch_size samples per accumulation step.
     stock_passes = training_args.gradient_accumulation_steps
     if script_args.log_style == "compact":
-        use_compact_logs(trainer, stock_passes)
-
+        use_compact_logs(trainer, stock_passes, metrics)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
-    seconds = time.perf_counter() - start
-
-    finish(trainer, training_args.output_dir, stock_passes, seconds)
+    finish(trainer, training_args.output_dir, stock_passes, time.perf_counter() - start)
     return trainer
 
 

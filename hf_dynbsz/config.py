@@ -77,32 +77,35 @@ class DynamicBatchFields:
         apply_env_overrides(self)
         # DeepSpeed on a machine without an accelerator only agrees with accelerate on the world size over gloo.
         self.ddp_backend = default_ddp_backend(self.ddp_backend)
-        # 2. Record what the user asked for before TRL derives one from the other for this world size; the batch
-        #    plan needs it to plan another world size (see hf_dynbsz.planning.generation_round).
+        try:
+            self._dynbsz_check_and_derive()
+        except ValueError as error:  # name the DIFFU_* variables behind the values
+            raise with_env_sources(error, self) from None
+
+    def _dynbsz_check_and_derive(self) -> None:
+        """The checks and derivations after the environment: the generation round, TRL's ``__post_init__`` (the next
+        class after this one), the plugin's fields (also converting string values from the command line or YAML)."""
+        # Record what the user asked for before TRL derives one from the other for this world size; the batch plan
+        # needs it to plan another world size (see hf_dynbsz.planning.generation_round).
         setattr(
             self,
             USER_BATCH_SETTINGS_ATTR,
             {"generation_batch_size": self.generation_batch_size, "steps_per_generation": self.steps_per_generation},
         )
-        try:
-            # Sequence parallelism is ours to run (stock's __post_init__ refuses it): see take_sequence_parallelism.
-            take_sequence_parallelism(self)
-            # 3. The generation round with the planner's messages (named values, valid neighbours), before TRL's.
-            resolve_generation_round(
-                per_device_train_batch_size=self.per_device_train_batch_size,
-                gradient_accumulation_steps=self.gradient_accumulation_steps,
-                num_processes=int(os.environ.get("WORLD_SIZE", "1")),
-                num_generations=self.num_generations,
-                generation_batch_size=self.generation_batch_size,
-                steps_per_generation=self.steps_per_generation,
-            )
-            # 4. TRL's checks and derivations (GRPOConfig's or RLOOConfig's: the next class after this one).
-            super().__post_init__()
-            # 5. Ours (also converts string values from the command line or YAML).
-            validate_dynamic_batch_fields(self)
-            validate_grpo_fields(self)
-        except ValueError as error:  # name the DIFFU_* variables behind the values
-            raise with_env_sources(error, self) from None
+        # Sequence parallelism is ours to run (stock's __post_init__ refuses it): see take_sequence_parallelism.
+        take_sequence_parallelism(self)
+        # The generation round with the planner's messages (named values, valid neighbours), before TRL's.
+        resolve_generation_round(
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_processes=int(os.environ.get("WORLD_SIZE", "1")),
+            num_generations=self.num_generations,
+            generation_batch_size=self.generation_batch_size,
+            steps_per_generation=self.steps_per_generation,
+        )
+        super().__post_init__()  # TRL's checks and derivations (GRPOConfig's or RLOOConfig's)
+        validate_dynamic_batch_fields(self)
+        validate_grpo_fields(self)
 
 
 @dataclass
@@ -117,22 +120,17 @@ class DynamicBatchRLOOConfig(DynamicBatchFields, RLOOConfig):
 
 @dataclass
 class DistillationFields(DynamicBatchFields):
-    """The plugin's fields of a distillation (:class:`DynamicBatchFields` and the teacher's budget) and their
-    ``__post_init__``: a distillation has no generation round to derive (one completion per prompt, generated once per
-    optimizer step) and no GRPO settings, so only the environment, the plugin's fields and TRL's own
-    ``DistillationConfig.__post_init__`` apply."""
+    """The plugin's fields of a distillation (:class:`DynamicBatchFields` and the teacher's budget) and their checks: a
+    distillation has no generation round to derive (one completion per prompt, generated once per optimizer step) and
+    no GRPO settings, so after the environment only TRL's own ``DistillationConfig.__post_init__`` and the plugin's
+    fields apply."""
 
     max_tokens_per_microbatch_teacher: int | None = _field("max_tokens_per_microbatch_teacher")
 
-    def __post_init__(self):
-        apply_env_overrides(self)
-        self.ddp_backend = default_ddp_backend(self.ddp_backend)
-        try:
-            refuse_distillation_sequence_parallelism(self)
-            super(DynamicBatchFields, self).__post_init__()  # TRL's DistillationConfig.__post_init__
-            validate_dynamic_batch_fields(self)
-        except ValueError as error:  # name the DIFFU_* variables behind the values
-            raise with_env_sources(error, self) from None
+    def _dynbsz_check_and_derive(self) -> None:
+        refuse_distillation_sequence_parallelism(self)
+        super(DynamicBatchFields, self).__post_init__()  # TRL's DistillationConfig.__post_init__
+        validate_dynamic_batch_fields(self)
 
 
 @dataclass

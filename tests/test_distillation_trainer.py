@@ -321,3 +321,24 @@ def test_the_self_check_checks_the_teacher_too(model_dir, tmp_path, caplog):
     assert executor.scheduler.layout == "padding_free" and executor.scheduler.segment_recurrence
     assert "teacher: padding_free" in executor.self_check_summary and "differ from each sample's own" in caplog.text
     assert relative_difference(dict(trainer.model.named_parameters()), stock) <= PARAM_TOLERANCE
+
+
+def test_generation_is_chunked_by_per_device_generation_batch_size(model_dir, tmp_path):
+    """8 prompts per device and optimizer step, generated 3, 3 and 2 at a time; the same chunks, the same completions
+    (the training on them equals stock's: the chunking is the plugin's own, so stock is not the reference here)."""
+    rows = []
+
+    def record(module, args, kwargs):  # rows of each generation forward (it has a KV cache)
+        if kwargs.get("use_cache") is not False:
+            rows.append(kwargs["input_ids"].size(0))
+
+    generated = []
+    for run in ("a", "b"):
+        trainer = distillation_trainer(
+            "distillation_dynamic", str(tmp_path / run), model_dir=model_dir, per_device_generation_batch_size=3,
+            max_steps=1,
+        )  # fmt: skip
+        trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)
+        trainer.train()
+        generated.append(trainer.generated)
+    assert rows and max(rows) <= 3 and generated[0] == generated[1] and len(generated[0]) == 8

@@ -36,8 +36,17 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from datasets import DatasetDict
-from test_rloo_trl_suite import image_dataset, peft_rules, train_and_check, vision_model, zen
+from test_rloo_trl_suite import (
+    EVAL_DATASET_TYPES,
+    check_eval_dataset,
+    eval_dataset_of,
+    image_dataset,
+    peft_rules,
+    train_and_check,
+    trl_test_settings,
+    vision_model,
+    zen,
+)
 from trl import DistillationConfig, DistillationTrainer
 
 from hf_dynbsz import DynamicBatchDistillationTrainer
@@ -76,21 +85,8 @@ def hub(tmp_path_factory):
 
 
 def args(tmp_path, **overrides) -> DistillationConfig:
-    """TRL's test configuration, on this CPU machine and cut to 2 optimizer steps."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        learning_rate=0.1,  # TRL's: the gradients are tiny
-        per_device_train_batch_size=3,
-        max_completion_length=8,
-        max_steps=2,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return DistillationConfig(**settings)
+    """TRL's test configuration (``tests/test_rloo_trl_suite.py``'s: this CPU machine, 2 optimizer steps)."""
+    return DistillationConfig(**trl_test_settings(tmp_path, **overrides))
 
 
 def trainer(trainer_class, hub, tmp_path, dataset=None, **overrides):
@@ -248,18 +244,9 @@ def test_iterable_eval_keeps_map_style_train_workers(trainer_class, hub, tmp_pat
     assert distilled.args.dataloader_num_workers == 4
 
 
-@pytest.mark.parametrize(
-    "eval_dataset_type", ["dataset", "iterable_dataset", "dataset_dict", "dict_of_dataset", "none"]
-)
+@pytest.mark.parametrize("eval_dataset_type", EVAL_DATASET_TYPES)
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
-    split = zen(split="test")
-    eval_dataset = {
-        "dataset": split,
-        "iterable_dataset": split.to_iterable_dataset(),
-        "dataset_dict": DatasetDict({"data1": split, "data2": split}),
-        "dict_of_dataset": {"data1": split, "data2": split},
-        "none": None,
-    }[eval_dataset_type]
+    eval_dataset = eval_dataset_of(eval_dataset_type)
     distilled = trainer_class(
         model=hub["student"],
         teacher_model=hub["teacher"],
@@ -267,12 +254,7 @@ def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type)
         train_dataset=zen(),
         eval_dataset=eval_dataset,
     )
-    if eval_dataset is None:
-        assert distilled.eval_dataset is None
-    elif isinstance(distilled.eval_dataset, dict):
-        assert set(distilled.eval_dataset) == {"data1", "data2"}
-    else:
-        assert distilled.eval_dataset is eval_dataset
+    check_eval_dataset(distilled, eval_dataset)
 
 
 @pytest.mark.parametrize("eval_dataset_type", ["dataset", "dict_of_dataset"])

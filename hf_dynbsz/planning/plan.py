@@ -83,18 +83,7 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
     if trainer == "distillation":
         return _distillation_settings(args, num_processes)
-    settings = {
-        "num_processes": coerce_int("num_processes", num_processes, "a positive integer number of processes"),
-        "per_device_train_batch_size": coerce_int(
-            "per_device_train_batch_size",
-            getattr(args, "per_device_train_batch_size", None),
-            "a positive integer number of samples per device",
-        ),
-        "gradient_accumulation_steps": coerce_int(
-            "gradient_accumulation_steps",
-            getattr(args, "gradient_accumulation_steps", 1),
-            "a positive integer number of training steps per optimizer step",
-        ),
+    settings = _step_settings(args, num_processes) | {
         "num_generations": coerce_int(
             "num_generations",
             getattr(args, "num_generations", 8),
@@ -130,9 +119,9 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     }
 
 
-def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
-    """A distillation's batch sizes (:func:`_batch_settings`): its generation round is the optimizer step."""
-    settings = {
+def _step_settings(args: Any, num_processes: Any) -> dict[str, int]:
+    """The processes, samples per device and accumulation steps of ``args``, converted and checked."""
+    return {
         "num_processes": coerce_int("num_processes", num_processes, "a positive integer number of processes"),
         "per_device_train_batch_size": coerce_int(
             "per_device_train_batch_size",
@@ -145,6 +134,11 @@ def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
             "a positive integer number of training steps per optimizer step",
         ),
     }
+
+
+def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
+    """A distillation's batch sizes (:func:`_batch_settings`): its generation round is the optimizer step."""
+    settings = _step_settings(args, num_processes)
     steps = settings["gradient_accumulation_steps"]
     samples = settings["per_device_train_batch_size"] * settings["num_processes"] * steps
     return settings | {
