@@ -14,10 +14,11 @@ metrics.
 ``environment`` trains with an environment that owns the prompts (no dataset) and the reward (no reward function).
 ``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...), and ``--scenarios``
 (JSON, ``{"name": {"flag": value, ...}, ...}``) once per named set of flags over the command line's (files suffixed
-``.name``): a launch's start-up (about 14 s on 2 CPU cores) costs more than a tiny run (about 2 s). ``--mutate``
-corrupts, on the process that receives them, the samples that cross-rank balancing moved (their advantage, old
-log-probs, loss weight or teacher hidden states): a check that the comparison with stock would catch a sample that lost
-what belongs to it.
+``.name``): a launch's start-up (about 14 s on 2 CPU cores) costs more than a tiny run (about 2 s). ``--vllm
+server|colocate`` generates through TRL's vLLM path with the stand-in of :mod:`hf_dynbsz.testing.vllm_standin` (GRPO:
+importance-sampling correction in ``--vllm_is_mode``, clipped to [0.5, 2]). ``--mutate`` corrupts, on the process
+that receives them, the samples that cross-rank balancing moved (their advantage, old log-probs, loss weight or
+teacher hidden states): a check that the comparison with stock would catch a sample that lost what belongs to it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from hf_dynbsz.testing import (
     prompt_dataset,
     save_tiny_model,
     trainer_classes,
+    vllm_standin,
 )
 
 
@@ -97,29 +99,19 @@ def corrupt_moved_samples(what: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--trainer",
-        choices=["stock", "dynamic", "rloo_stock", "rloo_dynamic", "distillation_stock", "distillation_dynamic"],
-        required=True,
-    )
-    parser.add_argument("--teacher_dir", default=None, help="distillation: the teacher's saved model (TRL loads it)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--loss_type", default="dapo")
-    parser.add_argument("--beta", type=float, default=0.0)
+    add_trainer_flags(parser)
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--budget", type=int, default=40)
     parser.add_argument("--top_entropy_quantile", type=float, default=1.0)
     parser.add_argument("--entropy_coef", type=float, default=0.0)
     parser.add_argument("--lopsided", action="store_true")
-    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
     parser.add_argument("--loss_types", default=None, help="comma-separated: train once per loss type, in turn")
     parser.add_argument(
         "--scenarios", default=None, help='JSON {"name": {"flag": value}}: train once per name, in turn'
     )
     parser.add_argument("--balance", choices=["on", "off"], default="on")
+    add_generation_flags(parser)
     parser.add_argument(
         "--mutate", choices=["none", "advantage", "old_logps", "weight", "teacher_hidden"], default="none"
     )
@@ -185,6 +177,30 @@ def main() -> None:
     os._exit(0)
 
 
+def add_trainer_flags(parser) -> None:
+    """What trains, from where, to where: ``--trainer`` (a distillation's teacher from ``--teacher_dir``), the models,
+    the output prefix, and the loss's own settings (``--beta``: GRPO's KL coefficient, a distillation's divergence)."""
+    parser.add_argument(
+        "--trainer",
+        choices=["stock", "dynamic", "rloo_stock", "rloo_dynamic", "distillation_stock", "distillation_dynamic"],
+        required=True,
+    )
+    parser.add_argument("--teacher_dir", default=None, help="distillation: the teacher's saved model (TRL loads it)")
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+
+
+def add_generation_flags(parser) -> None:
+    """Where the completions come from: ``--rollout`` (generated or scripted), ``--vllm`` (TRL's vLLM path through the
+    stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there)."""
+    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
+    parser.add_argument("--vllm", choices=["none", "server", "colocate"], default="none", help="TRL's vLLM path")
+    parser.add_argument("--vllm_is_mode", default="token_truncate", help="vllm_importance_sampling_mode (GRPO)")
+
+
 def runs(cli) -> list[tuple[str, argparse.Namespace]]:
     """``(file suffix, flags)`` of each run of this launch: one, one per ``--loss_types`` or one per ``--scenarios``."""
     if cli.loss_types and cli.scenarios:
@@ -234,6 +250,11 @@ def config_fields(cli, loss_type: str) -> dict:
     )
     if not cli.trainer.startswith("rloo"):  # GRPO's loss settings
         fields.update(loss_type=loss_type, top_entropy_quantile=cli.top_entropy_quantile, entropy_coef=cli.entropy_coef)
+    if cli.vllm != "none":
+        fields.update(use_vllm=True, vllm_mode=cli.vllm)
+        if not cli.trainer.startswith("rloo"):  # RLOO has no importance-sampling correction
+            fields.update(vllm_importance_sampling_mode=cli.vllm_is_mode, vllm_importance_sampling_clip_min=0.5,
+                          vllm_importance_sampling_clip_max=2.0)  # fmt: skip
     if cli.lopsided:
         fields.update(
             shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
@@ -301,7 +322,7 @@ def train_distillation(cli, loss_type: str, out: str):
         dataset=lopsided_dataset() if cli.lopsided else prompt_dataset(), args=args,
     )  # fmt: skip
     trainer.train()
-    write_results(trainer, None, cli, out)
+    write_results(trainer, None, cli, out, [])
     return trainer
 
 
@@ -334,16 +355,20 @@ def train(cli, loss_type: str, out: str):
         CountingEnvironment.restart()
         dataset, funcs, kwargs = None, None, dict(environment_factory=CountingEnvironment)
     trainer_cls = trainer_classes(cli.trainer)[0]
-    trainer = build_trainer(
-        args, model, processing_class, dataset=dataset, reward=funcs, rollout=rollout, trainer_cls=trainer_cls, **kwargs
-    )
-    trainer.train()
-    write_results(trainer, reward, cli, out)
+    with vllm_standin() if cli.vllm != "none" else contextlib.nullcontext() as standin:
+        trainer = build_trainer(
+            args, model, processing_class, dataset=dataset, reward=funcs, rollout=rollout, trainer_cls=trainer_cls,
+            **kwargs,
+        )  # fmt: skip
+        trainer.train()
+    engines = [(engine.syncs, engine.requests) for engine in standin.engines] if standin else []
+    write_results(trainer, reward, cli, out, engines)
     return trainer
 
 
-def write_results(trainer, reward, cli, out: str) -> None:
-    """Each rank's record and, from rank 0, the final (gathered) parameters, under ``out``."""
+def write_results(trainer, reward, cli, out: str, engines: list) -> None:
+    """Each rank's record and, from rank 0, the final (gathered) parameters, under ``out``. ``engines``: the
+    ``(weight syncs, requests)`` of each vLLM stand-in engine of this process."""
     accelerator = trainer.accelerator
     unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -364,6 +389,12 @@ def write_results(trainer, reward, cli, out: str) -> None:
         for entry in trainer.state.log_history
         if "entropy" in entry
     ]
+    # the importance-sampling figures TRL logs at each generation round (vLLM path)
+    sampling = [
+        {name: entry[name] for name in entry if name.startswith("sampling/")}
+        for entry in trainer.state.log_history
+        if any(name.startswith("sampling/") for name in entry)
+    ]
     rank_record = {
         "rank": accelerator.process_index,
         "completions": reward.completions if reward is not None else trainer.generated,  # (a distillation's ids)
@@ -372,6 +403,8 @@ def write_results(trainer, reward, cli, out: str) -> None:
         "aux_losses": aux_losses,
         "losses": losses,
         "logged": logged,
+        "sampling": sampling,
+        "vllm_engines": engines,
     }
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)

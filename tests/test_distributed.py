@@ -204,6 +204,14 @@ MOE_RUNS = {
 OOM_INJECTIONS = ("training:backward:1:1", "logprob:forward:1:0")
 OOM_RUN = dict(LOPSIDED_ROLLOUT, loss_type="grpo", beta=0.1, num_iterations=2, max_memory_mib=200_000, budget=0)
 
+#: TRL's vLLM path through the stand-in (hf_dynbsz.testing.vllm_standin), rank 1's prompts long so that balancing moves
+#: samples with their vLLM log-probs and importance-sampling ratios (test_the_vllm_path_matches_stock_...).
+VLLM_RUNS = {
+    "server": dict(vllm="server", vllm_is_mode="token_truncate", loss_type="grpo", num_iterations=2, max_steps=3),
+    "colocate": dict(vllm="colocate", vllm_is_mode="sequence_mask", loss_type="dapo", max_steps=2),
+}
+VLLM_RUNS = {mode: dict(lopsided=True, budget=96, **flags) for mode, flags in VLLM_RUNS.items()}
+
 #: Per accelerate config, the runs its tests compare, each trained by one launch per trainer (``SharedLaunches``).
 SHARED_RUNS = {
     config: {
@@ -218,6 +226,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
     | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{injection.split(':')[0]}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
 )
 SHARED_RUNS["cpu_zero2.yaml"]["moe"] = MOE_RUNS["zero2"]
@@ -254,6 +263,22 @@ def test_a_moved_sample_that_loses_what_belongs_to_it_is_caught(
     )
     damaged = torch.load(f"{out}.params.pt")
     assert relative_difference(damaged, stock_lopsided_params) > 100 * 1e-5
+
+
+@pytest.mark.parametrize("vllm_mode", list(VLLM_RUNS))
+def test_the_vllm_path_matches_stock_across_two_processes(vllm_mode, model_dir, shared_launches):
+    """Server mode: the main process's engine serves both processes' prompts (TRL gathers and broadcasts them);
+    colocate mode: an engine per process. Stock's importance-sampling figures, parameters within 1e-5."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **VLLM_RUNS[vllm_mode])
+    _, stock = shared_launches.get("stock", "cpu_ddp.yaml", model_dir, **VLLM_RUNS[vllm_mode])
+    engines = [[[2, 2]], []] if vllm_mode == "server" else [[[2, 2]], [[2, 2]]]  # [weight syncs, requests] per rank
+    for rank in range(2):
+        assert ours[rank]["vllm_engines"] == stock[rank]["vllm_engines"] == engines[rank]
+        assert len(ours[rank]["sampling"]) == len(stock[rank]["sampling"]) == 2  # one entry per generation round
+        for our_round, stock_round in zip(ours[rank]["sampling"], stock[rank]["sampling"]):
+            assert our_round == pytest.approx(stock_round, rel=1e-5, abs=1e-6)
+            assert our_round["sampling/sampling_logp_difference/mean"] > 0.1  # the stand-in's noise to correct
+        assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
 
 
 def test_a_hybrid_model_balanced_across_processes_matches_stock(model_dir, shared_launches):

@@ -5,7 +5,8 @@ Rank 1's prompts are about 20x longer than rank 0's (``--lopsided``): cross-rank
 processes, with everything that belongs to them (summed old log-probs, advantages, slice, weight). The runs of a
 backend share one launch per trainer (``SharedLaunches`` of ``tests/test_distributed.py``, ``--trainer
 rloo_stock|rloo_dynamic``): under DDP with ``beta`` in the reward and two iterations, an MoE model with its router aux
-loss, and sequence parallelism over both processes; under ZeRO-3 with a reference model. Parameters within 1e-5 of
+loss, sequence parallelism over both processes and generation on TRL's vLLM path (server mode, through the stand-in
+of ``hf_dynbsz.testing.vllm_standin``); under ZeRO-3 with a reference model. Parameters within 1e-5 of
 stock's, the same completions on every rank, and stock's logged entropy and clip ratios.
 """
 
@@ -27,6 +28,8 @@ RLOO_RUNS = {
         "moe": dict(LOPSIDED, architecture="qwen3_moe", router_aux_loss_coef=1.0),
         # one group of both processes: each pass's rows sharded over them (DeepSpeed Ulysses on packed rows)
         "sequence_parallel": dict(sequence_parallel=2, budget=24, beta=0.1),
+        # TRL's vLLM path in server mode (hf_dynbsz.testing.vllm_standin): the main process's engine serves both
+        "vllm_server": dict(LOPSIDED, vllm="server", num_iterations=2, max_steps=3),
     },
     "cpu_zero3.yaml": {"balanced": dict(LOPSIDED, beta=0.1)},
 }
@@ -88,3 +91,13 @@ def test_sequence_parallelism_matches_stock(model_dir, launches):
     for rank in range(2):
         assert all(step["dynbsz/budget_tokens"] == 48 for step in ours[rank]["metrics"])
         assert any(step["dynbsz/prompt_tokens_saved"] > 0 for step in ours[rank]["metrics"])
+
+
+def test_the_vllm_path_matches_stock_across_two_processes(model_dir, launches):
+    """Server mode: one engine, on the main process, generates both processes' completions (TRL gathers the prompts
+    and broadcasts the completions); two iterations over each round read the plugin's packed old log-probs."""
+    ours, stock = compare("cpu_ddp.yaml", "vllm_server", model_dir, launches)
+    assert ours[0]["vllm_engines"] == stock[0]["vllm_engines"] == [[2, 2]]  # [weight syncs, requests]: two rounds
+    assert ours[1]["vllm_engines"] == stock[1]["vllm_engines"] == []
+    for rank in range(2):
+        assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])

@@ -15,6 +15,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
+* :mod:`~hf_dynbsz.testing.vllm_standin`: a stand-in for vLLM behind TRL's own ``VLLMGeneration`` (server and colocate
+  mode: completions sampled from the synced weights, log-probs with fixed noise), installed by ``vllm_standin()``;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
 
 Every public name but the zoo's is re-exported here: ``from hf_dynbsz.testing import X``.
@@ -103,6 +105,7 @@ from hf_dynbsz.testing.vision import (
     build_tiny_vision_language_model,
     image_prompt_dataset,
 )
+from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_standin
 
 __all__ = [
     "CHAT_SPECIAL_TOKENS",
@@ -123,7 +126,9 @@ __all__ = [
     "TEST_ALPHABET",
     "TRAINERS",
     "UNIFORM_PROMPT",
+    "StandInEngine",
     "VISION_LANGUAGE_FAMILIES",
+    "VLLMStandIn",
     "VisionScriptedRollout",
     "accelerate_command",
     "bare_check_passes",
@@ -182,4 +187,5 @@ __all__ = [
     "trainer_classes",
     "training_mode_trainer",
     "update_difference",
+    "vllm_standin",
 ]
