@@ -342,3 +342,32 @@ def test_generation_is_chunked_by_per_device_generation_batch_size(model_dir, tm
         trainer.train()
         generated.append(trainer.generated)
     assert rows and max(rows) <= 3 and generated[0] == generated[1] and len(generated[0]) == 8
+
+
+@pytest.mark.parametrize("vllm_mode", ["server", pytest.param("colocate", marks=pytest.mark.long)])
+def test_vllm_generation_matches_stock(model_dir, tmp_path, vllm_mode):
+    """TRL's vLLM path through the stand-in of ``hf_dynbsz.testing.vllm_standin`` (TRL's own ``VLLMGeneration``, an
+    engine on a copy of the student that samples from the weights of its last sync): stock and ours each in a stand-in
+    of their own, the same completions (the weights were synced after step 1 in both) and parameters within 1e-5.
+    Server mode by default, colocate mode under ``-m long``."""
+    from hf_dynbsz.testing import vllm_standin
+
+    runs = []
+    for name, ours in (("distillation_stock", {}), ("distillation_dynamic", {"max_tokens_per_microbatch": 40})):
+        with vllm_standin() as standin:
+            runs.append(
+                run_distillation(
+                    name,
+                    str(tmp_path / name),
+                    model_dir=model_dir,
+                    use_vllm=True,
+                    vllm_mode=vllm_mode,
+                    beta=0.5,
+                    **ours,
+                )  # fmt: skip
+            )
+            assert [engine.syncs for engine in standin.engines] == [2]  # before each of the 2 steps' generation
+    (init, stock, stock_generated, _), (_, plugin, generated, history) = runs
+    assert generated == stock_generated and len(generated) == 16
+    assert relative_difference(plugin, stock) <= PARAM_TOLERANCE and relative_difference(stock, init) > 1e-4
+    assert all(entry["dynbsz/microbatches"] >= 2 for entry in history if "dynbsz/microbatches" in entry)
