@@ -226,9 +226,11 @@ class StepProfile:
 
 
 class Probe:
-    """Wraps one trainer instance to time phases, count computed tokens and read peak RSS per step."""
+    """Wraps one trainer instance to time phases, count computed tokens and read peak RSS per step. ``counted``: the
+    module whose forwards count the tokens (default: the trained model; a distillation's student backbone, which
+    its passes call directly)."""
 
-    def __init__(self, trainer, rollout):
+    def __init__(self, trainer, rollout, counted=None):
         import torch
 
         from hf_dynbsz.execution.device_memory import reset_peak_rss
@@ -242,11 +244,12 @@ class Probe:
         self.baseline_kb = None
         self.can_reset_peak = reset_peak_rss()
         self._generate = trainer._generate_and_score_completions
-        self._logps = trainer._get_per_token_logps_and_entropies
         trainer._generate_and_score_completions = self.timed_generate
-        trainer._get_per_token_logps_and_entropies = self.timed_logps
+        self._logps = getattr(trainer, "_get_per_token_logps_and_entropies", None)  # (a distillation has none)
+        if self._logps is not None:
+            trainer._get_per_token_logps_and_entropies = self.timed_logps
         self.pad_id = trainer._tokenizer.pad_token_id
-        trainer.model.register_forward_pre_hook(self.count_tokens, with_kwargs=True)
+        (counted or trainer.model).register_forward_pre_hook(self.count_tokens, with_kwargs=True)
         trainer.add_callback(self._step_clock())
 
     def timed_generate(self, *args, **kwargs):

@@ -248,12 +248,12 @@ COMPACT_METRICS = (
 )
 
 
-def compact_line(logs: dict, step: int, stock_passes: int) -> str:
+def compact_line(logs: dict, step: int, stock_passes: int, metrics=COMPACT_METRICS) -> str:
     """``step 12 | reward=0.412 | completions/mean_length=23.5 | dynbsz/microbatches_max_over_ranks=3 (stock 4) |
     ...``: each metric under the name it is logged as, so what the console shows is what a tracker holds. Records
     without these keys (the final train_runtime one) are printed as they are."""
     parts = [f"step {step:>4}"]
-    for name, spec in COMPACT_METRICS:
+    for name, spec in metrics:
         if name in logs:
             stock = f" (stock {stock_passes})" if name == "dynbsz/microbatches_max_over_ranks" else ""
             parts.append(f"{name}={_fmt(logs[name], spec)}{stock}")
@@ -262,8 +262,9 @@ def compact_line(logs: dict, step: int, stock_passes: int) -> str:
     return " | ".join(parts)
 
 
-def use_compact_logs(trainer, stock_passes: int) -> None:
-    """Keep the progress bar, replace the Trainer's per-step dictionary dump with :func:`compact_line`."""
+def use_compact_logs(trainer, stock_passes: int, metrics=COMPACT_METRICS) -> None:
+    """Keep the progress bar, replace the Trainer's per-step dictionary dump with :func:`compact_line` (of
+    ``metrics``)."""
     from tqdm.auto import tqdm
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
@@ -274,7 +275,7 @@ def use_compact_logs(trainer, stock_passes: int) -> None:
     class CompactLog(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs:
-                tqdm.write(compact_line(logs, state.global_step, stock_passes))
+                tqdm.write(compact_line(logs, state.global_step, stock_passes, metrics))
 
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(ProgressBarOnly)
@@ -294,13 +295,15 @@ def summarize(log_history: list[dict], stock_passes: int, num_processes: int, se
             records.append((entry, max(entry["step"] - previous, 1)))
             previous = entry["step"]
     lines = [f"Summary: {previous} optimizer steps on {num_processes} process(es); this run took {seconds:.0f} s"]
-    rewards = [entry["reward"] for entry, _ in records if entry.get("reward") is not None]
-    if rewards:
-        k = max(1, min(10, len(rewards) // 2))
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        lines.append(
-            f"  reward           first {k} logged steps {first:.3f} -> last {k} {last:.3f} ({last - first:+.3f})"
-        )
+    for name, spec in (("reward", ".3f"), ("loss", ".3e")):  # a distillation has no reward: its loss, the divergence
+        values = [entry[name] for entry, _ in records if entry.get(name) is not None]
+        if values:
+            k = max(1, min(10, len(values) // 2))
+            first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+            lines.append(
+                f"  {name:<16} first {k} logged steps {first:{spec}} -> last {k} {last:{spec}} ({last - first:+{spec}})"
+            )
+            break
     # Passes per process: every process runs the same number (the most any process needs; the others add empty
     # lock-step passes, counted in dynbsz/dummy_passes).
     runs = [
@@ -335,7 +338,7 @@ def summarize(log_history: list[dict], stock_passes: int, num_processes: int, se
             "(training passes, all processes)"
         )
     if not runs and not tokens:
-        lines.append("  no dynbsz/ metrics: dynamic batching was off (stock GRPOTrainer micro-batches)")
+        lines.append("  no dynbsz/ metrics: dynamic batching was off (stock TRL micro-batches)")
     return "\n".join(lines)
 
 
@@ -473,16 +476,19 @@ def main(argv: list[str] | None = None):
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    return train_and_finish(trainer, script_args, training_args)
+
+
+def train_and_finish(trainer, script_args, training_args, metrics=COMPACT_METRICS):
+    """The scripts' run: the console lines (``--log_style compact``: ``metrics`` per step), training (resumed where
+    ``--resume_from_checkpoint`` says), then :func:`finish`; returns ``trainer``."""
     # Stock TRL runs one forward/backward of per_device_train_batch_size samples per accumulation step.
     stock_passes = training_args.gradient_accumulation_steps
     if script_args.log_style == "compact":
-        use_compact_logs(trainer, stock_passes)
-
+        use_compact_logs(trainer, stock_passes, metrics)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_value(training_args.resume_from_checkpoint))
-    seconds = time.perf_counter() - start
-
-    finish(trainer, training_args.output_dir, stock_passes, seconds)
+    finish(trainer, training_args.output_dir, stock_passes, time.perf_counter() - start)
     return trainer
 
 

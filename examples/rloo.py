@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 from trl import ModelConfig, TrlParser
@@ -94,16 +93,7 @@ def main(argv: list[str] | None = None):
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    stock_passes = training_args.gradient_accumulation_steps  # stock: one pass per accumulation step
-    if script_args.log_style == "compact":
-        grpo.use_compact_logs(trainer, stock_passes)
-
-    start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=grpo.resume_value(training_args.resume_from_checkpoint))
-    seconds = time.perf_counter() - start
-
-    grpo.finish(trainer, training_args.output_dir, stock_passes, seconds)
-    return trainer
+    return grpo.train_and_finish(trainer, script_args, training_args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer and RLOOTrainer, with exactly stock TRL's training math.
+"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer and DistillationTrainer, with exactly stock
+TRL's training math.
 
 Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
@@ -7,8 +8,9 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
 * :mod:`hf_dynbsz.execution`: the torch layer (step batch, packing, segment attention, tiling, loss weights, router
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
-* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``) and :mod:`hf_dynbsz.trainer`
-  (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``): TRL's hooks over the executor;
+* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``)
+  and :mod:`hf_dynbsz.trainer` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
+  ``DynamicBatchDistillationTrainer``): TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
   oracles and process tools shared by tests, benchmarks and examples).
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DynamicBatchGRPOConfig": "hf_dynbsz.config",
     "DynamicBatchRLOOConfig": "hf_dynbsz.config",
+    "DynamicBatchDistillationConfig": "hf_dynbsz.config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -38,6 +41,7 @@ _LAZY = {
     "OutOfMemoryBudgetError": "hf_dynbsz.planning.memory",
     "DynamicBatchGRPOTrainer": "hf_dynbsz.trainer",
     "DynamicBatchRLOOTrainer": "hf_dynbsz.trainer",
+    "DynamicBatchDistillationTrainer": "hf_dynbsz.trainer",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]
@@ -46,7 +50,7 @@ __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]
 def __getattr__(name: str):
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])
-        if name in ("DynamicBatchGRPOTrainer", "DynamicBatchRLOOTrainer"):
+        if name.endswith("Trainer"):
             check_trl_version()
         return getattr(module, name)
     raise AttributeError(f"module 'hf_dynbsz' has no attribute {name!r}")

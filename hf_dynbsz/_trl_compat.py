@@ -1,12 +1,13 @@
 """Every private or internal name of TRL, transformers and accelerate the plugin touches, in one list.
 
-TRL's private ``GRPOTrainer`` and ``RLOOTrainer`` hooks change between releases. The plugin keeps its overrides few,
-and this module lists each name it overrides, calls, reads or writes that is not public API, with the reason. The
-test suite (``tests/test_trl_compat.py``) checks that every name still exists in the installed versions (and that each
-method still takes the parameters we pass), so a TRL upgrade fails one clear test instead of a deep traceback;
-it also checks that the plugin's code touches no private name missing from this list. For the hooks the plugin
-overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's signature and with
-the tuple stock's callers unpack, the two ways these hooks changed between TRL releases (``docs/trl-compatibility.md``).
+TRL's private ``GRPOTrainer``, ``RLOOTrainer`` and ``DistillationTrainer`` hooks change between releases. The
+plugin keeps its overrides few, and this module lists each name it overrides, calls, reads or writes that is not
+public API, with the reason. The test suite (``tests/test_trl_compat.py``) checks that every name still exists in the
+installed versions (and that each method still takes the parameters we pass), so a TRL upgrade fails one clear test
+instead of a deep traceback; it also checks that the plugin's code touches no private name missing from this list.
+For the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with
+stock's signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
+(``docs/trl-compatibility.md``).
 
 :data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
 at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
@@ -52,7 +53,8 @@ class InternalName:
     """One internal name: where it lives, what the plugin does with it and why.
 
     ``owner`` is an import path (``"trl.GRPOTrainer"``, ``"trl.kernels.chunked_logprob"``) or ``"GRPOTrainer
-    instance"`` (``"RLOOTrainer instance"``) for attributes the trainer's ``__init__`` sets. ``use`` is one of
+    instance"`` (``"RLOOTrainer instance"``, ``"DistillationTrainer instance"``) for attributes the trainer's
+    ``__init__`` sets. ``use`` is one of
     "overrides", "calls", "reads", "writes", "passes" (a keyword argument of a forward). ``parameters`` are the
     parameters of a method the plugin relies on, checked against the installed signature. ``returns``, for an
     override, is the length of the tuple it returns, which stock's callers must unpack (None: one value, not a tuple).
@@ -164,6 +166,61 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "aux_loss_enabled",
         "reads",
         "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
+    ),
+    # ---- DistillationTrainer: the generation and step hooks; no log-prob passes (the teacher's are the plugin's)
+    InternalName(
+        "trl.DistillationTrainer",
+        "_generate_single_turn",
+        "overrides",
+        "generates a device's samples in chunks of per_device_generation_batch_size",
+        ("prompt_ids", "images", "multimodal_fields", "has_tool_images"),
+        returns=None,  # the completion ids
+    ),
+    InternalName(
+        "trl.DistillationTrainer",
+        "_prepare_inputs",
+        "calls",
+        "stock generation (once per optimizer step), num_items_in_batch, shuffling and slicing of each accumulation "
+        "step",
+        ("generation_batch",),
+    ),
+    InternalName(
+        "DistillationTrainer instance",
+        "_forward_redirection",
+        "calls",
+        "the student's passes (backbone and divergence) and the teacher's passes run inside their wrappers' forward, "
+        "as stock's compute_loss runs them (DDP's prepare_for_backward, ZeRO-3's parameter gathers)",
+    ),
+    InternalName(
+        "DistillationTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"
+    ),
+    InternalName(
+        "DistillationTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"
+    ),
+    InternalName(
+        "DistillationTrainer instance",
+        "_current_train_step_time",
+        "writes",
+        "the step_time metric, as stock training_step keeps it",
+    ),
+    InternalName("DistillationTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
+    InternalName(
+        "trl.kernels.chunked_divergence",
+        "ChunkedDivergenceFunction",
+        "calls",
+        "each pass's per-token divergence and student entropy, stock's own kernel on the pass's loss tokens",
+    ),
+    InternalName(
+        "trl.kernels.chunked_divergence",
+        "TOKEN_CHUNK_SIZE",
+        "writes",
+        "tensor_batch_size: tokens per tile of the distillation divergence",
+    ),
+    InternalName(
+        "trl.kernels.chunked_divergence",
+        "VOCAB_CHUNK_SIZE",
+        "writes",
+        "tensor_batch_size: vocabulary columns per tile of the distillation divergence",
     ),
     # ---- torch
     InternalName(
@@ -338,8 +395,8 @@ def check_trl_version(version: str | None = None) -> bool:
     if not inside and not _checked:
         warnings.warn(
             f"hf_dynbsz was tested with trl>={lower},<{upper} but trl {version} is installed. "
-            "DynamicBatchGRPOTrainer and DynamicBatchRLOOTrainer override private GRPOTrainer hooks and "
-            "RLOOTrainer hooks that change between TRL releases "
+            "DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer and DynamicBatchDistillationTrainer override private "
+            "GRPOTrainer hooks, RLOOTrainer hooks and DistillationTrainer hooks that change between TRL releases "
             "(listed in hf_dynbsz._trl_compat): run the test suite (or compare against stock GRPOTrainer) before "
             f"trusting results, or install 'trl>={lower},<{upper}'.",
             RuntimeWarning,

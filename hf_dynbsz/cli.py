@@ -1,9 +1,10 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
-``hf-dynbsz plan [GRPOConfig options] [--num_processes N] [--config_file ACCELERATE_YAML] [--lengths FILE]``
-prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command: every
-``GRPOConfig``/``DynamicBatchGRPOConfig`` option is accepted by its config name (``--output_dir`` is not
-required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
+``hf-dynbsz plan [--trainer grpo|distillation] [config options] [--num_processes N] [--config_file ACCELERATE_YAML]
+[--lengths FILE]`` prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command:
+every option of the trainer's config (``GRPOConfig``/``DynamicBatchGRPOConfig``, or ``DistillationConfig``/
+``DynamicBatchDistillationConfig`` with ``--trainer distillation``) is accepted by its config name (``--output_dir``
+is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
 micro-batches of a list of sample lengths and compares them with stock TRL's padded micro-batches.
 
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
@@ -115,22 +116,43 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache  # one parser per process: building it reads every config field's help
-def _plan_parser():
+#: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
+PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation"}
+
+
+def _planned_trainer(argv: list[str]) -> str:
+    """The ``--trainer`` of ``argv`` (the config class, and so the options, depend on it), "grpo" by default."""
+    scan = argparse.ArgumentParser(add_help=False)
+    scan.add_argument("--trainer", choices=list(PLANNED_TRAINERS), default="grpo")
+    known, _ = scan.parse_known_args(argv)
+    return known.trainer
+
+
+@functools.cache  # one parser per process and trainer: building it reads every config field's help
+def _plan_parser(trainer: str = "grpo"):
     from transformers import HfArgumentParser
 
-    from hf_dynbsz.config import DynamicBatchGRPOConfig
+    from hf_dynbsz import config
 
+    name = PLANNED_TRAINERS[trainer]
     parser = HfArgumentParser(
-        DynamicBatchGRPOConfig,
+        getattr(config, f"DynamicBatch{name}Config"),
         prog=f"{_PROG} plan",
         description=(
-            "Print the batch-size plan of a GRPO run (per device and global) and check the divisibility rules of "
-            "TRL and DeepSpeed. Takes every GRPOConfig / DynamicBatchGRPOConfig option by its config name; "
+            f"Print the batch-size plan of a {name} run (per device and global) and check the divisibility rules of "
+            f"TRL and DeepSpeed. Takes every {name}Config / DynamicBatch{name}Config option by its config name; "
             "DIFFU_* environment variables override them."
         ),
     )
     group = parser.add_argument_group("planning")
+    group.add_argument(
+        "--trainer",
+        choices=list(PLANNED_TRAINERS),
+        default="grpo",
+        help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
+        "sizes) or distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
+        "optimizer step, and the teacher's budget). Default: grpo.",
+    )
     group.add_argument(
         "--num_processes",
         type=int,
@@ -153,6 +175,12 @@ def _plan_parser():
         default=None,
         help="Model directory or config.json: the workload model (FLOPs per token and per attention pair) the "
         "simulation balances micro-batches with, as the trainer does. Default: a generic 7B-class decoder.",
+    )
+    group.add_argument(
+        "--teacher_model_config",
+        default=None,
+        help="With --trainer distillation: the teacher's model directory or config.json; with "
+        "max_memory_per_device_mib the memory rows then model the teacher's passes too.",
     )
     group.add_argument(
         "--json",
@@ -231,9 +259,11 @@ def _memory_rows(
     config = model_config if model_config is not None else GENERIC_DECODER
     # The precision the plan table shows (TRL's default bf16 included): half-precision activations, 2 bytes each.
     half = resolve_mixed_precision(namespace, mixed_precision) in ("bf16", "fp16")
+    teacher = getattr(namespace, "teacher_model_config", None)
     memory = MemoryModel.from_config(
         config,
         limit,
+        teacher_config=_read_model_config(teacher) if teacher else None,
         activation_bytes=2 if half else 4,
         gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
         tensor_batch_size=namespace.tensor_batch_size,
@@ -267,7 +297,7 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
 
 
 def _run_plan(argv: list[str]) -> int:
-    parser = _plan_parser()
+    parser = _plan_parser(_planned_trainer(argv))
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
     from hf_dynbsz.config import check_as_training
@@ -310,10 +340,11 @@ def _run_plan(argv: list[str]) -> int:
                     router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
                 ),
                 memory_rows=memory_rows,
+                trainer=namespace.trainer,
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None
-        check_as_training(namespace, plan.generation_batch_size)
+        check_as_training(namespace, plan.generation_batch_size, namespace.trainer)
         steps = None
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does

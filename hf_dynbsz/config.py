@@ -1,5 +1,7 @@
-"""``DynamicBatchGRPOConfig`` and ``DynamicBatchRLOOConfig``: TRL's ``GRPOConfig`` and ``RLOOConfig`` plus the settings
-of token-budget micro-batching (one set of fields, :class:`DynamicBatchFields`, from one settings table).
+"""``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig`` and ``DynamicBatchDistillationConfig``: TRL's ``GRPOConfig``,
+``RLOOConfig`` and ``DistillationConfig`` plus the settings of token-budget micro-batching (one set of fields,
+:class:`DynamicBatchFields`, from one settings table; a distillation adds its teacher's budget,
+:class:`DistillationFields`).
 
 Units: *samples* are completions; *tokens* are prompt + completion tokens; *per device* means one process,
 *global* means all processes. TRL's ``generation_batch_size`` keeps its meaning: GLOBAL samples per
@@ -18,14 +20,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl import GRPOConfig, RLOOConfig
+from trl import DistillationConfig, GRPOConfig, RLOOConfig
 
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
-from hf_dynbsz.planning.settings import DEFAULTS, config_docstring, setting
+from hf_dynbsz.planning.settings import config_docstring, defaults_of, setting
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields, validate_grpo_fields
 
 __all__ = [
+    "DistillationFields",
+    "DynamicBatchDistillationConfig",
     "DynamicBatchFields",
     "DynamicBatchGRPOConfig",
     "DynamicBatchRLOOConfig",
@@ -73,32 +77,35 @@ class DynamicBatchFields:
         apply_env_overrides(self)
         # DeepSpeed on a machine without an accelerator only agrees with accelerate on the world size over gloo.
         self.ddp_backend = default_ddp_backend(self.ddp_backend)
-        # 2. Record what the user asked for before TRL derives one from the other for this world size; the batch
-        #    plan needs it to plan another world size (see hf_dynbsz.planning.generation_round).
+        try:
+            self._dynbsz_check_and_derive()
+        except ValueError as error:  # name the DIFFU_* variables behind the values
+            raise with_env_sources(error, self) from None
+
+    def _dynbsz_check_and_derive(self) -> None:
+        """The checks and derivations after the environment: the generation round, TRL's ``__post_init__`` (the next
+        class after this one), the plugin's fields (also converting string values from the command line or YAML)."""
+        # Record what the user asked for before TRL derives one from the other for this world size; the batch plan
+        # needs it to plan another world size (see hf_dynbsz.planning.generation_round).
         setattr(
             self,
             USER_BATCH_SETTINGS_ATTR,
             {"generation_batch_size": self.generation_batch_size, "steps_per_generation": self.steps_per_generation},
         )
-        try:
-            # Sequence parallelism is ours to run (stock's __post_init__ refuses it): see take_sequence_parallelism.
-            take_sequence_parallelism(self)
-            # 3. The generation round with the planner's messages (named values, valid neighbours), before TRL's.
-            resolve_generation_round(
-                per_device_train_batch_size=self.per_device_train_batch_size,
-                gradient_accumulation_steps=self.gradient_accumulation_steps,
-                num_processes=int(os.environ.get("WORLD_SIZE", "1")),
-                num_generations=self.num_generations,
-                generation_batch_size=self.generation_batch_size,
-                steps_per_generation=self.steps_per_generation,
-            )
-            # 4. TRL's checks and derivations (GRPOConfig's or RLOOConfig's: the next class after this one).
-            super().__post_init__()
-            # 5. Ours (also converts string values from the command line or YAML).
-            validate_dynamic_batch_fields(self)
-            validate_grpo_fields(self)
-        except ValueError as error:  # name the DIFFU_* variables behind the values
-            raise with_env_sources(error, self) from None
+        # Sequence parallelism is ours to run (stock's __post_init__ refuses it): see take_sequence_parallelism.
+        take_sequence_parallelism(self)
+        # The generation round with the planner's messages (named values, valid neighbours), before TRL's.
+        resolve_generation_round(
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_processes=int(os.environ.get("WORLD_SIZE", "1")),
+            num_generations=self.num_generations,
+            generation_batch_size=self.generation_batch_size,
+            steps_per_generation=self.steps_per_generation,
+        )
+        super().__post_init__()  # TRL's checks and derivations (GRPOConfig's or RLOOConfig's)
+        validate_dynamic_batch_fields(self)
+        validate_grpo_fields(self)
 
 
 @dataclass
@@ -109,6 +116,38 @@ class DynamicBatchGRPOConfig(DynamicBatchFields, GRPOConfig):
 @dataclass
 class DynamicBatchRLOOConfig(DynamicBatchFields, RLOOConfig):
     pass
+
+
+@dataclass
+class DistillationFields(DynamicBatchFields):
+    """The plugin's fields of a distillation (:class:`DynamicBatchFields` and the teacher's budget) and their checks: a
+    distillation has no generation round to derive (one completion per prompt, generated once per optimizer step) and
+    no GRPO settings, so after the environment only TRL's own ``DistillationConfig.__post_init__`` and the plugin's
+    fields apply."""
+
+    max_tokens_per_microbatch_teacher: int | None = _field("max_tokens_per_microbatch_teacher")
+
+    def _dynbsz_check_and_derive(self) -> None:
+        refuse_distillation_sequence_parallelism(self)
+        super(DynamicBatchFields, self).__post_init__()  # TRL's DistillationConfig.__post_init__
+        validate_dynamic_batch_fields(self)
+
+
+@dataclass
+class DynamicBatchDistillationConfig(DistillationFields, DistillationConfig):
+    pass
+
+
+def refuse_distillation_sequence_parallelism(args) -> None:
+    """``sequence_parallel_size`` > 1 on a distillation: refused before any work (the teacher's passes are not
+    sharded); stock's own ``parallelism_config`` check (TRL's ``__post_init__``) refuses ``sp_size``."""
+    size = getattr(args, "sequence_parallel_size", 1) or 1
+    if int(size) > 1:
+        raise ValueError(
+            f"sequence_parallel_size={size}: DynamicBatchDistillationTrainer does not run sequence parallelism (the "
+            "teacher's passes are not sharded, and stock DistillationTrainer refuses sequence parallelism too). Set "
+            "sequence_parallel_size=1."
+        )
 
 
 def take_sequence_parallelism(args) -> None:
@@ -172,7 +211,7 @@ def default_ddp_backend(ddp_backend: str | None, environ=None, accelerator_avail
     return ddp_backend if accelerator_available else "gloo"
 
 
-def ensure_dynamic_batch_fields(args):
+def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
     """Make a post-initialised ``GRPOConfig`` usable by the dynamic-batching trainer, in place; returns ``args``.
 
     Sets the dynamic-batching fields to their defaults where missing, applies the ``DIFFU_*`` environment
@@ -182,13 +221,17 @@ def ensure_dynamic_batch_fields(args):
     ``num_generations`` with the same errors as the planner. Idempotent; a no-op on a ``DynamicBatchGRPOConfig``
     (whose ``__post_init__`` already did all this) unless the environment changed since.
     """
-    for name, default in DEFAULTS.items():
+    for name, default in defaults_of(trainer).items():
         if not hasattr(args, name):
             setattr(args, name, default)
     previous = args.per_device_train_batch_size
     apply_env_overrides(args)
     try:
-        _rederive_and_validate(args, previous)
+        if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
+            refuse_distillation_sequence_parallelism(args)
+            validate_dynamic_batch_fields(args)
+        else:
+            _rederive_and_validate(args, previous)
     except ValueError as error:  # name the DIFFU_* variables behind the values
         raise with_env_sources(error, args) from None
     return args
@@ -225,12 +268,13 @@ def _config_doc(trainer: str) -> str:
     like TRL's `{trainer}Trainer`. Precedence: `DIFFU_*` environment variables over arguments over defaults.
 
     Parameters:
-{config_docstring()}
+{config_docstring(trainer.lower())}
     """
 
 
 DynamicBatchGRPOConfig.__doc__ = _config_doc("GRPO")
 DynamicBatchRLOOConfig.__doc__ = _config_doc("RLOO")
+DynamicBatchDistillationConfig.__doc__ = _config_doc("Distillation")
 
 
 def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, algorithm: str = "GRPO"):
@@ -245,7 +289,7 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
 
         name = model if isinstance(model, str) else get_config_model_id(model.config)
         args = config_class(output_dir=f"{name.split('/')[-1]}-{algorithm}")
-    ensure_dynamic_batch_fields(args)
+    ensure_dynamic_batch_fields(args, algorithm.lower())
     if default_ddp_backend(args.ddp_backend) != args.ddp_backend and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             "DeepSpeed without a GPU needs ddp_backend='gloo' (ddp_backend=None now): stock TRL then fails with "
@@ -255,15 +299,17 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
     return args
 
 
-def check_as_training(options, generation_batch_size: int) -> None:
-    """Build the :class:`DynamicBatchGRPOConfig` training would build from ``options`` (``hf-dynbsz plan``'s parsed
-    namespace of the user's raw values), so that the planner rejects exactly what training rejects, with training's
-    own messages (one validation, not a copy).
+def check_as_training(options, generation_batch_size: int, trainer: str = "grpo") -> None:
+    """Build the config training would build from ``options`` (``hf-dynbsz plan``'s parsed namespace of the user's raw
+    values): :class:`DynamicBatchGRPOConfig`, or :class:`DynamicBatchDistillationConfig` for ``trainer``
+    "distillation", so that the planner rejects exactly what training rejects, with training's own messages (one
+    validation, not a copy).
 
     What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
-    checked by the launcher, not here), and the generation round is ``generation_batch_size``, the one planned for the
-    run's processes (the planning process is one process, the run may be many).
+    checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
+    the run's processes (the planning process is one process, the run may be many).
     """
+    config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -271,20 +317,14 @@ def check_as_training(options, generation_batch_size: int) -> None:
     # The options the user gave (defaults left to the config, so deprecated fields stay quiet).
     values = {
         f.name: getattr(options, f.name)
-        for f in dataclasses.fields(DynamicBatchGRPOConfig)
+        for f in dataclasses.fields(config_class)
         if f.init and hasattr(options, f.name) and getattr(options, f.name) != default(f)
     }
     values.update(
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        deepspeed=None,
-        report_to="none",
-        do_eval=False,
-        eval_strategy="no",
-        generation_batch_size=generation_batch_size,
-        steps_per_generation=None,
+        bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
+    if trainer != "distillation":  # a distillation's round is its optimizer step
+        values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)
-        DynamicBatchGRPOConfig(**values)
+        config_class(**values)

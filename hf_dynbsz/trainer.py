@@ -1,19 +1,21 @@
-"""`DynamicBatchGRPOTrainer` and `DynamicBatchRLOOTrainer`: TRL's GRPOTrainer and RLOOTrainer with token-budget
-micro-batches and the same math.
+"""`DynamicBatchGRPOTrainer`, `DynamicBatchRLOOTrainer` and `DynamicBatchDistillationTrainer`: TRL's GRPOTrainer,
+RLOOTrainer and DistillationTrainer with token-budget micro-batches and the same math.
 
 An optimizer step consumes exactly stock's samples (stock's ``_prepare_inputs`` still generates, scores, shuffles
 and slices them). Instead of one forward/backward per fixed slice, the trainer collects the step's slices into a
 :class:`~hf_dynbsz.execution.batch.StepBatch` and hands it to the pass executor
 (:mod:`hf_dynbsz.execution.executor`), which plans and runs the step's passes with stock's per-sample loss weights.
-Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`; the two
-trainers differ only in their loss (:mod:`hf_dynbsz.execution.step_loss`), their config class and the signature of
-``_generate_single_turn``. Both hold the hooks of :class:`TokenBudgetHooks`.
+Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`; the trainers
+differ only in their loss (:mod:`hf_dynbsz.execution.step_loss`: a distillation's holds its teacher, whose passes
+precede the step's), their config class and the signature of ``_generate_single_turn``. All hold the hooks of
+:class:`TokenBudgetHooks`; GRPO's and RLOO's also those of :class:`LogProbHooks` (their no-grad log-prob passes).
 
-TRL hooks overridden (the same names in both trainers), and why:
+TRL hooks overridden (the same names in every trainer unless said), and why:
 
 * ``__init__``: stock's signature; the config gains the plugin's fields, and a dataset too small is refused early.
 * ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call.
-* ``_get_per_token_logps_and_entropies``: run no-grad log-prob passes by the schedule (grad calls go to stock).
+* ``_get_per_token_logps_and_entropies`` (GRPO, RLOO): run no-grad log-prob passes by the schedule (grad calls go to
+  stock).
 * ``_generate_single_turn``: generate a device's samples in chunks of ``per_device_generation_batch_size``.
 * ``store_flos`` (transformers' ``Trainer``): the FLOP count's gather, the last collective of ``train()``, through the
   plugin's collectives (:mod:`hf_dynbsz.parallel.collectives`). transformers' drops the gathered tensors at once, and a
@@ -31,15 +33,20 @@ import time
 import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
-from trl import GRPOTrainer, RLOOTrainer
+from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
 from hf_dynbsz._trl_compat import check_trl_version
-from hf_dynbsz.config import DynamicBatchGRPOConfig, DynamicBatchRLOOConfig, trainer_config
+from hf_dynbsz.config import (
+    DynamicBatchDistillationConfig,
+    DynamicBatchGRPOConfig,
+    DynamicBatchRLOOConfig,
+    trainer_config,
+)
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
-from hf_dynbsz.execution.step_loss import GRPOLoss, RLOOLoss
+from hf_dynbsz.execution.step_loss import DistillationLoss, GRPOLoss, RLOOLoss
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
@@ -47,12 +54,14 @@ check_trl_version()
 
 _STOCK_INIT = inspect.signature(GRPOTrainer.__init__)
 _RLOO_STOCK_INIT = inspect.signature(RLOOTrainer.__init__)
+_DISTILLATION_STOCK_INIT = inspect.signature(DistillationTrainer.__init__)
 
 
 class TokenBudgetHooks:
-    """TRL's hooks over the pass executor, shared by the two trainers (placed before TRL's trainer class:
-    ``class DynamicBatchGRPOTrainer(TokenBudgetHooks, GRPOTrainer)``). A trainer class names its stock constructor's
-    signature, config class and loss; its ``__init__`` calls :meth:`_dynbsz_arguments` and :meth:`_dynbsz_start`."""
+    """TRL's hooks over the pass executor, shared by the trainers (placed before TRL's trainer class:
+    ``class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer)``). A trainer class names its stock
+    constructor's signature, config class and loss; its ``__init__`` calls :meth:`_dynbsz_arguments` and
+    :meth:`_dynbsz_start`."""
 
     _dynbsz_stock_init: inspect.Signature
     _dynbsz_config_class: type
@@ -112,6 +121,36 @@ class TokenBudgetHooks:
             if executor.self_check(model, batch.table):
                 return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
+
+    def store_flos(self) -> None:
+        # Override: transformers' sum of every process's FLOP count (distributed_broadcast_scalars: an all-gather of
+        # float32 scalars, summed), through the plugin's collectives, which hold the tensors (see the module).
+        if self.args.parallel_mode != ParallelMode.DISTRIBUTED:
+            return super().store_flos()
+        flos = torch.tensor([self.current_flos], device=self.args.device)
+        self.state.total_flos += torch.cat(gather_values(flos)).sum().item()
+        self.current_flos = 0
+
+    def _generation_chunks(self, prompt_ids, images, multimodal_fields) -> list | None:
+        """This device's prompts in chunks of ``per_device_generation_batch_size``, or None where generation runs as
+        stock's (no chunk size, fewer prompts, vLLM or continuous batching, images)."""
+        chunk = self.args.per_device_generation_batch_size
+        if (
+            chunk is None
+            or not self.args.dynamic_batching
+            or len(prompt_ids) <= chunk
+            or self.use_vllm
+            or getattr(self, "use_transformers_continuous_batching", False)  # (a distillation has none)
+            or images is not None
+            or multimodal_fields
+        ):
+            return None
+        return [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
+
+
+class LogProbHooks(TokenBudgetHooks):
+    """:class:`TokenBudgetHooks` and the no-grad log-prob passes of GRPO and RLOO (old policy, reference), which a
+    distillation does not have."""
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -184,33 +223,8 @@ class TokenBudgetHooks:
         )
         return table if executor.self_check(model, table) else None
 
-    def store_flos(self) -> None:
-        # Override: transformers' sum of every process's FLOP count (distributed_broadcast_scalars: an all-gather of
-        # float32 scalars, summed), through the plugin's collectives, which hold the tensors (see the module).
-        if self.args.parallel_mode != ParallelMode.DISTRIBUTED:
-            return super().store_flos()
-        flos = torch.tensor([self.current_flos], device=self.args.device)
-        self.state.total_flos += torch.cat(gather_values(flos)).sum().item()
-        self.current_flos = 0
 
-    def _generation_chunks(self, prompt_ids, images, multimodal_fields) -> list | None:
-        """This device's prompts in chunks of ``per_device_generation_batch_size``, or None where generation runs as
-        stock's (no chunk size, fewer prompts, vLLM or continuous batching, images)."""
-        chunk = self.args.per_device_generation_batch_size
-        if (
-            chunk is None
-            or not self.args.dynamic_batching
-            or len(prompt_ids) <= chunk
-            or self.use_vllm
-            or self.use_transformers_continuous_batching
-            or images is not None
-            or multimodal_fields
-        ):
-            return None
-        return [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
-
-
-class DynamicBatchGRPOTrainer(TokenBudgetHooks, GRPOTrainer):
+class DynamicBatchGRPOTrainer(LogProbHooks, GRPOTrainer):
     """Drop-in replacement for :class:`trl.GRPOTrainer` with token-budget micro-batches.
 
     Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchGRPOConfig` or a plain
@@ -246,7 +260,7 @@ class DynamicBatchGRPOTrainer(TokenBudgetHooks, GRPOTrainer):
         return completion_ids, None
 
 
-class DynamicBatchRLOOTrainer(TokenBudgetHooks, RLOOTrainer):
+class DynamicBatchRLOOTrainer(LogProbHooks, RLOOTrainer):
     """Drop-in replacement for :class:`trl.RLOOTrainer` with token-budget micro-batches.
 
     Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRLOOConfig` or a plain
@@ -274,6 +288,39 @@ class DynamicBatchRLOOTrainer(TokenBudgetHooks, RLOOTrainer):
         completion_ids = []
         for chunk in chunks:
             completion_ids.extend(super()._generate_single_turn(chunk, None, multimodal_fields))
+        return completion_ids
+
+
+class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer):
+    """Drop-in replacement for :class:`trl.DistillationTrainer` with token-budget micro-batches: the student's passes
+    and the teacher's no-grad passes (with a budget of their own) repack each optimizer step's samples.
+
+    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchDistillationConfig` or a
+    plain ``DistillationConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still
+    apply).
+    """
+
+    _dynbsz_stock_init = _DISTILLATION_STOCK_INIT
+    _dynbsz_config_class = DynamicBatchDistillationConfig
+    _dynbsz_loss_class = DistillationLoss
+    _dynbsz_algorithm = "Distillation"
+
+    def __init__(self, *args, **kwargs):
+        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
+        args, kwargs = self._dynbsz_arguments(args, kwargs)
+        super().__init__(*args, **kwargs)
+        self._dynbsz_start()
+
+    __init__.__signature__ = _DISTILLATION_STOCK_INIT
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        # Override: bound generation memory by generating this device's samples in chunks.
+        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
+        if chunks is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        completion_ids = []
+        for chunk in chunks:
+            completion_ids.extend(super()._generate_single_turn(chunk, None, multimodal_fields, has_tool_images))
         return completion_ids
 
 

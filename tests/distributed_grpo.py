@@ -2,9 +2,12 @@
 
 Trains stock GRPOTrainer or DynamicBatchGRPOTrainer (``--trainer stock|dynamic``), or stock RLOOTrainer or
 DynamicBatchRLOOTrainer (``--trainer rloo_stock|rloo_dynamic``: the GRPO-only flags ``--loss_type``,
-``--top_entropy_quantile``, ``--entropy_coef`` do not apply, and RLOO has no ``rollout_func``: generation only) from a
-saved tiny model and writes, from rank 0, the final (gathered) parameters, the completions every rank generated, and
-each rank's dynbsz metrics.
+``--top_entropy_quantile``, ``--entropy_coef`` do not apply, and RLOO has no ``rollout_func``: generation only), or
+stock DistillationTrainer or DynamicBatchDistillationTrainer (``--trainer distillation_stock|distillation_dynamic``,
+the teacher loaded by TRL from ``--teacher_dir``; ``--beta`` is the divergence's, ``--temperature`` its temperature;
+scripted rollouts stand in for generation, ``multiturn``'s environment mask as the tool mask) from a saved tiny model
+and writes, from rank 0, the final (gathered) parameters, the completions every rank generated, and each rank's dynbsz
+metrics.
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
 (18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
@@ -14,8 +17,8 @@ each rank's dynbsz metrics.
 ``.name``): a launch's start-up (about 14 s on 2 CPU cores) costs more than a tiny run (about 2 s). ``--vllm
 server|colocate`` generates through TRL's vLLM path with the stand-in of :mod:`hf_dynbsz.testing.vllm_standin` (GRPO:
 importance-sampling correction in ``--vllm_is_mode``, clipped to [0.5, 2]). ``--mutate`` corrupts, on the process
-that receives them, the samples that cross-rank balancing moved (their advantage, old log-probs or loss weight): a check
-that the comparison with stock would catch a sample that lost what belongs to it.
+that receives them, the samples that cross-rank balancing moved (their advantage, old log-probs, loss weight or
+teacher hidden states): a check that the comparison with stock would catch a sample that lost what belongs to it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from hf_dynbsz.testing import (
     base_config_kwargs,
     build_tiny_vision_language_model,
     build_trainer,
+    distillation_config,
+    distillation_trainer,
     image_prompt_dataset,
     load_tokenizer,
     prompt_dataset,
@@ -74,7 +79,10 @@ def corrupt_moved_samples(what: str):
     def damaged(self, group, exchange, media=False):
         moved = moved_batch(self, group, exchange, media)
         arrived = torch.tensor([origin != group.rank for origin, _ in exchange.incoming])
-        if what == "advantage":
+        if what == "teacher_hidden":  # a distillation's teacher states of the samples that arrived
+            for index in arrived.nonzero().flatten().tolist():
+                moved.teacher_hidden[index] = moved.teacher_hidden[index] + 0.5
+        elif what == "advantage":
             moved.advantages[arrived] = -moved.advantages[arrived]
         elif what == "old_logps":
             moved.per_token["old_per_token_logps"][arrived] -= 0.5
@@ -91,11 +99,7 @@ def corrupt_moved_samples(what: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["stock", "dynamic", "rloo_stock", "rloo_dynamic"], required=True)
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--loss_type", default="dapo")
-    parser.add_argument("--beta", type=float, default=0.0)
+    add_trainer_flags(parser)
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--budget", type=int, default=40)
@@ -108,7 +112,9 @@ def main() -> None:
     )
     parser.add_argument("--balance", choices=["on", "off"], default="on")
     add_generation_flags(parser)
-    parser.add_argument("--mutate", choices=["none", "advantage", "old_logps", "weight"], default="none")
+    parser.add_argument(
+        "--mutate", choices=["none", "advantage", "old_logps", "weight", "teacher_hidden"], default="none"
+    )
     parser.add_argument("--rank1_env", default=None, help="VARIABLE=VALUE set in process 1's environment only")
     parser.add_argument("--router_aux_loss_coef", type=float, default=None, help="TRL's MoE router aux loss weight")
     parser.add_argument(
@@ -171,6 +177,22 @@ def main() -> None:
     os._exit(0)
 
 
+def add_trainer_flags(parser) -> None:
+    """What trains, from where, to where: ``--trainer`` (a distillation's teacher from ``--teacher_dir``), the models,
+    the output prefix, and the loss's own settings (``--beta``: GRPO's KL coefficient, a distillation's divergence)."""
+    parser.add_argument(
+        "--trainer",
+        choices=["stock", "dynamic", "rloo_stock", "rloo_dynamic", "distillation_stock", "distillation_dynamic"],
+        required=True,
+    )
+    parser.add_argument("--teacher_dir", default=None, help="distillation: the teacher's saved model (TRL loads it)")
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loss_type", default="dapo")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+
+
 def add_generation_flags(parser) -> None:
     """Where the completions come from: ``--rollout`` (generated or scripted), ``--vllm`` (TRL's vLLM path through the
     stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there)."""
@@ -213,6 +235,13 @@ def text_model(cli, out: str):
 
 def config_fields(cli, loss_type: str) -> dict:
     """The config fields the flags set, for stock's and the plugin's trainers alike."""
+    if cli.trainer.startswith("distillation"):  # no generation round, no reward, no router aux loss
+        fields = dict(beta=cli.beta, temperature=cli.temperature, max_steps=cli.max_steps)
+        if cli.lopsided:
+            fields.update(shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+        if cli.no_gradient_checkpointing:
+            fields.update(gradient_checkpointing=False)
+        return fields
     fields = dict(
         beta=cli.beta,
         num_iterations=cli.num_iterations,
@@ -239,14 +268,21 @@ def config_fields(cli, loss_type: str) -> dict:
     return fields
 
 
+def make_config(trainer: str, output_dir: str, **fields):
+    """``trainer``'s config of the comparison runs (:func:`~hf_dynbsz.testing.base_config_kwargs`, or a
+    distillation's :func:`~hf_dynbsz.testing.distillation_config`) with ``fields``."""
+    if trainer.startswith("distillation"):
+        return distillation_config(trainer, output_dir, **fields)
+    return trainer_classes(trainer)[1](**base_config_kwargs(output_dir, **fields))
+
+
 def run_args(cli, loss_type: str, out: str):
-    """The config of ``--trainer``: the comparison runs' (:func:`~hf_dynbsz.testing.base_config_kwargs`) with the
-    flags' fields, and for the plugin its own settings."""
-    config_cls = trainer_classes(cli.trainer)[1]
+    """The config of ``--trainer``: the comparison runs' with the flags' fields, and for the plugin its own
+    settings."""
     fields = config_fields(cli, loss_type)
     if cli.trainer.endswith("stock"):
-        # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; DynamicBatchGRPOConfig sets it itself
-        return config_cls(**base_config_kwargs(out + "-run", ddp_backend="gloo", **fields))
+        # stock TRL needs ddp_backend="gloo" spelled out for DeepSpeed on CPU; the plugin's configs set it themselves
+        return make_config(cli.trainer, out + "-run", ddp_backend="gloo", **fields)
     if cli.sequence_parallel > 1:  # accelerate's own object, as a user passes it (stock's config refuses it)
         from accelerate.parallelism_config import ParallelismConfig
 
@@ -258,7 +294,7 @@ def run_args(cli, loss_type: str, out: str):
         balance_across_ranks=cli.balance == "on",
         max_memory_per_device_mib=cli.max_memory_mib,
     )
-    return config_cls(**base_config_kwargs(out + "-run", **plugin, **fields))
+    return make_config(cli.trainer, out + "-run", **plugin, **fields)
 
 
 def scripted_rollout(cli):
@@ -277,8 +313,23 @@ def scripted_rollout(cli):
     return None
 
 
+def train_distillation(cli, loss_type: str, out: str):
+    """One distillation run (the student from ``--model_dir``, the teacher from ``--teacher_dir``); writes each rank's
+    record and, from rank 0, the final parameters, under ``out``."""
+    args = run_args(cli, loss_type, out)
+    trainer = distillation_trainer(
+        cli.trainer, out, model_dir=cli.model_dir, teacher=cli.teacher_dir, rollout=scripted_rollout(cli),
+        dataset=lopsided_dataset() if cli.lopsided else prompt_dataset(), args=args,
+    )  # fmt: skip
+    trainer.train()
+    write_results(trainer, None, cli, out, [])
+    return trainer
+
+
 def train(cli, loss_type: str, out: str):
     """One training run; writes each rank's record and, from rank 0, the final parameters, under ``out``."""
+    if cli.trainer.startswith("distillation"):
+        return train_distillation(cli, loss_type, out)
     if cli.trainer.startswith("rloo") and (cli.rollout != "generate" or cli.vision):
         raise SystemExit("--trainer rloo_*: RLOOTrainer takes no rollout_func (--rollout generate, no --vision)")
     if cli.vision:  # built before the config: under ZeRO-3 a config makes models built afterwards partitioned at birth
@@ -346,7 +397,7 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
     ]
     rank_record = {
         "rank": accelerator.process_index,
-        "completions": reward.completions,
+        "completions": reward.completions if reward is not None else trainer.generated,  # (a distillation's ids)
         "metrics": metrics,
         "rewards": rewards,
         "aux_losses": aux_losses,

@@ -27,3 +27,47 @@ def test_under_zero3_on_several_processes_a_hybrid_model_trains_padded_rows_with
     assert chosen.enabled and {layout.name for layout in chosen.layouts} == {"padded"}
     assert not any(layout.segment_recurrence for layout in chosen.layouts)
     assert any(SEGMENT_RECURRENCE_UNDER_ZERO3 in note for note in chosen.notes), chosen.notes
+
+
+def pair(tmp_path, teacher, student=None, **settings):
+    """The capabilities of a distillation of ``student`` (a tiny Qwen2) by ``teacher``."""
+    from hf_dynbsz import DynamicBatchDistillationConfig
+    from hf_dynbsz.planning.model_support import ModelSupport
+    from hf_dynbsz.testing import build_tiny_causal_lm, distillation_config
+
+    args = distillation_config("distillation_dynamic", str(tmp_path), **settings)
+    assert isinstance(args, DynamicBatchDistillationConfig)
+    student = student or build_tiny_causal_lm(build_char_tokenizer())
+    own = Capabilities.of(args, student, SINGLE_PROCESS, aux_loss=False, external_generation=False)
+    return own, own.with_teacher(args, ModelSupport.of(model=teacher))
+
+
+def test_a_distillation_pair_keeps_the_layouts_both_models_allow(tmp_path):
+    """A hybrid teacher allows the student's padding-free rows with its own sequence mixers run per sequence: the pair
+    keeps them, with segment recurrence and the teacher's mixers; image steps of a vision-language model run stock."""
+    from hf_dynbsz.testing import build_tiny_teacher
+
+    own, same = pair(tmp_path, build_tiny_teacher(build_char_tokenizer()))
+    assert same.layouts == own.layouts and same.enabled and same.scheduler.layout == "padding_free"
+    own, hybrid = pair(tmp_path, build_tiny_hybrid_lm(build_char_tokenizer()))
+    assert [layout.name for layout in hybrid.layouts] == [layout.name for layout in own.layouts]
+    assert hybrid.layouts[0].segment_recurrence and hybrid.scheduler.segment_recurrence
+    assert hybrid.support.sequence_mixers and not own.support.sequence_mixers
+
+
+def test_a_teacher_on_another_attention_keeps_the_common_layouts_or_turns_repacking_off_with_the_reason(tmp_path):
+    """The student's padding-free rows run segment attention on sdpa, an eager teacher's on eager: the pair keeps the
+    padded rows both run (one note says which were left), or with packing_layout="padding_free" none (stock math)."""
+    from hf_dynbsz.testing import build_tiny_teacher
+
+    def eager_teacher():
+        return build_tiny_teacher(build_char_tokenizer(), attn_implementation="eager")
+
+    own, common = pair(tmp_path, eager_teacher())
+    assert common.enabled and {layout.name for layout in common.layouts} == {"padded"} < {
+        one.name for one in own.layouts
+    }
+    assert any("the teacher model does not run padding_free" in note for note in common.notes), common.notes
+    own, none = pair(tmp_path, eager_teacher(), packing_layout="padding_free")
+    assert own.enabled and not none.enabled and not none.layouts
+    assert any("stock DistillationTrainer math runs: the teacher model" in note for note in none.notes), none.notes

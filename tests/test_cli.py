@@ -90,6 +90,35 @@ def test_valid_config_prints_the_plan(plan_in_process):
     assert table_row(out, "max_tokens_per_microbatch")[:2] == ["8192", "65536"]
 
 
+def test_a_distillation_plan_has_its_round_and_its_teachers_budget_and_trainings_checks(plan_in_process, tmp_path):
+    """``--trainer distillation`` takes DistillationConfig's options: one completion per prompt, generated once per
+    optimizer step (no GRPO round rows), the teacher's budget; a value stock's config refuses exits 2 with its
+    message; with a memory limit and the teacher's config, the teacher's passes get memory rows of their own."""
+    result = plan_in_process(
+        "--trainer", "distillation", "--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2,
+        "--num_processes", 2, "--beta", 0.5, "--max_tokens_per_microbatch_teacher", 2048,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert table_row(out, "samples per optimizer step")[:2] == ["8", "16"]
+    assert table_row(out, "generation")[:2] == ["-", "16"]
+    assert table_row(out, "max_tokens_per_microbatch_teacher")[:2] == ["2048", "4096"]
+    assert table_row(out, "dynamic_batching")[0] == "on"
+    assert "num_generations" not in out and "max_tokens_per_microbatch_logprob" not in out
+    refused = plan_in_process("--trainer", "distillation", "--beta", 1.5)
+    assert refused.returncode == 2 and "beta must be in [0.0, 1.0], got 1.5" in refused.stderr
+    assert plan_in_process("--trainer", "distillation", "--num_generations", 4).returncode == 2  # not its option
+    from hf_dynbsz.testing import build_char_tokenizer, build_tiny_teacher
+
+    build_tiny_teacher(build_char_tokenizer()).config.save_pretrained(tmp_path)
+    memory = plan_in_process(
+        "--trainer", "distillation", "--max_memory_per_device_mib", 4000, "--held_mib", 100,
+        "--teacher_model_config", tmp_path, "--use_cpu", "true",
+    )  # fmt: skip
+    assert memory.returncode == 0, memory.stderr
+    assert table_row(memory.stdout, "budget that fits, teacher")[0].isdigit()
+
+
 def test_output_dir_is_not_required_and_defaults_plan_one_process(plan_in_process):
     result = plan_in_process("--per_device_train_batch_size", 8)
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,9 @@ from trl import GRPOConfig
 from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
 from hf_dynbsz.planning import env
 from hf_dynbsz.planning.plan import BatchSizePlan
-from hf_dynbsz.planning.settings import DEFAULTS
+from hf_dynbsz.planning.settings import defaults_of
+
+DEFAULTS = defaults_of("grpo")  # the fields a GRPO config adds (a distillation's adds its teacher's budget too)
 
 NEW_FIELDS = (
     "dynamic_batching",
@@ -368,3 +370,37 @@ def test_a_memory_fraction_outside_zero_to_one_is_refused(tmp_path, fraction):
         r" 0 < f <= 1|positive)",
     ):
         make_config(tmp_path, max_memory_fraction_per_device=fraction)
+
+
+# ---- a distillation's config -------------------------------------------------------------------------------
+def test_a_distillation_config_has_the_plugins_fields_and_its_teachers_budget(tmp_path, monkeypatch):
+    """DynamicBatchDistillationConfig: DistillationConfig's fields and checks (beta in [0, 1]), the plugin's fields
+    (environment over arguments), the teacher's budget; no generation round; sequence parallelism refused."""
+    from trl import DistillationConfig
+
+    from hf_dynbsz import DynamicBatchDistillationConfig
+
+    monkeypatch.setenv("DIFFU_MAX_TOKENS", "99")
+    config = DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert isinstance(config, DistillationConfig) and config.max_tokens_per_microbatch == 99
+    assert {
+        name: getattr(config, name) for name in defaults_of("distillation") if name != "max_tokens_per_microbatch"
+    } == {name: default for name, default in defaults_of("distillation").items() if name != "max_tokens_per_microbatch"}
+    assert not hasattr(config, "num_generations")
+    with pytest.raises(ValueError, match=r"beta must be in \[0.0, 1.0\], got 2"):
+        DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, beta=2.0)
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch_teacher must be a positive integer"):
+        DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, max_tokens_per_microbatch_teacher=0)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2: DynamicBatchDistillationTrainer does not run"):
+        DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, sequence_parallel_size=2)
+
+
+def test_a_plain_distillation_config_gets_its_fields_and_no_grpo_check(tmp_path):
+    from trl import DistillationConfig
+
+    config = DistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", temperature=1.5)
+    assert ensure_dynamic_batch_fields(config, "distillation") is config
+    assert {name: getattr(config, name) for name in defaults_of("distillation")} == defaults_of("distillation")
+    grpo = make_config(tmp_path, cls=GRPOConfig)
+    ensure_dynamic_batch_fields(grpo)
+    assert not hasattr(grpo, "max_tokens_per_microbatch_teacher")  # a GRPO config has no teacher

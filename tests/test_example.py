@@ -223,3 +223,30 @@ def test_rloo_example_short_single_process(tmp_path):
     assert re.search(r"step +2 \| reward=[0-9.]+ \| .*dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)", output)
     assert summary_steps(output) == 2
     assert (tmp_path / "out" / "initial-model" / "config.json").exists()  # the reference model's weights
+
+
+def test_distill_example_short_single_process_and_its_hub_mode_on_local_models(tmp_path):
+    """examples/distill.py: the offline demo (a tiny student and a 3x teacher of its vocabulary) prints the plan with
+    the teacher's budget, a line per step and the loss's summary; with ``--model_name_or_path`` and
+    ``--teacher_model_name_or_path`` (here local directories, as TRL's script loads Hub ones) TRL loads both by
+    name."""
+    script = str(ROOT / "examples" / "distill.py")
+    output = run([sys.executable, script, "--max_steps", "2", "--output_dir", str(tmp_path / "out")], cwd=tmp_path)
+    assert "hf_dynbsz batch-size plan" in output and "max_tokens_per_microbatch_teacher" in output
+    assert re.search(r"step +2 \| loss=[0-9.]+ \| entropy=[0-9.]+ \| .*dynbsz/microbatches_max_over_ranks=\d+ "
+                     r"\(stock 2\)", output), output[-3000:]  # fmt: skip
+    assert summary_steps(output) == 2 and re.search(r"loss +first 1 logged steps [0-9.e+-]+ -> last 1", output)
+    student = save_tiny_model(str(tmp_path / "student"))
+    from hf_dynbsz.testing import save_tiny_teacher
+
+    teacher = save_tiny_teacher(str(tmp_path / "teacher"))
+    (tmp_path / "prompts").mkdir()  # a local JSON-lines dataset, as test_resume_from_mid_run_checkpoint's
+    rows = [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3)} for i in range(16)]
+    (tmp_path / "prompts" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    named = [
+        "--model_name_or_path", student, "--teacher_model_name_or_path", teacher, "--dataset_name",
+        str(tmp_path / "prompts"), "--max_steps", "1", "--max_completion_length", "16", "--bf16", "false",
+        "--output_dir", str(tmp_path / "named"), "--per_device_train_batch_size", "4",
+    ]  # fmt: skip
+    output = run([sys.executable, script, *named], cwd=tmp_path)
+    assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output

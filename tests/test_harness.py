@@ -29,6 +29,30 @@ def test_a_trainer_is_named_by_algorithm_and_kind_and_an_unknown_name_lists_the_
         trainer_classes("ppo")
 
 
+def test_a_distillation_run_names_its_trainers_and_records_its_generations(tmp_path):
+    """A distillation's comparison config is the comparison runs' without num_generations (one completion per prompt),
+    and its trainer records what it generated (a scripted rollout's completions here, with its env mask as the tool
+    mask)."""
+    from trl import DistillationConfig, DistillationTrainer
+
+    from hf_dynbsz.testing import MultiTurnRollout, distillation_config, distillation_trainer, save_tiny_model
+
+    assert trainer_classes("distillation_stock") == (DistillationTrainer, DistillationConfig)
+    args = distillation_config("distillation_dynamic", str(tmp_path), max_steps=1)
+    assert args.per_device_train_batch_size == 4 and args.gradient_accumulation_steps == 2 and args.max_steps == 1
+    rollout = MultiTurnRollout(
+        lambda rng: 3, lambda rng: 2, lambda rng: 4, max_completion_length=16, seed=0, token_high=7
+    )
+    trainer = distillation_trainer(
+        "distillation_stock", str(tmp_path), model_dir=save_tiny_model(str(tmp_path / "m")), rollout=rollout
+    )
+    batch = trainer._generate_and_score_completions([{"prompt": f"p{i}"} for i in range(3)])
+    assert [len(ids) for ids in trainer.generated] == [batch["completion_mask"][i].sum() for i in range(3)]
+    assert (batch["tool_mask"] == 0).any() and batch["num_items_in_batch"] == (
+        batch["completion_mask"] * batch["tool_mask"]
+    ).sum()
+
+
 def test_a_run_config_is_a_cpu_run_whose_fields_override_the_defaults(tmp_path):
     args = run_config("grpo_dynamic", str(tmp_path), logging_steps=5, max_tokens_per_microbatch=64)
     assert args.use_cpu and not args.bf16 and args.report_to == [] and args.save_strategy == "no"

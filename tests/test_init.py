@@ -29,6 +29,10 @@ def test_public_names_resolve():
     for name in (
         "DynamicBatchGRPOConfig",
         "DynamicBatchGRPOTrainer",
+        "DynamicBatchRLOOConfig",
+        "DynamicBatchRLOOTrainer",
+        "DynamicBatchDistillationConfig",
+        "DynamicBatchDistillationTrainer",
         "BatchSizePlan",
         "partition_by_token_budget",
         "apply_env_overrides",
@@ -49,5 +53,8 @@ def test_installed_trl_is_inside_the_tested_range():
 @pytest.mark.parametrize("version", ["1.15.0", "1.17.0", "2.0.0"])
 def test_untested_trl_versions_warn_clearly(version, monkeypatch):
     monkeypatch.setattr(hf_dynbsz._trl_compat, "_checked", False)
-    with pytest.warns(RuntimeWarning, match=rf"trl {version} is installed.*private GRPOTrainer hooks"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"trl {version} is installed.*private GRPOTrainer hooks, RLOOTrainer hooks and DistillationTrainer",
+    ):
         assert hf_dynbsz.check_trl_version(version) is False

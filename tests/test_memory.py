@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.planning.memory import FAILURE_SHRINK, KINDS, Coefficients, MemoryModel, prior_coefficients
+from hf_dynbsz.planning.memory import (
+    FAILURE_SHRINK,
+    KINDS,
+    Coefficients,
+    MemoryModel,
+    plan_rows,
+    prior_coefficients,
+    teacher_budget_scale,
+)
 
 CONFIG = types.SimpleNamespace(
     hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8, vocab_size=4000
@@ -153,3 +161,21 @@ def test_held_estimate_shards_with_zero():
     alone = estimated_held_mib(CONFIG)
     assert estimated_held_mib(CONFIG, num_processes=8, zero_stage=3) == pytest.approx(alone / 8)
     assert alone / 8 < estimated_held_mib(CONFIG, num_processes=8, zero_stage=2) < alone
+
+
+def test_a_teachers_passes_have_a_model_of_their_own_from_the_teachers_config():
+    """A distillation's teacher: its no-grad passes' prior is a log-prob pass's, of the teacher's config; the plan
+    shows its rows; its budget scale is the student's no-grad memory per token over the teacher's."""
+    teacher = types.SimpleNamespace(**dict(vars(CONFIG), hidden_size=1024, intermediate_size=2752))
+    memory = MemoryModel.from_config(CONFIG, 4000, teacher_config=teacher)
+    assert memory.priors["teacher"] == prior_coefficients(teacher, "logprob")
+    assert memory.priors["logprob"] == prior_coefficients(CONFIG, "logprob")
+    assert MemoryModel.from_config(CONFIG).priors["teacher"] == prior_coefficients(CONFIG, "logprob")
+    names = [row[0] for row in plan_rows(memory, 100.0, "measured", 64)]
+    assert "memory of a teacher pass" in names and "budget that fits, teacher" in names
+    assert "memory of a teacher pass" not in [
+        row[0] for row in plan_rows(MemoryModel.from_config(CONFIG, 4000), 1, "", 1)
+    ]
+    scale = teacher_budget_scale(CONFIG, teacher)
+    assert scale == pytest.approx(prior_coefficients(CONFIG, "logprob").per_token / memory.priors["teacher"].per_token)
+    assert 0.45 < scale < 0.55 and teacher_budget_scale(CONFIG, CONFIG) == 1.0

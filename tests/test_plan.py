@@ -367,3 +367,18 @@ def test_module_is_pure_python():
     from hf_dynbsz.testing import loaded_by_import
 
     assert loaded_by_import("hf_dynbsz.planning.plan") == {"torch": False, "trl": False}
+
+
+def test_a_distillation_plans_one_completion_per_prompt_generated_once_per_optimizer_step():
+    """DistillationConfig has no generation round settings: its round is the optimizer step (n = 1, one pass)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        per_device_train_batch_size=4, gradient_accumulation_steps=3, max_tokens_per_microbatch_teacher=512
+    )
+    plan = BatchSizePlan.from_args(args, num_processes=2, trainer="distillation")
+    assert (plan.num_generations, plan.steps_per_generation, plan.num_iterations) == (1, 3, 1)
+    assert plan.generation_batch_size == plan.global_samples_per_optimizer_step == 24
+    assert plan.max_tokens_per_microbatch_teacher == 512 and plan.stock_trainer == "DistillationTrainer"
+    with pytest.raises(ValueError, match="trainer must be one of 'grpo', 'rloo', 'distillation'"):
+        BatchSizePlan.from_args(args, num_processes=2, trainer="sft")

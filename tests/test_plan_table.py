@@ -14,9 +14,9 @@ def plan(num_processes=2, **overrides):
     return BatchSizePlan.from_args(SimpleNamespace(**values), num_processes=num_processes)
 
 
-def test_every_unconditional_spec_gives_one_row_in_order():
+def test_every_spec_that_applies_gives_one_row_in_order():
     rows = plan_rows(plan())
-    assert [row[0] for row in rows] == [spec.setting for spec in PLAN_ROWS if spec.when is None]
+    assert [row[0] for row in rows] == [spec.setting for spec in PLAN_ROWS if spec.when is None or spec.when(plan())]
     assert all(len(row) == 4 and all(isinstance(cell, str) for cell in row) for row in rows)
 
 

@@ -97,13 +97,12 @@ def hub(tmp_path_factory):
     return paths
 
 
-def args(tmp_path, **overrides) -> RLOOConfig:
-    """TRL's test configuration, on this CPU machine and cut to 2 optimizer steps."""
+def trl_test_settings(tmp_path, **overrides) -> dict:
+    """TRL's test configuration, on this CPU machine and cut to 2 optimizer steps (the distillation suite's too)."""
     settings = dict(
         output_dir=str(tmp_path / "out"),
         learning_rate=0.1,  # TRL's: the gradients are tiny
         per_device_train_batch_size=3,
-        num_generations=3,
         max_completion_length=8,
         max_steps=2,
         report_to="none",
@@ -113,7 +112,12 @@ def args(tmp_path, **overrides) -> RLOOConfig:
         disable_tqdm=True,
     )
     settings.update(overrides)
-    return RLOOConfig(**settings)
+    return settings
+
+
+def args(tmp_path, **overrides) -> RLOOConfig:
+    """TRL's RLOO test configuration (:func:`trl_test_settings`, 3 completions per prompt)."""
+    return RLOOConfig(**trl_test_settings(tmp_path, **{"num_generations": 3, **overrides}))
 
 
 def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False):
@@ -192,18 +196,34 @@ def test_train_dataset_required(trainer_class, hub, tmp_path):
         trainer_class(model=hub["qwen2"], reward_funcs=hub["reward"], args=args(tmp_path))
 
 
-@pytest.mark.parametrize(
-    "eval_dataset_type", ["dataset", "iterable_dataset", "dataset_dict", "dict_of_dataset", "none"]
-)
-def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
+EVAL_DATASET_TYPES = ["dataset", "iterable_dataset", "dataset_dict", "dict_of_dataset", "none"]
+
+
+def eval_dataset_of(eval_dataset_type: str):
+    """TRL's ``test_init_with_eval_dataset`` cases: the zen test split as each kind of eval dataset."""
     split = zen(split="test")
-    eval_dataset = {
+    return {
         "dataset": split,
         "iterable_dataset": split.to_iterable_dataset(),
         "dataset_dict": DatasetDict({"data1": split, "data2": split}),
         "dict_of_dataset": {"data1": split, "data2": split},
         "none": None,
     }[eval_dataset_type]
+
+
+def check_eval_dataset(trainer, eval_dataset) -> None:
+    """TRL's check: the trainer holds the eval dataset it was given (a dict by its keys)."""
+    if eval_dataset is None:
+        assert trainer.eval_dataset is None
+    elif isinstance(trainer.eval_dataset, dict):
+        assert set(trainer.eval_dataset) == {"data1", "data2"}
+    else:
+        assert trainer.eval_dataset is eval_dataset
+
+
+@pytest.mark.parametrize("eval_dataset_type", EVAL_DATASET_TYPES)
+def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
+    eval_dataset = eval_dataset_of(eval_dataset_type)
     trainer = trainer_class(
         model=hub["qwen2"],
         reward_funcs=hub["reward"],
@@ -211,12 +231,7 @@ def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type)
         train_dataset=zen(),
         eval_dataset=eval_dataset,
     )
-    if eval_dataset is None:
-        assert trainer.eval_dataset is None
-    elif isinstance(trainer.eval_dataset, dict):
-        assert set(trainer.eval_dataset) == {"data1", "data2"}
-    else:
-        assert trainer.eval_dataset is eval_dataset
+    check_eval_dataset(trainer, eval_dataset)
 
 
 def test_iterable_dataset_requires_dispatch_batches_false_and_one_worker(trainer_class, hub, tmp_path):

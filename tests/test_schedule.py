@@ -75,8 +75,22 @@ def test_logprob_budget_is_its_setting_or_twice_the_training_budget():
     assert (
         scheduler(max_tokens_per_microbatch=1024, max_tokens_per_microbatch_logprob=700).budget(3000, "logprob") == 700
     )
-    with pytest.raises(ValueError, match="kind must be one of 'training', 'logprob'"):
+    with pytest.raises(ValueError, match="kind must be one of 'training', 'logprob', 'teacher'"):
         scheduler().budget(3000, "eval")
+
+
+def test_a_teachers_budget_is_its_setting_or_the_log_prob_rule_at_the_teachers_size():
+    """A distillation's teacher passes: ``max_tokens_per_microbatch_teacher``, else twice the training budget times
+    ``teacher_scale`` (the student's no-grad memory per token over the teacher's), else with a memory limit what fits
+    the teacher's memory model."""
+    import dataclasses
+
+    half = dataclasses.replace(scheduler(), teacher_scale=0.5)
+    assert half.budget(3000, "teacher") == 3000 and scheduler().budget(3000, "teacher") == 6000
+    assert dataclasses.replace(half, max_tokens_per_microbatch=1024).budget(3000, "teacher") == 1024
+    assert dataclasses.replace(half, max_tokens_per_microbatch_teacher=700).budget(3000, "teacher") == 700
+    assert half.budget(3000, "teacher", fits=900) == 900
+    assert half.budget(3000, "teacher", fits=900, cap=500) == 500
 
 
 def test_stock_microbatch_is_rows_times_longest_prompt_plus_longest_completion():

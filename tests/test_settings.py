@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_dynbsz.planning.env import read_env_overrides
-from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, markdown_tables, readme_block, setting
+from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, defaults_of, markdown_tables, readme_block, setting
 
 CONFIGURATION_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -31,11 +31,23 @@ def test_every_setting_is_fully_described():
             assert spec.default in spec.choices and spec.fix, spec.name
 
 
-def test_config_fields_come_from_the_table():
-    from hf_dynbsz.config import DynamicBatchGRPOConfig
+CONFIG_CLASSES = {
+    "grpo": "DynamicBatchGRPOConfig",
+    "rloo": "DynamicBatchRLOOConfig",
+    "distillation": "DynamicBatchDistillationConfig",
+}
 
-    fields = {f.name: f for f in dataclasses.fields(DynamicBatchGRPOConfig)}
-    for name, default in DEFAULTS.items():
+
+@pytest.mark.parametrize("trainer", list(CONFIG_CLASSES))
+def test_config_fields_come_from_the_table(trainer):
+    """Each trainer's config has the settings that apply to it (a distillation's teacher budget only there)."""
+    from hf_dynbsz import config as configs
+
+    config_class = getattr(configs, CONFIG_CLASSES[trainer])
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    assert set(defaults_of(trainer)) <= set(fields)
+    assert set(DEFAULTS) - set(defaults_of(trainer)) == set(DEFAULTS) - set(fields)
+    for name, default in defaults_of(trainer).items():
         spec = setting(name)
         assert fields[name].default == default
         assert fields[name].metadata["help"].startswith(spec.help)
@@ -43,7 +55,7 @@ def test_config_fields_come_from_the_table():
             assert spec.env in fields[name].metadata["help"]
         if spec.choices:
             assert fields[name].metadata["choices"] == list(spec.choices)
-        assert f"{name} (`{spec.type}`" in DynamicBatchGRPOConfig.__doc__
+        assert f"{name} (`{spec.type}`" in config_class.__doc__
 
 
 def test_environment_variables_come_from_the_table():
@@ -53,11 +65,12 @@ def test_environment_variables_come_from_the_table():
     }
 
 
-def test_command_line_help_is_the_settings_help(capsys):
+@pytest.mark.parametrize("trainer", ["grpo", "distillation"])
+def test_command_line_help_is_the_settings_help(capsys, trainer):
     from hf_dynbsz.cli import _plan_parser
 
-    text = "".join(_plan_parser().format_help().split())  # argparse re-wraps lines (also after hyphens)
-    for name in DEFAULTS:
+    text = "".join(_plan_parser(trainer).format_help().split())  # argparse re-wraps lines (also after hyphens)
+    for name in defaults_of(trainer):
         assert f"--{name}" in text
         assert "".join(setting(name).help.split()) in text
 

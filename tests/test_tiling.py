@@ -89,3 +89,28 @@ def test_none_leaves_trl_tiles_untouched():
     before = kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
     with lm_head_tiles(None):
         assert (kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE) == before
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_distillation_divergence_tiled_equals_untiled(beta):
+    """TRL's distillation kernel reads the same tile constants' siblings (its own TOKEN_CHUNK_SIZE and
+    VOCAB_CHUNK_SIZE): tiled by tensor_batch_size, its divergence, entropy and gradients are the untiled ones."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    generator = torch.Generator().manual_seed(0)
+    student_weight = torch.randn(1000, 16, generator=generator).requires_grad_()
+    teacher_weight, teacher = torch.randn(1000, 24, generator=generator), 0.3 * torch.randn(50, 24, generator=generator)
+    hidden = (0.3 * torch.randn(50, 16, generator=generator)).requires_grad_()  # logits of a few units
+
+    def run(tokens_per_tile, vocab_columns=VOCAB_COLUMNS_PER_TILE):
+        with lm_head_tiles(tokens_per_tile, vocab_columns):
+            divergence, entropy = ChunkedDivergenceFunction.apply(
+                hidden, student_weight, None, teacher, teacher_weight, None, beta, 0.8, 1.0, None, 1.0, None
+            )
+            grads = torch.autograd.grad((divergence * torch.arange(50.0)).sum(), [hidden, student_weight])
+        return divergence.detach(), entropy, grads
+
+    untiled = run(None)
+    for tiled in (run(7, 333), run(50, 1000)):
+        for a, b in zip([*tiled[:2], *tiled[2]], [*untiled[:2], *untiled[2]]):  # (fp32 sums over 1000 columns)
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max())), (a - b).abs().max()

@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from hf_dynbsz._trl_compat import INTERNAL_NAMES, override_drift, unpacked_lengths
-from hf_dynbsz.testing import RecordingReward, base_config_kwargs, load_tokenizer, prompt_dataset, save_tiny_model
+from hf_dynbsz.testing import (
+    RecordingReward,
+    base_config_kwargs,
+    distillation_trainer,
+    load_tokenizer,
+    prompt_dataset,
+    save_tiny_model,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dynbsz"
 COMPATIBILITY_DOC = PACKAGE.parent / "docs" / "trl-compatibility.md"
@@ -36,13 +43,16 @@ def resolve(path: str):
 
 
 def trainer_pair(owner: str):
-    """``(stock class, ours)`` of an owner ``"trl.GRPOTrainer"`` / ``"trl.RLOOTrainer"`` (or its instance)."""
-    from trl import GRPOTrainer, RLOOTrainer
+    """``(stock class, ours)`` of an owner ``"trl.GRPOTrainer"`` / ``"trl.RLOOTrainer"`` /
+    ``"trl.DistillationTrainer"`` (or its instance)."""
+    from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
-    from hf_dynbsz import DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer
+    from hf_dynbsz import DynamicBatchDistillationTrainer, DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer
 
     if "RLOOTrainer" in owner:
         return RLOOTrainer, DynamicBatchRLOOTrainer
+    if "DistillationTrainer" in owner:
+        return DistillationTrainer, DynamicBatchDistillationTrainer
     return GRPOTrainer, DynamicBatchGRPOTrainer
 
 
@@ -63,6 +73,9 @@ def stock_trainers(tmp_path_factory):
             train_dataset=prompt_dataset(),
             processing_class=load_tokenizer(model_dir),
         )
+    trainers["DistillationTrainer instance"] = distillation_trainer(
+        "distillation_stock", str(tmp_path_factory.mktemp("distillation")), model_dir=model_dir
+    )
     return trainers
 
 

@@ -44,6 +44,14 @@ def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.
     return torch.cat([tensor, tensor.new_full((tensor.size(0), width - tensor.size(1)), value)], dim=1)
 
 
+def _advantages(inputs: dict, rows: int, width: int) -> torch.Tensor:
+    """A slice's advantages, per-token ones padded to ``width``; zeros for a trainer without any (a distillation)."""
+    adv = inputs.get("advantages")
+    if adv is None:
+        return torch.zeros(rows, device=inputs["completion_ids"].device)
+    return _pad_columns(adv, width) if adv.dim() == 2 else adv
+
+
 def _num_items(inputs: dict, rows: int) -> torch.Tensor:
     """``(rows,)``: the generation round's global loss tokens GRPOTrainer hands each slice (``num_items_in_batch``);
     zeros for a trainer whose loss does not read it (RLOOTrainer)."""
@@ -77,7 +85,9 @@ class StepBatch:
     ``num_items_in_batch`` (global loss tokens of the generation round) each sample's slice saw.
     ``stock_microbatch_tokens`` is the token positions of stock's largest slice (rows x padded width) and
     ``stock_computed_tokens`` those of all slices together. ``policy_weights``/``entropy_weights`` (float64,
-    from :func:`hf_dynbsz.execution.loss.sample_weights`) and ``high_entropy`` are filled in before the passes run.
+    from :func:`hf_dynbsz.execution.loss.sample_weights`) and ``high_entropy`` are filled in before the passes run;
+    for a distillation so is ``teacher_hidden``: per sample, the teacher's last hidden states at its completion tokens
+    ``(completion tokens, teacher_hidden_size)`` (:mod:`hf_dynbsz.execution.teacher`), moved with the sample.
     """
 
     table: SequenceTable
@@ -92,6 +102,8 @@ class StepBatch:
     high_entropy: torch.Tensor | None = None
     policy_weights: torch.Tensor | None = None
     entropy_weights: torch.Tensor | None = None
+    teacher_hidden: list[torch.Tensor] | None = None
+    teacher_hidden_size: int = 0
 
     @classmethod
     def from_slices(cls, window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
@@ -122,8 +134,7 @@ class StepBatch:
             if inputs.get("tool_mask") is not None:
                 mask = mask * inputs["tool_mask"]
             masks.append(_pad_columns(mask, width, 0))
-            adv = inputs["advantages"]
-            advantages.append(_pad_columns(adv, width) if adv.dim() == 2 else adv)
+            advantages.append(_advantages(inputs, rows, width))
             for key in keys:
                 values = inputs[key] if inputs[key].dim() == 2 else inputs[key].unsqueeze(1)  # (rows,): per sequence
                 per_token[key].append(
@@ -218,14 +229,16 @@ class StepBatch:
 
     def record_size(self, prompt_length: int, completion_length: int) -> int:
         """Values in the record of a sample with these lengths: its tokens, its rows up to its completion
-        length, and slice id, items, policy and entropy weights."""
+        length, slice id, items, policy and entropy weights, and a distillation's teacher hidden states."""
         per_token = sum(1 for _, _, is_per_token in self._row_fields() if is_per_token)
+        hidden = self.teacher_hidden_size * completion_length if self.teacher_hidden is not None else 0
         return (
             prompt_length
             + completion_length
             + per_token * completion_length
             + (len(self._row_fields()) - per_token)
             + 4
+            + hidden
         )
 
     def records(self) -> list[torch.Tensor]:
@@ -246,6 +259,8 @@ class StepBatch:
                     ]
                 ).to(tokens.device)
             )
+            if self.teacher_hidden is not None:
+                pieces.append(self.teacher_hidden[i].double().reshape(-1))
             records.append(torch.cat([piece.to(tokens.device) for piece in pieces]))
         return records
 
@@ -254,7 +269,7 @@ class StepBatch:
         width = max([completion for _, completion in shapes] + [1])
         fields = self._row_fields()
         rows = {name: [] for name, _, _ in fields}
-        tokens, extras = [], []
+        tokens, extras, hidden = [], [], []
         for record, (prompt, completion) in zip(records, shapes):
             tokens.append(record[: prompt + completion].long())
             offset = prompt + completion
@@ -267,6 +282,8 @@ class StepBatch:
                 rows[name].append(value.to(tensor.dtype))
                 offset += size
             extras.append(record[offset : offset + 4])
+            if self.teacher_hidden is not None:
+                hidden.append(record[offset + 4 :].view(completion, self.teacher_hidden_size))
         stacked = {name: torch.stack(values) for name, values in rows.items()}
         extras = torch.stack(extras).cpu()
         advantages = stacked["advantages"]
@@ -287,4 +304,13 @@ class StepBatch:
             high_entropy=stacked.get("high_entropy"),
             policy_weights=extras[:, 2],
             entropy_weights=extras[:, 3],
+            teacher_hidden=self._hidden_like(hidden),
+            teacher_hidden_size=self.teacher_hidden_size,
         )
+
+    def _hidden_like(self, hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Received teacher hidden states in this batch's dtype (None without a teacher)."""
+        if self.teacher_hidden is None:
+            return None
+        dtype = self.teacher_hidden[0].dtype if self.teacher_hidden else torch.float32
+        return [rows.to(dtype) for rows in hidden]

@@ -11,6 +11,7 @@ NO_LAYOUT_TIMING`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from hf_dynbsz.execution.layout_timing import (
 )
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.self_check import (
+    CheckResult,
     Probe,
     alone_microbatch,
     check_loss,
@@ -56,23 +58,32 @@ def compute_dtype(accelerator, model) -> torch.dtype:
 
 def check_layouts(executor, model, table: SequenceTable) -> None:
     """The self-check of ``executor``'s run on ``table``'s samples: keep the fastest layout whose log-probs and
-    gradients equal each sample's own; when none does, stock math runs (``executor.enabled`` False). The check's passes
-    are unsharded, whatever the run's sequence parallelism; the run's layout timing follows from its result."""
+    gradients equal each sample's own, on every model the loss checks (a distillation's teacher too, log-probs only);
+    when none does, stock math runs (``executor.enabled`` False). The check's passes are unsharded, whatever the run's
+    sequence parallelism; the run's layout timing follows from its result."""
     layouts = executor.capabilities.layouts
     schedulers = {
-        layout: Scheduler.from_args(
-            executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout
+        layout: dataclasses.replace(
+            Scheduler.from_args(executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout),
+            teacher_scale=executor.scheduler.teacher_scale,
         )
         for layout in layouts
     }
+    checked = executor.loss.checked_models(model)
     no_gradients = CheckPasses.gradients_skipped(executor, model)
-    passes = CheckPasses(executor, model, table, schedulers, NoSequenceParallel(), gradients=no_gradients is None)
+    passes = [
+        CheckPasses(executor, one, table, schedulers, NoSequenceParallel(), gradients=grad and no_gradients is None)
+        for one, grad in checked
+    ]
     dtype = compute_dtype(executor.accelerator, model)
     started = time.perf_counter()
     with executor.tiles(), record_function("dynbsz/self_check"):
-        result = _check(executor, layouts, table, passes, passes.alone, dtype)
+        if len(passes) == 1:
+            result, note = _check(executor, layouts, table, passes[0], passes[0].alone, dtype), ""
+        else:
+            result, note = _check_models(executor, layouts, table, passes, dtype)
     executor.self_check_seconds = time.perf_counter() - started
-    executor.self_check_summary = result.summary(layouts)
+    executor.self_check_summary = result.summary(layouts) + note
     if no_gradients is not None:
         executor.self_check_summary += f" Gradients not compared: {no_gradients}."
     logger.log(
@@ -86,7 +97,29 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
     executor.enabled = result.chosen < len(layouts)
     if executor.enabled and result.chosen:
         executor.scheduler = schedulers[layouts[result.chosen]]
-    executor.layout_timing = layout_timing(executor, model, table, layouts, schedulers, result.chosen, passes)
+    if len(passes) == 1:  # a distillation's passes keep the pair's layout (both models' passes are not timed)
+        executor.layout_timing = layout_timing(executor, model, table, layouts, schedulers, result.chosen, passes[0])
+
+
+def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPasses], dtype) -> tuple[CheckResult, str]:
+    """:func:`_check` of several models (a distillation's student, then its teacher): the fastest layout every model
+    passes. Each model is checked from the layout the others reached, until all pass the same one (every process
+    makes the same checks: each step of each is agreed); the result is the first model's, with every model's reasons
+    and the layout they all passed, and a sentence on the others' log-probs for the log."""
+    alone = [functools.cache(one.alone) for one in passes]
+    start, passed, reasons, results = 0, set(), [], {}
+    while start < len(layouts) and len(passed) < len(passes):
+        index = min(set(range(len(passes))) - passed)
+        result = _check(executor, layouts[start:], table, passes[index], alone[index], dtype)
+        reasons += [f"{'teacher: ' if index else ''}{reason}" for reason in result.reasons]
+        passed = {index} if result.chosen else passed | {index}
+        start += result.chosen
+        results[index] = result
+    if start >= len(layouts):
+        return CheckResult(len(layouts), [], reasons), ""
+    others = max(result.errors[-1] for index, result in results.items() if index)
+    note = f" The teacher's log-probs in that layout differ from each sample's own by {others:.1e} at most."
+    return dataclasses.replace(results[0], chosen=start, reasons=reasons), note
 
 
 def _check(executor, layouts, table: SequenceTable, passes: CheckPasses, alone, dtype: torch.dtype):

@@ -109,12 +109,13 @@ def inject_out_of_memory(
     """Arm one ``torch.OutOfMemoryError`` in the pass of ``kind`` after ``after`` passes of that kind, in its
     ``phase``, on process ``rank`` (None: any). For tests of the recovery; fires once."""
     if (
-        kind not in ("training", "logprob")
+        kind not in ("training", "logprob", "teacher")
         or phase not in ("forward", "backward")
-        or (kind == "logprob" and phase == "backward")
+        or (kind != "training" and phase == "backward")
     ):
         raise ValueError(
-            f"an injected fault is training:forward, training:backward or logprob:forward, got {kind}:{phase}"
+            "an injected fault is training:forward, training:backward, logprob:forward or teacher:forward, got "
+            f"{kind}:{phase}"
         )
     _FAULTS.append(_Fault(kind, phase, int(after), rank))
 

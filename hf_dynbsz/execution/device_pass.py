@@ -96,18 +96,23 @@ class DevicePass:
             if parameter.requires_grad and parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
 
+    def lockstep_microbatch(self):
+        """The tiny micro-batch of lockstep passes in the run's layout, built and moved once per run (a dummy pass
+        copies nothing to the device)."""
+        scheduler = self.scheduler
+        key = (scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
+        if key not in self._dummies:
+            self._dummies[key] = dummy_microbatch(
+                self.pad_token_id, self.accelerator.device, *key, width=self.parallel.dummy_width
+            )
+        return self._dummies[key]
+
     def dummy_pass(self, model, last: bool | None = None) -> None:
         """A tiny pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
 
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
         """
-        scheduler = self.scheduler
-        key = (scheduler.segment_attention, scheduler.attention_mask, scheduler.position_offset)
-        if key not in self._dummies:  # built and moved once per run: a dummy pass copies nothing to the device
-            self._dummies[key] = dummy_microbatch(
-                self.pad_token_id, self.accelerator.device, *key, width=self.parallel.dummy_width
-            )
-        mb = self._dummies[key]
+        mb = self.lockstep_microbatch()
         use_segments(mb.segments)
         inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
         with self.no_sync(model, last is None or last), self.accelerator.autocast():

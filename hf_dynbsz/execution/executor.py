@@ -93,12 +93,13 @@ class PassExecutor(DevicePass):
         self.layout_timing = NO_LAYOUT_TIMING  # on CUDA with packing_layout "auto": set by the self-check
 
     # ------------------------------------------------------------------ the one loop
-    def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction):
+    def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction, dummy=None):
         """Plan ``table``'s samples for ``kind`` passes and run them; returns ``(schedule, state)``.
 
         ``start(schedule)`` moves the samples as the schedule's exchange says and returns the attempt's state;
-        ``run_pass(state, schedule, group, last)`` runs one pass. After an out-of-memory error (here or on another
-        process) the step is re-planned with a smaller budget and runs again from its start.
+        ``run_pass(state, schedule, group, last)`` runs one pass; ``dummy(model, last)`` a lockstep pass (default:
+        :meth:`dummy_pass`). After an out-of-memory error (here or on another process) the step is re-planned with a
+        smaller budget and runs again from its start.
         """
         while True:
             self._allocate_gradients(model, kind)
@@ -109,7 +110,7 @@ class PassExecutor(DevicePass):
                 state = start(schedule)
             timed = self.layout_timing.pass_candidates(schedule, kind, schedule.lengths)  # None: nothing timed
             with self._pass_context(model, kind, segments=timed is None):
-                failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule), timed)
+                failure = self._run_passes(model, schedule, kind, partial(run_pass, state, schedule), timed, dummy)
             if failure is None:
                 return schedule, state
             self.recovery.recover(model, failure)
@@ -125,14 +126,18 @@ class PassExecutor(DevicePass):
             stack.enter_context(self.segments(model))
         return stack
 
-    def _run_passes(self, model, schedule, kind: str, run_pass, timed: list[int] | None = None) -> FailedPass | None:
+    def _run_passes(
+        self, model, schedule, kind: str, run_pass, timed: list[int] | None = None, dummy=None
+    ) -> FailedPass | None:
         """Run ``run_pass(group, last)`` for each real pass of ``schedule`` and a dummy pass for each empty one.
 
         Training passes synchronise gradients on the last, or, where an out-of-memory error is recovered across
         processes, in a dummy pass after every process agreed that none failed. Returns None, or the failure (here,
         or agreed from another process) after which the step is re-planned. ``timed``: per pass, the layout
-        timing's candidate that runs it (None: every pass in the run's layout).
+        timing's candidate that runs it (None: every pass in the run's layout). ``dummy``: the lockstep pass (default:
+        :meth:`dummy_pass`).
         """
+        dummy = dummy or self.dummy_pass
         training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
         failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
         unwrapped = self.accelerator.unwrap_model(model)  # once per attempt (injected faults hook its layers)
@@ -143,14 +148,14 @@ class PassExecutor(DevicePass):
             shape = self.parallel.per_process(next(shapes)) if group else None
             if not group or failure is not None:  # a failed process keeps the others' collectives going
                 with self.segments(model) if timed is not None else contextlib.nullcontext():
-                    self.dummy_pass(model, last if training and failure is None else None)
+                    dummy(model, last if training and failure is None else None)
                 continue
             candidate = None if timed is None else timed[position]
             failure = self._run_pass(model, unwrapped, kind, run_pass, group, last, shape, schedule, candidate)
         failure = self.recovery.agree(failure, self.scheduler.group, kind)
         if sync_apart and failure is None:
             with self.segments(model) if timed is not None else contextlib.nullcontext():
-                self.dummy_pass(model, True)
+                dummy(model, True)
         return failure
 
     def _run_pass(
@@ -186,11 +191,13 @@ class PassExecutor(DevicePass):
             ga = trainer.current_gradient_accumulation_steps
             aux, entropies = self._step_statistics(model, batch, ga)
             self.loss.weigh(batch, entropies, gradient_accumulation_steps=ga)
+            self.loss.prepare(self, model, batch)  # what the passes read that other passes compute (a teacher's)
             pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
-            start = partial(self._start_training, pooled, aux)
+            start, run_pass = partial(self._start_training, pooled, aux), partial(self._train, model, aux)
             schedule, state = self.run(
-                model, "training", pooled.table, pooled.stock_microbatch_tokens, start, partial(self._train, model, aux)
-            )
+                model, "training", pooled.table, pooled.stock_microbatch_tokens, start, run_pass,
+                dummy=partial(self.loss.dummy_pass, self),
+            )  # fmt: skip
             self._finish_layout_timing(pooled, schedule)
             losses = state.losses
             total = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
@@ -256,11 +263,11 @@ class PassExecutor(DevicePass):
         """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
         with record_function("dynbsz/pack"):
             mb = self.microbatch(state.batch.table, group, schedule.groups)
+            rows = state.batch.rows(group, mb.gather_index.size(1), mb.sample_index)
         with record_function("dynbsz/forward"):
-            logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
+            values, entropies, router_logits = self.loss.forward(self, model, mb, rows, state.batch, aux is not None)
         with record_function("dynbsz/loss"):
-            rows = state.batch.rows(group, logps.size(1), mb.sample_index)
-            loss, loss_metrics = self.loss.pass_loss(state.loss_state, logps, entropies, rows)
+            loss, loss_metrics = self.loss.pass_loss(state.loss_state, values, entropies, rows)
             if aux is not None:
                 loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
         with record_function("dynbsz/backward"):

@@ -26,7 +26,7 @@ from hf_dynbsz.parallel.collectives import gather_values, reduce_sum
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
-__all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
+__all__ = ["PeakMemory", "SliceSums", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
 
 #: Peak dense bf16/fp16 tensor TFLOP/s of datacenter GPUs (vendor data sheets, without sparsity), by a part of the
 #: name torch reports; the first match wins (PCIe/NVL variants before the SXM default).
@@ -57,8 +57,8 @@ def device_peak_tflops(device: torch.device, mixed_precision: str, configured: f
 class StepClock:
     """Seconds of one optimizer step by phase, on this process. Phases nest and each second counts once, in the
     innermost phase: ``generation`` (TRL's rollout: generation, reward scoring, its bookkeeping), ``logprob``
-    (no-grad log-prob passes: old policy, reference, entropy mask) and ``train`` (the forward/backward passes and
-    their scheduling)."""
+    (no-grad log-prob passes: old policy, reference, entropy mask), ``teacher`` (a distillation teacher's no-grad
+    passes) and ``train`` (the forward/backward passes and their scheduling)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -134,9 +134,15 @@ class StepMeters:
     model's FLOPs and the device's peak for MFU. :meth:`start` at the first training call of each step."""
 
     def __init__(
-        self, flops: ModelFlops | None, device: torch.device, mixed_precision: str, peak_tflops_per_device: float | None
+        self,
+        flops: ModelFlops | None,
+        device: torch.device,
+        mixed_precision: str,
+        peak_tflops_per_device: float | None,
+        phases: tuple[str, ...] = ("train", "logprob", "generation"),
     ) -> None:
         self.clock, self.memory = StepClock(), PeakMemory(device)
+        self.phases = phases  # the phases of the step's time that are published (the same on every process)
         self.flops = flops  # the model's (hf_dynbsz.planning.model_support); None when its config gives none: no MFU
         self.peak_tflops = device_peak_tflops(device, mixed_precision, peak_tflops_per_device)
         self.predicted_peak_mib: float | None = None  # with a memory limit: the highest predicted pass peak
@@ -234,7 +240,8 @@ class StepMetrics:
         compute); with cross-rank balancing ``rank_imbalance_before`` and
         ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
         ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
-        ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (see :class:`StepClock`) and
+        ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds``
+        too: ``meters.phases``, see :class:`StepClock`) and
         ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit ``predicted_peak_memory_mib``
         (:mod:`hf_dynbsz.planning.memory`), and ``oom_retries`` (the step's re-plans after running out of memory);
         ``tokens_per_second``, the prompt + completion tokens of the samples all processes trained (shared prompts
@@ -303,12 +310,51 @@ class StepMetrics:
         store["dynbsz/budget_utilization"].append(sum(used) / max(len(used) * schedule.budget, 1))
 
 
+class SliceSums(StepMetrics):
+    """:class:`StepMetrics` with a trainer's loss figures kept as sums per stock slice, for a stock that logs them once
+    per slice (over that slice of every process, its gathers) and lets the Trainer average the entries of a logging
+    step: the logged values are stock's whatever the passes.
+
+    ``num_slices``: the step's stock slices over all processes (slice ``s`` of process ``p`` is ``p x slices + s``);
+    stock's ``k``-th call of its loss gathers slice ``k`` of every process. A subclass names its ``columns`` (sums per
+    slice), adds its figures with :meth:`add_to_slices` and turns each slice's totals into stock's entries in
+    :meth:`slice_entries`.
+    """
+
+    columns: int = 1
+
+    def __init__(self, num_slices: int, device) -> None:
+        super().__init__()
+        self.slices = torch.zeros(num_slices, self.columns, dtype=torch.float64, device=device)
+
+    def add_to_slices(self, slice_ids: torch.Tensor, figures: torch.Tensor) -> None:
+        """``figures`` ``(rows, columns)`` of the samples of ``slice_ids`` into their slices (no host sync)."""
+        self.slices.index_add_(0, slice_ids.to(self.slices.device), figures.detach().double())
+
+    def publish(self, store: dict[str, list], accelerator, *, replicas: int = 1, **kwargs) -> None:
+        """Stock's per-slice figures (:meth:`publish_slices`), then the step's ``dynbsz/*`` figures."""
+        self.publish_slices(store, accelerator, replicas)
+        super().publish(store, accelerator, replicas=replicas, **kwargs)
+
+    def publish_slices(self, store: dict[str, list], accelerator, replicas: int = 1) -> None:
+        """One all-reduce, then per stock slice ``k`` (over every process) its entries, as stock's ``k``-th loss call
+        appends them. ``replicas``: processes that ran the same samples (a sequence-parallel group), counted once."""
+        totals = accelerator.reduce(self.slices / replicas, reduction="sum")
+        per_slice = totals.view(accelerator.num_processes, -1, self.columns).sum(0)  # slice k of every process
+        for figures in per_slice.tolist():
+            self.slice_entries(store, figures)
+
+    def slice_entries(self, store: dict[str, list], figures: list[float]) -> None:
+        """Append one slice's entries, from its ``columns`` totals over every process."""
+        raise NotImplementedError
+
+
 def _publish_time_and_memory(
     store: dict[str, list], accelerator, group: RankGroup, meters: StepMeters, *, trained: float, flops: float
 ) -> None:
     """The step's time, memory and throughput figures, the maximum over processes (one all-reduce): ``trained`` is
     the samples' tokens over all processes, ``flops`` the model FLOPs of their passes."""
-    phases = ("train", "logprob", "generation")
+    phases = meters.phases
     *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
         [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
         + [round(meters.memory.mib() * 1024), round((meters.predicted_peak_mib or -1) * 1024), meters.oom_retries]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_dynbsz.execution.batch import SampleRows
-from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.metrics import SliceSums
 
 __all__ = ["RLOOSettings", "SliceMetrics", "rloo_pass_loss", "rloo_sample_weights"]
 
@@ -78,20 +78,17 @@ def rloo_pass_loss(
     return loss, metrics
 
 
-class SliceMetrics(StepMetrics):
+class SliceMetrics(SliceSums):
     """:class:`~hf_dynbsz.execution.metrics.StepMetrics` (passes, tokens, time, memory) with stock RLOOTrainer's loss
-    metrics, per stock slice.
+    metrics, per stock slice (:class:`~hf_dynbsz.execution.metrics.SliceSums`).
 
-    ``num_slices``: the step's stock slices over all processes (slice ``s`` of process ``p`` is ``p x slices + s``);
-    stock's ``k``-th call of ``_compute_loss`` gathers slice ``k`` of every process. Per slice ``k`` it logs
-    ``entropy`` (entropy x mask over mask tokens), ``clip_ratio/low_mean``, ``high_mean`` and ``region_mean``
-    (clipped sequences over sequences), ``clip_ratio/low_min`` and ``high_max`` (the extremes of the sequences' 0/1
-    flags: 1 when every, or any, sequence was clipped).
+    Per slice ``k`` (over every process) it logs ``entropy`` (entropy x mask over mask tokens),
+    ``clip_ratio/low_mean``, ``high_mean`` and ``region_mean`` (clipped sequences over sequences),
+    ``clip_ratio/low_min`` and ``high_max`` (the extremes of the sequences' 0/1 flags: 1 when every, or any, sequence
+    was clipped).
     """
 
-    def __init__(self, num_slices: int, device) -> None:
-        super().__init__()
-        self.slices = torch.zeros(num_slices, _SLICE_COLUMNS, dtype=torch.float64, device=device)
+    columns = _SLICE_COLUMNS
 
     def add_pass(
         self,
@@ -106,24 +103,14 @@ class SliceMetrics(StepMetrics):
         mask = mask.to(entropies.dtype)
         low, high = loss_metrics["clip_ratio/low"], loss_metrics["clip_ratio/high"]
         figures = torch.stack([torch.ones_like(low), low, high, (entropies * mask).sum(1), mask.sum(1)], dim=1)
-        self.slices.index_add_(0, loss_metrics["slice_ids"].to(self.slices.device), figures.detach().double())
+        self.add_to_slices(loss_metrics["slice_ids"], figures)
 
-    def publish(self, store: dict[str, list], accelerator, *, replicas: int = 1, **kwargs) -> None:
-        """Stock's per-slice figures (:meth:`publish_slices`), then the step's ``dynbsz/*`` figures."""
-        self.publish_slices(store, accelerator, replicas)
-        super().publish(store, accelerator, replicas=replicas, **kwargs)
-
-    def publish_slices(self, store: dict[str, list], accelerator, replicas: int = 1) -> None:
-        """One all-reduce, then per stock slice ``k`` (over every process) its entry of each figure, as stock's
-        ``k``-th ``_compute_loss`` appends it. ``replicas``: processes that ran the same samples (a sequence-parallel
-        group), counted once."""
-        totals = accelerator.reduce(self.slices / replicas, reduction="sum")
-        per_slice = totals.view(accelerator.num_processes, -1, _SLICE_COLUMNS).sum(0)  # slice k of every process
-        for sequences, low, high, entropy, tokens in per_slice.tolist():
-            sequences = max(sequences, 1.0)
-            store["entropy"].append(entropy / max(tokens, 1.0))
-            store["clip_ratio/low_mean"].append(low / sequences)
-            store["clip_ratio/low_min"].append(float(low == sequences))
-            store["clip_ratio/high_mean"].append(high / sequences)
-            store["clip_ratio/high_max"].append(float(high > 0))
-            store["clip_ratio/region_mean"].append((low + high) / sequences)
+    def slice_entries(self, store: dict[str, list], figures: list[float]) -> None:
+        sequences, low, high, entropy, tokens = figures
+        sequences = max(sequences, 1.0)
+        store["entropy"].append(entropy / max(tokens, 1.0))
+        store["clip_ratio/low_mean"].append(low / sequences)
+        store["clip_ratio/low_min"].append(float(low == sequences))
+        store["clip_ratio/high_mean"].append(high / sequences)
+        store["clip_ratio/high_max"].append(float(high > 0))
+        store["clip_ratio/region_mean"].append((low + high) / sequences)

@@ -22,15 +22,16 @@ from hf_dynbsz.execution.metrics import StepMeters
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.execution.step_loss import GRPOLoss, StepLoss
 from hf_dynbsz.parallel.distributed import ProcessGroup, zero3_on_several_processes
-from hf_dynbsz.planning.capabilities import Capabilities
+from hf_dynbsz.planning.capabilities import Capabilities, support_under
 from hf_dynbsz.planning.cost import text_config_of
 from hf_dynbsz.planning.memory import (
     INCREMENT_MARGIN,
     RESIDENT_SET_INCREMENT_MARGIN,
     MemoryModel,
     plan_rows,
+    teacher_budget_scale,
 )
-from hf_dynbsz.planning.model_support import base_model
+from hf_dynbsz.planning.model_support import ModelSupport, base_model
 from hf_dynbsz.planning.plan import BatchSizePlan
 
 logger = logging.getLogger("hf_dynbsz")
@@ -46,15 +47,20 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
     loss = loss_class(trainer)
     model, accelerator = base_model(trainer.model), trainer.accelerator
     world = ProcessGroup(accelerator)  # every process (decisions all must agree on)
+    device = device_facts(accelerator.device, accelerator.mixed_precision, next(model.parameters()).dtype)
+    zero3 = zero3_on_several_processes(accelerator)
     capabilities = Capabilities.of(
         trainer.args,
         model,
         world,
-        aux_loss=trainer.aux_loss_enabled,
-        external_generation=trainer.use_vllm or trainer.use_transformers_continuous_batching,
-        device_type=device_facts(accelerator.device, accelerator.mixed_precision, next(model.parameters()).dtype),
-        zero3=zero3_on_several_processes(accelerator),
+        aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
+        external_generation=trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False),
+        device_type=device,
+        zero3=zero3,
     )
+    teacher = _teacher_model(loss)
+    if teacher is not None:  # a distillation: the layouts both models allow, the teacher's budget from its size
+        capabilities = _with_teacher(trainer.args, capabilities, model, teacher, device, zero3)
     for note in capabilities.notes:
         logger.warning("hf_dynbsz: %s.", note)
     parallel = _sequence_parallel(trainer, model, capabilities, loss)
@@ -63,14 +69,33 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         accelerator.device,
         str(accelerator.mixed_precision),
         trainer.args.peak_tflops_per_device,
+        phases=loss.phases,
     )
-    memory = _memory_model(trainer.args, accelerator, model, capabilities.support.attn_implementation)
+    memory = _memory_model(trainer.args, accelerator, model, capabilities.support.attn_implementation, _config(teacher))
     executor = PassExecutor(
         trainer, capabilities=capabilities, parallel=parallel, memory=memory, meters=meters, world=world, loss=loss
     )
     if executor.enabled and executor.media.note:
         logger.warning("hf_dynbsz: %s.", executor.media.note)
     return executor
+
+
+def _teacher_model(loss: StepLoss):
+    """The teacher model under its wrappers (a distillation's loss holds one), or None."""
+    teacher = getattr(loss, "teacher", None)
+    return None if teacher is None else base_model(teacher.unwrapped)
+
+
+def _config(model):
+    return None if model is None else model.config
+
+
+def _with_teacher(args, capabilities: Capabilities, model, teacher, device, zero3: bool) -> Capabilities:
+    """A distillation pair's capabilities (:meth:`Capabilities.with_teacher`), its scheduler's teacher budget scaled
+    by the two models' no-grad memory per token (:func:`~hf_dynbsz.planning.memory.teacher_budget_scale`)."""
+    pair = capabilities.with_teacher(args, support_under(ModelSupport.of(model=teacher), zero3), device)
+    scale = teacher_budget_scale(model.config, teacher.config)
+    return dataclasses.replace(pair, scheduler=dataclasses.replace(pair.scheduler, teacher_scale=scale))
 
 
 def _sequence_parallel(trainer, model, capabilities: Capabilities, loss: StepLoss):
@@ -97,8 +122,9 @@ def _sequence_parallel(trainer, model, capabilities: Capabilities, loss: StepLos
     return parallel
 
 
-def _memory_model(args, accelerator, model, attn_implementation) -> MemoryModel:
-    """The memory model (:mod:`hf_dynbsz.planning.memory`) of a process, with the run's limit (MiB, per device)."""
+def _memory_model(args, accelerator, model, attn_implementation, teacher_config=None) -> MemoryModel:
+    """The memory model (:mod:`hf_dynbsz.planning.memory`) of a process, with the run's limit (MiB, per device);
+    ``teacher_config``: a distillation teacher's, for its passes."""
     limit = args.max_memory_per_device_mib
     if limit is None and args.max_memory_fraction_per_device is not None:
         if accelerator.device.type != "cuda":
@@ -116,6 +142,7 @@ def _memory_model(args, accelerator, model, attn_implementation) -> MemoryModel:
     return MemoryModel.from_config(
         model.config,
         limit,
+        teacher_config=teacher_config,
         increment_margin=INCREMENT_MARGIN if accelerator.device.type == "cuda" else RESIDENT_SET_INCREMENT_MARGIN,
         activation_bytes=2 if mixed else next(model.parameters()).element_size(),
         gradient_checkpointing=checkpointing,
@@ -131,7 +158,7 @@ def log_batch_size_plan(trainer, executor: PassExecutor) -> None:
         return
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     enabled = executor.enabled
-    aux_coef = trainer.router_aux_loss_coef if trainer.aux_loss_enabled else 0.0
+    aux_coef = trainer.router_aux_loss_coef if getattr(trainer, "aux_loss_enabled", False) else 0.0
     plan = BatchSizePlan.from_args(
         trainer.args,
         num_processes=accelerator.num_processes,
@@ -141,6 +168,7 @@ def log_batch_size_plan(trainer, executor: PassExecutor) -> None:
         vision_language=executor.capabilities.vision_language if enabled else None,
         router_aux=executor.capabilities.support.router_aux_mode(aux_coef),
         memory_rows=_memory_rows(trainer, executor),
+        trainer=trainer._dynbsz_algorithm.lower(),
     )
     logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
 

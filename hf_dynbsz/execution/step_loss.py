@@ -2,16 +2,20 @@
 
 Everything the executor does (the budget, the layouts, shared prompts, balancing, sequence parallelism, the memory
 budget, out-of-memory recovery, the router aux loss) is the same for every trainer; what differs is each sample's
-loss and weight, and the loss metrics stock logs. :class:`StepLoss` is that part, and the executor holds one:
+loss and weight, what a training pass computes, what the step needs before its passes, and the loss metrics stock
+logs. :class:`StepLoss` is that part, and the executor holds one:
 
 * :class:`GRPOLoss`: ``GRPOTrainer``'s loss types, entropy bonus and ``top_entropy_quantile``
   (:mod:`hf_dynbsz.execution.loss`);
 * :class:`RLOOLoss`: ``RLOOTrainer``'s sequence-level clipped ratio of summed log-probs
-  (:mod:`hf_dynbsz.execution.rloo_loss`).
+  (:mod:`hf_dynbsz.execution.rloo_loss`);
+* :class:`DistillationLoss`: ``DistillationTrainer``'s generalized Jensen-Shannon divergence against a teacher, whose
+  hidden states its own passes compute before the step's training passes (:mod:`hf_dynbsz.execution.teacher`,
+  :mod:`hf_dynbsz.execution.distillation_loss`).
 
 The trainer class names its loss (``DynamicBatchGRPOTrainer`` -> :class:`GRPOLoss`, ``DynamicBatchRLOOTrainer`` ->
-:class:`RLOOLoss`); :func:`hf_dynbsz.execution.setup.build_executor` builds it from the trainer after TRL's
-constructor.
+:class:`RLOOLoss`, ``DynamicBatchDistillationTrainer`` -> :class:`DistillationLoss`);
+:func:`hf_dynbsz.execution.setup.build_executor` builds it from the trainer after TRL's constructor.
 """
 
 from __future__ import annotations
@@ -20,12 +24,21 @@ from typing import Protocol
 
 import torch
 
+from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.distillation_loss import (
+    DivergenceSettings,
+    SliceEntropy,
+    distillation_pass_loss,
+    distillation_sample_weights,
+    pass_divergence,
+)
 from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.rloo_loss import RLOOSettings, SliceMetrics, rloo_pass_loss, rloo_sample_weights
+from hf_dynbsz.execution.teacher import Teacher
 
-__all__ = ["GRPOLoss", "RLOOLoss", "StepLoss"]
+__all__ = ["DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
 
 
 class StepLoss(Protocol):
@@ -39,9 +52,15 @@ class StepLoss(Protocol):
     entropy_bonus: bool
     #: the step's weights need its per-token entropies, from one no-grad pass before the first training pass
     needs_step_entropies: bool
+    #: the phases of a step's time the metrics publish (``dynbsz/<phase>_seconds``)
+    phases: tuple[str, ...]
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
         """Set ``batch``'s per-sample weights (and masks) to stock's, in place."""
+
+    def prepare(self, executor, model, batch: StepBatch) -> None:
+        """What the step's training passes need that other passes compute first (a distillation teacher's hidden
+        states), into ``batch``."""
 
     def attempt(self, batch: StepBatch):
         """The state of one training attempt over ``batch`` (the samples this process runs)."""
@@ -49,8 +68,13 @@ class StepLoss(Protocol):
     def metrics(self, batch: StepBatch) -> StepMetrics:
         """The metrics of one training attempt over ``batch``."""
 
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        """One training pass's forward over micro-batch ``mb`` (the samples ``rows`` of ``batch``): ``(values,
+        entropies, router logits or None)``, the first two completion-aligned ``(rows, width)``: what
+        :meth:`pass_loss` weighs (log-probs; a distillation's per-token divergence)."""
+
     def pass_loss(
-        self, state, per_token_logps: torch.Tensor, entropies: torch.Tensor, rows: SampleRows
+        self, state, per_token_values: torch.Tensor, entropies: torch.Tensor, rows: SampleRows
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One pass's loss (with gradient) and the tensors its metrics read."""
 
@@ -61,8 +85,35 @@ class StepLoss(Protocol):
         """Stock's ``compute_loss`` of one slice as the Trainer backpropagates it (for steps that keep stock's
         slices)."""
 
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        """The models the self-check compares each layout on, each with whether its gradients are compared (the
+        trained model; a distillation's teacher too, log-probs only)."""
 
-class GRPOLoss:
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        """A lockstep training pass that runs what a real pass runs (under ZeRO-3 the same parameter gathers) and
+        learns nothing (:meth:`~hf_dynbsz.execution.device_pass.DevicePass.dummy_pass`'s contract)."""
+
+
+class _LogProbLoss:
+    """A loss over the policy's completion log-probs (GRPO's and RLOO's): a training pass is the model's fused LM
+    head over the pass's row, nothing precedes the passes, the self-check checks the policy."""
+
+    phases = ("train", "logprob", "generation")
+
+    def prepare(self, executor, model, batch: StepBatch) -> None:
+        return None
+
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        return executor.forward(model, mb, True, router=router)
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        return [(model, True)]
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)
+
+
+class GRPOLoss(_LogProbLoss):
     """``GRPOTrainer``'s loss: :func:`~hf_dynbsz.execution.loss.sample_weights` for every loss type, the entropy bonus
     (:class:`~hf_dynbsz.execution.loss.EntropyBonus`) and ``top_entropy_quantile``'s per-slice mask."""
 
@@ -123,7 +174,7 @@ class GRPOLoss:
         return loss  # GRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
 
 
-class RLOOLoss:
+class RLOOLoss(_LogProbLoss):
     """``RLOOTrainer``'s loss: each sequence's clipped ratio of summed log-probs, weight ``1 / (B GA)``
     (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice
     (:class:`~hf_dynbsz.execution.rloo_loss.SliceMetrics`). No entropy term."""
@@ -156,3 +207,100 @@ class RLOOLoss:
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)
+
+
+class DistillationLoss:
+    """``DistillationTrainer``'s loss: each loss token's divergence from the teacher (its hidden states from the
+    teacher's passes before the step, :class:`~hf_dynbsz.execution.teacher.Teacher`) weighted ``P / N``
+    (:mod:`hf_dynbsz.execution.distillation_loss`); ``entropy`` logged per stock slice
+    (:class:`~hf_dynbsz.execution.distillation_loss.SliceEntropy`). No entropy term, no router aux loss (stock runs
+    the backbones alone).
+
+    With dynamic batching on, the student and the teacher get TRL's fused LM head (``add_fused_lm_head``, as
+    ``GRPOTrainer`` gives its models; a forward without ``fused_lm_head=True`` is the model's own, so generation and
+    stock's backbone calls are unchanged): the self-check compares each layout's completion log-probs with each
+    sample alone on both models, and a student's lockstep pass runs through it."""
+
+    loss_type = "distillation"
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob", "generation", "teacher")
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.teacher = Teacher(trainer)
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        self.settings = DivergenceSettings.of(
+            trainer.beta, trainer.temperature, student.config, self.teacher.unwrapped.config
+        )
+        self.num_processes = trainer.accelerator.num_processes
+        self.device = trainer.accelerator.device
+        if trainer.args.dynamic_batching:
+            for model in (student, self.teacher.unwrapped):
+                _add_fused_lm_head(model, trainer.temperature)
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = distillation_sample_weights(batch.num_items, self.num_processes)
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def prepare(self, executor, model, batch: StepBatch) -> None:
+        self.teacher.hidden_states(executor, batch)
+
+    def attempt(self, batch: StepBatch) -> None:
+        return None
+
+    def metrics(self, batch: StepBatch) -> SliceEntropy:
+        return SliceEntropy(len(batch.slice_rows), self.device)
+
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        """The pass's per-token divergence and entropy, ``(rows, width)``, 0 off the loss tokens: the student's
+        backbone and the divergence inside the student's wrapper (``_forward_redirection``, as stock)."""
+        valid = rows.mask.bool() & mb.completion_mask.bool()
+        completion = mb.completion_mask.bool()
+        teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
+        unwrapped = executor.accelerator.unwrap_model(model)
+        use_segments(mb.segments)
+        divergence, entropy = self.trainer._forward_redirection(
+            model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
+            mb.gather_index[valid], teacher,
+        )  # fmt: skip
+        zeros = torch.zeros(valid.shape, dtype=divergence.dtype, device=divergence.device)
+        return zeros.masked_scatter(valid, divergence), zeros.masked_scatter(valid, entropy.detach()), None
+
+    def pass_loss(self, state: None, per_token_divergence, entropies, rows: SampleRows):
+        return distillation_pass_loss(per_token_divergence, rows)
+
+    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
+        return None
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # DistillationTrainer's loss is normalised by num_items_in_batch (loss_is_scaled_for_ga)
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        return [(model, True), (self.teacher.model, False)]
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        """A real pass's work without a loss token: the student's backbone over a tiny row and the divergence of no
+        token, which still gathers both LM heads under ZeRO-3 (forward and backward), as every real pass does."""
+        mb = executor.lockstep_microbatch()
+        none = mb.gather_index.new_zeros(0)
+        teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
+        unwrapped = executor.accelerator.unwrap_model(model)
+        use_segments(mb.segments)
+        with executor.no_sync(model, last is None or last):
+            divergence, _ = self.trainer._forward_redirection(
+                model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
+                none, teacher,
+            )  # fmt: skip
+            if last is not None:
+                executor.backward(model, divergence.sum() * 0.0, last)
+
+
+def _add_fused_lm_head(model, temperature: float) -> None:
+    """TRL's fused LM head on ``model`` (the base model under PEFT, as ``GRPOTrainer`` adds it), once."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not getattr(base, "_dynbsz_fused_lm_head", False):
+        add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+        base._dynbsz_fused_lm_head = True

@@ -1,4 +1,4 @@
-"""Tile size of TRL's fused LM head: the one knob TRL does not expose (torch layer).
+"""Tile size of TRL's fused LM head and of its distillation divergence: the one knob TRL does not expose (torch layer).
 
 TRL 1.16 computes log-probabilities and entropies without materialising full logits: `add_fused_lm_head`
 hands hidden states to `trl.kernels.ChunkedLogProbFunction`, which projects them through the LM head in
@@ -33,12 +33,23 @@ def _tile_modules():
     return kernel, trl_utils
 
 
+def _divergence_module():
+    """TRL's distillation kernel (``ChunkedDivergenceFunction``), whose tiles are its ``TOKEN_CHUNK_SIZE`` tokens x
+    ``VOCAB_CHUNK_SIZE`` vocabulary columns of both models' logits, or None if this TRL has none."""
+    try:
+        import trl.kernels.chunked_divergence as divergence
+    except ImportError:
+        return None
+    return divergence if hasattr(divergence, "VOCAB_CHUNK_SIZE") else None
+
+
 _warned_missing = False
 
 
 @contextlib.contextmanager
 def lm_head_tiles(tokens_per_tile: int | None, vocab_columns: int = VOCAB_COLUMNS_PER_TILE):
-    """Run TRL's fused LM head in tiles of ``tokens_per_tile`` tokens x ``vocab_columns`` vocabulary entries.
+    """Run TRL's fused LM head (and its distillation divergence, which projects both models' heads the same way) in
+    tiles of ``tokens_per_tile`` tokens x ``vocab_columns`` vocabulary entries.
 
     ``None`` leaves TRL's own tile (4096 x 32768) untouched. Wrap the forward AND the backward: the backward
     recomputes the tiles and reads the token tile size again.
@@ -57,9 +68,15 @@ def lm_head_tiles(tokens_per_tile: int | None, vocab_columns: int = VOCAB_COLUMN
         yield
         return
     kernel, trl_utils = modules
+    divergence = _divergence_module()
     previous = kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
     kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = int(tokens_per_tile), int(vocab_columns)
+    if divergence is not None:
+        previous_divergence = divergence.TOKEN_CHUNK_SIZE, divergence.VOCAB_CHUNK_SIZE
+        divergence.TOKEN_CHUNK_SIZE, divergence.VOCAB_CHUNK_SIZE = int(tokens_per_tile), int(vocab_columns)
     try:
         yield
     finally:
         kernel.TOKEN_CHUNK_SIZE, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = previous
+        if divergence is not None:
+            divergence.TOKEN_CHUNK_SIZE, divergence.VOCAB_CHUNK_SIZE = previous_divergence

@@ -22,7 +22,7 @@ from hf_dynbsz.planning.model_support import (
 from hf_dynbsz.planning.schedule import RankGroup, Scheduler
 from hf_dynbsz.planning.settings import ENV_SETTINGS
 
-__all__ = ["Capabilities", "check_same_on_every_process"]
+__all__ = ["Capabilities", "check_same_on_every_process", "support_under"]
 
 #: Settings every process must hold equal: each one's DIFFU_* variable is read by every process from its own
 #: environment, so a variable exported on one machine only would split them (and the processes' collectives).
@@ -53,6 +53,14 @@ SEGMENT_RECURRENCE_UNDER_ZERO3 = (
     "between processes, and under ZeRO-3 on several processes every call of a module gathers its parameters with "
     "the other processes, which must make the same calls"
 )
+
+
+def support_under(support: ModelSupport, zero3: bool) -> ModelSupport:
+    """``support`` as a run under ``zero3`` (DeepSpeed ZeRO-3 on several processes) may use it: without segment
+    recurrence (:data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
+    if zero3 and support.sequence_mixers:
+        return replace(support, padding_free_blocker=SEGMENT_RECURRENCE_UNDER_ZERO3, sequence_mixers=())
+    return support
 
 
 @dataclass
@@ -95,9 +103,7 @@ class Capabilities:
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
-        support = ModelSupport.of(model=model)
-        if zero3 and support.sequence_mixers:
-            support = replace(support, padding_free_blocker=SEGMENT_RECURRENCE_UNDER_ZERO3, sequence_mixers=())
+        support = support_under(ModelSupport.of(model=model), zero3)
         router_aux = enabled and aux_loss and support.router_aux is not None
         if enabled and aux_loss and not router_aux:
             enabled = False
@@ -130,3 +136,45 @@ class Capabilities:
                 "vLLM / continuous batching schedule their own generation batches"
             )
         return cls(enabled, support, layouts, scheduler, notes, router_aux)
+
+    def with_teacher(self, args, teacher: ModelSupport, device_type: str | DeviceFacts = "cpu") -> Capabilities:
+        """The capabilities of a distillation pair: the student's (these) and ``teacher``'s (what the teacher model
+        allows) together. The teacher's no-grad passes run the samples of the student's passes in the same layout, so
+        the pair keeps the layouts both models allow, fastest first (the student's order; segment recurrence where
+        either model has sequence mixers, each model's own found by class name). Image steps run stock's
+        micro-batches (a teacher's image inputs are not repacked). Each feature not applied has one note."""
+        teacher_layouts, _ = teacher.layouts(args.packing_layout, bool(args.share_prompt_prefix), device_type)
+        pair = [_pair_layout(layout, teacher_layouts) for layout in self.layouts]
+        pair = [layout for layout in pair if layout is not None]
+        notes = list(self.notes)
+        if teacher.position_offset != self.support.position_offset:
+            pair = []
+        if self.enabled and not pair:
+            why = teacher.repacking_blocker or "no layout of the student's is one the teacher allows"
+            notes.append(f"dynamic batching is off, stock DistillationTrainer math runs: the teacher model: {why}")
+        elif self.enabled and len(pair) < len(self.layouts):
+            dropped = [layout.describe() for layout in self.layouts if _pair_layout(layout, pair) is None]
+            notes.append(f"the teacher model does not run {'; '.join(dropped)}: the pair trains the others")
+        support = replace(
+            self.support,
+            sequence_mixers=tuple(dict.fromkeys(self.support.sequence_mixers + teacher.sequence_mixers)),
+            vision_language="stock" if self.support.vision_language or teacher.vision_language else None,
+        )
+        if self.enabled and support.vision_language:
+            notes.append(
+                "image steps run stock DistillationTrainer micro-batches (the teacher's image inputs are not "
+                "repacked); text-only steps are repacked"
+            )
+        enabled = self.enabled and bool(pair)
+        scheduler = self.scheduler if not pair else Scheduler.from_args(args, support, self.scheduler.group, pair[0])
+        return replace(self, enabled=enabled, support=support, layouts=pair, scheduler=scheduler, notes=notes)
+
+
+def _pair_layout(layout: Layout, teacher_layouts: list[Layout]) -> Layout | None:
+    """``layout`` (the student's) as the pair runs it when the teacher allows it too (the same rows, prompts, attention
+    and mask), with segment recurrence where either model needs it; None when the teacher does not."""
+    for other in teacher_layouts:
+        same = (layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
+        if same == (other.name, other.share_prompts, other.segment_attention, other.attention_mask, other.attention):
+            return replace(layout, segment_recurrence=layout.segment_recurrence or other.segment_recurrence)
+    return None

@@ -42,6 +42,7 @@ __all__ = [
     "OutOfMemoryBudgetError",
     "estimated_held_mib",
     "plan_rows",
+    "teacher_budget_scale",
 ]
 
 #: Share of the limit kept free (allocator fragmentation, what changes between plans) ...
@@ -53,8 +54,9 @@ INCREMENT_MARGIN = 0.10
 #: back between passes make increments noisier than a CUDA allocator's counters (a CI machine's pass added 21% more
 #: than predicted, where this machine's stayed within 13%).
 RESIDENT_SET_INCREMENT_MARGIN = 0.25
-#: Pass kinds with a model of their own: a training forward/backward, and a no-grad log-prob pass.
-KINDS = ("training", "logprob")
+#: Pass kinds with a model of their own: a training forward/backward, a no-grad log-prob pass, and a distillation
+#: teacher's no-grad pass (the teacher's config, a log-prob pass's shape).
+KINDS = ("training", "logprob", "teacher")
 #: A pass that ran out of memory caps later budgets of its kind at this share of its tokens.
 FAILURE_SHRINK = 0.7
 #: Passes whose token counts differ by less than this factor cannot tell the fixed term from the per-token one:
@@ -128,7 +130,7 @@ def prior_coefficients(
         kept = layers * hidden * activation_bytes + 2 * per_layer if gradient_checkpointing else layers * per_layer
         per_token = kept + 4 * hidden * activation_bytes
         per_pair = (2 if gradient_checkpointing else 2 * layers) * heads * activation_bytes if eager else 0
-    elif kind == "logprob":
+    elif kind in ("logprob", "teacher"):  # a teacher's pass: the log-prob pass's shape, of the teacher's config
         per_token = per_layer + 2 * hidden * activation_bytes
         per_pair = 2 * heads * activation_bytes if eager else 0
     else:
@@ -164,13 +166,24 @@ class MemoryModel:
     history: deque = field(default_factory=lambda: deque(maxlen=4096))
     _fits: dict[str, Coefficients] = field(default_factory=dict)
 
+    #: the kinds the plan table shows (:func:`plan_rows`): the teacher's with a teacher
+    shown: tuple[str, ...] = ("training", "logprob")
+
     @classmethod
     def from_config(
-        cls, config: Any, limit_mib: float | None = None, increment_margin: float = INCREMENT_MARGIN, **prior_options
+        cls,
+        config: Any,
+        limit_mib: float | None = None,
+        increment_margin: float = INCREMENT_MARGIN,
+        teacher_config: Any = None,
+        **prior_options,
     ) -> MemoryModel:
-        """The model of a transformers config; ``prior_options`` go to :func:`prior_coefficients`."""
-        priors = {kind: prior_coefficients(config, kind, **prior_options) for kind in KINDS}
-        return cls(priors, limit_mib, increment_margin=increment_margin)
+        """The model of a transformers config (and of a distillation's ``teacher_config``: its "teacher" passes);
+        ``prior_options`` go to :func:`prior_coefficients`."""
+        configs = {"training": config, "logprob": config, "teacher": teacher_config or config}
+        priors = {kind: prior_coefficients(configs[kind], kind, **prior_options) for kind in KINDS}
+        shown = KINDS if teacher_config is not None else ("training", "logprob")
+        return cls(priors, limit_mib, increment_margin=increment_margin, shown=shown)
 
     # ------------------------------------------------------------------ learning
     def observe(self, kind: str, tokens: int, pairs: int, increment_mib: float) -> None:
@@ -316,7 +329,8 @@ def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: i
         ),
         ("memory held before passes", f"{held_mib:.0f} MiB", held_source),
     ]
-    for kind, label in (("training", "training"), ("logprob", "no-grad")):
+    labels = {"training": "training", "logprob": "no-grad", "teacher": "teacher"}
+    for kind, label in ((kind, labels[kind]) for kind in memory.shown):
         rows.append(
             (
                 f"memory of a {label} pass",
@@ -335,6 +349,16 @@ def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: i
             )
         )
     return rows
+
+
+def teacher_budget_scale(student_config: Any, teacher_config: Any, **prior_options) -> float:
+    """The student's no-grad activation memory per token over the teacher's (:func:`prior_coefficients` of both
+    configs, a log-prob pass's shape): a distillation teacher's automatic token budget is the log-prob one times this
+    (:meth:`hf_dynbsz.planning.schedule.Scheduler.budget`), so that its passes hold about what the student's no-grad
+    passes would. About 0.5 for a teacher twice as wide."""
+    student = prior_coefficients(student_config, "logprob", **prior_options).per_token
+    teacher = prior_coefficients(teacher_config, "teacher", **prior_options).per_token
+    return student / teacher if teacher > 0 else 1.0
 
 
 def estimated_held_mib(config: Any, num_processes: int = 1, zero_stage: int | None = None) -> float:

@@ -37,6 +37,7 @@ from hf_dynbsz.planning.validation import validated_fields
 
 __all__ = [
     "BatchSizePlan",
+    "STOCK_TRAINERS",
     "resolve_mixed_precision",
 ]
 
@@ -72,21 +73,17 @@ def _zero_stage(zero_stage: int | None, args: Any) -> int | None:
     return None
 
 
-def _batch_settings(args: Any, num_processes: Any) -> dict[str, Any]:
+#: The trainers a plan knows: their stock trainer's name (the table says what dynamic_batching=False gives).
+STOCK_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "distillation": "DistillationTrainer"}
+
+
+def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dict[str, Any]:
     """The batch sizes of ``args`` on ``num_processes`` processes, converted and checked, with the generation round
-    derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`)."""
-    settings = {
-        "num_processes": coerce_int("num_processes", num_processes, "a positive integer number of processes"),
-        "per_device_train_batch_size": coerce_int(
-            "per_device_train_batch_size",
-            getattr(args, "per_device_train_batch_size", None),
-            "a positive integer number of samples per device",
-        ),
-        "gradient_accumulation_steps": coerce_int(
-            "gradient_accumulation_steps",
-            getattr(args, "gradient_accumulation_steps", 1),
-            "a positive integer number of training steps per optimizer step",
-        ),
+    derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`). A distillation
+    generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
+    if trainer == "distillation":
+        return _distillation_settings(args, num_processes)
+    settings = _step_settings(args, num_processes) | {
         "num_generations": coerce_int(
             "num_generations",
             getattr(args, "num_generations", 8),
@@ -122,6 +119,37 @@ def _batch_settings(args: Any, num_processes: Any) -> dict[str, Any]:
     }
 
 
+def _step_settings(args: Any, num_processes: Any) -> dict[str, int]:
+    """The processes, samples per device and accumulation steps of ``args``, converted and checked."""
+    return {
+        "num_processes": coerce_int("num_processes", num_processes, "a positive integer number of processes"),
+        "per_device_train_batch_size": coerce_int(
+            "per_device_train_batch_size",
+            getattr(args, "per_device_train_batch_size", None),
+            "a positive integer number of samples per device",
+        ),
+        "gradient_accumulation_steps": coerce_int(
+            "gradient_accumulation_steps",
+            getattr(args, "gradient_accumulation_steps", 1),
+            "a positive integer number of training steps per optimizer step",
+        ),
+    }
+
+
+def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
+    """A distillation's batch sizes (:func:`_batch_settings`): its generation round is the optimizer step."""
+    settings = _step_settings(args, num_processes)
+    steps = settings["gradient_accumulation_steps"]
+    samples = settings["per_device_train_batch_size"] * settings["num_processes"] * steps
+    return settings | {
+        "num_generations": 1,
+        "generation_batch_size": samples,
+        "steps_per_generation": steps,
+        "generation_round_source": "gradient_accumulation_steps",
+        "num_iterations": 1,
+    }
+
+
 def _sequence_parallel_size(dynamic: Any, num_processes: int) -> int:
     size = int(dynamic.sequence_parallel_size or 1)
     if num_processes % size:
@@ -140,6 +168,7 @@ def _dynamic_settings(args: Any, num_processes: int, layout: str | None) -> dict
         "tensor_batch_size",
         "max_tokens_per_microbatch",
         "max_tokens_per_microbatch_logprob",
+        "max_tokens_per_microbatch_teacher",
         "dynamic_batching",
         "oversize_policy",
         "balance_across_ranks",
@@ -216,6 +245,10 @@ class BatchSizePlan:
     memory_rows: tuple = ()
     #: processes sharing each pass's row (DeepSpeed Ulysses, :mod:`hf_dynbsz.execution.sequence_parallel`); 1 = off
     sequence_parallel_size: int = 1
+    #: tokens per device per no-grad teacher micro-batch of a distillation; None = the log-prob rule at its size
+    max_tokens_per_microbatch_teacher: int | None = None
+    #: the trainer planned, a key of :data:`STOCK_TRAINERS`
+    trainer: str = "grpo"
 
     # ---- construction ----------------------------------------------------------------------------------------
 
@@ -230,6 +263,7 @@ class BatchSizePlan:
         vision_language: str | None = None,
         router_aux: str | None = None,
         memory_rows: Sequence[tuple[str, str, str]] = (),
+        trainer: str = "grpo",
     ) -> BatchSizePlan:
         """Plan the batch sizes of ``args`` on ``num_processes`` processes.
 
@@ -247,14 +281,19 @@ class BatchSizePlan:
         ``layout`` is the concrete packing layout if known; None shows ``args.packing_layout``. ``vision_language``
         (see :func:`hf_dynbsz.planning.model_support.vision_language_mode`) adds a row saying how image steps train,
         and ``router_aux`` ("repacked", or why not) one saying how the MoE router aux loss trains. ``memory_rows``
-        (:func:`hf_dynbsz.planning.memory.plan_rows`) show a memory limit's model and budgets.
+        (:func:`hf_dynbsz.planning.memory.plan_rows`) show a memory limit's model and budgets. ``trainer``: "grpo",
+        "rloo" or "distillation" (:data:`STOCK_TRAINERS`; a distillation's ``args`` is a ``DistillationConfig``: one
+        completion per prompt generated once per optimizer step, and a teacher budget).
 
         Raises :class:`ValueError` with the numbers and the nearest valid values when a divisibility TRL or
         DeepSpeed requires does not hold.
         """
-        batch = _batch_settings(args, num_processes)
+        if trainer not in STOCK_TRAINERS:
+            raise ValueError(f"trainer must be one of {', '.join(map(repr, STOCK_TRAINERS))}, got {trainer!r}.")
+        batch = _batch_settings(args, num_processes, trainer)
         dynamic = _dynamic_settings(args, batch["num_processes"], layout)
         return cls(
+            trainer=trainer,
             **batch,
             **dynamic,
             zero_stage=_zero_stage(zero_stage, args),
@@ -327,6 +366,11 @@ class BatchSizePlan:
         if self.max_tokens_per_microbatch is not None:
             return 2 * self.max_tokens_per_microbatch
         return None
+
+    @property
+    def stock_trainer(self) -> str:
+        """TRL's trainer this plan's run replaces ("GRPOTrainer", ...)."""
+        return STOCK_TRAINERS[self.trainer]
 
     # ---- output ----------------------------------------------------------------------------------------------
 

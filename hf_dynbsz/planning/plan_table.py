@@ -129,13 +129,40 @@ def _images_meaning(plan: Plan) -> str:
             "each sample's images move with it (into its micro-batch, to another process); padding-free rows hold a "
             "shared prompt's images once (encoded once per pass)"
         )
-    return "image steps run stock GRPOTrainer micro-batches: this model family is not repacked"
+    if plan.trainer == "distillation":
+        return "image steps run stock DistillationTrainer micro-batches: a teacher's image inputs are not repacked"
+    return f"image steps run stock {plan.stock_trainer} micro-batches: this model family is not repacked"
 
 
 def _router_meaning(plan: Plan) -> str:
     if plan.router_aux == "repacked":
         return "per sample, from one extra no-grad router pass over each optimizer step (log-prob budget)"
     return plan.router_aux
+
+
+def _grpo_round(plan: Plan) -> bool:
+    """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1)."""
+    return plan.trainer != "distillation"
+
+
+def _distillation(plan: Plan) -> bool:
+    return plan.trainer == "distillation"
+
+
+def _teacher_budget(plan: Plan) -> str:
+    if plan.max_tokens_per_microbatch_teacher is not None:
+        return str(plan.max_tokens_per_microbatch_teacher)
+    return "2 x training x scale"
+
+
+def _teacher_budget_meaning(plan: Plan) -> str:
+    default = (
+        "; default 2 x training budget x the student's no-grad memory per token over the teacher's (about 0.5 for a "
+        "teacher twice as wide)"
+        if plan.max_tokens_per_microbatch_teacher is None
+        else ""
+    )
+    return setting("max_tokens_per_microbatch_teacher").summary + default
 
 
 def _sequence_parallel(plan: Plan) -> bool:
@@ -184,38 +211,51 @@ PLAN_ROWS: tuple[Row, ...] = (
         "-",
         _attr("prompts_per_optimizer_step"),
         "global samples per optimizer step / num_generations",
+        when=_grpo_round,
     ),
-    Row("num_generations", "-", _attr("num_generations"), "completions (samples) per prompt"),
+    Row("num_generations", "-", _attr("num_generations"), "completions (samples) per prompt", when=_grpo_round),
     Row(
         "generation_batch_size",
         _attr("per_device_generation_share"),
         _attr("generation_batch_size"),
         "samples per generation round (TRL's generation_batch_size is the global one)",
+        when=_grpo_round,
     ),
     Row(
         "prompts per generation round",
         "-",
         _attr("prompts_per_generation_round"),
         "generation_batch_size / num_generations",
+        when=_grpo_round,
     ),
     Row(
         "steps_per_generation",
         _attr("steps_per_generation"),
         "-",
         lambda plan: f"training steps per generation round; {_ROUND_SOURCE_TEXT[plan.generation_round_source]}",
+        when=_grpo_round,
     ),
     Row(
         "optimizer steps per generation round",
         _attr("optimizer_steps_per_generation_round"),
         "-",
         "steps_per_generation / gradient_accumulation_steps",
+        when=_grpo_round,
     ),
-    Row("num_iterations", _attr("num_iterations"), "-", "passes (mu) over each generation round"),
+    Row("num_iterations", _attr("num_iterations"), "-", "passes (mu) over each generation round", when=_grpo_round),
     Row(
         "optimizer steps per round x num_iterations",
         _attr("optimizer_steps_per_generation_round_all_iterations"),
         "-",
         "optimizer steps taken on one generation round",
+        when=_grpo_round,
+    ),
+    Row(
+        "generation",
+        "-",
+        _attr("global_samples_per_optimizer_step"),
+        "one completion per prompt, generated once per optimizer step (a distillation's round is its step)",
+        when=_distillation,
     ),
     Row("per_device_generation_batch_size", _chunk, "-", setting("per_device_generation_batch_size").summary),
     Row(
@@ -241,6 +281,14 @@ PLAN_ROWS: tuple[Row, ...] = (
         _budget("effective_max_tokens_per_microbatch_logprob", "2 x auto"),
         _budget_all("effective_max_tokens_per_microbatch_logprob"),
         _logprob_budget_meaning,
+        when=_grpo_round,
+    ),
+    Row(
+        "max_tokens_per_microbatch_teacher",
+        _teacher_budget,
+        _budget_all("max_tokens_per_microbatch_teacher"),
+        _teacher_budget_meaning,
+        when=_distillation,
     ),
     Row(
         "pad_to_multiple_of",
@@ -252,7 +300,9 @@ PLAN_ROWS: tuple[Row, ...] = (
         "dynamic_batching",
         _on_off("dynamic_batching"),
         "-",
-        _summary_if_on("dynamic_batching", "stock GRPOTrainer behaviour"),
+        lambda plan: (
+            setting("dynamic_batching").summary if plan.dynamic_batching else f"stock {plan.stock_trainer} behaviour"
+        ),
     ),
     Row("packing layout", _attr("layout"), "-", setting("packing_layout").summary),
     Row("oversize_policy", _attr("oversize_policy"), "-", setting("oversize_policy").summary),

@@ -56,8 +56,12 @@ __all__ = [
     "stock_microbatch_tokens",
 ]
 
-#: Pass kinds and the setting that gives each its budget.
-BUDGET_SETTINGS = {"training": "max_tokens_per_microbatch", "logprob": "max_tokens_per_microbatch_logprob"}
+#: Pass kinds and the setting that gives each its budget ("teacher": the no-grad passes of a distillation's teacher).
+BUDGET_SETTINGS = {
+    "training": "max_tokens_per_microbatch",
+    "logprob": "max_tokens_per_microbatch_logprob",
+    "teacher": "max_tokens_per_microbatch_teacher",
+}
 
 
 def stock_microbatch_tokens(
@@ -357,6 +361,10 @@ class Scheduler:
     oversize_policy: str = "warn"
     max_tokens_per_microbatch: int | None = None
     max_tokens_per_microbatch_logprob: int | None = None
+    max_tokens_per_microbatch_teacher: int | None = None
+    #: the teacher's automatic budget is the log-prob one times this (the student's no-grad memory per token over
+    #: the teacher's, :func:`hf_dynbsz.planning.memory.teacher_budget_scale`)
+    teacher_scale: float = 1.0
     balance_across_ranks: bool = True
     share_prompts: bool = False
     segment_attention: str | None = None
@@ -393,6 +401,7 @@ class Scheduler:
             oversize_policy=args.oversize_policy,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
+            max_tokens_per_microbatch_teacher=getattr(args, "max_tokens_per_microbatch_teacher", None),
             balance_across_ranks=bool(balance) and not images_stay_on_their_process(support.vision_language),
             share_prompts=layout.share_prompts,
             segment_attention=layout.segment_attention,
@@ -422,13 +431,14 @@ class Scheduler:
         cap: int | None = None,
         agree: bool = False,
     ) -> int:
-        """Tokens per pass of ``kind`` ("training" or "logprob"): per device, times ``sequence_parallel_size`` (a
-        sharded pass's row spans its group's devices).
+        """Tokens per pass of ``kind`` ("training", "logprob" or "teacher"): per device, times
+        ``sequence_parallel_size`` (a sharded pass's row spans its group's devices).
 
         ``stock_tokens`` is the size of stock TRL's own micro-batch for the same samples (rows x padded width,
         see :func:`stock_microbatch_tokens`): the training budget when ``max_tokens_per_microbatch`` is unset,
         so memory is never worse than stock's. No-grad passes keep no activations for backward: their default is
-        twice the training budget. With cross-rank balancing, :meth:`plan` raises an automatic budget to the
+        twice the training budget; a distillation teacher's is that times :attr:`teacher_scale` (a larger teacher
+        holds more per token). With cross-rank balancing, :meth:`plan` raises an automatic budget to the
         largest of all processes' (stock's peak memory is that of its largest micro-batch on any device).
 
         ``fits``: with a memory limit, the largest budget of ``kind`` whose passes fit it
@@ -443,8 +453,9 @@ class Scheduler:
         if kind == "training":
             budget = self.max_tokens_per_microbatch or fits or stock_tokens
         else:
-            budget = self.max_tokens_per_microbatch_logprob or (
-                fits if fits is not None and not self.max_tokens_per_microbatch else 2 * training
+            scale = self.teacher_scale if kind == "teacher" else 1.0
+            budget = getattr(self, BUDGET_SETTINGS[kind]) or (
+                fits if fits is not None and not self.max_tokens_per_microbatch else max(1, round(2 * training * scale))
             )
         budget *= self.sequence_parallel_size  # the budgets are per device; a sharded pass spans its group
         budget = min(budget, cap) if cap is not None else budget

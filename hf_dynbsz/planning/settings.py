@@ -23,7 +23,16 @@ from typing import Any
 
 from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN
 
-__all__ = ["SETTINGS", "Setting", "DEFAULTS", "ENV_SETTINGS", "setting", "markdown_tables", "update_readme"]
+__all__ = [
+    "SETTINGS",
+    "Setting",
+    "DEFAULTS",
+    "ENV_SETTINGS",
+    "defaults_of",
+    "setting",
+    "markdown_tables",
+    "update_readme",
+]
 
 #: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
 #: this many tokens x 32768 vocabulary columns (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
@@ -53,6 +62,12 @@ class Setting:
     choices: tuple[str, ...] = ()
     optional: bool = False  # None is a valid value (besides a None default)
     trl_field: bool = False  # a GRPOConfig field, not one the plugin adds
+    #: the trainers whose config has the field (None: every trainer's); e.g. ("distillation",) for the teacher's
+    trainers: tuple[str, ...] | None = None
+
+    def applies_to(self, trainer: str) -> bool:
+        """Whether ``trainer``'s config ("grpo", "rloo", "distillation") has this field."""
+        return self.trainers is None or trainer in self.trainers
 
     @property
     def accepts_none(self) -> bool:
@@ -104,6 +119,24 @@ SETTINGS: tuple[Setting, ...] = (
         expected="a positive integer number of tokens per device per no-grad log-prob micro-batch",
         fix="set a positive value (no-grad passes usually fit about twice the training budget), or leave it unset "
         "(None) for 2 x the training budget.",
+    ),
+    Setting(
+        name="max_tokens_per_microbatch_teacher",
+        type="int | None",
+        default=None,
+        kind="count",
+        unit="tokens per device per teacher pass",
+        summary="tokens per no-grad teacher micro-batch (distillation)",
+        help="DynamicBatchDistillationConfig only. Token budget per device of the teacher's no-grad passes (the "
+        "teacher's hidden states of every completion token), counted like max_tokens_per_microbatch. None: with "
+        "a memory limit, the largest budget whose predicted peak fits it (the teacher's own memory model); without "
+        "one, the log-prob rule at the teacher's size: 2 x the training budget x the student's no-grad activation "
+        "memory per token over the teacher's (read off both configs), so a teacher twice as wide gets about the "
+        "training budget.",
+        expected="a positive integer number of tokens per device per teacher micro-batch",
+        fix="set a positive value, or leave it unset (None) for 2 x the training budget scaled by the student's "
+        "no-grad memory per token over the teacher's.",
+        trainers=("distillation",),
     ),
     Setting(
         name="per_device_generation_batch_size",
@@ -301,8 +334,14 @@ SETTINGS: tuple[Setting, ...] = (
 
 _BY_NAME = {s.name: s for s in SETTINGS}
 
-#: Defaults of the fields that DynamicBatchGRPOConfig adds to GRPOConfig.
+#: Defaults of the fields that the plugin's configs add to TRL's (each config has those that apply to its trainer).
 DEFAULTS: Mapping[str, Any] = {s.name: s.default for s in SETTINGS if not s.trl_field}
+
+
+def defaults_of(trainer: str) -> dict[str, Any]:
+    """The defaults of the fields ``trainer``'s config adds ("grpo", "rloo", "distillation")."""
+    return {s.name: s.default for s in SETTINGS if not s.trl_field and s.applies_to(trainer)}
+
 
 #: The settings a DIFFU_* variable overrides, in table order.
 ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
@@ -313,11 +352,11 @@ def setting(name: str) -> Setting:
     return _BY_NAME[name]
 
 
-def config_docstring() -> str:
-    """The ``Parameters`` section of DynamicBatchGRPOConfig's docstring (HF docstring style)."""
+def config_docstring(trainer: str = "grpo") -> str:
+    """The ``Parameters`` section of the docstring of ``trainer``'s config (HF docstring style): the fields it has."""
     lines = []
     for s in SETTINGS:
-        if s.trl_field:
+        if s.trl_field or not s.applies_to(trainer):
             continue
         default = "" if s.default is None else f", defaults to `{s.default!r}`"
         lines.append(f"        {s.name} (`{s.type}`, *optional*{default}):")

@@ -77,13 +77,25 @@ def validate_train_dataset_size(num_rows: int, args: Any) -> None:
     a dataset (an empty one included) trains no step at all, and the Trainer only logs that. ``args`` is the
     post-initialised config.
     """
-    prompts = args.generation_batch_size // args.num_generations
+    if getattr(args, "num_generations", None) is None:  # a distillation: one completion per prompt, a round a step
+        prompts = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+        takes = (
+            f"per_device_train_batch_size {args.per_device_train_batch_size} x processes {args.world_size} x "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps}"
+        )
+        lower = "per_device_train_batch_size or gradient_accumulation_steps"
+    else:
+        prompts = args.generation_batch_size // args.num_generations
+        takes = (
+            f"generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}, all "
+            "processes"
+        )
+        lower = "per_device_train_batch_size, gradient_accumulation_steps or steps_per_generation"
     if num_rows < prompts:
         raise ValueError(
             f"train_dataset has {num_rows} rows (prompts), fewer than the {prompts} prompts one generation round "
-            f"takes (generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}, all "
-            "processes): training would not take a single step. Give at least that many prompts, or lower "
-            "per_device_train_batch_size, gradient_accumulation_steps or steps_per_generation."
+            f"takes ({takes}): training would not take a single step. Give at least that many prompts, or lower "
+            f"{lower}."
         )
 
 

@@ -28,11 +28,14 @@ __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
+    "build_tiny_teacher",
     "load_tokenizer",
     "prompt_dataset",
     "run_training",
     "save_tiny_model",
+    "save_tiny_teacher",
     "seeded_model",
+    "TEACHER_SHAPE",
 ]
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " .,:;!?+-*/=()"
@@ -212,6 +215,29 @@ def save_tiny_model(
     with torch.no_grad():
         model.lm_head.weight.mul_(0.05)
     model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+#: The distillation runs' teacher: the test model's architecture and vocabulary, 3.4x its parameters (hidden 48, 3
+#: layers, an MLP of 96, against the student's 32, 2 and 64).
+TEACHER_SHAPE = dict(
+    hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96
+)
+
+
+def build_tiny_teacher(tokenizer=None, *, seed: int = 1, **shape):
+    """The distillation runs' teacher (:data:`TEACHER_SHAPE`, ``shape`` overriding it; random weights from ``seed``)
+    on ``tokenizer``'s vocabulary (default: the test tokenizer, :data:`TEST_ALPHABET`), fp32."""
+    tokenizer = tokenizer or build_char_tokenizer(TEST_ALPHABET)
+    return build_tiny_causal_lm(tokenizer, seed=seed, **{**TEACHER_SHAPE, **shape})
+
+
+def save_tiny_teacher(directory: str, *, seed: int = 1, chat: bool = False) -> str:
+    """:func:`build_tiny_teacher` saved to ``directory`` with its tokenizer (``chat``: that of
+    :func:`build_chat_tokenizer`, as :func:`save_tiny_model`'s); returns ``directory``."""
+    tokenizer = build_chat_tokenizer() if chat else build_char_tokenizer(TEST_ALPHABET)
+    build_tiny_teacher(tokenizer, seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -29,6 +29,8 @@ __all__ = [
     "build_trainer",
     "construction_arguments",
     "construction_error",
+    "distillation_config",
+    "distillation_trainer",
     "flag_arguments",
     "grpo_worker_command",
     "length_reward",
@@ -37,6 +39,7 @@ __all__ = [
     "positional_trainer",
     "quiet_worker",
     "run_config",
+    "run_distillation",
     "run_script_worker",
     "saved_model_trainer",
     "scripted_run",
@@ -53,6 +56,8 @@ TRAINERS = {
     "grpo_dynamic": ("hf_dynbsz", "DynamicBatchGRPOTrainer", "DynamicBatchGRPOConfig"),
     "rloo_stock": ("trl", "RLOOTrainer", "RLOOConfig"),
     "rloo_dynamic": ("hf_dynbsz", "DynamicBatchRLOOTrainer", "DynamicBatchRLOOConfig"),
+    "distillation_stock": ("trl", "DistillationTrainer", "DistillationConfig"),
+    "distillation_dynamic": ("hf_dynbsz", "DynamicBatchDistillationTrainer", "DynamicBatchDistillationConfig"),
 }
 _ALIASES = {"stock": "grpo_stock", "dynamic": "grpo_dynamic", "ours": "grpo_dynamic"}
 
@@ -147,31 +152,49 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 
 class ScriptedGeneration:
-    """RLOOTrainer has no ``rollout_func``: ``rollout`` (a scripted rollout) stands in for its prompt tokenization
-    and generation, giving the prompt and completion ids GRPO's runs get from it."""
+    """RLOOTrainer and DistillationTrainer have no ``rollout_func``: ``rollout`` (a scripted rollout) stands in for
+    their prompt tokenization and generation, giving the prompt and completion ids GRPO's runs get from it."""
 
     rollout = None
 
     def _tokenize_prompts(self, prompts):
         result = self.rollout(prompts, self)
         self._scripted_completions = result["completion_ids"]
+        self._scripted_env_mask = result.get("env_mask")
         return result["prompt_ids"], None, {}
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         return self._scripted_completions
+
+
+class RecordedGeneration:
+    """A distillation trainer that records the completion ids it generated, in order (``generated``); with a scripted
+    rollout that gives an ``env_mask`` (:class:`~hf_dynbsz.testing.MultiTurnRollout`), that mask is the tool mask,
+    as stock's tool loop returns it (0 on a tool result's tokens)."""
+
+    def _generate(self, prompts):
+        prompt_ids, completion_ids, tool_mask, images, tool_images = super()._generate(prompts)
+        self.__dict__.setdefault("generated", []).extend(list(ids) for ids in completion_ids)
+        tool_mask = self.__dict__.pop("_scripted_env_mask", None) or tool_mask
+        return prompt_ids, completion_ids, tool_mask, images, tool_images
 
 
 def build_trainer(
     args, model, processing_class, *, dataset, reward=length_reward, rollout=None, trainer_cls=None, **kwargs
 ):
-    """The trainer of config ``args`` (stock's or the plugin's, GRPO or RLOO: the config's class picks it, unless
-    ``trainer_cls`` is given) on ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO (no
-    ``rollout_func``), its tokenization and generation (:class:`ScriptedGeneration`). ``kwargs`` go to the
-    constructor."""
+    """The trainer of config ``args`` (stock's or the plugin's, GRPO, RLOO or distillation: the config's class picks it,
+    unless ``trainer_cls`` is given) on ``model``; ``rollout``: a scripted rollout, GRPO's ``rollout_func`` or, for RLOO
+    and distillation (no ``rollout_func``), their tokenization and generation (:class:`ScriptedGeneration`). A
+    distillation (``kwargs`` give its ``teacher_model``) takes no reward and records its generations
+    (:class:`RecordedGeneration`). ``kwargs`` go to the constructor."""
     key = next((key for key, names in TRAINERS.items() if type(args).__name__ == names[2]), None)
     if key is None:
         raise TypeError(f"args: a config of {sorted(TRAINERS)}, got {type(args).__name__}")
     trainer_cls = trainer_cls or trainer_classes(key)[0]
+    if key.startswith("distillation"):
+        bases = (RecordedGeneration, ScriptedGeneration) if rollout is not None else (RecordedGeneration,)
+        trainer_cls = type(f"Recorded{trainer_cls.__name__}", (*bases, trainer_cls), {"rollout": rollout})
+        return trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=processing_class, **kwargs)
     if rollout is not None and key.startswith("rloo"):
         trainer_cls = type(f"Scripted{trainer_cls.__name__}", (ScriptedGeneration, trainer_cls), {"rollout": rollout})
     elif rollout is not None:
@@ -210,6 +233,60 @@ def scripted_run(
     args = run_config(name, output_dir, max_completion_length=max_completion_length, **fields)
     dataset = numbered_prompts(prompts, prefix=prompt_prefix)
     return build_trainer(args, model, tokenizer, dataset=dataset, reward=reward, rollout=rollout)
+
+
+def distillation_config(name: str, output_dir: str, **fields):
+    """The config of distillation trainer ``name`` ("distillation_stock" or "distillation_dynamic") for the comparison
+    runs: :data:`~hf_dynbsz.testing.fixtures.COMPARISON_FIELDS` (no ``num_generations``: one completion per prompt) on
+    a CPU run, ``fields`` on top."""
+    from hf_dynbsz.testing.fixtures import COMPARISON_FIELDS
+
+    comparison = {key: value for key, value in COMPARISON_FIELDS.items() if key != "num_generations"}
+    return trainer_classes(name)[1](**{"output_dir": output_dir, **comparison, **CPU_RUN_FIELDS, **fields})
+
+
+def distillation_trainer(
+    name: str,
+    output_dir: str,
+    *,
+    model_dir: str,
+    teacher=None,
+    rollout=None,
+    dataset=None,
+    trainer_kwargs=None,
+    args=None,
+    **fields,
+):
+    """Distillation trainer ``name`` (:func:`distillation_config` with ``fields``, or ``args``) on the student saved in
+    ``model_dir`` (fp32) and its tokenizer, recording its generations (:class:`RecordedGeneration`). ``teacher``: a
+    model, a saved model's directory (TRL loads it), or None for :func:`~hf_dynbsz.testing.build_tiny_teacher`;
+    ``rollout``: a scripted rollout standing in for generation (:class:`ScriptedGeneration`); ``dataset``: the prompts
+    (default :func:`~hf_dynbsz.testing.prompt_dataset`); ``trainer_kwargs`` go to the constructor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.fixtures import build_tiny_teacher, load_tokenizer, prompt_dataset
+
+    tokenizer = load_tokenizer(model_dir)
+    return build_trainer(
+        args if args is not None else distillation_config(name, output_dir, **fields),
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        tokenizer,
+        dataset=prompt_dataset() if dataset is None else dataset,
+        rollout=rollout,
+        trainer_cls=trainer_classes(name)[0],
+        teacher_model=build_tiny_teacher(tokenizer) if teacher is None else teacher,
+        **(trainer_kwargs or {}),
+    )
+
+
+def run_distillation(name: str, output_dir: str, **kwargs):
+    """Train :func:`distillation_trainer` and return ``(initial parameters, final parameters, generated completion
+    ids, log history)``."""
+    trainer = distillation_trainer(name, output_dir, **kwargs)
+    initial = snapshot_parameters(trainer.model)
+    trainer.train()
+    return initial, snapshot_parameters(trainer.model), trainer.__dict__.get("generated", []), trainer.state.log_history
 
 
 def saved_model_trainer(args, model_dir: str, **kwargs):

@@ -1,16 +1,17 @@
 """A stand-in for vLLM behind TRL's own ``VLLMGeneration``: TRL's vLLM path (``use_vllm=True``, server and colocate
 mode) run on a machine without vLLM or a GPU.
 
-TRL 1.16's GRPOTrainer and RLOOTrainer build ``VLLMGeneration(model=..., accelerator=..., mode=..., ...)`` (the
-name each trainer module imports) and call three things on it: ``sync_weights()`` when the optimizer step changed,
-``generate(prompts, images, num_generations, profiler)`` returning ``(prompt_ids, completion_ids, logprobs,
-logprob_token_ids)``, and in server mode with importance-sampling correction, on the main process,
-``vllm_client.get_server_info()["model_config"]["logprobs_mode"]``. :func:`vllm_standin` replaces that name, in both
-trainer modules, by a subclass of TRL's class that keeps all of TRL's code (its ``generate``: gathering the prompts
-to the main process and broadcasting the results in server mode, one request per prompt in colocate mode; its
-``sync_weights``: every parameter streamed under its vLLM name) and replaces only what starts vLLM
-(``_init_vllm``): the server's client (``vllm_client``, main process only) or the colocated engine (``llm``), both
-over a :class:`StandInEngine`. A stock trainer and the plugin's see the same stand-in, as a user's process sees vLLM.
+TRL 1.16's GRPOTrainer, RLOOTrainer and DistillationTrainer build ``VLLMGeneration(model=..., accelerator=...,
+mode=..., ...)`` (the name each trainer module imports) and call three things on it: ``sync_weights()`` when the
+optimizer step changed, ``generate(prompts, images, num_generations, profiler)`` returning ``(prompt_ids,
+completion_ids, logprobs, logprob_token_ids)``, and in server mode with importance-sampling correction, on the main
+process, ``vllm_client.get_server_info()["model_config"]["logprobs_mode"]``. :func:`vllm_standin` replaces that name,
+in each trainer module, by a subclass of TRL's class that keeps all of TRL's code (its ``generate``: gathering the
+prompts to the main process and broadcasting the results in server mode, one request per prompt in colocate mode; its
+``sync_weights``: every parameter streamed under its vLLM name) and replaces only what starts vLLM (``_init_vllm``):
+the server's client (``vllm_client``, main process only) or the colocated engine (``llm``), both over a
+:class:`StandInEngine`. A stock
+trainer and the plugin's see the same stand-in, as a user's process sees vLLM.
 
 The engine is a copy of the model taken at start (the checkpoint a server or a colocated engine loads), so it
 samples from the weights it was last synced with: a sync that did not happen shows in the completions. It samples
@@ -34,7 +35,7 @@ from types import SimpleNamespace
 __all__ = ["StandInEngine", "VLLMStandIn", "vllm_standin"]
 
 #: The modules that import ``VLLMGeneration`` by name (where TRL 1.16's trainers look it up).
-TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
+TRAINER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl.trainer.distillation_trainer")
 
 
 class StandInEngine:
@@ -364,7 +365,8 @@ class VLLMStandIn:
 def vllm_standin(*, noise_std: float = 0.3, seed: int = 0, logprobs_mode: str = "processed_logprobs"):
     """Inside the context, TRL's trainers generate through :class:`VLLMStandIn` when ``use_vllm=True``: the name
     ``VLLMGeneration`` of each trainer module (:data:`TRAINER_MODULES`) is the stand-in's subclass of TRL's class,
-    and ``trl.generation.vllm_generation.SamplingParams`` (vLLM's, absent without vLLM) is :class:`SamplingParams`.
+    its ``is_vllm_available`` (where it imports one: DistillationTrainer's) says True, and
+    ``trl.generation.vllm_generation.SamplingParams`` (vLLM's, absent without vLLM) is :class:`SamplingParams`.
     Yields the :class:`VLLMStandIn` (its ``generations`` and ``engines``, for a test to read). Build and train the
     trainer inside the context."""
     import importlib
@@ -372,13 +374,16 @@ def vllm_standin(*, noise_std: float = 0.3, seed: int = 0, logprobs_mode: str = 
     from trl.generation import vllm_generation
 
     standin = VLLMStandIn(noise_std, seed, logprobs_mode)
-    replaced = [(importlib.import_module(name), "VLLMGeneration") for name in TRAINER_MODULES]
+    modules = [importlib.import_module(name) for name in TRAINER_MODULES]
+    stand_ins = {"VLLMGeneration": standin.generation_class(), "SamplingParams": SamplingParams}
+    stand_ins["is_vllm_available"] = lambda: True  # DistillationTrainer checks it before building VLLMGeneration
+    replaced = [(module, "VLLMGeneration") for module in modules]
+    replaced += [(module, "is_vllm_available") for module in modules if "is_vllm_available" in module.__dict__]
     replaced.append((vllm_generation, "SamplingParams"))
     saved = [(module, name, module.__dict__.get(name, _ABSENT)) for module, name in replaced]
-    generation_class = standin.generation_class()
     try:
         for module, name in replaced:
-            setattr(module, name, generation_class if name == "VLLMGeneration" else SamplingParams)
+            setattr(module, name, stand_ins[name])
         yield standin
     finally:
         for module, name, value in saved:

@@ -1,0 +1,158 @@
+"""On-policy distillation with token-budget passes: TRL's distillation script, on ``DynamicBatchDistillationTrainer``.
+
+**No arguments: an offline demo** (nothing is downloaded; about a minute on 2 CPU cores)::
+
+    python examples/distill.py
+    accelerate launch examples/distill.py
+
+``examples/grpo.py``'s tiny student (a Qwen2-style model with random weights, hidden 128, 2 layers, a character
+tokenizer) generates its own completions to prompt words (0 to 64 tokens, a long tail), and learns to match a teacher
+of the same vocabulary three times its size (hidden 192, 3 layers) whose next-token distribution is sharper: the
+loss, the divergence (``beta`` 0.5, the generalized Jensen-Shannon divergence), falls over the run. The run prints the
+batch-size table (with the teacher's budget), one line per optimizer step (``loss``, ``entropy``,
+``dynbsz/microbatches_max_over_ranks`` against stock's fixed count, ``dynbsz/computed_tokens`` against
+``dynbsz/stock_computed_tokens``, ...) and a summary; the student and ``trainer_state.json`` are saved to
+``runs/distill-tiny``.
+
+**With Hub models and a dataset**, as TRL's own ``trl/scripts/distillation.py``::
+
+    python examples/distill.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --teacher_model_name_or_path Qwen/Qwen2.5-1.5B-Instruct --dataset_name trl-lib/ultrafeedback-prompt \\
+        --learning_rate 2.0e-5 --max_completion_length 512 --output_dir runs/distill-qwen2.5
+
+The dataset needs a ``prompt`` column, plain text or chat messages (``--prompt_column`` renames another one). Every
+``DynamicBatchDistillationConfig`` option is a flag (``--max_tokens_per_microbatch 8192``,
+``--max_tokens_per_microbatch_teacher 16384``, ``--beta 0`` for the forward KL, ``--dynamic_batching false`` for stock
+DistillationTrainer, ...), as is every ``DistillationConfig`` / ``TrainingArguments`` and ``ModelConfig`` one
+(``--dtype bfloat16``, ``--use_peft``, ...); ``--config my.yaml`` reads them from a YAML file. The console output,
+multi-process notes and ``--resume_from_checkpoint`` are ``examples/grpo.py``'s (this script imports them from it:
+keep the two files together).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
+import grpo  # noqa: E402
+
+from hf_dynbsz import DynamicBatchDistillationConfig  # noqa: E402
+
+MODEL_DEFAULTS = dict(output_dir="runs/distill")
+# The offline demo: 8 prompts per process per optimizer step, which stock runs as 2 passes of 4 padded rows.
+TINY_DEFAULTS = dict(
+    output_dir="runs/distill-tiny",
+    max_steps=60,
+    learning_rate=3e-3,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_completion_length=64,
+    beta=0.5,
+    bf16=False,
+    save_strategy="no",
+    seed=0,
+    **{grpo._CHECKPOINTING: False},  # the tiny models do not need it
+)
+#: The teacher's scale of its LM head: a sharper next-token distribution than the student's near-uniform one.
+TEACHER_HEAD_SCALE = 4.0
+COMPACT_METRICS = (("loss", ".5f"), ("entropy", ".3f"))
+
+
+@dataclass
+class DistillationScriptArguments(ScriptArguments):
+    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
+
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "Dataset column holding the prompts (renamed to 'prompt')."}
+    )
+    num_prompts: int = field(default=1024, metadata={"help": "Offline demo: number of synthetic prompts."})
+    log_style: str = field(
+        default="compact",
+        metadata={
+            "help": "compact: one line per logging step with the loss, entropy and dynbsz/ metrics; full: the "
+            "Trainer's dictionary of every metric.",
+            "choices": ["compact", "full"],
+        },
+    )
+
+
+def build_tiny_teacher(tokenizer, seed: int):
+    """The demo's teacher: a Qwen2-style model of the student's vocabulary (hidden 192, 3 layers: about 3x the
+    student's parameters), its LM head scaled by :data:`TEACHER_HEAD_SCALE`."""
+    import torch
+
+    from hf_dynbsz.testing import build_tiny_causal_lm
+
+    teacher = build_tiny_causal_lm(
+        tokenizer, hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=256, seed=seed + 1,
+    )  # fmt: skip
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(TEACHER_HEAD_SCALE)
+    return teacher
+
+
+def load_named(script_args, training_args, model_args):
+    """Student name, teacher name, tokenizer, train split and PEFT config of a ``--model_name_or_path`` run, as
+    ``trl/scripts/distillation.py`` loads them (both models by name, with the model's dtype and attention)."""
+    if training_args.teacher_model_name_or_path is None:
+        raise ValueError("--model_name_or_path needs --teacher_model_name_or_path (the teacher).")
+    student, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
+    teacher_init_kwargs = dict(
+        revision=training_args.teacher_model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    teacher_init_kwargs.update(training_args.teacher_model_init_kwargs or {})
+    training_args.teacher_model_init_kwargs = teacher_init_kwargs  # the trainer loads the teacher with these
+    return student, training_args.teacher_model_name_or_path, tokenizer, dataset, peft_config
+
+
+def build(script_args, training_args, model_args, named: bool):
+    """``(student, teacher, tokenizer, dataset, peft_config)`` of the run: named models, or the offline demo's."""
+    if named:
+        return load_named(script_args, training_args, model_args)
+    if script_args.dataset_name:
+        raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
+    student, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+    teacher = build_tiny_teacher(tokenizer, training_args.seed)
+    dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed).remove_columns("target_length")
+    return student, teacher, tokenizer, dataset, None
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = grpo.uses_named_model(argv)
+    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
+    parser = TrlParser((DistillationScriptArguments, DynamicBatchDistillationConfig, ModelConfig))
+    parser.set_defaults(**defaults)
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    grpo.setup_logging(training_args.process_index == 0)
+
+    from hf_dynbsz import DynamicBatchDistillationTrainer
+
+    student, teacher, tokenizer, dataset, peft_config = build(script_args, training_args, model_args, named)
+    trainer = DynamicBatchDistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""A distillation teacher's no-grad passes: its last hidden states at every completion token of a step, by the
+teacher's own token budget (torch layer).
+
+Stock ``DistillationTrainer`` runs the teacher inside each student micro-batch: the same padded rows of
+``per_device_train_batch_size`` samples, through ``_forward_redirection`` (so that DeepSpeed ZeRO-3 gathers the
+teacher's partitioned parameters), under no grad, keeping its last hidden states for the divergence. Here the teacher
+runs before the step's training passes, over the step's samples, in passes of its own through the executor's one
+loop (:meth:`~hf_dynbsz.execution.executor.PassExecutor.run`, kind ``"teacher"``):
+
+* its budget (tokens per device per pass) is ``max_tokens_per_microbatch_teacher``, or with a memory limit the
+  largest whose predicted peak fits it (the teacher's own memory model), or else the log-prob rule at the
+  teacher's size (:meth:`~hf_dynbsz.planning.schedule.Scheduler.budget`, :attr:`Scheduler.teacher_scale`);
+* its passes are the pair's layout (padding-free rows where both models allow them: segment attention runs on the
+  teacher's attention too), balanced across processes like a log-prob pass, with dummy passes for lockstep (ZeRO-3
+  gathers the teacher's parameters in every forward) that run what a real pass runs: the teacher's backbone;
+* the result, per sample, is the teacher's last hidden states at the positions that predict its completion tokens,
+  ``(completion tokens, hidden size)`` in the teacher's output dtype, back on the process that owns the sample
+  (:attr:`~hf_dynbsz.execution.batch.StepBatch.teacher_hidden`); the step's training passes read them (and move them
+  with the sample when balancing moves it).
+
+A token's hidden state depends on its own sequence alone (the self-check compares each layout with the sample alone
+on the teacher too), so the hidden states are stock's whatever the passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+from torch.profiler import record_function
+
+from hf_dynbsz.execution.attention import use_segments
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.distillation_loss import backbone_hidden_states
+from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.planning.cost import config_value, text_config_of
+
+__all__ = ["Teacher"]
+
+
+@dataclasses.dataclass
+class _TeacherPasses:
+    """A teacher attempt's samples (after the exchange) and, per sample, its hidden states once its pass ran."""
+
+    table: SequenceTable
+    hidden: list[torch.Tensor | None]
+
+
+class Teacher:
+    """The teacher of a distillation run, as its passes need it: ``model`` the prepared teacher (a DeepSpeed engine
+    under ZeRO, the accelerator's evaluation-mode model otherwise), ``unwrapped`` the model under it, ``redirect`` the
+    trainer's ``_forward_redirection`` and ``hidden_size`` its last hidden states' width."""
+
+    def __init__(self, trainer) -> None:
+        self.model = trainer.teacher_model
+        self.unwrapped = trainer.accelerator.unwrap_model(self.model)
+        self.redirect = trainer._forward_redirection
+        self.compute_context = trainer.compute_loss_context_manager
+        self.hidden_size = int(config_value(text_config_of(self.unwrapped.config), "hidden_size", kind="size"))
+
+    @torch.no_grad()
+    def hidden_states(self, executor, batch: StepBatch) -> None:
+        """Fill ``batch.teacher_hidden``: the teacher's last hidden states at every completion token of every sample of
+        ``batch`` (this process's), from the teacher's passes (``executor``'s loop, kind ``"teacher"``)."""
+        table = batch.table
+        with executor.meters.clock.phase("teacher"), self.compute_context():
+            start = partial(self._start, executor, table)
+            schedule, state = executor.run(
+                self.model, "teacher", table, batch.stock_microbatch_tokens, start, partial(self._pass, executor),
+                dummy=partial(self.dummy_pass, executor),
+            )  # fmt: skip
+            hidden = state.hidden
+            if schedule.exchange is not None:  # the results go back to the process that owns each sample
+                size = self.hidden_size
+                records = [rows.double().reshape(-1) for rows in hidden]
+                own = executor.scheduler.group.send_to_owners(records, schedule.exchange, lambda p, c: c * size)
+                dtype = hidden[0].dtype if hidden else torch.float32
+                hidden = [record.view(-1, size).to(dtype) for record in own]
+        batch.teacher_hidden, batch.teacher_hidden_size = hidden, self.hidden_size
+
+    def _start(self, executor, table: SequenceTable, schedule) -> _TeacherPasses:
+        run = table if schedule.exchange is None else executor.move(table, schedule.exchange)
+        return _TeacherPasses(run, [None] * len(run))
+
+    def _pass(self, executor, state: _TeacherPasses, schedule, group: list[int], last: bool) -> None:
+        """One teacher pass: the backbone over the pass's row, its hidden states at each completion token kept per
+        sample."""
+        with record_function("dynbsz/pack"):
+            mb = executor.microbatch(state.table, group, schedule.groups)
+        with record_function("dynbsz/teacher_forward"):
+            hidden = self._forward(mb)
+        completion = mb.completion_mask.bool()
+        picked = hidden.reshape(-1, hidden.size(-1))[mb.gather_index[completion]]
+        for index, rows in zip(group, picked.split(completion.sum(1).tolist())):
+            state.hidden[index] = rows
+
+    def _forward(self, mb) -> torch.Tensor:
+        """The teacher's last hidden states over ``mb``'s rows, through its wrapper as stock runs it."""
+        use_segments(mb.segments)
+        return self.redirect(self.model, self.unwrapped, backbone_hidden_states, self.unwrapped, mb.model_inputs)
+
+    def dummy_pass(self, executor, model, last=None) -> None:
+        """A lockstep pass: the teacher's backbone over a tiny row, as a real pass runs it (under ZeRO-3 the same
+        parameter gathers)."""
+        self._forward(executor.lockstep_microbatch())

@@ -1,0 +1,113 @@
+"""DynamicBatchDistillationTrainer against stock DistillationTrainer on 2 processes, for real: `accelerate launch`,
+gloo, DDP and DeepSpeed ZeRO-3 (the teacher a DeepSpeed engine of its own, as stock's ``prepare_deepspeed`` makes it,
+through ``_forward_redirection`` in both).
+
+Scripted completions give process 1 every long one (``--rollout lopsided``): cross-rank balancing moves samples
+between the processes for the teacher's passes (their hidden states go back to the owner) and for the training passes
+(with everything that belongs to a sample: its teacher hidden states, slice, weight), and the processes' pass counts
+differ, so lockstep dummy passes run on both models (under ZeRO-3 they must gather what a real pass gathers: the
+teacher's backbone, the student's backbone and both LM heads). The runs of a backend share one launch per trainer
+(``SharedLaunches`` of ``tests/test_distributed.py``, ``--trainer distillation_stock|distillation_dynamic``). Parameters
+within 1e-5 of stock's, the same completions on every rank, stock's logged loss and entropy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_distributed import SharedLaunches
+
+from hf_dynbsz.testing import relative_difference, save_tiny_model, save_tiny_teacher
+
+pytestmark = pytest.mark.slow
+
+#: Process 1 gets every long completion (18-24 tokens against 1-3) and the long prompts.
+LOPSIDED = dict(lopsided=True, rollout="lopsided", budget=64, max_steps=2)
+DISTILLATION_RUNS = {
+    "cpu_ddp.yaml": {
+        "balanced": dict(LOPSIDED, beta=0.5, temperature=0.8),
+        # the teacher states of the samples that arrived from the other process damaged (ours only: stock's run is
+        # "balanced"'s): the comparison must see it
+        "damaged": dict(LOPSIDED, beta=0.5, temperature=0.8, mutate="teacher_hidden"),
+        # budgets from memory; process 1's first teacher pass runs out of memory: both processes re-plan their passes
+        "memory": dict(LOPSIDED, beta=0.5, max_memory_mib=100_000, inject_oom="teacher:forward:0:1"),
+        # tool-result tokens (tool mask 0) in every process's completions; balancing off: each process its own
+        "tool_mask": dict(rollout="multiturn", budget=48, beta=1.0, balance="off"),
+    },
+    "cpu_zero3.yaml": {"balanced": dict(LOPSIDED, beta=0.0)},
+}
+BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    return save_tiny_teacher(str(tmp_path_factory.mktemp("tiny-teacher")))
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, model_dir, teacher_dir):
+    runs = {
+        config: {name: dict(options, teacher_dir=teacher_dir) for name, options in scenarios.items()}
+        for config, scenarios in DISTILLATION_RUNS.items()
+    }
+    return SharedLaunches(tmp_path_factory.mktemp("distillation-launches"), model_dir, runs)
+
+
+def compare(config: str, scenario: str, model_dir, launches) -> list[dict]:
+    """Ours against stock, both run with ``scenario``'s flags under ``config``: same completions, parameters within
+    1e-5, stock's logged loss and entropy; returns each rank's records of ours."""
+    options = launches.shared_runs[config][scenario]
+    stock_out, stock = launches.get("distillation_stock", config, model_dir, **options)
+    our_out, ours = launches.get("distillation_dynamic", config, model_dir, **options)
+    for rank in range(2):
+        assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
+        assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
+        assert len(ours[rank]["logged"]) == len(stock[rank]["logged"]) == options.get("max_steps", 2)
+        for our_step, stock_step in zip(ours[rank]["logged"], stock[rank]["logged"]):
+            assert our_step == pytest.approx(stock_step, rel=1e-5, abs=1e-7)
+        assert ours[rank]["losses"] == pytest.approx(stock[rank]["losses"], rel=1e-5, abs=1e-7)
+    difference = relative_difference(torch.load(f"{our_out}.params.pt"), torch.load(f"{stock_out}.params.pt"))
+    assert difference <= 1e-5, difference
+    return ours
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_balancing_moves_samples_with_their_teacher_states_and_matches_stock(backend, model_dir, launches):
+    ours = compare(BACKENDS[backend], "balanced", model_dir, launches)
+    for rank in range(2):
+        steps = ours[rank]["metrics"]
+        assert any(step["dynbsz/samples_moved"] > 0 for step in steps)
+        for step in steps:  # lockstep: every rank ran the agreed number of passes
+            assert (
+                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
+            )
+            assert step["dynbsz/teacher_seconds"] > 0
+
+
+def test_tool_masks_match_stock_across_two_processes(model_dir, launches):
+    ours = compare("cpu_ddp.yaml", "tool_mask", model_dir, launches)
+    assert all(step["dynbsz/microbatches"] >= 2 for rank in range(2) for step in ours[rank]["metrics"])
+
+
+def test_a_moved_sample_that_lost_its_teacher_states_is_caught(model_dir, launches):
+    """The balanced run again, with the teacher hidden states of every sample that moved shifted by 0.5 on arrival:
+    the same completions, but parameters off stock's (what ``compare`` would fail on)."""
+    options = launches.shared_runs["cpu_ddp.yaml"]["damaged"]
+    stock_out, _ = launches.get("distillation_stock", "cpu_ddp.yaml", model_dir, **options)
+    our_out, ours = launches.get("distillation_dynamic", "cpu_ddp.yaml", model_dir, **options)
+    assert any(step["dynbsz/samples_moved"] > 0 for step in ours[0]["metrics"])
+    difference = relative_difference(torch.load(f"{our_out}.params.pt"), torch.load(f"{stock_out}.params.pt"))
+    assert difference > 1e-4, difference
+
+
+def test_budgets_from_memory_and_a_teacher_pass_out_of_memory_on_one_process_match_stock(model_dir, launches):
+    ours = compare("cpu_ddp.yaml", "memory", model_dir, launches)
+    for rank in range(2):
+        steps = ours[rank]["metrics"]
+        assert sum(step["dynbsz/oom_retries"] for step in steps) == 1  # agreed: both re-planned the teacher's passes
+        assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
