@@ -299,10 +299,14 @@ def test_the_vllm_path_matches_stock_across_two_processes(vllm_mode, model_dir, 
         assert any(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
 
 
-def test_a_hybrid_model_balanced_across_processes_matches_stock(model_dir, shared_launches):
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_hybrid_model_balanced_across_processes_matches_stock(backend, model_dir, shared_launches):
     """Qwen3-Next-style Gated DeltaNet layers run per sequence (segment recurrence): padding-free rows with shared
-    prompts, samples moved between the processes, parameters equal to stock's."""
-    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **HYBRID_RUNS["ddp"])
+    prompts, samples moved between the processes, parameters equal to stock's. FSDP2 gathers a module's parameters at
+    each call only for the modules it shards on its own (accelerate's transformer wrap: the decoder layers, the model's
+    ``_no_split_modules``, and the whole model): the mixers run inside their layer's gather, so segment recurrence
+    stays on there, unlike under ZeRO-3."""
+    ours = compare(BACKENDS[backend][0], model_dir, shared_launches, **HYBRID_RUNS[backend])
     steps = [step for record in ours for step in record["metrics"]]
     assert max(step["dynbsz/samples_moved"] for step in steps) > 0
     assert max(step["dynbsz/prompt_tokens_saved"] for step in steps) > 0
@@ -317,17 +321,6 @@ def test_under_zero3_a_hybrid_model_trains_padded_rows_and_matches_stock(model_d
     assert max(step["dynbsz/samples_moved"] for step in steps) > 0
     assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in steps)
     assert max(step["dynbsz/padding_fraction"] for step in steps) > 0
-
-
-def test_under_fsdp2_a_hybrid_model_trains_padding_free_rows_and_matches_stock(model_dir, shared_launches):
-    """FSDP2 gathers a module's parameters at each call only for the modules it shards on its own (accelerate's
-    transformer wrap: the decoder layers, the model's ``_no_split_modules``, and the whole model): the sequence
-    mixers run inside their layer's gather, so segment recurrence stays on, unlike under ZeRO-3."""
-    ours = compare("cpu_fsdp2.yaml", model_dir, shared_launches, **HYBRID_RUNS["fsdp2"])
-    steps = [step for record in ours for step in record["metrics"]]
-    assert max(step["dynbsz/samples_moved"] for step in steps) > 0
-    assert max(step["dynbsz/prompt_tokens_saved"] for step in steps) > 0
-    assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)
 
 
 def test_under_fsdp2_image_steps_keep_stocks_slices_and_every_process_finishes(model_dir, shared_launches):
