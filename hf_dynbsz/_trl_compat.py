@@ -230,7 +230,21 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "parallel.collectives releases a collective's held tensors once no C++ holder but the tensor's Python object "
         "and the holds is left: the work object a gloo or NCCL worker thread drops is one",
     ),
+    InternalName(
+        "torch.nn.parallel.DistributedDataParallel instance",
+        "require_forward_param_sync",
+        "writes",
+        "execution.recovery settles it after a pass that raised in its forward (DDP sets it at a forward's end and "
+        "broadcasts the buffers in the next forward when True): as the other processes' completed passes left it",
+    ),
     # ---- transformers
+    InternalName(
+        "transformers.PreTrainedModel",
+        "_no_split_modules",
+        "reads",
+        "accelerate's FSDP transformer wrap shards these classes on their own by default, so each of their calls "
+        "gathers parameters (parallel.distributed.fsdp_units)",
+    ),
     InternalName(
         "transformers.PretrainedConfig instance",
         "_attn_implementation",
@@ -297,6 +311,13 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "calls",
         "gradients sync (and DeepSpeed steps) on the last pass of an optimizer step only",
         ("sync_gradients",),
+    ),
+    InternalName(
+        "accelerate.state.PartialState",
+        "_shared_state",
+        "writes",
+        "hf_dynbsz.testing.fsdp_on_cpu (tests only): FSDP's distributed type on CPU processes, written where "
+        "AcceleratorState's own last step writes it",
     ),
     # ---- TRL's vLLM generation (the test stand-in of hf_dynbsz.testing.vllm_standin, not the trainer)
     InternalName(

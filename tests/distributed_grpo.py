@@ -19,6 +19,9 @@ server|colocate`` generates through TRL's vLLM path with the stand-in of :mod:`h
 importance-sampling correction in ``--vllm_is_mode``, clipped to [0.5, 2]). ``--mutate`` corrupts, on the process
 that receives them, the samples that cross-rank balancing moved (their advantage, old log-probs, loss weight or
 teacher hidden states): a check that the comparison with stock would catch a sample that lost what belongs to it.
+``--save_steps``, ``--kill_at`` and ``--resume`` make a killed-and-restarted run: checkpoints every N steps, a process
+killed mid-step, the relaunch resumed from the latest checkpoint. Under FSDP (real on CPU processes too:
+:func:`~hf_dynbsz.testing.fsdp_on_cpu`) the final parameters are gathered from every process's shards.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -44,6 +48,7 @@ from hf_dynbsz.testing import (
     build_trainer,
     distillation_config,
     distillation_trainer,
+    fsdp_on_cpu,
     image_prompt_dataset,
     load_tokenizer,
     prompt_dataset,
@@ -154,7 +159,9 @@ def main() -> None:
     parser.add_argument(
         "--linger", type=float, default=0.0, help="with --plain_exit: seconds process 0 works on before it saves"
     )
+    add_restart_flags(parser)
     cli = parser.parse_args()
+    fsdp_on_cpu()  # a distributed_type: FSDP launch on CPU processes runs FSDP, as on GPUs (else plain DDP)
     if cli.rank1_env and os.environ.get("RANK") == "1":  # a DIFFU_* variable exported on one machine only
         name, value = cli.rank1_env.split("=", 1)
         os.environ[name] = value
@@ -175,6 +182,19 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def add_restart_flags(parser) -> None:
+    """A run killed and restarted: checkpoints (``--save_steps``), a process killed mid-step (``--kill_at``), the
+    relaunch resumed from the latest checkpoint (``--resume``)."""
+    parser.add_argument(
+        "--save_steps", type=int, default=None, help="save a checkpoint every N optimizer steps (default: none)"
+    )
+    parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint of the output dir")
+    parser.add_argument(
+        "--kill_at", default=None, help="STEP:PASS:RANK: process RANK SIGKILLs itself in optimizer step STEP, at its "
+        "PASS-th forward with gradients (mid-step)",
+    )  # fmt: skip
 
 
 def add_trainer_flags(parser) -> None:
@@ -259,6 +279,8 @@ def config_fields(cli, loss_type: str) -> dict:
         fields.update(
             shuffle_dataset=False, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4
         )
+    if cli.save_steps:
+        fields.update(save_strategy="steps", save_steps=cli.save_steps)
     if cli.no_gradient_checkpointing:
         fields.update(gradient_checkpointing=False)
     if cli.rollout == "environment":
@@ -360,10 +382,38 @@ def train(cli, loss_type: str, out: str):
             args, model, processing_class, dataset=dataset, reward=funcs, rollout=rollout, trainer_cls=trainer_cls,
             **kwargs,
         )  # fmt: skip
-        trainer.train()
+        if cli.kill_at:
+            kill_at(trainer, cli.kill_at)
+        trainer.train(resume_from_checkpoint=True if cli.resume else None)
     engines = [(engine.syncs, engine.requests) for engine in standin.engines] if standin else []
     write_results(trainer, reward, cli, out, engines)
     return trainer
+
+
+def full_tensor(parameter):
+    """The whole of ``parameter``: FSDP2's DTensor shard gathered from every process (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+
+
+def kill_at(trainer, spec: str) -> None:
+    """``--kill_at STEP:PASS:RANK``: process RANK kills itself (SIGKILL, as the kernel's out-of-memory killer or a
+    lost machine would) at the start of its PASS-th forward with gradients of optimizer step STEP (1-based), so
+    after PASS - 1 passes of that step's backward; the same point for stock's trainer and the plugin's."""
+    step, nth, rank = (int(part) for part in spec.split(":"))
+    if trainer.accelerator.process_index != rank:
+        return
+    seen = []
+
+    def hook(module, args, kwargs):
+        if torch.is_grad_enabled() and module.training and trainer.state.global_step == step - 1:
+            seen.append(None)
+            if len(seen) == nth:
+                print(f"process {rank}: SIGKILL at its forward {nth} of optimizer step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def write_results(trainer, reward, cli, out: str, engines: list) -> None:
@@ -377,8 +427,8 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
 
         with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
             params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
-    else:
-        params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+    else:  # FSDP2's parameters are DTensor shards: every process takes part in gathering each one
+        params = {name: full_tensor(p).detach().clone().cpu() for name, p in unwrapped.named_parameters()}
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]

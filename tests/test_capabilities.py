@@ -4,29 +4,36 @@ settings and the launch."""
 from __future__ import annotations
 
 from hf_dynbsz import DynamicBatchGRPOConfig
-from hf_dynbsz.planning.capabilities import SEGMENT_RECURRENCE_UNDER_ZERO3, Capabilities
+from hf_dynbsz.parallel.distributed import fsdp_units, gathering_reason
+from hf_dynbsz.planning.capabilities import SEGMENT_RECURRENCE_GATHERED, Capabilities
 from hf_dynbsz.planning.schedule import SINGLE_PROCESS
 from hf_dynbsz.testing import base_config_kwargs, build_char_tokenizer, build_tiny_hybrid_lm
 
+#: What :func:`hf_dynbsz.parallel.distributed.gathered_calls` answers under ZeRO-3 on several processes.
+ZERO3 = "under DeepSpeed ZeRO-3 on several processes each call of a module gathers its parameters"
 
-def capabilities(tmp_path, zero3: bool) -> Capabilities:
+
+def capabilities(tmp_path, gathered: str | None) -> Capabilities:
     model = build_tiny_hybrid_lm(build_char_tokenizer())
     args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), router_aux_loss_coef=0.0))
-    return Capabilities.of(args, model, SINGLE_PROCESS, aux_loss=False, external_generation=False, zero3=zero3)
+    return Capabilities.of(
+        args, model, SINGLE_PROCESS, aux_loss=False, external_generation=False, gathered=lambda names: gathered
+    )
 
 
 def test_a_hybrid_model_trains_padding_free_rows_through_segment_recurrence(tmp_path):
-    first = capabilities(tmp_path, zero3=False).layouts[0]
+    first = capabilities(tmp_path, gathered=None).layouts[0]
     assert first.name == "padding_free" and first.share_prompts and first.segment_recurrence
 
 
-def test_under_zero3_on_several_processes_a_hybrid_model_trains_padded_rows_with_the_reason(tmp_path):
-    """Segment recurrence calls a mixer's modules once per run length, which differs between processes; ZeRO-3
-    gathers a module's parameters at each call, with every process."""
-    chosen = capabilities(tmp_path, zero3=True)
+def test_where_a_mixers_calls_gather_parameters_a_hybrid_model_trains_padded_rows_with_the_reason(tmp_path):
+    """Segment recurrence calls a mixer's modules once per run length, which differs between processes; ZeRO-3 on
+    several processes gathers a module's parameters at each call, with every process (and FSDP a module it shards on
+    its own: ``tests/test_distributed.py``)."""
+    chosen = capabilities(tmp_path, gathered=ZERO3)
     assert chosen.enabled and {layout.name for layout in chosen.layouts} == {"padded"}
     assert not any(layout.segment_recurrence for layout in chosen.layouts)
-    assert any(SEGMENT_RECURRENCE_UNDER_ZERO3 in note for note in chosen.notes), chosen.notes
+    assert any(SEGMENT_RECURRENCE_GATHERED.format(why=ZERO3) in note for note in chosen.notes), chosen.notes
 
 
 def pair(tmp_path, teacher, student=None, **settings):
@@ -71,3 +78,36 @@ def test_a_teacher_on_another_attention_keeps_the_common_layouts_or_turns_repack
     own, none = pair(tmp_path, eager_teacher(), packing_layout="padding_free")
     assert own.enabled and not none.enabled and not none.layouts
     assert any("stock DistillationTrainer math runs: the teacher model" in note for note in none.notes), none.notes
+
+
+# ---- which calls gather parameters: hf_dynbsz.parallel.distributed.gathering_reason ------------------------------
+def fsdp_plugin(policy: str, **fields):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy, **fields)
+
+
+def test_under_fsdps_transformer_wrap_a_hybrid_models_mixers_run_within_their_layers_gather(tmp_path):
+    """accelerate's default FSDP wrap shards the decoder layers on their own (the model's ``_no_split_modules``): a
+    mixer's calls run within its layer's gather, so padding-free rows with segment recurrence stay on."""
+    model = build_tiny_hybrid_lm(build_char_tokenizer())
+    units = fsdp_units(fsdp_plugin("transformer_based_wrap"), model)
+    assert units == {"Qwen3NextDecoderLayer"}
+    assert gathering_reason("FSDP", units, model, ("Qwen3NextGatedDeltaNet",)) is None
+    assert fsdp_units(fsdp_plugin("no_wrap"), model) == frozenset()  # only the whole model is sharded
+
+
+def test_an_fsdp_wrap_that_shards_a_mixer_on_its_own_turns_segment_recurrence_off_with_the_reason(tmp_path):
+    model = build_tiny_hybrid_lm(build_char_tokenizer())
+    wrapped = ["Qwen3NextDecoderLayer", "Qwen3NextGatedDeltaNet"]
+    for plugin in (
+        fsdp_plugin("transformer_based_wrap", transformer_cls_names_to_wrap=wrapped),
+        fsdp_plugin("size_based_wrap"),  # any module large enough: none is known to stay whole
+    ):
+        reason = gathering_reason("FSDP", fsdp_units(plugin, model), model, ("Qwen3NextGatedDeltaNet",))
+        assert reason is not None and reason.startswith("under FSDP on several processes"), reason
+        chosen = capabilities(tmp_path, gathered=reason)
+        assert {layout.name for layout in chosen.layouts} == {"padded"}
+        assert any(SEGMENT_RECURRENCE_GATHERED.format(why=reason) in note for note in chosen.notes), chosen.notes
+    assert gathering_reason("DeepSpeed ZeRO-3", None, model, ("Qwen3NextGatedDeltaNet",)) == ZERO3
+    assert gathering_reason(None, None, model, ("Qwen3NextGatedDeltaNet",)) is None  # DDP, ZeRO-1/2, one process

@@ -1,12 +1,13 @@
-"""DynamicBatchRLOOTrainer against stock RLOOTrainer on 2 processes, for real: `accelerate launch`, gloo, DDP and
-DeepSpeed ZeRO-3.
+"""DynamicBatchRLOOTrainer against stock RLOOTrainer on 2 processes, for real: `accelerate launch`, gloo, DDP,
+DeepSpeed ZeRO-3 and FSDP2.
 
 Rank 1's prompts are about 20x longer than rank 0's (``--lopsided``): cross-rank balancing moves samples between the
 processes, with everything that belongs to them (summed old log-probs, advantages, slice, weight). The runs of a
 backend share one launch per trainer (``SharedLaunches`` of ``tests/test_distributed.py``, ``--trainer
 rloo_stock|rloo_dynamic``): under DDP with ``beta`` in the reward and two iterations, an MoE model with its router aux
 loss, sequence parallelism over both processes and generation on TRL's vLLM path (server mode, through the stand-in
-of ``hf_dynbsz.testing.vllm_standin``); under ZeRO-3 with a reference model. Parameters within 1e-5 of
+of ``hf_dynbsz.testing.vllm_standin``); under ZeRO-3 with a reference model; under FSDP2 with a reference model and two
+iterations. Parameters within 1e-5 of
 stock's, the same completions on every rank, and stock's logged entropy and clip ratios.
 """
 
@@ -32,8 +33,10 @@ RLOO_RUNS = {
         "vllm_server": dict(LOPSIDED, vllm="server", num_iterations=2, max_steps=3),
     },
     "cpu_zero3.yaml": {"balanced": dict(LOPSIDED, beta=0.1)},
+    # FSDP2: with beta > 0 TRL builds the reference model from the model's name (a path here)
+    "cpu_fsdp2.yaml": {"balanced": dict(LOPSIDED, beta=0.1, num_iterations=2)},
 }
-BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml"}
+BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def compare(config: str, scenario: str, model_dir, launches) -> tuple[list[dict]
     return ours, stock
 
 
-@pytest.mark.parametrize("backend", [pytest.param("ddp"), pytest.param("zero3", marks=pytest.mark.long)])
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("zero3", marks=pytest.mark.long), "fsdp2"])
 def test_balancing_moves_samples_and_matches_stock(backend, model_dir, launches):
     ours, _ = compare(BACKENDS[backend], "balanced", model_dir, launches)
     for rank in range(2):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -16,6 +17,7 @@ from hf_dynbsz.testing import (
     mix_rollout,
     numbered_prompts,
     run_config,
+    run_together,
     trainer_classes,
 )
 
@@ -114,3 +116,25 @@ def test_one_command_builder_launches_every_worker(tmp_path):
         "--budget",
         "20",
     ] + ["--no_gradient_checkpointing"]
+
+
+def test_a_machine_of_a_multi_node_run_is_launched_over_tcp_on_this_host(tmp_path):
+    command = grpo_worker_command("cpu_ddp.yaml", tmp_path / "o", "model", "dynamic", machine=(1, 2, 29512))
+    flags = command[command.index("--num_machines") : command.index(str(REPO_ROOT / "tests" / "distributed_grpo.py"))]
+    assert flags == ["--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "127.0.0.1"] + [
+        "--main_process_port",
+        "29512",
+    ]
+
+
+def test_commands_run_together_finish_under_one_timeout_that_kills_all_of_them(tmp_path):
+    """The machines of a multi-node run: one that waits for ever is killed with the others when the time is up."""
+    python = sys.executable
+    finished = run_together([[python, "-c", "print('a')"], [python, "-c", "print('b')"]], tmp_path, 60, "two")
+    assert [output.strip() for output in finished] == ["a", "b"]
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish in 2 s"):
+        run_together([[python, "-c", "print('c')"], [python, "-c", "import time; time.sleep(600)"]], tmp_path, 2, "x")
+    assert time.monotonic() - started < 60
+    with pytest.raises(AssertionError, match=r"failed \(3\)"):
+        run_together([[python, "-c", "import sys; sys.exit(3)"]], tmp_path, 60, "one")

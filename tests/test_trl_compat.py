@@ -86,6 +86,11 @@ def test_internal_name_exists_in_the_installed_versions(entry, stock_trainers):
         trainer = stock_trainers[entry.owner]
         assert hasattr(trainer, entry.name), f"{type(trainer).__name__} no longer sets {entry.name} ({entry.why})"
         return
+    if entry.owner == "torch.nn.parallel.DistributedDataParallel instance":  # set in DDP's __init__ and forward
+        from torch.nn.parallel import DistributedDataParallel
+
+        assert f"self.{entry.name} = " in inspect.getsource(DistributedDataParallel), entry.why
+        return
     if entry.owner == "transformers.PretrainedConfig instance":
         assert hasattr(stock_trainer.model.config, entry.name)
         return

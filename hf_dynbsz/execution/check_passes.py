@@ -17,6 +17,7 @@ import logging
 import time
 
 import torch
+from accelerate.utils import DistributedType
 from torch.profiler import record_function
 
 from hf_dynbsz.execution.layout_timing import (
@@ -183,12 +184,15 @@ class CheckPasses:
 
     @staticmethod
     def gradients_skipped(executor, model) -> str | None:
-        """Why the check compares log-probs only, or None: under ZeRO-3 a process holds a shard of each parameter
-        (``torch.autograd.grad`` cannot give a parameter's whole gradient), and reentrant gradient checkpointing does
+        """Why the check compares log-probs only, or None: under ZeRO-3 and FSDP a process holds a shard of each
+        parameter (``torch.autograd.grad`` cannot give a parameter's whole gradient; under FSDP it would answer
+        zeros, as the forward computes with gathered copies), and reentrant gradient checkpointing does
         not support ``torch.autograd.grad``."""
         plugin = getattr(executor.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None and plugin.zero_stage == 3:
             return "DeepSpeed ZeRO-3 partitions the parameters"
+        if executor.accelerator.distributed_type == DistributedType.FSDP:
+            return "FSDP shards the parameters (a forward computes with gathered copies of them)"
         kwargs = getattr(executor.args, "gradient_checkpointing_kwargs", None) or {}
         if executor.args.gradient_checkpointing and kwargs.get("use_reentrant"):
             return "reentrant gradient checkpointing (use_reentrant=True) does not support torch.autograd.grad"

@@ -111,11 +111,14 @@ class DevicePass:
         """A tiny pass that keeps this process in lockstep: every parameter takes part, nothing is learned.
 
         With ``last`` given (a training pass) it also runs a zero backward, synchronising gradients if ``last``.
+        Without (a no-grad pass, or the passes left to a training attempt after this process failed) it runs inside
+        ``no_sync``: DDP then prepares no gradient reduction for a backward that never comes, and leaves its next
+        forward as the other processes' passes leave theirs (their training passes run inside ``no_sync`` too).
         """
         mb = self.lockstep_microbatch()
         use_segments(mb.segments)
         inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
-        with self.no_sync(model, last is None or last), self.accelerator.autocast():
+        with self.no_sync(model, bool(last)), self.accelerator.autocast():
             outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
             if last is not None:
                 self.backward(model, outputs.log_probs.sum() * 0.0, last)

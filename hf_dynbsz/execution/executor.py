@@ -174,6 +174,7 @@ class PassExecutor(DevicePass):
                 run_pass(group, last)
         except Exception as error:  # noqa: BLE001 - only a recovered out-of-memory error is not raised again
             self.recovery.check(error)
+            self.recovery.settle(model)
             longest = max(schedule.lengths[i] for i in group)
             failure = FailedPass(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
         else:

@@ -36,7 +36,7 @@ import hashlib
 
 import torch
 
-from hf_dynbsz.parallel.distributed import zero3_on_several_processes
+from hf_dynbsz.parallel.distributed import parameter_gathering
 
 __all__ = [
     "MEDIA_KEYS",
@@ -227,28 +227,30 @@ class MediaPolicy:
     * ``moves_media``: samples moved between processes carry their image inputs (a repacked vision-language family;
       the same answer on every process);
     * ``images_run_stock``: a step with images runs stock's micro-batches: for a family not repacked, and for a
-      repacked one under ZeRO-3 on several processes (ZeRO-3 gathers the vision tower in every forward that runs it,
-      so every process must run it equally often, and repacked passes differ between processes in that: a lockstep
-      pass has no image);
+      repacked one where an engine gathers parameters at module calls (``gathering``: DeepSpeed ZeRO-3 or FSDP on
+      several processes, :func:`~hf_dynbsz.parallel.distributed.parameter_gathering`): it gathers the vision tower
+      in every forward that runs it (ZeRO-3 each of its modules, FSDP its blocks, which accelerate's wrap shards on
+      their own: the model's ``_no_split_modules``), so every process must run it equally often, and repacked
+      passes differ between processes in that: a lockstep pass has no image;
     * :meth:`stock`: whether a step's (or a no-grad call's) inputs take stock's path, agreed by every process.
     """
 
-    def __init__(self, vision_language: str | None, *, zero3_on_several_processes: bool, world) -> None:
+    def __init__(self, vision_language: str | None, *, gathering: str | None, world) -> None:
         self.vision_language = vision_language
         self.moves_media = vision_language == "repacked"
-        self.images_run_stock = vision_language == "stock" or zero3_on_several_processes
+        self.images_run_stock = vision_language == "stock" or gathering is not None
         self.world = world  # every process: the stock-or-not answer must be the same on all of them
         self.note = None
-        if vision_language == "repacked" and zero3_on_several_processes:
+        if vision_language == "repacked" and gathering is not None:
             self.note = (
-                "image steps run stock GRPOTrainer micro-batches under ZeRO-3 on several processes: ZeRO-3 gathers "
-                "the vision tower in every forward that runs it, and repacked passes differ between processes in "
-                "how many run it. Text-only steps are repacked"
+                f"image steps run stock GRPOTrainer micro-batches under {gathering} on several processes: it "
+                "gathers the vision tower's parameters in every forward that runs it, and repacked passes differ "
+                "between processes in how many run it. Text-only steps are repacked"
             )
 
     @classmethod
     def of(cls, vision_language: str | None, accelerator, world) -> MediaPolicy:
-        return cls(vision_language, zero3_on_several_processes=zero3_on_several_processes(accelerator), world=world)
+        return cls(vision_language, gathering=parameter_gathering(accelerator), world=world)
 
     def stock(self, *inputs: dict) -> bool:
         """Whether ``inputs`` (a step's slices, or one no-grad call's fields) carry image inputs (or, for a model not

@@ -8,7 +8,9 @@ fit, and the step runs again from no gradients, so its update is stock's.
 Where recovery runs: one process, or several processes with a memory limit (every process must agree that none
 failed before gradients synchronise, which a memory limit arranges: training passes then synchronise in a dummy
 pass after the agreement), and not under DeepSpeed, whose engine keeps a step's accumulated gradients (and, under
-ZeRO-3, the other processes' parameter gathers) where they cannot be discarded, nor under sequence parallelism.
+ZeRO-3, the other processes' parameter gathers) where they cannot be discarded, nor under FSDP on several processes
+(each layer's forward and backward gather its parameters with the others: a pass that fails part way leaves them
+waiting), nor under sequence parallelism.
 Elsewhere the error is raised with why and what to set.
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 import logging
 
 from accelerate.utils import DistributedType
+from torch.nn.parallel import DistributedDataParallel
 
 from hf_dynbsz.execution.device_memory import is_out_of_memory, release_cached_memory
+from hf_dynbsz.parallel.distributed import parameter_gathering
 from hf_dynbsz.planning.memory import FailedPass, MemoryModel, OutOfMemoryBudgetError
 
 logger = logging.getLogger("hf_dynbsz")
@@ -34,6 +38,7 @@ class OutOfMemoryRecovery:
         self.processes = accelerator.num_processes
         self.enabled = (
             accelerator.distributed_type != DistributedType.DEEPSPEED
+            and parameter_gathering(accelerator) is None
             and (self.processes == 1 or memory.limit_mib is not None)
             and sequence_parallel_size == 1
         )
@@ -51,6 +56,16 @@ class OutOfMemoryRecovery:
         if not self.enabled:
             error.add_note(self.unrecovered_reason())
             raise error
+
+    @staticmethod
+    def settle(model) -> None:
+        """After a pass that raised a recovered error: DDP decides at the end of each forward whether the next one
+        broadcasts the module buffers (``require_forward_param_sync``: after a forward with gradient sync), and a
+        forward that raised never reached its end. Every pass of the other processes here completed inside
+        ``no_sync`` (a training pass synchronises in a dummy pass after the agreement) or without gradients, which
+        leaves it False: so does this process, or its next forward alone would broadcast and wait for the others."""
+        if isinstance(model, DistributedDataParallel):
+            model.require_forward_param_sync = False
 
     def agree(self, failure: FailedPass | None, group, kind: str) -> FailedPass | None:
         """Every process learns whether one failed, or gave up (one all-reduce where recovery spans processes)."""
@@ -90,6 +105,12 @@ class OutOfMemoryRecovery:
                 "under DeepSpeed, whose engine keeps the step's accumulated gradients (and, under ZeRO-3, the other "
                 "processes' parameter gathers) where they cannot be discarded: this process stops and the launcher "
                 "stops the others"
+            )
+        elif parameter_gathering(self.accelerator) is not None:
+            why = (
+                "under FSDP on several processes, where every pass gathers each layer's parameters with the other "
+                "processes, in its forward and its backward: a pass that fails part way leaves the others waiting in "
+                "a gather. This process stops and the launcher stops the others"
             )
         else:
             why = (

@@ -21,7 +21,7 @@ from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
 from hf_dynbsz.execution.step_loss import GRPOLoss, StepLoss
-from hf_dynbsz.parallel.distributed import ProcessGroup, zero3_on_several_processes
+from hf_dynbsz.parallel.distributed import ProcessGroup, gathered_calls
 from hf_dynbsz.planning.capabilities import Capabilities, support_under
 from hf_dynbsz.planning.cost import text_config_of
 from hf_dynbsz.planning.memory import (
@@ -48,7 +48,6 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
     model, accelerator = base_model(trainer.model), trainer.accelerator
     world = ProcessGroup(accelerator)  # every process (decisions all must agree on)
     device = device_facts(accelerator.device, accelerator.mixed_precision, next(model.parameters()).dtype)
-    zero3 = zero3_on_several_processes(accelerator)
     capabilities = Capabilities.of(
         trainer.args,
         model,
@@ -56,11 +55,12 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
         external_generation=trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False),
         device_type=device,
-        zero3=zero3,
+        gathered=gathered_calls(accelerator, model),
     )
     teacher = _teacher_model(loss)
     if teacher is not None:  # a distillation: the layouts both models allow, the teacher's budget from its size
-        capabilities = _with_teacher(trainer.args, capabilities, model, teacher, device, zero3)
+        gathered = gathered_calls(accelerator, teacher)
+        capabilities = _with_teacher(trainer.args, capabilities, model, teacher, device, gathered)
     for note in capabilities.notes:
         logger.warning("hf_dynbsz: %s.", note)
     parallel = _sequence_parallel(trainer, model, capabilities, loss)
@@ -90,10 +90,11 @@ def _config(model):
     return None if model is None else model.config
 
 
-def _with_teacher(args, capabilities: Capabilities, model, teacher, device, zero3: bool) -> Capabilities:
+def _with_teacher(args, capabilities: Capabilities, model, teacher, device, gathered) -> Capabilities:
     """A distillation pair's capabilities (:meth:`Capabilities.with_teacher`), its scheduler's teacher budget scaled
-    by the two models' no-grad memory per token (:func:`~hf_dynbsz.planning.memory.teacher_budget_scale`)."""
-    pair = capabilities.with_teacher(args, support_under(ModelSupport.of(model=teacher), zero3), device)
+    by the two models' no-grad memory per token (:func:`~hf_dynbsz.planning.memory.teacher_budget_scale`);
+    ``gathered``: :func:`~hf_dynbsz.parallel.distributed.gathered_calls` of the teacher."""
+    pair = capabilities.with_teacher(args, support_under(ModelSupport.of(model=teacher), gathered), device)
     scale = teacher_budget_scale(model.config, teacher.config)
     return dataclasses.replace(pair, scheduler=dataclasses.replace(pair.scheduler, teacher_scale=scale))
 

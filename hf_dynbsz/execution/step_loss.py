@@ -287,7 +287,7 @@ class DistillationLoss:
         teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
         unwrapped = executor.accelerator.unwrap_model(model)
         use_segments(mb.segments)
-        with executor.no_sync(model, last is None or last):
+        with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)
             divergence, _ = self.trainer._forward_redirection(
                 model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
                 none, teacher,

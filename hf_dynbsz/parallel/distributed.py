@@ -13,6 +13,7 @@ of gloo or NCCL holds them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -21,15 +22,66 @@ import torch.distributed as dist
 from hf_dynbsz.parallel.collectives import all_reduce, all_to_all_single, gather_values
 from hf_dynbsz.planning.schedule import Exchange
 
-__all__ = ["ProcessGroup", "zero3_on_several_processes"]
+__all__ = [
+    "ProcessGroup",
+    "fsdp_units",
+    "gathered_calls",
+    "gathering_reason",
+    "parameter_gathering",
+]
 
 
-def zero3_on_several_processes(accelerator) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions the parameters over several processes: every process must then run the
-    same modules the same number of times (each call of a module whose parameters are not resident gathers them,
-    a collective)."""
+def parameter_gathering(accelerator) -> str | None:
+    """The engine that shards the parameters over several processes and gathers a module's parameters when the
+    module runs, a collective every process must join as often as the others: "DeepSpeed ZeRO-3" or "FSDP" (any
+    version); None on one process, and under DDP and ZeRO-1/2 (every process holds whole parameters)."""
+    if accelerator.num_processes <= 1:
+        return None
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
+    if plugin is not None and plugin.zero_stage == 3:
+        return "DeepSpeed ZeRO-3"
+    if accelerator.distributed_type == "FSDP":  # accelerate's DistributedType, a str enum
+        return "FSDP"
+    return None
+
+
+def fsdp_units(plugin, model) -> frozenset[str] | None:
+    """The class names of the modules of ``model`` that accelerate's FSDP wrap (``plugin``: its
+    ``FullyShardedDataParallelPlugin``) shards on their own, below the whole model: each gathers its parameters when
+    it runs, and the modules within one share its gather. Under ``TRANSFORMER_BASED_WRAP`` the plugin's
+    ``transformer_cls_names_to_wrap``, by default the model's ``_no_split_modules``; none under ``NO_WRAP``. None
+    under any other policy (size-based: any module large enough), where no class is known to be left whole."""
+    policy = plugin.auto_wrap_policy  # accelerate's function (or a partial of it) once the plugin is built
+    if policy is None:
+        return frozenset()
+    if getattr(getattr(policy, "func", policy), "__name__", None) != "transformer_auto_wrap_policy":
+        return None
+    return frozenset(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or ())
+
+
+def gathered_calls(accelerator, model) -> Callable[[tuple[str, ...]], str | None]:
+    """:func:`gathering_reason` of ``model`` (unwrapped) in ``accelerator``'s launch, as a function of class
+    names."""
+    engine = parameter_gathering(accelerator)
+    units = fsdp_units(accelerator.state.fsdp_plugin, model) if engine == "FSDP" else None
+    return functools.partial(gathering_reason, engine, units, model)
+
+
+def gathering_reason(engine: str | None, units: frozenset[str] | None, model, names: tuple[str, ...]) -> str | None:
+    """Why each call of a module of ``model`` whose class is one of ``names`` is a collective of every process (each
+    must then make the same calls), or None. ``engine``: :func:`parameter_gathering`'s answer; under DeepSpeed ZeRO-3
+    every module's call gathers its parameters; under FSDP (``units``: :func:`fsdp_units`) a module's call does when
+    the module, or one within it, is sharded on its own."""
+    if engine != "FSDP":
+        return engine and f"under {engine} on several processes each call of a module gathers its parameters"
+    within = {type(inner).__name__ for module in model.modules() if type(module).__name__ in names
+              for inner in module.modules()}  # fmt: skip
+    if units is not None and not units & within:
+        return None
+    sharded = ", ".join(sorted(units & within)) if units is not None else "the wrap policy may shard any"
+    return (
+        f"under FSDP on several processes each call of a module sharded on its own ({sharded}) gathers its parameters"
+    )
 
 
 class ProcessGroup:

@@ -9,6 +9,7 @@ gathers what the model and the config allow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from hf_dynbsz.planning.env import env_sources
@@ -47,19 +48,22 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
             )
 
 
-#: Why a model with sequence mixers trains padded rows under ZeRO-3 on several processes.
-SEGMENT_RECURRENCE_UNDER_ZERO3 = (
+#: Why a model with sequence mixers trains padded rows where their calls gather parameters ({why}: the engine's
+#: reason, :func:`hf_dynbsz.parallel.distributed.gathered_calls`).
+SEGMENT_RECURRENCE_GATHERED = (
     "its sequence mixers run once per run length in a padding-free row (segment recurrence), a number that differs "
-    "between processes, and under ZeRO-3 on several processes every call of a module gathers its parameters with "
-    "the other processes, which must make the same calls"
+    "between processes, and {why}, with the other processes, which must make the same calls"
 )
 
 
-def support_under(support: ModelSupport, zero3: bool) -> ModelSupport:
-    """``support`` as a run under ``zero3`` (DeepSpeed ZeRO-3 on several processes) may use it: without segment
-    recurrence (:data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
-    if zero3 and support.sequence_mixers:
-        return replace(support, padding_free_blocker=SEGMENT_RECURRENCE_UNDER_ZERO3, sequence_mixers=())
+def support_under(support: ModelSupport, gathered: Callable[[tuple[str, ...]], str | None]) -> ModelSupport:
+    """``support`` as a run may use it where ``gathered`` (why each call of a module of these class names is a
+    collective of every process, or None: :func:`hf_dynbsz.parallel.distributed.gathered_calls`) names the sequence
+    mixers' calls: then without segment recurrence (:data:`SEGMENT_RECURRENCE_GATHERED`)."""
+    why = gathered(support.sequence_mixers) if support.sequence_mixers else None
+    if why:
+        blocker = SEGMENT_RECURRENCE_GATHERED.format(why=why)
+        return replace(support, padding_free_blocker=blocker, sequence_mixers=())
     return support
 
 
@@ -93,17 +97,18 @@ class Capabilities:
         aux_loss: bool,
         external_generation: bool,
         device_type: str | DeviceFacts = "cpu",
-        zero3: bool = False,
+        gathered: Callable[[tuple[str, ...]], str | None] = lambda names: None,
     ) -> Capabilities:
         """``model``: the unwrapped model (PEFT's base model); ``aux_loss``: an MoE router aux loss is trained;
         ``external_generation``: vLLM or continuous batching generate (they schedule their own batches);
         ``device_type``: where it trains, a type or its :class:`DeviceFacts` (:meth:`ModelSupport.layouts`);
-        ``zero3``: DeepSpeed ZeRO-3 partitions the parameters over several processes (segment recurrence is then off:
-        :data:`SEGMENT_RECURRENCE_UNDER_ZERO3`)."""
+        ``gathered``: why a call of modules of these class names is a collective of every process, or None
+        (:func:`hf_dynbsz.parallel.distributed.gathered_calls`); where the sequence mixers' are, segment recurrence is
+        off (:data:`SEGMENT_RECURRENCE_GATHERED`)."""
         check_same_on_every_process(args, group)
         notes = []
         enabled = bool(args.dynamic_batching)
-        support = support_under(ModelSupport.of(model=model), zero3)
+        support = support_under(ModelSupport.of(model=model), gathered)
         router_aux = enabled and aux_loss and support.router_aux is not None
         if enabled and aux_loss and not router_aux:
             enabled = False

@@ -12,6 +12,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.passes`: one pass of a bare model as the executor runs it (collator, segment attention,
   segment recurrence);
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
+* :mod:`~hf_dynbsz.testing.fsdp`: accelerate's FSDP on CPU processes (accelerate turns it on for accelerator devices
+  only);
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
@@ -47,6 +49,7 @@ from hf_dynbsz.testing.fixtures import (
     save_tiny_model,
     save_tiny_teacher,
 )
+from hf_dynbsz.testing.fsdp import fsdp_on_cpu
 from hf_dynbsz.testing.harness import (
     CPU_RUN_FIELDS,
     TRAINERS,
@@ -98,7 +101,14 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
-from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, loaded_by_import, run_peak_mib, run_with_timeout
+from hf_dynbsz.testing.processes import (
+    REPO_ROOT,
+    ResidentSetSampler,
+    loaded_by_import,
+    run_peak_mib,
+    run_together,
+    run_with_timeout,
+)
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
     VisionScriptedRollout,
@@ -173,7 +183,9 @@ __all__ = [
     "run_peak_mib",
     "run_script_worker",
     "run_training",
+    "run_together",
     "run_with_timeout",
+    "fsdp_on_cpu",
     "save_tiny_model",
     "save_tiny_teacher",
     "saved_model_trainer",

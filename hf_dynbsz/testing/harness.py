@@ -394,16 +394,23 @@ def step_clock(synchronize: Callable[[], None] = lambda: None):
 
 
 def accelerate_command(
-    config: str | Path, script: str | Path, *arguments, num_processes: int | None = None
+    config: str | Path, script: str | Path, *arguments, num_processes: int | None = None, machine: tuple = ()
 ) -> list[str]:
     """``accelerate launch`` of ``script`` (a path, or one relative to the repository) with ``arguments``, under
-    ``config`` (a path, or a file of ``accelerate_configs/``); ``num_processes``: the config's unless given."""
+    ``config`` (a path, or a file of ``accelerate_configs/``); ``num_processes``: the config's unless given.
+    ``machine``: ``(machine_rank, machines, main_process_port)``, this machine's launch of a multi-node run over
+    TCP on this host (``--num_machines``, ``--machine_rank``, ``--main_process_ip 127.0.0.1``, ``--main_process_port``:
+    one launch per machine, started together)."""
     config, script = Path(config), Path(script)
     config = config if config.is_absolute() else REPO_ROOT / "accelerate_configs" / config
     script = script if script.is_absolute() else REPO_ROOT / script
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
+    if machine:
+        rank, machines, port = machine
+        command += ["--num_machines", str(machines), "--machine_rank", str(rank)]
+        command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
     return command + [str(script), *map(str, arguments)]
 
 
@@ -415,12 +422,16 @@ def flag_arguments(options: dict) -> list[str]:
     return arguments
 
 
-def grpo_worker_command(config: str, out, model_dir: str, trainer: str, **options) -> list[str]:
+def grpo_worker_command(
+    config: str, out, model_dir: str, trainer: str, *, num_processes: int | None = None, machine: tuple = (), **options
+) -> list[str]:
     """``accelerate launch`` of ``tests/distributed_grpo.py`` (the multi-process tests' worker) under ``config``:
     ``trainer`` trained from ``model_dir``, each rank's record written to ``{out}.rank{N}.json``; ``options`` become
-    its flags (:func:`flag_arguments`)."""
+    its flags (:func:`flag_arguments`); ``num_processes`` and ``machine``: :func:`accelerate_command`'s."""
     arguments = ["--trainer", trainer, "--model_dir", model_dir, "--out", out, *flag_arguments(options)]
-    return accelerate_command(config, "tests/distributed_grpo.py", *arguments)
+    return accelerate_command(
+        config, "tests/distributed_grpo.py", *arguments, num_processes=num_processes, machine=machine
+    )
 
 
 def run_script_worker(

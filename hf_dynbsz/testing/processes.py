@@ -7,9 +7,10 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "ResidentSetSampler", "loaded_by_import", "run_peak_mib", "run_with_timeout"]
+__all__ = ["REPO_ROOT", "ResidentSetSampler", "loaded_by_import", "run_peak_mib", "run_together", "run_with_timeout"]
 
 #: The repository root (``hf_dynbsz/testing/processes.py`` is two folders below it).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +54,18 @@ def run_with_timeout(
     ``DIFFU_*`` variables of the caller are not passed on; ``env`` adds variables. ``expect_failure``: the command
     must exit non-zero (the whole output is returned then; exiting 0 raises).
     """
+    return run_together([command], cwd, timeout, what, env=env, expect_failure=expect_failure)[0]
+
+
+def run_together(
+    commands: list[list[str]], cwd, timeout: float, what: str, env: dict | None = None, expect_failure: bool = False
+) -> list[str]:
+    """Run ``commands`` side by side (each as :func:`run_with_timeout` runs one: its own process group, the repo
+    importable, offline, no ``DIFFU_*``) under ONE timeout; return each one's stdout + stderr.
+
+    For launches that only finish together, as the machines of a multi-node run: on the timeout every one of them is
+    killed with every rank it started, and :class:`AssertionError` raised. Raises as well when one exits non-zero
+    (``expect_failure``: when one exits 0 instead)."""
     environ = {
         **os.environ,
         "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -63,35 +76,72 @@ def run_with_timeout(
     }
     environ = {key: value for key, value in environ.items() if not key.startswith("DIFFU_")}
     environ.update(env or {})
-    process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        ranks = _descendants(process.pid)  # torch's launcher starts each rank in a session of its own
-        os.killpg(process.pid, signal.SIGKILL)
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        try:
-            output, _ = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            output = "(no output: a process kept the pipe open after the kill)"
-        raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{output[-4000:]}") from None
-    if expect_failure:
-        if process.returncode == 0:
+    processes = [
+        subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for command in commands
+    ]
+    outputs, readers = _read_outputs(processes)
+    finished = _wait_all(processes, time.monotonic() + timeout)
+    if not finished:
+        _kill(processes)
+    for reader in readers:
+        reader.join(timeout=30)  # the pipes close when the processes (and every rank they started) are gone
+    if not finished:
+        shown = "\n".join(output[-4000 // len(processes) :] for output in outputs)
+        raise AssertionError(f"{what} did not finish in {timeout} s (hang?):\n{shown}")
+    for process, output in zip(processes, outputs):
+        if expect_failure and process.returncode == 0:
             raise AssertionError(f"{what} was expected to fail and exited 0:\n{output[-6000:]}")
-        return output
-    if process.returncode != 0:
-        raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
-    return output
+        if not expect_failure and process.returncode != 0:
+            raise AssertionError(f"{what} failed ({process.returncode}):\n{output[-6000:]}")
+    return outputs
+
+
+def _read_outputs(processes: list[subprocess.Popen]):
+    """``(outputs, readers)``: each process's output, filled in by a reader thread of its own (a process blocked on
+    a full pipe is then not mistaken for a hang)."""
+    import threading
+
+    outputs = [""] * len(processes)
+
+    def read(index: int) -> None:
+        outputs[index] = processes[index].stdout.read()
+
+    readers = [threading.Thread(target=read, args=(index,), daemon=True) for index in range(len(processes))]
+    for reader in readers:
+        reader.start()
+    return outputs, readers
+
+
+def _wait_all(processes: list[subprocess.Popen], deadline: float) -> bool:
+    """Whether every process exited before ``deadline``."""
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    """Kill every process and every rank it started (torch's launcher starts each rank in a session of its own)."""
+    ranks = [pid for process in processes for pid in _descendants(process.pid)]  # before their parents go
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for process in processes:
+        process.wait()
 
 
 class ResidentSetSampler:
