@@ -1,7 +1,8 @@
 """Multi-process runs for real: `accelerate launch`, 2 CPU processes, gloo, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2.
 
 For each backend, stock GRPOTrainer and DynamicBatchGRPOTrainer train from the same saved model and seed;
-the final (gathered) parameters must agree within 1e-5 and every rank must generate the same completions.
+the final (gathered) parameters must agree within 1e-5, every rank must generate the same completions and log
+stock's metrics (the loss metrics, reduced per stock slice over both processes, among them).
 The lopsided-prompt runs (balancing off) give rank 1 prompts ~20x longer than rank 0's, so the ranks need
 different numbers of micro-batches: without lockstep (all-reduce MAX + exact-k + dummy passes) ZeRO-2/3 and FSDP2
 would hang. The balancing runs give rank 1 every long completion and check that samples move between the ranks and
@@ -20,6 +21,7 @@ import torch
 from hf_dynbsz.testing import (
     accelerate_command,
     grpo_worker_command,
+    metric_mismatches,
     relative_difference,
     run_with_timeout,
     save_tiny_model,
@@ -128,13 +130,15 @@ def shared_launches(tmp_path_factory, model_dir):
 
 
 def compare(config, model_dir, shared_launches, repacked=True, **options):
-    """Ours against stock, both run with ``options`` under ``config``: same completions, parameters within 1e-5;
-    ``repacked``: ours repacked steps (logged dynbsz metrics) on every rank."""
+    """Ours against stock, both run with ``options`` under ``config``: same completions, every logged metric stock's
+    on every rank (the loss metrics, which stock reduces per slice over both processes, among them), parameters within
+    1e-5; ``repacked``: ours repacked steps (logged dynbsz metrics) on every rank."""
     stock_out, stock = shared_launches.get("stock", config, model_dir, **options)
     our_out, ours = shared_launches.get("dynamic", config, model_dir, **options)
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
         assert bool(ours[rank]["metrics"]) == repacked, f"rank {rank}: dynbsz metrics {ours[rank]['metrics']}"
+        assert not metric_mismatches(ours[rank]["logged"], stock[rank]["logged"]), f"rank {rank}'s logged metrics"
     stock_params = torch.load(f"{stock_out}.params.pt")
     our_params = torch.load(f"{our_out}.params.pt")
     assert relative_difference(our_params, stock_params) <= 1e-5
