@@ -199,6 +199,10 @@ HYBRID_RUNS = {
     backend: dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED[backend][1])
     for backend in ("ddp", "zero3", "fsdp2")
 }
+#: Loss types with loss metrics of their own (cispo's clip ratio; vespo's phi, one value per sequence), with the KL
+#: term (a token mean per slice), every long completion on rank 1, under DDP (test_the_loss_metrics_of_moved_...).
+METRIC_RUNS = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}
+METRIC_RUN = dict(LOPSIDED_ROLLOUT, beta=0.1, num_iterations=2)
 #: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
 DAMAGES = ("advantage", "old_logps", "weight")
 #: A Qwen3-MoE with TRL's router aux loss (coefficient 1, so a mis-weighted aux loss shows), every long completion on
@@ -244,6 +248,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
     | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {f"metrics_{loss}": dict(METRIC_RUN, loss_type=loss) for loss in METRIC_RUNS}
     | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
 )
@@ -268,6 +273,18 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, model_dir, shared_la
             assert (
                 step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
             )
+
+
+@pytest.mark.parametrize("loss_type", list(METRIC_RUNS))
+def test_the_loss_metrics_of_moved_samples_are_stocks(loss_type, model_dir, shared_launches):
+    """Each sample counts in its stock slice's figures on the process it moved to: the loss type's own metric, ``kl``
+    and ``entropy`` logged with stock's values, which stock reduces per slice over both processes."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **METRIC_RUN, loss_type=loss_type)
+    for rank in range(2):
+        assert all(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
+        logged = [entry for entry in ours[rank]["logged"] if "entropy" in entry]
+        assert len(logged) == 3 and all({"kl", METRIC_RUNS[loss_type]} <= set(entry) for entry in logged)
+        assert len({entry[METRIC_RUNS[loss_type]] for entry in logged}) > 1  # the figure moves from step to step
 
 
 @pytest.fixture(scope="module")
