@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 from collections import defaultdict
 
 import pytest
@@ -34,8 +33,7 @@ from hf_dynbsz.execution.loss import (
     sample_weights,
 )
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
+from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
@@ -187,17 +185,9 @@ def repartitioned(trainer, slices, layout: str, seed: int):
     loss metrics :class:`StepMetrics` logs from them, one value per stock slice."""
     batch = prepare(trainer, slices)
     settings = LossSettings.from_trainer(trainer)
-    order = list(range(len(batch)))
-    random.Random(seed).shuffle(order)
-    cuts = sorted(random.Random(seed + 10).sample(range(1, len(order)), 3))
     total, bonus = 0.0, EntropyBonus(trainer, SLICES, "cpu")
     metrics = StepMetrics(SLICES, "cpu", metric_keys(settings))
-    for start, end in zip([0, *cuts], [*cuts, len(order)]):
-        group = order[start:end]
-        mb = build_microbatch(batch.table, group, layout=layout, pad_token_id=0)
-        outputs = trainer.model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-        logps, entropies = mb.to_completion_layout(outputs.log_probs), mb.to_completion_layout(outputs.entropy)
-        rows = batch.rows(group, logps.size(1))
+    for mb, logps, entropies, rows in random_passes(trainer.model, batch, layout, seed):
         loss, loss_metrics = microbatch_loss(settings, logps, entropies, rows, bonus)
         metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies, rows.mask, rows.slice_ids)
         total = total + loss

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 from collections import defaultdict
 
 import pytest
@@ -21,9 +20,8 @@ from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 from hf_dynbsz.execution import rloo_loss as rloo_module
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.packing import build_microbatch
 from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
-from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
+from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
 
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
 MAX_COMPLETION = 12
@@ -129,17 +127,9 @@ def test_any_repartition_into_packed_passes_gives_stocks_total_and_metrics(model
     stock_total = stock_slice_losses(trainer, slices).sum()
     stock_metrics = {name: trainer._metrics["train"][name] for name in METRICS}
     settings = RLOOSettings.from_trainer(trainer)
-    order = list(range(len(batch)))
     for seed in range(2):
-        random.Random(seed).shuffle(order)
-        cuts = sorted(random.Random(seed + 10).sample(range(1, len(order)), 3))
         total, metrics = 0.0, StepMetrics(SLICES, "cpu", METRIC_KEYS)
-        for start, end in zip([0, *cuts], [*cuts, len(order)]):
-            group = order[start:end]
-            mb = build_microbatch(batch.table, group, layout=layout, pad_token_id=0)
-            outputs = trainer.model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-            logps, entropies = mb.to_completion_layout(outputs.log_probs), mb.to_completion_layout(outputs.entropy)
-            rows = batch.rows(group, logps.size(1))
+        for mb, logps, entropies, rows in random_passes(trainer.model, batch, layout, seed):
             loss, loss_metrics = rloo_pass_loss(settings, logps, rows)
             metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies, rows.mask, rows.slice_ids)
             total = total + loss

@@ -102,7 +102,7 @@ from hf_dynbsz.testing.oracles import (
     stock_logps,
     update_difference,
 )
-from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
+from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
 from hf_dynbsz.testing.processes import (
     REPO_ROOT,
     ResidentSetSampler,
@@ -179,6 +179,7 @@ __all__ = [
     "prompt_dataset",
     "prompt_lengths",
     "quiet_worker",
+    "random_passes",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",
