@@ -7,7 +7,7 @@ stock DistillationTrainer or DynamicBatchDistillationTrainer (``--trainer distil
 the teacher loaded by TRL from ``--teacher_dir``; ``--beta`` is the divergence's, ``--temperature`` its temperature;
 scripted rollouts stand in for generation, ``multiturn``'s environment mask as the tool mask) from a saved tiny model
 and writes, from rank 0, the final (gathered) parameters, the completions every rank generated, and each rank's dynbsz
-metrics.
+metrics and every other metric it logged (``logged``: the loss metrics among them).
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
 (18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
@@ -51,6 +51,7 @@ from hf_dynbsz.testing import (
     fsdp_on_cpu,
     image_prompt_dataset,
     load_tokenizer,
+    logged_metrics,
     prompt_dataset,
     save_tiny_model,
     trainer_classes,
@@ -433,12 +434,9 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    # the loss metrics stock logs per slice and the Trainer averages per step (entropy, clip ratios)
-    logged = [
-        {name: entry[name] for name in entry if name == "entropy" or name.startswith("clip_ratio/")}
-        for entry in trainer.state.log_history
-        if "entropy" in entry
-    ]
+    # every metric the Trainer logged but the timings and the plugin's own (the loss metrics stock logs per slice
+    # among them), entry by entry
+    logged = logged_metrics(trainer.state.log_history)
     # the importance-sampling figures TRL logs at each generation round (vLLM path)
     sampling = [
         {name: entry[name] for name in entry if name.startswith("sampling/")}

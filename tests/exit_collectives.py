@@ -27,10 +27,9 @@ from accelerate import Accelerator
 from transformers.training_args import ParallelMode
 
 from hf_dynbsz import DynamicBatchGRPOTrainer
-from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
 from hf_dynbsz.execution.sequence_parallel import SequenceParallel
-from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit
+from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_rows
 from hf_dynbsz.parallel.distributed import ProcessGroup
 from hf_dynbsz.planning.schedule import Exchange
 from hf_dynbsz.testing.exit_window import widen_exit_window
@@ -49,9 +48,7 @@ def one_round(group: ProcessGroup, accelerator, sequence_parallel: SequenceParal
         [torch.ones(1, c) for _, c in (shapes[origin][i] for origin, i in exchange.incoming)], exchange, 4, 1
     )
     del moved
-    metrics = StepMetrics()
-    metrics.sequence_low, metrics.sequence_high = [torch.rand(rank + 2)], [torch.rand(3)]
-    metrics._publish_clip_extremes({"clip_ratio/low_min": [], "clip_ratio/high_max": []}, accelerator)
+    gather_rows(torch.rand(6, dtype=torch.float64))  # the step metrics' gather (StepMetrics.publish)
     aux = RouterAuxLoss(1.0, 4, 2, 2 * count, 1, accelerator.device)
     aux.agree(accelerator)
     aux.publish({"aux_loss": []}, accelerator)

@@ -4,7 +4,7 @@
 A slice of four padded rows (prompts of different lengths, one completion empty) is scored by stock and, sample by
 sample in packed rows, by :func:`pass_divergence` with the weights of :func:`distillation_sample_weights`: the loss and
 every parameter's gradient must be stock's, for each ``beta`` and temperatures on both sides of 1, with the
-normaliser of one process and of a share of two. :class:`SliceEntropy` must log stock's per-slice entropy.
+normaliser of one process and of a share of two. (The per-slice entropy it logs: ``tests/test_metrics.py``.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from hf_dynbsz.execution.batch import SampleRows
 from hf_dynbsz.execution.distillation_loss import (
     DivergenceSettings,
-    SliceEntropy,
     backbone_hidden_states,
     distillation_pass_loss,
     distillation_sample_weights,
@@ -112,25 +111,6 @@ def test_the_weight_of_a_token_is_the_processes_over_the_global_loss_tokens():
     weights = distillation_sample_weights(torch.tensor([40.0, 40.0, 0.0]), num_processes=4)
     assert weights.dtype == torch.float64
     assert weights.tolist() == [0.1, 0.1, 4.0]  # N = 0 is read as 1, as stock clamps it
-
-
-class OneProcess:
-    num_processes = 1
-
-    def reduce(self, tensor, reduction="sum"):
-        return tensor
-
-
-def test_the_entropy_is_logged_per_stock_slice_as_stock_gathers_it():
-    """Slice 0 gets tokens from two passes, slice 1 has none (stock logs 0.0), slice 2 one pass."""
-    metrics = SliceEntropy(3, "cpu")
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    metrics.add_pass(5, 6, {"slice_ids": torch.tensor([0, 2])}, torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]]), mask)
-    metrics.add_pass(2, 2, {"slice_ids": torch.tensor([0])}, torch.tensor([[6.0, 9.0, 9.0]]), torch.tensor([[1, 0, 0]]))
-    store: dict[str, list] = {"entropy": []}
-    metrics.publish_slices(store, OneProcess())
-    assert store["entropy"] == [(1.0 + 2.0 + 6.0) / 3, 0.0, 4.0]
-    assert metrics.pass_real_tokens == [5, 2] and metrics.computed_tokens == 8
 
 
 def test_the_logit_scale_is_read_as_stock_reads_it():

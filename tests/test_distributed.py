@@ -1,7 +1,8 @@
 """Multi-process runs for real: `accelerate launch`, 2 CPU processes, gloo, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2.
 
 For each backend, stock GRPOTrainer and DynamicBatchGRPOTrainer train from the same saved model and seed;
-the final (gathered) parameters must agree within 1e-5 and every rank must generate the same completions.
+the final (gathered) parameters must agree within 1e-5, every rank must generate the same completions and log
+stock's metrics (the loss metrics, reduced per stock slice over both processes, among them).
 The lopsided-prompt runs (balancing off) give rank 1 prompts ~20x longer than rank 0's, so the ranks need
 different numbers of micro-batches: without lockstep (all-reduce MAX + exact-k + dummy passes) ZeRO-2/3 and FSDP2
 would hang. The balancing runs give rank 1 every long completion and check that samples move between the ranks and
@@ -20,6 +21,7 @@ import torch
 from hf_dynbsz.testing import (
     accelerate_command,
     grpo_worker_command,
+    metric_mismatches,
     relative_difference,
     run_with_timeout,
     save_tiny_model,
@@ -128,13 +130,15 @@ def shared_launches(tmp_path_factory, model_dir):
 
 
 def compare(config, model_dir, shared_launches, repacked=True, **options):
-    """Ours against stock, both run with ``options`` under ``config``: same completions, parameters within 1e-5;
-    ``repacked``: ours repacked steps (logged dynbsz metrics) on every rank."""
+    """Ours against stock, both run with ``options`` under ``config``: same completions, every logged metric stock's
+    on every rank (the loss metrics, which stock reduces per slice over both processes, among them), parameters within
+    1e-5; ``repacked``: ours repacked steps (logged dynbsz metrics) on every rank."""
     stock_out, stock = shared_launches.get("stock", config, model_dir, **options)
     our_out, ours = shared_launches.get("dynamic", config, model_dir, **options)
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
         assert bool(ours[rank]["metrics"]) == repacked, f"rank {rank}: dynbsz metrics {ours[rank]['metrics']}"
+        assert not metric_mismatches(ours[rank]["logged"], stock[rank]["logged"]), f"rank {rank}'s logged metrics"
     stock_params = torch.load(f"{stock_out}.params.pt")
     our_params = torch.load(f"{our_out}.params.pt")
     assert relative_difference(our_params, stock_params) <= 1e-5
@@ -195,6 +199,10 @@ HYBRID_RUNS = {
     backend: dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED[backend][1])
     for backend in ("ddp", "zero3", "fsdp2")
 }
+#: Loss types with loss metrics of their own (cispo's clip ratio; vespo's phi, one value per sequence), with the KL
+#: term (a token mean per slice), every long completion on rank 1, under DDP (test_the_loss_metrics_of_moved_...).
+METRIC_RUNS = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}
+METRIC_RUN = dict(LOPSIDED_ROLLOUT, beta=0.1, num_iterations=2)
 #: What a moved sample loses in the mutation runs (test_a_moved_sample_that_loses_...).
 DAMAGES = ("advantage", "old_logps", "weight")
 #: A Qwen3-MoE with TRL's router aux loss (coefficient 1, so a mis-weighted aux loss shows), every long completion on
@@ -240,6 +248,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
     | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {f"metrics_{loss}": dict(METRIC_RUN, loss_type=loss) for loss in METRIC_RUNS}
     | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
 )
@@ -264,6 +273,18 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, model_dir, shared_la
             assert (
                 step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
             )
+
+
+@pytest.mark.parametrize("loss_type", list(METRIC_RUNS))
+def test_the_loss_metrics_of_moved_samples_are_stocks(loss_type, model_dir, shared_launches):
+    """Each sample counts in its stock slice's figures on the process it moved to: the loss type's own metric, ``kl``
+    and ``entropy`` logged with stock's values, which stock reduces per slice over both processes."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **METRIC_RUN, loss_type=loss_type)
+    for rank in range(2):
+        assert all(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
+        logged = [entry for entry in ours[rank]["logged"] if "entropy" in entry]
+        assert len(logged) == 3 and all({"kl", METRIC_RUNS[loss_type]} <= set(entry) for entry in logged)
+        assert len({entry[METRIC_RUNS[loss_type]] for entry in logged}) > 1  # the figure moves from step to step
 
 
 @pytest.fixture(scope="module")

@@ -99,9 +99,9 @@ def test_the_count_sees_a_host_read_in_a_pass(tmp_path, monkeypatch):
 
     add_pass = metrics.StepMetrics.add_pass
 
-    def reading(self, real_tokens, computed_tokens, loss_metrics, entropies, mask):
+    def reading(self, real_tokens, computed_tokens, loss_metrics, entropies, mask, slice_ids):
         mask.float().sum().item()
-        return add_pass(self, real_tokens, computed_tokens, loss_metrics, entropies, mask)
+        return add_pass(self, real_tokens, computed_tokens, loss_metrics, entropies, mask, slice_ids)
 
     monkeypatch.setattr(metrics.StepMetrics, "add_pass", reading)
     directory, owners = model_dir(tmp_path, 1), ("/hf_dynbsz/", "/tests/test_host_reads.py")

@@ -4,15 +4,18 @@ type.
 Checked against stock TRL, not against a formula written again: a real ``trl.GRPOTrainer`` computes each
 slice's loss with its own ``_compute_loss`` on the same tensors, and the sum of our weighted per-sample losses
 over the slice must equal it. Then the same samples are re-partitioned at random into packed micro-batches
-(the trainer's forward path) and the total must not move. The weight table in ``loss.py``'s docstring is
-evaluated and compared with :func:`sample_weights`, so the documentation cannot drift from the code.
+(the trainer's forward path): the total must not move, and the loss metrics stock logs per slice (``entropy``,
+``kl``, the clip ratios, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``), which
+:class:`hf_dynbsz.execution.metrics.StepMetrics` makes of the passes' tensors, must be stock's slice by slice. The
+weight table in ``loss.py``'s docstring is evaluated and compared with :func:`sample_weights`, so the documentation
+cannot drift from the code.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import random
+from collections import defaultdict
 
 import pytest
 import torch
@@ -20,9 +23,17 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz.execution import loss as loss_module
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, per_token_policy_loss, sample_weights
-from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
+from hf_dynbsz.execution.loss import (
+    CLIPPED_LOSSES,
+    EntropyBonus,
+    LossSettings,
+    metric_keys,
+    microbatch_loss,
+    per_token_policy_loss,
+    sample_weights,
+)
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
@@ -165,27 +176,59 @@ def test_vespo_with_importance_ratios_matches_stock(model_dir, tmp_path):
 
 
 # ---- invariance under any re-partition -----------------------------------------------------------------------
+#: What stock's _compute_loss logs besides the loss metrics (the entropy bonus's bookkeeping, EntropyBonus's).
+BONUS_METRICS = ("policy_loss", "entropy_coef")
+
+
+def repartitioned(trainer, slices, layout: str, seed: int):
+    """The step's samples cut at random into packed passes (the trainer's forward path): their total loss and the
+    loss metrics :class:`StepMetrics` logs from them, one value per stock slice."""
+    batch = prepare(trainer, slices)
+    settings = LossSettings.from_trainer(trainer)
+    total, bonus = 0.0, EntropyBonus(trainer, SLICES, "cpu")
+    metrics = StepMetrics(SLICES, "cpu", metric_keys(settings))
+    for mb, logps, entropies, rows in random_passes(trainer.model, batch, layout, seed):
+        loss, loss_metrics = microbatch_loss(settings, logps, entropies, rows, bonus)
+        metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies, rows.mask, rows.slice_ids)
+        total = total + loss
+    store = defaultdict(list)
+    metrics.publish_slices(store)
+    return total, store
+
+
+def assert_repartitions_match_stock(trainer, slices, layout: str = "padding_free") -> dict:
+    """Any re-partition: stock's total loss, and each loss metric stock logs with stock's value slice by slice."""
+    trainer._metrics["train"].clear()
+    stock_total = sum(trainer._compute_loss(trainer.model, inputs) for inputs in slices)
+    stock = {name: values for name, values in trainer._metrics["train"].items() if name not in BONUS_METRICS}
+    for seed in range(2):
+        total, logged = repartitioned(trainer, slices, layout, seed)
+        assert float(total.detach()) == pytest.approx(float(stock_total.detach()), rel=2e-5, abs=1e-7)
+        assert sorted(logged) == sorted(stock)
+        for name, values in stock.items():  # one value per stock slice, as stock's _compute_loss appends them
+            assert logged[name] == pytest.approx(values, rel=1e-5, abs=1e-7, nan_ok=True), name
+    return stock
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("layout", ["padding_free", "padded"])
-def test_any_repartition_into_packed_passes_gives_stocks_total(model_dir, tmp_path, loss_type, layout):
+def test_any_repartition_into_packed_passes_gives_stocks_total_and_metrics(model_dir, tmp_path, loss_type, layout):
     trainer = stock_trainer(model_dir, tmp_path, loss_type=loss_type, beta=0.05, entropy_coef=0.02)
-    slices = make_slices(trainer, old=True, ref=True)
-    batch = prepare(trainer, slices)
-    stock_total = sum(trainer._compute_loss(trainer.model, inputs) for inputs in slices)
-    settings = LossSettings.from_trainer(trainer)
-    order = list(range(len(batch)))
-    for seed in range(2):
-        random.Random(seed).shuffle(order)
-        cuts = sorted(random.Random(seed + 10).sample(range(1, len(order)), 3))
-        total, bonus = 0.0, EntropyBonus(trainer, SLICES, "cpu")
-        for start, end in zip([0, *cuts], [*cuts, len(order)]):
-            group = order[start:end]
-            mb = build_microbatch(batch.table, group, layout=layout, pad_token_id=0)
-            outputs = trainer.model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-            logps, entropies = mb.to_completion_layout(outputs.log_probs), mb.to_completion_layout(outputs.entropy)
-            loss, _ = microbatch_loss(settings, logps, entropies, batch.rows(group, logps.size(1)), bonus)
-            total = total + loss
-        assert float(total.detach()) == pytest.approx(float(stock_total.detach()), rel=2e-5, abs=1e-7)
+    stock = assert_repartitions_match_stock(trainer, make_slices(trainer, old=True, ref=True), layout)
+    assert {"entropy", "kl"} <= set(stock)
+    if loss_type in CLIPPED_LOSSES:  # the slices' extremes differ from the step's: a step-wide value would show
+        assert len(set(stock["clip_ratio/high_max"])) > 1
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_sequence_level_ratios_and_entropy_mask_repartition_with_stocks_metrics(model_dir, tmp_path, loss_type):
+    """One clip flag per sequence (stock counts sequences, not tokens), with top_entropy_quantile's mask, and rows
+    without loss tokens (stock's masked_seq_mean is NaN there and nanmin/nanmax leave them out)."""
+    trainer = stock_trainer(
+        model_dir, tmp_path, loss_type=loss_type, importance_sampling_level="sequence", top_entropy_quantile=0.5
+    )
+    stock = assert_repartitions_match_stock(trainer, make_slices(trainer, old=True))
+    assert ("clip_ratio/low_mean" if loss_type == "grpo" else "cispo_clip_ratio") in stock
 
 
 def test_weights_do_not_depend_on_the_order_of_samples():

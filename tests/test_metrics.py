@@ -1,19 +1,76 @@
-"""Specification of :mod:`hf_dynbsz.execution.metrics`: the ``dynbsz/*`` figures of each optimizer step, what they
-measure, and that they reach a real reporter (TensorBoard event files, read back)."""
+"""Specification of :mod:`hf_dynbsz.execution.metrics`: stock's loss metrics per stock slice (the rules on hand-made
+passes here; against stock's own ``_compute_loss`` in ``tests/test_loss.py``, ``tests/test_rloo_loss.py`` and the
+trainer tests), the ``dynbsz/*`` figures of each optimizer step, what they measure, and that they reach a real
+reporter (TensorBoard event files, read back)."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import pytest
 import torch
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-from hf_dynbsz.execution.metrics import PeakMemory, StepClock, device_peak_tflops
+from hf_dynbsz.execution.metrics import PeakMemory, StepClock, StepMetrics, device_peak_tflops
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.testing import ScriptedRollout, build_char_tokenizer, build_tiny_causal_lm, run_training, save_tiny_model
 
 PEAK_TFLOPS = 0.05  # a made-up device peak, so that dynbsz/mfu is logged on CPU
+
+# ---- stock's loss metrics, per stock slice ---------------------------------------------------------------------
+CLIP_FLAGS = ("clip_ratio/low", "clip_ratio/high")
+
+
+def published(metrics: StepMetrics) -> dict[str, list]:
+    store = defaultdict(list)
+    metrics.publish_slices(store)
+    return dict(store)
+
+
+def test_a_slices_entropy_is_its_token_mean_over_every_pass_and_process():
+    """Slice 0 gets tokens from two passes (one sample from process 1's slice 0: slice id 3 of 3 slices a process),
+    slice 1 has none (stock logs 0.0, its count read as 1), slice 2 one pass."""
+    metrics = StepMetrics(3, "cpu")
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    metrics.add_pass(5, 6, {}, torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]]), mask, torch.tensor([0, 2]))
+    metrics.add_pass(2, 2, {}, torch.tensor([[6.0, 9.0, 9.0]]), torch.tensor([[1, 0, 0]]), torch.tensor([3]))
+    assert published(metrics) == {"entropy": [(1.0 + 2.0 + 6.0) / 3, 0.0, 4.0]}
+    assert metrics.pass_real_tokens == [5, 2] and metrics.computed_tokens == 8
+
+
+def test_per_token_and_per_sequence_values_and_the_clip_extremes_per_slice():
+    """A ``(rows, width)`` value is a mean over the slice's loss tokens, a ``(rows,)`` one over its sequences; the
+    extremes are over the sequences' token means, a sequence without loss tokens left out (stock's nanmin, nanmax),
+    NaN for a slice that has none."""
+    metrics = StepMetrics(2, "cpu", ("kl", *CLIP_FLAGS, "vespo/phi_seq_mean"))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    values = {
+        "kl": torch.tensor([[1.0, 2.0, 3.0, 7.0], [4.0, 7.0, 7.0, 7.0], [7.0] * 4, [7.0] * 4]),
+        "clip_ratio/low": torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [1.0] * 4, [1.0] * 4]),
+        "clip_ratio/high": torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0], [1.0] * 4, [1.0] * 4]),
+        "vespo/phi_seq_mean": torch.tensor([0.5, 1.5, 2.0, 4.0]),
+    }
+    metrics.add_pass(4, 16, values, torch.ones(4, 4), mask, torch.tensor([0, 0, 1, 1]))
+    store = published(metrics)
+    assert store["kl"] == [(1 + 2 + 3 + 4) / 4, 0.0]
+    assert store["vespo/phi_seq_mean"] == [(0.5 + 1.5) / 2, (2.0 + 4.0) / 2]
+    assert store["clip_ratio/low_mean"] == [2 / 4, 0.0] and store["clip_ratio/high_mean"] == [2 / 4, 0.0]
+    assert store["clip_ratio/region_mean"] == [1.0, 0.0]
+    assert store["clip_ratio/low_min"][0] == pytest.approx(1 / 3) and store["clip_ratio/high_max"][0] == pytest.approx(
+        2 / 3
+    )
+    assert math.isnan(store["clip_ratio/low_min"][1]) and math.isnan(store["clip_ratio/high_max"][1])
+
+
+def test_each_slice_logs_its_own_value_where_a_step_value_would_differ():
+    """The value stock logs is each slice's; their mean over the step differs from the step's token mean when the
+    slices have different token counts (what the plugin logged for GRPO before)."""
+    metrics = StepMetrics(2, "cpu")
+    entropies, mask = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]]), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    metrics.add_pass(4, 6, {}, entropies, mask, torch.tensor([0, 1]))
+    assert published(metrics) == {"entropy": [1.0, 4.0]}  # logged 2.5; the step's token mean is 7 / 4
+
 
 # ---- the step clock ----------------------------------------------------------------------------------------------
 

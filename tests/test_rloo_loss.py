@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 from collections import defaultdict
 
 import pytest
@@ -20,9 +19,9 @@ from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from hf_dynbsz.execution import rloo_loss as rloo_module
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.execution.rloo_loss import RLOOSettings, SliceMetrics, rloo_pass_loss, rloo_sample_weights
-from hf_dynbsz.testing import base_config_kwargs, save_tiny_model, training_mode_trainer
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
+from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
 
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
 MAX_COMPLETION = 12
@@ -128,23 +127,15 @@ def test_any_repartition_into_packed_passes_gives_stocks_total_and_metrics(model
     stock_total = stock_slice_losses(trainer, slices).sum()
     stock_metrics = {name: trainer._metrics["train"][name] for name in METRICS}
     settings = RLOOSettings.from_trainer(trainer)
-    order = list(range(len(batch)))
     for seed in range(2):
-        random.Random(seed).shuffle(order)
-        cuts = sorted(random.Random(seed + 10).sample(range(1, len(order)), 3))
-        total, metrics = 0.0, SliceMetrics(SLICES, "cpu")
-        for start, end in zip([0, *cuts], [*cuts, len(order)]):
-            group = order[start:end]
-            mb = build_microbatch(batch.table, group, layout=layout, pad_token_id=0)
-            outputs = trainer.model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
-            logps, entropies = mb.to_completion_layout(outputs.log_probs), mb.to_completion_layout(outputs.entropy)
-            rows = batch.rows(group, logps.size(1))
+        total, metrics = 0.0, StepMetrics(SLICES, "cpu", METRIC_KEYS)
+        for mb, logps, entropies, rows in random_passes(trainer.model, batch, layout, seed):
             loss, loss_metrics = rloo_pass_loss(settings, logps, rows)
-            metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies, rows.mask)
+            metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies, rows.mask, rows.slice_ids)
             total = total + loss
         assert float(total.detach()) == pytest.approx(float(stock_total.detach()), rel=2e-5, abs=1e-7)
         store = defaultdict(list)
-        metrics.publish_slices(store, trainer.accelerator)
+        metrics.publish_slices(store)
         for name in METRICS:  # one entry per stock slice, as stock's _compute_loss logs them
             assert store[name] == pytest.approx(stock_metrics[name], rel=1e-5, abs=1e-7), name
     assert 0 < sum(stock_metrics["clip_ratio/low_mean"]) + sum(stock_metrics["clip_ratio/high_mean"])
@@ -153,20 +144,12 @@ def test_any_repartition_into_packed_passes_gives_stocks_total_and_metrics(model
 def test_slice_extremes_are_per_slice_not_per_step():
     """Stock logs each slice's extreme: a step whose one slice has every sequence clipped low logs low_min 1 for that
     slice and 0 for the others (a step-wide minimum would log 0)."""
-    metrics = SliceMetrics(2, "cpu")
+    metrics = StepMetrics(2, "cpu", METRIC_KEYS)
     low, high = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.0, 0.0, 1.0])
-    loss_metrics = {"clip_ratio/low": low, "clip_ratio/high": high, "slice_ids": torch.tensor([0, 0, 1])}
-    metrics.add_pass(6, 6, loss_metrics, torch.ones(3, 2), torch.ones(3, 2))
-
-    class OneProcess:
-        num_processes = 1
-
-        @staticmethod
-        def reduce(tensor, reduction):
-            return tensor
-
+    loss_metrics = {"clip_ratio/low": low, "clip_ratio/high": high}
+    metrics.add_pass(6, 6, loss_metrics, torch.ones(3, 2), torch.ones(3, 2), torch.tensor([0, 0, 1]))
     store = defaultdict(list)
-    metrics.publish_slices(store, OneProcess())
+    metrics.publish_slices(store)
     assert store["clip_ratio/low_min"] == [1.0, 0.0]
     assert store["clip_ratio/high_max"] == [0.0, 1.0]
     assert store["clip_ratio/region_mean"] == [1.0, 1.0]

@@ -4,7 +4,9 @@ Each test trains stock ``trl.GRPOTrainer`` and ``DynamicBatchGRPOTrainer`` from 
 and seed, with a token budget small enough that every optimizer step is cut into micro-batches unlike
 stock's fixed slices, and checks: identical completions, and the same parameters afterwards. Parameters
 are compared two ways: relative difference of the parameters (<= 1e-5, the requirement) and relative
-difference of the parameter *updates*, which is what would expose a mis-weighted sample.
+difference of the parameter *updates*, which is what would expose a mis-weighted sample. Every metric stock logs
+(the loss metrics ``entropy``, ``kl``, the clip ratios, ``cispo_clip_ratio``, ``vespo/phi_seq_mean`` among them,
+which stock computes per fixed slice) is logged with stock's value within 1e-5 (relative), step by step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from hf_dynbsz.testing import (
     checkpointing_field,
     construction_arguments,
     construction_error,
+    logged_metrics,
+    metric_mismatches,
     positional_trainer,
     relative_difference,
     run_training,
@@ -35,6 +39,7 @@ SMALL_BUDGET = 40
 PARAM_TOLERANCE = 1e-5
 CHECKPOINTING = checkpointing_field()  # transformers 5 renamed gradient_checkpointing to activation_checkpointing
 UPDATE_TOLERANCE = 1e-3
+METRIC_TOLERANCE = 1e-5  # relative, every logged metric (absolute: 1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,8 @@ def model_dir(tmp_path_factory):
 
 
 def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
-    """Stock and ours from the same model; ours's parameters within the tolerances of stock's. ``repacked_steps``:
+    """Stock and ours from the same model; ours's parameters within the tolerances of stock's, every logged metric
+    stock's (timings and the plugin's ``dynbsz/*`` aside). ``repacked_steps``:
     the steps ours repacks (default: all of them)."""
     dyn_overrides = {
         key: overrides.pop(key)
@@ -58,7 +64,7 @@ def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
         )
     }
     dyn_overrides.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
-    init, stock, stock_completions, _ = run_training(
+    init, stock, stock_completions, stock_history = run_training(
         GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), **overrides
     )
     init2, ours, our_completions, history = run_training(
@@ -68,6 +74,7 @@ def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
     assert relative_difference(init2, init) == 0.0
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
     assert update_difference(init, ours, stock) <= UPDATE_TOLERANCE
+    assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history), rel=METRIC_TOLERANCE)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert len(steps) == (repacked_steps or overrides.get("max_steps", 2))
     return history
@@ -413,7 +420,7 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
 
     # beta > 0: the reference model is the base model with the adapter disabled (TRL's PEFT path)
     overrides = dict(loss_type=loss_type, beta=0.1, num_iterations=2)
-    init, stock, stock_completions, _ = run_training(
+    init, stock, stock_completions, stock_history = run_training(
         GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs={"peft_config": lora()}, **overrides
     )
     _, ours, completions, history = run_training(

@@ -1,4 +1,4 @@
-"""The distillation loss per pass with stock's normalisation, and its entropy per stock slice (torch layer).
+"""The distillation loss per pass with stock's normalisation (torch layer).
 
 TRL 1.16's ``DistillationTrainer`` trains the student on its own completions to match the teacher's next-token
 distribution. Per fixed slice of ``B`` samples (``per_device_train_batch_size``), padded to the generation batch's
@@ -25,8 +25,9 @@ A token's divergence depends on its own two hidden states alone, and its weight 
 of the step's samples sums to stock's loss and gradient: :func:`pass_divergence` computes ``D_t`` and ``H_t`` of one
 pass's loss tokens (the student's backbone on the pass's row, the teacher's hidden states from its own passes,
 :mod:`hf_dynbsz.execution.teacher`) through the same kernel, and :func:`distillation_pass_loss` weighs them.
-:class:`SliceEntropy` keeps the entropy's sums per stock slice, so the logged ``entropy`` is stock's whatever the
-passes. ``tests/test_distillation_loss.py`` checks this table against stock's ``_compute_loss``.
+:class:`hf_dynbsz.execution.metrics.StepMetrics` keeps the entropy's sums per stock slice (as GRPO's and RLOO's loss
+metrics), so the logged ``entropy`` is stock's whatever the passes. ``tests/test_distillation_loss.py`` checks this
+table against stock's ``_compute_loss``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ import torch
 from accelerate.utils import is_peft_model
 
 from hf_dynbsz.execution.batch import SampleRows
-from hf_dynbsz.execution.metrics import SliceSums
 from hf_dynbsz.planning.cost import text_config_of
 
 __all__ = [
     "DivergenceSettings",
-    "SliceEntropy",
     "backbone_hidden_states",
     "distillation_pass_loss",
     "distillation_sample_weights",
@@ -151,32 +150,7 @@ def pass_divergence(
 
 def distillation_pass_loss(per_token_divergence: torch.Tensor, rows: SampleRows):
     """The loss of one pass's samples: ``per_token_divergence`` ``(rows, width)`` (0 off the loss tokens) times each
-    sample's weight, summed; and the tensors :class:`SliceEntropy` reads."""
+    sample's weight, summed; and the tensors stock logs besides the entropy (none)."""
     weights = rows.policy_weights.to(per_token_divergence.dtype).unsqueeze(1)
     loss = (per_token_divergence * rows.mask.to(per_token_divergence.dtype) * weights).sum()
-    return loss, {"slice_ids": rows.slice_ids}
-
-
-class SliceEntropy(SliceSums):
-    """:class:`~hf_dynbsz.execution.metrics.StepMetrics` (passes, tokens, time, memory) with stock
-    DistillationTrainer's ``entropy``, logged per stock slice: the student's entropy over the slice's loss tokens of
-    every process (0 when it has none), as stock's ``compute_loss`` gathers it."""
-
-    columns = 2  # entropy x mask, mask tokens
-
-    def add_pass(
-        self,
-        real_tokens: int,
-        computed_tokens: int,
-        loss_metrics: dict[str, torch.Tensor],
-        entropies: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> None:
-        """One real pass: its token counts, and its samples' entropy sums into their stock slices (no host sync)."""
-        self.count_pass(real_tokens, computed_tokens)
-        mask = mask.to(entropies.dtype)
-        self.add_to_slices(loss_metrics["slice_ids"], torch.stack([(entropies * mask).sum(1), mask.sum(1)], dim=1))
-
-    def slice_entries(self, store: dict[str, list], figures: list[float]) -> None:
-        entropy, tokens = figures
-        store["entropy"].append(entropy / tokens if tokens > 0 else 0.0)
+    return loss, {}

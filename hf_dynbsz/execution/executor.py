@@ -209,7 +209,6 @@ class PassExecutor(DevicePass):
         state.metrics.publish(
             trainer._metrics["train"],
             self.accelerator,
-            loss_type=self.loss.loss_type,
             schedule=schedule,
             stock_computed_tokens=state.batch.stock_computed_tokens,
             group=self.scheduler.group,
@@ -274,7 +273,9 @@ class PassExecutor(DevicePass):
         with record_function("dynbsz/backward"):
             self.backward(model, loss, last)
         state.losses.append(loss.detach())
-        state.metrics.add_pass(mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask)
+        state.metrics.add_pass(
+            mb.real_tokens, mb.computed_tokens, loss_metrics, entropies.detach(), rows.mask, rows.slice_ids
+        )
 
     def move(self, samples, exchange):
         """The samples (a step's batch, or a no-grad table) this process runs under a balanced exchange."""

@@ -140,8 +140,11 @@ def per_token_policy_loss(
 
     All tensors are completion-aligned ``(rows, width)``; ``advantages`` is ``(rows,)`` or ``(rows, width)``;
     ``entropy_mask`` is the high-entropy token mask of ``top_entropy_quantile`` (None when off).
-    Returns the per-token loss (broadcastable to ``(rows, width)``) and the tensors the metrics need.
+    Returns the per-token loss (broadcastable to ``(rows, width)``) and the tensors stock logs, named by
+    :func:`metric_keys`: ``(rows, width)`` per token, ``(rows,)`` where stock's is one value per sequence.
     """
+    # stock's clip flags are (B, 1), one per sequence, with sequence-level ratios and (B,) advantages
+    per_sequence = settings.importance_sampling_level == "sequence" and advantages.dim() == 1
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     if old_per_token_logps is None:
@@ -179,7 +182,7 @@ def per_token_policy_loss(
         per_token_loss = per_token_loss * importance_sampling_ratio
     if settings.beta != 0.0:
         per_token_loss = per_token_loss + settings.beta * per_token_kl
-    _clip_metrics(settings, coef_1, advantages, metrics)
+    _clip_metrics(settings, coef_1, advantages, metrics, per_sequence)
     return per_token_loss, metrics
 
 
@@ -228,21 +231,38 @@ def _unmasked_policy_loss(
             k_neg=k_neg,
             lambda_neg=lambda_neg,
         )
-        metrics["vespo/phi_seq_mean"] = phi_seq
+        metrics["vespo/phi_seq_mean"] = phi_seq.squeeze(1)  # (rows,): one value per sequence
         return -phi_seq * advantages * per_token_logps, coef_1
     raise ValueError(f"Unknown loss type: {kind}")
 
 
+def metric_keys(settings: LossSettings) -> tuple[str, ...]:
+    """The tensors :func:`per_token_policy_loss` gives for stock's logged metrics, besides the entropy (the per-slice
+    values are :class:`hf_dynbsz.execution.metrics.StepMetrics`'): ``kl`` with ``beta``, the clip flags of the
+    clipped losses, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``."""
+    keys = ("kl",) if settings.beta != 0.0 else ()
+    if settings.loss_type in CLIPPED_LOSSES:
+        return (*keys, "clip_ratio/low", "clip_ratio/high")
+    return (*keys, *{"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",)}.get(settings.loss_type, ()))
+
+
 def _clip_metrics(
-    settings: LossSettings, coef_1: torch.Tensor, advantages: torch.Tensor, metrics: dict[str, torch.Tensor]
+    settings: LossSettings,
+    coef_1: torch.Tensor,
+    advantages: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    per_sequence: bool,
 ) -> None:
-    """Stock's clip-ratio metrics, from ``coef_1`` as clipped (after ``delta``), exactly what stock's metrics read."""
+    """Stock's clip-ratio metrics, from ``coef_1`` as clipped (after ``delta``), exactly what stock's metrics read;
+    ``(rows,)`` when ``per_sequence``."""
     kind = settings.loss_type
+    flags = {}
     if kind in CLIPPED_LOSSES:
-        metrics["clip_ratio/low"] = ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).float()
-        metrics["clip_ratio/high"] = ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).float()
+        flags["clip_ratio/low"] = (coef_1 < 1 - settings.epsilon_low) & (advantages < 0)
+        flags["clip_ratio/high"] = (coef_1 > 1 + settings.epsilon_high) & (advantages > 0)
     elif kind == "cispo":
-        metrics["cispo_clip_ratio"] = ((coef_1 > settings.epsilon_high) & (advantages > 0)).float()
+        flags["cispo_clip_ratio"] = (coef_1 > settings.epsilon_high) & (advantages > 0)
+    metrics.update({key: (flag.squeeze(1) if per_sequence else flag).float() for key, flag in flags.items()})
 
 
 def microbatch_loss(

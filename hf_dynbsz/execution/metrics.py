@@ -1,32 +1,33 @@
-"""The metrics of one optimizer step: token-weighted sums over its passes, reduced once (torch layer).
+"""The metrics of one optimizer step: stock's loss metrics per stock slice and the ``dynbsz/*`` figures, reduced
+once (torch layer).
 
-Stock TRL logs, per fixed micro-batch, a global mean of each loss metric (``entropy``, ``kl``, clip ratios) and
-the Trainer averages those means over the accumulation steps. With token-budget passes that average would
-weight passes, not tokens, so :class:`StepMetrics` adds up value x token sums over every pass of the step and
-reduces them across processes once, at the end: the logged value is the exact token-weighted mean over the
-optimizer step. It also carries the ``dynbsz/*`` figures of the step (passes, budget, padding, time by phase,
-throughput, peak memory, MFU), all named here; :class:`StepClock` and :class:`PeakMemory` measure them.
+Stock TRL logs its loss metrics (``entropy``, ``kl``, the clip ratios, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``)
+once per fixed micro-batch ("slice"), each reduced over that slice of every process, and the Trainer averages those
+values over its logging window. :class:`StepMetrics` keeps, per stock slice, the sums and extremes those values are
+made of, whatever passes the slice's samples ran in and on whichever process, and gathers them across processes
+once, at the end of the step: the logged values are stock's. It also carries the ``dynbsz/*`` figures of the step
+(passes, budget, padding, time by phase, throughput, peak memory, MFU), all named here; :class:`StepClock` and
+:class:`PeakMemory` measure them. Every trainer's loss uses it (:mod:`hf_dynbsz.execution.step_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import sys
 import time
 from collections import defaultdict
 
 import torch
-from trl.trainer.utils import nanmax, nanmin
 
 from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_rss, status_mib
-from hf_dynbsz.execution.loss import CLIPPED_LOSSES
 from hf_dynbsz.execution.packing import SequenceTable
-from hf_dynbsz.parallel.collectives import gather_values, reduce_sum
+from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 
-__all__ = ["PeakMemory", "SliceSums", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
+__all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
 
 #: Peak dense bf16/fp16 tensor TFLOP/s of datacenter GPUs (vendor data sheets, without sparsity), by a part of the
 #: name torch reports; the first match wins (PCIe/NVL variants before the SXM default).
@@ -125,10 +126,6 @@ class PeakMemory:
         reset_peak_rss()  # (not Linux, or not allowed: the peak then counts from process start)
 
 
-# Loss metrics averaged over loss tokens (or over sequences when a value is per sequence).
-_TOKEN_MEAN_METRICS = ("kl", "vespo/phi_seq_mean", "cispo_clip_ratio")
-
-
 class StepMeters:
     """What the trainer measures over each optimizer step besides the loss: time by phase, peak memory, and the
     model's FLOPs and the device's peak for MFU. :meth:`start` at the first training call of each step."""
@@ -159,16 +156,60 @@ class StepMeters:
         self.predicted_peak_mib = max(self.predicted_peak_mib or 0.0, mib)
 
 
-class StepMetrics:
-    """Accumulates one optimizer step's metrics on this process; :meth:`publish` reduces and logs them."""
+#: Per-row tensors a pass's loss gives (``loss_metrics``) whose per-slice means stock logs under another name (any
+#: other key is logged under its own). ``clip_ratio/region`` is computed here.
+_LOGGED_AS = {
+    "clip_ratio/low": "clip_ratio/low_mean",
+    "clip_ratio/high": "clip_ratio/high_mean",
+    "clip_ratio/region": "clip_ratio/region_mean",
+}
+#: The clip flags whose per-slice extremes stock logs: ``clip_ratio/low_min`` and ``clip_ratio/high_max``.
+_CLIP_FLAGS = ("clip_ratio/low", "clip_ratio/high")
 
-    def __init__(self) -> None:
-        # metric -> sum over tokens (or sequences), and tokens (or sequences): 0-d float64 tensors on the passes'
-        # device, added to without reading them on the host (read once, in publish)
-        self.sums: dict[str, torch.Tensor | float] = defaultdict(float)
-        self.counts: dict[str, torch.Tensor | float] = defaultdict(float)
-        self.sequence_low: list[torch.Tensor] = []  # per-sequence low-clip ratios, for clip_ratio/low_min
-        self.sequence_high: list[torch.Tensor] = []
+
+def _row_sums(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's value sum and count: a ``(rows,)`` tensor is one value per sequence (counted once), a ``(rows,
+    width)`` tensor one per token (summed over ``mask``, its tokens counted)."""
+    values = values.detach().float()
+    if values.dim() == 1:
+        return values, torch.ones_like(values)
+    return (values * mask).sum(1), mask.sum(1)
+
+
+def _row_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Stock's ``masked_seq_mean``: each row's value, or its token mean over ``mask`` (NaN for a row without
+    tokens)."""
+    values = values.detach().float()
+    return values if values.dim() == 1 else (values * mask).sum(1) / mask.sum(1)
+
+
+class StepMetrics:
+    """One optimizer step's metrics on this process, :meth:`publish` reduces and logs them: stock's loss metrics per
+    stock slice, and the ``dynbsz/*`` figures.
+
+    Stock's trainers log their loss metrics in ``_compute_loss``: its ``k``-th call, on every process at once,
+    reduces slice ``k`` of every process (``accelerator.reduce`` or ``gather``) and appends one value per metric, and
+    ``log`` averages the values of its window. So per slice ``k`` (a sample of process ``p``'s slice ``s`` counts in
+    ``k = s``, wherever balancing ran it), this keeps the sums those values are made of, and :meth:`publish` gathers
+    them once per step and appends each slice's value in slice order, as stock does. A metric given per token is
+    stock's ``global_masked_mean``, its token sum over the slice's loss tokens; one given per sequence (a ``(rows,)``
+    tensor: sequence-level importance sampling, ``vespo``'s phi, RLOO's clip flags) its sum over the slice's
+    sequences; a count of 0 reads as 1. ``clip_ratio/low_min`` and ``clip_ratio/high_max`` are the extremes of the
+    sequences' means (stock's ``masked_seq_mean``, ``nanmin``/``nanmax``: a sequence without loss tokens does not
+    count; NaN when none does), ``clip_ratio/region_mean`` the mean of ``max(low, high)``.
+    """
+
+    def __init__(self, slices: int, device, keys: tuple[str, ...] = ()) -> None:
+        """``slices``: stock slices per process in the step (every process has as many); ``keys``: the tensors of
+        each pass's ``loss_metrics`` that stock logs, besides the entropy (``clip_ratio/low`` with
+        ``clip_ratio/high``: the clip ratios)."""
+        self.slices = slices
+        clipped = all(flag in keys for flag in _CLIP_FLAGS)
+        self.keys = ("entropy", *keys, *(["clip_ratio/region"] if clipped else []))
+        # per slice: (value sum, count) of each of self.keys; with the clip ratios, -low_min and high_max as maxima.
+        # Float64 on the passes' device, added to without reading them on the host (read once, in publish).
+        self.sums = torch.zeros(slices, 2 * len(self.keys), dtype=torch.float64, device=device)
+        self.maxima = torch.full((slices, 2 if clipped else 0), -math.inf, dtype=torch.float64, device=device)
         self.pass_real_tokens: list[int] = []  # real tokens of each real pass
         self.computed_tokens = 0  # token positions computed by the real passes, padding included
 
@@ -184,44 +225,31 @@ class StepMetrics:
         loss_metrics: dict[str, torch.Tensor],
         entropies: torch.Tensor,
         mask: torch.Tensor,
+        slice_ids: torch.Tensor,
     ) -> None:
-        """One real pass: its token counts and the per-token tensors of
-        :func:`hf_dynbsz.execution.loss.per_token_policy_loss`. Sums stay on the device (no host read in a pass)."""
+        """One real pass: its token counts, and its rows' figures into their stock slices (no host read).
+        ``loss_metrics``: the pass's per-row tensors (``(rows,)`` per sequence, ``(rows, width)`` per token);
+        ``entropies`` and ``mask`` (the loss mask) ``(rows, width)``; ``slice_ids`` ``(rows,)``, numbered over the
+        processes (:class:`~hf_dynbsz.execution.batch.StepBatch`); all on the passes' device."""
         self.count_pass(real_tokens, computed_tokens)
-        mask = mask.float()
-        tokens = mask.sum().double()
-
-        def add(name: str, values: torch.Tensor) -> None:
-            values = values.detach().float()
-            if values.size(1) == 1:  # one value per sequence (importance_sampling_level="sequence", vespo phi)
-                self.sums[name] = self.sums[name] + values.sum().double()
-                self.counts[name] = self.counts[name] + float(values.size(0))
-            else:
-                self.sums[name] = self.sums[name] + (values * mask).sum().double()
-                self.counts[name] = self.counts[name] + tokens
-
-        add("entropy", entropies)
-        for name in _TOKEN_MEAN_METRICS:
-            if name in loss_metrics:
-                add(name, loss_metrics[name])
-        if "clip_ratio/low" in loss_metrics:
-            low, high = loss_metrics["clip_ratio/low"], loss_metrics["clip_ratio/high"]
-            add("clip_ratio/low_mean", low)
-            add("clip_ratio/high_mean", high)
-            add("clip_ratio/region_mean", torch.maximum(low, high))
-
-            def sequence_mean(x: torch.Tensor) -> torch.Tensor:
-                return x.squeeze(1) if x.size(1) == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-            self.sequence_low.append(sequence_mean(low))
-            self.sequence_high.append(sequence_mean(high))
+        mask = mask.detach().float()
+        values = {"entropy": entropies, **loss_metrics}
+        if self.maxima.size(1):
+            low, high = (values[flag] for flag in _CLIP_FLAGS)
+            values["clip_ratio/region"] = torch.maximum(low, high)
+        figures = torch.stack([figure for key in self.keys for figure in _row_sums(values[key], mask)], dim=1)
+        index = slice_ids % self.slices
+        self.sums.index_add_(0, index, figures.double())
+        if self.maxima.size(1):
+            extremes = torch.stack([-_row_means(low, mask), _row_means(high, mask)], dim=1).double()
+            extremes = extremes.nan_to_num(nan=-math.inf)  # stock's nanmin / nanmax leave such a sequence out
+            self.maxima.scatter_reduce_(0, index.unsqueeze(1).expand_as(extremes), extremes, reduce="amax")
 
     def publish(
         self,
         store: dict[str, list],
         accelerator,
         *,
-        loss_type: str,
         schedule: StepSchedule,
         stock_computed_tokens: int,
         group: RankGroup,
@@ -229,10 +257,11 @@ class StepMetrics:
         table: SequenceTable,
         replicas: int = 1,
     ) -> None:
-        """Reduce over processes (one reduce, and two gathers for the clip extremes) and append to ``store``.
+        """Reduce over processes (one gather) and append to ``store``.
 
-        ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time).
-        ``dynbsz/*`` figures: ``microbatches`` real passes of this process, ``microbatches_needed`` passes it
+        ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time). The loss
+        metrics: one value per stock slice, in slice order (see the class). ``dynbsz/*`` figures: ``microbatches``
+        real passes of this process, ``microbatches_needed`` passes it
         alone needed, ``microbatches_max_over_ranks`` passes every process ran, ``dummy_passes``, tokens per
         pass (mean, max), ``budget_tokens`` and ``budget_utilization`` (real tokens / (passes x budget)), and over
         all processes ``padding_fraction``, ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed
@@ -258,23 +287,14 @@ class StepMetrics:
             if meters.flops is not None
             else 0.0
         )
-        names = sorted(self.sums)
-        device = accelerator.device
-        sums = [
-            torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
-            for name in names
-            for value in (self.sums[name], self.counts[name])
-        ]
         host = [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved]
-        local = torch.cat([torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device),
-                           torch.tensor([*host, flops], dtype=torch.float64, device=device)])  # fmt: skip
-        local = local / replicas  # each sample counted once (sequence parallelism: per group)
-        totals = reduce_sum(local).tolist()
-        for position, name in enumerate(names):
-            store[name].append(totals[2 * position] / max(totals[2 * position + 1], 1.0))
-        if self.sequence_low or loss_type in CLIPPED_LOSSES:  # stock logs clip_ratio/low_min, high_max
-            self._publish_clip_extremes(store, accelerator)
-        real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:]
+        device = self.sums.device
+        summed = torch.cat([self.sums.flatten(), torch.tensor([*host, flops], dtype=torch.float64, device=device)])
+        gathered = gather_rows(torch.cat([summed / replicas, self.maxima.flatten()]))  # each sample counted once
+        totals = gathered[:, : summed.numel()].sum(0)
+        maxima = gathered[:, summed.numel() :].amax(0).view_as(self.maxima)
+        self.publish_slices(store, totals[: self.sums.numel()].view_as(self.sums), maxima)
+        real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:].tolist()
         _publish_time_and_memory(store, accelerator, group, meters, trained=real_all + saved_all, flops=flops_all)
         self._publish_passes(store, schedule)
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
@@ -286,16 +306,22 @@ class StepMetrics:
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
             store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
 
-    def _publish_clip_extremes(self, store: dict[str, list], accelerator) -> None:
-        """Stock's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the extremes of the per-sequence means over
-        every process (two gathers each: lengths, values)."""
-        for name, values, pick in (
-            ("clip_ratio/low_min", self.sequence_low, nanmin),
-            ("clip_ratio/high_max", self.sequence_high, nanmax),
-        ):
-            local_values = torch.cat(values) if values else torch.zeros(0, device=accelerator.device)
-            gathered = torch.cat(gather_values(local_values.float()))
-            store[name].append(pick(gathered).item() if gathered.numel() else float("nan"))
+    def publish_slices(
+        self, store: dict[str, list], sums: torch.Tensor | None = None, maxima: torch.Tensor | None = None
+    ) -> None:
+        """Stock's loss metrics, one value per slice in slice order, from ``sums`` (per slice, value sum and count
+        per key) and ``maxima`` (-low_min, high_max; -inf: no sequence counted) over every process (default: this
+        process's, the whole of them on one process)."""
+        sums = self.sums if sums is None else sums
+        maxima = self.maxima if maxima is None else maxima
+        names = [_LOGGED_AS.get(key, key) for key in self.keys]
+        for slice_sums, slice_maxima in zip(sums.tolist(), maxima.tolist()):
+            for position, name in enumerate(names):
+                store[name].append(slice_sums[2 * position] / max(slice_sums[2 * position + 1], 1.0))
+            if slice_maxima:
+                low, high = (value if math.isfinite(value) else math.nan for value in slice_maxima)
+                store["clip_ratio/low_min"].append(-low)
+                store["clip_ratio/high_max"].append(high)
 
     def _publish_passes(self, store: dict[str, list], schedule: StepSchedule) -> None:
         """This process's passes: their count, the schedule's counts, tokens per pass and the budget's use."""
@@ -308,45 +334,6 @@ class StepMetrics:
         store["dynbsz/tokens_per_microbatch_max"].append(float(max(used, default=0)))
         store["dynbsz/budget_tokens"].append(float(schedule.budget))
         store["dynbsz/budget_utilization"].append(sum(used) / max(len(used) * schedule.budget, 1))
-
-
-class SliceSums(StepMetrics):
-    """:class:`StepMetrics` with a trainer's loss figures kept as sums per stock slice, for a stock that logs them once
-    per slice (over that slice of every process, its gathers) and lets the Trainer average the entries of a logging
-    step: the logged values are stock's whatever the passes.
-
-    ``num_slices``: the step's stock slices over all processes (slice ``s`` of process ``p`` is ``p x slices + s``);
-    stock's ``k``-th call of its loss gathers slice ``k`` of every process. A subclass names its ``columns`` (sums per
-    slice), adds its figures with :meth:`add_to_slices` and turns each slice's totals into stock's entries in
-    :meth:`slice_entries`.
-    """
-
-    columns: int = 1
-
-    def __init__(self, num_slices: int, device) -> None:
-        super().__init__()
-        self.slices = torch.zeros(num_slices, self.columns, dtype=torch.float64, device=device)
-
-    def add_to_slices(self, slice_ids: torch.Tensor, figures: torch.Tensor) -> None:
-        """``figures`` ``(rows, columns)`` of the samples of ``slice_ids`` into their slices (no host sync)."""
-        self.slices.index_add_(0, slice_ids.to(self.slices.device), figures.detach().double())
-
-    def publish(self, store: dict[str, list], accelerator, *, replicas: int = 1, **kwargs) -> None:
-        """Stock's per-slice figures (:meth:`publish_slices`), then the step's ``dynbsz/*`` figures."""
-        self.publish_slices(store, accelerator, replicas)
-        super().publish(store, accelerator, replicas=replicas, **kwargs)
-
-    def publish_slices(self, store: dict[str, list], accelerator, replicas: int = 1) -> None:
-        """One all-reduce, then per stock slice ``k`` (over every process) its entries, as stock's ``k``-th loss call
-        appends them. ``replicas``: processes that ran the same samples (a sequence-parallel group), counted once."""
-        totals = accelerator.reduce(self.slices / replicas, reduction="sum")
-        per_slice = totals.view(accelerator.num_processes, -1, self.columns).sum(0)  # slice k of every process
-        for figures in per_slice.tolist():
-            self.slice_entries(store, figures)
-
-    def slice_entries(self, store: dict[str, list], figures: list[float]) -> None:
-        """Append one slice's entries, from its ``columns`` totals over every process."""
-        raise NotImplementedError
 
 
 def _publish_time_and_memory(

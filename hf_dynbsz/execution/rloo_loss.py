@@ -1,4 +1,4 @@
-"""RLOO's loss per sample with stock's weights, and its metrics per stock slice (torch layer, no trainer state).
+"""RLOO's loss per sample with stock's weights, and what its logged metrics read (torch layer, no trainer state).
 
 TRL 1.16's ``RLOOTrainer._compute_loss`` scores each fixed slice of ``B`` samples by a clipped ratio of *summed*
 log-probs, one per sequence:
@@ -19,8 +19,10 @@ repacking of an optimizer step's samples sums to stock's loss and gradient; the 
 weight row of this table against :func:`rloo_sample_weights` and the loss against stock's ``_compute_loss``.
 
 Stock logs ``entropy`` and the clip ratios once per slice, over that slice of every process (its gathers), and the
-Trainer averages the entries of a logging step; :class:`SliceMetrics` keeps per stock slice the sums those figures
-are made of and reduces them once per optimizer step, so the logged values are stock's whatever the passes.
+Trainer averages the entries of a logging step; :class:`hf_dynbsz.execution.metrics.StepMetrics` keeps per stock
+slice the sums those figures are made of (GRPO's the same way) and reduces them once per optimizer step, so the
+logged values are stock's whatever the passes. Each sequence's clip flags are one value per sequence
+(:data:`METRIC_KEYS`).
 """
 
 from __future__ import annotations
@@ -30,13 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from hf_dynbsz.execution.batch import SampleRows
-from hf_dynbsz.execution.metrics import SliceSums
 
-__all__ = ["RLOOSettings", "SliceMetrics", "rloo_pass_loss", "rloo_sample_weights"]
+__all__ = ["METRIC_KEYS", "RLOOSettings", "rloo_pass_loss", "rloo_sample_weights"]
 
-#: per stock slice, what stock's logged figures are made of: sequences, low-clipped, high-clipped, entropy x mask,
-#: mask tokens
-_SLICE_COLUMNS = 5
+#: The tensors :func:`rloo_pass_loss` gives for stock's logged metrics, besides the entropy: each sequence's clip flags.
+METRIC_KEYS = ("clip_ratio/low", "clip_ratio/high")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def rloo_pass_loss(
     settings: RLOOSettings, per_token_logps: torch.Tensor, rows: SampleRows
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one pass's samples (``per_token_logps``: completion-aligned ``(rows, width)``), each sequence's
-    clipped loss times its weight; and the ``(rows,)`` tensors :class:`SliceMetrics` reads."""
+    clipped loss times its weight; and the ``(rows,)`` clip flags stock logs (:data:`METRIC_KEYS`)."""
     logps = (per_token_logps * rows.mask).sum(1)
     coef_1 = torch.exp(logps - rows.per_token["old_logps"].squeeze(1))
     coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
@@ -73,44 +73,5 @@ def rloo_pass_loss(
     metrics = {
         "clip_ratio/low": ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).float(),
         "clip_ratio/high": ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).float(),
-        "slice_ids": rows.slice_ids,
     }
     return loss, metrics
-
-
-class SliceMetrics(SliceSums):
-    """:class:`~hf_dynbsz.execution.metrics.StepMetrics` (passes, tokens, time, memory) with stock RLOOTrainer's loss
-    metrics, per stock slice (:class:`~hf_dynbsz.execution.metrics.SliceSums`).
-
-    Per slice ``k`` (over every process) it logs ``entropy`` (entropy x mask over mask tokens),
-    ``clip_ratio/low_mean``, ``high_mean`` and ``region_mean`` (clipped sequences over sequences),
-    ``clip_ratio/low_min`` and ``high_max`` (the extremes of the sequences' 0/1 flags: 1 when every, or any, sequence
-    was clipped).
-    """
-
-    columns = _SLICE_COLUMNS
-
-    def add_pass(
-        self,
-        real_tokens: int,
-        computed_tokens: int,
-        loss_metrics: dict[str, torch.Tensor],
-        entropies: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> None:
-        """One real pass: its token counts, and its samples' figures into their stock slices (no host sync)."""
-        self.count_pass(real_tokens, computed_tokens)
-        mask = mask.to(entropies.dtype)
-        low, high = loss_metrics["clip_ratio/low"], loss_metrics["clip_ratio/high"]
-        figures = torch.stack([torch.ones_like(low), low, high, (entropies * mask).sum(1), mask.sum(1)], dim=1)
-        self.add_to_slices(loss_metrics["slice_ids"], figures)
-
-    def slice_entries(self, store: dict[str, list], figures: list[float]) -> None:
-        sequences, low, high, entropy, tokens = figures
-        sequences = max(sequences, 1.0)
-        store["entropy"].append(entropy / max(tokens, 1.0))
-        store["clip_ratio/low_mean"].append(low / sequences)
-        store["clip_ratio/low_min"].append(float(low == sequences))
-        store["clip_ratio/high_mean"].append(high / sequences)
-        store["clip_ratio/high_max"].append(float(high > 0))
-        store["clip_ratio/region_mean"].append((low + high) / sequences)

@@ -28,14 +28,13 @@ from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.distillation_loss import (
     DivergenceSettings,
-    SliceEntropy,
     distillation_pass_loss,
     distillation_sample_weights,
     pass_divergence,
 )
-from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, metric_keys, microbatch_loss, sample_weights
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.rloo_loss import RLOOSettings, SliceMetrics, rloo_pass_loss, rloo_sample_weights
+from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
 from hf_dynbsz.execution.teacher import Teacher
 
 __all__ = ["DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
@@ -45,9 +44,6 @@ class StepLoss(Protocol):
     """What the executor asks of a trainer's loss, per optimizer step (``state``: what one training attempt of the
     step carries from pass to pass, e.g. the entropy bonus's sums; None when the loss needs none)."""
 
-    #: the name :meth:`~hf_dynbsz.execution.metrics.StepMetrics.publish` reads (stock's clip extremes for GRPO's
-    #: clipped loss types)
-    loss_type: str
     #: the loss has an entropy term (sequence parallelism does not run it)
     entropy_bonus: bool
     #: the step's weights need its per-token entropies, from one no-grad pass before the first training pass
@@ -66,7 +62,8 @@ class StepLoss(Protocol):
         """The state of one training attempt over ``batch`` (the samples this process runs)."""
 
     def metrics(self, batch: StepBatch) -> StepMetrics:
-        """The metrics of one training attempt over ``batch``."""
+        """The metrics of one training attempt over ``batch``: stock's loss metrics, per stock slice, from the tensors
+        :meth:`pass_loss` gives."""
 
     def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
         """One training pass's forward over micro-batch ``mb`` (the samples ``rows`` of ``batch``): ``(values,
@@ -120,7 +117,6 @@ class GRPOLoss(_LogProbLoss):
     def __init__(self, trainer) -> None:
         self.trainer = trainer
         self.settings = LossSettings.from_trainer(trainer)
-        self.loss_type = trainer.loss_type
         self.entropy_bonus = bool(trainer._entropy_bonus_enabled)
         self.needs_step_entropies = trainer.top_entropy_quantile < 1.0
 
@@ -161,7 +157,8 @@ class GRPOLoss(_LogProbLoss):
         return EntropyBonus(self.trainer, len(batch.slice_rows), self.trainer.accelerator.device)
 
     def metrics(self, batch: StepBatch) -> StepMetrics:
-        return StepMetrics()
+        slices = len(batch.slice_rows) // self.trainer.accelerator.num_processes
+        return StepMetrics(slices, self.trainer.accelerator.device, metric_keys(self.settings))
 
     def pass_loss(self, state: EntropyBonus | None, per_token_logps, entropies, rows: SampleRows):
         return microbatch_loss(self.settings, per_token_logps, entropies, rows, state)
@@ -176,16 +173,16 @@ class GRPOLoss(_LogProbLoss):
 
 class RLOOLoss(_LogProbLoss):
     """``RLOOTrainer``'s loss: each sequence's clipped ratio of summed log-probs, weight ``1 / (B GA)``
-    (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice
-    (:class:`~hf_dynbsz.execution.rloo_loss.SliceMetrics`). No entropy term."""
+    (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice, as GRPO's loss
+    metrics (:class:`~hf_dynbsz.execution.metrics.StepMetrics`). No entropy term."""
 
-    loss_type = "rloo"
     entropy_bonus = False
     needs_step_entropies = False
 
     def __init__(self, trainer) -> None:
         self.settings = RLOOSettings.from_trainer(trainer)
         self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
         batch.policy_weights = rloo_sample_weights(
@@ -196,8 +193,8 @@ class RLOOLoss(_LogProbLoss):
     def attempt(self, batch: StepBatch) -> None:
         return None
 
-    def metrics(self, batch: StepBatch) -> SliceMetrics:
-        return SliceMetrics(len(batch.slice_rows), self.device)
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, METRIC_KEYS)
 
     def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
         return rloo_pass_loss(self.settings, per_token_logps, rows)
@@ -213,7 +210,7 @@ class DistillationLoss:
     """``DistillationTrainer``'s loss: each loss token's divergence from the teacher (its hidden states from the
     teacher's passes before the step, :class:`~hf_dynbsz.execution.teacher.Teacher`) weighted ``P / N``
     (:mod:`hf_dynbsz.execution.distillation_loss`); ``entropy`` logged per stock slice
-    (:class:`~hf_dynbsz.execution.distillation_loss.SliceEntropy`). No entropy term, no router aux loss (stock runs
+    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`). No entropy term, no router aux loss (stock runs
     the backbones alone).
 
     With dynamic batching on, the student and the teacher get TRL's fused LM head (``add_fused_lm_head``, as
@@ -221,7 +218,6 @@ class DistillationLoss:
     stock's backbone calls are unchanged): the self-check compares each layout's completion log-probs with each
     sample alone on both models, and a student's lockstep pass runs through it."""
 
-    loss_type = "distillation"
     entropy_bonus = False
     needs_step_entropies = False
     phases = ("train", "logprob", "generation", "teacher")
@@ -249,8 +245,8 @@ class DistillationLoss:
     def attempt(self, batch: StepBatch) -> None:
         return None
 
-    def metrics(self, batch: StepBatch) -> SliceEntropy:
-        return SliceEntropy(len(batch.slice_rows), self.device)
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device)
 
     def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
         """The pass's per-token divergence and entropy, ``(rows, width)``, 0 off the loss tokens: the student's

@@ -50,6 +50,7 @@ __all__ = [
     "all_to_all_single",
     "close_at_exit",
     "destroy_process_group_at_exit",
+    "gather_rows",
     "gather_values",
     "reduce_sum",
 ]
@@ -137,6 +138,17 @@ def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if several_processes():
         all_reduce(total)
     return total.detach()
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's 1-D ``tensor`` (the same size on every process) of the default group, stacked in process order:
+    ``(processes, size)``, a new tensor (one all-gather)."""
+    own = tensor.detach().clone()
+    if not several_processes():
+        return own.unsqueeze(0)
+    parts = [torch.empty_like(own) for _ in range(dist.get_world_size())]
+    all_gather(parts, own)
+    return torch.stack(parts)
 
 
 def gather_values(values: torch.Tensor, group=None) -> list[torch.Tensor]:

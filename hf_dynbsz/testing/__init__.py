@@ -92,7 +92,9 @@ from hf_dynbsz.testing.mixes import (
 from hf_dynbsz.testing.oracles import (
     first_fit_decreasing,
     grpo_batch,
+    logged_metrics,
     logps_alone,
+    metric_mismatches,
     reference_varlen_attention,
     reference_varlen_attn,
     relative_difference,
@@ -100,7 +102,7 @@ from hf_dynbsz.testing.oracles import (
     stock_logps,
     update_difference,
 )
-from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
+from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
 from hf_dynbsz.testing.processes import (
     REPO_ROOT,
     ResidentSetSampler,
@@ -165,8 +167,10 @@ __all__ = [
     "length_reward",
     "load_tokenizer",
     "loaded_by_import",
+    "logged_metrics",
     "logps_alone",
     "longest_prompt",
+    "metric_mismatches",
     "mix_rollout",
     "numbered_prompts",
     "packed_logps",
@@ -175,6 +179,7 @@ __all__ = [
     "prompt_dataset",
     "prompt_lengths",
     "quiet_worker",
+    "random_passes",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",

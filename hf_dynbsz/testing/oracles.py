@@ -1,6 +1,7 @@
 """Reference computations the tests (and benchmarks) check results against: stock TRL's log-probs of a padded
 batch, TRL-style batches, first-fit-decreasing packing, the shared-segment attention mask, a plain varlen attention,
-and the parameter comparisons of the stock-against-dynamic runs. Heavy libraries are imported inside the functions.
+and the comparisons of the stock-against-dynamic runs (parameters, logged metrics). Heavy libraries are imported
+inside the functions.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 __all__ = [
     "first_fit_decreasing",
     "grpo_batch",
+    "logged_metrics",
     "logps_alone",
+    "metric_mismatches",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",
@@ -16,6 +19,9 @@ __all__ = [
     "stock_logps",
     "update_difference",
 ]
+
+#: Logged keys that measure time, not training.
+TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
 def stock_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
@@ -235,3 +241,35 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     num = torch.sqrt(sum(((ours[k] - stock[k]).double() ** 2).sum() for k in ours))
     den = torch.sqrt(sum(((stock[k] - initial[k]).double() ** 2).sum() for k in stock))
     return float(num / den)
+
+
+def logged_metrics(history: list[dict], left_out: tuple[str, ...] = ()) -> list[dict]:
+    """Every value of a Trainer's ``log_history`` but the timings, the plugin's own ``dynbsz/*`` and the names that
+    start with one of ``left_out``, entry by entry."""
+    left_out = ("dynbsz/", *TIMINGS, *left_out)
+    return [{k: v for k, v in entry.items() if not k.startswith(left_out)} for entry in history]
+
+
+def metric_mismatches(ours: list[dict], stock: list[dict], rel: float = 1e-5, abs: float = 1e-6) -> list[str]:
+    """Where two runs' :func:`logged_metrics` differ: an entry count, an entry's names, or a value beyond ``rel``
+    (relative) and ``abs`` (absolute), each as ``"entry i: name ours != stock"`` (empty: the same logs). None (TRL's
+    value when every entry of a window was NaN) equals None only."""
+    import math
+
+    if len(ours) != len(stock):
+        return [f"{len(ours)} entries logged, stock {len(stock)}"]
+    found = []
+    for i, (our_entry, stock_entry) in enumerate(zip(ours, stock)):
+        if sorted(our_entry) != sorted(stock_entry):
+            found.append(f"entry {i}: names {sorted(set(our_entry) ^ set(stock_entry))} on one side only")
+            continue
+        for name, expected in stock_entry.items():
+            value = our_entry[name]
+            same = (
+                value == expected
+                if value is None or expected is None
+                else math.isclose(value, expected, rel_tol=rel, abs_tol=abs)
+            )
+            if not same:
+                found.append(f"entry {i}: {name} {value!r} != stock {expected!r}")
+    return found

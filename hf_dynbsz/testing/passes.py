@@ -1,12 +1,12 @@
 """One pass of a bare model (no trainer) as the executor runs it, for the tests of the torch layer: a micro-batch
 built by the packing collator, run through segment attention and segment recurrence; and the self-check's passes over
-such a model. Heavy libraries are imported inside the functions."""
+such a model; a step's samples cut at random into such passes. Heavy libraries are imported inside the functions."""
 
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["bare_check_passes", "packed_logps", "packed_pass"]
+__all__ = ["bare_check_passes", "packed_logps", "packed_pass", "random_passes"]
 
 
 @contextlib.contextmanager
@@ -57,6 +57,19 @@ def packed_logps(model, table, indices, groups=None, attention=None, pad_to_mult
     """``(micro-batch, log-probs, entropies)`` of one :func:`packed_pass` (same arguments)."""
     with packed_pass(model, table, indices, groups, attention, pad_to_multiple_of, **options) as result:
         return result
+
+
+def random_passes(model, batch, layout: str, seed: int, passes: int = 4):
+    """A step's samples (a ``StepBatch``) cut at random into ``passes`` packed passes of ``layout``, as a step's
+    samples may be: per pass ``(micro-batch, log-probs, entropies, the samples' rows)`` (:func:`packed_logps`)."""
+    import random
+
+    order = list(range(len(batch)))
+    random.Random(seed).shuffle(order)
+    cuts = sorted(random.Random(seed + 10).sample(range(1, len(order)), passes - 1))
+    for start, end in zip([0, *cuts], [*cuts, len(order)]):
+        mb, logps, entropies = packed_logps(model, batch.table, order[start:end], layout=layout)
+        yield mb, logps, entropies, batch.rows(order[start:end], logps.size(1))
 
 
 def bare_check_passes(model, table, gradients: bool = True):
