@@ -257,9 +257,7 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
     """``(layouts, shown)``: the layouts the planned run may use (on its GPUs unless ``--use_cpu``), and the one the
     table shows: None ("auto") unless the attention implementation or an explicit layout decides it."""
     device_type = "cpu" if getattr(namespace, "use_cpu", False) else "cuda"
-    layouts, _ = support.layouts(
-        namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)), device_type
-    )
+    layouts, _ = support.layouts(namespace.packing_layout, getattr(namespace, "share_prompt_prefix", True), device_type)
     decided = namespace.packing_layout != "auto" or attn_implementation
     return layouts, layouts[0].name if decided else None
 

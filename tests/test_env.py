@@ -39,7 +39,17 @@ def test_each_variable_maps_to_its_field():
         "DIFFU_MAX_TOKENS": "max_tokens_per_microbatch",
         "DIFFU_MAX_MEMORY_MIB": "max_memory_per_device_mib",
         "DIFFU_MAX_MEMORY_FRACTION": "max_memory_fraction_per_device",
+        "DIFFU_SHARE_PROMPT_PREFIX": "share_prompt_prefix",
     }
+
+
+@pytest.mark.parametrize("raw, value", [("tree", "tree"), ("GROUPS", "groups"), ("false", False), ("1", True)])
+def test_the_sharing_rule_is_a_name_or_a_boolean(raw, value):
+    assert read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": raw}) == {
+        "share_prompt_prefix": ("DIFFU_SHARE_PROMPT_PREFIX", value)
+    }
+    with pytest.raises(ValueError, match=r"DIFFU_SHARE_PROMPT_PREFIX='trie' is not valid: expected 'tree', 'groups'"):
+        read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": "trie"})
 
 
 def test_read_returns_field_to_variable_and_value():

@@ -19,7 +19,7 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
-from hf_dynbsz.execution.attention import Segment, SegmentLayout, use_segments
+from hf_dynbsz.execution.attention import Node, Segment, SegmentLayout, use_segments
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
@@ -111,21 +111,15 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
     assert largest_error(model, order, shared=True) <= TOLERANCE
 
     # the control: blocks run from a zero state, each prefix alone (recomputed prefixes), or from the bank's zero row
-    def without_prefix_state(layout, device):
-        split = []
-        for segment in layout.segments:
-            start = segment.start
-            for length in (segment.prefix, *segment.blocks):
-                if length:
-                    split.append(Segment(start, 0, (length,)))
-                start += length
+    def without_prefix_state(layout, device):  # every node a root of its own
+        split = [Node(part.own.start, len(part.own)) for part in layout.parts()]
         return recomputed(SegmentLayout(split, layout.base_implementation), device)
 
     def from_zero_state(layout, device):
-        prefix_calls, calls, positions = continued(layout, device)
-        zero_row = sum(call.gather.shape[0] for call in prefix_calls)
+        levels, calls, positions = continued(layout, device)
+        zero_row = sum(call.gather.shape[0] for level in levels for call in level)
         calls = [dataclasses.replace(call, state_rows=torch.full_like(call.state_rows, zero_row)) for call in calls]
-        return prefix_calls, calls, positions
+        return levels, calls, positions
 
     recomputed, continued = recurrence_calls, continuation_calls
     monkeypatch.setattr(recurrence, "recurrence_calls", without_prefix_state)
@@ -191,9 +185,10 @@ def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
 def test_with_prefix_states_each_prefix_runs_once_and_its_blocks_start_from_its_final_state():
     segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 2, (4, 6))]
     layout = SegmentLayout(segments, "sdpa")
-    prefix_calls, calls, positions = continuation_calls(layout, "cpu")
+    (prefix_calls,), calls, positions = continuation_calls(layout, "cpu")  # one level of inner nodes: the prefixes
     # prefixes unpadded (their final states are read), by length: [23, 24] then [5..8]; bank rows 0, 1; zero row 2
     assert [call.gather.tolist() for call in prefix_calls] == [[[23, 24]], [[5, 6, 7, 8]]]
+    assert all(call.state_rows is None for call in prefix_calls)  # roots start from zero
     assert sorted(positions.tolist()) == list(range(layout.width))
     (call,) = calls  # every block and plain sequence fits the shortest bucket
     starts = {

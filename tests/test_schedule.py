@@ -384,15 +384,13 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
             pad_token_id=0,
             pad_to_multiple_of=pad,
             attention="sdpa",
-            groups=schedule.groups,
+            groups=groups,
         )
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
     assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(
-        build_microbatch(
-            table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=schedule.groups
-        ).real_tokens
+        build_microbatch(table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=groups).real_tokens
         for g in real
     )
 
@@ -417,11 +415,10 @@ def test_balancing_moves_a_prompt_group_piece_whole():
         assert len(units) == 2
         for unit in units:  # a piece moves whole
             assert len({exchange.destination[origin][i] for i in unit.samples}) == 1
-    for plan in plans:  # the groups each process uses: equal exactly for samples of one origin group
+    for plan in plans:  # the prompts each process shares: those of one origin group exactly
         origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
-        assert [g1 == g2 for g1 in plan.groups for g2 in plan.groups] == [
-            o1 == o2 for o1 in origin_groups for o2 in origin_groups
-        ]
+        roots = [path[0] for path in plan.tree.paths()]
+        assert [r1 == r2 for r1 in roots for r2 in roots] == [o1 == o2 for o1 in origin_groups for o2 in origin_groups]
 
 
 def test_repacked_vision_language_models_train_padding_free_and_balanced_other_families_padded():

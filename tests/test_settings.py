@@ -47,7 +47,7 @@ def test_config_fields_come_from_the_table():
 
 
 def test_environment_variables_come_from_the_table():
-    environ = {s.env: "3" for s in SETTINGS if s.env}
+    environ = {s.env: "tree" if s.kind == "sharing" else "3" for s in SETTINGS if s.env}
     assert {field: variable for field, (variable, _) in read_env_overrides(environ).items()} == {
         s.name: s.env for s in SETTINGS if s.env
     }

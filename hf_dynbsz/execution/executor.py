@@ -255,7 +255,7 @@ class PassExecutor(DevicePass):
     def _train(self, model, aux: RouterAuxLoss | None, state: _TrainingPasses, schedule, group, last: bool) -> None:
         """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
         with record_function("dynbsz/pack"):
-            mb = self.microbatch(state.batch.table, group, schedule.groups)
+            mb = self.microbatch(state.batch.table, group)
         with record_function("dynbsz/forward"):
             logps, entropies, router_logits = self.forward(model, mb, True, router=aux is not None)
         with record_function("dynbsz/loss"):
@@ -315,7 +315,7 @@ class PassExecutor(DevicePass):
 
     def _no_grad(self, model, compute_entropy: bool, router, state: _NoGradPasses, schedule, group, last) -> None:
         with record_function("dynbsz/pack"):
-            mb = self.microbatch(state.table, group, schedule.groups)
+            mb = self.microbatch(state.table, group)
         with record_function("dynbsz/no_grad_forward"):
             logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
         index = mb.sample_index  # on the device (a host list as an index would be copied there, and wait)
@@ -337,10 +337,16 @@ class PassExecutor(DevicePass):
         )
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
-        """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
-        groups = table.prompt_groups() if self.scheduler.share_prompts else None
+        """The schedule of ``table``'s samples: with shared prompts, its prompt groups (found by prompt ids), with a
+        prefix tree its samples' tree."""
+        sharing = self.scheduler.sharing
         return self.scheduler.plan(
-            table.lengths.tolist(), budget, kind, prompt_lengths=table.prompt_lengths.tolist(), groups=groups
+            table.lengths.tolist(),
+            budget,
+            kind,
+            prompt_lengths=table.prompt_lengths.tolist(),
+            groups=table.prompt_groups() if sharing == "groups" else None,
+            tree=table.prefix_tree(sharing) if sharing == "tree" else None,
         )
 
     def _warn_oversize(self, schedule, kind: str) -> None:

@@ -20,7 +20,7 @@ from hf_dynbsz.planning.model_support import (
     images_stay_on_their_process,
 )
 from hf_dynbsz.planning.schedule import RankGroup, Scheduler
-from hf_dynbsz.planning.settings import ENV_SETTINGS
+from hf_dynbsz.planning.settings import ENV_SETTINGS, SHARING_RULES
 
 __all__ = ["Capabilities", "check_same_on_every_process"]
 
@@ -34,9 +34,9 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
     :data:`SHARED_SETTINGS`: before any collective that the disagreement would hang or corrupt."""
     if group.num_processes == 1:
         return
-    gathered = group.all_gather([int(getattr(args, name, None) or 0) for name in SHARED_SETTINGS])
+    gathered = group.all_gather([_code(getattr(args, name, None)) for name in SHARED_SETTINGS])
     for position, name in enumerate(SHARED_SETTINGS):
-        values = [row[position] or None for row in gathered]
+        values = [_decoded(row[position]) or None for row in gathered]
         if len(set(values)) > 1:
             per_process = ", ".join(f"process {rank}: {value}" for rank, value in enumerate(values))
             source = env_sources(args).get(name, "")
@@ -45,6 +45,19 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
                 "DIFFU_* variables are read by every process from its own environment: export the same values on "
                 "every machine (or unset them everywhere) before launching."
             )
+
+
+def _code(value) -> int:
+    """A setting's value as one integer the processes compare: a number as itself (None and False as 0), a sharing
+    rule by its place in :data:`SHARING_RULES`, below 0."""
+    if isinstance(value, str):
+        return -1 - SHARING_RULES.index(value)
+    return int(value or 0)
+
+
+def _decoded(code: int):
+    """What :func:`_code` made ``code`` of (a rule's name, else the number)."""
+    return SHARING_RULES[-1 - code] if code < 0 else code
 
 
 #: Why a model with sequence mixers trains padded rows under ZeRO-3 on several processes.
@@ -105,7 +118,7 @@ class Capabilities:
                 f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
                 f"repacked ({support.router_aux_blocker})"
             )
-        layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix), device_type)
+        layouts, layout_notes = support.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
         if enabled:
             notes += layout_notes + list(support.notes)
             enabled = bool(layouts)

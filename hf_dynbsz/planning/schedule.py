@@ -37,6 +37,7 @@ from hf_dynbsz.planning.partition import (
     oversize_indices,
     partition_by_token_budget,
 )
+from hf_dynbsz.planning.prefix_tree import PrefixTree, Unit
 from hf_dynbsz.planning.settings import setting
 from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 
@@ -47,9 +48,8 @@ __all__ = [
     "StepSchedule",
     "Unit",
     "build_units",
-    "prompt_segments",
     "row_tokens",
-    "segment_tokens",
+    "sharing_tree",
     "simulate_processes",
     "stock_microbatch_tokens",
 ]
@@ -132,41 +132,6 @@ class Exchange:
         ]
 
 
-@dataclass(frozen=True)
-class Unit:
-    """Samples that always share a pass: one sample, or a piece of a prompt group sharing one copy of the prompt.
-
-    ``tokens`` is what the unit computes on its own (a shared prompt once: ``(P - 1) + sum(completion + 1)``), and
-    ``pairs`` its attention term (squared sequence lengths; a shared segment's blocks do not attend to each other).
-    """
-
-    samples: tuple[int, ...]
-    tokens: int
-    pairs: int
-
-
-def prompt_segments(
-    samples: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int] | None
-) -> list[list[int]]:
-    """The segments of a padding-free row holding ``samples`` (the one shared-prompt rule; the budget, the units and
-    the collator all call it): the samples of one prompt group (equal ``groups`` ids) whose prompt has at least 2
-    tokens share one copy of it, ``[prompt without its last token | last token + completion | ...]``; every other
-    sample is a segment alone. Segments in order of their first sample, samples in ``samples`` order. ``groups``
-    None: every sample alone."""
-    members: dict = {}
-    for i in samples:
-        key = groups[i] if groups is not None and prompt_lengths[i] > 1 else ("alone", i)
-        members.setdefault(key, []).append(i)
-    return list(members.values())
-
-
-def segment_tokens(members: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> int:
-    """Tokens of one segment of :func:`prompt_segments`: ``P - 1 + sum(completion + 1)`` for a shared prompt of
-    ``P`` tokens, which is ``P + completion`` for a segment of one sample."""
-    prefix = prompt_lengths[members[0]] - 1
-    return prefix + sum(completion_lengths[i] + 1 for i in members)
-
-
 def row_tokens(
     samples: Sequence[int],
     prompt_lengths: Sequence[int],
@@ -174,49 +139,26 @@ def row_tokens(
     groups: Sequence[int] | None,
 ) -> int:
     """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once."""
-    return sum(
-        segment_tokens(members, prompt_lengths, completion_lengths)
-        for members in prompt_segments(samples, prompt_lengths, groups)
-    )
+    return sharing_tree(prompt_lengths, completion_lengths, groups).tokens(samples)
+
+
+def sharing_tree(
+    prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None
+) -> PrefixTree:
+    """The prefix tree of the prompt-group rule (:meth:`PrefixTree.of_groups`; ``groups`` None: nothing shared)."""
+    if groups is None:
+        return PrefixTree.alone([p + c for p, c in zip(prompt_lengths, completion_lengths)])
+    return PrefixTree.of_groups(prompt_lengths, completion_lengths, groups)
 
 
 def build_units(
     prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None, budget: int
 ) -> list[Unit]:
-    """The units of one process's samples, ordered by their first sample.
-
-    Every segment of :func:`prompt_segments` is a unit; one that does not fit ``budget`` splits into pieces, each
-    carrying the prompt once: its blocks (prompt's last token + completion) packed first-fit-decreasing into as few
-    pieces as fit the budget with the shared prefix; a block that fits with no other runs alone (as a plain sequence,
-    longer than the budget if it must). ``pairs`` is the attention term (a shared segment's blocks do not attend to
-    each other).
-    """
-    units = []
-    for members in prompt_segments(range(len(prompt_lengths)), prompt_lengths, groups):
-        if len(members) == 1:  # a plain sequence: one unit, whatever the budget
-            tokens = prompt_lengths[members[0]] + completion_lengths[members[0]]
-            units.append(Unit((members[0],), tokens, tokens * tokens))
-            continue
-        prefix = prompt_lengths[members[0]] - 1
-        pieces: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(members, key=lambda i: (-completion_lengths[i], i)):
-            block = completion_lengths[i] + 1
-            piece = next((n for n, free in enumerate(room) if free >= block), None)
-            if piece is None:
-                pieces.append([])
-                room.append(budget - prefix)
-                piece = len(pieces) - 1
-            pieces[piece].append(i)
-            room[piece] -= block
-        for piece in pieces:
-            tokens = segment_tokens(piece, prompt_lengths, completion_lengths)
-            shared = prompt_lengths[piece[0]] - 1 if len(piece) > 1 else 0
-            blocks = [tokens - shared] if len(piece) == 1 else [completion_lengths[i] + 1 for i in piece]
-            units.append(
-                Unit(tuple(sorted(piece)), tokens, shared * shared + sum(b * b + 2 * shared * b for b in blocks))
-            )
-    return sorted(units, key=lambda unit: unit.samples[0])
+    """The units of one process's samples under the prompt-group rule, ordered by their first sample
+    (:meth:`PrefixTree.units`): a group's segment when it fits ``budget``, else pieces each carrying the prompt once,
+    its blocks (prompt's last token + completion) packed first-fit-decreasing; a block that fits with no other runs
+    alone (as a plain sequence, longer than the budget if it must)."""
+    return sharing_tree(prompt_lengths, completion_lengths, groups).units(budget)
 
 
 @dataclass(frozen=True)
@@ -228,12 +170,12 @@ class StepSchedule:
     cross-rank ``exchange`` (None when nothing moves) those of :attr:`Exchange.incoming`, whose token counts are
     ``lengths``. ``budget``: tokens per pass (per device), as :func:`~hf_dynbsz.planning.partition.microbatch_tokens`
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
-    samples longer than the budget (each ran alone). ``groups``: with shared prompts, one id per sample (equal ids:
-    one copy of the prompt within a pass), else None. ``pass_tokens``: the tokens each real pass computes (shared
-    prompts once, padding included); ``prompt_tokens_saved``: the prompt tokens not computed thanks to shared
-    prompts. ``balance``: the cross-rank assignment when balancing ran. ``pass_pairs``: each real pass's attention
-    term (squared sequence lengths, as :class:`Unit` counts them; rows x width^2 for padded passes), which the
-    memory model reads.
+    samples longer than the budget (each ran alone). ``tree``: the prefix tree the passes were counted by (samples
+    of other processes share nothing in it), None without sharing. ``pass_tokens``: the tokens each real pass
+    computes (shared positions once, padding included); ``prompt_tokens_saved``: the tokens not computed thanks to
+    sharing (prompts, and with a prefix tree any shared prefix). ``balance``: the cross-rank assignment when balancing
+    ran. ``pass_pairs``: each real pass's attention term (:meth:`PrefixTree.pairs`: squared sequence lengths for
+    samples sharing nothing; rows x width^2 for padded passes), which the memory model reads.
     """
 
     microbatches: list[list[int]]
@@ -244,7 +186,7 @@ class StepSchedule:
     pass_tokens: list[int]
     prompt_tokens_saved: int = 0
     pass_pairs: list[int] | None = None
-    groups: list[int] | None = None
+    tree: PrefixTree | None = None
     exchange: Exchange | None = None
     balance: Assignment | None = None
 
@@ -274,7 +216,8 @@ class Scheduler:
     ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
     attention), ``segment_recurrence`` whether the model's sequence mixers run per sequence of a padding-free row,
     ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
-    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention.
+    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention; ``prefix_tree``
+    shares every prefix the samples of a pass have in common, not only each prompt in its group.
     """
 
     layout: str
@@ -293,6 +236,12 @@ class Scheduler:
     group: RankGroup = SINGLE_PROCESS
     #: processes sharing each pass's row (:mod:`hf_dynbsz.execution.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
+    prefix_tree: bool = False
+
+    @property
+    def sharing(self) -> str | None:
+        """The sharing rule of this scheduler's rows (:attr:`Layout.sharing`): "tree", "groups" or None."""
+        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     @classmethod
     def from_args(
@@ -310,7 +259,7 @@ class Scheduler:
         support = support or ModelSupport.of(attn_implementation="sdpa")
         if layout is None:
             share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
-            layout = support.layouts(args.packing_layout, bool(share))[0][0]
+            layout = support.layouts(args.packing_layout, share)[0][0]
         balance = getattr(args, "balance_across_ranks", setting("balance_across_ranks").default)
         return cls(
             layout=layout.name,
@@ -328,6 +277,7 @@ class Scheduler:
             position_offset=support.position_offset,
             group=group,
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
+            prefix_tree=layout.prefix_tree,
         )
 
     def describe(self) -> str:
@@ -339,6 +289,7 @@ class Scheduler:
             self.attention_mask,
             self.attention,
             segment_recurrence=self.segment_recurrence,
+            prefix_tree=self.prefix_tree,
         ).describe()
 
     def budget(
@@ -386,49 +337,61 @@ class Scheduler:
         kind: str = "training",
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
+        tree: PrefixTree | None = None,
     ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
-        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them); ``groups`` (one id per
-        sample, equal ids = identical prompt tokens) lets samples of a group share one copy of their prompt when
-        ``share_prompts`` is on. Every process calls this with its own samples at the same point of the step.
+        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``share_prompts`` is
+        on, ``tree`` (the samples' :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`) or else ``groups`` (one id
+        per sample, equal ids = identical prompt tokens: the prompt-group rule) says which positions samples share
+        within a pass. Every process calls this with its own samples at the same point of the step.
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
-        sample's lengths lets every process compute the same assignment of units to processes
+        sample's lengths and prefix tree lets every process compute the same assignment of units to processes
         (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the
         same message, before any pass runs.
         """
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
+        tree = self._tree(prompts, completions, groups, tree)
         if self.balance_across_ranks and self.group.num_processes > 1:
-            return self._plan_balanced(prompts, completions, groups, budget, kind)
-        units = build_units(prompts, completions, groups, budget)
+            return self._plan_balanced(prompts, completions, tree, budget, kind)
+        units = tree.units(budget)
         needed = self._passes_needed(units, budget)
         longest_oversize = max((lengths[i] for i in self._oversize(units, budget)), default=0)
         passes, longest_anywhere = self.group.all_reduce_max([needed, longest_oversize])
         if longest_anywhere and self.oversize_policy == "error":
             raise self._oversize_error(units, lengths, longest_anywhere, budget, kind, "a sequence on another process")
-        return self._partition(prompts, completions, groups, units, budget, passes, needed)
+        return self._partition(prompts, completions, tree, units, budget, passes, needed)
+
+    def _tree(
+        self, prompts: list[int], completions: list[int], groups: Sequence[int] | None, tree: PrefixTree | None
+    ) -> PrefixTree:
+        """The prefix tree the samples are planned by: ``tree``, else the prompt-group rule's of ``groups``; every
+        sample alone when nothing is shared (``share_prompts`` off, or neither given)."""
+        if not self.share_prompts or (tree is None and groups is None):
+            return PrefixTree.alone([p + c for p, c in zip(prompts, completions)])
+        if tree is not None:
+            if tree.samples != len(prompts):
+                raise ValueError(f"the prefix tree holds {tree.samples} samples, the step {len(prompts)}")
+            return tree
+        return PrefixTree.of_groups(prompts, completions, [int(g) for g in groups])
 
     def _plan_balanced(
-        self, prompts: list[int], completions: list[int], groups: list[int] | None, budget: int, kind: str
+        self, prompts: list[int], completions: list[int], tree: PrefixTree, budget: int, kind: str
     ) -> StepSchedule:
         """:meth:`plan` with cross-rank balancing: one all-gather, then the same decisions on every process."""
         rank, count = self.group.rank, self.group.num_processes
-        own_groups = groups if groups is not None else [-1] * len(prompts)
         gathered = self.group.all_gather(
-            [budget, *[v for sample in zip(prompts, completions, own_groups) for v in sample]]
+            [budget, len(prompts), *[v for sample in zip(prompts, completions) for v in sample], *tree.encode()]
         )
         budget = max(values[0] for values in gathered)  # automatic budgets differ: the largest is stock's bound
-        triples = [list(zip(values[1::3], values[2::3], values[3::3])) for values in gathered]
-        shapes = [[(p, c) for p, c, _ in process] for process in triples]
-        process_groups = [None if groups is None else [g for _, _, g in process] for process in triples]
-        units = [
-            build_units([p for p, _ in shapes[q]], [c for _, c in shapes[q]], process_groups[q], budget)
-            for q in range(count)
+        shapes = [
+            list(zip(values[2 : 2 + 2 * values[1] : 2], values[3 : 2 + 2 * values[1] : 2])) for values in gathered
         ]
+        trees = [PrefixTree.decode(values[2 + 2 * values[1] :])[0] for values in gathered]
+        units = [trees[q].units(budget) for q in range(count)]
         if self.oversize_policy == "error":
             over = [
                 max((shapes[q][i][0] + shapes[q][i][1] for i in self._oversize(units[q], budget)), default=0)
@@ -440,33 +403,13 @@ class Scheduler:
                     units[rank], [p + c for p, c in shapes[rank]], max(over), budget, kind, elsewhere
                 )
         assignment = assign([self._unit_costs(process_units) for process_units in units])
-        targets = iter(assignment.destination)
-        destinations = [[0] * len(process) for process in shapes]
-        for q in range(count):
-            for unit in units[q]:
-                target = next(targets)
-                for i in unit.samples:
-                    destinations[q][i] = target
-        exchange = Exchange(rank, shapes, destinations)
-        local_index = {origin: j for j, origin in enumerate(exchange.incoming)}
-        runs = [[] for _ in range(count)]  # units each process runs, in its own sample numbering
-        for q in range(count):
-            for unit in units[q]:
-                target = destinations[q][unit.samples[0]]
-                runs[target].append(
-                    Unit(
-                        tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank else unit.samples,
-                        unit.tokens,
-                        unit.pairs,
-                    )
-                )
+        exchange, runs = _exchanged(rank, shapes, units, assignment)
         passes = max(self._passes_needed(run, budget) for run in runs)
         local = exchange.incoming
-        local_groups = None if groups is None else _renumber([(q, process_groups[q][i]) for q, i in local])
         schedule = self._partition(
             [shapes[q][i][0] for q, i in local],
             [shapes[q][i][1] for q, i in local],
-            local_groups,
+            PrefixTree.joined([(trees[q], i) for q, i in local]),
             sorted(runs[rank], key=lambda unit: unit.samples[0]),
             budget,
             passes,
@@ -480,18 +423,18 @@ class Scheduler:
         budget: int,
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
+        tree: PrefixTree | None = None,
     ) -> float:
         """The cost, in this scheduler's workload model, of these samples (``lengths`` tokens each) laid out as this
-        scheduler alone would lay them out under ``budget``: the sum over its passes, each as the partitioner costs
-        it (a padded pass: rows x its longest). No collective: :mod:`hf_dynbsz.execution.layout_timing` predicts each
-        candidate layout's step from it."""
+        scheduler alone would lay them out under ``budget`` (``groups`` and ``tree`` as :meth:`plan` reads them): the
+        sum over its passes, each as the partitioner costs it (a padded pass: rows x its longest). No collective:
+        :mod:`hf_dynbsz.execution.layout_timing` predicts each candidate layout's step from it."""
         lengths = [int(length) for length in lengths]
         if not lengths:
             return 0.0
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
-        units = build_units(prompts, completions, groups, budget)
+        units = self._tree(prompts, completions, groups, tree).units(budget)
         bins = partition_by_token_budget(
             [unit.tokens for unit in units],
             budget,
@@ -533,7 +476,7 @@ class Scheduler:
         self,
         prompts: list[int],
         completions: list[int],
-        groups: list[int] | None,
+        tree: PrefixTree,
         units: list[Unit],
         budget: int,
         passes: int,
@@ -561,10 +504,10 @@ class Scheduler:
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
         lengths = [p + c for p, c in zip(prompts, completions)]
         real = [b for b in order if bins[b]]
-        shared = [row_tokens(microbatches[position], prompts, completions, groups) for position in range(len(real))]
+        shared = [tree.tokens(microbatches[position]) for position in range(len(real))]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
-            pass_pairs = [sum(units[u].pairs for u in bins[b]) for b in real]
+            pass_pairs = [tree.pairs(microbatches[position]) for position in range(len(real))]
         else:
             pass_tokens = [
                 microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
@@ -579,7 +522,7 @@ class Scheduler:
             lengths=lengths,
             pass_tokens=pass_tokens,
             prompt_tokens_saved=sum(lengths) - sum(shared),
-            groups=groups,
+            tree=tree if self.share_prompts else None,
             pass_pairs=pass_pairs,
         )
 
@@ -625,10 +568,26 @@ class Scheduler:
         )
 
 
-def _renumber(keys: list) -> list[int]:
-    """Small integer ids for hashable ``keys``, equal keys equal ids, numbered by first appearance."""
-    ids: dict = {}
-    return [ids.setdefault(key, len(ids)) for key in keys]
+def _exchanged(rank: int, shapes, units: list[list[Unit]], assignment: Assignment) -> tuple[Exchange, list[list[Unit]]]:
+    """The exchange of a balanced step (every process's units sent where ``assignment`` puts them) and the units each
+    process runs, in its own numbering of its samples after the exchange (this process's) or the sender's."""
+    count = len(units)
+    targets = iter(assignment.destination)
+    destinations = [[0] * len(process) for process in shapes]
+    for q in range(count):
+        for unit in units[q]:
+            target = next(targets)
+            for i in unit.samples:
+                destinations[q][i] = target
+    exchange = Exchange(rank, shapes, destinations)
+    local_index = {origin: j for j, origin in enumerate(exchange.incoming)}
+    runs = [[] for _ in range(count)]  # units each process runs, in its own sample numbering
+    for q in range(count):
+        for unit in units[q]:
+            target = destinations[q][unit.samples[0]]
+            samples = tuple(sorted(local_index[q, i] for i in unit.samples)) if target == rank else unit.samples
+            runs[target].append(Unit(samples, unit.tokens, unit.pairs))
+    return exchange, runs
 
 
 def simulate_processes(

@@ -23,7 +23,18 @@ from typing import Any
 
 from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN
 
-__all__ = ["SETTINGS", "Setting", "DEFAULTS", "ENV_SETTINGS", "setting", "markdown_tables", "update_readme"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_SHARING",
+    "ENV_SETTINGS",
+    "SETTINGS",
+    "SHARING_RULES",
+    "Setting",
+    "markdown_tables",
+    "setting",
+    "sharing_rule",
+    "update_readme",
+]
 
 #: Tokens per tile of TRL 1.16's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``); its tiles are
 #: this many tokens x 32768 vocabulary columns (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
@@ -35,8 +46,8 @@ class Setting:
     """One setting of the plugin (or one TRL setting a ``DIFFU_*`` variable overrides).
 
     ``kind`` drives conversion and validation: ``"bool"``, ``"count"`` (a positive integer, ``None`` allowed when
-    ``default`` is ``None`` or ``optional``), ``"number"`` (a positive real number, the same for ``None``) or
-    ``"choice"`` (one of ``choices``). ``expected`` and ``fix`` are the
+    ``default`` is ``None`` or ``optional``), ``"number"`` (a positive real number, the same for ``None``),
+    ``"choice"`` (one of ``choices``) or ``"sharing"`` (a bool or one of ``choices``). ``expected`` and ``fix`` are the
     two halves of the error message for a bad value: "<name> must be <expected>, got <value>: <fix>".
     """
 
@@ -185,20 +196,29 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         name="share_prompt_prefix",
-        type="bool",
+        type="bool | str",
         default=True,
-        kind="bool",
+        kind="sharing",
+        choices=("tree", "groups"),
         unit="-",
-        summary="compute each prompt once per pass for all its completions there (exact)",
-        help="In a padding-free pass, samples whose prompts are identical (a GRPO prompt's num_generations "
-        "completions, or duplicate prompts; for vision-language models, the same tokens and the same pictures) share "
-        "one copy of the prompt: [prompt | completion 1 | completion 2 ...], each completion attending to the prompt "
-        "and to itself only, through segment attention, so every log-prob is stock's. The token budget counts the "
-        "prompt once, and a shared prompt's images are encoded once per pass. Not applied, with one logged reason, "
-        "where it cannot be exact: the padded layout, vision-language families other than Qwen2-VL, Qwen2.5-VL and "
-        "LLaVA, models whose attention does not go through transformers' AttentionInterface or whose layers carry "
-        "state along a row.",
-        expected="true or false",
+        summary="compute each shared prefix once per pass: 'tree' (any shared run of tokens) or 'groups' (each prompt "
+        "in its group)",
+        help="In a padding-free pass, samples that begin with the same tokens share one copy of them, through "
+        "segment attention, so every log-prob is stock's. 'tree': the pass's samples fold into a prefix tree, whatever "
+        "their prompts: a tool schema or few-shot block common to every prompt, a prompt's completions, the shared "
+        "trunks and branches of tree-search rollouts are each computed once, every node attending to its root-to-node "
+        "path. "
+        "'groups': the samples whose prompts are identical (a GRPO prompt's num_generations completions, or duplicate "
+        "prompts) share one copy of the prompt, [prompt | completion 1 | completion 2 ...]. For vision-language "
+        "models, images are shared only by prompts with the same tokens and the same pictures, and encoded once per "
+        "pass. The token budget counts shared tokens once. True: the default rule ('groups'); False: nothing shared. "
+        "Not applied, with one logged reason, where it cannot be exact: the padded layout, vision-language families "
+        "other than Qwen2-VL, Qwen2.5-VL and LLaVA, models whose attention does not go through transformers' "
+        "AttentionInterface or whose layers carry state along a row.",
+        env="DIFFU_SHARE_PROMPT_PREFIX",
+        expected="'tree', 'groups', true or false",
+        fix="'tree' computes every shared prefix once, 'groups' each prompt once in its group, false shares nothing "
+        "(true: the default rule).",
     ),
     Setting(
         name="self_check",
@@ -306,6 +326,23 @@ DEFAULTS: Mapping[str, Any] = {s.name: s.default for s in SETTINGS if not s.trl_
 
 #: The settings a DIFFU_* variable overrides, in table order.
 ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
+
+
+#: The sharing rules of ``share_prompt_prefix`` (:func:`sharing_rule`), and the one ``True`` means.
+SHARING_RULES = ("tree", "groups")
+DEFAULT_SHARING = "groups"
+
+
+def sharing_rule(value: Any) -> str | None:
+    """The rule a (checked) ``share_prompt_prefix`` value asks for: ``"tree"``, ``"groups"``, or None (nothing
+    shared); ``True`` is :data:`DEFAULT_SHARING`."""
+    if value is True:
+        return DEFAULT_SHARING
+    if value in SHARING_RULES:
+        return value
+    if value is False or value is None:
+        return None
+    raise ValueError(f"share_prompt_prefix must be 'tree', 'groups', true or false, got {value!r}")
 
 
 def setting(name: str) -> Setting:

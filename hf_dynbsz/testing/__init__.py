@@ -13,6 +13,8 @@ imported inside the functions). The modules:
   segment recurrence);
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
+  begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
@@ -88,9 +90,11 @@ from hf_dynbsz.testing.oracles import (
     relative_difference,
     segment_mask,
     stock_logps,
+    tree_mask,
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass
+from hf_dynbsz.testing.prefixes import PrefixRollout, prefix_batch, tree_completion
 from hf_dynbsz.testing.processes import REPO_ROOT, ResidentSetSampler, loaded_by_import, run_peak_mib, run_with_timeout
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
@@ -100,6 +104,9 @@ from hf_dynbsz.testing.vision import (
 )
 
 __all__ = [
+    "PrefixRollout",
+    "prefix_batch",
+    "tree_completion",
     "CHAT_SPECIAL_TOKENS",
     "COMPARISON_FIELDS",
     "CPU_RUN_FIELDS",
@@ -164,6 +171,7 @@ __all__ = [
     "saved_model_trainer",
     "scripted_run",
     "segment_mask",
+    "tree_mask",
     "sequence_lengths",
     "snapshot_parameters",
     "step_clock",

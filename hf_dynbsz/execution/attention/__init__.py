@@ -44,7 +44,15 @@ from hf_dynbsz.execution.attention.flex import (
     flex_attention,
     flex_row_width,
 )
-from hf_dynbsz.execution.attention.layout import _ACTIVE, Part, Segment, SegmentLayout, active_segments, use_segments
+from hf_dynbsz.execution.attention.layout import (
+    _ACTIVE,
+    Node,
+    Part,
+    Segment,
+    SegmentLayout,
+    active_segments,
+    use_segments,
+)
 from hf_dynbsz.execution.attention.spans import SPAN_CALLS_PER_LAYER, SpanCall, _padded_partition, span_attention
 from hf_dynbsz.execution.attention.varlen import device_facts, varlen_attention, varlen_attn_keywords
 from hf_dynbsz.planning.cost import text_config_of
@@ -54,6 +62,7 @@ __all__ = [
     "FLEX_BLOCK_SIZE",
     "FLEX_FALLBACK_OPTIONS",
     "FLEX_KERNEL",
+    "Node",
     "Part",
     "SPAN_CALLS_PER_LAYER",
     "Segment",

@@ -1,7 +1,7 @@
 """Segment attention on flash-attention: one varlen call per layer through transformers' integration (torch layer).
 
-The query spans are the row's parts (plain sequences, shared prefixes, blocks) and the key spans
-``[prefix ; own block]`` (keys gathered: :func:`~hf_dynbsz.execution.attention.varlen.build_varlen_spans`); causal
+The query spans are the row's nodes (plain sequences, shared prefixes, blocks: any node of its prefix tree) and the key
+spans ``[path ; own]`` (keys gathered: :func:`~hf_dynbsz.execution.attention.varlen.build_varlen_spans`); causal
 masks of flash-attention >= 2.1 align bottom-right, and so do sliding windows. CI has no GPU: the index arithmetic is
 tested on CPU with a reference varlen kernel (:mod:`hf_dynbsz.testing`) standing in for the kernel
 (``hf_dynbsz.execution.attention.VARLEN_KERNEL``).

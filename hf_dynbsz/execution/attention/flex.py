@@ -1,9 +1,9 @@
 """Segment attention's flex_attention formulation: one call per layer under a block mask (torch layer).
 
-One call of flex_attention per layer over the whole row, under a block mask drawn from the segments (a query sees
-keys of its own segment at or before it, in its own part or in the segment's shared prefix, and within the layer's
-sliding window over positions within the sequence), built once per pass and window. The block tables come from the
-segments' ranges, never from a dense mask. transformers compiles flex_attention once per process; rows pad to one of
+One call of flex_attention per layer over the whole row, under a block mask drawn from the row's prefix tree (a query
+sees keys at or before it in its own node or on its node's path, and within the layer's sliding window over positions
+within the sequence), built once per pass and window. The block tables come from the nodes' ranges, never from a
+dense mask. transformers compiles flex_attention once per process; rows pad to one of
 a few widths (:func:`flex_row_width`), each compiled once. Its inputs are cast to autocast's dtype, as sdpa's are.
 """
 
@@ -35,33 +35,30 @@ FLEX_BLOCK_SIZE = 128
 
 
 def build_position_labels(layout, device) -> dict[str, torch.Tensor]:
-    """Per row position of ``layout``: ``segment`` (index), ``part`` (a prefix or block's own id), ``shared`` (a
-    prefix token every block of its segment sees) and ``position`` (within its sequence: blocks continue from the
-    prefix), on ``device``."""
+    """Per row position of ``layout``: ``node`` (its node's number), ``subtree_end`` (one past the last node of that
+    node's subtree: the node numbered ``n`` is on a query's path, or is its node, when ``n <= node < subtree_end[n]``)
+    and ``position`` (its depth: the position within its samples), on ``device``."""
     parts = layout.parts()
     lengths = torch.tensor([len(part.own) for part in parts])
     labels = {
-        "segment": torch.tensor([part.segment for part in parts]).repeat_interleave(lengths),
-        "part": torch.arange(len(parts)).repeat_interleave(lengths),
-        "shared": torch.tensor([part.is_prefix for part in parts], dtype=torch.bool).repeat_interleave(lengths),
-        "position": torch.cat(  # a block's positions continue from its prefix's
-            [torch.arange(len(part.shared), len(part.shared) + len(part.own)) for part in parts]
-        ),
+        "node": torch.arange(len(parts)).repeat_interleave(lengths),
+        "subtree_end": torch.tensor(layout.subtree_ends()).repeat_interleave(lengths),
+        "position": torch.cat([torch.arange(part.depth, part.depth + len(part.own)) for part in parts]),
     }
     return {name: values.to(device) for name, values in labels.items()}
 
 
 def build_block_mask(layout, window: int | None, device):
     """The flex_attention ``BlockMask`` of ``layout``'s row (see the module's rule), from its position labels and
-    block tables on ``device``."""
+    block tables on ``device``. Nodes are numbered in row order with each subtree's nodes in a run after its root,
+    so a key is on a query's path (or in its node) exactly when its node's subtree holds the query's node."""
     from torch.nn.attention.flex_attention import BlockMask
 
     labels = layout.position_labels(device)
-    segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
+    node, subtree_end, position = (labels[n] for n in ("node", "subtree_end", "position"))
 
     def mask_mod(batch, head, query, key):
-        allowed = (segment[query] == segment[key]) & (key <= query)
-        allowed = allowed & ((part[query] == part[key]) | shared[key])
+        allowed = (key <= query) & (node[key] <= node[query]) & (node[query] < subtree_end[key])
         if window is not None:
             allowed = allowed & (position[query] - position[key] < window)
         return allowed
@@ -86,11 +83,11 @@ def flex_blocks(layout, window: int | None) -> tuple[list[list[int]], list[list[
     """``(partial, full)``: per query block of :data:`FLEX_BLOCK_SIZE` positions, the key blocks some of whose
     pairs it may attend to (the ``mask_mod`` decides each pair), and those all of whose pairs it may.
 
-    Drawn from the segments' ranges, never from a dense ``width x width`` mask (``create_block_mask`` evaluates
-    the mask at every pair: 7 s and 4 GB for a 19,702-token row on a CPU). A query block sees, for each part
-    (prefix, block, plain sequence) it holds, the part's own keys up to the block's end and, for a block, its
-    segment's prefix. A key block is full when the query block lies in one part and every key of the block
-    precedes the query block in that part or lies in its shared prefix (no window: with one, none is full).
+    Drawn from the nodes' ranges, never from a dense ``width x width`` mask (``create_block_mask`` evaluates the mask
+    at every pair: 7 s and 4 GB for a 19,702-token row on a CPU). A query block sees, for each node it holds, the
+    node's own keys up to the block's end and its path's keys. A key block is full when the query block lies in one
+    node and every key of the block precedes the query block in that node or lies on its path (no window: with one,
+    none is full).
     """
     size = FLEX_BLOCK_SIZE
     parts = layout.parts()
@@ -102,13 +99,14 @@ def flex_blocks(layout, window: int | None) -> tuple[list[list[int]], list[list[
         last = bisect.bisect_left(starts, query_end)
         seen, whole = set(), set()
         for part in parts[first:last]:
-            own, shared = part.own, part.shared
+            own = part.own
             seen.update(range(own.start // size, (min(own.stop, query_end) - 1) // size + 1))
-            if shared:
-                seen.update(range(shared.start // size, (shared.stop - 1) // size + 1))
+            for above in part.path:
+                seen.update(range(above.start // size, (above.stop - 1) // size + 1))
             if window is None and last - first == 1:
                 whole.update(range(-(-own.start // size), query_start // size))  # own keys before every query
-                whole.update(range(-(-shared.start // size), shared.stop // size))  # the shared prefix
+                for above in part.path:  # the path's keys
+                    whole.update(range(-(-above.start // size), above.stop // size))
         full_blocks.append(sorted(whole))
         partial_blocks.append(sorted(seen - whole))
     return partial_blocks, full_blocks

@@ -1,19 +1,20 @@
-"""The layout of a padding-free row for segment attention: its segments, parts and the kernels' index tensors.
+"""The layout of a padding-free row for segment attention: its prefix tree, parts and the kernels' index tensors.
 
-A padding-free row is cut into *segments*, each attending only to itself:
+A padding-free row holds a pass's samples as a prefix tree (:mod:`hf_dynbsz.planning.prefix_tree`): each *node* is a
+run of positions that one or more samples share, laid out once, in depth-first order (every node after its parent).
+A node's queries attend to the keys of its root-to-node *path* (its ancestors, all before it in the row) and causally
+to its own; never to a sibling's. Position ids are depths (positions within the samples), so each sample computes
+exactly what it computes alone. Special cases:
 
-* a plain sequence (prompt + completion): causal attention over it;
-* a prompt shared by several completions of that prompt (GRPO's ``num_generations`` samples):
-  ``[prefix | block_1 | ... | block_k]``, where ``prefix`` is the prompt without its last token and ``block_j`` is
-  the prompt's last token followed by completion ``j``. Prefix tokens attend causally to the prefix; a block's tokens
-  attend to the whole prefix and causally to their own block, never to a sibling. Position ids continue from the
-  prefix in every block, so each block computes exactly what its own sequence would (its first token, the prompt's
-  last, predicts the completion's first token, as in stock's separate sequence).
+* a plain sequence (prompt + completion) is a root without children: causal attention over it;
+* a prompt shared by its completions (GRPO's ``num_generations`` samples) is a *segment*
+  ``[prefix | block_1 | ... | block_k]``: the prefix (the prompt without its last token) a root, each block (the
+  prompt's last token, then completion ``j``) a child of it. :class:`Segment` writes such a layout directly.
 
-:class:`SegmentLayout` holds them with the index tensors each kernel reads (built once per pass on the host by the
-kernel's own module, moved with the pass's inputs in one copy); :func:`use_segments` names the layout of the pass about
-to run (it travels beside the forward, not through its keyword arguments, so it reaches the attention of models whose
-layers do not pass keyword arguments on, and stays in place for gradient checkpointing's recomputation).
+:class:`SegmentLayout` holds the nodes with the index tensors each kernel reads (built once per pass on the host by
+the kernel's own module, moved with the pass's inputs in one copy); :func:`use_segments` names the layout of the pass
+about to run (it travels beside the forward, not through its keyword arguments, so it reaches the attention of
+models whose layers do not pass keyword arguments on, and stays in place for gradient checkpointing's recomputation).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from hf_dynbsz.execution.attention.spans import SPAN_CALLS_PER_LAYER, SpanCall, 
 from hf_dynbsz.execution.attention.varlen import build_varlen_spans
 from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES, VARLEN_ATTN
 
-__all__ = ["Part", "Segment", "SegmentLayout", "active_segments", "use_segments"]
+__all__ = ["Node", "Part", "Segment", "SegmentLayout", "active_segments", "use_segments"]
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One segment of a padding-free row: ``prefix`` shared tokens (0 for a plain sequence), then ``blocks``."""
+    """A shared prompt's segment of a padding-free row: ``prefix`` shared tokens (0: every block a plain sequence),
+    then ``blocks``, each a child of the prefix."""
 
     start: int
     prefix: int
@@ -53,23 +55,53 @@ class Segment:
     def plain(self) -> bool:
         return self.prefix == 0 and len(self.blocks) == 1
 
+    def nodes(self, first: int) -> list[Node]:
+        """Its nodes, numbered from ``first``: the prefix (a root), then each block (its child, or a root)."""
+        nodes = [Node(self.start, self.prefix)] if self.prefix else []
+        offset, parent = self.start + self.prefix, first if self.prefix else -1
+        for block in self.blocks:
+            nodes.append(Node(offset, block, parent))
+            offset += block
+        return nodes
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node of a padding-free row's prefix tree: ``length`` row positions from ``start``, under the node numbered
+    ``parent`` (-1: a root). Nodes are listed in row order, every parent before its children."""
+
+    start: int
+    length: int
+    parent: int = -1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
 
 class Part(NamedTuple):
-    """A part of a padding-free row: a plain sequence, a shared prefix or a block of a shared prompt."""
+    """A node of a padding-free row as the kernels read it."""
 
     own: range  #: its row positions
-    shared: range  #: the shared prefix it also attends to (a block's; empty for a prefix or a plain sequence)
-    segment: int  #: the index of its segment
-    is_prefix: bool  #: a shared prefix, which every block of its segment sees
+    path: tuple[range, ...]  #: its ancestors' row positions, root first (empty for a root)
+    node: int  #: its number
+    parent: int  #: its parent's number (-1: a root)
+    children: int  #: how many nodes continue it
+
+    @property
+    def depth(self) -> int:
+        """The position (within its samples) of its first token: its path's length."""
+        return sum(len(r) for r in self.path)
 
 
 class SegmentLayout:
-    """The segments of one padding-free row and the index tensors the kernels need, built once per pass.
+    """The nodes of one padding-free row and the index tensors the kernels need, built once per pass.
 
-    Every attention layer of the pass (and the recomputation of gradient checkpointing) reuses them.
+    ``segments``: the row's :class:`Node` list (row order), or its :class:`Segment` list. Every attention layer of the
+    pass (and the recomputation of gradient checkpointing) reuses them.
     """
 
-    def __init__(self, segments: list[Segment], base_implementation: str) -> None:
+    def __init__(self, segments: list[Segment] | list[Node], base_implementation: str) -> None:
         self.segments = segments
         self.base_implementation = base_implementation
         self._cache: dict = {}
@@ -136,9 +168,9 @@ class SegmentLayout:
 
     @property
     def gathers(self) -> bool:
-        """Whether some key span is gathered (a shared prompt's prefix in front of its blocks): without one the key
-        spans are the query spans, and the row's keys are used as they are."""
-        return any(segment.prefix for segment in self.segments)
+        """Whether some key span is gathered (a node's path in front of it): without one the key spans are the query
+        spans, and the row's keys are used as they are."""
+        return any(part.path for part in self.parts())
 
     @property
     def flex(self) -> bool:
@@ -149,35 +181,62 @@ class SegmentLayout:
     def width(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
+    def nodes(self) -> list[Node]:
+        """The row's nodes in row order (a :class:`Segment` list expanded)."""
+        return self.cached("nodes", self._build_nodes)
+
+    def _build_nodes(self) -> list[Node]:
+        if not self.segments or isinstance(self.segments[0], Node):
+            return list(self.segments)
+        nodes: list[Node] = []
+        for segment in self.segments:
+            nodes += segment.nodes(len(nodes))
+        return nodes
+
     def parts(self) -> list[Part]:
-        """The row's parts in order: each plain sequence, each shared prefix, each block of a shared prompt."""
+        """The row's nodes in order, each with its path (see :class:`Part`)."""
         return self.cached("parts", self._build_parts)
 
     def _build_parts(self) -> list[Part]:
-        parts = []
-        for index, segment in enumerate(self.segments):
-            prefix = range(segment.start, segment.start + segment.prefix)
-            if segment.prefix:
-                parts.append(Part(prefix, range(0), index, True))
-            offset = prefix.stop
-            for block in segment.blocks:
-                parts.append(Part(range(offset, offset + block), prefix, index, False))
-                offset += block
+        nodes = self.nodes()
+        children = [0] * len(nodes)
+        for node in nodes:
+            if node.parent >= 0:
+                children[node.parent] += 1
+        parts: list[Part] = []
+        for number, node in enumerate(nodes):
+            if not -1 <= node.parent < number:
+                raise ValueError(f"node {number} of a padding-free row names parent {node.parent}: not before it")
+            path = () if node.parent < 0 else (*parts[node.parent].path, parts[node.parent].own)
+            parts.append(Part(range(node.start, node.end), path, number, node.parent, children[number]))
         return parts
+
+    def subtree_ends(self) -> list[int]:
+        """Per node, one past the number of the last node of its subtree (its descendants follow it in row order)."""
+
+        def build():
+            parts = self.parts()
+            ends = [number + 1 for number in range(len(parts))]
+            for part in reversed(parts):
+                if part.parent >= 0:
+                    ends[part.parent] = max(ends[part.parent], ends[part.node])
+            return ends
+
+        return self.cached("subtree ends", build)
 
     # ---- sdpa / eager formulation --------------------------------------------------------------------------------
     def span_calls(self, device, max_calls: int | None = None) -> tuple[list[SpanCall], torch.Tensor]:
         """``(calls, restore)``: the batched calls of a layer, and the permutation that puts their kept outputs,
         concatenated, back in row order.
 
-        Spans of one shape are batched into one call: plain sequences and shared prefixes of one length (causal),
-        and the blocks of shared segments with the same prefix and block length (when the block is at least as long
-        as the prefix, as one causal call over ``[prefix ; block]`` whose prefix queries are dropped: the fast
-        causal kernel; it recomputes the prefix's own causal attention, at most half a block's; otherwise the
-        block's queries alone against ``[prefix ; block]`` under a mask). When that makes more than ``max_calls``
-        calls (None: no limit), spans of several shapes share a call instead, padded to its longest query and key
-        span under a per-span mask: the spans, sorted by key length, are cut into at most ``max_calls`` calls with
-        the least padded attention work.
+        A node's span is its queries against ``[path ; own]`` keys. Spans of one shape are batched into one call:
+        roots of one length (causal), and nodes with the same path and own lengths (when a node is at least as long
+        as its path, as one causal call over ``[path ; own]`` whose path queries are dropped: the fast causal kernel;
+        it recomputes the path's own causal attention, at most half the node's; otherwise the node's queries alone
+        against ``[path ; own]`` under a mask). When that makes more than ``max_calls`` calls (None: no limit),
+        spans of several shapes share a call instead, padded to its longest query and key span under a per-span
+        mask: the spans, sorted by key length, are cut into at most ``max_calls`` calls with the least padded
+        attention work.
         """
         device = torch.device(device)
         if device.type == "cpu":
@@ -195,8 +254,8 @@ class SegmentLayout:
 
     # ---- flex_attention formulation ------------------------------------------------------------------------------
     def position_labels(self, device) -> dict[str, torch.Tensor]:
-        """Per row position: ``segment`` (index), ``part`` (a prefix or block's own id), ``shared`` (a prefix token
-        every block of its segment sees) and ``position`` (within its sequence: blocks continue from the prefix)."""
+        """Per row position: ``node`` (its node's number), ``subtree_end`` (one past the last node under that node)
+        and ``position`` (its depth: the position within its samples)."""
         device = torch.device(device)
         if device.type != "cpu":
             return self.cached(
@@ -205,8 +264,8 @@ class SegmentLayout:
         return self.cached(("labels", device), partial(build_position_labels, self, device))
 
     def block_mask(self, window: int | None, device):
-        """The flex_attention ``BlockMask`` of the row: a query sees keys of its own segment, at or before it, in its
-        own part or in the segment's shared prefix (and within ``window`` positions of its sequence)."""
+        """The flex_attention ``BlockMask`` of the row: a query sees keys at or before it in its own node or on its
+        node's path (and within ``window`` positions of its sequence)."""
         return self.cached(("flex", window, device), partial(build_block_mask, self, window, device))
 
     def flex_tables(self, window: int | None, device) -> tuple[torch.Tensor, ...]:
@@ -224,8 +283,8 @@ class SegmentLayout:
     def varlen_spans(self, device):
         """``(cu_seqlens_q, cu_seqlens_k, key_index, max_q, max_k)`` of the varlen formulation.
 
-        Query spans tile the row in order (so queries need no gathering): each plain sequence, each prefix, each
-        block. A span's keys are itself, except a block's: ``[its segment's prefix ; the block]``.
+        Query spans tile the row in order (so queries need no gathering): each node. A span's keys are
+        ``[its path ; the node]`` (gathered along the row; a root's are itself).
         """
         device = torch.device(device)
         if device.type != "cpu":  # built on the host, then moved (a pass built by the collator has them moved already)

@@ -1,13 +1,13 @@
 """Segment attention's span formulation: sdpa and eager, through the model's own attention function (torch layer).
 
-Each part of a padding-free row (a plain sequence, a shared prefix, a block) is a *span*: its queries against its keys
-(a block's: ``[prefix ; block]``). Spans of one shape are batched into one call of transformers'
-``sdpa_attention_forward`` or the model's ``eager_attention_forward`` under the span's mask (causal, and the layer's
-sliding window, over positions within the sequence); a plain causal span without a window takes sdpa's unmasked
-causal kernel; a block at least as long as its prefix is one causal call over ``[prefix ; block]`` whose prefix
-queries are dropped. The attention work of the separate sequences, never the square of a whole row. Where a device
-caps the calls per layer (:data:`SPAN_CALLS_PER_LAYER`), spans of several shapes share a call, padded to its longest
-query and key span under a per-span mask.
+Each node of a padding-free row (a plain sequence, a shared prefix, a block; any node of the row's prefix tree) is a
+*span*: its queries against its keys, ``[path ; own]`` (its ancestors' keys, then its own). Spans of one shape are
+batched into one call of transformers' ``sdpa_attention_forward`` or the model's ``eager_attention_forward`` under the
+span's mask (causal, and the layer's sliding window, over positions within the sequence); a plain causal span without a
+window takes sdpa's unmasked causal kernel; a node at least as long as its path is one causal call over ``[path ; own]``
+whose path queries are dropped. The attention work of the separate sequences, never the square of a whole row. Where a
+device caps the calls per layer (:data:`SPAN_CALLS_PER_LAYER`), spans of several shapes share a call, padded to its
+longest query and key span under a per-span mask.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def build_span_calls(layout, max_calls: int | None) -> tuple[list[SpanCall], tor
     span_calls`)."""
     groups: dict[tuple[int, int], list[_Span]] = defaultdict(list)
     for part in layout.parts():
-        span = _Span((part.own,), (part.shared, part.own))
+        span = _Span((part.own,), (*part.path, part.own))
         groups[span.shape].append(span)
     if max_calls is None or len(groups) <= max_calls:
         calls = [_shape_call(members) for members in groups.values()]
@@ -194,8 +194,8 @@ def build_span_calls(layout, max_calls: int | None) -> tuple[list[SpanCall], tor
 
 
 def _shape_call(spans: list[_Span]) -> SpanCall:
-    """The call of spans of one shape; blocks at least as long as their prefix as causal calls over
-    ``[prefix ; block]`` whose prefix queries are dropped."""
+    """The call of spans of one shape; nodes at least as long as their path as causal calls over ``[path ; own]``
+    whose path queries are dropped."""
     queries, keys = spans[0].shape
     prefix = keys - queries
     if prefix and queries >= prefix:

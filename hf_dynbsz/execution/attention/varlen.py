@@ -1,9 +1,9 @@
 """Segment attention through torch's own FlashAttention-2 varlen kernel, and the varlen spans (torch layer).
 
 Models on sdpa or eager, on CUDA where :mod:`hf_dynbsz.planning.model_support` finds nothing against it: one call per
-layer of ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10; no flash-attn install) over the whole row. The
-query spans tile the row; a span's keys are itself, except a block's: each shared prompt's keys and values are
-gathered in front of each of its blocks, causal bottom-right (:func:`build_varlen_spans`, which the flash-attention
+layer of ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10; no flash-attn install) over the whole row. The query
+spans tile the row, one per node of its prefix tree; a span's keys are its path's and its own: each node's ancestors'
+keys and values are gathered in front of it, causal bottom-right (:func:`build_varlen_spans`, which the flash-attention
 formulation reads too). Padding is a span of its own, so no token follows ``cu_seq[-1]`` (pytorch#176793). Partial
 attentions are never merged through their log-sum-exp (the kernel's backward drops the log-sum-exp's gradient). The
 installed signature is read at run time (:func:`varlen_attn_keywords`: ``is_causal`` or ``window_size``, ``scale``,
@@ -30,8 +30,8 @@ def build_varlen_spans(layout):
     :meth:`~hf_dynbsz.execution.attention.layout.SegmentLayout.varlen_spans`)."""
     parts = layout.parts()
     query_lengths = [len(part.own) for part in parts]
-    key_lengths = [len(part.shared) + len(part.own) for part in parts]
-    key_index = torch.cat([torch.arange(r.start, r.stop) for part in parts for r in (part.shared, part.own)])
+    key_lengths = [part.depth + len(part.own) for part in parts]
+    key_index = torch.cat([torch.arange(r.start, r.stop) for part in parts for r in (*part.path, part.own)])
     cu_q = torch.tensor([0, *query_lengths]).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *key_lengths]).cumsum(0).to(torch.int32)
     return cu_q, cu_k, key_index, max(query_lengths), max(key_lengths)
@@ -88,7 +88,7 @@ def _torch_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling
 
 def varlen_attention(module, layout, query, key, value, scaling, dropout, window, kernel=None, **kwargs):
     """The whole row in one ``varlen_attn`` call (:func:`_torch_varlen`; ``kernel``: a stand-in of its contract, None
-    for torch's); each shared prompt's keys and values are gathered in front of each of its blocks."""
+    for torch's); each node's path's keys and values are gathered in front of it."""
     unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
     if unsupported or dropout:
         raise RuntimeError(
