@@ -36,6 +36,21 @@ def test_a_plain_decoder_starts_padding_free_with_shared_prompts_and_can_step_do
     assert notes == []
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "qwen3_moe", "qwen2_vl"])
+def test_a_prefix_tree_comes_first_and_steps_down_to_prompt_groups(model_type):
+    """share_prompt_prefix="tree" on every family with shared prompts (hybrid, MoE, vision-language): the tree's rung,
+    then the prompt groups' (where the self-check steps down), then no sharing; "groups" and True start at the
+    groups' rung."""
+    support = ModelSupport.of(CONFIG_MAPPING[model_type](), attn_implementation="sdpa")
+    tree, notes = support.layouts(share_prompt_prefix="tree")
+    assert [layout.sharing for layout in tree[:3]] == ["tree", "groups", None] and notes == []
+    assert tree[0].describe().startswith("padding_free, prefix tree, segment attention (sdpa)")
+    assert tree[1:] == support.layouts(share_prompt_prefix="groups")[0] == support.layouts(share_prompt_prefix=True)[0]
+    padded, notes = support.layouts("padded", share_prompt_prefix="tree")
+    assert not any(layout.share_prompts for layout in padded)
+    assert notes == ["share_prompt_prefix is not applied: packing_layout='padded'"]
+
+
 @pytest.mark.parametrize(
     "attn, expected",
     [

@@ -24,6 +24,7 @@ from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
     bucket_length,
+    chained_states,
     continuation_calls,
     prefix_states,
     recurrence_calls,
@@ -32,7 +33,7 @@ from hf_dynbsz.execution.recurrence import (
 )
 from hf_dynbsz.execution.self_check import gradient_error
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, stock_logps
+from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, prefix_batch, stock_logps
 from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES, build_tiny_causal_lm_of_type, causal_lm_types
 
 TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
@@ -97,6 +98,52 @@ def test_the_family_has_sequence_mixers_and_trains_padding_free(model):
 def test_shared_prompts_give_each_samples_own_logprobs(model, pad_to_multiple_of):
     order = [4, 0, 5, 2, 3, 1]  # groups interleaved: the collator gathers each group's segment
     assert largest_error(model, order, shared=True, pad_to_multiple_of=pad_to_multiple_of) <= TOLERANCE
+
+
+def tree_error(model) -> float:
+    """The largest difference from each sample alone of a tree row: a block every prompt begins with, completions
+    sharing a trunk and one of two branches (inner nodes two levels deep, nodes shorter than a convolution's kernel)."""
+    batch = prefix_batch(
+        [5, 2, 9], [6, 0, 3, 9, 1, 5, 4, 2], [3, 3, 2], shared=7, trunk=4, branches=2, branch=3, seed=3
+    )
+    table = SequenceTable.from_padded(*batch)
+    completions = table.completion_lengths.tolist()
+    with torch.no_grad():
+        _, logps, _ = packed_logps(model, table, list(range(8)), None, model.config._attn_implementation,
+                                   mixers=mixers(model), sharing="tree")  # fmt: skip
+        return max(
+            (logps[j, :c] - logps_alone(model, table, j)).abs().max().item() for j, c in enumerate(completions) if c
+        )
+
+
+def test_a_tree_row_gives_each_samples_own_logprobs(model):
+    """Each node starts from its parent's final states (copied for every child), inner nodes level by level; the
+    first row decides, per mixer, whether states are handed on (blocks of roots, and down chains of inner nodes)."""
+    assert tree_error(model) <= TOLERANCE  # the mixers decide here, and recompute
+    assert tree_error(model) <= TOLERANCE  # then hand states on where they decided so
+    chains = {chained_states(m) for m in model.modules() if type(m).__name__ in mixers(model)}
+    assert chains == {model.config.model_type not in ("recurrent_gemma", "minimax")}
+
+
+def test_states_go_down_chains_of_inner_nodes_only_where_a_chain_was_checked(monkeypatch):
+    """A cache whose state, once a run started from one, stays the state it started from: shared prompts' blocks
+    (children of roots, which start from zero) are still right, chains of inner nodes are not. Decided on a row of
+    shared prompts, the check of the row cut in halves sees it, and tree rows recompute their paths: still exact.
+    Handing states down chains anyway leaks."""
+    model = build_tiny_causal_lm_of_type("qwen3_5_text", seed=1)
+    add_fused_lm_head(model.eval(), outputs=("log_probs", "entropy"))
+
+    def stale(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self.recurrent.setdefault(state_idx, recurrent_states)
+
+    monkeypatch.setattr(recurrence.RunStates, "update_recurrent_state", stale)
+    assert largest_error(model, list(range(len(COMPLETIONS))), shared=True) <= TOLERANCE  # decides on shared prompts
+    deciding = [m for m in model.modules() if type(m).__name__ in mixers(model)]
+    assert {prefix_states(m) for m in deciding} == {True} and {chained_states(m) for m in deciding} == {False}
+    assert tree_error(model) <= TOLERANCE
+    for module in deciding:
+        recurrence._CHAINED_STATES[module] = True
+    assert tree_error(model) > LEAK
 
 
 def test_a_sequence_never_starts_from_the_previous_sequences_state(model):
@@ -239,30 +286,40 @@ def _default_pattern_families():
         yield pytest.param(family, marks=marks, id=family)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize(
+    ("checkpointing", "sharing"),
+    [(False, "groups"), (True, "groups"), (True, "tree")],
+    ids=["", "checkpointing", "checkpointing-tree"],
+)
 @pytest.mark.parametrize("family", list(_default_pattern_families()))
-def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing):
+def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing, sharing):
     """Each segment-recurrence family built from its config's defaults, reduced in size only (its real layer pattern:
     several recurrent layers in a row, MoE between them where the family has MoE): one training pass of a row with
     shared prompts gives every sample's own log-probs and the gradients of the samples run alone, with and without
-    gradient checkpointing (whose recomputation must take the forward's path). A Jamba's blocks started from their
+    gradient checkpointing (whose recomputation must take the forward's path); and so does a prefix tree's row (a
+    block every prompt begins with, completions sharing a trunk and branches). A Jamba's blocks started from their
     prefix's states, which its Mamba scan ignores, and its gradients were 1e-2 off (its log-probs 5e-7)."""
     model = build_tiny_causal_lm_of_type(family, seed=1, layer_pattern="default")
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # dropout is off; checkpointing runs in training mode only
-    layout = ModelSupport.of(model=model).layouts()[0][0]
-    assert layout.share_prompts and layout.segment_recurrence
-    table = SequenceTable.from_padded(*grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40))
+    layout = ModelSupport.of(model=model).layouts(share_prompt_prefix=sharing)[0][0]
+    assert layout.sharing == sharing and layout.segment_recurrence
+    if sharing == "tree":
+        batch = prefix_batch([5, 2, 9], [6, 0, 3, 9, 1, 5], [2, 2, 2], shared=7, trunk=4, branches=2, branch=3, seed=3)
+    else:
+        batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40)
+    table = SequenceTable.from_padded(*batch)
+    completions = table.completion_lengths.tolist()
     run_layout, run_alone = bare_check_passes(model, table)
-    every = list(range(len(COMPLETIONS)))
+    every = list(range(len(table)))
     alone_probes = [run_alone(sample) for sample in every]
     run_layout(layout, every, False)  # as in a run: the mixers decide on prefix states without gradients
     probe = run_layout(layout, every, True)
     for row, sample in enumerate(every):
-        if COMPLETIONS[sample]:
-            assert (probe.logps[row, : COMPLETIONS[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE
+        if completions[sample]:
+            assert (probe.logps[row, : completions[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE
     expected = {name: sum(p.gradients[name] for p in alone_probes) for name in probe.gradients}
     error, name = gradient_error(probe.gradients, expected)
     assert error <= 1e-5, (error, name)

@@ -146,7 +146,7 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
         num_iterations=2,
     )
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+    assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])

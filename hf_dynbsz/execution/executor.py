@@ -208,6 +208,7 @@ class PassExecutor(DevicePass):
             meters=self.meters,
             table=state.batch.table,
             replicas=self.parallel.size,
+            sharing=self.scheduler.sharing,
         )
         self.layout_timing.publish(trainer._metrics["train"])
         return total

@@ -239,7 +239,6 @@ class ModelSupport:
     router_aux: tuple[int, int] | None = None
     router_aux_blocker: str | None = None
     varlen_attn_blocker: str | None = None
-    prefix_tree_blocker: str | None = None
     sliding_windows: bool = False
     position_offset: int = 0
     multimodal_rope: bool = False
@@ -326,6 +325,12 @@ class ModelSupport:
         log-probs differ from each sample's own. The last rung is available to "auto" and "padded": padded rows
         with an attention mask (stock's own layout, per sample). Empty (with the reason as the note) when no
         layout can be exact: stock math runs.
+
+        ``share_prompt_prefix`` (a checked value, :func:`~hf_dynbsz.planning.settings.sharing_rule`): with "tree"
+        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with "groups" the last
+        two; False the last. Every family whose rows share prompts takes the tree: what a node computes is what the
+        samples under it compute alone wherever a shared prompt's block does (the self-check steps down to groups
+        for a model that says otherwise).
         """
         if packing_layout not in ("auto", "padding_free", "padded"):
             raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
@@ -341,7 +346,7 @@ class ModelSupport:
         if packing_layout != "padded" and self.padding_free_blocker is None:
             recurrence = bool(self.sequence_mixers)
             if base is not None:
-                if sharing == "tree" and self.prefix_tree_blocker is None:
+                if sharing == "tree":
                     ladder.append(
                         Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence,
                                prefix_tree=True)
@@ -363,9 +368,6 @@ class ModelSupport:
             if self.unmasked_padding_blocker is None:
                 ladder.append(Layout("padded"))
             ladder.append(Layout("padded", attention_mask=True))
-        if sharing == "tree" and ladder[0].share_prompts and not ladder[0].prefix_tree:
-            notes.append(f"share_prompt_prefix='tree' is not applied, each prompt is shared in its group: "
-                         f"{self.prefix_tree_blocker}")  # fmt: skip
         if sharing is not None and not ladder[0].share_prompts:
             why = (
                 self.padding_free_blocker
