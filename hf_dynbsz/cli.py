@@ -147,6 +147,13 @@ def _plan_parser():
         "list of integers or [prompt, completion] pairs): simulate the micro-batches of one device.",
     )
     group.add_argument(
+        "--shared_prefix",
+        type=int,
+        default=0,
+        help="With --lengths and share_prompt_prefix tree: every prompt begins with this many tokens in common (a "
+        "tool block, few-shot exemplars), computed once per pass for all of them.",
+    )
+    group.add_argument(
         "--model_config",
         default=None,
         help="Model directory or config.json: the workload model (FLOPs per token and per attention pair) the "
@@ -262,6 +269,19 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
     return layouts, layouts[0].name if decided else None
 
 
+def _shared_prefix(namespace, lengths) -> int:
+    """``--shared_prefix``, checked against the lengths: a block of tokens shorter than every prompt given."""
+    shared = namespace.shared_prefix
+    shortest = min((prompt for _, prompt, _ in lengths if prompt is not None), default=None)
+    if shared < 0 or (shared and (shortest is None or shortest < shared)):
+        raise UsageError(
+            f"--shared_prefix must be a number of tokens every prompt begins with, at most the shortest prompt of "
+            f"--lengths ({shortest if shortest is not None else 'none given: use PROMPT COMPLETION lines'}), got "
+            f"{shared}."
+        )
+    return shared
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
@@ -314,7 +334,7 @@ def _run_plan(argv: list[str]) -> int:
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
             scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            steps = simulate(plan, scheduler, lengths)
+            steps = simulate(plan, scheduler, lengths, _shared_prefix(namespace, lengths))
         if namespace.json:
             document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
             if plan.memory_rows:

@@ -109,22 +109,35 @@ class PrefixTree:
 
     @classmethod
     def of_groups(
-        cls, prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int]
+        cls,
+        prompt_lengths: Sequence[int],
+        completion_lengths: Sequence[int],
+        groups: Sequence[int],
+        shared: int = 0,
     ) -> PrefixTree:
         """The trie of the prompt-group rule (:func:`group_keys`) from the samples' lengths alone: each group's
-        prompt without its last token once, then each sample's last prompt token and completion."""
+        prompt without its last token once, then each sample's last prompt token and completion. ``shared``: every
+        prompt begins with the same ``shared`` tokens (a tool block, exemplars): as a prefix tree computes them, all
+        but the last once for every sample (the block's last token is keyed on each prompt's next one)."""
+        if shared > 1 and min(prompt_lengths, default=shared) < shared:
+            raise ValueError(f"every prompt begins with {shared} shared tokens, but a prompt has fewer")
         sizes = Counter(groups)
         parent, start, length, source, leaf, prefixes = [], [], [], [], [], {}
+        block = -1
+        if shared > 1 and prompt_lengths:
+            block = 0
+            parent.append(-1), start.append(0), length.append(shared - 1), source.append(0)
+        low = shared - 1 if block >= 0 else 0
         for sample, (prompt, completion, group) in enumerate(zip(prompt_lengths, completion_lengths, groups)):
             if group not in prefixes:
-                prefixes[group] = None
-                if prompt > 1 and sizes[group] > 1:
+                prefixes[group] = block
+                if prompt - 1 > low and sizes[group] > 1:
                     prefixes[group] = len(parent)
-                    parent.append(-1), start.append(0), length.append(prompt - 1), source.append(sample)
+                    parent.append(block), start.append(low), length.append(prompt - 1 - low), source.append(sample)
             node = prefixes[group]
-            offset = 0 if node is None else prompt - 1
+            offset = low if node == block else prompt - 1
             leaf.append(len(parent))
-            parent.append(-1 if node is None else node)
+            parent.append(node)
             start.append(offset), length.append(prompt + completion - offset), source.append(sample)
         return cls._in_row_order(parent, start, length, source, leaf)
 

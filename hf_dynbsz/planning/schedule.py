@@ -597,10 +597,12 @@ def simulate_processes(
     prompt_lengths: Sequence[Sequence[int]] | None = None,
     kind: str = "training",
     groups: Sequence[Sequence[int]] | None = None,
+    trees: Sequence[PrefixTree] | None = None,
 ) -> list:
     """The schedules ``num_processes`` processes would compute, each from its own ``lengths`` and budget.
 
-    Runs :meth:`Scheduler.plan` once per simulated process, in threads that meet at real (barrier-synchronised)
+    ``groups`` / ``trees``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree``. Runs
+    :meth:`Scheduler.plan` once per simulated process, in threads that meet at real (barrier-synchronised)
     collectives, so the planner and the tests exercise exactly the code training runs. Returns each process's
     :class:`StepSchedule`, or the exception it raised.
     """
@@ -645,6 +647,7 @@ def simulate_processes(
                 kind,
                 prompt_lengths=prompts,
                 groups=None if groups is None else groups[rank],
+                tree=None if trees is None else trees[rank],
             )
         except Exception as error:  # noqa: BLE001 - returned to the caller, as every process would raise it
             with condition:
