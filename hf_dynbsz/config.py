@@ -42,7 +42,7 @@ def _field(name: str):
     spec = setting(name)
     help_text = spec.help + (f" Environment override: {spec.env}." if spec.env else "")
     metadata = {"help": help_text}
-    if spec.choices:
+    if spec.choices and spec.kind == "choice":  # (a sharing rule also takes true and false)
         metadata["choices"] = list(spec.choices)
     return field(default=spec.default, metadata=metadata)
 

@@ -50,7 +50,7 @@ def test_the_tiny_run_passes_and_reports_every_check(tmp_path):
     assert [r[-1] for r in fp32[:4]] == ["pass"] * 4
     assert {setting.split(", ")[2] for setting, *_ in fp32[:4]} == {"grpo", "bnpo", "dapo"}
     assert any("prompts not shared" in setting for setting, *_ in fp32) and any(
-        "shared prompts" in measured for _, measured, *_ in fp32
+        "prefix tree" in measured for _, measured, *_ in fp32
     )
     assert all("params" in measured and "update" in measured for _, measured, _, result in fp32 if result == "pass")
     assert results["stock's bf16 noise"][0][-1] == "info"

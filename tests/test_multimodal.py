@@ -428,7 +428,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
     assert max(step["dynbsz/microbatches"] for step in steps) > 2  # ...more of them than stock's 2 slices
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)  # ...padding-free...
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
-    assert "self-check passed: padding_free, shared prompts, segment attention" in caplog.text
+    assert "self-check passed: padding_free, prefix tree, segment attention" in caplog.text  # the default rule
     assert "stock micro-batches" not in caplog.text
     assert "image inputs" in caplog.text and "repacked" in caplog.text  # the plan table's row
 

@@ -255,7 +255,9 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
 
 @pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
 def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
-    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes."""
+    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes. Prompts
+    are shared in their groups (a lengths file holds no tokens: the prefix tree of the default rule shares what
+    completions of a 4-character alphabet begin with, which lengths cannot tell)."""
     import json
 
     import numpy as np
@@ -264,6 +266,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
     schedule = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_steps=4)
     settings_ = dict(schedule, max_completion_length=40, packing_layout=layout, max_tokens_per_microbatch=budget)
+    settings_.update(share_prompt_prefix="groups")
     model_dir, batches, schedules, groups = _train_recording_schedules(tmp_path, monkeypatch, settings_)
     assert len(batches) == len(schedules) == 4
     assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
@@ -540,6 +543,7 @@ def test_a_scheduler_describes_the_layout_it_was_built_from():
     )
     layouts, _ = support.layouts()
     assert [layout.describe() for layout in layouts] == [
+        "padding_free, prefix tree, segment attention (sdpa), segment recurrence",
         "padding_free, shared prompts, segment attention (sdpa), segment recurrence",
         "padding_free, segment attention (sdpa), segment recurrence",
         "padded",

@@ -211,7 +211,7 @@ SETTINGS: tuple[Setting, ...] = (
         "'groups': the samples whose prompts are identical (a GRPO prompt's num_generations completions, or duplicate "
         "prompts) share one copy of the prompt, [prompt | completion 1 | completion 2 ...]. For vision-language "
         "models, images are shared only by prompts with the same tokens and the same pictures, and encoded once per "
-        "pass. The token budget counts shared tokens once. True: the default rule ('groups'); False: nothing shared. "
+        "pass. The token budget counts shared tokens once. True: the default rule ('tree'); False: nothing shared. "
         "Not applied, with one logged reason, where it cannot be exact: the padded layout, vision-language families "
         "other than Qwen2-VL, Qwen2.5-VL and LLaVA, models whose attention does not go through transformers' "
         "AttentionInterface or whose layers carry state along a row.",
@@ -330,7 +330,7 @@ ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
 
 #: The sharing rules of ``share_prompt_prefix`` (:func:`sharing_rule`), and the one ``True`` means.
 SHARING_RULES = ("tree", "groups")
-DEFAULT_SHARING = "groups"
+DEFAULT_SHARING = "tree"
 
 
 def sharing_rule(value: Any) -> str | None:
