@@ -352,6 +352,19 @@ def test_units_share_a_prompt_and_split_into_pieces_that_fit():
     ]
 
 
+def built_passes(table, passes, pad, **sharing):
+    """The collator's padding-free rows of ``passes`` (sample indices of ``table``) on sdpa, sharing by ``sharing``
+    (``groups=`` or ``keys=``)."""
+    from hf_dynbsz.execution.packing import build_microbatch
+
+    return [
+        build_microbatch(
+            table, samples, layout="padding_free", pad_token_id=0, pad_to_multiple_of=pad, attention="sdpa", **sharing
+        )  # fmt: skip
+        for samples in passes
+    ]
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_shared_passes_compute_what_the_schedule_counts(data):
@@ -379,16 +392,7 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
     schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
     real = [group for group in schedule.microbatches if group]
-    for group, planned in zip(real, schedule.pass_tokens):
-        mb = build_microbatch(
-            table,
-            group,
-            layout="padding_free",
-            pad_token_id=0,
-            pad_to_multiple_of=pad,
-            attention="sdpa",
-            groups=groups,
-        )
+    for group, planned, mb in zip(real, schedule.pass_tokens, built_passes(table, real, pad, groups=groups)):
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
@@ -418,7 +422,6 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
     """Random blocks every prompt begins with, prompts, and completions that begin alike (tokens of a 3-symbol
     alphabet): each pass the collator builds from the samples' prefix tree computes the tokens the schedule planned,
     within the budget, and the tokens saved are the samples' less the passes'."""
-    from hf_dynbsz.execution.packing import build_microbatch
 
     symbols = st.integers(3, 5)
     block = data.draw(st.lists(symbols, max_size=6))
@@ -434,18 +437,7 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
     schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), tree=tree)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
     real = [group for group in schedule.microbatches if group]
-    built = [
-        build_microbatch(
-            table,
-            group,
-            layout="padding_free",
-            pad_token_id=0,
-            pad_to_multiple_of=pad,
-            attention="sdpa",
-            keys=table.prefix_keys("tree"),
-        )  # fmt: skip
-        for group in real
-    ]
+    built = built_passes(table, real, pad, keys=table.prefix_keys("tree"))
     for group, planned, mb in zip(real, schedule.pass_tokens, built):
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):

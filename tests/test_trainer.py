@@ -118,6 +118,11 @@ def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
 PREFIXES = {"shared block": dict(shared=20), "tree rollout": dict(trunk=5, branches=2, branch=4)}
 
 
+#: The plugin's settings of the prefix-tree runs: a tree trusted without the self-check (which would step down to
+#: prompt groups), a budget a step's tree fits in.
+TREE = dict(share_prompt_prefix="tree", self_check=False, max_tokens_per_microbatch=160)
+
+
 def prefix_rollout(structure: str):
     return PrefixRollout(
         lambda rng, n, rank: rng.integers(1, 12, n),
@@ -135,16 +140,9 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
     blocks across prompts and shared trunks and branches of completions (loss terms of several samples at one
     position) give stock's parameters, old-policy and reference passes included."""
     history = compare_with_stock(
-        model_dir,
-        tmp_path,
-        trainer_kwargs=lambda: {"rollout_func": prefix_rollout(structure)},
-        share_prompt_prefix="tree",
-        self_check=False,
-        max_tokens_per_microbatch=160,
-        loss_type=loss_type,
-        beta=0.05,
-        num_iterations=2,
-    )
+        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout(structure)},  # one per run
+        loss_type=loss_type, beta=0.05, num_iterations=2, **TREE,
+    )  # fmt: skip
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
 
@@ -154,18 +152,11 @@ def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(
     """A trunk's positions are loss terms of every sample holding them: the quantile of top_entropy_quantile, the
     entropy bonus and its metric, the clip ratios, the token counts of the loss normalisers count each once per
     sample, as stock's separate sequences do."""
+    statistics = dict(top_entropy_quantile=0.4, entropy_coef=0.02, num_iterations=2)
     compare_with_stock(
-        model_dir,
-        tmp_path,
-        trainer_kwargs=lambda: {"rollout_func": prefix_rollout("tree rollout")},
-        share_prompt_prefix="tree",
-        self_check=False,
-        max_tokens_per_microbatch=160,
-        loss_type=loss_type,
-        top_entropy_quantile=0.4,
-        entropy_coef=0.02,
-        num_iterations=2,
-    )
+        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout("tree rollout")},
+        loss_type=loss_type, **statistics, **TREE,
+    )  # fmt: skip
 
 
 def test_a_prefix_tree_of_sampled_completions_matches_stock(model_dir, tmp_path):

@@ -228,16 +228,17 @@ SETTINGS: tuple[Setting, ...] = (
         unit="-",
         summary="check the layout against each sample alone at start; step down if it differs",
         help="Before the run's first pass, run one no-grad pass over a few of that step's samples in the fastest "
-        "layout the model allows (padding-free with shared prompts, padding-free, padded, padded with an attention "
-        "mask, in that order) and compare the completion log-probs with each sample computed alone, then one "
-        "backward over the shorter of them and compare the gradients (every kind of parameter, in its first and last "
-        "layer) with those of the samples alone; keep the first layout within tolerance on every process (log-probs "
-        "1e-4 and gradients 1e-3 relative in fp32, 5e-2 and 0.25 in bf16/fp16: the check runs in the precision the "
-        "forwards compute in), trying the next one only when it is not, and log why the faster ones were left (the "
-        "parameter whose gradients differ most). When none passes, stock GRPOTrainer math runs. Gradients are not "
-        "compared under DeepSpeed ZeRO-3 (partitioned parameters) or reentrant gradient checkpointing, and the log "
-        "says so. Costs five small forwards and two backwards of three short samples once per run when the fastest "
-        "layout passes; False skips it and trusts the decision read off the model.",
+        "layout the model allows (padding-free with a prefix tree, with shared prompts, padding-free, padded, "
+        "padded with an attention mask, in that order) and compare the completion log-probs with each sample "
+        "computed alone, then one backward over the shorter of them and compare the gradients (every kind of "
+        "parameter, in its first and last layer) with those of the samples alone; keep the first layout within "
+        "tolerance on every process (log-probs 1e-4 and gradients 1e-3 relative in fp32, 5e-2 and 0.25 in "
+        "bf16/fp16: the check runs in the precision the forwards compute in), trying the next one only when it "
+        "is not, and log why the faster ones were left (the parameter whose gradients differ most). When none "
+        "passes, stock GRPOTrainer math runs. Gradients are not compared under DeepSpeed ZeRO-3 (partitioned "
+        "parameters) or reentrant gradient checkpointing, and the log says so. Costs five small forwards and two "
+        "backwards of three short samples once per run when the fastest layout passes; False skips it and trusts "
+        "the decision read off the model.",
         expected="true or false",
     ),
     Setting(
