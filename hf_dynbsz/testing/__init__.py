@@ -44,6 +44,7 @@ from hf_dynbsz.testing.fixtures import (
     prompt_dataset,
     run_training,
     save_tiny_model,
+    unique_tokens,
 )
 from hf_dynbsz.testing.harness import (
     CPU_RUN_FIELDS,
@@ -73,6 +74,7 @@ from hf_dynbsz.testing.harness import (
 from hf_dynbsz.testing.mixes import (
     MIX_LABELS,
     MIXES,
+    PREFIX_MIXES,
     PROMPT_HEAVY_RANGE,
     PROMPT_RANGE,
     UNIFORM_PROMPT,
@@ -104,6 +106,7 @@ from hf_dynbsz.testing.vision import (
 )
 
 __all__ = [
+    "unique_tokens",
     "PrefixRollout",
     "prefix_batch",
     "tree_completion",
@@ -113,6 +116,7 @@ __all__ = [
     "CountingEnvironment",
     "DEFAULT_ALPHABET",
     "MIXES",
+    "PREFIX_MIXES",
     "MIX_LABELS",
     "ModelShape",
     "MultiTurnRollout",

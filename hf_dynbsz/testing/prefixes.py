@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from hf_dynbsz.testing.fixtures import ScriptedRollout
+from hf_dynbsz.testing.fixtures import ScriptedRollout, unique_tokens
 
 __all__ = ["PrefixRollout", "prefix_batch", "tree_completion"]
 
@@ -84,6 +84,7 @@ class PrefixRollout(ScriptedRollout):
         record["real_tokens"] = int(sum(len(self.prompt_ids(p)) for p in prompts) + sum(lengths))
         record["fingerprint"][1] = sorted(lengths)
         record["lengths"] = [(len(self.prompt_ids(p)), c) for p, c in zip(prompts, lengths)]
+        record["unique_tokens"] = unique_tokens([self.prompt_ids(p) + c for p, c in zip(prompts, completions)])
         return out
 
 
