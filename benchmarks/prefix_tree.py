@@ -23,7 +23,7 @@ computed tokens equal the prefix tree's unique tokens of the step's samples (cou
 
 Usage (from the repository root)::
 
-    python benchmarks/prefix_tree.py           # about 20 minutes on 2 cores
+    python benchmarks/prefix_tree.py           # about 8 minutes on 2 cores
     python benchmarks/prefix_tree.py --quick   # smoke run
 
 Writes ``benchmarks/results/prefix_tree.md`` and ``prefix_tree.json``.
