@@ -23,7 +23,7 @@ The checks (one table row each; ``--checks`` picks groups)
   fp32 (bf16's own error for that case). The plugin's update must be within 2 x the larger of the two from stock's.
   (The split alone would be too tight a yardstick: it changes only how gradients are summed, where the plugin's
   packed rows also round the forward differently, which is what bf16 against fp32 measures.)
-* ``sdpa-padding-free``: one fp32 and one bf16 case (dapo, two iterations, shared prompts) with
+* ``sdpa-padding-free``: one fp32 and one bf16 case (dapo, two iterations, shared prefixes) with
   ``packing_layout="padding_free"``: on CUDA "auto" trains padded rows on sdpa, and the padding-free rows' padded span
   calls (at most ``SPAN_CALLS_PER_LAYER["cuda"]`` per layer) run on CUDA only. Skipped on CPU.
 * ``flash_attention_2``: the bf16 check with flash-attention (skipped, and said so, where ``flash_attn`` is absent).
@@ -517,7 +517,7 @@ def differences(session: Session, ours: Run, stock: Run) -> tuple[float, float]:
 
 
 def describe(spec: RunSpec, share: bool) -> str:
-    prompts = "shared prompts" if share else "prompts not shared"
+    prompts = "shared prefixes (the default: a prefix tree)" if share else "prompts not shared"
     forced = "".join(f", {name} {value}" for name, value in spec.plugin if name != "share_prompt_prefix")
     return (
         f"{spec.precision}, {spec.attention}, {spec.loss_type}, {spec.num_iterations} iteration(s), {prompts}{forced}"

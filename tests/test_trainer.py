@@ -147,15 +147,23 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
     assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(model_dir, tmp_path, loss_type):
-    """A trunk's positions are loss terms of every sample holding them: the quantile of top_entropy_quantile, the
-    entropy bonus and its metric, the clip ratios, the token counts of the loss normalisers count each once per
-    sample, as stock's separate sequences do."""
-    statistics = dict(top_entropy_quantile=0.4, entropy_coef=0.02, num_iterations=2)
+#: What a statistic over sample-tokens reads: top_entropy_quantile's quantile, the entropy bonus and its metric, clip
+#: ratios, the loss normalisers (dapo's and grpo's); sequence-level importance sampling's mean log-ratio per sample.
+STATISTICS = {
+    "dapo, top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.4, entropy_coef=0.02),
+    "grpo, top_entropy_quantile": dict(loss_type="grpo", top_entropy_quantile=0.4, entropy_coef=0.02),
+    "grpo, sequence importance sampling": dict(loss_type="grpo", importance_sampling_level="sequence"),
+}
+
+
+@pytest.mark.parametrize("statistics", STATISTICS)
+def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(model_dir, tmp_path, statistics):
+    """A trunk's positions are loss terms of every sample holding them: every statistic over sample-tokens counts
+    each once per sample, as stock's separate sequences do (the second iteration's ratios move off 1 and clip)."""
+    statistics = dict(STATISTICS[statistics], num_iterations=2)
     compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout("tree rollout")},
-        loss_type=loss_type, **statistics, **TREE,
+        **statistics, **TREE,
     )  # fmt: skip
 
 
