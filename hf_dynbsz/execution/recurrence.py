@@ -1,4 +1,4 @@
-"""Segment recurrence: padding-free rows and shared prompts through layers that carry state along a sequence.
+"""Segment recurrence: padding-free rows and prefix trees through layers that carry state along a sequence.
 
 The counterpart of segment attention (:mod:`hf_dynbsz.execution.attention`) for the sequence mixers of hybrid and
 state-space models: Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid), Kimi's and Bailing's delta attention, MiniMax's
@@ -16,6 +16,11 @@ sequence**, so every sequence starts from a zero state, exactly as it does alone
   (:func:`prefix_states`; checked once per module). Any other mixer (RecurrentGemma's block, MiniMax's lightning
   attention, Mamba's) runs ``[prefix ; block_j]`` for each block, the prefix's own outputs taken from the first run
   (the layer is causal): the prefix is recomputed in that layer only;
+* a prefix tree (any depth): every node starts from its parent's final states, copied for each child. With states
+  handed on, the inner nodes (those with children) run level by level from the roots, each once, then every leaf;
+  a mixer hands states down chains of inner nodes only where its check also passed on the row cut in halves
+  (:func:`chained_states`), and otherwise recomputes the paths of trees deeper than shared prompts. Recomputing,
+  each leaf runs ``[path ; own]``, the first leaf under a node keeping the node's outputs;
 * runs are batched into few calls of the layer: each run is right-padded to its *bucket* length (16, 24, 32, 48,
   64, 96, ...: less than half as many tokens again), and the runs of a bucket make one call. A mixer is causal, so
   tokens after a run's end (copies of its last token) change none of its outputs, and they are dropped;

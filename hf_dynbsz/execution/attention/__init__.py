@@ -1,8 +1,9 @@
-"""Segment attention: padding-free rows and shared prompts through the model's own attention kernel (torch layer).
+"""Segment attention: padding-free rows and prefix trees through the model's own attention kernel (torch layer).
 
-A padding-free row is cut into *segments*, each attending only to itself (a plain sequence; or a prompt shared by
-its completions, ``[prefix | block_1 | ... | block_k]``): :mod:`~hf_dynbsz.execution.attention.layout` holds them
-and the index tensors the kernels read. :func:`segment_attention_forward` is registered in transformers'
+A padding-free row holds its samples as the nodes of their prefix tree, each node attending to its root-to-node path
+and causally to itself (a plain sequence is a root alone; a prompt shared by its completions, ``[prefix | block_1 |
+... | block_k]``, a root with a child per completion): :mod:`~hf_dynbsz.execution.attention.layout` holds them and
+the index tensors the kernels read. :func:`segment_attention_forward` is registered in transformers'
 ``AttentionInterface`` as :data:`ATTENTION_NAME`; :func:`segment_attention` switches a model to it, and
 :func:`use_segments` names the :class:`SegmentLayout` of the pass about to run. ``masking_utils`` builds no mask for
 an implementation it does not know, so this function owns masking. It is stateless and computes each span with **the
@@ -11,11 +12,11 @@ of another size than query heads, sliding windows, GQA, dtype handling) is the m
 
 * sdpa / eager: spans of equal shape batched into one call of the model's own function
   (:mod:`~hf_dynbsz.execution.attention.spans`);
-* flex_attention: one call per layer under a block mask drawn from the segments
+* flex_attention: one call per layer under a block mask drawn from the nodes
   (:mod:`~hf_dynbsz.execution.attention.flex`);
 * varlen_attn (models on sdpa or eager, on CUDA, where :mod:`hf_dynbsz.planning.model_support` finds nothing against
-  it): one call per layer of torch's own FlashAttention-2 varlen kernel, each shared prompt's keys and values
-  gathered in front of each of its blocks (:mod:`~hf_dynbsz.execution.attention.varlen`);
+  it): one call per layer of torch's own FlashAttention-2 varlen kernel, each node's path's keys and values
+  gathered in front of it (:mod:`~hf_dynbsz.execution.attention.varlen`);
 * flash-attention: one varlen call through transformers' own flash-attention integration
   (:mod:`~hf_dynbsz.execution.attention.flash`).
 
