@@ -23,7 +23,7 @@ The checks (one table row each; ``--checks`` picks groups)
   fp32 (bf16's own error for that case). The plugin's update must be within 2 x the larger of the two from stock's.
   (The split alone would be too tight a yardstick: it changes only how gradients are summed, where the plugin's
   packed rows also round the forward differently, which is what bf16 against fp32 measures.)
-* ``sdpa-padding-free``: one fp32 and one bf16 case (dapo, two iterations, shared prompts) with
+* ``sdpa-padding-free``: one fp32 and one bf16 case (dapo, two iterations, shared prefixes) with
   ``packing_layout="padding_free"``: on CUDA "auto" trains padded rows on sdpa, and the padding-free rows' padded span
   calls (at most ``SPAN_CALLS_PER_LAYER["cuda"]`` per layer) run on CUDA only. Skipped on CPU.
 * ``flash_attention_2``: the bf16 check with flash-attention (skipped, and said so, where ``flash_attn`` is absent).
@@ -45,8 +45,11 @@ The checks (one table row each; ``--checks`` picks groups)
   token limit on the long-tailed mix at 1.5B, at least 4x on the prompt-heavy mix. ``first step: auto``: the first
   step in steady steps, less the device's warm-up (stock's first step over its steady one), with the self-check's
   part; goal: at most 1.5. ``flex compiles``: the flex_attention shapes the run compiled, and dynamo's graphs, against
-  the row widths it used; goal: at most one per row width. (On CPU: fp32 and the tiny model, information only;
-  varlen and flex need CUDA.)
+  the row widths it used; goal: at most one per row width. ``prefix tree``: the ``agentic`` mix (a 600-token tool
+  block every prompt begins with, completions up to 384 tokens) at the main preset: stock, the plugin with
+  ``share_prompt_prefix="groups"`` and with its default (a prefix tree, the block once per pass), and the tree
+  against the groups; goal: faster than the groups. (On CPU: fp32 and the tiny model, information only; varlen and
+  flex need CUDA.)
 * ``probes``: ``host syncs``: the plugin's steady training passes (steps 2-3) under
   ``torch.cuda.set_sync_debug_mode("warn")``, every sync counted by the package that issued it; goal: none from the
   plugin (TRL's fused LM head selects its scored positions with a boolean mask, a sync per pass that stock has too).
@@ -514,7 +517,7 @@ def differences(session: Session, ours: Run, stock: Run) -> tuple[float, float]:
 
 
 def describe(spec: RunSpec, share: bool) -> str:
-    prompts = "shared prompts" if share else "prompts not shared"
+    prompts = "shared prefixes (the default: a prefix tree)" if share else "prompts not shared"
     forced = "".join(f", {name} {value}" for name, value in spec.plugin if name != "share_prompt_prefix")
     return (
         f"{spec.precision}, {spec.attention}, {spec.loss_type}, {spec.num_iterations} iteration(s), {prompts}{forced}"
@@ -616,9 +619,9 @@ SPEED_GOALS = {
 }
 
 
-def speed_spec(session: Session, preset: str, mix: str, layout: str | None = None) -> RunSpec:
+def speed_spec(session: Session, preset: str, mix: str, layout: str | None = None, share: str | None = None) -> RunSpec:
     """Stock (``layout`` None: sdpa, its users' default) or the plugin in one of :data:`SPEED_LAYOUTS` on ``mix`` at
-    ``preset``, bf16 on CUDA (fp32 on a CPU)."""
+    ``preset``, bf16 on CUDA (fp32 on a CPU); ``share``: the plugin's ``share_prompt_prefix`` (None: its default)."""
     main = preset == session.preset.name
     sizes = PRESETS[preset]
     common = dict(
@@ -633,7 +636,9 @@ def speed_spec(session: Session, preset: str, mix: str, layout: str | None = Non
     if layout is None:
         return RunSpec("stock", **common)
     attention, packing = SPEED_LAYOUTS[layout]
-    return RunSpec("ours", attention=attention, plugin=(("packing_layout", packing),) if packing else (), **common)
+    plugin = (("packing_layout", packing),) if packing else ()
+    plugin += (("share_prompt_prefix", share),) if share else ()
+    return RunSpec("ours", attention=attention, plugin=plugin, **common)
 
 
 def speed(session: Session) -> list[list]:
@@ -647,6 +652,43 @@ def speed(session: Session) -> list[list]:
                 continue
             rows += speed_rows(session, preset, mix, layouts)
             session.forget(keep=lambda spec: spec.keep_params)
+    rows += prefix_tree_rows(session)
+    session.forget(keep=lambda spec: spec.keep_params)
+    return rows
+
+
+#: The prefix-tree rows' mix (a 600-token tool block every prompt begins with, 20-120-token questions, long-tailed
+#: completions) and its longest completion; goal on CUDA: the default (a prefix tree) faster than prompt groups.
+PREFIX_TREE_MIX, PREFIX_TREE_COMPLETION = "agentic", 384
+
+
+def prefix_tree_rows(session: Session) -> list[list]:
+    """The agentic mix at the main preset: stock, the plugin sharing each prompt in its group, and its default (a
+    prefix tree, the tool block once per pass), each against stock, then the tree against the groups."""
+    preset = session.preset.name
+    if session.time_left() <= 0:
+        return [["prefix tree: tree", f"{preset}, {PREFIX_TREE_MIX}", "-", "-", "skipped: time budget spent"]]
+
+    def spec(layout=None, share=None):
+        return dataclasses.replace(
+            speed_spec(session, preset, PREFIX_TREE_MIX, layout, share),
+            max_completion_length=min(PRESETS[preset].speed_max_completion_length, PREFIX_TREE_COMPLETION),
+        )
+
+    stock, groups, tree = session.run(spec()), session.run(spec("auto", "groups")), session.run(spec("auto"))
+    setting = (
+        f"{preset}, {PREFIX_TREE_MIX}, {'bf16' if session.cuda else 'fp32'}, steps 2-{PRESETS[preset].speed_steps}"
+    )
+    rows = [["prefix tree: stock", setting, f"step {steady(stock)[0]:.3f} s", "-", INFO]]
+    for name, run in (("groups", groups), ("tree", tree)):
+        rows.append(layout_row(session, "auto", setting, stock, run, None))
+        rows[-1][0] = f"prefix tree: {name}"
+    speedup = steady(groups)[0] / steady(tree)[0]
+    tokens = sum(tree.logged("dynbsz/computed_tokens")[1:]) / max(sum(groups.logged("dynbsz/computed_tokens")[1:]), 1)
+    saved = sum(tree.logged("dynbsz/tree_tokens_saved")[1:])
+    measured = f"{speedup:.2f}x the groups' step; computed tokens {tokens:.2f}x theirs ({saved:.0f} saved by the tree)"
+    rows.append(["prefix tree: tree vs groups", setting, measured, "faster than groups" if session.cuda else
+                 "- (CPU: information)", (PASS if speedup > 1 else FAIL) if session.cuda else INFO])  # fmt: skip
     return rows
 
 

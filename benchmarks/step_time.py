@@ -97,6 +97,18 @@ CONFIGS = {
         "budget": "auto",
         "share_prompt_prefix": False,
     },
+    "padding_free_groups": {
+        "label": "dynamic, padding_free, prompts shared in their groups",
+        "layout": "padding_free",
+        "budget": "auto",
+        "share_prompt_prefix": "groups",
+    },
+    "padding_free_tree": {
+        "label": "dynamic, padding_free, prefix tree",
+        "layout": "padding_free",
+        "budget": "auto",
+        "share_prompt_prefix": "tree",
+    },
     "padded_half": {"label": "dynamic, padded, budget B/2 x max length", "layout": "padded", "budget": "half"},
     "padding_free_half": {
         "label": "dynamic, padding_free, budget B/2 x max length",
@@ -538,6 +550,7 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
 
     args = config_of(spec)
     trainer = build_trainer(args, model, processing_class, dataset=dataset, reward=reward_by_content, rollout=rollout)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()} if spec.get("params_out") else None
     probe = Probe(trainer, rollout)
     profile = StepProfile(spec["profile_step"]) if spec.get("profile_step") else None
     if profile is not None:
@@ -547,6 +560,9 @@ def train_and_measure(spec, fingerprint, model, processing_class, rollout, datas
     trainer.train()
     elapsed = time.perf_counter() - start
     history = trainer.state.log_history
+    if initial is not None:  # before and after, for a comparison with stock (benchmarks/prefix_tree.py)
+        final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        torch.save({"initial": initial, "final": final}, spec["params_out"])
     return {
         "spec": spec,
         "code": fingerprint,

@@ -144,7 +144,12 @@ def _plan_parser(trainer: str = "grpo"):
             "DIFFU_* environment variables override them."
         ),
     )
-    group = parser.add_argument_group("planning")
+    _add_planning_arguments(parser.add_argument_group("planning"))
+    return parser
+
+
+def _add_planning_arguments(group) -> None:
+    """The planner's own flags (besides the config's fields), in ``group``."""
     group.add_argument(
         "--trainer",
         choices=list(PLANNED_TRAINERS),
@@ -169,6 +174,13 @@ def _plan_parser(trainer: str = "grpo"):
         default=None,
         help="File of sample lengths in tokens (one integer per line, 'PROMPT COMPLETION' per line, or a JSON "
         "list of integers or [prompt, completion] pairs): simulate the micro-batches of one device.",
+    )
+    group.add_argument(
+        "--shared_prefix",
+        type=int,
+        default=0,
+        help="With --lengths and share_prompt_prefix tree: every prompt begins with this many tokens in common (a "
+        "tool block, few-shot exemplars), computed once per pass for all of them.",
     )
     group.add_argument(
         "--model_config",
@@ -202,7 +214,6 @@ def _plan_parser(trainer: str = "grpo"):
         help="Attention implementation, to resolve packing_layout='auto' (default: model_init_kwargs' "
         "attn_implementation, else sdpa).",
     )
-    return parser
 
 
 def _read_model_config(path: str):
@@ -289,11 +300,22 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
     """``(layouts, shown)``: the layouts the planned run may use (on its GPUs unless ``--use_cpu``), and the one the
     table shows: None ("auto") unless the attention implementation or an explicit layout decides it."""
     device_type = "cpu" if getattr(namespace, "use_cpu", False) else "cuda"
-    layouts, _ = support.layouts(
-        namespace.packing_layout, bool(getattr(namespace, "share_prompt_prefix", True)), device_type
-    )
+    layouts, _ = support.layouts(namespace.packing_layout, getattr(namespace, "share_prompt_prefix", True), device_type)
     decided = namespace.packing_layout != "auto" or attn_implementation
     return layouts, layouts[0].name if decided else None
+
+
+def _shared_prefix(namespace, lengths) -> int:
+    """``--shared_prefix``, checked against the lengths: a block of tokens shorter than every prompt given."""
+    shared = namespace.shared_prefix
+    shortest = min((prompt for _, prompt, _ in lengths if prompt is not None), default=None)
+    if shared < 0 or (shared and (shortest is None or shortest < shared)):
+        raise UsageError(
+            f"--shared_prefix must be a number of tokens every prompt begins with, at most the shortest prompt of "
+            f"--lengths ({shortest if shortest is not None else 'none given: use PROMPT COMPLETION lines'}), got "
+            f"{shared}."
+        )
+    return shared
 
 
 def _run_plan(argv: list[str]) -> int:
@@ -349,7 +371,7 @@ def _run_plan(argv: list[str]) -> int:
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
             scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            steps = simulate(plan, scheduler, lengths)
+            steps = simulate(plan, scheduler, lengths, _shared_prefix(namespace, lengths))
         if namespace.json:
             document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
             if plan.memory_rows:

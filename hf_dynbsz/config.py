@@ -46,7 +46,7 @@ def _field(name: str):
     spec = setting(name)
     help_text = spec.help + (f" Environment override: {spec.env}." if spec.env else "")
     metadata = {"help": help_text}
-    if spec.choices:
+    if spec.choices and spec.kind == "choice":  # (a sharing rule also takes true and false)
         metadata["choices"] = list(spec.choices)
     return field(default=spec.default, metadata=metadata)
 
@@ -65,7 +65,7 @@ class DynamicBatchFields:
     oversize_policy: str = _field("oversize_policy")
     packing_layout: str = _field("packing_layout")
     balance_across_ranks: bool = _field("balance_across_ranks")
-    share_prompt_prefix: bool = _field("share_prompt_prefix")
+    share_prompt_prefix: str = _field("share_prompt_prefix")  # true, false, "tree" or "groups" (str: one parser type)
     self_check: bool = _field("self_check")
     peak_tflops_per_device: float | None = _field("peak_tflops_per_device")
     max_memory_per_device_mib: int | None = _field("max_memory_per_device_mib")

@@ -10,7 +10,9 @@ and writes, from rank 0, the final (gathered) parameters, the completions every 
 metrics and every other metric it logged (``logged``: the loss metrics among them).
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
-(18-24 tokens against 1-3 on process 0); ``multiturn`` by scripted multi-turn completions with an environment mask;
+(18-24 tokens against 1-3 on process 0); ``prefix`` by a lopsided one with prefix structure (a 16-token block every
+prompt begins with, each prompt's completions sharing a trunk and one of two branches); ``multiturn`` by scripted
+multi-turn completions with an environment mask;
 ``environment`` trains with an environment that owns the prompts (no dataset) and the reward (no reward function).
 ``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...), and ``--scenarios``
 (JSON, ``{"name": {"flag": value, ...}, ...}``) once per named set of flags over the command line's (files suffixed
@@ -40,6 +42,7 @@ from hf_dynbsz.testing import TEST_ALPHABET as ALPHABET
 from hf_dynbsz.testing import (
     CountingEnvironment,
     MultiTurnRollout,
+    PrefixRollout,
     RecordingReward,
     ScriptedRollout,
     VisionScriptedRollout,
@@ -57,6 +60,9 @@ from hf_dynbsz.testing import (
     trainer_classes,
     vllm_standin,
 )
+
+#: ``--rollout``'s choices (see the module's docstring).
+ROLLOUTS = ("generate", "lopsided", "prefix", "multiturn", "environment")
 
 
 def lopsided_dataset(num_blocks: int = 8):
@@ -217,7 +223,7 @@ def add_trainer_flags(parser) -> None:
 def add_generation_flags(parser) -> None:
     """Where the completions come from: ``--rollout`` (generated or scripted), ``--vllm`` (TRL's vLLM path through the
     stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there)."""
-    parser.add_argument("--rollout", choices=["generate", "lopsided", "multiturn", "environment"], default="generate")
+    parser.add_argument("--rollout", choices=ROLLOUTS, default="generate")
     parser.add_argument("--vllm", choices=["none", "server", "colocate"], default="none", help="TRL's vLLM path")
     parser.add_argument("--vllm_is_mode", default="token_truncate", help="vllm_importance_sampling_mode (GRPO)")
 
@@ -328,6 +334,17 @@ def scripted_rollout(cli):
             lambda rng: rng.integers(3, 9),
             max_completion_length=24,
             seed=1,
+        )
+    if cli.rollout == "prefix":  # the leaves lopsided: rank ``long_rank``'s 12-17 tokens, the other's 1-3
+        return PrefixRollout(
+            lambda rng, n, rank: rng.integers(12, 18, n) if rank == cli.long_rank else rng.integers(1, 4, n),
+            lambda rng: rng.integers(3, 9),
+            max_completion_length=24,
+            seed=1,
+            shared=16,
+            trunk=3,
+            branches=2,
+            branch=2,
         )
     if cli.rollout == "multiturn":
         turn_lengths, env_lengths = (lambda rng: rng.integers(1, 7)), (lambda rng: rng.integers(2, 9))

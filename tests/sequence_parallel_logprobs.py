@@ -88,7 +88,7 @@ def gradient_difference(trainer, tokens):
     shared = tokens(9)
     rows = [(shared, tokens(n)) for n in (5, 14, 3)] + [(tokens(p), tokens(c)) for p, c in ((4, 21), (7, 1))]
     table = SequenceTable.from_padded(*padded(rows, trainer.processing_class.pad_token_id))
-    mb = trainer._dynbsz.microbatch(table, list(range(len(rows))), table.prompt_groups())
+    mb = trainer._dynbsz.microbatch(table, list(range(len(rows))))
     weights = torch.linspace(0.5, 2.0, mb.completion_mask.numel()).view(mb.completion_mask.shape)
 
     def gradients(sharded: bool) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_dynbsz.execution import attention
 from hf_dynbsz.execution.attention import (
     ATTENTION_NAME,
+    Node,
     Segment,
     SegmentLayout,
     device_facts,
@@ -29,7 +30,7 @@ from hf_dynbsz.execution.attention import (
     segment_attention_forward,
     use_segments,
 )
-from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.planning.model_support import VARLEN_ATTN
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
@@ -37,10 +38,12 @@ from hf_dynbsz.testing import (
     build_tiny_causal_lm,
     grpo_batch,
     packed_logps,
+    prefix_batch,
     reference_varlen_attention,
     reference_varlen_attn,
     segment_mask,
     stock_logps,
+    tree_mask,
 )
 
 
@@ -277,7 +280,7 @@ def test_flex_formulation_equals_dense_segment_masks(window, value_dim):
     assert torch.allclose(out, dense_reference(segments, query, key, value, 0.3, window), atol=1e-6)
     labels = layout.position_labels("cpu")
     assert labels["position"][19:29].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6]  # blocks continue from the prefix
-    assert labels["part"][19:29].unique().numel() == 3  # the prefix and two blocks
+    assert labels["node"][19:29].unique().numel() == 3  # the prefix and two blocks
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -508,10 +511,10 @@ def test_flex_block_mask_is_drawn_from_the_segments_as_torch_would_draw_it(windo
     layout = SegmentLayout(segments, "flex_attention")
     ours = layout.block_mask(window, "cpu")
     labels = layout.position_labels("cpu")
-    segment, part, shared, position = (labels[n] for n in ("segment", "part", "shared", "position"))
+    node, subtree_end, position = (labels[n] for n in ("node", "subtree_end", "position"))
 
     def rule(batch, head, query, key):
-        allowed = (segment[query] == segment[key]) & (key <= query) & ((part[query] == part[key]) | shared[key])
+        allowed = (key <= query) & (node[key] <= node[query]) & (node[query] < subtree_end[key])
         return allowed & (position[query] - position[key] < window) if window is not None else allowed
 
     torch_mask = create_block_mask(rule, None, None, layout.width, layout.width, device="cpu")
@@ -726,8 +729,8 @@ def test_a_flex_row_pads_to_its_width_with_a_segment_of_its_own(model):
         expected, _ = stock_logps(model, *batch)
         mb, logps, _ = packed_logps(model, table, list(range(8)), table.prompt_groups(), "flex_attention")
     assert mb.computed_tokens == 128 > mb.real_tokens and mb.segments.width == 128
-    last = mb.segments.segments[-1]
-    assert (last.start, last.prefix, last.blocks) == (mb.real_tokens, 0, (128 - mb.real_tokens,))
+    last = mb.segments.nodes()[-1]  # the padding: a root of its own
+    assert (last.start, last.length, last.parent) == (mb.real_tokens, 128 - mb.real_tokens, -1)
     for row in range(8):
         n = COMPLETIONS[row]
         assert torch.allclose(logps[row, :n], expected[row, :n], atol=2e-6, rtol=0)
@@ -758,3 +761,175 @@ def test_flex_kernel_falls_back_to_explicit_options_when_inductor_finds_no_valid
     kernel.function = broken
     with pytest.raises(ValueError, match="something else"):
         kernel._compile(query, query, query, None, 0.5, False)
+
+
+# ---- prefix trees: any shared run of tokens once, each node attending to its root-to-node path ---------------------
+#: A tree row: root A (5) with children B (3; its children D (4) and E (2)) and C (6; its child F (1)), a plain
+#: sequence G (7) and trailing padding P (2), in row order (start, length, parent).
+TREE = [(0, 5, -1), (5, 3, 0), (8, 4, 1), (12, 2, 1), (14, 6, 0), (20, 1, 4), (21, 7, -1), (28, 2, -1)]
+
+
+def tree_reference(nodes, query, key, value, scale, window=None):
+    """The whole row under the tree's dense mask (:func:`hf_dynbsz.testing.tree_mask`: parent links, depths)."""
+    mask = tree_mask(nodes, window)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return dense.transpose(1, 2)
+
+
+def tree_layout(base):
+    return SegmentLayout([Node(*node) for node in TREE], base)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("kernel", ["sdpa", "sdpa in 2 calls", "eager", "flex_attention", VARLEN_ATTN, "flash"])
+def test_a_tree_row_attends_along_each_nodes_path_on_every_kernel(kernel, window, monkeypatch, request):
+    """Each node's queries see its ancestors' keys and causally its own, never a sibling's or a cousin's (a window
+    counts depths): outputs, and gradients of queries, keys and values where the kernel has a backward on a CPU,
+    equal the tree's dense rule. The varlen kernels run the reference kernels of their contracts."""
+    base = {"sdpa in 2 calls": "sdpa", "flash": "flash_attention_2"}.get(kernel, kernel)
+    if kernel == "sdpa in 2 calls":
+        monkeypatch.setitem(attention.SPAN_CALLS_PER_LAYER, "cpu", 2)
+    if kernel == "flash":
+        request.getfixturevalue("flash_formulation")
+    if kernel == VARLEN_ATTN:
+        request.getfixturevalue("varlen_attn_kernel")
+    torch.manual_seed(9)
+    layout = tree_layout(base)
+    width = layout.width
+    inputs = [torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, 8)]
+    backward = kernel != "flex_attention"  # flex_attention has no backward on a CPU
+    ours_inputs = [t.clone().requires_grad_(backward) for t in inputs]
+    dense_inputs = [t.clone().requires_grad_(backward) for t in inputs]
+    module = MODULE
+    if kernel == "eager":  # the model's own eager function, found next to its attention module
+        from transformers.models.qwen2 import modeling_qwen2
+
+        config = modeling_qwen2.Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+        module = modeling_qwen2.Qwen2Attention(config, 0).eval()
+    with eager_flex_attention() if kernel == "flex_attention" else contextlib.nullcontext():
+        out = segment_attention_of(layout, *ours_inputs, module=module, scaling=0.3, sliding_window=window)
+    expected = tree_reference(TREE, *dense_inputs, 0.3, window)
+    assert torch.allclose(out, expected, atol=1e-6)
+    if not backward:
+        return
+    weights = torch.randn(expected.shape)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for ours, dense in zip(ours_inputs, dense_inputs):
+        assert torch.allclose(ours.grad, dense.grad, atol=1e-5)
+
+
+def test_a_tree_rows_index_tensors():
+    layout = tree_layout("sdpa")
+    parts = layout.parts()
+    assert [part.depth for part in parts] == [0, 5, 8, 8, 5, 11, 0, 0]  # positions continue along the path
+    assert parts[3].path == (range(0, 5), range(5, 8)) and parts[5].path == (range(0, 5), range(14, 20))
+    assert layout.subtree_ends() == [6, 4, 3, 4, 6, 6, 7, 8] and layout.gathers
+    cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans("cpu")
+    assert cu_q.tolist() == [0, 5, 8, 12, 14, 20, 21, 28, 30]  # every node a query span, in row order
+    assert cu_k.tolist() == [0, 5, 13, 25, 35, 46, 58, 65, 67]  # [path ; own]
+    assert key_index[35:46].tolist() == [*range(0, 5), *range(14, 20)]  # C: A's keys, then its own
+    assert (max_q, max_k) == (7, 12)
+    labels = layout.position_labels("cpu")
+    assert labels["position"][20].item() == 11 and labels["node"][20].item() == 5
+
+
+@pytest.fixture
+def tree_batch():
+    """A generation batch with sharing beyond prompt groups: a 7-token block every prompt begins with, three prompts
+    of their own (5, 2 and 9 tokens; 3, 3 and 2 completions) whose completions share a 4-token trunk, then one of two
+    3-token branches, then a leaf (one empty)."""
+    leaves = [6, 0, 3, 9, 1, 5, 4, 2]
+    batch = prefix_batch([5, 2, 9], leaves, [3, 3, 2], shared=7, trunk=4, branches=2, branch=3, seed=3)
+    return batch, SequenceTable.from_padded(*batch)
+
+
+def test_a_tree_row_computes_each_shared_position_once(tree_batch):
+    batch, table = tree_batch
+    tree = table.prefix_tree("tree")
+    mb = build_microbatch(table, list(range(8)), layout="padding_free", pad_token_id=0, attention="sdpa",
+                          keys=table.prefix_keys("tree"))  # fmt: skip
+    assert mb.real_tokens == tree.tokens() < table.lengths.sum() and mb.segments.gathers
+    # the block's first 6 tokens once (the 7th forks: it is keyed on the prompts' first own tokens), then per prompt
+    assert tree.length[0] == 6 and tree.parent.count(-1) == 1
+    # every sample's positions are counted for it (the router aux loss), and each completion token is one loss term
+    token_index, row_index = mb.token_rows
+    assert torch.bincount(row_index).tolist() == table.lengths.tolist()
+    assert mb.completion_mask.sum() == table.completion_lengths.sum()
+    assert len(set(mb.gather_index[mb.completion_mask.bool()].tolist())) < table.completion_lengths.sum()  # shared
+    groups = build_microbatch(table, list(range(8)), layout="padding_free", pad_token_id=0, attention="sdpa",
+                              keys=table.prefix_keys("groups"))  # fmt: skip
+    assert (
+        groups.real_tokens
+        == row_tokens(
+            list(range(8)), table.prompt_lengths.tolist(), table.completion_lengths.tolist(), table.prompt_groups()
+        )
+        > mb.real_tokens
+    )
+
+
+@pytest.mark.parametrize("kernel", ["native", VARLEN_ATTN, "flash"])
+def test_tree_rows_give_stocks_logprobs_and_entropies(model, tree_batch, kernel, request):
+    """A shared block across prompts and tree-rollout completions (trunks and branches are completion tokens: their
+    positions are loss terms of every sample holding them): each sample's log-probs and entropies are stock's."""
+    base = model.config._attn_implementation
+    if kernel != "native" and base == "flex_attention":
+        pytest.skip("the varlen formulations replace sdpa and eager; a model on flex_attention keeps its own kernel")
+    if kernel != "native":
+        request.getfixturevalue({"flash": "flash_formulation"}.get(kernel, "varlen_attn_kernel"))
+        base = VARLEN_ATTN if kernel == VARLEN_ATTN else base
+    batch, table = tree_batch
+    order = [7, 0, 4, 2, 1, 6, 3, 5]
+    with torch.no_grad():
+        expected, expected_entropy = stock_logps(model, *batch)
+        mb, logps, entropy = packed_logps(model, table, order, None, base, 8, sharing="tree")
+    for row, sample in enumerate(order):
+        n = int(table.completion_lengths[sample])
+        assert torch.allclose(logps[row, :n], expected[sample, :n], atol=2e-6, rtol=0), (row, sample)
+        assert torch.allclose(entropy[row, :n], expected_entropy[sample, :n], atol=2e-6, rtol=0)
+    assert mb.real_tokens == table.prefix_tree("tree").tokens()
+
+
+@pytest.mark.parametrize("kernel", ["native", VARLEN_ATTN])
+def test_tree_gradients_equal_those_of_separate_sequences(model, tree_batch, kernel, request):
+    """The gradient of a shared position is the sum of its samples' loss terms' gradients, as stock's separate
+    sequences give it: each sample weighted differently, the gradients of every parameter equal stock's."""
+    base = model.config._attn_implementation
+    if base == "flex_attention":
+        pytest.skip("flex_attention has no backward on CPU (torch raises NotImplementedError); the GPU check trains it")
+    if kernel == VARLEN_ATTN:
+        request.getfixturevalue("varlen_attn_kernel")
+        base = VARLEN_ATTN
+    batch, table = tree_batch
+    weights = torch.linspace(-1.0, 2.0, 8).unsqueeze(1)
+
+    def stock():
+        return (stock_logps(model, *batch)[0] * batch[3] * weights).sum()
+
+    def ours():
+        _, logps, _ = packed_logps(model, table, list(range(8)), None, base, sharing="tree")
+        return (logps * weights).sum()
+
+    expected, got = gradients(model, stock), gradients(model, ours)
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_tree_row_without_sharing_beyond_groups_is_the_groups_row(model):
+    """Distinct prompts whose completions differ from their first token: the tree shares what prompt groups share,
+    and lays the row out as the groups rule does, node for node."""
+    batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=11, token_high=200)
+    table = SequenceTable.from_padded(*batch)
+    first = [int(t[p]) for t, p, c in zip(table.tokens, table.prompt_lengths, table.completion_lengths) if c]
+    prompts = [t[:p].tolist() for t, p in zip(table.tokens, table.prompt_lengths)]
+    assert len(set(first)) == len(first) and len({p[0] for p in prompts}) == 3  # nothing more to share
+    order = [5, 0, 7, 2, 4, 1, 6, 3]
+    rows = [
+        build_microbatch(table, order, layout="padding_free", pad_token_id=0, attention="sdpa", keys=keys)
+        for keys in (table.prefix_keys("tree"), table.prefix_keys("groups"))
+    ]
+    assert rows[0].segments.nodes() == rows[1].segments.nodes()
+    assert torch.equal(rows[0].model_inputs["input_ids"], rows[1].model_inputs["input_ids"])
+    assert torch.equal(rows[0].gather_index, rows[1].gather_index)

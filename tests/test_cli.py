@@ -267,6 +267,25 @@ def test_prompt_completion_lines(tmp_path, plan_in_process):
     assert lengths_table(result.stdout)["1"][:2] == ["2", "120"]
 
 
+def test_a_block_every_prompt_begins_with_is_computed_once_in_a_prefix_tree(tmp_path, plan_in_process):
+    """Two prompts of 610 and 620 tokens that begin with the same 600, 4 completions each, one pass: prompt groups
+    compute each prompt once (1753 tokens), a prefix tree the block once more (599 tokens fewer); the real tokens
+    column counts each sample's own."""
+    path = tmp_path / "agentic.txt"
+    path.write_text("610 40 0\n610 90 0\n610 12 0\n610 200 0\n620 30 1\n620 60 1\n620 5 1\n620 80 1\n")
+    options = ("--per_device_train_batch_size", 8, "--num_generations", 4, "--use_cpu", "true", "--lengths", path)
+    computed = {}
+    for sharing in ("groups", "tree"):
+        result = plan_in_process(*options, "--share_prompt_prefix", sharing, "--shared_prefix", 600)
+        assert result.returncode == 0, result.stderr
+        row = lengths_table(result.stdout)["1"]
+        assert row[1] == "5437"  # real tokens: the samples' own
+        computed[sharing] = int(row[6])
+    assert computed == {"groups": 1753, "tree": 1753 - 599}
+    result = plan_in_process(*options, "--share_prompt_prefix", "tree", "--shared_prefix", 900)
+    assert result.returncode == 2 and "--shared_prefix must be" in result.stderr and "(610)" in result.stderr
+
+
 @pytest.mark.parametrize("content", ["12\nabc\n", "[1, 2.5]", '{"a": 1}', "", "[1, [2, 3]]"])
 def test_bad_lengths_file_exits_2(tmp_path, content, plan_in_process):
     path = tmp_path / "bad.txt"

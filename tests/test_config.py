@@ -106,8 +106,32 @@ def test_string_values_are_converted(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("given", "value", "rule"),
+    [(True, True, "tree"), ("tree", "tree", "tree"), ("Groups", "groups", "groups"), ("false", False, None)],
+)
+def test_the_sharing_rule_is_a_name_or_a_boolean_and_true_is_the_tree(tmp_path, monkeypatch, given, value, rule):
+    from hf_dynbsz.planning.settings import sharing_rule
+
+    config = make_config(tmp_path, share_prompt_prefix=given)
+    assert config.share_prompt_prefix == value and sharing_rule(config.share_prompt_prefix) == rule
+    monkeypatch.setenv("DIFFU_SHARE_PROMPT_PREFIX", "groups")
+    assert make_config(tmp_path, share_prompt_prefix="tree").share_prompt_prefix == "groups"
+
+
+def test_the_sharing_rule_parses_from_the_command_line(tmp_path):
+    from trl import TrlParser
+
+    parser = TrlParser(DynamicBatchGRPOConfig)
+    for text, value in (("tree", "tree"), ("false", False), ("groups", "groups")):
+        arguments = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--share_prompt_prefix", text]
+        (config,) = parser.parse_args_and_config(arguments)
+        assert config.share_prompt_prefix == value
+
+
+@pytest.mark.parametrize(
     "field, value, phrase",
     [
+        ("share_prompt_prefix", "trie", "share_prompt_prefix must be 'tree', 'groups', true or false"),
         ("max_tokens_per_microbatch", 0, "max_tokens_per_microbatch must be a positive integer number of tokens"),
         ("max_tokens_per_microbatch_logprob", -1, "max_tokens_per_microbatch_logprob must be a positive integer"),
         ("per_device_generation_batch_size", 0, "per_device_generation_batch_size must be a positive integer"),
@@ -404,3 +428,11 @@ def test_a_plain_distillation_config_gets_its_fields_and_no_grpo_check(tmp_path)
     grpo = make_config(tmp_path, cls=GRPOConfig)
     ensure_dynamic_batch_fields(grpo)
     assert not hasattr(grpo, "max_tokens_per_microbatch_teacher")  # a GRPO config has no teacher
+
+
+def test_a_memory_fraction_above_one_from_the_environment_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFU_MAX_MEMORY_FRACTION", "1.5")
+    with pytest.raises(ValueError, match=r"max_memory_fraction_per_device must be .*DIFFU_MAX_MEMORY_FRACTION=1.5"):
+        make_config(tmp_path)
+    monkeypatch.setenv("DIFFU_MAX_MEMORY_FRACTION", "0.9")
+    assert make_config(tmp_path).max_memory_fraction_per_device == 0.9

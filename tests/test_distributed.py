@@ -215,6 +215,12 @@ MOE_RUNS = {
         architecture="qwen3_moe", router_aux_loss_coef=1.0, **LOPSIDED_ROLLOUT, loss_type="dapo", num_iterations=1
     ),
 }
+#: A prefix tree across two processes (test_a_prefix_tree_...): a block every prompt begins with, each prompt's
+#: completions sharing a trunk and branches, every long leaf on rank 1 (balancing moves whole subtrees).
+PREFIX_RUNS = {
+    "ddp": dict(rollout="prefix", budget=96, max_steps=3, loss_type="grpo", beta=0.1, num_iterations=2),
+    "zero3": dict(rollout="prefix", budget=96, max_steps=3, loss_type="dapo", beta=0.1, num_iterations=2),
+}
 #: An out-of-memory error injected on one process under DDP with a memory limit (test_an_out_of_memory_pass_...).
 #: A forward that raises leaves DDP's buffer-broadcast flag as the pass before set it: the process settles it as the
 #: others' completed passes did (``OutOfMemoryRecovery.settle``), or it broadcast alone in its next forward and hung.
@@ -253,6 +259,8 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
 )
 SHARED_RUNS["cpu_zero2.yaml"]["moe"] = MOE_RUNS["zero2"]
+SHARED_RUNS["cpu_ddp.yaml"]["prefix"] = PREFIX_RUNS["ddp"]
+SHARED_RUNS["cpu_zero3.yaml"]["prefix"] = PREFIX_RUNS["zero3"]
 SHARED_RUNS["cpu_zero3.yaml"]["hybrid"] = HYBRID_RUNS["zero3"]
 SHARED_RUNS["cpu_fsdp2.yaml"].update(
     {"hybrid": HYBRID_RUNS["fsdp2"], "memory": OOM_RUN, "vision_qwen2_vl": FSDP2_VISION_RUN}
@@ -285,6 +293,16 @@ def test_the_loss_metrics_of_moved_samples_are_stocks(loss_type, model_dir, shar
         logged = [entry for entry in ours[rank]["logged"] if "entropy" in entry]
         assert len(logged) == 3 and all({"kl", METRIC_RUNS[loss_type]} <= set(entry) for entry in logged)
         assert len({entry[METRIC_RUNS[loss_type]] for entry in logged}) > 1  # the figure moves from step to step
+
+
+@pytest.mark.parametrize("backend", list(PREFIX_RUNS))
+def test_a_prefix_tree_across_two_processes_matches_stock(backend, model_dir, shared_launches):
+    """The default prefix tree: the block once per pass across prompts, trunks once per prompt, samples moved to the
+    other process with the subtree they share a pass with; parameters equal stock's under DDP and ZeRO-3."""
+    ours = compare(BACKENDS[backend][0], model_dir, shared_launches, **PREFIX_RUNS[backend])
+    steps = [step for record in ours for step in record["metrics"]]
+    assert max(step["dynbsz/tree_tokens_saved"] for step in steps) > 0  # beyond prompt groups
+    assert max(step["dynbsz/samples_moved"] for step in steps) > 0
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,17 @@ def test_each_variable_maps_to_its_field():
         "DIFFU_MAX_TOKENS": "max_tokens_per_microbatch",
         "DIFFU_MAX_MEMORY_MIB": "max_memory_per_device_mib",
         "DIFFU_MAX_MEMORY_FRACTION": "max_memory_fraction_per_device",
+        "DIFFU_SHARE_PROMPT_PREFIX": "share_prompt_prefix",
     }
+
+
+@pytest.mark.parametrize("raw, value", [("tree", "tree"), ("GROUPS", "groups"), ("false", False), ("1", True)])
+def test_the_sharing_rule_is_a_name_or_a_boolean(raw, value):
+    assert read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": raw}) == {
+        "share_prompt_prefix": ("DIFFU_SHARE_PROMPT_PREFIX", value)
+    }
+    with pytest.raises(ValueError, match=r"DIFFU_SHARE_PROMPT_PREFIX='trie' is not valid: expected 'tree', 'groups'"):
+        read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": "trie"})
 
 
 def test_read_returns_field_to_variable_and_value():
@@ -119,3 +129,16 @@ def test_module_is_pure_python():
     from hf_dynbsz.testing import loaded_by_import
 
     assert loaded_by_import("hf_dynbsz.planning.env") == {"torch": False, "trl": False}
+
+
+@pytest.mark.parametrize("raw, value", [("0.9", 0.9), (" 0.5\n", 0.5), ("1", 1.0)])
+def test_the_memory_fraction_variable_reads_a_fraction(raw, value):
+    assert read_env_overrides({"DIFFU_MAX_MEMORY_FRACTION": raw}) == {
+        "max_memory_fraction_per_device": ("DIFFU_MAX_MEMORY_FRACTION", value)
+    }
+
+
+@pytest.mark.parametrize("raw", ["", "abc", "0", "-0.5", "nan", "inf"])
+def test_the_memory_fraction_variable_rejects_what_is_not_a_positive_number(raw):
+    with pytest.raises(ValueError, match=r"DIFFU_MAX_MEMORY_FRACTION=.* is not valid: expected a fraction"):
+        read_env_overrides({"DIFFU_MAX_MEMORY_FRACTION": raw})

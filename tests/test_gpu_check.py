@@ -50,7 +50,7 @@ def test_the_tiny_run_passes_and_reports_every_check(tmp_path):
     assert [r[-1] for r in fp32[:4]] == ["pass"] * 4
     assert {setting.split(", ")[2] for setting, *_ in fp32[:4]} == {"grpo", "bnpo", "dapo"}
     assert any("prompts not shared" in setting for setting, *_ in fp32) and any(
-        "shared prompts" in measured for _, measured, *_ in fp32
+        "prefix tree" in measured for _, measured, *_ in fp32
     )
     assert all("params" in measured and "update" in measured for _, measured, _, result in fp32 if result == "pass")
     assert results["stock's bf16 noise"][0][-1] == "info"
@@ -69,6 +69,10 @@ def test_the_tiny_run_passes_and_reports_every_check(tmp_path):
     for layout in ("varlen", "flex"):  # their kernels run on CUDA only
         assert all(row[-1].startswith("skipped: no CUDA") for row in results[f"speed: {layout}"])
     assert [row[-1] for row in results["first step: auto"]] == ["info", "info"]
+    for name in ("stock", "groups", "tree", "tree vs groups"):  # the agentic mix: the tool block once per pass
+        ((setting, measured, _, result),) = results[f"prefix tree: {name}"]
+        assert result == "info" and setting.startswith("tiny, agentic")
+    assert "saved by the tree" in results["prefix tree: tree vs groups"][0][1]
     assert results["host syncs"][0][-1].startswith("skipped: no CUDA")
     ((_, measured, _, result),) = results["profile"]
     assert result == "info" and "gpu_check_profile.md" in measured

@@ -79,6 +79,29 @@ def test_a_mix_rollout_draws_the_mix_lengths_and_the_tokenizers_tokens():
     assert result["completion_ids"][0][-1] == tokenizer.eos_token_id  # shorter than M: finished
 
 
+@pytest.mark.parametrize(("mix", "block", "stem"), [("agentic", 600, 0), ("few_shot", 400, 0), ("tree", 0, 112)])
+def test_a_prefix_mix_rollout_gives_its_prompts_a_block_and_its_completions_a_trunk(mix, block, stem):
+    """The prefix mixes: every prompt begins with the same block; a prompt's completions share the trunk and their
+    branch (``k mod 2``), then leaves of their own; each round records its prefix tree's unique tokens."""
+    import numpy as np
+
+    from hf_dynbsz.planning.prefix_tree import PrefixTree, token_keys
+
+    tokenizer = build_char_tokenizer()
+    rollout = mix_rollout(mix, tokenizer, 384)
+    trainer = type("Trainer", (), {"accelerator": type("Accelerator", (), {"process_index": 0})})()
+    result = rollout(["a"] * 4 + ["b"] * 4, trainer)
+    prompts, completions = result["prompt_ids"], result["completion_ids"]
+    assert prompts[0][:block] == prompts[4][:block] and prompts[0] != prompts[4]
+    assert all(len(ids) <= 384 for ids in completions)
+    if stem:  # a 64-token trunk, then one of two 48-token branches
+        assert completions[0][:64] == completions[1][:64] and completions[0][:stem] == completions[2][:stem]
+        assert completions[0][64:stem] != completions[1][64:stem] and completions[0][:64] != completions[4][:64]
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    tree = PrefixTree.of_keys([token_keys(np.array(ids), len(tokenizer) + 2) for ids in sequences])
+    assert rollout.rounds[-1]["unique_tokens"] == tree.tokens() < sum(map(len, sequences))
+
+
 def test_rloo_takes_the_scripted_rollout_as_its_generation(tmp_path):
     tokenizer = build_char_tokenizer()
     model = ModelShape(32, 1).build(tokenizer)

@@ -27,13 +27,30 @@ def names(layouts):
 # ---- the layouts a run may use, fastest first -------------------------------------------------------------------
 def test_a_plain_decoder_starts_padding_free_with_shared_prompts_and_can_step_down_to_stocks_layout():
     layouts, notes = support_of("llama").layouts()
+    assert [layout.sharing for layout in layouts] == ["tree", "groups", None, None, None]
     assert names(layouts) == [
+        ("padding_free", True, "sdpa", False, "varlen"),
         ("padding_free", True, "sdpa", False, "varlen"),
         ("padding_free", False, "sdpa", False, "varlen"),
         ("padded", False, None, False, "dense"),
         ("padded", False, None, True, "dense"),
     ]
     assert notes == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", "qwen3_moe", "qwen2_vl"])
+def test_a_prefix_tree_comes_first_and_steps_down_to_prompt_groups(model_type):
+    """share_prompt_prefix="tree" on every family with shared prompts (hybrid, MoE, vision-language): the tree's rung,
+    then the prompt groups' (where the self-check steps down), then no sharing; "groups" starts at the groups' rung,
+    True (the default rule) at the tree's."""
+    support = ModelSupport.of(CONFIG_MAPPING[model_type](), attn_implementation="sdpa")
+    tree, notes = support.layouts(share_prompt_prefix="tree")
+    assert [layout.sharing for layout in tree[:3]] == ["tree", "groups", None] and notes == []
+    assert tree[0].describe().startswith("padding_free, prefix tree, segment attention (sdpa)")
+    assert tree[1:] == support.layouts(share_prompt_prefix="groups")[0] and tree == support.layouts()[0]
+    padded, notes = support.layouts("padded", share_prompt_prefix="tree")
+    assert not any(layout.share_prompts for layout in padded)
+    assert notes == ["share_prompt_prefix is not applied: packing_layout='padded'"]
 
 
 @pytest.mark.parametrize(
@@ -270,7 +287,8 @@ def test_on_a_capable_gpu_sdpa_and_eager_take_varlen_attn_padding_free_rows(atte
     support = support_of("llama", attn_implementation=attention)
     layouts, notes = support.layouts("auto", True, CAPABLE)
     assert names(layouts) == [
-        ("padding_free", True, VARLEN_ATTN, False, "varlen"),
+        ("padding_free", True, VARLEN_ATTN, False, "varlen"),  # a prefix tree (True: the default rule)
+        ("padding_free", True, VARLEN_ATTN, False, "varlen"),  # prompt groups
         ("padding_free", False, VARLEN_ATTN, False, "varlen"),
         ("padded", False, None, False, "dense"),
         ("padded", False, None, True, "dense"),

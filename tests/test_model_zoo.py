@@ -55,11 +55,11 @@ TRANSFORMERS = _transformers_version()
 
 #: What the plugin trains each architecture with after the self-check (``Layout.describe()`` of the layout, or
 #: "stock math"), with default settings and the model's default attention implementation.
-SHARED = "padding_free, shared prompts, segment attention (sdpa)"
-SHARED_EAGER = "padding_free, shared prompts, segment attention (eager)"
+SHARED = "padding_free, prefix tree, segment attention (sdpa)"
+SHARED_EAGER = "padding_free, prefix tree, segment attention (eager)"
 #: hybrid and state-space models: their sequence mixers run per sequence (hf_dynbsz.execution.recurrence)
-SHARED_RECURRENT = "padding_free, shared prompts, segment attention (sdpa), segment recurrence"
-SHARED_RECURRENT_EAGER = "padding_free, shared prompts, segment attention (eager), segment recurrence"
+SHARED_RECURRENT = "padding_free, prefix tree, segment attention (sdpa), segment recurrence"
+SHARED_RECURRENT_EAGER = "padding_free, prefix tree, segment attention (eager), segment recurrence"
 PADDED = "padded"
 MASKED = "padded, attention mask"
 STOCK = "stock math"
@@ -394,11 +394,13 @@ REPRESENTATIVE = (
 # Running one architecture
 # ---------------------------------------------------------------------------------------------------------------
 def _rollout(equal_prompts: bool):
-    from hf_dynbsz.testing import ScriptedRollout
+    """Every prompt begins with the same 3 tokens (a block shared across prompts), then 3 of its own (or 1-10), and a
+    prompt's completions share their first 2 tokens: the default prefix tree shares beyond prompt groups."""
+    from hf_dynbsz.testing import PrefixRollout
 
-    prompt_length = (lambda rng: 6) if equal_prompts else (lambda rng: rng.integers(2, 12))
+    prompt_length = (lambda rng: 3) if equal_prompts else (lambda rng: rng.integers(1, 11))
     lengths = lambda rng, n, rank: rng.geometric(0.12, n)  # noqa: E731
-    return ScriptedRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=60)
+    return PrefixRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=60, shared=3, trunk=2)
 
 
 def train(
@@ -444,17 +446,19 @@ def trained_layout(trainer) -> str:
 
 
 def per_sample_error(trainer) -> float:
-    """Largest difference between the plugin's log-probs of a step (varied prompt lengths, prompt groups of 3, the
-    trainer's layout and schedule) and each sample computed alone; 0 for stock math."""
+    """Largest difference between the plugin's log-probs of a step (a 5-token block every prompt begins with, varied
+    prompt lengths, prompt groups of 3 whose completions share a trunk, then one of two branches; the trainer's
+    layout and schedule) and each sample computed alone; 0 for stock math."""
     import torch
 
     from hf_dynbsz.execution.packing import SequenceTable
-    from hf_dynbsz.testing import grpo_batch, logps_alone
+    from hf_dynbsz.testing import logps_alone, prefix_batch
 
     if not trainer._dynbsz.enabled:
         return 0.0
-    completion_lengths = (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)
-    batch = grpo_batch((3, 9, 5, 12), completion_lengths, (3, 3, 3, 3), seed=5, token_high=60)  # 3 completions each
+    leaves = (1, 20, 7, 3, 14, 9, 24, 2, 11, 5, 17, 8)
+    batch = prefix_batch((3, 9, 5, 12), leaves, (3, 3, 3, 3), shared=5, trunk=3, branches=2, branch=2, seed=5,
+                         token_high=60)  # fmt: skip
     table = SequenceTable.from_padded(*batch)
     model = trainer.model
     model.eval()
@@ -565,7 +569,7 @@ def _recurrent_params():
 
 @pytest.mark.parametrize(("model_type", "loss_type"), list(_recurrent_params()))
 def test_recurrent_architecture_trains_as_stock_under_each_loss_type(model_type, loss_type, tmp_path, one_thread):
-    """Padding-free rows with shared prompts through segment recurrence, old-policy log-probs from a packed no-grad
+    """Padding-free rows with a prefix tree through segment recurrence, old-policy log-probs from a packed no-grad
     pass (num_iterations 2): the parameters equal stock's (prompts of equal length: stock's own forward is then
     per-sample exact)."""
     from trl import GRPOConfig, GRPOTrainer
@@ -595,7 +599,8 @@ DEFAULT_PATTERN_REPRESENTATIVE = ("jamba",)
 
 
 def _default_pattern_params():
-    """Every segment-recurrence family, shared prompts on and off (marker ``zoo``; Jamba also runs by default)."""
+    """Every segment-recurrence family, sharing on (the prefix tree) and off (marker ``zoo``; Jamba also runs by
+    default)."""
     for param in _params():
         (model_type,) = param.values
         if "segment recurrence" not in expected(model_type).layout:
@@ -611,7 +616,7 @@ def _default_pattern_params():
 def test_recurrent_family_from_its_defaults_layer_pattern_trains_as_stock(model_type, share, tmp_path, one_thread):
     """Each hybrid and state-space family from its config class's defaults, reduced in size only
     (``layer_pattern="default"``: its real pattern of layers, several recurrent ones in a row, MoE between them where it
-    has MoE), trains as stock with shared prompts on and off: the one-layer-of-each-kind models of the table above hid
+    has MoE), trains as stock with sharing on and off: the one-layer-of-each-kind models of the table above hid
     a Jamba whose blocks ignored their prefix's recurrent state (A_log 68% off stock)."""
     from trl import GRPOConfig, GRPOTrainer
 
@@ -629,7 +634,7 @@ def test_recurrent_family_from_its_defaults_layer_pattern_trains_as_stock(model_
         share_prompt_prefix=share,
     )
     layout = expected(model_type).layout
-    assert trained_layout(trainer) == (layout if share else layout.replace("shared prompts, ", ""))
+    assert trained_layout(trainer) == (layout if share else layout.replace("prefix tree, ", ""))
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
 
 

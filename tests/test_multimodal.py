@@ -210,6 +210,44 @@ def test_a_padding_free_row_holds_a_shared_prompts_images_once_and_each_samples_
     assert mb.computed_tokens == 16 and mb.real_tokens == 13
 
 
+def test_a_tree_row_shares_text_before_the_images_across_prompts_and_each_prompts_images_once():
+    """Samples 0, 1: a prompt [6 7 image image 8] with one picture; sample 2: the same tokens, another picture. The
+    tree shares the first token with sample 2 (the token before the first image token is keyed on the picture), and
+    samples 0 and 1 share the prompt and their completions' first token; each picture is in the row once, with the
+    image tokens of the node that holds it."""
+    prompt_ids = torch.tensor([[6, 7, 5, 5, 8]] * 3)
+    completion_ids = torch.tensor([[3, 4], [3, 9], [3, 4]])
+    inputs = grid_inputs([1, 1, 1])
+    inputs["image_grid_thw"] = torch.tensor([[1, 2, 2]] * 3)
+    inputs["pixel_values"] = torch.cat([torch.ones(4, 6), torch.ones(4, 6), torch.zeros(4, 6)])
+    fields = torch.tensor([[0, 0, 1, 1, 0, 0, 0]] * 3)
+    table = SequenceTable.from_padded(
+        prompt_ids,
+        torch.ones_like(prompt_ids),
+        completion_ids,
+        torch.ones_like(completion_ids),
+        media=split_media(inputs, 3),
+        token_fields={"mm_token_type_ids": fields},
+    )
+    assert table.first_media_positions() == [2, 2, 2]
+    table.positions = [torch.arange(7).expand(3, -1) * (i + 1) for i in range(3)]
+    mb = build_microbatch(table, [0, 1, 2], layout="padding_free", pad_token_id=0, attention="sdpa",
+                          keys=table.prefix_keys("tree"))  # fmt: skip
+    # [6 | 7 5 5 8 | 3 4 | 3 9 | 7 5 5 8 3 4]: the first token once, then each picture's prompt
+    assert mb.model_inputs["input_ids"].tolist() == [[6, 7, 5, 5, 8, 3, 4, 3, 9, 7, 5, 5, 8, 3, 4]]
+    assert [(n.start, n.length, n.parent) for n in mb.segments.nodes()] == [
+        (0, 1, -1), (1, 4, 0), (5, 2, 1), (7, 2, 1), (9, 6, 0),
+    ]  # fmt: skip
+    assert mb.model_inputs["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0]]
+    positions = mb.model_inputs["position_ids"]
+    assert positions[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 5, 6, 1, 2, 3, 4, 5, 6]  # depths
+    # each node's source sample's (synthetic here: sample i's positions x (i + 1)): 0, 0, 0, 1, 2
+    assert positions[1, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 10, 12, 3, 6, 9, 12, 15, 18]
+    assert torch.equal(mb.model_inputs["pixel_values"], inputs["pixel_values"][[0, 1, 2, 3, 8, 9, 10, 11]])
+    assert mb.model_inputs["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    assert mb.real_tokens == table.prefix_tree("tree").tokens() == 15
+
+
 def test_a_prompt_ending_in_an_image_token_is_never_shared():
     prompt_ids = torch.tensor([[6, 5], [6, 5]])
     completion_ids = torch.tensor([[3], [4]])
@@ -390,7 +428,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
     assert max(step["dynbsz/microbatches"] for step in steps) > 2  # ...more of them than stock's 2 slices
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)  # ...padding-free...
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
-    assert "self-check passed: padding_free, shared prompts, segment attention" in caplog.text
+    assert "self-check passed: padding_free, prefix tree, segment attention" in caplog.text  # the default rule
     assert "stock micro-batches" not in caplog.text
     assert "image inputs" in caplog.text and "repacked" in caplog.text  # the plan table's row
 
@@ -421,6 +459,18 @@ def test_prompts_of_equal_text_and_other_pictures_are_not_shared(family, tmp_pat
     image features (prompts shared by their tokens alone) would move the parameters away from stock's."""
     history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True), budget=400)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in repacked_steps(history))
+
+
+@pytest.mark.parametrize("family", VISION_LANGUAGE_FAMILIES)
+def test_image_rollouts_train_as_stock_in_a_prefix_tree(family, tmp_path):
+    """share_prompt_prefix="tree", trusted (no self-check): the text before each prompt's first image token shared
+    across prompts, each prompt's pictures in the row once, completions sharing what they begin with; and prompts of
+    equal text whose pictures differ share no position past the text before the image."""
+    tree = {"share_prompt_prefix": "tree", "self_check": False}
+    history = compare(family, tmp_path / "a", budget=400, ours_settings=tree, num_iterations=2, steps_per_generation=4)
+    assert any(step["dynbsz/tree_tokens_saved"] > 0 for step in repacked_steps(history))  # beyond prompt groups
+    same_text = image_prompt_dataset([1] * 8, sizes=(56,), same_text=True)
+    compare(family, tmp_path / "b", dataset=same_text, budget=400, ours_settings=tree)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])

@@ -19,11 +19,12 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
-from hf_dynbsz.execution.attention import Segment, SegmentLayout, use_segments
+from hf_dynbsz.execution.attention import Node, Segment, SegmentLayout, use_segments
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
     bucket_length,
+    chained_states,
     continuation_calls,
     prefix_states,
     recurrence_calls,
@@ -32,7 +33,7 @@ from hf_dynbsz.execution.recurrence import (
 )
 from hf_dynbsz.execution.self_check import gradient_error
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, stock_logps
+from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, prefix_batch, stock_logps
 from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES, build_tiny_causal_lm_of_type, causal_lm_types
 
 TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
@@ -99,6 +100,52 @@ def test_shared_prompts_give_each_samples_own_logprobs(model, pad_to_multiple_of
     assert largest_error(model, order, shared=True, pad_to_multiple_of=pad_to_multiple_of) <= TOLERANCE
 
 
+def tree_error(model) -> float:
+    """The largest difference from each sample alone of a tree row: a block every prompt begins with, completions
+    sharing a trunk and one of two branches (inner nodes two levels deep, nodes shorter than a convolution's kernel)."""
+    batch = prefix_batch(
+        [5, 2, 9], [6, 0, 3, 9, 1, 5, 4, 2], [3, 3, 2], shared=7, trunk=4, branches=2, branch=3, seed=3
+    )
+    table = SequenceTable.from_padded(*batch)
+    completions = table.completion_lengths.tolist()
+    with torch.no_grad():
+        _, logps, _ = packed_logps(model, table, list(range(8)), None, model.config._attn_implementation,
+                                   mixers=mixers(model), sharing="tree")  # fmt: skip
+        return max(
+            (logps[j, :c] - logps_alone(model, table, j)).abs().max().item() for j, c in enumerate(completions) if c
+        )
+
+
+def test_a_tree_row_gives_each_samples_own_logprobs(model):
+    """Each node starts from its parent's final states (copied for every child), inner nodes level by level; the
+    first row decides, per mixer, whether states are handed on (blocks of roots, and down chains of inner nodes)."""
+    assert tree_error(model) <= TOLERANCE  # the mixers decide here, and recompute
+    assert tree_error(model) <= TOLERANCE  # then hand states on where they decided so
+    chains = {chained_states(m) for m in model.modules() if type(m).__name__ in mixers(model)}
+    assert chains == {model.config.model_type not in ("recurrent_gemma", "minimax")}
+
+
+def test_states_go_down_chains_of_inner_nodes_only_where_a_chain_was_checked(monkeypatch):
+    """A cache whose state, once a run started from one, stays the state it started from: shared prompts' blocks
+    (children of roots, which start from zero) are still right, chains of inner nodes are not. Decided on a row of
+    shared prompts, the check of the row cut in halves sees it, and tree rows recompute their paths: still exact.
+    Handing states down chains anyway leaks."""
+    model = build_tiny_causal_lm_of_type("qwen3_5_text", seed=1)
+    add_fused_lm_head(model.eval(), outputs=("log_probs", "entropy"))
+
+    def stale(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        return self.recurrent.setdefault(state_idx, recurrent_states)
+
+    monkeypatch.setattr(recurrence.RunStates, "update_recurrent_state", stale)
+    assert largest_error(model, list(range(len(COMPLETIONS))), shared=True) <= TOLERANCE  # decides on shared prompts
+    deciding = [m for m in model.modules() if type(m).__name__ in mixers(model)]
+    assert {prefix_states(m) for m in deciding} == {True} and {chained_states(m) for m in deciding} == {False}
+    assert tree_error(model) <= TOLERANCE
+    for module in deciding:
+        recurrence._CHAINED_STATES[module] = True
+    assert tree_error(model) > LEAK
+
+
 def test_a_sequence_never_starts_from_the_previous_sequences_state(model):
     order = list(range(len(COMPLETIONS)))
     assert largest_error(model, order, shared=False) <= TOLERANCE
@@ -111,21 +158,15 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
     assert largest_error(model, order, shared=True) <= TOLERANCE
 
     # the control: blocks run from a zero state, each prefix alone (recomputed prefixes), or from the bank's zero row
-    def without_prefix_state(layout, device):
-        split = []
-        for segment in layout.segments:
-            start = segment.start
-            for length in (segment.prefix, *segment.blocks):
-                if length:
-                    split.append(Segment(start, 0, (length,)))
-                start += length
+    def without_prefix_state(layout, device):  # every node a root of its own
+        split = [Node(part.own.start, len(part.own)) for part in layout.parts()]
         return recomputed(SegmentLayout(split, layout.base_implementation), device)
 
     def from_zero_state(layout, device):
-        prefix_calls, calls, positions = continued(layout, device)
-        zero_row = sum(call.gather.shape[0] for call in prefix_calls)
+        levels, calls, positions = continued(layout, device)
+        zero_row = sum(call.gather.shape[0] for level in levels for call in level)
         calls = [dataclasses.replace(call, state_rows=torch.full_like(call.state_rows, zero_row)) for call in calls]
-        return prefix_calls, calls, positions
+        return levels, calls, positions
 
     recomputed, continued = recurrence_calls, continuation_calls
     monkeypatch.setattr(recurrence, "recurrence_calls", without_prefix_state)
@@ -191,9 +232,10 @@ def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
 def test_with_prefix_states_each_prefix_runs_once_and_its_blocks_start_from_its_final_state():
     segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 2, (4, 6))]
     layout = SegmentLayout(segments, "sdpa")
-    prefix_calls, calls, positions = continuation_calls(layout, "cpu")
+    (prefix_calls,), calls, positions = continuation_calls(layout, "cpu")  # one level of inner nodes: the prefixes
     # prefixes unpadded (their final states are read), by length: [23, 24] then [5..8]; bank rows 0, 1; zero row 2
     assert [call.gather.tolist() for call in prefix_calls] == [[[23, 24]], [[5, 6, 7, 8]]]
+    assert all(call.state_rows is None for call in prefix_calls)  # roots start from zero
     assert sorted(positions.tolist()) == list(range(layout.width))
     (call,) = calls  # every block and plain sequence fits the shortest bucket
     starts = {
@@ -244,30 +286,40 @@ def _default_pattern_families():
         yield pytest.param(family, marks=marks, id=family)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize(
+    ("checkpointing", "sharing"),
+    [(False, "groups"), (True, "groups"), (True, "tree")],
+    ids=["", "checkpointing", "checkpointing-tree"],
+)
 @pytest.mark.parametrize("family", list(_default_pattern_families()))
-def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing):
+def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing, sharing):
     """Each segment-recurrence family built from its config's defaults, reduced in size only (its real layer pattern:
     several recurrent layers in a row, MoE between them where the family has MoE): one training pass of a row with
     shared prompts gives every sample's own log-probs and the gradients of the samples run alone, with and without
-    gradient checkpointing (whose recomputation must take the forward's path). A Jamba's blocks started from their
+    gradient checkpointing (whose recomputation must take the forward's path); and so does a prefix tree's row (a
+    block every prompt begins with, completions sharing a trunk and branches). A Jamba's blocks started from their
     prefix's states, which its Mamba scan ignores, and its gradients were 1e-2 off (its log-probs 5e-7)."""
     model = build_tiny_causal_lm_of_type(family, seed=1, layer_pattern="default")
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # dropout is off; checkpointing runs in training mode only
-    layout = ModelSupport.of(model=model).layouts()[0][0]
-    assert layout.share_prompts and layout.segment_recurrence
-    table = SequenceTable.from_padded(*grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40))
+    layout = ModelSupport.of(model=model).layouts(share_prompt_prefix=sharing)[0][0]
+    assert layout.sharing == sharing and layout.segment_recurrence
+    if sharing == "tree":
+        batch = prefix_batch([5, 2, 9], [6, 0, 3, 9, 1, 5], [2, 2, 2], shared=7, trunk=4, branches=2, branch=3, seed=3)
+    else:
+        batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40)
+    table = SequenceTable.from_padded(*batch)
+    completions = table.completion_lengths.tolist()
     run_layout, run_alone = bare_check_passes(model, table)
-    every = list(range(len(COMPLETIONS)))
+    every = list(range(len(table)))
     alone_probes = [run_alone(sample) for sample in every]
     run_layout(layout, every, False)  # as in a run: the mixers decide on prefix states without gradients
     probe = run_layout(layout, every, True)
     for row, sample in enumerate(every):
-        if COMPLETIONS[sample]:
-            assert (probe.logps[row, : COMPLETIONS[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE
+        if completions[sample]:
+            assert (probe.logps[row, : completions[sample]] - alone_probes[sample].logps[0]).abs().max() <= TOLERANCE
     expected = {name: sum(p.gradients[name] for p in alone_probes) for name in probe.gradients}
     error, name = gradient_error(probe.gradients, expected)
     assert error <= 1e-5, (error, name)

@@ -41,6 +41,7 @@ OURS = (
     "max_tokens_per_microbatch",
     "packing_layout",
     "share_prompt_prefix",
+    "self_check",
     "per_device_generation_batch_size",
     "max_memory_per_device_mib",
 )
@@ -106,6 +107,14 @@ def test_matches_stock(model_dir, tmp_path, options):
     steps = compare_with_stock(model_dir, tmp_path, **RLOO_OPTIONS[options])
     if RLOO_OPTIONS[options].get("num_iterations", 1) > 1:  # ratios off 1: the clip ratios compared are not all 0
         assert any(step["clip_ratio/region_mean"] > 0 for step in steps)
+
+
+def test_a_prefix_tree_matches_stock(model_dir, tmp_path):
+    """share_prompt_prefix="tree", trusted (no self-check): sampled completions from a 4-character alphabet begin
+    alike across prompts, and RLOO's summed log-probs take each sample's terms from the positions it holds."""
+    tree = dict(share_prompt_prefix="tree", self_check=False, max_tokens_per_microbatch=120)
+    steps = compare_with_stock(model_dir, tmp_path, beta=0.1, num_iterations=2, **tree)
+    assert any(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)
 
 
 def test_shared_prompts_really_happen_in_both_layouts(model_dir, tmp_path):

@@ -19,12 +19,14 @@ from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits, router_statistics
 from hf_dynbsz.testing import (
+    PrefixRollout,
     RecordingReward,
     ScriptedRollout,
     base_config_kwargs,
     build_char_tokenizer,
     build_trainer,
     grpo_batch,
+    prefix_batch,
     prompt_dataset,
     relative_difference,
     snapshot_parameters,
@@ -39,17 +41,23 @@ COEF = 1.0
 PLUGIN = (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "sharing"), [("qwen3_moe", "groups"), ("mixtral", "groups"), ("qwen3_moe", "tree")]
+)
+def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(model_type, sharing):
     """A stock slice of 6 samples (left-padded prompts, prompt groups): the aux loss TRL's fused head computes on its
     padded forward, against the plugin's: counts from one no-grad pass, then the per-sample terms of three
-    padding-free passes with shared prompts, each holding some of the slice's samples."""
+    padding-free passes with shared prompts, each holding some of the slice's samples. With a prefix tree the prompts
+    also share a block, and each prompt's completions a trunk: a token routed once counts once per sample holding
+    it, as stock computes it once per sample."""
     model = build_tiny_causal_lm_of_type(model_type)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     experts, top_k = model.config.num_experts if model_type != "mixtral" else model.config.num_local_experts, 2
-    prompt_ids, prompt_mask, completion_ids, completion_mask = grpo_batch(
-        [7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1], token_high=60
-    )
+    if sharing == "tree":
+        batch = prefix_batch([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1], shared=6, trunk=3, token_high=60)
+    else:
+        batch = grpo_batch([7, 3, 11], [5, 9, 2, 14, 1, 6], [3, 2, 1], token_high=60)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -65,13 +73,13 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
     expected = gradients(stock)
 
     table = SequenceTable.from_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    groups = table.prompt_groups()
+    keys = table.prefix_keys(sharing)
     aux = RouterAuxLoss(
         coef=1.0, num_experts=experts, top_k=top_k, num_slices=1, gradient_accumulation_steps=1, device="cpu"
     )
 
     def run(indices, grad):
-        mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention="sdpa", groups=groups)
+        mb = build_microbatch(table, indices, layout="padding_free", pad_token_id=PAD, attention="sdpa", keys=keys)
         with segment_attention(model), captured_router_logits(model) as captured, torch.set_grad_enabled(grad):
             use_segments(mb.segments)
             model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True, output_router_logits=True)
@@ -83,6 +91,7 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
     tokens = torch.bincount(mb.token_rows[1], minlength=len(everyone)).double().unsqueeze(1)
     aux.add_counts(torch.zeros(len(everyone), dtype=torch.long), torch.cat([counts, tokens], 1))
     assert int(tokens.sum()) == int(attention_mask.sum())  # each sample counts its prompt, as stock's mask does
+    assert mb.real_tokens < int(attention_mask.sum())  # though the pass routed shared tokens once
     total = torch.zeros(())
     for part in ([0, 3], [1, 4, 5], [2]):  # siblings split across passes
         mb, logits = run(part, grad=True)
@@ -94,9 +103,15 @@ def test_one_slices_aux_loss_split_over_passes_has_stocks_value_and_gradient(mod
         assert torch.allclose(got[name], expected[name], rtol=1e-4, atol=1e-7), name
 
 
-def train(trainer_cls, config_cls, model_type, output_dir, coef=COEF, **overrides):
+def train(trainer_cls, config_cls, model_type, output_dir, coef=COEF, prefixes=None, **overrides):
+    """A run with the router aux loss; ``prefixes``: the rollout's prefix structure
+    (:class:`~hf_dynbsz.testing.PrefixRollout`), None: prompts of their own."""
     lengths, prompt_length = (lambda rng, n, rank: rng.geometric(0.1, n)), (lambda rng: rng.integers(3, 12))
-    rollout = ScriptedRollout(lengths, prompt_length, max_completion_length=24, seed=0, token_high=60)
+    scripted = dict(max_completion_length=24, seed=0, token_high=60)
+    if prefixes is None:
+        rollout = ScriptedRollout(lengths, prompt_length, **scripted)
+    else:
+        rollout = PrefixRollout(lengths, prompt_length, **scripted, **prefixes)
     model = build_tiny_causal_lm_of_type(model_type)
     args = config_cls(**base_config_kwargs(output_dir, router_aux_loss_coef=coef, **overrides))
     tokenizer, reward = build_char_tokenizer(), RecordingReward()
@@ -136,6 +151,25 @@ def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, n
     assert trainer._dynbsz.enabled and trainer._dynbsz.capabilities.router_aux
     assert trainer._dynbsz.scheduler.share_prompts  # padding-free rows with shared prompts
     assert any(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history)  # really repacked
+    assert relative_difference(ours, stock) <= 1e-5
+    assert update_difference(initial, ours, stock) <= 1e-3
+    stock_aux = [entry["aux_loss"] for entry in stock_history if "aux_loss" in entry]
+    our_aux = [entry["aux_loss"] for entry in history if "aux_loss" in entry]
+    assert len(our_aux) == len(stock_aux) == 3 and our_aux == pytest.approx(stock_aux, rel=1e-5)
+
+
+@pytest.mark.parametrize(("model_type", "loss_type"), [("qwen3_moe", "dapo"), ("olmoe", "grpo")])
+def test_a_prefix_tree_with_the_router_aux_loss_equals_stock(model_type, loss_type, tmp_path):
+    """share_prompt_prefix="tree" (trusted, no self-check) with a block every prompt begins with and completions
+    sharing a trunk and branches: parameters and the logged aux loss are stock's."""
+    prefixes = dict(shared=10, trunk=4, branches=2, branch=3)
+    settings = dict(loss_type=loss_type, num_iterations=2, max_steps=3, prefixes=prefixes)
+    initial, stock, stock_history, _ = train(GRPOTrainer, GRPOConfig, model_type, str(tmp_path / "s"), **settings)
+    _, ours, history, trainer = train(
+        *PLUGIN, model_type, str(tmp_path / "o"), max_tokens_per_microbatch=160, share_prompt_prefix="tree",
+        self_check=False, **settings,
+    )  # fmt: skip
+    assert trainer._dynbsz.capabilities.router_aux and trainer._dynbsz.scheduler.prefix_tree
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
     stock_aux = [entry["aux_loss"] for entry in stock_history if "aux_loss" in entry]

@@ -357,7 +357,9 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
 
 @pytest.mark.parametrize("layout, budget", [("padded", None), ("padding_free", 48), ("padded", 40)])
 def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, layout, budget):
-    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes."""
+    """Train on scripted random lengths, then give those lengths to `hf-dynbsz plan --lengths`: same passes. Prompts
+    are shared in their groups (a lengths file holds no tokens: the prefix tree of the default rule shares what
+    completions of a 4-character alphabet begin with, which lengths cannot tell)."""
     import json
 
     import numpy as np
@@ -366,6 +368,7 @@ def test_plan_lengths_simulates_the_trainers_schedules(tmp_path, monkeypatch, la
 
     schedule = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_steps=4)
     settings_ = dict(schedule, max_completion_length=40, packing_layout=layout, max_tokens_per_microbatch=budget)
+    settings_.update(share_prompt_prefix="groups")
     model_dir, batches, schedules, groups = _train_recording_schedules(tmp_path, monkeypatch, settings_)
     assert len(batches) == len(schedules) == 4
     assert all(step_groups is not None for step_groups in groups) == (layout == "padding_free")  # shared prompts
@@ -451,6 +454,19 @@ def test_units_share_a_prompt_and_split_into_pieces_that_fit():
     ]
 
 
+def built_passes(table, passes, pad, **sharing):
+    """The collator's padding-free rows of ``passes`` (sample indices of ``table``) on sdpa, sharing by ``sharing``
+    (``groups=`` or ``keys=``)."""
+    from hf_dynbsz.execution.packing import build_microbatch
+
+    return [
+        build_microbatch(
+            table, samples, layout="padding_free", pad_token_id=0, pad_to_multiple_of=pad, attention="sdpa", **sharing
+        )  # fmt: skip
+        for samples in passes
+    ]
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_shared_passes_compute_what_the_schedule_counts(data):
@@ -478,25 +494,89 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
     schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
     real = [group for group in schedule.microbatches if group]
-    for group, planned in zip(real, schedule.pass_tokens):
-        mb = build_microbatch(
-            table,
-            group,
-            layout="padding_free",
-            pad_token_id=0,
-            pad_to_multiple_of=pad,
-            attention="sdpa",
-            groups=schedule.groups,
-        )
+    for group, planned, mb in zip(real, schedule.pass_tokens, built_passes(table, real, pad, groups=groups)):
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
     assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(
-        build_microbatch(
-            table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=schedule.groups
-        ).real_tokens
+        build_microbatch(table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=groups).real_tokens
         for g in real
     )
+
+
+def tree_table(block: list[int], prompts: list[list[int]], completions: list[list[int]], prompt_of: list[int]):
+    """A SequenceTable of samples ``block + prompts[prompt_of[i]] + completions[i]``."""
+    import torch
+
+    from hf_dynbsz.execution.packing import SequenceTable
+
+    tokens = [torch.tensor(block + prompts[k] + c) for k, c in zip(prompt_of, completions)]
+    return SequenceTable(
+        tokens=tokens,
+        prompt_lengths=torch.tensor([len(block) + len(prompts[k]) for k in prompt_of]),
+        completion_lengths=torch.tensor([len(c) for c in completions]),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
+    """Random blocks every prompt begins with, prompts, and completions that begin alike (tokens of a 3-symbol
+    alphabet): each pass the collator builds from the samples' prefix tree computes the tokens the schedule planned,
+    within the budget, and the tokens saved are the samples' less the passes'."""
+
+    symbols = st.integers(3, 5)
+    block = data.draw(st.lists(symbols, max_size=6))
+    prompts = data.draw(st.lists(st.lists(symbols, min_size=1, max_size=5), min_size=1, max_size=3))
+    count = data.draw(st.integers(1, 12))
+    prompt_of = data.draw(st.lists(st.integers(0, len(prompts) - 1), min_size=count, max_size=count))
+    completions = data.draw(st.lists(st.lists(symbols, max_size=8), min_size=count, max_size=count))
+    table = tree_table(block, prompts, completions, prompt_of)
+    budget, pad = data.draw(st.integers(8, 60)), data.draw(st.sampled_from([None, 4]))
+    planner = dataclasses.replace(scheduler("padding_free", "varlen", pad_to_multiple_of=pad), share_prompts=True)
+    planner = dataclasses.replace(planner, prefix_tree=True)
+    tree = table.prefix_tree("tree")
+    schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), tree=tree)
+    assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
+    real = [group for group in schedule.microbatches if group]
+    built = built_passes(table, real, pad, keys=table.prefix_keys("tree"))
+    for group, planned, mb in zip(real, schedule.pass_tokens, built):
+        assert mb.computed_tokens == planned
+        if not set(group) & set(schedule.oversize):
+            assert planned <= budget
+    assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(mb.real_tokens for mb in built)
+    assert schedule.pass_pairs == [tree.pairs(group) for group in real]
+
+
+def test_a_shared_prefix_keeps_its_samples_in_one_pass_where_they_fit():
+    """A 40-token block every prompt begins with, 4 prompts of 3 completions: their tree fits one pass of 300 tokens,
+    where prompt groups need two (and compute the block in each); balancing of two processes moves whole subtrees."""
+    block, prompts = [7] * 40, [[3 + k, 4] for k in range(4)]
+    completions = [[5 + (j % 3)] * (6 + j) for j in range(12)]
+    table = tree_table(block, prompts, completions, [j // 3 for j in range(12)])
+    lengths, prompt_lengths = table.lengths.tolist(), table.prompt_lengths.tolist()
+    shared = dataclasses.replace(scheduler("padding_free", "varlen"), share_prompts=True)
+    tree = dataclasses.replace(shared, prefix_tree=True)
+    by_tree = tree.plan(lengths, 300, prompt_lengths=prompt_lengths, tree=table.prefix_tree("tree"))
+    by_groups = shared.plan(lengths, 300, prompt_lengths=prompt_lengths, groups=table.prompt_groups())
+    assert by_tree.passes == 1 and by_tree.pass_tokens == [table.prefix_tree("tree").tokens()] and by_groups.passes == 2
+    assert sum(by_groups.pass_tokens) - sum(by_tree.pass_tokens) >= 39 * 3  # the block once, not once per prompt
+    assert tree.step_cost(lengths, 300, prompt_lengths, tree=table.prefix_tree("tree")) < shared.step_cost(
+        lengths, 300, prompt_lengths, groups=table.prompt_groups()
+    )
+    planner = dataclasses.replace(tree, balance_across_ranks=True)
+    trees = [table.prefix_tree("tree"), tree_table(block, prompts[:1], completions[:3], [0, 0, 0]).prefix_tree("tree")]
+    plans = simulate_processes(
+        planner, [lengths, lengths[:3]], [120, 120], [prompt_lengths, prompt_lengths[:3]], trees=trees
+    )
+    units = trees[0].units(120)
+    assert len(units) > 1 and plans[0].exchange is not None
+    for unit in units:  # a unit (a subtree, or a piece carrying its path) moves whole
+        assert len({plans[0].exchange.destination[0][i] for i in unit.samples}) == 1
+    for plan in plans:  # samples of one process keep their shared path in the tree the receiver plans by
+        incoming = plan.exchange.incoming
+        roots = [path[0] for path in plan.tree.paths()]
+        assert [r1 == r2 for r1 in roots for r2 in roots] == [a[0] == b[0] for a in incoming for b in incoming]
 
 
 def test_balancing_moves_a_prompt_group_piece_whole():
@@ -519,11 +599,10 @@ def test_balancing_moves_a_prompt_group_piece_whole():
         assert len(units) == 2
         for unit in units:  # a piece moves whole
             assert len({exchange.destination[origin][i] for i in unit.samples}) == 1
-    for plan in plans:  # the groups each process uses: equal exactly for samples of one origin group
+    for plan in plans:  # the prompts each process shares: those of one origin group exactly
         origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
-        assert [g1 == g2 for g1 in plan.groups for g2 in plan.groups] == [
-            o1 == o2 for o1 in origin_groups for o2 in origin_groups
-        ]
+        roots = [path[0] for path in plan.tree.paths()]
+        assert [r1 == r2 for r1 in roots for r2 in roots] == [o1 == o2 for o1 in origin_groups for o2 in origin_groups]
 
 
 def test_repacked_vision_language_models_train_padding_free_and_balanced_other_families_padded():
@@ -558,6 +637,7 @@ def test_a_scheduler_describes_the_layout_it_was_built_from():
     )
     layouts, _ = support.layouts()
     assert [layout.describe() for layout in layouts] == [
+        "padding_free, prefix tree, segment attention (sdpa), segment recurrence",
         "padding_free, shared prompts, segment attention (sdpa), segment recurrence",
         "padding_free, segment attention (sdpa), segment recurrence",
         "padded",

@@ -30,8 +30,10 @@ from hf_dynbsz.testing import (
     build_tiny_causal_lm,
     build_tiny_hybrid_lm,
     grpo_batch,
+    prefix_batch,
 )
 
+TREE = Layout("padding_free", True, "sdpa", attention="varlen", prefix_tree=True)
 SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
 PLAIN = Layout("padding_free", False, "sdpa", attention="varlen")
 PADDED = Layout("padded")
@@ -123,6 +125,47 @@ def test_each_layout_equals_the_samples_alone(tokenizer, layout):
     with torch.no_grad():
         result = run_self_check([layout], table, *runners(model, table), limit=1e-4)
     assert result.chosen == 0 and result.errors[0] < 1e-5
+
+
+def tree_table():
+    """Samples beyond prompt groups: a 6-token block every prompt begins with, completions sharing a 3-token trunk."""
+    batch = prefix_batch([5, 2, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2], shared=6, trunk=3)
+    return SequenceTable.from_padded(*batch)
+
+
+def test_the_samples_checked_share_prefixes_across_prompts_and_completions(tokenizer):
+    """The check's rows exercise what a prefix tree shares: the picked samples (siblings and others) hold nodes
+    two levels under a root, and its gradient passes (completions cut to their first tokens) keep a shared trunk."""
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = tree_table()
+    distinct = sorted(set(pick_samples(table)))
+    paths = table.prefix_tree("tree").paths()
+    assert max(len(paths[i]) for i in distinct) >= 3 and len({paths[i][0] for i in distinct}) == 1
+    run_layout, ran = counting(runners(model, table)[0])
+    with torch.no_grad():
+        result = run_self_check([TREE, SHARED], table, run_layout, runners(model, table)[1], limit=1e-4)
+    assert result.chosen == 0 and result.errors[0] < 1e-5 and result.gradient_errors[0] < 1e-5
+    assert ran == [(TREE, False), (TREE, True)]  # log-probs and gradients, on the tree's rows
+
+
+def test_a_prefix_tree_that_differs_steps_down_to_prompt_groups(tokenizer, monkeypatch):
+    """Nodes that see their parent's keys and not their grandparent's: a shared prompt's row (one level) is right, a
+    tree's row (a block shared across prompts, then each prompt, then its completions) is not. The check leaves the
+    tree with its reason and keeps prompt groups."""
+    from hf_dynbsz.execution.attention.layout import SegmentLayout
+
+    build = SegmentLayout._build_parts
+
+    def parent_only(layout):
+        return [part._replace(path=part.path[-1:]) for part in build(layout)]
+
+    monkeypatch.setattr(SegmentLayout, "_build_parts", parent_only)
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = tree_table()
+    with torch.no_grad():
+        result = run_self_check([TREE, SHARED, PLAIN], table, *runners(model, table), limit=1e-4)
+    assert result.chosen == 1 and result.errors[0] > 1e-3 and result.errors[1] < 1e-5
+    assert result.reasons[0].startswith("padding_free, prefix tree, segment attention (sdpa): log-probs differ")
 
 
 def test_a_layout_that_mixes_sequences_is_left_with_its_reason(tokenizer):

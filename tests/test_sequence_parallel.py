@@ -184,6 +184,8 @@ SEQUENCE_PARALLEL_RUNS = {
         4,
         ("--loss_type", "dapo", "--budget", "64", "--num_iterations", "2", "--no_gradient_checkpointing"),
     ),
+    # a prefix tree beyond prompt groups, sharded: a block every prompt begins with, trunks and branches
+    "ddp-prefix-tree": ("cpu_ddp.yaml", 2, ("--loss_type", "dapo", "--budget", "48", "--rollout", "prefix")),
     # gradient checkpointing is on in the runs above and this one (GRPOConfig's default), off in the 4-process run
     "zero3-dr_grpo": (
         "cpu_zero3.yaml",

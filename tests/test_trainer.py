@@ -19,6 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
 from hf_dynbsz.testing import (
+    PrefixRollout,
     checkpointing_field,
     construction_arguments,
     construction_error,
@@ -47,10 +48,10 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
+def compare_with_stock(model_dir, tmp_path, repacked_steps=None, trainer_kwargs=lambda: None, **overrides):
     """Stock and ours from the same model; ours's parameters within the tolerances of stock's, every logged metric
-    stock's (timings and the plugin's ``dynbsz/*`` aside). ``repacked_steps``:
-    the steps ours repacks (default: all of them)."""
+    stock's (timings and the plugin's ``dynbsz/*`` aside). ``repacked_steps``: the steps ours repacks (default: all of
+    them); ``trainer_kwargs()``: each run's own constructor arguments."""
     dyn_overrides = {
         key: overrides.pop(key)
         for key in list(overrides)
@@ -61,14 +62,15 @@ def compare_with_stock(model_dir, tmp_path, repacked_steps=None, **overrides):
             "max_tokens_per_microbatch_logprob",
             "oversize_policy",
             "share_prompt_prefix",
+            "self_check",
         )
     }
     dyn_overrides.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
     init, stock, stock_completions, stock_history = run_training(
-        GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), **overrides
+        GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "stock"), trainer_kwargs=trainer_kwargs(), **overrides
     )
     init2, ours, our_completions, history = run_training(
-        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "ours"), **overrides, **dyn_overrides
+        *PLUGIN, model_dir, str(tmp_path / "ours"), trainer_kwargs=trainer_kwargs(), **overrides, **dyn_overrides
     )
     assert our_completions == stock_completions, "generations must be identical for the same seed"
     assert relative_difference(init2, init) == 0.0
@@ -116,6 +118,68 @@ def test_matches_stock_when_a_round_spans_optimizer_steps(model_dir, tmp_path, l
 @pytest.mark.parametrize("layout", ["padding_free", "padded"])
 def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
     compare_with_stock(model_dir, tmp_path, loss_type="bnpo", beta=0.05, packing_layout=layout, num_iterations=2)
+
+
+#: Prefix structure beyond prompt groups: a block every prompt begins with (a tool schema), or tree-search rollouts
+#: (each prompt's completions share a trunk, then one of two branches, then a leaf of their own).
+PREFIXES = {"shared block": dict(shared=20), "tree rollout": dict(trunk=5, branches=2, branch=4)}
+
+
+#: The plugin's settings of the prefix-tree runs: a tree trusted without the self-check (which would step down to
+#: prompt groups), a budget a step's tree fits in.
+TREE = dict(share_prompt_prefix="tree", self_check=False, max_tokens_per_microbatch=160)
+
+
+def prefix_rollout(structure: str):
+    return PrefixRollout(
+        lambda rng, n, rank: rng.integers(1, 12, n),
+        lambda rng: rng.integers(3, 10),
+        max_completion_length=24,
+        seed=4,
+        **PREFIXES[structure],
+    )
+
+
+@pytest.mark.parametrize("structure", PREFIXES)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
+    """share_prompt_prefix="tree", trusted without the self-check (which would step down to prompt groups): shared
+    blocks across prompts and shared trunks and branches of completions (loss terms of several samples at one
+    position) give stock's parameters, old-policy and reference passes included."""
+    history = compare_with_stock(
+        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout(structure)},  # one per run
+        loss_type=loss_type, beta=0.05, num_iterations=2, **TREE,
+    )  # fmt: skip
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
+
+
+#: What a statistic over sample-tokens reads: top_entropy_quantile's quantile, the entropy bonus and its metric, clip
+#: ratios, the loss normalisers (dapo's and grpo's); sequence-level importance sampling's mean log-ratio per sample.
+STATISTICS = {
+    "dapo, top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.4, entropy_coef=0.02),
+    "grpo, top_entropy_quantile": dict(loss_type="grpo", top_entropy_quantile=0.4, entropy_coef=0.02),
+    "grpo, sequence importance sampling": dict(loss_type="grpo", importance_sampling_level="sequence"),
+}
+
+
+@pytest.mark.parametrize("statistics", STATISTICS)
+def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(model_dir, tmp_path, statistics):
+    """A trunk's positions are loss terms of every sample holding them: every statistic over sample-tokens counts
+    each once per sample, as stock's separate sequences do (the second iteration's ratios move off 1 and clip)."""
+    statistics = dict(STATISTICS[statistics], num_iterations=2)
+    compare_with_stock(
+        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout("tree rollout")},
+        **statistics, **TREE,
+    )  # fmt: skip
+
+
+def test_a_prefix_tree_of_sampled_completions_matches_stock(model_dir, tmp_path):
+    """Completions the model samples from a 4-character alphabet often begin alike, across prompts too: the tree
+    shares those positions, and training still equals stock."""
+    compare_with_stock(
+        model_dir, tmp_path, share_prompt_prefix="tree", self_check=False, loss_type="dapo", beta=0.05, num_iterations=2
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

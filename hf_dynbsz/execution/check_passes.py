@@ -212,8 +212,7 @@ class CheckPasses:
         (:func:`~hf_dynbsz.execution.recurrence.prefix_states`), so that a pass with gradients, and gradient
         checkpointing's recomputation of it, take the path training will take."""
         executor, scheduler, table = self.executor, self.schedulers[layout], self.tables[gradients]
-        groups = table.prompt_groups() if scheduler.share_prompts else None
-        mb = executor.microbatch(table, indices, groups, scheduler)
+        mb = executor.microbatch(table, indices, scheduler)
         with executor.segments(self.model, scheduler, self.unsharded):
             return self._probe(mb, table, indices, gradients)
 

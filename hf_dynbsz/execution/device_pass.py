@@ -34,10 +34,11 @@ class DevicePass:
     layout), ``parallel`` (sequence parallelism), ``memory`` (the memory model), ``pad_token_id`` and ``_dummies`` (the
     dummy micro-batch of each layout), which the executor sets."""
 
-    def microbatch(self, table: SequenceTable, group: list[int], groups, scheduler: Scheduler | None = None):
-        """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's)."""
+    def microbatch(self, table: SequenceTable, group: list[int], scheduler: Scheduler | None = None):
+        """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's), its
+        samples sharing positions by the layout's rule (:meth:`SequenceTable.prefix_keys`)."""
         scheduler = scheduler or self.layout_timing.pass_scheduler or self.scheduler
-        groups = groups if scheduler.share_prompts else None  # (a timed candidate may not share prompts)
+        keys = table.prefix_keys(scheduler.sharing) if scheduler.sharing else None
         if (
             scheduler.layout == "padding_free" and table.positions is None and self.capabilities.support.multimodal_rope
         ):  # once per table: each sample's own M-RoPE positions
@@ -51,9 +52,9 @@ class DevicePass:
             pad_to_multiple_of=self.parallel.row_multiple(self.args.pad_to_multiple_of),
             device=self.accelerator.device,
             attention=scheduler.segment_attention,
-            groups=groups,
             attention_mask=scheduler.attention_mask,
             position_offset=scheduler.position_offset,
+            keys=keys,
         )
 
     @contextlib.contextmanager

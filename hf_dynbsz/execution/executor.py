@@ -215,6 +215,7 @@ class PassExecutor(DevicePass):
             meters=self.meters,
             table=state.batch.table,
             replicas=self.parallel.size,
+            sharing=self.scheduler.sharing,
         )
         self.layout_timing.publish(trainer._metrics["train"])
         return total
@@ -262,7 +263,7 @@ class PassExecutor(DevicePass):
     def _train(self, model, aux: RouterAuxLoss | None, state: _TrainingPasses, schedule, group, last: bool) -> None:
         """One training pass: forward, stock-weighted loss, backward (gradients synchronise on ``last``)."""
         with record_function("dynbsz/pack"):
-            mb = self.microbatch(state.batch.table, group, schedule.groups)
+            mb = self.microbatch(state.batch.table, group)
             rows = state.batch.rows(group, mb.gather_index.size(1), mb.sample_index)
         with record_function("dynbsz/forward"):
             values, entropies, router_logits = self.loss.forward(self, model, mb, rows, state.batch, aux is not None)
@@ -324,7 +325,7 @@ class PassExecutor(DevicePass):
 
     def _no_grad(self, model, compute_entropy: bool, router, state: _NoGradPasses, schedule, group, last) -> None:
         with record_function("dynbsz/pack"):
-            mb = self.microbatch(state.table, group, schedule.groups)
+            mb = self.microbatch(state.table, group)
         with record_function("dynbsz/no_grad_forward"):
             logps, entropies, router_logits = self.forward(model, mb, compute_entropy, router is not None)
         index = mb.sample_index  # on the device (a host list as an index would be copied there, and wait)
@@ -346,10 +347,16 @@ class PassExecutor(DevicePass):
         )
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
-        """The schedule of ``table``'s samples (prompt groups found by prompt ids when prompts may be shared)."""
-        groups = table.prompt_groups() if self.scheduler.share_prompts else None
+        """The schedule of ``table``'s samples: with shared prompts, its prompt groups (found by prompt ids), with a
+        prefix tree its samples' tree."""
+        sharing = self.scheduler.sharing
         return self.scheduler.plan(
-            table.lengths.tolist(), budget, kind, prompt_lengths=table.prompt_lengths.tolist(), groups=groups
+            table.lengths.tolist(),
+            budget,
+            kind,
+            prompt_lengths=table.prompt_lengths.tolist(),
+            groups=table.prompt_groups() if sharing == "groups" else None,
+            tree=table.prefix_tree(sharing) if sharing == "tree" else None,
         )
 
     def _warn_oversize(self, schedule, kind: str) -> None:

@@ -251,11 +251,15 @@ class LayoutTiming:
             return False, None
         table = batch.table
         lengths, prompts = table.lengths.tolist(), table.prompt_lengths.tolist()
-        groups = table.prompt_groups()
         width = batch.stock_microbatch_tokens / max(rows_per_slice, 1)  # stock's padded row
 
         def step_costs():
-            return [c.scheduler.step_cost(lengths, schedule.budget, prompts, groups) for c in self.candidates]
+            costs = []
+            for candidate in self.candidates:
+                sharing = candidate.scheduler.sharing
+                tree = table.prefix_tree(sharing) if sharing else None
+                costs.append(candidate.scheduler.step_cost(lengths, schedule.budget, prompts, tree=tree))
+            return costs
 
         kept = self.finish_step(step_costs, (batch.stock_computed_tokens, batch.stock_computed_tokens * width))
         return self.decision is not None, kept

@@ -256,22 +256,24 @@ class StepMetrics:
         meters: StepMeters,
         table: SequenceTable,
         replicas: int = 1,
+        sharing: str | None = None,
     ) -> None:
         """Reduce over processes (one gather) and append to ``store``.
 
         ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time). The loss
         metrics: one value per stock slice, in slice order (see the class). ``dynbsz/*`` figures: ``microbatches``
-        real passes of this process, ``microbatches_needed`` passes it
-        alone needed, ``microbatches_max_over_ranks`` passes every process ran, ``dummy_passes``, tokens per
-        pass (mean, max), ``budget_tokens`` and ``budget_utilization`` (real tokens / (passes x budget)), and over
-        all processes ``padding_fraction``, ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed
-        slices compute for the same samples) and ``prompt_tokens_saved`` (prompt tokens shared prompts did not
-        compute); with cross-rank balancing ``rank_imbalance_before`` and
-        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and
-        ``samples_moved``. Time and memory, the maximum over processes (the step waits for the slowest):
-        ``train_seconds``, ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds``
-        too: ``meters.phases``, see :class:`StepClock`) and
-        ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit ``predicted_peak_memory_mib``
+        real passes of this process, ``microbatches_needed`` passes it alone needed, ``microbatches_max_over_ranks``
+        passes every process ran, ``dummy_passes``, tokens per pass (mean, max), ``budget_tokens`` and
+        ``budget_utilization`` (real tokens / (passes x budget)), and over all processes ``padding_fraction``,
+        ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed slices compute for the same samples),
+        ``prompt_tokens_saved`` (tokens sharing did not compute: shared prompts, and with a prefix tree every shared
+        prefix) and with ``sharing`` "tree" ``tree_tokens_saved`` (of those, the tokens the prefix tree saved beyond
+        prompt groups in the same passes); with cross-rank balancing ``rank_imbalance_before`` and
+        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and ``samples_moved``.
+        Time and memory, the maximum over processes (the step waits for the slowest): ``train_seconds``,
+        ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds`` too: ``meters.phases``,
+        see :class:`StepClock`) and ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit
+        ``predicted_peak_memory_mib``
         (:mod:`hf_dynbsz.planning.memory`), and ``oom_retries`` (the step's re-plans after running out of memory);
         ``tokens_per_second``, the prompt + completion tokens of the samples all processes trained (shared prompts
         counted for each of their samples, as stock computes them) over ``train_seconds``; ``mfu``, the model FLOPs of
@@ -280,27 +282,30 @@ class StepMetrics:
         processes x the device's peak, logged only when that peak is known. ``replicas``: processes that ran the same
         samples (the sequence-parallel group size), counted once.
         """
+        real = sum(self.pass_real_tokens)
+        saved = int(table.lengths.sum()) - real  # each sample's tokens, less what its passes computed
         flops = (
-            meters.flops.training_flops(
-                table.prompt_lengths.tolist(), table.completion_lengths.tolist(), schedule.prompt_tokens_saved
-            )
+            meters.flops.training_flops(table.prompt_lengths.tolist(), table.completion_lengths.tolist(), saved)
             if meters.flops is not None
             else 0.0
         )
-        host = [sum(self.pass_real_tokens), self.computed_tokens, stock_computed_tokens, schedule.prompt_tokens_saved]
+        tree_saved = _tree_tokens_saved(table, schedule, real) if sharing == "tree" else 0
+        host = [real, self.computed_tokens, stock_computed_tokens, saved, tree_saved]
         device = self.sums.device
         summed = torch.cat([self.sums.flatten(), torch.tensor([*host, flops], dtype=torch.float64, device=device)])
         gathered = gather_rows(torch.cat([summed / replicas, self.maxima.flatten()]))  # each sample counted once
         totals = gathered[:, : summed.numel()].sum(0)
         maxima = gathered[:, summed.numel() :].amax(0).view_as(self.maxima)
         self.publish_slices(store, totals[: self.sums.numel()].view_as(self.sums), maxima)
-        real_all, computed_all, stock_all, saved_all, flops_all = totals[-5:].tolist()
+        real_all, computed_all, stock_all, saved_all, tree_all, flops_all = totals[-6:].tolist()
         _publish_time_and_memory(store, accelerator, group, meters, trained=real_all + saved_all, flops=flops_all)
         self._publish_passes(store, schedule)
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
         store["dynbsz/computed_tokens"].append(computed_all)
         store["dynbsz/stock_computed_tokens"].append(stock_all)
         store["dynbsz/prompt_tokens_saved"].append(saved_all)
+        if sharing == "tree":
+            store["dynbsz/tree_tokens_saved"].append(tree_all)
         if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
             store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
@@ -334,6 +339,13 @@ class StepMetrics:
         store["dynbsz/tokens_per_microbatch_max"].append(float(max(used, default=0)))
         store["dynbsz/budget_tokens"].append(float(schedule.budget))
         store["dynbsz/budget_utilization"].append(sum(used) / max(len(used) * schedule.budget, 1))
+
+
+def _tree_tokens_saved(table: SequenceTable, schedule: StepSchedule, tree_tokens: int) -> int:
+    """The tokens a prefix tree saved beyond prompt groups: what the passes of ``schedule`` (over ``table``'s samples)
+    compute under the prompt-group rule, less ``tree_tokens``, what they computed as prefix trees."""
+    groups = table.prefix_tree("groups")
+    return sum(groups.tokens(samples) for samples in schedule.microbatches if samples) - tree_tokens
 
 
 def _publish_time_and_memory(

@@ -36,11 +36,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hf_dynbsz.execution.multimodal import join_media, media_digest, media_record, read_media_record
 from hf_dynbsz.parallel.distributed import ProcessGroup
-from hf_dynbsz.planning.schedule import Exchange, prompt_segments
+from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
+from hf_dynbsz.planning.schedule import Exchange
 from hf_dynbsz.planning.tokens import LAYOUTS, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
@@ -68,6 +70,8 @@ class SequenceTable:
     positions: list[torch.Tensor] | None = None
     #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
     _groups: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+    #: :meth:`prefix_keys` and :meth:`prefix_tree` by sharing rule, once computed
+    _sharing: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def multimodal(self) -> bool:
@@ -141,6 +145,52 @@ class SequenceTable:
             offset += p
         self._groups = groups
         return groups
+
+    def prefix_keys(self, sharing: str) -> list[np.ndarray]:
+        """Per sample, its position keys under the sharing rule ``sharing``
+        (:mod:`hf_dynbsz.planning.prefix_tree`): ``"groups"``, each prompt shared in its group (:meth:`prompt_groups`);
+        ``"tree"``, every position by its token and the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`),
+        except that a vision-language sample's keys from the token before its first image token on (its first
+        token, where its token fields do not say where its images are) carry its prompt group, so positions whose
+        hidden states its pictures decide are shared only with samples of the same prompt tokens and pictures."""
+        if ("keys", sharing) not in self._sharing:
+            self._sharing["keys", sharing] = self._keys(sharing)
+        return self._sharing["keys", sharing]
+
+    def _keys(self, sharing: str) -> list[np.ndarray]:
+        lengths = self.lengths.tolist()
+        if sharing == "groups":
+            return group_keys(self.prompt_lengths.tolist(), lengths, self.prompt_groups())
+        if sharing != "tree":
+            raise ValueError(f"sharing must be 'tree' or 'groups', got {sharing!r}")
+        tokens = [ids.cpu().numpy() for ids in self.tokens]
+        base = max((int(ids.max()) for ids in tokens if ids.size), default=0) + 2
+        keys = [token_keys(ids, base) for ids in tokens]
+        groups = self.prompt_groups() if self.multimodal else None
+        for i, first in enumerate(self.first_media_positions()):
+            if first is not None:
+                keys[i] = namespaced(keys[i], max(first - 1, 0), -2 - groups[i])
+        return keys
+
+    def first_media_positions(self) -> list[int | None]:
+        """Per sample, the first position its images decide (its first token with a token field not 0, or 0 for a
+        sample with image inputs and no such field), None for a sample without images."""
+        if "firsts" not in self._sharing:
+            firsts = []
+            for i in range(len(self)):
+                marked = [torch.nonzero(values[i]).flatten() for values in (self.token_fields or {}).values()]
+                marked = [int(where[0]) for where in marked if where.numel()]
+                media = self.media[i] if self.media is not None else {}
+                images = any(value.numel() for value in media.values())
+                firsts.append(min(marked) if marked else (0 if images else None))
+            self._sharing["firsts"] = firsts
+        return self._sharing["firsts"]
+
+    def prefix_tree(self, sharing: str) -> PrefixTree:
+        """The prefix tree of every sample of the table under ``sharing`` (:meth:`prefix_keys`)."""
+        if ("tree", sharing) not in self._sharing:
+            self._sharing["tree", sharing] = PrefixTree.of_keys(self.prefix_keys(sharing))
+        return self._sharing["tree", sharing]
 
     def moved(self, group: ProcessGroup, exchange: Exchange, media: bool = False) -> SequenceTable:
         """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
@@ -255,27 +305,32 @@ def build_microbatch(
     groups: Sequence[int] | None = None,
     attention_mask: bool = False,
     position_offset: int = 0,
+    keys: Sequence[np.ndarray] | None = None,
 ) -> MicroBatch:
     """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
 
     ``attention``: the base attention implementation when the padding-free row runs through segment attention
     (:mod:`hf_dynbsz.execution.attention`; the inputs then carry its
-    :class:`~hf_dynbsz.execution.attention.SegmentLayout`), None for the model's own attention. ``groups`` (one id
-    per sample of ``table``; needs segment attention): samples of this micro-batch with the same id have identical
-    prompts and share one copy of it. ``attention_mask``: padded rows carry an attention mask. ``position_offset``:
-    added to every position id.
+    :class:`~hf_dynbsz.execution.attention.SegmentLayout`), None for the model's own attention. ``keys`` (one array
+    of position keys per sample of ``table``, :meth:`SequenceTable.prefix_keys`; needs segment attention): the
+    micro-batch's samples fold into their prefix tree, each shared position computed once
+    (:mod:`hf_dynbsz.planning.prefix_tree`); ``groups`` (one id per sample of ``table``) stands for the keys of the
+    prompt-group rule (samples with the same id have identical prompts and share one copy of it).
+    ``attention_mask``: padded rows carry an attention mask. ``position_offset``: added to every position id.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if not indices:
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
-    if groups is not None and (layout != "padding_free" or attention is None):
+    if (groups is not None or keys is not None) and (layout != "padding_free" or attention is None):
         raise ValueError("shared prompts need the padding_free layout and segment attention")
+    if keys is None and groups is not None:
+        keys = group_keys(table.prompt_lengths.tolist(), table.lengths.tolist(), list(groups))
     samples = _Samples(
         indices, table.prompt_lengths[indices].tolist(), table.completion_lengths[indices].tolist(), device
     )
     if layout == "padding_free":
-        built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, groups)
+        built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, keys)
     else:
         built = _padded_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention_mask)
     moved = _move_with_segments(_host_inputs(built, samples, position_offset), built.segments, device)
@@ -369,13 +424,22 @@ class _Samples:
 
     def count(self, row: int, start: int, length: int) -> None:
         """The flat positions ``start:start + length`` count for ``row``."""
-        self.token_index.append(torch.arange(start, start + length))
-        self.row_index.append(torch.full((length,), row))
+        self.count_positions(row, torch.arange(start, start + length))
+
+    def count_positions(self, row: int, positions: torch.Tensor) -> None:
+        """The flat ``positions`` count for ``row`` (a shared position for every row that holds it)."""
+        self.token_index.append(positions)
+        self.row_index.append(torch.full((positions.numel(),), row))
 
     def completion_at(self, row: int, first: int) -> None:
         """``row``'s completion tokens are predicted at the flat positions from ``first`` on."""
+        self.completion_at_positions(row, torch.arange(first, first + self.completion_lengths[row]))
+
+    def completion_at_positions(self, row: int, positions: torch.Tensor) -> None:
+        """``row``'s completion tokens are predicted at the flat ``positions``, one per token (a position shared by
+        several rows is each one's loss term)."""
         c = self.completion_lengths[row]
-        self.gather_index[row, :c] = torch.arange(first, first + c)
+        self.gather_index[row, :c] = positions
         self.completion_mask[row, :c] = 1
 
     def media_inputs(self, table: SequenceTable, samples: list[int]) -> dict:
@@ -398,15 +462,15 @@ class _LayoutInputs:
 
 
 class _PackedRow:
-    """The pieces of a padding-free row, appended segment by segment (a shared prompt, then its blocks)."""
+    """The pieces of a padding-free row, appended node by node of the pass's prefix tree."""
 
     def __init__(self, table: SequenceTable, samples: _Samples) -> None:
         self.table, self.samples = table, samples
         self.pieces: list[torch.Tensor] = []
         self.positions: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
-        self.segments: list[tuple] = []
-        self.shown: list[int] = []  # samples whose prompt (and images) the row holds, in row order
+        self.nodes: list[tuple[int, int, int]] = []  # (row start, length, parent) per node of the row
+        self.shown: list[int] = []  # samples whose images the row holds, in row order
         self.rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
         self.fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
         self.offset = 0
@@ -418,55 +482,43 @@ class _PackedRow:
         if self.table.positions is not None:
             self.rope.append(self.table.positions[i][:, start:end].cpu())
 
-    def add_segment(self, members: list[int]) -> None:
-        """The rows ``members`` (positions in the micro-batch), sharing their prompt when there are several."""
-        samples = self.samples
-        first = members[0]
-        prefix = samples.prompt_lengths[first] - 1 if len(members) > 1 else 0  # a lone sample is a plain sequence
-        start = self.offset
-        if prefix:
-            sample = samples.indices[first]
-            for j in members:
-                samples.count(j, self.offset, prefix)
-            self.pieces.append(self.table.tokens[sample][:prefix].cpu())
-            self.carry(sample, 0, prefix)
-            self.shown.append(sample)
-            self.positions.append(torch.arange(prefix))
-            self.labels.append(torch.full((prefix,), -100, dtype=torch.long))
-            self.offset += prefix
-        blocks = tuple(self.add_block(j, prefix) for j in members)
-        self.segments.append((start, prefix, blocks))
-
-    def add_block(self, j: int, prefix: int) -> int:
-        """Row ``j`` after the ``prefix`` it shares (a plain sequence, or the prompt's last token + the completion);
-        returns the block's length."""
-        samples = self.samples
-        i, p, c = samples.indices[j], samples.prompt_lengths[j], samples.completion_lengths[j]
-        seq = self.table.tokens[i].cpu()
-        block = seq[prefix:]
-        lead = p - 1 - prefix  # block position whose next token is the first completion token
-        self.pieces.append(block)
-        self.carry(i, prefix)
-        if not prefix:
-            self.shown.append(i)
-        samples.count(j, self.offset, block.numel())
-        self.positions.append(torch.arange(prefix, prefix + block.numel()))
-        label = torch.full((block.numel(),), -100, dtype=torch.long)
-        if c > 0:
-            label[lead : lead + c] = seq[p : p + c]
-            samples.completion_at(j, self.offset + lead)
-        self.labels.append(label)
-        self.offset += block.numel()
-        return block.numel()
+    def add_tree(self, tree: PrefixTree) -> None:
+        """The micro-batch's samples as the nodes of their prefix ``tree`` (its samples numbered as the micro-batch's
+        rows): each node once, its tokens, positions (depths), token fields and M-RoPE positions its source sample's;
+        then each row's positions, loss terms and labels along its path."""
+        samples, firsts = self.samples, None
+        if self.table.media is not None:
+            firsts = self.table.first_media_positions()
+        starts = []
+        for node in range(tree.nodes):
+            i = samples.indices[tree.source[node]]
+            low, length = tree.start[node], tree.length[node]
+            starts.append(self.offset)
+            self.pieces.append(self.table.tokens[i][low : low + length].cpu())
+            self.carry(i, low, low + length)
+            self.positions.append(torch.arange(low, low + length))
+            self.nodes.append((self.offset, length, tree.parent[node]))
+            if firsts is not None and firsts[i] is not None and low <= firsts[i] < low + length:
+                self.shown.append(i)  # the node holding its first image holds all its images (prefix_keys)
+            self.offset += length
+        labels = torch.full((self.offset,), -100, dtype=torch.long)
+        for j, path in enumerate(tree.paths()):
+            where = torch.cat([torch.arange(starts[n], starts[n] + tree.length[n]) for n in path])
+            samples.count_positions(j, where)
+            p, c = samples.prompt_lengths[j], samples.completion_lengths[j]
+            if c > 0:
+                labels[where[p - 1 : p - 1 + c]] = self.table.tokens[samples.indices[j]][p : p + c].cpu()
+                samples.completion_at_positions(j, where[p - 1 : p - 1 + c])
+        self.labels.append(labels)
 
     def pad(self, length: int, pad_token_id: int) -> None:
         """Trailing rounding padding: it continues counting positions so it never starts a "new sequence" of length
-        0 in flash-attention's varlen bookkeeping; its labels are -100. With segment attention it is a segment of
-        its own."""
+        0 in flash-attention's varlen bookkeeping; its labels are -100. With segment attention it is a node of its
+        own."""
         self.pieces.append(torch.full((length,), pad_token_id, dtype=torch.long))
         self.positions.append(torch.arange(length))
         self.labels.append(torch.full((length,), -100, dtype=torch.long))
-        self.segments.append((self.offset, 0, (length,)))
+        self.nodes.append((self.offset, length, -1))
         for values in self.fields.values():
             values.append(torch.zeros(length, dtype=values[0].dtype))
         if self.rope:
@@ -479,13 +531,15 @@ def _padding_free_inputs(
     pad_token_id: int,
     pad_to_multiple_of: int | None,
     attention: str | None,
-    groups: Sequence[int] | None,
+    keys: Sequence[np.ndarray] | None,
 ) -> _LayoutInputs:
-    """The ``padding_free`` layout: every sample in one row, a shared prompt once before its samples' blocks."""
+    """The ``padding_free`` layout: every sample in one row, as the nodes of the samples' prefix tree (by ``keys``;
+    None: each sample alone, a plain sequence)."""
     row = _PackedRow(table, samples)
-    groups_here = None if groups is None else [groups[i] for i in samples.indices]
-    for members in prompt_segments(range(len(samples.indices)), samples.prompt_lengths, groups_here):
-        row.add_segment(members)
+    if keys is None:
+        row.add_tree(PrefixTree.alone(samples.seq_lengths))
+    else:
+        row.add_tree(PrefixTree.of_keys([keys[i] for i in samples.indices]))
     total = row.offset
     width = round_up(total, pad_to_multiple_of)
     if attention == "flex_attention":  # a few row widths, each compiled once
@@ -502,9 +556,9 @@ def _padding_free_inputs(
         model_inputs.update(samples.media_inputs(table, row.shown))
     segment_layout = None
     if attention is not None:
-        from hf_dynbsz.execution.attention import Segment, SegmentLayout
+        from hf_dynbsz.execution.attention.layout import Node, SegmentLayout
 
-        segment_layout = SegmentLayout([Segment(*segment) for segment in row.segments], attention)
+        segment_layout = SegmentLayout([Node(*node) for node in row.nodes], attention)
     return _LayoutInputs(
         input_ids=torch.cat(row.pieces).unsqueeze(0),
         position_ids=position_ids,
@@ -591,9 +645,9 @@ def dummy_microbatch(
         host["attention_mask"] = torch.ones(1, width, dtype=torch.long)
     segment_layout = None
     if attention is not None:
-        from hf_dynbsz.execution.attention import Segment, SegmentLayout
+        from hf_dynbsz.execution.attention.layout import Node, SegmentLayout
 
-        segment_layout = SegmentLayout([Segment(0, 0, (width,))], attention)
+        segment_layout = SegmentLayout([Node(0, width)], attention)
     moved = _move_with_segments(host, segment_layout, device)
     labels = moved.pop("shift_labels")
     return MicroBatch(

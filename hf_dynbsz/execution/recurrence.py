@@ -1,4 +1,4 @@
-"""Segment recurrence: padding-free rows and shared prompts through layers that carry state along a sequence.
+"""Segment recurrence: padding-free rows and prefix trees through layers that carry state along a sequence.
 
 The counterpart of segment attention (:mod:`hf_dynbsz.execution.attention`) for the sequence mixers of hybrid and
 state-space models: Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid), Kimi's and Bailing's delta attention, MiniMax's
@@ -16,6 +16,11 @@ sequence**, so every sequence starts from a zero state, exactly as it does alone
   (:func:`prefix_states`; checked once per module). Any other mixer (RecurrentGemma's block, MiniMax's lightning
   attention, Mamba's) runs ``[prefix ; block_j]`` for each block, the prefix's own outputs taken from the first run
   (the layer is causal): the prefix is recomputed in that layer only;
+* a prefix tree (any depth): every node starts from its parent's final states, copied for each child. With states
+  handed on, the inner nodes (those with children) run level by level from the roots, each once, then every leaf;
+  a mixer hands states down chains of inner nodes only where its check also passed on the row cut in halves
+  (:func:`chained_states`), and otherwise recomputes the paths of trees deeper than shared prompts. Recomputing,
+  each leaf runs ``[path ; own]``, the first leaf under a node keeping the node's outputs;
 * runs are batched into few calls of the layer: each run is right-padded to its *bucket* length (16, 24, 32, 48,
   64, 96, ...: less than half as many tokens again), and the runs of a bucket make one call. A mixer is causal, so
   tokens after a run's end (copies of its last token) change none of its outputs, and they are dropped;
@@ -45,12 +50,13 @@ from collections import defaultdict
 
 import torch
 
-from hf_dynbsz.execution.attention import SegmentLayout, active_segments
+from hf_dynbsz.execution.attention.layout import Node, SegmentLayout, active_segments
 
 __all__ = [
     "RecurrenceCall",
     "RunStates",
     "continuation_calls",
+    "chained_states",
     "prefix_states",
     "recurrence_calls",
     "segment_recurrence",
@@ -87,20 +93,34 @@ def bucket_length(tokens: int) -> int:
 
 
 def recurrence_calls(layout: SegmentLayout, device) -> tuple[list[RecurrenceCall], torch.Tensor]:
-    """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row with prefixes recomputed
-    (each block runs as ``[prefix ; block]``), and the row positions of their kept outputs (concatenated call after
-    call, ``keep`` order). Built once per pass and device."""
+    """``(calls, positions)``: the batched runs of a sequence mixer over ``layout``'s row with paths recomputed (each
+    leaf of the row's prefix tree runs as ``[path ; own]``), and the row positions of their kept outputs
+    (concatenated call after call, ``keep`` order). A run keeps the outputs of the nodes no earlier run kept: the
+    first leaf under a node keeps the node's. Built once per pass and device."""
 
     def build():
-        runs = []
+        runs, kept = [], set()
         for part in layout.parts():
-            if not part.is_prefix:  # the first block after its prefix keeps the prefix's outputs too
-                first = part.own.start == part.shared.stop
-                runs.append(([*part.shared, *part.own], 0 if first else len(part.shared), None))
+            if part.children:
+                continue
+            ancestors = _ancestors(layout, part)
+            covered = sum(len(layout.parts()[a].own) for a in ancestors if a in kept)
+            kept.update(ancestors)
+            runs.append(([*(p for r in part.path for p in r), *part.own], covered, None))
         calls = _bucketed(runs, device)
         return calls, _kept_positions(calls, device)
 
     return layout.cached(("recurrence", device), build)
+
+
+def _ancestors(layout: SegmentLayout, part) -> list[int]:
+    """The numbers of ``part``'s ancestors, root first."""
+    ancestors, above = [], part.parent
+    parts = layout.parts()
+    while above >= 0:
+        ancestors.append(above)
+        above = parts[above].parent
+    return ancestors[::-1]
 
 
 def _bucketed(runs: list[tuple[list[int], int, int | None]], device) -> list[RecurrenceCall]:
@@ -131,27 +151,40 @@ def _kept_positions(calls: list[RecurrenceCall], device) -> torch.Tensor:
 
 def continuation_calls(
     layout: SegmentLayout, device
-) -> tuple[list[RecurrenceCall], list[RecurrenceCall], torch.Tensor]:
-    """``(prefix_calls, calls, positions)`` with prefix states: every shared prefix runs once (prefixes of equal
-    length in one call, unpadded: their final states fill the bank in call order), then the plain sequences and the
-    blocks by bucket, each block from its prefix's final state (``state_rows``; a plain sequence from the bank's
-    zero row). ``positions``: the row positions of the kept outputs, prefix calls first."""
+) -> tuple[list[list[RecurrenceCall]], list[RecurrenceCall], torch.Tensor]:
+    """``(levels, calls, positions)`` with states handed on: every node with children (an *inner* node) runs once,
+    level by level from the roots (nodes of one level and length in one unpadded call, each from its parent's final
+    states: ``state_rows`` into the bank of the inner nodes run before, None for roots, which start from zero), and
+    their final states fill the bank in call order; then every leaf, by bucket, from its parent's final states (a root
+    leaf from the bank's zero row, its last). ``positions``: the row positions of the kept outputs, inner calls
+    first."""
 
     def build():
-        prefixes: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # length -> (segment, positions)
-        for part in layout.parts():
-            if part.is_prefix:
-                prefixes[len(part.own)].append((part.segment, list(part.own)))
-        prefix_calls, bank_row = [], {}
-        for length in sorted(prefixes):
-            for number, _ in prefixes[length]:
-                bank_row[number] = len(bank_row)
-            gather = torch.tensor([positions for _, positions in prefixes[length]])
-            prefix_calls.append(RecurrenceCall(gather.to(device), torch.ones_like(gather, dtype=torch.bool).to(device)))
+        parts = layout.parts()
+        level = {}
+        for part in parts:
+            level[part.node] = 0 if part.parent < 0 else level[part.parent] + 1
+        inner: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # level -> length -> nodes
+        for part in parts:
+            if part.children:
+                inner[level[part.node]][len(part.own)].append(part.node)
+        levels, bank_row = [], {}
+        for depth in sorted(inner):
+            calls = []
+            for length in sorted(inner[depth]):
+                nodes = inner[depth][length]
+                gather = torch.tensor([list(parts[n].own) for n in nodes])
+                rows = None if depth == 0 else torch.tensor([bank_row[parts[n].parent] for n in nodes], device=device)
+                calls.append(
+                    RecurrenceCall(gather.to(device), torch.ones_like(gather, dtype=torch.bool).to(device), rows)
+                )
+                for n in nodes:
+                    bank_row[n] = len(bank_row)
+            levels.append(calls)
         zero_row = len(bank_row)
-        runs = [(list(p.own), 0, bank_row.get(p.segment, zero_row)) for p in layout.parts() if not p.is_prefix]
+        runs = [(list(p.own), 0, bank_row.get(p.parent, zero_row)) for p in parts if not p.children]
         calls = _bucketed(runs, device)
-        return prefix_calls, calls, _kept_positions(prefix_calls + calls, device)
+        return levels, calls, _kept_positions([call for calls in levels for call in calls] + calls, device)
 
     return layout.cached(("continuation", device), build)
 
@@ -264,25 +297,37 @@ def _bank(states: list[dict], kernel: int) -> dict:
 
 
 def _continued(forward, argument: str, kernel: int, layout: SegmentLayout, args, kwargs, width: int, device):
-    """``forward`` over a padding-free row, each prefix run once and each block from its final states
-    (:func:`continuation_calls`); ``argument``: the forward's cache keyword (:func:`state_argument`)."""
-    prefix_calls, calls, positions = continuation_calls(layout, device)
+    """``forward`` over a padding-free row, each inner node of its prefix tree run once and every node from its
+    parent's final states (:func:`continuation_calls`); ``argument``: the forward's cache keyword
+    (:func:`state_argument`). A node's states are copied out of the bank for it (the bank is never updated in place:
+    siblings each start from their own copy of their parent's)."""
+    levels, calls, positions = continuation_calls(layout, device)
     outputs, extras, conv, recurrent = [], None, [], []
-    for call in prefix_calls:
-        states = RunStates()
-        out, extras = _call(forward, call, width, args, kwargs, **{argument: states})
-        outputs.append(out[call.keep])
-        conv.append(states.conv)
-        recurrent.append(states.recurrent)
+    for level in levels:
+        conv_bank, recurrent_bank = _bank(conv, kernel), _bank(recurrent, 0)
+        for call in level:
+            states = _run_states(call, conv_bank, recurrent_bank)
+            out, extras = _call(forward, call, width, args, kwargs, **{argument: states})
+            outputs.append(out[call.keep])
+            conv.append(states.conv)
+            recurrent.append(states.recurrent)
     conv_bank, recurrent_bank = _bank(conv, kernel), _bank(recurrent, 0)
     for call in calls:
-        states = RunStates(
-            {index: bank.index_select(0, call.state_rows) for index, bank in conv_bank.items()},
-            {index: bank.index_select(0, call.state_rows) for index, bank in recurrent_bank.items()},
+        out, extras = _call(
+            forward, call, width, args, kwargs, **{argument: _run_states(call, conv_bank, recurrent_bank)}
         )
-        out, extras = _call(forward, call, width, args, kwargs, **{argument: states})
         outputs.append(out[call.keep])
     return _assembled(outputs, positions, width, extras)
+
+
+def _run_states(call: RecurrenceCall, conv_bank: dict, recurrent_bank: dict) -> RunStates:
+    """The states ``call``'s runs start from: empty (zero) without state rows, else their rows of the banks."""
+    if call.state_rows is None:
+        return RunStates()
+    return RunStates(
+        {index: bank.index_select(0, call.state_rows) for index, bank in conv_bank.items()},
+        {index: bank.index_select(0, call.state_rows) for index, bank in recurrent_bank.items()},
+    )
 
 
 def _agree(recomputed, continued) -> bool:
@@ -325,21 +370,52 @@ def _in_fp32(module, forward, device):
     return forward_fp32
 
 
-def _decided(module, forward, argument, kernel, layout, args, kwargs, width, device) -> bool:
-    """Whether ``module``'s blocks may start from their prefix's final states: its prefix-state run and its recomputed
-    run of this row agree (:func:`_agree`), both in fp32 whatever the run's precision (:func:`_in_fp32`). A mixer that
-    does not take these states keeps recomputing."""
+def _decided(module, forward, argument, kernel, layout, args, kwargs, width, device) -> tuple[bool, bool]:
+    """``(blocks, chains)``: whether ``module``'s nodes may start from their parent's final states, for roots' children
+    (``blocks``: its run with states handed on and its recomputed run of this row agree, :func:`_agree`) and down
+    chains of inner nodes (``chains``: also over this row with every node cut in two, :func:`_deepened`, so that inner
+    nodes that start from a state hand theirs on), both in fp32 whatever the run's precision (:func:`_in_fp32`). A
+    mixer that does not take these states keeps recomputing."""
     try:
         fp32 = _in_fp32(module, forward, device)
         recomputed = _recomputed(fp32, layout, args, kwargs, width, device)
-        return _agree(recomputed, _continued(fp32, argument, kernel, layout, args, kwargs, width, device))
+        if not _agree(recomputed, _continued(fp32, argument, kernel, layout, args, kwargs, width, device)):
+            return False, False
+        deeper = _deepened(layout)
+        return True, _agree(recomputed, _continued(fp32, argument, kernel, deeper, args, kwargs, width, device))
     except Exception:  # noqa: BLE001 - a mixer that does not take these states keeps recomputing
-        return False
+        return False, False
+
+
+def _deepened(layout: SegmentLayout) -> SegmentLayout:
+    """``layout`` with every node of two positions or more cut in two, the first half the parent of the second (and
+    of the node's children): the same attention, with a chain of inner nodes under every root."""
+    nodes, last = [], {}
+    for part in layout.parts():
+        parent = last.get(part.parent, -1)
+        half = (len(part.own) + 1) // 2 if len(part.own) > 1 else len(part.own)
+        nodes.append(Node(part.own.start, half, parent))
+        if half < len(part.own):
+            nodes.append(Node(part.own.start + half, len(part.own) - half, len(nodes) - 1))
+        last[part.node] = len(nodes) - 1
+    return SegmentLayout(nodes, layout.base_implementation)
+
+
+def _inner_levels(layout: SegmentLayout) -> int:
+    """How many levels of ``layout``'s prefix tree hold inner nodes (nodes with children): 1 for shared prompts."""
+    parts = layout.parts()
+    depth: dict[int, int] = {}
+    for part in parts:
+        depth[part.node] = 0 if part.parent < 0 else depth[part.parent] + 1
+    return len({depth[part.node] for part in parts if part.children})
 
 
 #: Per mixer module: whether its blocks start from their prefix's final states (True), or its prefixes are
 #: recomputed (False); absent until its first row with shared prompts has been checked.
 _PREFIX_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per mixer module whose blocks start from their prefix's final states: whether inner nodes below a root do too
+#: (hand on the states they started from and ran on), so deeper trees continue rather than recompute.
+_CHAINED_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def prefix_states(module) -> bool | None:
@@ -348,11 +424,17 @@ def prefix_states(module) -> bool | None:
     return _PREFIX_STATES.get(module)
 
 
+def chained_states(module) -> bool:
+    """Whether ``module`` also hands states down chains of inner nodes (trees deeper than shared prompts); False
+    until decided, and for a mixer whose blocks recompute."""
+    return bool(_CHAINED_STATES.get(module))
+
+
 def _wrap(module):
-    """``module``'s forward, run per sequence of the active layout. A mixer that reads its states through
-    transformers' cache (:func:`state_argument`) runs each prefix once and starts its blocks from the prefix's final
-    states, once a first no-grad row with shared prompts showed that this gives the recomputed outputs (checked once
-    per module; else prefixes stay recomputed in it)."""
+    """``module``'s forward, run per node of the active layout. A mixer that reads its states through transformers'
+    cache (:func:`state_argument`) runs each inner node once and starts every node from its parent's final states,
+    once a first no-grad row with shared prompts showed that this gives the recomputed outputs (checked once per
+    module, for roots' children and for chains of inner nodes; else the paths stay recomputed in it)."""
     forward = module.forward
     argument = state_argument(module)
     kernel = max((m.kernel_size[0] for m in module.modules() if isinstance(m, torch.nn.Conv1d)), default=0)
@@ -366,13 +448,14 @@ def _wrap(module):
             return forward(*args, **kwargs)
         width, device = hidden.shape[1], hidden.device
         decided = _PREFIX_STATES.get(module)
-        if decided is False or not any(segment.prefix for segment in layout.segments):
+        if decided is False or not layout.gathers:
             return _recomputed(forward, layout, args, kwargs, width, device)
         if decided is None:  # decided in a no-grad pass (the self-check's): a training pass and gradient
             if not torch.is_grad_enabled():  # checkpointing's recomputation of it must take the same path
-                _PREFIX_STATES[module] = _decided(
-                    module, forward, argument, kernel, layout, args, kwargs, width, device
-                )
+                blocks, chains = _decided(module, forward, argument, kernel, layout, args, kwargs, width, device)
+                _PREFIX_STATES[module], _CHAINED_STATES[module] = blocks, chains
+            return _recomputed(forward, layout, args, kwargs, width, device)
+        if not chained_states(module) and layout.cached("inner levels", lambda: _inner_levels(layout)) > 1:
             return _recomputed(forward, layout, args, kwargs, width, device)
         return _continued(forward, argument, kernel, layout, args, kwargs, width, device)
 

@@ -87,7 +87,7 @@ class Teacher:
         """One teacher pass: the backbone over the pass's row, its hidden states at each completion token kept per
         sample."""
         with record_function("dynbsz/pack"):
-            mb = executor.microbatch(state.table, group, schedule.groups)
+            mb = executor.microbatch(state.table, group)
         with record_function("dynbsz/teacher_forward"):
             hidden = self._forward(mb)
         completion = mb.completion_mask.bool()

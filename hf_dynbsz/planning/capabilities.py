@@ -21,7 +21,7 @@ from hf_dynbsz.planning.model_support import (
     images_stay_on_their_process,
 )
 from hf_dynbsz.planning.schedule import RankGroup, Scheduler
-from hf_dynbsz.planning.settings import ENV_SETTINGS
+from hf_dynbsz.planning.settings import ENV_SETTINGS, SHARING_RULES
 
 __all__ = ["Capabilities", "check_same_on_every_process", "support_under"]
 
@@ -35,9 +35,9 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
     :data:`SHARED_SETTINGS`: before any collective that the disagreement would hang or corrupt."""
     if group.num_processes == 1:
         return
-    gathered = group.all_gather([int(getattr(args, name, None) or 0) for name in SHARED_SETTINGS])
+    gathered = group.all_gather([_code(getattr(args, name, None)) for name in SHARED_SETTINGS])
     for position, name in enumerate(SHARED_SETTINGS):
-        values = [row[position] or None for row in gathered]
+        values = [_decoded(row[position]) or None for row in gathered]
         if len(set(values)) > 1:
             per_process = ", ".join(f"process {rank}: {value}" for rank, value in enumerate(values))
             source = env_sources(args).get(name, "")
@@ -46,6 +46,19 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
                 "DIFFU_* variables are read by every process from its own environment: export the same values on "
                 "every machine (or unset them everywhere) before launching."
             )
+
+
+def _code(value) -> int:
+    """A setting's value as one integer the processes compare: a number as itself (None and False as 0), a sharing
+    rule by its place in :data:`SHARING_RULES`, below 0."""
+    if isinstance(value, str):
+        return -1 - SHARING_RULES.index(value)
+    return int(value or 0)
+
+
+def _decoded(code: int):
+    """What :func:`_code` made ``code`` of (a rule's name, else the number)."""
+    return SHARING_RULES[-1 - code] if code < 0 else code
 
 
 #: Why a model with sequence mixers trains padded rows where their calls gather parameters ({why}: the engine's
@@ -116,7 +129,7 @@ class Capabilities:
                 f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
                 f"repacked ({support.router_aux_blocker})"
             )
-        layouts, layout_notes = support.layouts(args.packing_layout, bool(args.share_prompt_prefix), device_type)
+        layouts, layout_notes = support.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
         if enabled:
             notes += layout_notes + list(support.notes)
             enabled = bool(layouts)
@@ -148,7 +161,7 @@ class Capabilities:
         the pair keeps the layouts both models allow, fastest first (the student's order; segment recurrence where
         either model has sequence mixers, each model's own found by class name). Image steps run stock's
         micro-batches (a teacher's image inputs are not repacked). Each feature not applied has one note."""
-        teacher_layouts, _ = teacher.layouts(args.packing_layout, bool(args.share_prompt_prefix), device_type)
+        teacher_layouts, _ = teacher.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
         pair = [_pair_layout(layout, teacher_layouts) for layout in self.layouts]
         pair = [layout for layout in pair if layout is not None]
         notes = list(self.notes)
@@ -178,8 +191,8 @@ class Capabilities:
 def _pair_layout(layout: Layout, teacher_layouts: list[Layout]) -> Layout | None:
     """``layout`` (the student's) as the pair runs it when the teacher allows it too (the same rows, prompts, attention
     and mask), with segment recurrence where either model needs it; None when the teacher does not."""
+    fields = ("name", "share_prompts", "prefix_tree", "segment_attention", "attention_mask", "attention")
     for other in teacher_layouts:
-        same = (layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
-        if same == (other.name, other.share_prompts, other.segment_attention, other.attention_mask, other.attention):
+        if all(getattr(layout, field) == getattr(other, field) for field in fields):
             return replace(layout, segment_recurrence=layout.segment_recurrence or other.segment_recurrence)
     return None

@@ -31,6 +31,7 @@ __all__ = [
     "coerce_optional_int",
     "coerce_pad_to_multiple_of",
     "coerce_setting",
+    "coerce_sharing",
     "finite_number",
     "is_integer",
     "is_none_text",
@@ -114,6 +115,16 @@ def finite_number(value: Any) -> float | None:
     return float(value)
 
 
+def coerce_sharing(spec: Setting, value: Any) -> bool | str:
+    """A bool or one of ``spec.choices`` (strings as :func:`coerce_bool` reads them, or a choice in any case)."""
+    if isinstance(value, str) and value.strip().lower() in spec.choices:
+        return value.strip().lower()
+    try:
+        return coerce_bool(spec.name, value)
+    except ValueError:
+        raise ValueError(f"{spec.name} must be {spec.expected}, got {value!r}: {spec.fix}") from None
+
+
 def coerce_pad_to_multiple_of(value: Any) -> int | None:
     """GRPOConfig's ``pad_to_multiple_of``: an int, None, or "auto" (None except on Neuron, where TRL uses 128)."""
     return coerce_optional_int(
@@ -131,6 +142,8 @@ def coerce_setting(spec: Setting, value: Any) -> Any:
     """
     if spec.kind == "bool":
         return coerce_bool(spec.name, value)
+    if spec.kind == "sharing":
+        return coerce_sharing(spec, value)
     if spec.kind == "choice":
         if value not in spec.choices:
             raise ValueError(

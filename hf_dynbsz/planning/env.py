@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hf_dynbsz.planning.coerce import parse_int
+from hf_dynbsz.planning.coerce import coerce_sharing, finite_number, parse_int
 from hf_dynbsz.planning.settings import ENV_SETTINGS, Setting
 
 __all__ = [
@@ -31,13 +31,26 @@ logger = logging.getLogger("hf_dynbsz")
 
 # (variable, value, field) triples already logged in this process: a sweep applies the same override to
 # several objects (config, trainer), and the log should say it once.
-_LOGGED: set[tuple[str, int, str]] = set()
+_LOGGED: set[tuple[str, Any, str]] = set()
 
 
-def _parse_positive_int(spec: Setting, raw: str) -> int:
-    """The value of ``spec``'s variable (:func:`hf_dynbsz.planning.coerce.parse_int`), with an error naming it."""
-    value = parse_int(raw)
-    if value is None or value < 1:
+def _parse(spec: Setting, raw: str) -> Any:
+    """The value of ``spec``'s variable: a positive integer (:func:`hf_dynbsz.planning.coerce.parse_int`), a positive
+    finite number for a ``"number"`` setting (a fraction such as 0.9), or for a sharing rule what
+    :func:`~hf_dynbsz.planning.coerce.coerce_sharing` reads; an error naming the variable. The setting's own checks
+    (a fraction at most 1) run where the config is validated."""
+    value = None
+    if spec.kind == "sharing":
+        try:
+            return coerce_sharing(spec, raw)
+        except ValueError:
+            pass
+    elif spec.kind == "number":
+        value = finite_number(raw)
+        value = value if value is not None and value > 0 else None
+    else:
+        value = parse_int(raw)
+    if value is None or value <= 0:
         raise ValueError(
             f"{spec.env}={raw!r} is not valid: expected {spec.expected} "
             f"(it overrides {spec.name}). Unset the variable to keep the configured value."
@@ -45,19 +58,19 @@ def _parse_positive_int(spec: Setting, raw: str) -> int:
     return value
 
 
-def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, int]]:
+def read_env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, Any]]:
     """Read the ``DIFFU_*`` variables that are set.
 
     Returns a mapping ``field name -> (variable name, value)``; variables that are not set are absent.
     Raises :class:`ValueError` naming the variable, its value and what is expected when a set variable is
-    empty, not an integer, zero or negative.
+    empty, not an integer, zero or negative (or, for ``share_prompt_prefix``, not a rule or a boolean).
     """
     if environ is None:
         environ = os.environ
-    overrides: dict[str, tuple[str, int]] = {}
+    overrides: dict[str, tuple[str, Any]] = {}
     for spec in ENV_SETTINGS:
         if spec.env in environ:
-            overrides[spec.name] = (spec.env, _parse_positive_int(spec, environ[spec.env]))
+            overrides[spec.name] = (spec.env, _parse(spec, environ[spec.env]))
     return overrides
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops, config_value, text_config_of
+from hf_dynbsz.planning.settings import sharing_rule
 
 __all__ = [
     "DeviceFacts",
@@ -135,14 +136,15 @@ def base_model(model: Any) -> Any:
 class Layout:
     """One way to lay a pass out: the rungs the self-check walks down, fastest first.
 
-    ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded
-    to the pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through
-    segment attention). ``segment_attention``: the base implementation segment attention runs per segment, None
-    for the model's own attention. ``segment_recurrence``: the model's sequence mixers run per sequence of the row
-    (:mod:`hf_dynbsz.execution.recurrence`). ``attention_mask``: padded rows carry an attention mask (right
+    ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded to the
+    pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through segment
+    attention); with ``prefix_tree``, every prefix the pass's samples share is computed once, whatever their prompts
+    (:mod:`hf_dynbsz.planning.prefix_tree`). ``segment_attention``: the base implementation segment attention runs per
+    segment, None for the model's own attention. ``segment_recurrence``: the model's sequence mixers run per sequence of
+    the row (:mod:`hf_dynbsz.execution.recurrence`). ``attention_mask``: padded rows carry an attention mask (right
     padding would otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
-    partitioner balances, ``"varlen"`` (each sequence attends to itself) or ``"dense"`` (a row or padded batch
-    costs its square).
+    partitioner balances, ``"varlen"`` (each sequence attends to itself) or ``"dense"`` (a row or padded batch costs its
+    square).
     """
 
     name: str
@@ -151,12 +153,18 @@ class Layout:
     attention_mask: bool = False
     attention: str = "dense"
     segment_recurrence: bool = False
+    prefix_tree: bool = False
+
+    @property
+    def sharing(self) -> str | None:
+        """The sharing rule of the layout's rows: ``"tree"``, ``"groups"`` (each prompt in its group) or None."""
+        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     def describe(self) -> str:
         """One phrase for logs and the plan table, e.g. "padding_free, shared prompts, segment attention (sdpa)"."""
         parts = [self.name]
         if self.share_prompts:
-            parts.append("shared prompts")
+            parts.append("prefix tree" if self.prefix_tree else "shared prompts")
         if self.segment_attention:
             parts.append(f"segment attention ({self.segment_attention})")
         if self.segment_recurrence:
@@ -297,7 +305,7 @@ class ModelSupport:
     def layouts(
         self,
         packing_layout: str = "auto",
-        share_prompt_prefix: bool = True,
+        share_prompt_prefix: bool | str = True,
         device_type: str | DeviceFacts = "cpu",
     ) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
@@ -317,9 +325,16 @@ class ModelSupport:
         log-probs differ from each sample's own. The last rung is available to "auto" and "padded": padded rows
         with an attention mask (stock's own layout, per sample). Empty (with the reason as the note) when no
         layout can be exact: stock math runs.
+
+        ``share_prompt_prefix`` (a checked value, :func:`~hf_dynbsz.planning.settings.sharing_rule`): with "tree"
+        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with "groups" the last
+        two; False the last. Every family whose rows share prompts takes the tree: what a node computes is what the
+        samples under it compute alone wherever a shared prompt's block does (the self-check steps down to groups
+        for a model that says otherwise).
         """
         if packing_layout not in ("auto", "padding_free", "padded"):
             raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
+        sharing = sharing_rule(share_prompt_prefix)
         if self.repacking_blocker:
             return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
         notes = []
@@ -331,7 +346,12 @@ class ModelSupport:
         if packing_layout != "padded" and self.padding_free_blocker is None:
             recurrence = bool(self.sequence_mixers)
             if base is not None:
-                if share_prompt_prefix:
+                if sharing == "tree":
+                    ladder.append(
+                        Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence,
+                               prefix_tree=True)
+                    )  # fmt: skip
+                if sharing is not None:
                     ladder.append(Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence))
                 ladder.append(Layout("padding_free", False, base, attention="varlen", segment_recurrence=recurrence))
             elif varlen:
@@ -348,7 +368,7 @@ class ModelSupport:
             if self.unmasked_padding_blocker is None:
                 ladder.append(Layout("padded"))
             ladder.append(Layout("padded", attention_mask=True))
-        if share_prompt_prefix and not ladder[0].share_prompts:
+        if sharing is not None and not ladder[0].share_prompts:
             why = (
                 self.padding_free_blocker
                 if packing_layout != "padded" and self.padding_free_blocker

@@ -226,7 +226,7 @@ class BatchSizePlan:
     dynamic_batching: bool
     oversize_policy: str
     balance_across_ranks: bool
-    share_prompt_prefix: bool
+    share_prompt_prefix: bool | str
     #: the layouts are checked against each sample alone before the first pass
     self_check: bool
     #: "auto", "padding_free" or "padded"

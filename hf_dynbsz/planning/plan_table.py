@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from hf_dynbsz.planning.model_support import images_stay_on_their_process
-from hf_dynbsz.planning.settings import setting
+from hf_dynbsz.planning.settings import setting, sharing_rule
 
 __all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
 
@@ -308,9 +308,9 @@ PLAN_ROWS: tuple[Row, ...] = (
     Row("oversize_policy", _attr("oversize_policy"), "-", setting("oversize_policy").summary),
     Row(
         "share_prompt_prefix",
-        _on_off("share_prompt_prefix"),
+        lambda plan: sharing_rule(plan.share_prompt_prefix) or "off",
         "-",
-        _summary_if_on("share_prompt_prefix", "every sample computes its prompt"),
+        _summary_if_on("share_prompt_prefix", "every sample computes its prompt and completion"),
     ),
     Row(
         "self_check",

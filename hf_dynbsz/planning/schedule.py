@@ -37,6 +37,7 @@ from hf_dynbsz.planning.partition import (
     oversize_indices,
     partition_by_token_budget,
 )
+from hf_dynbsz.planning.prefix_tree import PrefixTree, Unit
 from hf_dynbsz.planning.settings import setting
 from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 
@@ -49,9 +50,8 @@ __all__ = [
     "Unit",
     "arrivals",
     "build_units",
-    "prompt_segments",
     "row_tokens",
-    "segment_tokens",
+    "sharing_tree",
     "simulate_processes",
     "stock_microbatch_tokens",
 ]
@@ -143,41 +143,6 @@ def arrivals(destination: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]
     return arrived
 
 
-@dataclass(frozen=True)
-class Unit:
-    """Samples that always share a pass: one sample, or a piece of a prompt group sharing one copy of the prompt.
-
-    ``tokens`` is what the unit computes on its own (a shared prompt once: ``(P - 1) + sum(completion + 1)``), and
-    ``pairs`` its attention term (squared sequence lengths; a shared segment's blocks do not attend to each other).
-    """
-
-    samples: tuple[int, ...]
-    tokens: int
-    pairs: int
-
-
-def prompt_segments(
-    samples: Sequence[int], prompt_lengths: Sequence[int], groups: Sequence[int] | None
-) -> list[list[int]]:
-    """The segments of a padding-free row holding ``samples`` (the one shared-prompt rule; the budget, the units and
-    the collator all call it): the samples of one prompt group (equal ``groups`` ids) whose prompt has at least 2
-    tokens share one copy of it, ``[prompt without its last token | last token + completion | ...]``; every other
-    sample is a segment alone. Segments in order of their first sample, samples in ``samples`` order. ``groups``
-    None: every sample alone."""
-    members: dict = {}
-    for i in samples:
-        key = groups[i] if groups is not None and prompt_lengths[i] > 1 else ("alone", i)
-        members.setdefault(key, []).append(i)
-    return list(members.values())
-
-
-def segment_tokens(members: Sequence[int], prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> int:
-    """Tokens of one segment of :func:`prompt_segments`: ``P - 1 + sum(completion + 1)`` for a shared prompt of
-    ``P`` tokens, which is ``P + completion`` for a segment of one sample."""
-    prefix = prompt_lengths[members[0]] - 1
-    return prefix + sum(completion_lengths[i] + 1 for i in members)
-
-
 def row_tokens(
     samples: Sequence[int],
     prompt_lengths: Sequence[int],
@@ -185,49 +150,26 @@ def row_tokens(
     groups: Sequence[int] | None,
 ) -> int:
     """Tokens of a padding-free pass holding ``samples``: every prompt group present computes its prompt once."""
-    return sum(
-        segment_tokens(members, prompt_lengths, completion_lengths)
-        for members in prompt_segments(samples, prompt_lengths, groups)
-    )
+    return sharing_tree(prompt_lengths, completion_lengths, groups).tokens(samples)
+
+
+def sharing_tree(
+    prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None
+) -> PrefixTree:
+    """The prefix tree of the prompt-group rule (:meth:`PrefixTree.of_groups`; ``groups`` None: nothing shared)."""
+    if groups is None:
+        return PrefixTree.alone([p + c for p, c in zip(prompt_lengths, completion_lengths)])
+    return PrefixTree.of_groups(prompt_lengths, completion_lengths, groups)
 
 
 def build_units(
     prompt_lengths: Sequence[int], completion_lengths: Sequence[int], groups: Sequence[int] | None, budget: int
 ) -> list[Unit]:
-    """The units of one process's samples, ordered by their first sample.
-
-    Every segment of :func:`prompt_segments` is a unit; one that does not fit ``budget`` splits into pieces, each
-    carrying the prompt once: its blocks (prompt's last token + completion) packed first-fit-decreasing into as few
-    pieces as fit the budget with the shared prefix; a block that fits with no other runs alone (as a plain sequence,
-    longer than the budget if it must). ``pairs`` is the attention term (a shared segment's blocks do not attend to
-    each other).
-    """
-    units = []
-    for members in prompt_segments(range(len(prompt_lengths)), prompt_lengths, groups):
-        if len(members) == 1:  # a plain sequence: one unit, whatever the budget
-            tokens = prompt_lengths[members[0]] + completion_lengths[members[0]]
-            units.append(Unit((members[0],), tokens, tokens * tokens))
-            continue
-        prefix = prompt_lengths[members[0]] - 1
-        pieces: list[list[int]] = []
-        room: list[int] = []
-        for i in sorted(members, key=lambda i: (-completion_lengths[i], i)):
-            block = completion_lengths[i] + 1
-            piece = next((n for n, free in enumerate(room) if free >= block), None)
-            if piece is None:
-                pieces.append([])
-                room.append(budget - prefix)
-                piece = len(pieces) - 1
-            pieces[piece].append(i)
-            room[piece] -= block
-        for piece in pieces:
-            tokens = segment_tokens(piece, prompt_lengths, completion_lengths)
-            shared = prompt_lengths[piece[0]] - 1 if len(piece) > 1 else 0
-            blocks = [tokens - shared] if len(piece) == 1 else [completion_lengths[i] + 1 for i in piece]
-            units.append(
-                Unit(tuple(sorted(piece)), tokens, shared * shared + sum(b * b + 2 * shared * b for b in blocks))
-            )
-    return sorted(units, key=lambda unit: unit.samples[0])
+    """The units of one process's samples under the prompt-group rule, ordered by their first sample
+    (:meth:`PrefixTree.units`): a group's segment when it fits ``budget``, else pieces each carrying the prompt once,
+    its blocks (prompt's last token + completion) packed first-fit-decreasing; a block that fits with no other runs
+    alone (as a plain sequence, longer than the budget if it must)."""
+    return sharing_tree(prompt_lengths, completion_lengths, groups).units(budget)
 
 
 @dataclass(frozen=True)
@@ -239,12 +181,12 @@ class StepSchedule:
     cross-rank ``exchange`` (None when nothing moves) those of :attr:`Exchange.incoming`, whose token counts are
     ``lengths``. ``budget``: tokens per pass (per device), as :func:`~hf_dynbsz.planning.partition.microbatch_tokens`
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
-    samples longer than the budget (each ran alone). ``groups``: with shared prompts, one id per sample (equal ids:
-    one copy of the prompt within a pass), else None. ``pass_tokens``: the tokens each real pass computes (shared
-    prompts once, padding included); ``prompt_tokens_saved``: the prompt tokens not computed thanks to shared
-    prompts. ``balance``: the cross-rank assignment when balancing ran. ``pass_pairs``: each real pass's attention
-    term (squared sequence lengths, as :class:`Unit` counts them; rows x width^2 for padded passes), which the
-    memory model reads.
+    samples longer than the budget (each ran alone). ``tree``: the prefix tree the passes were counted by (samples
+    of other processes share nothing in it), None without sharing. ``pass_tokens``: the tokens each real pass
+    computes (shared positions once, padding included); ``prompt_tokens_saved``: the tokens not computed thanks to
+    sharing (prompts, and with a prefix tree any shared prefix). ``balance``: the cross-rank assignment when balancing
+    ran. ``pass_pairs``: each real pass's attention term (:meth:`PrefixTree.pairs`: squared sequence lengths for
+    samples sharing nothing; rows x width^2 for padded passes), which the memory model reads.
     """
 
     microbatches: list[list[int]]
@@ -255,7 +197,7 @@ class StepSchedule:
     pass_tokens: list[int]
     prompt_tokens_saved: int = 0
     pass_pairs: list[int] | None = None
-    groups: list[int] | None = None
+    tree: PrefixTree | None = None
     exchange: Exchange | None = None
     balance: Assignment | None = None
 
@@ -279,11 +221,12 @@ class StepSchedule:
 @dataclass(frozen=True)
 class StepRequest:
     """What one process brings to the scheduling of a step: its samples' ``prompts`` and ``completions`` (tokens),
-    their prompt ``groups`` (None: no shared prompts) and its ``budget`` (tokens per pass)."""
+    the prefix ``tree`` the samples share positions by (:meth:`Scheduler._tree`; every sample alone without sharing)
+    and its ``budget`` (tokens per pass)."""
 
     prompts: list[int]
     completions: list[int]
-    groups: list[int] | None
+    tree: PrefixTree
     budget: int
 
     @property
@@ -292,15 +235,17 @@ class StepRequest:
         return [p + c for p, c in zip(self.prompts, self.completions)]
 
     def values(self) -> list[int]:
-        """What the process contributes to the all-gather of cross-rank balancing: the budget, then each sample's
-        prompt, completion and group (-1 without groups)."""
-        groups = self.groups if self.groups is not None else [-1] * len(self.prompts)
-        return [self.budget, *[v for sample in zip(self.prompts, self.completions, groups) for v in sample]]
+        """What the process contributes to the all-gather of cross-rank balancing: the budget, the sample count, each
+        sample's prompt and completion, then its prefix tree (:meth:`PrefixTree.encode`)."""
+        shapes = [v for sample in zip(self.prompts, self.completions) for v in sample]
+        return [self.budget, len(self.prompts), *shapes, *self.tree.encode()]
 
     @classmethod
-    def from_values(cls, values: Sequence[int], grouped: bool) -> StepRequest:
-        """The request of a process from its :meth:`values` (``grouped``: the groups are kept)."""
-        return cls(list(values[1::3]), list(values[2::3]), list(values[3::3]) if grouped else None, values[0])
+    def from_values(cls, values: Sequence[int]) -> StepRequest:
+        """The request of a process from its :meth:`values`."""
+        count = values[1]
+        shapes = values[2 : 2 + 2 * count]
+        return cls(list(shapes[0::2]), list(shapes[1::2]), PrefixTree.decode(values[2 + 2 * count :])[0], values[0])
 
 
 @dataclass(frozen=True)
@@ -351,7 +296,8 @@ class Scheduler:
     ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
     attention), ``segment_recurrence`` whether the model's sequence mixers run per sequence of a padding-free row,
     ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
-    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention.
+    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention; ``prefix_tree``
+    shares every prefix the samples of a pass have in common, not only each prompt in its group.
     """
 
     layout: str
@@ -374,6 +320,12 @@ class Scheduler:
     group: RankGroup = SINGLE_PROCESS
     #: processes sharing each pass's row (:mod:`hf_dynbsz.execution.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
+    prefix_tree: bool = False
+
+    @property
+    def sharing(self) -> str | None:
+        """The sharing rule of this scheduler's rows (:attr:`Layout.sharing`): "tree", "groups" or None."""
+        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     @classmethod
     def from_args(
@@ -391,7 +343,7 @@ class Scheduler:
         support = support or ModelSupport.of(attn_implementation="sdpa")
         if layout is None:
             share = getattr(args, "share_prompt_prefix", setting("share_prompt_prefix").default)
-            layout = support.layouts(args.packing_layout, bool(share))[0][0]
+            layout = support.layouts(args.packing_layout, share)[0][0]
         balance = getattr(args, "balance_across_ranks", setting("balance_across_ranks").default)
         return cls(
             layout=layout.name,
@@ -410,6 +362,7 @@ class Scheduler:
             position_offset=support.position_offset,
             group=group,
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
+            prefix_tree=layout.prefix_tree,
         )
 
     def describe(self) -> str:
@@ -421,6 +374,7 @@ class Scheduler:
             self.attention_mask,
             self.attention,
             segment_recurrence=self.segment_recurrence,
+            prefix_tree=self.prefix_tree,
         ).describe()
 
     def budget(
@@ -470,23 +424,25 @@ class Scheduler:
         kind: str = "training",
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
+        tree: PrefixTree | None = None,
     ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
-        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them); ``groups`` (one id per
-        sample, equal ids = identical prompt tokens) lets samples of a group share one copy of their prompt when
-        ``share_prompts`` is on. Every process calls this with its own samples at the same point of the step.
+        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``share_prompts`` is
+        on, ``tree`` (the samples' :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`) or else ``groups`` (one id
+        per sample, equal ids = identical prompt tokens: the prompt-group rule) says which positions samples share
+        within a pass. Every process calls this with its own samples at the same point of the step.
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
-        sample's lengths lets every process compute the same assignment of units to processes
+        sample's lengths and prefix tree lets every process compute the same assignment of units to processes
         (:mod:`hf_dynbsz.planning.balance`) and the pass count. ``oversize_policy="error"`` stops every process with the
         same message, before any pass runs. Each phase is a method of its own, the collectives between them:
         :func:`simulate_processes` runs the same phases for every simulated process, each collective computed
         directly over the processes' values.
         """
-        request = self._request(lengths, budget, prompt_lengths, groups)
+        request = self._request(lengths, budget, prompt_lengths, groups, tree)
         if self._balances(self.group.num_processes):
-            agreed = self._balancing(self.group.all_gather(request.values()), request.groups is not None)
+            agreed = self._balancing(self.group.all_gather(request.values()))
             return self._balanced_schedule(agreed, self.group.rank, kind)
         own = self._lockstep(request)
         return self._in_lockstep(own, self.group.all_reduce_max(own.values()), kind)
@@ -497,13 +453,26 @@ class Scheduler:
         budget: int,
         prompt_lengths: Sequence[int] | None,
         groups: Sequence[int] | None,
+        tree: PrefixTree | None = None,
     ) -> StepRequest:
-        """What this process brings to the step's scheduling (:meth:`plan`'s arguments, as integers)."""
+        """What this process brings to the step's scheduling (:meth:`plan`'s arguments, as integers and a tree)."""
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
-        return StepRequest(prompts, completions, groups, budget)
+        return StepRequest(prompts, completions, self._tree(prompts, completions, groups, tree), budget)
+
+    def _tree(
+        self, prompts: list[int], completions: list[int], groups: Sequence[int] | None, tree: PrefixTree | None
+    ) -> PrefixTree:
+        """The prefix tree the samples are planned by: ``tree``, else the prompt-group rule's of ``groups``; every
+        sample alone when nothing is shared (``share_prompts`` off, or neither given)."""
+        if not self.share_prompts or (tree is None and groups is None):
+            return PrefixTree.alone([p + c for p, c in zip(prompts, completions)])
+        if tree is not None:
+            if tree.samples != len(prompts):
+                raise ValueError(f"the prefix tree holds {tree.samples} samples, the step {len(prompts)}")
+            return tree
+        return PrefixTree.of_groups(prompts, completions, [int(g) for g in groups])
 
     def _balances(self, num_processes: int) -> bool:
         """Whether a step over ``num_processes`` processes is balanced across them (one process: nothing to balance)."""
@@ -511,7 +480,7 @@ class Scheduler:
 
     def _lockstep(self, request: StepRequest) -> _Lockstep:
         """This process's part of a step without balancing, up to the all-reduce of :meth:`_Lockstep.values`."""
-        units = build_units(request.prompts, request.completions, request.groups, request.budget)
+        units = request.tree.units(request.budget)
         longest_oversize = self._longest_oversize(request.lengths, units, request.budget)
         return _Lockstep(request, units, self._passes_needed(units, request.budget), longest_oversize)
 
@@ -525,15 +494,15 @@ class Scheduler:
                 own.units, request.lengths, longest_anywhere, request.budget, kind, "a sequence on another process"
             )
         return self._partition(
-            request.prompts, request.completions, request.groups, own.units, request.budget, passes, own.needed
+            request.prompts, request.completions, request.tree, own.units, request.budget, passes, own.needed
         )
 
-    def _balancing(self, gathered: list[list[int]], grouped: bool) -> _Balancing:
+    def _balancing(self, gathered: list[list[int]]) -> _Balancing:
         """What every process computes alike from every process's :meth:`StepRequest.values` (the all-gather), in
-        process order; ``grouped``: the requests carry prompt groups."""
-        requests = [StepRequest.from_values(values, grouped) for values in gathered]
+        process order."""
+        requests = [StepRequest.from_values(values) for values in gathered]
         budget = max(request.budget for request in requests)  # automatic budgets differ: the largest is stock's bound
-        units = [build_units(r.prompts, r.completions, r.groups, budget) for r in requests]
+        units = [r.tree.units(budget) for r in requests]
         over = []
         if self.oversize_policy == "error":
             over = [self._longest_oversize(r.lengths, u, budget) for r, u in zip(requests, units)]
@@ -573,11 +542,10 @@ class Scheduler:
             Unit(tuple(sorted(local_index[q, i] for i in unit.samples)), unit.tokens, unit.pairs)
             for q, unit in agreed.runs[rank]
         ]
-        grouped = requests[0].groups is not None
         schedule = self._partition(
             [requests[q].prompts[i] for q, i in local],
             [requests[q].completions[i] for q, i in local],
-            _renumber([(q, requests[q].groups[i]) for q, i in local]) if grouped else None,
+            PrefixTree.joined([(requests[q].tree, i) for q, i in local]),
             sorted(units, key=lambda unit: unit.samples[0]),
             budget,
             max(agreed.needed),
@@ -596,18 +564,18 @@ class Scheduler:
         budget: int,
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
+        tree: PrefixTree | None = None,
     ) -> float:
         """The cost, in this scheduler's workload model, of these samples (``lengths`` tokens each) laid out as this
-        scheduler alone would lay them out under ``budget``: the sum over its passes, each as the partitioner costs
-        it (a padded pass: rows x its longest). No collective: :mod:`hf_dynbsz.execution.layout_timing` predicts each
-        candidate layout's step from it."""
+        scheduler alone would lay them out under ``budget`` (``groups`` and ``tree`` as :meth:`plan` reads them): the
+        sum over its passes, each as the partitioner costs it (a padded pass: rows x its longest). No collective:
+        :mod:`hf_dynbsz.execution.layout_timing` predicts each candidate layout's step from it."""
         lengths = [int(length) for length in lengths]
         if not lengths:
             return 0.0
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        groups = [int(g) for g in groups] if (self.share_prompts and groups is not None) else None
-        units = build_units(prompts, completions, groups, budget)
+        units = self._tree(prompts, completions, groups, tree).units(budget)
         bins = partition_by_token_budget(
             [unit.tokens for unit in units],
             budget,
@@ -649,7 +617,7 @@ class Scheduler:
         self,
         prompts: list[int],
         completions: list[int],
-        groups: list[int] | None,
+        tree: PrefixTree,
         units: list[Unit],
         budget: int,
         passes: int,
@@ -677,10 +645,10 @@ class Scheduler:
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
         lengths = [p + c for p, c in zip(prompts, completions)]
         real = [b for b in order if bins[b]]
-        shared = [row_tokens(microbatches[position], prompts, completions, groups) for position in range(len(real))]
+        shared = [tree.tokens(microbatches[position]) for position in range(len(real))]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
-            pass_pairs = [sum(units[u].pairs for u in bins[b]) for b in real]
+            pass_pairs = [tree.pairs(microbatches[position]) for position in range(len(real))]
         else:
             pass_tokens = [
                 microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
@@ -695,7 +663,7 @@ class Scheduler:
             lengths=lengths,
             pass_tokens=pass_tokens,
             prompt_tokens_saved=sum(lengths) - sum(shared),
-            groups=groups,
+            tree=tree if self.share_prompts else None,
             pass_pairs=pass_pairs,
         )
 
@@ -741,12 +709,6 @@ class Scheduler:
         )
 
 
-def _renumber(keys: list) -> list[int]:
-    """Small integer ids for hashable ``keys``, equal keys equal ids, numbered by first appearance."""
-    ids: dict = {}
-    return [ids.setdefault(key, len(ids)) for key in keys]
-
-
 def simulate_processes(
     scheduler: Scheduler,
     lengths: Sequence[Sequence[int]],
@@ -754,8 +716,10 @@ def simulate_processes(
     prompt_lengths: Sequence[Sequence[int]] | None = None,
     kind: str = "training",
     groups: Sequence[Sequence[int]] | None = None,
+    trees: Sequence[PrefixTree] | None = None,
 ) -> list:
-    """The schedules ``len(lengths)`` processes would compute, each from its own ``lengths`` and budget.
+    """The schedules ``len(lengths)`` processes would compute, each from its own ``lengths`` and budget
+    (``groups`` / ``trees``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree``).
 
     Runs the phases of :meth:`Scheduler.plan` for every simulated process in turn, in this thread: each process's
     part up to the collective, the collective computed directly over every process's values (what it returns on
@@ -769,7 +733,13 @@ def simulate_processes(
 
     def before_collective(rank: int):
         prompts = None if prompt_lengths is None else prompt_lengths[rank]
-        request = scheduler._request(lengths[rank], budgets[rank], prompts, None if groups is None else groups[rank])
+        request = scheduler._request(
+            lengths[rank],
+            budgets[rank],
+            prompts,
+            None if groups is None else groups[rank],
+            None if trees is None else trees[rank],
+        )
         return request if balanced else scheduler._lockstep(request)
 
     own = [_attempt(before_collective, rank) for rank in range(count)]
@@ -778,7 +748,7 @@ def simulate_processes(
         stopped = RuntimeError(f"simulated process {failed[0]} failed before the collective")
         return [value if isinstance(value, Exception) else stopped for value in own]
     if balanced:  # the all-gather: every process's values, in process order
-        agreed = _attempt(scheduler._balancing, [request.values() for request in own], own[0].groups is not None)
+        agreed = _attempt(scheduler._balancing, [request.values() for request in own])
         if isinstance(agreed, Exception):
             return [agreed] * count
         return [_attempt(scheduler._balanced_schedule, agreed, rank, kind) for rank in range(count)]

@@ -24,13 +24,16 @@ from typing import Any
 from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN
 
 __all__ = [
-    "SETTINGS",
-    "Setting",
     "DEFAULTS",
+    "DEFAULT_SHARING",
     "ENV_SETTINGS",
+    "SETTINGS",
+    "SHARING_RULES",
+    "Setting",
     "defaults_of",
-    "setting",
     "markdown_tables",
+    "setting",
+    "sharing_rule",
     "update_readme",
 ]
 
@@ -44,8 +47,8 @@ class Setting:
     """One setting of the plugin (or one TRL setting a ``DIFFU_*`` variable overrides).
 
     ``kind`` drives conversion and validation: ``"bool"``, ``"count"`` (a positive integer, ``None`` allowed when
-    ``default`` is ``None`` or ``optional``), ``"number"`` (a positive real number, the same for ``None``) or
-    ``"choice"`` (one of ``choices``). ``expected`` and ``fix`` are the
+    ``default`` is ``None`` or ``optional``), ``"number"`` (a positive real number, the same for ``None``),
+    ``"choice"`` (one of ``choices``) or ``"sharing"`` (a bool or one of ``choices``). ``expected`` and ``fix`` are the
     two halves of the error message for a bad value: "<name> must be <expected>, got <value>: <fix>".
     """
 
@@ -218,20 +221,29 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         name="share_prompt_prefix",
-        type="bool",
+        type="bool | str",
         default=True,
-        kind="bool",
+        kind="sharing",
+        choices=("tree", "groups"),
         unit="-",
-        summary="compute each prompt once per pass for all its completions there (exact)",
-        help="In a padding-free pass, samples whose prompts are identical (a GRPO prompt's num_generations "
-        "completions, or duplicate prompts; for vision-language models, the same tokens and the same pictures) share "
-        "one copy of the prompt: [prompt | completion 1 | completion 2 ...], each completion attending to the prompt "
-        "and to itself only, through segment attention, so every log-prob is stock's. The token budget counts the "
-        "prompt once, and a shared prompt's images are encoded once per pass. Not applied, with one logged reason, "
-        "where it cannot be exact: the padded layout, vision-language families other than Qwen2-VL, Qwen2.5-VL and "
-        "LLaVA, models whose attention does not go through transformers' AttentionInterface or whose layers carry "
-        "state along a row.",
-        expected="true or false",
+        summary="compute each shared prefix once per pass: 'tree' (any shared run of tokens) or 'groups' (each prompt "
+        "in its group)",
+        help="In a padding-free pass, samples that begin with the same tokens share one copy of them, through "
+        "segment attention, so every log-prob is stock's. 'tree': the pass's samples fold into a prefix tree, whatever "
+        "their prompts: a tool schema or few-shot block common to every prompt, a prompt's completions, the shared "
+        "trunks and branches of tree-search rollouts are each computed once, every node attending to its root-to-node "
+        "path. "
+        "'groups': the samples whose prompts are identical (a GRPO prompt's num_generations completions, or duplicate "
+        "prompts) share one copy of the prompt, [prompt | completion 1 | completion 2 ...]. For vision-language "
+        "models, images are shared only by prompts with the same tokens and the same pictures, and encoded once per "
+        "pass. The token budget counts shared tokens once. True: the default rule ('tree'); False: nothing shared. "
+        "Not applied, with one logged reason, where it cannot be exact: the padded layout, vision-language families "
+        "other than Qwen2-VL, Qwen2.5-VL and LLaVA, models whose attention does not go through transformers' "
+        "AttentionInterface or whose layers carry state along a row.",
+        env="DIFFU_SHARE_PROMPT_PREFIX",
+        expected="'tree', 'groups', true or false",
+        fix="'tree' computes every shared prefix once, 'groups' each prompt once in its group, false shares nothing "
+        "(true: the default rule).",
     ),
     Setting(
         name="self_check",
@@ -241,16 +253,17 @@ SETTINGS: tuple[Setting, ...] = (
         unit="-",
         summary="check the layout against each sample alone at start; step down if it differs",
         help="Before the run's first pass, run one no-grad pass over a few of that step's samples in the fastest "
-        "layout the model allows (padding-free with shared prompts, padding-free, padded, padded with an attention "
-        "mask, in that order) and compare the completion log-probs with each sample computed alone, then one "
-        "backward over the shorter of them and compare the gradients (every kind of parameter, in its first and last "
-        "layer) with those of the samples alone; keep the first layout within tolerance on every process (log-probs "
-        "1e-4 and gradients 1e-3 relative in fp32, 5e-2 and 0.25 in bf16/fp16: the check runs in the precision the "
-        "forwards compute in), trying the next one only when it is not, and log why the faster ones were left (the "
-        "parameter whose gradients differ most). When none passes, stock GRPOTrainer math runs. Gradients are not "
-        "compared under DeepSpeed ZeRO-3 (partitioned parameters) or reentrant gradient checkpointing, and the log "
-        "says so. Costs five small forwards and two backwards of three short samples once per run when the fastest "
-        "layout passes; False skips it and trusts the decision read off the model.",
+        "layout the model allows (padding-free with a prefix tree, with shared prompts, padding-free, padded, "
+        "padded with an attention mask, in that order) and compare the completion log-probs with each sample "
+        "computed alone, then one backward over the shorter of them and compare the gradients (every kind of "
+        "parameter, in its first and last layer) with those of the samples alone; keep the first layout within "
+        "tolerance on every process (log-probs 1e-4 and gradients 1e-3 relative in fp32, 5e-2 and 0.25 in "
+        "bf16/fp16: the check runs in the precision the forwards compute in), trying the next one only when it "
+        "is not, and log why the faster ones were left (the parameter whose gradients differ most). When none "
+        "passes, stock GRPOTrainer math runs. Gradients are not compared under DeepSpeed ZeRO-3 (partitioned "
+        "parameters) or reentrant gradient checkpointing, and the log says so. Costs five small forwards and two "
+        "backwards of three short samples once per run when the fastest layout passes; False skips it and trusts "
+        "the decision read off the model.",
         expected="true or false",
     ),
     Setting(
@@ -345,6 +358,23 @@ def defaults_of(trainer: str) -> dict[str, Any]:
 
 #: The settings a DIFFU_* variable overrides, in table order.
 ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
+
+
+#: The sharing rules of ``share_prompt_prefix`` (:func:`sharing_rule`), and the one ``True`` means.
+SHARING_RULES = ("tree", "groups")
+DEFAULT_SHARING = "tree"
+
+
+def sharing_rule(value: Any) -> str | None:
+    """The rule a (checked) ``share_prompt_prefix`` value asks for: ``"tree"``, ``"groups"``, or None (nothing
+    shared); ``True`` is :data:`DEFAULT_SHARING`."""
+    if value is True:
+        return DEFAULT_SHARING
+    if value in SHARING_RULES:
+        return value
+    if value is False or value is None:
+        return None
+    raise ValueError(f"share_prompt_prefix must be 'tree', 'groups', true or false, got {value!r}")
 
 
 def setting(name: str) -> Setting:

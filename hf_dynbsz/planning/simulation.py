@@ -20,6 +20,7 @@ from typing import Any
 
 from hf_dynbsz.planning.coerce import parse_int
 from hf_dynbsz.planning.partition import token_lower_bound
+from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
 
 __all__ = [
@@ -138,7 +139,7 @@ class SimulatedRound:
         return (1.0, 1.0) if balance is None else (balance.imbalance_before, balance.imbalance_after)
 
 
-def simulate(plan, scheduler: Scheduler, lengths: list[Sample]) -> list[SimulatedRound]:
+def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: int = 0) -> list[SimulatedRound]:
     """The schedules of each optimizer step of ``lengths`` (samples in training order), as every process computes
     them: a step takes ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples, process
     0's first (the last step may be partial: it is simulated over the processes that hold its samples), and is
@@ -147,7 +148,9 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample]) -> list[Simulate
     :class:`~hf_dynbsz.planning.plan.BatchSizePlan`. With ``max_tokens_per_microbatch`` unset, each process's budget
     is the automatic one, ``per_device_train_batch_size`` rows of stock TRL's padded width. Stock pads to the whole
     generation batch; equal to the optimizer step's when ``steps_per_generation == gradient_accumulation_steps`` (the
-    default)."""
+    default).
+    ``shared_prefix``: with a prefix tree, every prompt begins with that many tokens in common
+    (:meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.of_groups`)."""
     per_process, processes = plan.per_device_samples_per_optimizer_step, plan.num_processes
     rounds = []
     for start in range(0, len(lengths), per_process * processes):
@@ -166,8 +169,9 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample]) -> list[Simulate
         for balance in (True, False):
             planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
             results = simulate_processes(
-                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups
-            )
+                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups,
+                trees=_trees(scheduler, totals, prompts, groups, shared_prefix),
+            )  # fmt: skip
             errors = [result for result in results if isinstance(result, Exception)]
             if errors:
                 raise errors[0]
@@ -177,6 +181,17 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample]) -> list[Simulate
             SimulatedRound(totals, stock, schedules[True], schedules[False], len(step) < per_process * processes)
         )
     return rounds
+
+
+def _trees(scheduler: Scheduler, totals, prompts, groups, shared_prefix: int):
+    """Per process, the prefix tree of its samples when the scheduler shares a tree and prompts share a block (the
+    prompt groups' tree with the block once); None otherwise (the prompt groups, as the scheduler reads them)."""
+    if scheduler.sharing != "tree" or not shared_prefix or groups[0] is None:
+        return None
+    return [
+        PrefixTree.of_groups(p, [t - q for t, q in zip(ts, p)], g, shared_prefix)
+        for ts, p, g in zip(totals, prompts, groups)
+    ]
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def _simulation_notes(plan, scheduler: Scheduler, rounds: list[SimulatedRound], 
         f"pad_to_multiple_of: {plan.pad_to_multiple_of or 'none'}.",
         "lower bound = fewest micro-batches the step's tokens allow (each oversize sequence counts one); utilisation "
         "= real tokens / (micro-batches x budget), over the micro-batches within the budget; computed tokens = "
-        "tokens the micro-batches compute (padding included); stock tokens = stock "
+        "tokens the micro-batches compute (shared prompts and prefixes once, padding included; real tokens count "
+        "each sample's own); stock tokens = stock "
         "TRL's micro-batches of per_device_train_batch_size samples padded to the step's longest row.",
     ]
     notes = [textwrap.fill(note, width=110, break_on_hyphens=False) for note in notes]

@@ -15,6 +15,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.fsdp`: accelerate's FSDP on CPU processes (accelerate turns it on for accelerator devices
   only);
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
+  begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
 * :mod:`~hf_dynbsz.testing.vllm_standin`: a stand-in for vLLM behind TRL's own ``VLLMGeneration`` (server and colocate
@@ -48,6 +50,7 @@ from hf_dynbsz.testing.fixtures import (
     run_training,
     save_tiny_model,
     save_tiny_teacher,
+    unique_tokens,
 )
 from hf_dynbsz.testing.fsdp import fsdp_on_cpu
 from hf_dynbsz.testing.harness import (
@@ -81,6 +84,7 @@ from hf_dynbsz.testing.harness import (
 from hf_dynbsz.testing.mixes import (
     MIX_LABELS,
     MIXES,
+    PREFIX_MIXES,
     PROMPT_HEAVY_RANGE,
     PROMPT_RANGE,
     UNIFORM_PROMPT,
@@ -100,9 +104,11 @@ from hf_dynbsz.testing.oracles import (
     relative_difference,
     segment_mask,
     stock_logps,
+    tree_mask,
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
+from hf_dynbsz.testing.prefixes import PrefixRollout, prefix_batch, tree_completion
 from hf_dynbsz.testing.processes import (
     REPO_ROOT,
     ResidentSetSampler,
@@ -120,12 +126,17 @@ from hf_dynbsz.testing.vision import (
 from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_standin
 
 __all__ = [
+    "unique_tokens",
+    "PrefixRollout",
+    "prefix_batch",
+    "tree_completion",
     "CHAT_SPECIAL_TOKENS",
     "COMPARISON_FIELDS",
     "CPU_RUN_FIELDS",
     "CountingEnvironment",
     "DEFAULT_ALPHABET",
     "MIXES",
+    "PREFIX_MIXES",
     "MIX_LABELS",
     "ModelShape",
     "MultiTurnRollout",
@@ -196,6 +207,7 @@ __all__ = [
     "saved_model_trainer",
     "scripted_run",
     "segment_mask",
+    "tree_mask",
     "sequence_lengths",
     "snapshot_parameters",
     "step_clock",

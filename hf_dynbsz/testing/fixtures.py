@@ -36,6 +36,7 @@ __all__ = [
     "save_tiny_teacher",
     "seeded_model",
     "TEACHER_SHAPE",
+    "unique_tokens",
 ]
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " .,:;!?+-*/=()"
@@ -282,6 +283,17 @@ class RecordingReward:
         return [c.count("a") / max(len(c), 1) - 0.01 * len(c) for c in completions]
 
 
+def unique_tokens(sequences: list[list[int]]) -> int:
+    """The positions a prefix tree of ``sequences`` (token ids) holds, each once
+    (:class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`): what one pass of them computes by default."""
+    import numpy as np
+
+    from hf_dynbsz.planning.prefix_tree import PrefixTree, token_keys
+
+    base = max((max(ids) for ids in sequences if ids), default=0) + 2
+    return PrefixTree.of_keys([token_keys(np.array(ids), base) for ids in sequences if ids]).tokens()
+
+
 class ScriptedRollout:
     """A TRL ``rollout_func`` returning scripted token ids: every trainer sees exactly the same completions.
 
@@ -340,6 +352,7 @@ class ScriptedRollout:
                 "real_tokens": int(sum(len(p) for p in prompt_ids) + sum(lengths)),
                 "fingerprint": [sorted(len(p) for p in prompt_ids), sorted(lengths)],
                 "lengths": [(len(p), c) for p, c in zip(prompt_ids, lengths)],  # (prompt, completion) per sample
+                "unique_tokens": unique_tokens([p + c for p, c in zip(prompt_ids, completion_ids)]),
             }
         )
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}

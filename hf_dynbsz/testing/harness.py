@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS, ScriptedRollout, build_tiny_causal_lm
-from hf_dynbsz.testing.mixes import completion_lengths, prompt_lengths
+from hf_dynbsz.testing.mixes import PREFIX_MIXES, completion_lengths, prompt_lengths
+from hf_dynbsz.testing.prefixes import PrefixRollout
 from hf_dynbsz.testing.processes import REPO_ROOT, run_with_timeout
 
 __all__ = [
@@ -129,14 +130,22 @@ def tokenizer_rollout(
 
 def mix_rollout(mix: str, tokenizer, max_completion_length: int, seed: int = 0) -> ScriptedRollout:
     """The scripted rollout of the named length mix ``mix`` (:mod:`hf_dynbsz.testing.mixes`): its completion and
-    prompt lengths, in tokens."""
-    return tokenizer_rollout(
+    prompt lengths, in tokens, and for a mix of :data:`~hf_dynbsz.testing.mixes.PREFIX_MIXES` its prefix structure
+    (:class:`~hf_dynbsz.testing.prefixes.PrefixRollout`)."""
+    rollout = tokenizer_rollout(
         tokenizer,
         lambda rng, n, rank: completion_lengths(mix, n, max_completion_length, rng),
         lambda rng: prompt_lengths(mix, 1, rng)[0],
         max_completion_length=max_completion_length,
         seed=seed,
     )
+    if mix not in PREFIX_MIXES:
+        return rollout
+    structure = {key: value for key, value in PREFIX_MIXES[mix].items() if key != "prompts"}
+    prefixed = PrefixRollout(rollout.completion_lengths, rollout.prompt_length, **structure,
+                             max_completion_length=max_completion_length, seed=seed, token_low=rollout.token_low,
+                             token_high=rollout.token_high, eos_id=rollout.eos_id)  # fmt: skip
+    return prefixed
 
 
 def numbered_prompts(count: int, prefix: str = "prompt-", width: int = 0):

@@ -127,6 +127,35 @@ def segment_mask(prefix: int, blocks: tuple[int, ...]):
     return causal & ((key_owner == -1) | (key_owner == query_owner))
 
 
+def tree_mask(nodes, window: int | None = None):
+    """The rule of a prefix-tree row written as a dense ``(width, width)`` bool mask (True = may attend), from its
+    nodes ``(start, length, parent)`` (row order, parents numbered before children): a query sees the keys of every
+    ancestor of its node and its own node's keys up to itself, and with ``window`` only keys fewer than ``window``
+    positions (depths) before it. Walks parent links, not the row order the kernels rely on. A test oracle for
+    :mod:`hf_dynbsz.execution.attention`."""
+    import torch
+
+    width = max((start + length for start, length, _ in nodes), default=0)
+    owner, depth = torch.full((width,), -1, dtype=torch.long), torch.zeros(width, dtype=torch.long)
+    first = []
+    for number, (start, length, parent) in enumerate(nodes):
+        first.append(0 if parent < 0 else first[parent] + nodes[parent][1])
+        owner[start : start + length] = number
+        depth[start : start + length] = torch.arange(first[number], first[number] + length)
+    allowed = torch.zeros(width, width, dtype=torch.bool)
+    for number, (start, length, _) in enumerate(nodes):
+        line, above = [number], nodes[number][2]
+        while above >= 0:
+            line.append(above)
+            above = nodes[above][2]
+        seen = torch.isin(owner, torch.tensor(line))
+        rows = slice(start, start + length)
+        allowed[rows] = seen.unsqueeze(0) & (depth.unsqueeze(0) <= depth[rows].unsqueeze(1))
+        if window is not None:
+            allowed[rows] &= depth.unsqueeze(0) > depth[rows].unsqueeze(1) - window
+    return allowed
+
+
 def reference_varlen_attention(
     query,
     key,

@@ -22,13 +22,15 @@ def packed_pass(
     attention_mask: bool = False,
     mixers: tuple[str, ...] = (),
     pad_token_id: int = 0,
+    sharing: str | None = None,
 ):
     """Yields ``(micro-batch, log-probs, entropies)`` of samples ``indices`` of ``table`` (a ``SequenceTable``) in one
     pass, log-probs and entropies completion-aligned ``(rows, width)``; ``model`` has TRL's fused LM head. Segment
     attention and recurrence stay on inside the context, so a backward there (and gradient checkpointing's
     recomputation) runs the pass as the executor's does.
 
-    ``groups``: prompt groups whose prompts the row shares (None: none shared); ``attention``: the base
+    ``groups``: prompt groups whose prompts the row shares (None: none shared); ``sharing``: instead, the rule the
+    row's samples share positions by ("tree", "groups": :meth:`SequenceTable.prefix_keys`); ``attention``: the base
     implementation segment attention wraps (None: the model's own attention, as padded rows run); ``layout``,
     ``attention_mask``, ``pad_to_multiple_of``: the collator's; ``mixers``: the class names of the sequence mixers
     segment recurrence runs per sequence (empty: none).
@@ -46,6 +48,7 @@ def packed_pass(
         groups=groups,
         attention_mask=attention_mask,
         pad_to_multiple_of=pad_to_multiple_of,
+        keys=table.prefix_keys(sharing) if sharing else None,
     )
     with segment_attention(model, attention is not None), segment_recurrence(model, mixers):
         use_segments(mb.segments)
@@ -98,11 +101,10 @@ def bare_check_passes(model, table, gradients: bool = True):
 
     def run_layout(layout, indices, want=True):
         rows = tables[bool(want and parameters)]
-        groups = rows.prompt_groups() if layout.share_prompts else None
         mixers = ModelSupport.of(model=model).sequence_mixers if layout.segment_recurrence else ()
-        options = dict(layout=layout.name, attention_mask=layout.attention_mask, mixers=mixers)
+        options = dict(layout=layout.name, attention_mask=layout.attention_mask, mixers=mixers, sharing=layout.sharing)
         with torch.set_grad_enabled(bool(want and parameters)):
-            with packed_pass(model, rows, indices, groups, layout.segment_attention, **options) as (_, logps, _):
+            with packed_pass(model, rows, indices, None, layout.segment_attention, **options) as (_, logps, _):
                 return probe(logps, indices, want)
 
     def run_alone(index, want=True):

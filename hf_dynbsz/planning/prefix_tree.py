@@ -1,0 +1,394 @@
+"""Prefix trees: which positions of a pass's samples are computed once, and what a pass of them costs.
+
+Samples that begin alike compute the same hidden states at the positions they share (a causal model sees nothing
+after a position). A pass folds its samples into a prefix trie, as TRL's AsyncGRPO does (its ``TreeRow``): a
+sample is a sequence of *position keys*, and two samples share position ``i`` when their keys agree at every position
+up to ``i``. A position's key is its token and the next one (:func:`token_keys`), so samples share a position only when
+they also agree on what follows it: the trie forks one token before they diverge, and every position keeps one
+next-token label (the rule the shared prompt follows, ``[prompt without its last token | last token + completion]``).
+Other keys restrict the sharing where more than the tokens decides a hidden state (:func:`group_keys`: each prompt
+shared by its own group only; :func:`namespaced`: a vision-language sample's images).
+
+:class:`PrefixTree` merges chains of single-child positions into *nodes*, numbered in row order (depth first, children
+by first appearance, so that samples with nothing in common keep their order): a node holds ``length`` positions from
+depth ``start`` and attends to its root-to-node path. The collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's
+row out from it; the schedule (:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens`
+(unique positions), :meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys) and
+:meth:`PrefixTree.units` (samples that stay in one pass: a subtree that fits the budget, else pieces of it, each
+carrying its path). The per-pass trie of any subset of a step's samples is a subset of the step's trie, so what the
+planner counts of a pass is what the collator builds.
+
+Pure Python + numpy: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PrefixTree", "Unit", "group_keys", "namespaced", "token_keys"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Samples that always share a pass: one sample, a subtree of the trie, or a piece of one carrying its path.
+
+    ``tokens`` is what the unit computes on its own (shared positions once) and ``pairs`` its attention term (every
+    position's path: :meth:`PrefixTree.pairs`, squared sequence lengths for a sample alone).
+    """
+
+    samples: tuple[int, ...]
+    tokens: int
+    pairs: int
+
+
+def token_keys(tokens: np.ndarray, base: int) -> np.ndarray:
+    """The position keys of one sample of ``tokens`` (ids below ``base`` - 1): ``token x base + next token + 1``,
+    the last position's next token counted as -1 (no sample extends it with the same key)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    following = np.empty_like(tokens)
+    following[:-1] = tokens[1:]
+    following[-1:] = -1
+    return tokens * base + following + 1
+
+
+def namespaced(keys: np.ndarray, position: int, namespace: int) -> np.ndarray:
+    """``keys`` with position ``position``'s key replaced by ``namespace`` (a negative number: no token key is one),
+    so that samples share positions from there on only with samples of the same namespace."""
+    keys = np.array(keys, dtype=np.int64)
+    keys[position] = namespace
+    return keys
+
+
+def group_keys(prompt_lengths: Sequence[int], lengths: Sequence[int], groups: Sequence[int]) -> list[np.ndarray]:
+    """Position keys of the prompt-group rule: the samples of one group (equal ``groups`` ids: identical prompts)
+    share their prompt without its last token, when it has at least 2 tokens; nothing else is shared. Keys are not
+    tokens: ``-(2 + group)`` first, zeros along the shared prompt, then one key of the sample's own."""
+    count = max(groups, default=-1) + 1
+    keys = []
+    for index, (prompt, length, group) in enumerate(zip(prompt_lengths, lengths, groups)):
+        sample = np.zeros(length, dtype=np.int64)
+        sample[0] = -(2 + group)
+        sample[max(prompt - 1, 0)] = -(2 + count + index)  # from the prompt's last token on: the sample's own
+        keys.append(sample)
+    return keys
+
+
+class PrefixTree:
+    """The prefix trie of some samples' position keys, single-child chains merged into nodes (see the module).
+
+    Nodes are numbered in row order, every parent before its children: ``parent[n]`` (-1 for a root), ``start[n]``
+    (the depth of its first position: positions along its samples), ``length[n]`` (positions), ``source[n]`` (a
+    sample it belongs to, whose tokens it holds). ``leaf[s]``: the node sample ``s`` ends on (its path runs from a
+    root to it; samples equal in every key end on the same node).
+    """
+
+    def __init__(self, parent, start, length, source, leaf) -> None:
+        self.parent, self.start, self.length = list(parent), list(start), list(length)
+        self.source, self.leaf = list(source), list(leaf)
+        self._paths: list[list[int]] | None = None
+        self._below: list[list[int]] | None = None
+
+    def __eq__(self, other) -> bool:
+        """Equal structure (nodes, their depths and lengths, each sample's leaf): what :meth:`encode` sends. A node's
+        ``source`` is any sample holding it, so trees that differ only there lay out the same positions."""
+        return isinstance(other, PrefixTree) and self.encode() == other.encode()
+
+    __hash__ = None  # mutable (cached paths)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def of_keys(cls, keys: Sequence[np.ndarray]) -> PrefixTree:
+        """The trie of the samples whose position keys are ``keys`` (one 1-D integer array each, at least one key)."""
+        nodes = _Trie()
+        for sample, sample_keys in enumerate(keys):
+            nodes.insert(sample, np.asarray(sample_keys, dtype=np.int64), keys)
+        return nodes.tree()
+
+    @classmethod
+    def alone(cls, lengths: Sequence[int]) -> PrefixTree:
+        """Samples of ``lengths`` tokens that share nothing: one root node each."""
+        count = len(lengths)
+        return cls([-1] * count, [0] * count, [int(n) for n in lengths], range(count), range(count))
+
+    @classmethod
+    def of_groups(
+        cls,
+        prompt_lengths: Sequence[int],
+        completion_lengths: Sequence[int],
+        groups: Sequence[int],
+        shared: int = 0,
+    ) -> PrefixTree:
+        """The trie of the prompt-group rule (:func:`group_keys`) from the samples' lengths alone: each group's
+        prompt without its last token once, then each sample's last prompt token and completion. ``shared``: every
+        prompt begins with the same ``shared`` tokens (a tool block, exemplars): as a prefix tree computes them, all
+        but the last once for every sample (the block's last token is keyed on each prompt's next one)."""
+        if shared > 1 and min(prompt_lengths, default=shared) < shared:
+            raise ValueError(f"every prompt begins with {shared} shared tokens, but a prompt has fewer")
+        sizes = Counter(groups)
+        parent, start, length, source, leaf, prefixes = [], [], [], [], [], {}
+        block = -1
+        if shared > 1 and prompt_lengths:
+            block = 0
+            parent.append(-1), start.append(0), length.append(shared - 1), source.append(0)
+        low = shared - 1 if block >= 0 else 0
+        for sample, (prompt, completion, group) in enumerate(zip(prompt_lengths, completion_lengths, groups)):
+            if group not in prefixes:
+                prefixes[group] = block
+                if prompt - 1 > low and sizes[group] > 1:
+                    prefixes[group] = len(parent)
+                    parent.append(block), start.append(low), length.append(prompt - 1 - low), source.append(sample)
+            node = prefixes[group]
+            offset = low if node == block else prompt - 1
+            leaf.append(len(parent))
+            parent.append(node)
+            start.append(offset), length.append(prompt + completion - offset), source.append(sample)
+        return cls._in_row_order(parent, start, length, source, leaf)
+
+    @classmethod
+    def _in_row_order(cls, parent, start, length, source, leaf, children=None, roots=None) -> PrefixTree:
+        """The tree of nodes numbered in any order: renumbered depth first, ``roots`` and each node's ``children``
+        in the order given (default: by number)."""
+        if children is None:
+            children = [[] for _ in parent]
+            for node, above in enumerate(parent):
+                if above >= 0:
+                    children[above].append(node)
+        if roots is None:
+            roots = [node for node, above in enumerate(parent) if above < 0]
+        order, stack = [], roots[::-1]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(children[node]))
+        number = {node: index for index, node in enumerate(order)}
+        return cls(
+            [number[parent[n]] if parent[n] >= 0 else -1 for n in order],
+            [start[n] for n in order],
+            [length[n] for n in order],
+            [source[n] for n in order],
+            [number[n] for n in leaf],
+        )
+
+    # ------------------------------------------------------------------ reading it
+    @property
+    def nodes(self) -> int:
+        return len(self.parent)
+
+    @property
+    def samples(self) -> int:
+        return len(self.leaf)
+
+    def paths(self) -> list[list[int]]:
+        """Per sample, its nodes from its root to its leaf."""
+        if self._paths is None:
+            paths = []
+            for node in self.leaf:
+                path = []
+                while node >= 0:
+                    path.append(node)
+                    node = self.parent[node]
+                paths.append(path[::-1])
+            self._paths = paths
+        return self._paths
+
+    def children(self) -> list[list[int]]:
+        """Per node, its children in row order."""
+        children: list[list[int]] = [[] for _ in self.parent]
+        for node, above in enumerate(self.parent):
+            if above >= 0:
+                children[above].append(node)
+        return children
+
+    def below(self) -> list[list[int]]:
+        """Per node, the samples whose path runs through it, ascending."""
+        if self._below is None:
+            below: list[list[int]] = [[] for _ in self.parent]
+            for sample, path in enumerate(self.paths()):
+                for node in path:
+                    below[node].append(sample)
+            self._below = below
+        return self._below
+
+    def node_pairs(self, node: int) -> int:
+        """The attention term of ``node``: its positions' queries against their paths' keys, counted as squared
+        lengths count a sequence (``(start + length)^2 - start^2``: a sample alone gives its length squared)."""
+        return self.length[node] * (self.length[node] + 2 * self.start[node])
+
+    def tokens(self, samples: Sequence[int] | None = None) -> int:
+        """Positions a pass of ``samples`` (default: all) computes: each position once, however many samples hold it."""
+        return sum(self.length[node] for node in self._union(samples))
+
+    def pairs(self, samples: Sequence[int] | None = None) -> int:
+        """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
+        return sum(self.node_pairs(node) for node in self._union(samples))
+
+    def _union(self, samples: Sequence[int] | None) -> set[int]:
+        paths = self.paths()
+        chosen = range(self.samples) if samples is None else samples
+        return {node for sample in chosen for node in paths[sample]}
+
+    # ------------------------------------------------------------------ units of the partitioner
+    def units(self, budget: int) -> list[Unit]:
+        """The samples that always share a pass, ordered by their first sample: each root's subtree when it fits
+        ``budget`` tokens; otherwise its children's subtrees packed first-fit-decreasing into pieces that fit with
+        the path they share (each piece carrying it), a subtree too large for a piece split the same way below it,
+        and a sample that fits with no other alone (longer than the budget if it must)."""
+        sizes, pairs = self._subtree_sums()
+        units: list[Unit] = []
+        children, below = self.children(), self.below()
+        ends = [[] for _ in self.parent]
+        for sample, node in enumerate(self.leaf):
+            ends[node].append(sample)
+        split = _Split(self, budget, sizes, pairs, children, below, ends, units)
+        for root in (node for node, above in enumerate(self.parent) if above < 0):
+            split.subtree(root, 0, 0)
+        return sorted(units, key=lambda unit: unit.samples[0])
+
+    def _subtree_sums(self) -> tuple[list[int], list[int]]:
+        """Per node, the tokens and attention term of its subtree (itself and every node below it)."""
+        sizes = list(self.length)
+        pairs = [self.node_pairs(node) for node in range(self.nodes)]
+        for node in range(self.nodes - 1, -1, -1):  # children follow their parents in row order
+            above = self.parent[node]
+            if above >= 0:
+                sizes[above] += sizes[node]
+                pairs[above] += pairs[node]
+        return sizes, pairs
+
+    # ------------------------------------------------------------------ across processes
+    def encode(self) -> list[int]:
+        """The tree as integers (for an all-gather): ``[nodes, samples, *parent, *start, *length, *leaf]``."""
+        return [self.nodes, self.samples, *self.parent, *self.start, *self.length, *self.leaf]
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> tuple[PrefixTree, int]:
+        """The tree :meth:`encode` gave at the start of ``values``, and how many values it took (sources are not
+        sent: each node's first sample stands for it)."""
+        nodes, samples = int(values[0]), int(values[1])
+        offset = 2
+        parent, start, length = (
+            [int(v) for v in values[offset + k * nodes : offset + (k + 1) * nodes]] for k in range(3)
+        )
+        offset += 3 * nodes
+        leaf = [int(v) for v in values[offset : offset + samples]]
+        tree = cls(parent, start, length, [0] * nodes, leaf)
+        below = tree.below()
+        tree.source = [members[0] if members else 0 for members in below]
+        return tree, offset + samples
+
+    @classmethod
+    def joined(cls, picks: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
+        """One tree of the samples ``picks`` (``(tree, sample)`` pairs, in the new order): each keeps its path in its
+        own tree; samples of different trees share nothing (the planner's view of samples from other processes)."""
+        parent, start, length, source, leaf = [], [], [], [], []
+        number: dict[tuple[int, int], int] = {}
+        for index, (tree, sample) in enumerate(picks):
+            for node in tree.paths()[sample]:
+                key = (id(tree), node)
+                if key not in number:
+                    above = tree.parent[node]
+                    number[key] = len(parent)
+                    parent.append(number[id(tree), above] if above >= 0 else -1)
+                    start.append(tree.start[node]), length.append(tree.length[node]), source.append(index)
+            leaf.append(number[id(tree), tree.paths()[sample][-1]])
+        return cls._in_row_order(parent, start, length, source, leaf)
+
+
+class _Split:
+    """:meth:`PrefixTree.units`'s walk: a subtree with the path above it is one unit when it fits, else pieces."""
+
+    def __init__(self, tree, budget, sizes, pairs, children, below, ends, units) -> None:
+        self.tree, self.budget, self.sizes, self.pairs = tree, budget, sizes, pairs
+        self.children, self.below, self.ends, self.units = children, below, ends, units
+
+    def subtree(self, node: int, above_tokens: int, above_pairs: int) -> None:
+        tree = self.tree
+        total = above_tokens + self.sizes[node]
+        if total <= self.budget or not self.children[node]:
+            self.units.append(Unit(tuple(self.below[node]), total, above_pairs + self.pairs[node]))
+            return
+        path = above_tokens + tree.length[node]
+        path_pairs = above_pairs + tree.node_pairs(node)
+        room = self.budget - path
+        items = [(self.sizes[c], self.below[c][0], c, self.pairs[c], self.below[c]) for c in self.children[node]]
+        items += [(0, sample, -1, 0, [sample]) for sample in self.ends[node]]
+        pieces: list[list] = []  # [free room, samples, tokens, pairs]
+        for size, _, child, child_pairs, samples in sorted(items, key=lambda item: (-item[0], item[1])):
+            if size > room:
+                if child >= 0:
+                    self.subtree(child, path, path_pairs)
+                else:
+                    self.units.append(Unit(tuple(samples), path, path_pairs))
+                continue
+            piece = next((piece for piece in pieces if piece[0] >= size), None)
+            if piece is None:
+                piece = [room, [], path, path_pairs]
+                pieces.append(piece)
+            piece[0] -= size
+            piece[1] += samples
+            piece[2] += size
+            piece[3] += child_pairs
+        for _, samples, tokens, piece_pairs in pieces:
+            self.units.append(Unit(tuple(sorted(samples)), tokens, piece_pairs))
+
+
+class _Trie:
+    """A compressed trie under construction: nodes in creation order, each ``(source sample, first depth, end
+    depth)`` with its children by first key (in first-appearance order)."""
+
+    def __init__(self) -> None:
+        self.source: list[int] = []
+        self.low: list[int] = []
+        self.high: list[int] = []
+        self.parent: list[int] = []
+        self.children: list[dict[int, int]] = []
+        self.roots: dict[int, int] = {}
+        self.leaf: list[int] = []
+
+    def _add(self, source: int, low: int, high: int, parent: int) -> int:
+        self.source.append(source), self.low.append(low), self.high.append(high), self.parent.append(parent)
+        self.children.append({})
+        return len(self.source) - 1
+
+    def insert(self, sample: int, keys: np.ndarray, every: Sequence[np.ndarray]) -> None:
+        """Add ``sample`` (its ``keys``; ``every``: all samples' keys, for the nodes' sources)."""
+        if not keys.size:
+            raise ValueError(f"sample {sample} has no positions: a prefix tree needs at least one token per sample")
+        table, node, depth, end = self.roots, -1, 0, keys.size
+        while depth < end:
+            child = table.get(int(keys[depth]))
+            if child is None:
+                new = self._add(sample, depth, end, node)
+                table[int(keys[depth])] = new
+                self.leaf.append(new)
+                return
+            high = self.high[child]
+            stop = min(high, end)
+            theirs = np.asarray(every[self.source[child]], dtype=np.int64)
+            differ = np.flatnonzero(keys[depth:stop] != theirs[depth:stop])
+            split = depth + int(differ[0]) if differ.size else stop
+            if split < high:  # the child's run forks (or this sample ends) inside it: cut it there
+                middle = self._add(self.source[child], depth, split, node)
+                table[int(keys[depth])] = middle
+                self.children[middle][int(theirs[split])] = child
+                self.parent[child], self.low[child] = middle, split
+                child = middle
+            node, table, depth = child, self.children[child], self.high[child]
+        self.leaf.append(node)  # it ends where another sample's path continues or ends: that node is its leaf
+
+    def tree(self) -> PrefixTree:
+        """The finished trie, renumbered in row order (roots and children in first-appearance order: a node cut
+        in two keeps its place among its siblings)."""
+        return PrefixTree._in_row_order(
+            self.parent,
+            self.low,
+            [high - low for low, high in zip(self.low, self.high)],
+            self.source,
+            self.leaf,
+            [list(table.values()) for table in self.children],
+            roots=list(self.roots.values()),
+        )

@@ -1,0 +1,151 @@
+"""Specification of hf_dynbsz.planning.prefix_tree: which positions a pass's samples compute once, and what a pass of
+them costs.
+
+A position is identified by the sample's keys up to it (a token and the next); the tree holds each such position
+once, in row order, and every count of the planner (unique tokens, attention pairs, the partitioner's units) is the
+count a brute-force enumeration of distinct prefixes gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
+from hf_dynbsz.planning.schedule import row_tokens
+
+
+def tree_of(sequences, base=10):
+    return PrefixTree.of_keys([token_keys(np.array(s), base) for s in sequences])
+
+
+def distinct_positions(sequences):
+    """Brute force: the positions of ``sequences`` keyed by (token, next token), the sample's whole prefix up to the
+    next token: a set of tuples, one per position computed once."""
+    return {tuple([*s, -1][: i + 2]) for s in sequences for i in range(len(s))}
+
+
+def brute_pairs(sequences):
+    """Each distinct position's queries against its path's keys, counted as squared lengths count: 2 depth + 1."""
+    return sum(2 * (len(prefix) - 2) + 1 for prefix in distinct_positions(sequences))
+
+
+sequences = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sequences, st.data())
+def test_a_pass_computes_each_distinct_position_once(samples, data):
+    tree = tree_of(samples)
+    assert tree.tokens() == len(distinct_positions(samples))
+    assert tree.pairs() == brute_pairs(samples)
+    subset = data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True))
+    assert tree.tokens(subset) == len(distinct_positions([samples[i] for i in subset]))  # a pass of some of them
+    assert tree.pairs(subset) == brute_pairs([samples[i] for i in subset])
+
+
+@settings(max_examples=200, deadline=None)
+@given(sequences)
+def test_nodes_are_in_row_order_and_every_path_spells_its_sample(samples):
+    tree = tree_of(samples)
+    assert all(parent < node for node, parent in enumerate(tree.parent))  # every parent before its children
+    for sample, path in enumerate(tree.paths()):
+        depth = 0
+        for node in path:
+            assert tree.start[node] == depth and tree.length[node] >= 1
+            depth += tree.length[node]
+            source = samples[tree.source[node]]  # the tokens the row copies are the sample's own
+            assert source[tree.start[node] : depth] == samples[sample][tree.start[node] : depth]
+        assert depth == len(samples[sample])
+    children = tree.children()
+    for node, below in enumerate(children):  # a chain of single children is one node (samples may end there)
+        ends = tree.leaf.count(node)
+        assert len(below) != 1 or ends > 0
+
+
+def test_the_tree_forks_one_token_before_samples_diverge_and_keeps_their_order():
+    #          a  b  c  d          a  b  c  e         f  g        a  b  c  d  (again)
+    samples = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [7, 8], [1, 2, 3, 4]]
+    tree = tree_of(samples)
+    # [a b] once (c is keyed on d or e), then c d for samples 0 and 3, c e f for sample 1; [f g] alone
+    assert list(zip(tree.start, tree.length, tree.parent)) == [(0, 2, -1), (2, 2, 0), (2, 3, 0), (0, 2, -1)]
+    assert tree.leaf == [1, 2, 3, 1] and tree.source == [0, 0, 1, 2]
+    assert tree.tokens() == 9 and tree.tokens([0, 3]) == 4
+
+
+def test_the_group_rule_shares_each_prompt_in_its_group_only():
+    prompts, completions, groups = [4, 4, 3, 4, 1, 1], [2, 0, 5, 3, 2, 2], [0, 0, 1, 0, 2, 2]
+    lengths = [p + c for p, c in zip(prompts, completions)]
+    keyed = PrefixTree.of_keys(group_keys(prompts, lengths, groups))
+    counted = PrefixTree.of_groups(prompts, completions, groups)
+    assert (keyed.parent, keyed.start, keyed.length, keyed.leaf) == (
+        counted.parent,
+        counted.start,
+        counted.length,
+        counted.leaf,
+    )
+    # group 0's prompt without its last token once, then each sample's last prompt token and completion; group 1 has
+    # one sample (a plain sequence); group 2's prompts of 1 token share nothing
+    assert list(zip(counted.start, counted.length, counted.parent)) == [
+        (0, 3, -1), (3, 3, 0), (3, 1, 0), (3, 4, 0), (0, 8, -1), (0, 3, -1), (0, 3, -1),
+    ]  # fmt: skip
+    assert counted.tokens() == row_tokens(range(6), prompts, completions, groups)
+
+
+def test_a_namespace_keeps_positions_from_there_apart():
+    same = [1, 2, 3, 4, 5]
+    keys = [token_keys(np.array(same), 10), namespaced(token_keys(np.array(same), 10), 2, -7)]
+    tree = PrefixTree.of_keys(keys)
+    assert list(zip(tree.start, tree.length, tree.parent)) == [(0, 2, -1), (2, 3, 0), (2, 3, 0)]
+
+
+def test_a_subtree_that_fits_is_one_unit():
+    # a shared block of 10, two prompts of their own, two completions each
+    samples = [[0] * 10 + [1, 1] + [2, 3], [0] * 10 + [1, 1] + [3, 3], [0] * 10 + [2] + [1], [0] * 10 + [2] + [2, 2]]
+    tree = tree_of(samples)
+    (unit,) = tree.units(budget=tree.tokens())
+    assert unit.samples == (0, 1, 2, 3) and unit.tokens == tree.tokens() and unit.pairs == tree.pairs()
+
+
+def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
+    samples = [[0] * 10 + [1] * 6 + [k] * 3 for k in (2, 3)] + [[0] * 10 + [4] * 6 + [k] * 3 for k in (5, 6)]
+    tree = tree_of(samples)
+    assert tree.tokens() == 9 + 2 * (6 + 2 * 4)  # the block's first 9 once, each prompt's 6, each completion's 4
+    units = tree.units(budget=23)
+    assert [unit.samples for unit in units] == [(0, 1), (2, 3)]  # each prompt's subtree with the block's path
+    for unit in units:
+        assert unit.tokens == tree.tokens(unit.samples) == 23
+        assert unit.pairs == tree.pairs(unit.samples)
+    assert [unit.samples for unit in tree.units(budget=20)] == [(0,), (1,), (2,), (3,)]  # a prompt's subtree: 23
+    (lone,) = tree.units(budget=5)[:1]  # the block alone is over the budget: every sample alone
+    assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
+
+
+@pytest.mark.parametrize("budget", [3, 8, 15, 40])
+def test_the_group_rule_units_are_the_schedules_units(budget):
+    from hf_dynbsz.planning.schedule import build_units
+
+    prompts, completions, groups = [6, 6, 6, 3, 6], [9, 2, 4, 7, 1], [0, 0, 0, 1, 0]
+    tree = PrefixTree.of_groups(prompts, completions, groups)
+    assert tree.units(budget) == build_units(prompts, completions, groups, budget)
+    for unit in tree.units(budget):
+        assert unit.tokens >= tree.tokens(unit.samples)
+
+
+def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():
+    tree = tree_of([[1, 2, 3], [1, 2, 4], [5]])
+    decoded, used = PrefixTree.decode([*tree.encode(), 99])
+    assert used == len(tree.encode())
+    assert (decoded.parent, decoded.start, decoded.length, decoded.leaf) == (
+        tree.parent,
+        tree.start,
+        tree.length,
+        tree.leaf,
+    )
+    other = tree_of([[1, 2, 3]])
+    joined = PrefixTree.joined([(tree, 1), (other, 0), (tree, 0)])
+    # samples of different trees share nothing; those of one tree keep their shared path
+    assert joined.tokens() == tree.tokens([0, 1]) + other.tokens()
+    assert joined.paths()[0][0] == joined.paths()[2][0] != joined.paths()[1][0]
