@@ -11,7 +11,8 @@ metrics and every other metric it logged (``logged``: the loss metrics among the
 
 ``--rollout lopsided`` replaces generation by a scripted rollout that gives every long completion to process 1
 (18-24 tokens against 1-3 on process 0); ``prefix`` by a lopsided one with prefix structure (a 16-token block every
-prompt begins with, each prompt's completions sharing a trunk and one of two branches); ``multiturn`` by scripted
+prompt begins with, each prompt's completions sharing a trunk and one of two branches: a distillation's one completion
+per prompt needs ``--repeat_prompts`` for the trunks); ``multiturn`` by scripted
 multi-turn completions with an environment mask;
 ``environment`` trains with an environment that owns the prompts (no dataset) and the reward (no reward function).
 ``--loss_types a,b,c`` trains once per loss type in the same launch (files suffixed ``.a``...), and ``--scenarios``
@@ -222,8 +223,12 @@ def add_trainer_flags(parser) -> None:
 
 def add_generation_flags(parser) -> None:
     """Where the completions come from: ``--rollout`` (generated or scripted), ``--vllm`` (TRL's vLLM path through the
-    stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there)."""
+    stand-in) and ``--vllm_is_mode`` (GRPO's importance-sampling mode there); ``--repeat_prompts``: how many of a
+    distillation's completions (one per prompt) share a prompt."""
     parser.add_argument("--rollout", choices=ROLLOUTS, default="generate")
+    parser.add_argument(
+        "--repeat_prompts", type=int, default=1, help="distillation: each dataset prompt this many times in a row"
+    )
     parser.add_argument("--vllm", choices=["none", "server", "colocate"], default="none", help="TRL's vLLM path")
     parser.add_argument("--vllm_is_mode", default="token_truncate", help="vllm_importance_sampling_mode (GRPO)")
 
@@ -354,12 +359,15 @@ def scripted_rollout(cli):
 
 
 def train_distillation(cli, loss_type: str, out: str):
-    """One distillation run (the student from ``--model_dir``, the teacher from ``--teacher_dir``); writes each rank's
-    record and, from rank 0, the final parameters, under ``out``."""
+    """One distillation run (the student from ``--model_dir``, the teacher from ``--teacher_dir``; stock generates one
+    completion per prompt: ``--repeat_prompts`` N gives a generation batch N completions of each prompt); writes each
+    rank's record and, from rank 0, the final parameters, under ``out``."""
     args = run_args(cli, loss_type, out)
+    dataset = lopsided_dataset() if cli.lopsided else prompt_dataset()
+    dataset = dataset.select([row for row in range(len(dataset)) for _ in range(cli.repeat_prompts)])
     trainer = distillation_trainer(
         cli.trainer, out, model_dir=cli.model_dir, teacher=cli.teacher_dir, rollout=scripted_rollout(cli),
-        dataset=lopsided_dataset() if cli.lopsided else prompt_dataset(), args=args,
+        dataset=dataset, args=args,
     )  # fmt: skip
     trainer.train()
     write_results(trainer, None, cli, out, [])

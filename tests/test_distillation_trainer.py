@@ -7,8 +7,9 @@ fixed slices, and checks: identical generations, the same parameters afterwards 
 relative difference of the *updates*, which is what would expose a mis-weighted token), and the same logged loss and
 entropy. Stock's settings each get a run: ``beta`` 0 (forward KL), 0.5 (JSD) and 1 (reverse KL), temperatures off 1,
 gradient accumulation of 1, 2 and 4 slices, gradient checkpointing on and off, a tool mask; so do the plugin's
-capabilities: padded and padding-free rows, shared prompts, the teacher's own budget, the budget from memory and
-out-of-memory passes, LoRA, the self-check on both models. Multi-process runs (DDP, ZeRO-3, balancing) are in
+capabilities: padded and padding-free rows, shared prompts, the prefix tree (the default: a block shared across
+prompts, trunks and branches of a prompt's completions, on both models), the teacher's own budget, the budget from
+memory and out-of-memory passes, LoRA, the self-check on both models. Multi-process runs (DDP, ZeRO-3, balancing) are in
 ``tests/test_distributed_distillation.py``.
 """
 
@@ -25,6 +26,7 @@ from hf_dynbsz.testing import (
     TEST_ALPHABET,
     ScriptedRollout,
     build_char_tokenizer,
+    comparison_prefix_rollout,
     distillation_config,
     distillation_trainer,
     numbered_prompts,
@@ -128,7 +130,7 @@ def test_shared_prompts_and_the_teachers_own_budget_on_long_tailed_completions(m
         model_dir,
         tmp_path,
         make_rollout=long_tailed_rollout,
-        dataset=numbered_prompts(4, prefix="p").select([0, 1, 2, 3] * 4),
+        dataset=repeated_prompts(),
         max_completion_length=48,
         beta=0.5,
         max_tokens_per_microbatch=64,
@@ -138,6 +140,99 @@ def test_shared_prompts_and_the_teachers_own_budget_on_long_tailed_completions(m
         assert step["dynbsz/prompt_tokens_saved"] > 0 and step["dynbsz/padding_fraction"] == 0
         assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
         assert step["dynbsz/microbatches"] >= 2
+
+
+def repeated_prompts():
+    """4 prompts, each 4 times: stock generates one completion per prompt, so a step of 8 holds several completions of
+    a prompt (its prompt shared in a pass; a trunk and branches too under a tree rollout)."""
+    return numbered_prompts(4, prefix="p").select([0, 1, 2, 3] * 4)
+
+
+#: The prefix-tree runs (the default share_prompt_prefix="tree", self-check on): the structures of
+#: :data:`~hf_dynbsz.testing.PREFIX_STRUCTURES` (shared across prompts, within a prompt's completions, both), every
+#: ``beta``, temperatures off 1; the last one in a budget that cuts the step's tree into pieces, each carrying its path,
+#: over four slices of two rows.
+PREFIX_TREE_RUNS = {
+    "forward_kl_shared_block": dict(structures=("shared block",), beta=0.0, temperature=0.7, budget=160),
+    "jsd_tree_rollout": dict(structures=("tree rollout",), beta=0.5, temperature=1.3, budget=160),
+    "reverse_kl_both_in_pieces": dict(
+        structures=("shared block", "tree rollout"), beta=1.0, temperature=0.7, budget=64,
+        per_device_train_batch_size=2, gradient_accumulation_steps=4,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("run", list(PREFIX_TREE_RUNS))
+def test_a_prefix_tree_matches_stock(model_dir, tmp_path, run):
+    """The default prefix tree on both models: the student's training passes and the teacher's no-grad passes compute
+    each shared position once (a block shared across prompts, trunks and branches of a prompt's completions), the
+    teacher's hidden state there is gathered for every sample holding it, and each sample's divergence terms sum to
+    stock's gradient. The tree really ran (tokens saved beyond prompt groups), and the logged counts are the rollout's:
+    computed + saved = the samples' tokens, and a step in one pass computes each distinct prefix once."""
+    options = dict(PREFIX_TREE_RUNS[run])
+    structures, budget = options.pop("structures"), options.pop("budget")
+    rollouts = []
+
+    def make_rollout():
+        rollouts.append(comparison_prefix_rollout(*structures))
+        return rollouts[-1]
+
+    steps = compare_with_stock(
+        model_dir, tmp_path, make_rollout=make_rollout, dataset=repeated_prompts(), max_tokens_per_microbatch=budget,
+        **options,
+    )  # fmt: skip
+    assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
+    for step, generated in zip(steps, rollouts[1].rounds):  # one generation per optimizer step
+        assert step["dynbsz/computed_tokens"] + step["dynbsz/prompt_tokens_saved"] == generated["real_tokens"]
+        assert step["dynbsz/padding_fraction"] == 0
+        if step["dynbsz/microbatches"] == 1:
+            assert step["dynbsz/computed_tokens"] == generated["unique_tokens"]
+    assert any(step["dynbsz/microbatches"] == 1 for step in steps) == (budget == 160)
+
+
+def test_a_prefix_tree_the_teacher_computes_wrong_steps_the_pair_down_to_prompt_groups(
+    model_dir, tmp_path, monkeypatch, caplog
+):
+    """The self-check's tree rung checks the teacher too: the teacher's rows in the check made to lose their
+    grandparents' keys (each node sees its parent's only, as in a shared prompt's row: right for prompt groups, wrong
+    for a block shared across prompts), the student's right. The pair leaves the tree with the teacher's reason,
+    logged once, trains prompt groups and equals stock."""
+    from hf_dynbsz.execution.attention.layout import SegmentLayout
+    from hf_dynbsz.execution.check_passes import CheckPasses
+
+    build, check = SegmentLayout._build_parts, CheckPasses.layout
+
+    def parent_only(layout):
+        return [part._replace(path=part.path[-1:]) for part in build(layout)]
+
+    def teacher_rows_wrong(passes, layout, indices, gradients):
+        if passes.model is not teacher:
+            return check(passes, layout, indices, gradients)
+        with monkeypatch.context() as patch:
+            patch.setattr(SegmentLayout, "_build_parts", parent_only)
+            return check(passes, layout, indices, gradients)
+
+    options = dict(beta=0.5, temperature=0.7, dataset=repeated_prompts())
+    _, stock, _, _ = run_distillation(
+        "distillation_stock", str(tmp_path / "a"), model_dir=model_dir,
+        rollout=comparison_prefix_rollout("shared block"), **options,
+    )  # fmt: skip
+    trainer = distillation_trainer(
+        "distillation_dynamic", str(tmp_path / "b"), model_dir=model_dir,
+        rollout=comparison_prefix_rollout("shared block"), max_tokens_per_microbatch=160, **options,
+    )  # fmt: skip
+    teacher = trainer._dynbsz.loss.teacher.unwrapped
+    monkeypatch.setattr(CheckPasses, "layout", teacher_rows_wrong)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        trainer.train()
+    executor = trainer._dynbsz
+    assert executor.enabled and executor.scheduler.sharing == "groups"
+    assert "teacher: padding_free, prefix tree, segment attention (sdpa): log-probs differ" in caplog.text
+    assert sum(record.getMessage().count("prefix tree") for record in caplog.records) == 1  # one reason, logged once
+    steps = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
+    assert steps and all(step["dynbsz/prompt_tokens_saved"] > 0 and "dynbsz/tree_tokens_saved" not in step
+                         for step in steps)  # fmt: skip
+    assert relative_difference(dict(trainer.model.named_parameters()), stock) <= PARAM_TOLERANCE
 
 
 def test_the_teacher_budget_defaults_to_the_log_prob_rule_at_the_teachers_size(model_dir, tmp_path):

@@ -220,6 +220,7 @@ MOE_RUNS = {
 PREFIX_RUNS = {
     "ddp": dict(rollout="prefix", budget=96, max_steps=3, loss_type="grpo", beta=0.1, num_iterations=2),
     "zero3": dict(rollout="prefix", budget=96, max_steps=3, loss_type="dapo", beta=0.1, num_iterations=2),
+    "fsdp2": dict(rollout="prefix", budget=96, max_steps=3, loss_type="bnpo", beta=0.05, num_iterations=2),
 }
 #: An out-of-memory error injected on one process under DDP with a memory limit (test_an_out_of_memory_pass_...).
 #: A forward that raises leaves DDP's buffer-broadcast flag as the pass before set it: the process settles it as the
@@ -264,7 +265,7 @@ SHARED_RUNS["cpu_zero3.yaml"]["prefix"] = PREFIX_RUNS["zero3"]
 SHARED_RUNS["cpu_zero3.yaml"]["hybrid"] = HYBRID_RUNS["zero3"]
 SHARED_RUNS["cpu_fsdp2.yaml"].update(
     {"hybrid": HYBRID_RUNS["fsdp2"], "memory": OOM_RUN, "vision_qwen2_vl": FSDP2_VISION_RUN}
-    | {"sequence_parallel": FSDP2_SEQUENCE_PARALLEL_RUN}
+    | {"sequence_parallel": FSDP2_SEQUENCE_PARALLEL_RUN, "prefix": PREFIX_RUNS["fsdp2"]}
 )
 
 
@@ -298,7 +299,8 @@ def test_the_loss_metrics_of_moved_samples_are_stocks(loss_type, model_dir, shar
 @pytest.mark.parametrize("backend", list(PREFIX_RUNS))
 def test_a_prefix_tree_across_two_processes_matches_stock(backend, model_dir, shared_launches):
     """The default prefix tree: the block once per pass across prompts, trunks once per prompt, samples moved to the
-    other process with the subtree they share a pass with; parameters equal stock's under DDP and ZeRO-3."""
+    other process with the subtree they share a pass with; parameters equal stock's under DDP, ZeRO-3 and FSDP2 (its
+    decoder layers gathered around the tree's segment attention; the self-check compares log-probs there)."""
     ours = compare(BACKENDS[backend][0], model_dir, shared_launches, **PREFIX_RUNS[backend])
     steps = [step for record in ours for step in record["metrics"]]
     assert max(step["dynbsz/tree_tokens_saved"] for step in steps) > 0  # beyond prompt groups

@@ -1,6 +1,6 @@
 """DynamicBatchDistillationTrainer against stock DistillationTrainer on 2 processes, for real: `accelerate launch`,
 gloo, DDP and DeepSpeed ZeRO-3 (the teacher a DeepSpeed engine of its own, as stock's ``prepare_deepspeed`` makes it,
-through ``_forward_redirection`` in both).
+through ``_forward_redirection`` in both), and FSDP2 under ``-m long``.
 
 Scripted completions give process 1 every long one (``--rollout lopsided``): cross-rank balancing moves samples
 between the processes for the teacher's passes (their hidden states go back to the owner) and for the training passes
@@ -36,7 +36,15 @@ DISTILLATION_RUNS = {
     },
     "cpu_zero3.yaml": {"balanced": dict(LOPSIDED, beta=0.0)},
 }
-BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml"}
+#: The default prefix tree (test_a_prefix_tree_...): a 16-token block every prompt begins with, each prompt twice in a
+#: row (stock generates one completion per prompt) so that a process's step holds two completions of each of its
+#: prompts, sharing a trunk, then a branch each; every long leaf on process 1 (balancing moves samples).
+PREFIX = dict(LOPSIDED, rollout="prefix", repeat_prompts=2)
+DISTILLATION_RUNS["cpu_ddp.yaml"]["prefix"] = dict(PREFIX, beta=0.5, temperature=1.3)
+DISTILLATION_RUNS["cpu_zero3.yaml"]["prefix"] = dict(PREFIX, beta=1.0, temperature=0.7)
+#: FSDP2 (its own launch: -m long): the student sharded, the divergence reading its head's DTensor as stock does.
+DISTILLATION_RUNS["cpu_fsdp2.yaml"] = {"prefix": dict(PREFIX, beta=0.0, temperature=0.7)}
+BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +118,16 @@ def test_budgets_from_memory_and_a_teacher_pass_out_of_memory_on_one_process_mat
         steps = ours[rank]["metrics"]
         assert sum(step["dynbsz/oom_retries"] for step in steps) == 1  # agreed: both re-planned the teacher's passes
         assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3", pytest.param("fsdp2", marks=pytest.mark.long)])
+def test_a_prefix_tree_across_two_processes_matches_stock(backend, model_dir, launches):
+    """The default prefix tree on both models, 2 processes: the student's training passes and the teacher's passes
+    compute the shared block once per pass across prompts and each prompt's trunk once, samples moved to the other
+    process with the subtree they share a pass with (their teacher states sent back to their owner, then moved with
+    them for training); parameters equal stock's under DDP, ZeRO-3 (the self-check compares log-probs there) and,
+    under ``-m long`` (a launch of its own), FSDP2."""
+    ours = compare(BACKENDS[backend], "prefix", model_dir, launches)
+    steps = [step for record in ours for step in record["metrics"]]
+    assert min(step["dynbsz/tree_tokens_saved"] for step in steps) > 0  # beyond prompt groups, every step
+    assert max(step["dynbsz/samples_moved"] for step in steps) > 0

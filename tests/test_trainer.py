@@ -19,8 +19,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer, OversizeSequenceError
 from hf_dynbsz.testing import (
-    PrefixRollout,
+    PREFIX_STRUCTURES,
     checkpointing_field,
+    comparison_prefix_rollout,
     construction_arguments,
     construction_error,
     logged_metrics,
@@ -120,36 +121,21 @@ def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
     compare_with_stock(model_dir, tmp_path, loss_type="bnpo", beta=0.05, packing_layout=layout, num_iterations=2)
 
 
-#: Prefix structure beyond prompt groups: a block every prompt begins with (a tool schema), or tree-search rollouts
-#: (each prompt's completions share a trunk, then one of two branches, then a leaf of their own).
-PREFIXES = {"shared block": dict(shared=20), "tree rollout": dict(trunk=5, branches=2, branch=4)}
-
-
 #: The plugin's settings of the prefix-tree runs: a tree trusted without the self-check (which would step down to
 #: prompt groups), a budget a step's tree fits in.
 TREE = dict(share_prompt_prefix="tree", self_check=False, max_tokens_per_microbatch=160)
 
 
-def prefix_rollout(structure: str):
-    return PrefixRollout(
-        lambda rng, n, rank: rng.integers(1, 12, n),
-        lambda rng: rng.integers(3, 10),
-        max_completion_length=24,
-        seed=4,
-        **PREFIXES[structure],
-    )
-
-
-@pytest.mark.parametrize("structure", PREFIXES)
+@pytest.mark.parametrize("structure", PREFIX_STRUCTURES)
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
 def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
     """share_prompt_prefix="tree", trusted without the self-check (which would step down to prompt groups): shared
     blocks across prompts and shared trunks and branches of completions (loss terms of several samples at one
     position) give stock's parameters, old-policy and reference passes included."""
+    rollout = lambda: {"rollout_func": comparison_prefix_rollout(structure)}  # noqa: E731 - one per run
     history = compare_with_stock(
-        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout(structure)},  # one per run
-        loss_type=loss_type, beta=0.05, num_iterations=2, **TREE,
-    )  # fmt: skip
+        model_dir, tmp_path, trainer_kwargs=rollout, loss_type=loss_type, beta=0.05, num_iterations=2, **TREE
+    )
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
 
@@ -169,7 +155,7 @@ def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(
     each once per sample, as stock's separate sequences do (the second iteration's ratios move off 1 and clip)."""
     statistics = dict(STATISTICS[statistics], num_iterations=2)
     compare_with_stock(
-        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": prefix_rollout("tree rollout")},
+        model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": comparison_prefix_rollout("tree rollout")},
         **statistics, **TREE,
     )  # fmt: skip
 

@@ -108,7 +108,13 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
-from hf_dynbsz.testing.prefixes import PrefixRollout, prefix_batch, tree_completion
+from hf_dynbsz.testing.prefixes import (
+    PREFIX_STRUCTURES,
+    PrefixRollout,
+    comparison_prefix_rollout,
+    prefix_batch,
+    tree_completion,
+)
 from hf_dynbsz.testing.processes import (
     REPO_ROOT,
     ResidentSetSampler,
@@ -127,7 +133,9 @@ from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_stan
 
 __all__ = [
     "unique_tokens",
+    "PREFIX_STRUCTURES",
     "PrefixRollout",
+    "comparison_prefix_rollout",
     "prefix_batch",
     "tree_completion",
     "CHAT_SPECIAL_TOKENS",

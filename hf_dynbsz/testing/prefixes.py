@@ -5,7 +5,9 @@ benchmarks; torch and numpy are imported inside the functions.
 * :class:`PrefixRollout`: a scripted ``rollout_func`` (:class:`~hf_dynbsz.testing.fixtures.ScriptedRollout`) whose
   prompts begin with a ``shared`` block of tokens and whose completions of one prompt share a ``trunk`` of tokens,
   then one of ``branches`` blocks of ``branch`` tokens, then a leaf of their own;
-* :func:`prefix_batch`: TRL-style padded tensors of such samples, for a pass without a trainer.
+* :func:`prefix_batch`: TRL-style padded tensors of such samples, for a pass without a trainer;
+* :data:`PREFIX_STRUCTURES` and :func:`comparison_prefix_rollout`: the trainer comparisons' structures and their
+  rollout (every trainer's tests train the same samples).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 from hf_dynbsz.testing.fixtures import ScriptedRollout, unique_tokens
 
-__all__ = ["PrefixRollout", "prefix_batch", "tree_completion"]
+__all__ = ["PREFIX_STRUCTURES", "PrefixRollout", "comparison_prefix_rollout", "prefix_batch", "tree_completion"]
 
 
 def tree_completion(rng_of, occurrence: int, trunk: int, branches: int, branch: int, leaf: list[int]) -> list[int]:
@@ -86,6 +88,26 @@ class PrefixRollout(ScriptedRollout):
         record["lengths"] = [(len(self.prompt_ids(p)), c) for p, c in zip(prompts, lengths)]
         record["unique_tokens"] = unique_tokens([self.prompt_ids(p) + c for p, c in zip(prompts, completions)])
         return out
+
+
+#: The trainer comparisons' prefix structures (:class:`PrefixRollout`'s keywords): a block every prompt begins with (a
+#: tool schema, which prompt groups do not share), and tree-search rollouts (each prompt's completions in a round share
+#: a trunk, then one of two branches, then a leaf of their own).
+PREFIX_STRUCTURES = {"shared block": dict(shared=20), "tree rollout": dict(trunk=5, branches=2, branch=4)}
+
+
+def comparison_prefix_rollout(*structures: str) -> PrefixRollout:
+    """The trainer comparisons' :class:`PrefixRollout` with every structure of ``structures`` (names of
+    :data:`PREFIX_STRUCTURES`) at once: prompts of 3-9 tokens of their own, leaves of 1-11 tokens, completions capped at
+    the comparison runs' 24 tokens, seed 4."""
+    structure = {key: value for name in structures for key, value in PREFIX_STRUCTURES[name].items()}
+    return PrefixRollout(
+        lambda rng, n, rank: rng.integers(1, 12, n),
+        lambda rng: rng.integers(3, 10),
+        max_completion_length=24,
+        seed=4,
+        **structure,
+    )
 
 
 def prefix_batch(
