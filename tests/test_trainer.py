@@ -121,17 +121,17 @@ def test_matches_stock_in_both_layouts(model_dir, tmp_path, layout):
     compare_with_stock(model_dir, tmp_path, loss_type="bnpo", beta=0.05, packing_layout=layout, num_iterations=2)
 
 
-#: The plugin's settings of the prefix-tree runs: a tree trusted without the self-check (which would step down to
-#: prompt groups), a budget a step's tree fits in.
-TREE = dict(share_prompt_prefix="tree", self_check=False, max_tokens_per_microbatch=160)
+#: The plugin's settings of the prefix-tree runs: the tree, kept by the self-check (a run that stepped down to prompt
+#: groups logs no tree_tokens_saved), a budget a step's tree fits in.
+TREE = dict(share_prompt_prefix="tree", max_tokens_per_microbatch=160)
 
 
 @pytest.mark.parametrize("structure", PREFIX_STRUCTURES)
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
 def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
-    """share_prompt_prefix="tree", trusted without the self-check (which would step down to prompt groups): shared
-    blocks across prompts and shared trunks and branches of completions (loss terms of several samples at one
-    position) give stock's parameters, old-policy and reference passes included."""
+    """share_prompt_prefix="tree", kept by the self-check on these samples: shared blocks across prompts and shared
+    trunks and branches of completions (loss terms of several samples at one position) give stock's parameters,
+    old-policy and reference passes included."""
     rollout = lambda: {"rollout_func": comparison_prefix_rollout(structure)}  # noqa: E731 - one per run
     history = compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=rollout, loss_type=loss_type, beta=0.05, num_iterations=2, **TREE
