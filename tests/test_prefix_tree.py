@@ -149,3 +149,54 @@ def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():
     # samples of different trees share nothing; those of one tree keep their shared path
     assert joined.tokens() == tree.tokens([0, 1]) + other.tokens()
     assert joined.paths()[0][0] == joined.paths()[2][0] != joined.paths()[1][0]
+
+
+def walked(tree):
+    """``tree`` with the shortcut of samples sharing nothing turned off: what the general walk computes."""
+    general = PrefixTree(tree.parent, tree.start, tree.length, tree.source, tree.leaf)
+    general._apart = False
+    return general
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(1, 60), st.data())
+def test_samples_that_share_nothing_travel_as_their_lengths_and_count_as_the_general_walk_counts(lengths, budget, data):
+    """A step without sharing (padded rows) plans by such a tree on every process at every step: its encoding is its
+    lengths, and its units, counts and joins are the general walk's."""
+    groups = list(range(len(lengths)))  # one prompt per sample: nothing in common
+    prompts = [data.draw(st.integers(0, n)) for n in lengths]
+    built = [
+        PrefixTree.alone(lengths),
+        PrefixTree.of_groups(prompts, [n - p for n, p in zip(lengths, prompts)], groups),
+        tree_of([[index, *([0] * (n - 1))] for index, n in enumerate(lengths)], base=len(lengths) + 2),
+    ]
+    for tree in built:
+        assert tree.shares_nothing and tree == PrefixTree.alone(lengths)
+        assert tree.encode() == [-len(lengths), *lengths]
+        decoded, used = PrefixTree.decode([*tree.encode(), 7, 7])
+        assert used == 1 + len(lengths)
+        assert (decoded.parent, decoded.start, decoded.length, decoded.leaf, decoded.source) == (
+            tree.parent,
+            tree.start,
+            tree.length,
+            tree.leaf,
+            list(range(len(lengths))),
+        )
+        general = walked(tree)
+        assert tree.units(budget) == general.units(budget)
+        chosen = data.draw(st.lists(st.sampled_from(range(len(lengths))), unique=True))
+        assert (tree.tokens(chosen), tree.pairs(chosen)) == (general.tokens(chosen), general.pairs(chosen))
+    first, second = built[0], built[1]
+    picks = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct picks
+    general = {id(first): walked(first), id(second): walked(second)}
+    joined = PrefixTree.joined(picks)
+    assert joined == PrefixTree.joined([(general[id(tree)], sample) for tree, sample in picks])
+    assert joined.length == [lengths[-1], lengths[0], lengths[0]][: len(picks)]
+
+
+def test_a_tree_that_shares_a_position_takes_the_general_walk():
+    assert not tree_of([[1, 2, 3], [1, 2, 4]]).shares_nothing
+    assert not PrefixTree.of_groups([4, 4], [2, 3], [0, 0]).shares_nothing
+    assert PrefixTree.of_groups([4, 1, 1], [2, 3, 1], [0, 1, 1]).shares_nothing  # a 1-token prompt: nothing shared
+    picked = PrefixTree.joined([(PrefixTree.alone([5]), 0), (PrefixTree.alone([5]), 0)])
+    assert picked.shares_nothing and picked.length == [5, 5]  # two trees' samples: distinct however equal

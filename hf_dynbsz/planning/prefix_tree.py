@@ -89,8 +89,9 @@ class PrefixTree:
     def __init__(self, parent, start, length, source, leaf) -> None:
         self.parent, self.start, self.length = list(parent), list(start), list(length)
         self.source, self.leaf = list(source), list(leaf)
-        self._paths: list[list[int]] | None = None
-        self._below: list[list[int]] | None = None
+        self._paths: tuple[tuple[int, ...], ...] | None = None
+        self._below: tuple[tuple[int, ...], ...] | None = None
+        self._apart: bool | None = None
 
     def __eq__(self, other) -> bool:
         """Equal structure (nodes, their depths and lengths, each sample's leaf): what :meth:`encode` sends. A node's
@@ -182,8 +183,24 @@ class PrefixTree:
     def samples(self) -> int:
         return len(self.leaf)
 
-    def paths(self) -> list[list[int]]:
-        """Per sample, its nodes from its root to its leaf."""
+    @property
+    def shares_nothing(self) -> bool:
+        """Whether every sample is a root node of its own (node ``s`` is sample ``s``, whole): what :meth:`alone`
+        builds, and what a step without sharing (padded rows) plans by. Its counts, units, encoding and joins take a
+        shortcut that gives what the general walk gives, at a fraction of its cost."""
+        if self._apart is None:
+            self._apart = (
+                self.nodes == self.samples
+                and self.leaf == list(range(self.samples))
+                and all(above < 0 for above in self.parent)
+                and not any(self.start)
+            )
+        return self._apart
+
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Per sample, its nodes from its root to its leaf. Tuples of integers, which Python's garbage collector stops
+        tracking (a plan at cluster scale holds a tree per process and step: lists of lists made every full
+        collection walk them all)."""
         if self._paths is None:
             paths = []
             for node in self.leaf:
@@ -191,8 +208,8 @@ class PrefixTree:
                 while node >= 0:
                     path.append(node)
                     node = self.parent[node]
-                paths.append(path[::-1])
-            self._paths = paths
+                paths.append(tuple(path[::-1]))
+            self._paths = tuple(paths)
         return self._paths
 
     def children(self) -> list[list[int]]:
@@ -203,14 +220,14 @@ class PrefixTree:
                 children[above].append(node)
         return children
 
-    def below(self) -> list[list[int]]:
-        """Per node, the samples whose path runs through it, ascending."""
+    def below(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the samples whose path runs through it, ascending (tuples, as :meth:`paths`)."""
         if self._below is None:
             below: list[list[int]] = [[] for _ in self.parent]
             for sample, path in enumerate(self.paths()):
                 for node in path:
                     below[node].append(sample)
-            self._below = below
+            self._below = tuple(map(tuple, below))
         return self._below
 
     def node_pairs(self, node: int) -> int:
@@ -227,8 +244,10 @@ class PrefixTree:
         return sum(self.node_pairs(node) for node in self._union(samples))
 
     def _union(self, samples: Sequence[int] | None) -> set[int]:
-        paths = self.paths()
         chosen = range(self.samples) if samples is None else samples
+        if self.shares_nothing:  # node s is sample s
+            return set(chosen)
+        paths = self.paths()
         return {node for sample in chosen for node in paths[sample]}
 
     # ------------------------------------------------------------------ units of the partitioner
@@ -237,6 +256,8 @@ class PrefixTree:
         ``budget`` tokens; otherwise its children's subtrees packed first-fit-decreasing into pieces that fit with
         the path they share (each piece carrying it), a subtree too large for a piece split the same way below it,
         and a sample that fits with no other alone (longer than the budget if it must)."""
+        if self.shares_nothing:  # every root a sample with no children: one unit each, whatever the budget
+            return [Unit((sample,), size, size * size) for sample, size in enumerate(self.length)]
         sizes, pairs = self._subtree_sums()
         units: list[Unit] = []
         children, below = self.children(), self.below()
@@ -261,13 +282,19 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ across processes
     def encode(self) -> list[int]:
-        """The tree as integers (for an all-gather): ``[nodes, samples, *parent, *start, *length, *leaf]``."""
+        """The tree as integers (for an all-gather): ``[nodes, samples, *parent, *start, *length, *leaf]``; a tree
+        whose samples share nothing (:attr:`shares_nothing`, at least one sample) as ``[-samples, *length]``."""
+        if self.shares_nothing and self.samples:
+            return [-self.samples, *self.length]
         return [self.nodes, self.samples, *self.parent, *self.start, *self.length, *self.leaf]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> tuple[PrefixTree, int]:
         """The tree :meth:`encode` gave at the start of ``values``, and how many values it took (sources are not
         sent: each node's first sample stands for it)."""
+        if int(values[0]) < 0:
+            samples = -int(values[0])
+            return cls.alone(values[1 : 1 + samples]), 1 + samples
         nodes, samples = int(values[0]), int(values[1])
         offset = 2
         parent, start, length = (
@@ -284,6 +311,8 @@ class PrefixTree:
     def joined(cls, picks: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
         """One tree of the samples ``picks`` (``(tree, sample)`` pairs, in the new order): each keeps its path in its
         own tree; samples of different trees share nothing (the planner's view of samples from other processes)."""
+        if all(tree.shares_nothing for tree, _ in picks) and len({(id(t), s) for t, s in picks}) == len(picks):
+            return cls.alone([tree.length[sample] for tree, sample in picks])
         parent, start, length, source, leaf = [], [], [], [], []
         number: dict[tuple[int, int], int] = {}
         for index, (tree, sample) in enumerate(picks):
