@@ -47,7 +47,6 @@ def _parse(spec: Setting, raw: str) -> Any:
             pass
     elif spec.kind == "number":
         value = finite_number(raw)
-        value = value if value is not None and value > 0 else None
     else:
         value = parse_int(raw)
     if value is None or value <= 0:

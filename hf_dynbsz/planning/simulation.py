@@ -166,12 +166,12 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: i
         ]
         budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
         schedules = {}
+        trees = _trees(scheduler, totals, prompts, groups, shared_prefix)  # the same for both simulations
         for balance in (True, False):
             planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
             results = simulate_processes(
-                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups,
-                trees=_trees(scheduler, totals, prompts, groups, shared_prefix),
-            )  # fmt: skip
+                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups, trees=trees
+            )
             errors = [result for result in results if isinstance(result, Exception)]
             if errors:
                 raise errors[0]
