@@ -84,7 +84,8 @@ class PassExecutor(DevicePass):
         self.media = MediaPolicy.of(capabilities.vision_language, self.accelerator, world)
         self.recovery = OutOfMemoryRecovery(self.accelerator, memory, meters, sequence_parallel_size=parallel.size)
         self.loss = loss  # the trainer's per-sample loss and weights (GRPO's or RLOO's)
-        self.pad_token_id = trainer._tokenizer.pad_token_id
+        tokenizer = getattr(trainer, "_tokenizer", None) or trainer.processing_class  # (AsyncGRPOTrainer: the latter)
+        self.pad_token_id = tokenizer.pad_token_id
         self.checked = not self.args.self_check
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
         self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)

@@ -53,7 +53,7 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         model,
         world,
         aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
-        external_generation=trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False),
+        external_generation=_external_generation(trainer),
         device_type=device,
         gathered=gathered_calls(accelerator, model),
     )
@@ -78,6 +78,14 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
     if executor.enabled and executor.media.note:
         logger.warning("hf_dynbsz: %s.", executor.media.note)
     return executor
+
+
+def _external_generation(trainer) -> bool:
+    """Whether vLLM or continuous batching generate (they schedule their own batches); an asynchronous trainer's
+    rollout worker (no ``use_vllm``) always does."""
+    if not hasattr(trainer, "use_vllm"):
+        return True
+    return bool(trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False))
 
 
 def _teacher_model(loss: StepLoss):
@@ -169,7 +177,7 @@ def log_batch_size_plan(trainer, executor: PassExecutor) -> None:
         vision_language=executor.capabilities.vision_language if enabled else None,
         router_aux=executor.capabilities.support.router_aux_mode(aux_coef),
         memory_rows=_memory_rows(trainer, executor),
-        trainer=trainer._dynbsz_algorithm.lower(),
+        trainer=getattr(trainer, "_dynbsz_trainer_name", trainer._dynbsz_algorithm.lower()),
     )
     logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
 

@@ -9,6 +9,8 @@ logs. :class:`StepLoss` is that part, and the executor holds one:
   (:mod:`hf_dynbsz.execution.loss`);
 * :class:`RLOOLoss`: ``RLOOTrainer``'s sequence-level clipped ratio of summed log-probs
   (:mod:`hf_dynbsz.execution.rloo_loss`);
+* :class:`AsyncGRPOLoss`: ``AsyncGRPOTrainer``'s clipped token loss over an optimizer step defined by samples,
+  normalised by the step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`);
 * :class:`DistillationLoss`: ``DistillationTrainer``'s generalized Jensen-Shannon divergence against a teacher, whose
   hidden states its own passes compute before the step's training passes (:mod:`hf_dynbsz.execution.teacher`,
   :mod:`hf_dynbsz.execution.distillation_loss`).
@@ -24,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from hf_dynbsz.execution.async_loss import METRIC_KEYS as ASYNC_METRIC_KEYS
+from hf_dynbsz.execution.async_loss import async_loss_settings, async_pass_loss, async_sample_weights
 from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.distillation_loss import (
@@ -37,7 +41,7 @@ from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
 from hf_dynbsz.execution.teacher import Teacher
 
-__all__ = ["DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
+__all__ = ["AsyncGRPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
 
 
 class StepLoss(Protocol):
@@ -204,6 +208,41 @@ class RLOOLoss(_LogProbLoss):
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)
+
+
+class AsyncGRPOLoss(_LogProbLoss):
+    """``AsyncGRPOTrainer``'s loss: the clipped token loss against the generator's log-probs, every sample weighted
+    ``processes / N`` with ``N`` the optimizer step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`); its
+    metrics (ratio, kl, entropy, clip ratios) logged once per optimizer step, the step being one stock slice. No
+    entropy term, no reference model."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob", "generation")  # generation: waiting for the rollout queue
+
+    def __init__(self, trainer) -> None:
+        self.settings = async_loss_settings(trainer)
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes)
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def attempt(self, batch: StepBatch) -> None:
+        return None
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(1, self.device, ASYNC_METRIC_KEYS)
+
+    def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
+        return async_pass_loss(self.settings, per_token_logps, entropies, rows)
+
+    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
+        return None
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
 
 
 class DistillationLoss:

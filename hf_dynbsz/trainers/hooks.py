@@ -25,6 +25,7 @@ Every other internal name of TRL, transformers or accelerate the plugin touches 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -52,7 +53,8 @@ def stock_constructor(stock_class: type):
     def __init__(self, *args, **kwargs):
         # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
         args, kwargs = self._dynbsz_arguments(stock_init, args, kwargs)
-        super(TokenBudgetHooks, self).__init__(*args, **kwargs)  # the next class after the hooks: TRL's trainer
+        with self._dynbsz_construction():
+            super(TokenBudgetHooks, self).__init__(*args, **kwargs)  # the next class after the hooks: TRL's trainer
         self._dynbsz_start()
 
     __init__.__signature__ = stock_init
@@ -80,6 +82,10 @@ class TokenBudgetHooks:
         if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
             validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
         return bound.args[1:], bound.kwargs
+
+    def _dynbsz_construction(self):
+        """Around TRL's constructor (a trainer's own: the asynchronous trainer loads its model there); nothing here."""
+        return contextlib.nullcontext()
 
     def _dynbsz_start(self) -> None:
         """After TRL's constructor: the executor with the trainer's loss, and the plan logged at the first step."""
