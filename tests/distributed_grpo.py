@@ -423,6 +423,21 @@ def full_tensor(parameter):
     return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
 
 
+def gathered_parameters(trainer) -> dict:
+    """Every parameter of ``trainer``'s model, whole, on the CPU: under ZeRO-3 gathered from the partitions, under
+    FSDP2 from the DTensor shards (collectives: every process calls this)."""
+    accelerator = trainer.accelerator
+    unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+            return {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+    # FSDP2's parameters are DTensor shards: every process takes part in gathering each one
+    return {name: full_tensor(p).detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+
+
 def kill_at(trainer, spec: str) -> None:
     """``--kill_at STEP:PASS:RANK``: process RANK kills itself (SIGKILL, as the kernel's out-of-memory killer or a
     lost machine would) at the start of its PASS-th forward with gradients of optimizer step STEP (1-based), so
@@ -446,15 +461,7 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
     """Each rank's record and, from rank 0, the final (gathered) parameters, under ``out``. ``engines``: the
     ``(weight syncs, requests)`` of each vLLM stand-in engine of this process."""
     accelerator = trainer.accelerator
-    unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
-    else:  # FSDP2's parameters are DTensor shards: every process takes part in gathering each one
-        params = {name: full_tensor(p).detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+    params = gathered_parameters(trainer)
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
