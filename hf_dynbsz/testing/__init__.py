@@ -39,6 +39,7 @@ from hf_dynbsz.testing.async_grpo import (
     StandInRolloutWorker,
     async_grpo_on_cpu,
     async_grpo_run,
+    reference_async_grpo_steps,
     reference_flash_attn_varlen_func,
     reference_tree_attention,
 )
@@ -154,6 +155,7 @@ __all__ = [
     "StandInRolloutWorker",
     "async_grpo_on_cpu",
     "async_grpo_run",
+    "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
     "unique_tokens",

@@ -10,11 +10,13 @@ points let both be replaced without touching its code:
 * :class:`NoWeightTransfer`: TRL's ``WeightTransferProtocol`` (``weight_transfer=``) that drains the weights and
   counts the syncs;
 * :func:`reference_tree_attention`: stock's FA3 tree kernel (``flash_attn_varlen_func`` over keys gathered along each
-  segment's root-to-node path, causal aligned bottom-right, optional sliding window and soft cap) in plain torch, so
+  segment's root-to-node path, causal aligned bottom-right, optional sliding window) in plain torch, so
   stock's own tree attention runs on CPU as the comparison; :func:`async_grpo_on_cpu` installs it and lets stock's
   constructor read no CUDA device name (it only feeds an MFU figure);
 * :func:`async_grpo_run`: a run of stock's trainer or the plugin's from a saved model on these stand-ins, with the
-  comparison runs' schedule (:data:`ASYNC_COMPARISON_FIELDS`).
+  comparison runs' schedule (:data:`ASYNC_COMPARISON_FIELDS`);
+* :func:`reference_async_grpo_steps`: stock's fixed-count step computed sample by sample on the model's own forward,
+  the reference where stock refuses the model.
 
 torch, numpy and TRL are imported inside the functions (importing :mod:`hf_dynbsz.testing` stays cheap).
 """
@@ -37,6 +39,7 @@ __all__ = [
     "StandInRolloutWorker",
     "async_grpo_on_cpu",
     "async_grpo_run",
+    "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
 ]
@@ -290,34 +293,27 @@ def reference_flash_attn_varlen_func(
     window_size=(-1, -1),
     softcap=0.0,
 ):
-    """FlashAttention's ``flash_attn_varlen_func`` in plain torch (fp32 softmax): ``q`` ``(Tq, H, D)``, ``k``/``v``
-    ``(Tk, Hk, D)`` with ``H`` a multiple of ``Hk``; segment ``s`` of the queries attends to segment ``s`` of the
-    keys, causally aligned bottom-right (query ``i`` of ``Lq`` sees key ``j`` of ``Lk`` when ``j <= i + Lk - Lq``),
-    within ``window_size[0]`` keys to the left when that is not negative, logits soft-capped by ``softcap`` when set.
-    Returns ``(Tq, H, D)`` in ``q``'s dtype."""
-    import torch
+    """FlashAttention's ``flash_attn_varlen_func`` as stock's tree attention calls it, in plain torch (through
+    :func:`hf_dynbsz.testing.oracles.reference_varlen_attn`): ``q`` ``(Tq, H, D)``, ``k``/``v`` ``(Tk, Hk, D)``
+    (grouped-query heads), span ``s`` of the queries attends to span ``s`` of the keys, causally aligned bottom-right,
+    within ``window_size[0]`` keys to the left when that is not negative. A logit soft cap is not drawn (no model of
+    these tests has one)."""
+    from hf_dynbsz.testing.oracles import reference_varlen_attn
 
-    scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
-    groups = q.size(1) // k.size(1)
-    out = torch.empty_like(q)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for (q0, q1), (k0, k1) in zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:])):
-        if q1 == q0:
-            continue
-        queries = q[q0:q1].transpose(0, 1).float()  # (H, Lq, D)
-        keys = k[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1).float()
-        values = v[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1).float()
-        scores = queries @ keys.transpose(1, 2) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        i = torch.arange(q1 - q0, device=q.device).unsqueeze(1) + (k1 - k0) - (q1 - q0)
-        j = torch.arange(k1 - k0, device=q.device).unsqueeze(0)
-        allowed = j <= i if causal else torch.ones_like(j <= i)
-        if window_size[0] >= 0:
-            allowed = allowed & (j >= i - window_size[0])
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out[q0:q1] = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1).to(q.dtype)
-    return out
+    if softcap:
+        raise NotImplementedError("the reference tree kernel draws no logit soft cap")
+    return reference_varlen_attn(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        scale=softmax_scale,
+        window_size=(window_size[0], 0 if causal else window_size[1]),
+        enable_gqa=True,
+    )
 
 
 @contextlib.contextmanager
@@ -433,3 +429,42 @@ def async_grpo_run(
         if train:
             built.train()
     return AsyncRun(initial, snapshot_parameters(built.model), built.state.log_history, built, worker, transfer)
+
+
+def reference_async_grpo_steps(
+    model,
+    steps: list[list],
+    *,
+    learning_rate: float,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    temperature: float = 1.0,
+) -> dict:
+    """Stock AsyncGRPOTrainer's fixed-count step with the step in one micro-batch (one process), computed the plainest
+    way, as the reference where stock cannot run (a hybrid, attention sinks): each sample of ``steps`` (a list per
+    optimizer step of ``RolloutSample`` s, in queue order) alone through the model's own forward, its trained tokens'
+    clipped PPO terms summed and divided by the step's trained tokens, then one SGD step of ``learning_rate`` (stock's
+    optimizer in these runs: ``optim="sgd"``, a constant rate, no clipping). ``model`` is trained in place; returns its
+    parameters."""
+    import torch
+
+    from hf_dynbsz.testing.harness import snapshot_parameters
+
+    model.train()
+    for samples in steps:
+        model.zero_grad(set_to_none=True)
+        trained = sum(int(sample.completion_mask[1:].sum()) for sample in samples)
+        for sample in samples:
+            ids = torch.as_tensor(sample.input_ids).unsqueeze(0)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float() / temperature
+            log_probs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
+            mask = torch.as_tensor(sample.completion_mask[1:]).bool()
+            ratio = torch.exp(log_probs - torch.as_tensor(sample.old_log_probs[1:]))[mask]
+            advantage = torch.tensor(sample.advantage, dtype=torch.float32)
+            clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+            (-torch.min(ratio * advantage, clipped * advantage).sum() / trained).backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter -= learning_rate * parameter.grad
+    return snapshot_parameters(model)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import time
 
 import torch
@@ -53,6 +54,8 @@ from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
 __all__ = ["DynamicBatchAsyncGRPOTrainer"]
+
+logger = logging.getLogger("hf_dynbsz")
 
 #: The layer kinds stock's tree attention trains (anything else it refuses).
 _STOCK_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -74,6 +77,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
     _dynbsz_dynamic = False  # dynamic_batching of the run (set from the config before stock's constructor)
     _dynbsz_attention: str | None = None  # the attention implementation the model loads with (None: transformers')
     _dynbsz_flop_tokens = 0.0  # tokens of the last step's passes, per process, for the Trainer's FLOP count
+    _dynbsz_stock_throughput: str | None = None  # why stock's throughput figures cannot be computed (None: they can)
 
     __init__ = stock_constructor(AsyncGRPOTrainer)
 
@@ -144,11 +148,20 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
 
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
-        if self._dynbsz_dynamic and not self._dynbsz.enabled:
+        if not self._dynbsz_dynamic:
+            return
+        if not self._dynbsz.enabled:
             raise ValueError(
                 "DynamicBatchAsyncGRPOTrainer cannot repack this model (the reasons are logged above) and has no "
                 "stock fallback on the plugin's kernels: set dynamic_batching=False for stock AsyncGRPOTrainer "
                 "(FlashAttention-3 tree attention)."
+            )
+        self._dynbsz_stock_throughput = _stock_throughput_blocker(self.model.config.get_text_config())
+        if self._dynbsz_stock_throughput is not None:
+            logger.warning(
+                "hf_dynbsz: stock's perf/*_tok_s and MFU figures are not logged for this model: TRL's "
+                "compute_flops_per_token cannot read its config (%s); dynbsz/tokens_per_second is.",
+                self._dynbsz_stock_throughput,
             )
 
     # ------------------------------------------------------------------ the samples of a step
@@ -220,7 +233,8 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         computed = float(store["dynbsz/computed_tokens"][-1])
         samples = sum(float(inputs["global_samples"][0]) for inputs in window)
         sequence_tokens = sum(float(inputs["global_sequence_tokens"][0]) for inputs in window)
-        self._step_forward_tokens += computed
+        if self._dynbsz_stock_throughput is None:  # (stock's step metrics read the model's FLOPs per token off it)
+            self._step_forward_tokens += computed
         self._step_trained_tokens += sum(float(inputs["global_trained_tokens"][0]) for inputs in window)
         self._step_samples += samples
         self._step_seq_len_weighted += sequence_tokens / max(samples, 1.0) * computed
@@ -237,6 +251,18 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not tokens:
             return 0
         return super().floating_point_ops({self.model.main_input_name: torch.empty(tokens, dtype=torch.bool)})
+
+
+def _stock_throughput_blocker(text_config) -> str | None:
+    """Why stock's step metrics cannot compute the model's FLOPs per token (TRL's ``compute_flops_per_token`` reads
+    a homogeneous, dense or Mixtral-style config; stock never reaches it for the families it refuses), or None."""
+    from trl.trainer.utils import compute_flops_per_token
+
+    try:
+        compute_flops_per_token(text_config, 1)
+    except Exception as error:  # noqa: BLE001 - any failure of TRL's reader: the figures stock derives are left out
+        return f"{type(error).__name__}: {error}".splitlines()[0]
+    return None
 
 
 def _hide_from_stock_refusals(model):
