@@ -27,7 +27,13 @@ STEP = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, token_
 SCRIPT = RolloutScript(seed=5, shared_prefix=6, tool_turns=1, forks=0.3, completion_lengths=(4, 30))
 
 
-def reference(model_dir: str, script: RolloutScript = SCRIPT, steps: int = 3, per_step: int = 16) -> dict:
+def reference(
+    model_dir: str,
+    script: RolloutScript = SCRIPT,
+    steps: int = 3,
+    per_step: int = 16,
+    router_aux_loss_coef: float = 0.0,
+) -> dict:
     """The reference step (:func:`reference_async_grpo_steps`) from the model saved at ``model_dir``, on the samples
     the stand-in worker hands out (no sample goes stale in these runs: the queue order)."""
     import torch
@@ -36,7 +42,7 @@ def reference(model_dir: str, script: RolloutScript = SCRIPT, steps: int = 3, pe
     samples = script.take(steps * per_step)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     chunks = [samples[step * per_step : (step + 1) * per_step] for step in range(steps)]
-    return reference_async_grpo_steps(model, chunks, learning_rate=0.5)
+    return reference_async_grpo_steps(model, chunks, learning_rate=0.5, router_aux_loss_coef=router_aux_loss_coef)
 
 
 def assert_equals(ours, expected: dict) -> None:
@@ -101,3 +107,32 @@ def test_a_model_stock_refuses_trains_as_the_reference(tmp_path, model_type, ref
     assert scheduler.layout == "padding_free"
     if model_type != "gpt_oss":  # the sequence mixers run per node of the prefix tree
         assert scheduler.segment_recurrence
+
+
+@pytest.mark.parametrize(
+    ("per_device", "accumulation", "budget"), [(16, 1, 0), (8, 2, 64)], ids=["16x1-auto", "8x2-64"]
+)
+def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, per_device, accumulation, budget):
+    """Stock adds its MoE router aux loss over each packed row, a shared position counted once: the plugin weighs each
+    position by its share of the trie node (and the reference written out agrees)."""
+    model_dir = save_tiny_model(str(tmp_path / "model"), architecture="qwen3_moe")
+    stock = async_grpo_run(
+        "async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, per_device_train_batch_size=16
+    )
+    ours = async_grpo_run(
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path / "ours"),
+        SCRIPT,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        token_budget=budget,
+    )
+    assert stock.trainer.aux_loss_enabled and ours.trainer._dynbsz.capabilities.router_aux
+    assert_equals(ours, stock.final)
+    stock_aux = [entry["aux_loss"] for entry in stock.history if "aux_loss" in entry]
+    assert len(stock_aux) == 3
+    assert [entry["aux_loss"] for entry in ours.history if "aux_loss" in entry] == pytest.approx(stock_aux, rel=1e-5)
+    if not budget:
+        coef = stock.trainer.router_aux_loss_coef
+        assert_equals(stock, reference(model_dir, router_aux_loss_coef=coef))

@@ -41,12 +41,18 @@ RUNS = {
         "cut": dict(per_device=4, accumulation=2, budget=48),
         "agentic": dict(per_device=8, budget=64, script=AGENTIC),
         "agentic_cut": dict(per_device=4, accumulation=2, script=AGENTIC),
+        # the router aux loss over each process's step as one packed row (each sample on its dispatched process)
+        "moe": dict(per_device=8, budget=48, architecture="qwen3_moe"),
     },
     "cpu_zero3.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
     "cpu_fsdp2.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
 }
 #: stock's run each of ours compares its step with (the step in one micro-batch), and the one written the same way
-REFERENCE = {"agentic": ("agentic", "agentic"), "agentic_cut": ("agentic", "agentic_cut")}
+REFERENCE = {
+    "agentic": ("agentic", "agentic"),
+    "agentic_cut": ("agentic", "agentic_cut"),
+    "moe": ("moe", "moe"),
+}
 #: Per backend, what its engine did (the worker's record of the trained model): DDP's wrapper, ZeRO-3's partitions,
 #: FSDP2's DTensor shards.
 ENGINES = {
@@ -104,7 +110,9 @@ def compare(config: str, scenario: str, model_dir: str, launches: Launches) -> l
     our_out, ours = launches.get("async_grpo_dynamic", config, scenario)
     stock_params, our_params = torch.load(f"{stock_out}.params.pt"), torch.load(f"{our_out}.params.pt")
     assert relative_difference(our_params, stock_params) <= 1e-5
-    assert update_difference(initial_parameters(model_dir), our_params, stock_params) <= 1e-3
+    architecture = RUNS[config][step_reference].get("architecture")  # (the worker saved that model by its output)
+    initial = initial_parameters(f"{stock_out}-{architecture}" if architecture else model_dir)
+    assert update_difference(initial, our_params, stock_params) <= 1e-3
     for rank in range(2):
         ours_logged, stock_logged = ours[rank]["logged"], stock[rank]["logged"]
         assert not metric_mismatches(step_metrics(ours_logged), step_metrics(stock_logged)), f"rank {rank}"
@@ -133,3 +141,14 @@ def test_agentic_samples_share_their_prefixes_across_two_processes(scenario, mod
     ours = compare("cpu_ddp.yaml", scenario, model_dir, launches)
     for rank in range(2):
         assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in ours[rank]["metrics"])
+
+
+def test_an_moe_models_router_aux_loss_equals_stock_across_two_processes(launches):
+    """Balancing is off for the router aux loss (each process's step is stock's packed row): the aux loss, reduced
+    over both processes as stock reduces it, and the parameters stock's."""
+    ours = compare("cpu_ddp.yaml", "moe", launches.model_dir, launches)
+    for rank in range(2):
+        assert all("aux_loss" in entry for entry in step_metrics(ours[rank]["logged"])[:3])
+        assert all(
+            step["dynbsz/samples_moved"] == 0 for step in ours[rank]["metrics"] if "dynbsz/samples_moved" in step
+        )

@@ -15,6 +15,12 @@ any processes, is that loss, whatever the budget and however the step's samples 
 Stock's metrics of that micro-batch (``ratio``, ``kl``: the ``(r - 1) - log r`` estimate, ``entropy``, the clip
 ratios' means, ``clip_ratio/low_min`` and ``clip_ratio/high_max`` over the samples) are the step's token means and
 sample extremes: :class:`~hf_dynbsz.execution.metrics.StepMetrics` with the step as one slice.
+
+An MoE model's router aux loss is stock's over its packed row, where a position its samples share (a prompt, a tool
+block, a forked history) routes once: over the step's samples on a process, each position weighs its share of the
+prefix-trie node holding it (:func:`position_shares`), so the aux loss of the plugin's passes is that of the process's
+step as one packed row, stock's fixed-count step exactly where the process's row is stock's (one process, or one
+accumulation step).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import torch
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.loss import LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.execution.packing import SequenceTable
 
-__all__ = ["METRIC_KEYS", "async_loss_settings", "async_pass_loss", "async_sample_weights"]
+__all__ = ["METRIC_KEYS", "async_loss_settings", "async_pass_loss", "async_sample_weights", "position_shares"]
 
 #: The per-token tensors of a pass that stock's logged metrics read, besides the entropy (see the module).
 METRIC_KEYS = ("ratio", "kl", "clip_ratio/low", "clip_ratio/high")
@@ -76,3 +83,18 @@ def async_pass_loss(
     metrics["ratio"] = ratio
     metrics["kl"] = (ratio - 1) - log_ratio
     return loss, metrics
+
+
+def position_shares(table: SequenceTable) -> list[torch.Tensor]:
+    """Per sample of ``table``, each position's share of its node in the samples' prefix trie (keyed as stock's
+    ``TreeRow``: a token and the next): 1 / the samples holding it (float64, one per token)."""
+    tree = table.prefix_tree("tree")
+    paths = tree.paths()
+    holders = [0] * tree.nodes
+    for path in paths:
+        for node in path:
+            holders[node] += 1
+    return [
+        torch.cat([torch.full((tree.length[node],), 1.0 / holders[node], dtype=torch.float64) for node in path])
+        for path in paths
+    ]

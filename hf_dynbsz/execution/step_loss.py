@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from hf_dynbsz.execution.async_loss import METRIC_KEYS as ASYNC_METRIC_KEYS
-from hf_dynbsz.execution.async_loss import async_loss_settings, async_pass_loss, async_sample_weights
+from hf_dynbsz.execution.async_loss import async_loss_settings, async_pass_loss, async_sample_weights, position_shares
 from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.distillation_loss import (
@@ -94,6 +94,11 @@ class StepLoss(Protocol):
         """A lockstep training pass that runs what a real pass runs (under ZeRO-3 the same parameter gathers) and
         learns nothing (:meth:`~hf_dynbsz.execution.device_pass.DevicePass.dummy_pass`'s contract)."""
 
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        """The MoE router aux loss's divisor and per-position weights of ``batch``'s samples
+        (:class:`~hf_dynbsz.execution.router_loss.RouterAuxLoss`: None counts a position once per sample holding
+        it)."""
+
 
 class _LogProbLoss:
     """A loss over the policy's completion log-probs (GRPO's and RLOO's): a training pass is the model's fused LM
@@ -112,6 +117,9 @@ class _LogProbLoss:
 
     def dummy_pass(self, executor, model, last: bool | None = None) -> None:
         executor.dummy_pass(model, last)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's slices: a shared prompt counts for each of its samples
 
 
 class GRPOLoss(_LogProbLoss):
@@ -243,6 +251,9 @@ class AsyncGRPOLoss(_LogProbLoss):
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return 1, position_shares(batch.table)  # the step is one micro-batch of packed rows: a shared position once
 
 
 class DistillationLoss:

@@ -439,13 +439,17 @@ def reference_async_grpo_steps(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     temperature: float = 1.0,
+    router_aux_loss_coef: float = 0.0,
 ) -> dict:
     """Stock AsyncGRPOTrainer's fixed-count step with the step in one micro-batch (one process), computed the plainest
     way, as the reference where stock cannot run (a hybrid, attention sinks): each sample of ``steps`` (a list per
     optimizer step of ``RolloutSample`` s, in queue order) alone through the model's own forward, its trained tokens'
     clipped PPO terms summed and divided by the step's trained tokens, then one SGD step of ``learning_rate`` (stock's
-    optimizer in these runs: ``optim="sgd"``, a constant rate, no clipping). ``model`` is trained in place; returns its
-    parameters."""
+    optimizer in these runs: ``optim="sgd"``, a constant rate, no clipping). With ``router_aux_loss_coef`` (an MoE
+    model), stock's load-balancing loss over its packed row, each position the step's samples share once (keyed as
+    ``TreeRow`` keys them: a token and the next), written out: ``E x sum_e (assignments_e / (L n)) x
+    (probability_e / (L n))`` over the ``L`` router layers and the ``n`` positions. ``model`` is trained in place;
+    returns its parameters."""
     import torch
 
     from hf_dynbsz.testing.harness import snapshot_parameters
@@ -454,17 +458,50 @@ def reference_async_grpo_steps(
     for samples in steps:
         model.zero_grad(set_to_none=True)
         trained = sum(int(sample.completion_mask[1:].sum()) for sample in samples)
+        loss, routed = torch.zeros(()), []
         for sample in samples:
             ids = torch.as_tensor(sample.input_ids).unsqueeze(0)
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float() / temperature
+            router = {"output_router_logits": True} if router_aux_loss_coef else {}
+            outputs = model(input_ids=ids, use_cache=False, **router)
+            logits = outputs.logits[0, :-1].float() / temperature
             log_probs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1)
             mask = torch.as_tensor(sample.completion_mask[1:]).bool()
             ratio = torch.exp(log_probs - torch.as_tensor(sample.old_log_probs[1:]))[mask]
             advantage = torch.tensor(sample.advantage, dtype=torch.float32)
             clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-            (-torch.min(ratio * advantage, clipped * advantage).sum() / trained).backward()
+            loss = loss - torch.min(ratio * advantage, clipped * advantage).sum() / trained
+            if router_aux_loss_coef:
+                routed.append(outputs.router_logits)
+        if router_aux_loss_coef:
+            loss = loss + router_aux_loss_coef * _packed_row_load_balancing(model.config, samples, routed)
+        loss.backward()
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.grad is not None:
                     parameter -= learning_rate * parameter.grad
     return snapshot_parameters(model)
+
+
+def _packed_row_load_balancing(config, samples: list, routed: list):
+    """The load-balancing loss of ``samples`` as one packed row (each shared position once) from each sample's own
+    per-layer router logits (``routed``)."""
+    import torch
+
+    first: list[tuple[int, int]] = []  # (sample, position) of each position of the row, where it first appears
+    roots: dict = {}
+    for index, sample in enumerate(samples):
+        ids = [int(token) for token in sample.input_ids]
+        children = roots
+        for position, key in enumerate(zip(ids, [*ids[1:], None])):
+            if key not in children:
+                children[key] = {}
+                first.append((index, position))
+            children = children[key]
+    text = config.get_text_config()
+    experts, top_k = getattr(text, "num_experts", None) or text.num_local_experts, text.num_experts_per_tok
+    gates = torch.cat(
+        [torch.stack([routed[index][layer][position] for index, position in first]) for layer in range(len(routed[0]))]
+    )
+    probabilities = torch.softmax(gates.float(), dim=-1)
+    chosen = torch.nn.functional.one_hot(torch.topk(probabilities, top_k, dim=-1).indices, experts).float()
+    return experts * (chosen.mean(dim=0) * probabilities.mean(dim=0).unsqueeze(0)).sum()

@@ -147,6 +147,8 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 setattr(stock_module, name, function)
 
     def _dynbsz_start(self) -> None:
+        if self._dynbsz_dynamic and self.aux_loss_enabled and self.accelerator.num_processes > 1:
+            self._dynbsz_keep_samples_home()
         super()._dynbsz_start()
         if not self._dynbsz_dynamic:
             return
@@ -162,6 +164,19 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "hf_dynbsz: stock's perf/*_tok_s and MFU figures are not logged for this model: TRL's "
                 "compute_flops_per_token cannot read its config (%s); dynbsz/tokens_per_second is.",
                 self._dynbsz_stock_throughput,
+            )
+
+    def _dynbsz_keep_samples_home(self) -> None:
+        """An MoE model's router aux loss over an asynchronous step counts a position the process's samples share
+        once, as stock's packed row does (:func:`~hf_dynbsz.execution.async_loss.position_shares`): each sample then
+        trains on the process stock's planner dispatched it to (its attention-cost balancing stays), and the plugin's
+        cross-rank balancing is not applied (one logged reason)."""
+        if self.args.balance_across_ranks:
+            self.args.balance_across_ranks = False
+            logger.warning(
+                "hf_dynbsz: balance_across_ranks is not applied: an MoE model's router aux loss counts a position the "
+                "samples of a process share once (stock's packed row), so each sample trains on the process stock's "
+                "fixed-count planner dispatched it to."
             )
 
     # ------------------------------------------------------------------ the samples of a step
