@@ -148,3 +148,66 @@ def test_the_constructor_is_stocks():
 
     assert inspect.signature(DynamicBatchAsyncGRPOTrainer.__init__) == inspect.signature(AsyncGRPOTrainer.__init__)
     assert issubclass(DynamicBatchAsyncGRPOTrainer, AsyncGRPOTrainer)
+
+
+def test_the_budget_from_memory_equals_stock(model_dir, stock_step, tmp_path):
+    """token_budget unset with a memory limit: each step's budget is the largest whose predicted peak fits."""
+    ours = async_grpo_run(
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path),
+        per_device_train_batch_size=16,
+        token_budget=None,
+        max_memory_per_device_mib=100_000,
+    )
+    assert_equals_stock(ours, stock_step)
+    steps = [entry for entry in ours.history if "dynbsz/microbatches" in entry]
+    assert all(entry["dynbsz/predicted_peak_memory_mib"] > 0 for entry in steps)
+
+
+def test_an_out_of_memory_pass_is_replanned_and_equals_stock(model_dir, stock_step, tmp_path):
+    from hf_dynbsz.execution.device_memory import inject_out_of_memory
+
+    inject_out_of_memory("training", "backward", 2)
+    ours = async_grpo_run(
+        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, token_budget=96
+    )
+    assert_equals_stock(ours, stock_step)
+    assert sum(entry.get("dynbsz/oom_retries", 0) for entry in ours.history) == 1
+
+
+def test_dynamic_batching_off_is_stock(model_dir, stock_step, tmp_path):
+    """dynamic_batching=False: stock's trainer (its FA3 tree kernel, here the reference one; its batchers and
+    compute_loss), the same parameters and every logged metric."""
+    ours = async_grpo_run(
+        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, dynamic_batching=False
+    )
+    assert ours.trainer.model.config._attn_implementation == "tree_fa3"
+    assert relative_difference(ours.final, stock_step.final) == 0.0
+    left_out = ("perf/", "sample/time_in_queue_s")
+    assert metric_mismatches(logged_metrics(ours.history, left_out), logged_metrics(stock_step.history, left_out)) == []
+
+
+# ---- the config ------------------------------------------------------------------------------------------------
+
+
+def test_token_budget_is_the_training_budget_and_a_second_one_is_refused(tmp_path):
+    from hf_dynbsz import DynamicBatchAsyncGRPOConfig
+
+    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, use_cpu=True)
+    assert config.max_tokens_per_microbatch == 512
+    assert DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=0, use_cpu=True).max_tokens_per_microbatch is None
+    with pytest.raises(ValueError, match="token_budget=512 and max_tokens_per_microbatch=256 disagree"):
+        DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, max_tokens_per_microbatch=256, use_cpu=True)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2: DynamicBatchAsyncGRPOTrainer does not run"):
+        DynamicBatchAsyncGRPOConfig(str(tmp_path), sequence_parallel_size=2, use_cpu=True)
+
+
+def test_a_plain_async_config_gains_the_plugins_fields_and_the_environment(model_dir, tmp_path, monkeypatch):
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from hf_dynbsz.async_config import async_trainer_config
+
+    monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "256")
+    config = async_trainer_config(AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True), model_dir)
+    assert (config.max_tokens_per_microbatch, config.tensor_batch_size, config.dynamic_batching) == (300, 256, True)
