@@ -36,6 +36,7 @@ __all__ = [
     "AsyncRun",
     "NoWeightTransfer",
     "RolloutScript",
+    "ScriptRolloutFunc",
     "StandInRolloutWorker",
     "async_grpo_on_cpu",
     "async_grpo_run",
@@ -160,6 +161,28 @@ class RolloutScript:
             group_id=group_id,
             metrics=metrics,
         )
+
+
+class ScriptRolloutFunc:
+    """A synchronous trainer's ``rollout_func`` (``GRPOTrainer``'s) over a :class:`RolloutScript`'s samples, in queue
+    order: each sample's tokens before its first trained one as the prompt, the rest as the completion, so a
+    synchronous run trains the samples an asynchronous one takes from the queue (a script without tool turns or
+    forks: one row per prompt repeat). ``generation_seconds``: sleeps that long per sample, a generation server's
+    time."""
+
+    def __init__(self, script: RolloutScript, generation_seconds: float = 0.0) -> None:
+        self.samples, self.generation_seconds = script.samples(), generation_seconds
+
+    def __call__(self, prompts, trainer) -> dict:
+        prompt_ids, completion_ids = [], []
+        for _ in prompts:
+            sample = next(self.samples)
+            ids, mask = sample.input_ids.tolist(), sample.completion_mask.tolist()
+            first = 1 + mask[1:].index(1)
+            prompt_ids.append(ids[:first])
+            completion_ids.append(ids[first:])
+        time.sleep(self.generation_seconds * len(prompts))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -398,6 +421,7 @@ def async_grpo_run(
     *,
     num_processes: int = 1,
     train: bool = True,
+    generation_seconds: float = 0.0,
     trainer_kwargs: dict | None = None,
     **fields,
 ) -> AsyncRun:
@@ -406,14 +430,21 @@ def async_grpo_run(
     :data:`ASYNC_COMPARISON_FIELDS` (``fields`` override them) on ``script``'s samples (default:
     ``RolloutScript(seed=1)``), through :class:`StandInRolloutWorker` (one step's samples per sync) and
     :class:`NoWeightTransfer`, stock's tree attention through :func:`async_grpo_on_cpu`. ``num_processes``: the
-    processes of the launch, for the samples a step takes."""
+    processes of the launch, for the samples a step takes; ``generation_seconds``: the worker's thread produces one
+    sample every that many seconds (a queue of at most two steps' samples) instead of filling the queue at each
+    sync."""
     from hf_dynbsz.testing.fixtures import load_tokenizer, prompt_dataset
     from hf_dynbsz.testing.harness import snapshot_parameters, trainer_classes
 
     trainer_class, config_class = trainer_classes(trainer)
     config = config_class(output_dir=output_dir, **{**ASYNC_COMPARISON_FIELDS, **fields})
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
-    worker = StandInRolloutWorker((script or RolloutScript(seed=1)).samples(), samples_per_sync=per_step)
+    worker = StandInRolloutWorker(
+        (script or RolloutScript(seed=1)).samples(),
+        samples_per_sync=per_step,
+        generation_seconds=generation_seconds,
+        queue_maxsize=2 * per_step if generation_seconds else 0,
+    )
     transfer = NoWeightTransfer()
     with async_grpo_on_cpu():
         built = trainer_class(
