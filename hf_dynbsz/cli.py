@@ -1,11 +1,13 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
-``hf-dynbsz plan [--trainer grpo|distillation] [config options] [--num_processes N] [--config_file ACCELERATE_YAML]
-[--lengths FILE]`` prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command:
-every option of the trainer's config (``GRPOConfig``/``DynamicBatchGRPOConfig``, or ``DistillationConfig``/
-``DynamicBatchDistillationConfig`` with ``--trainer distillation``) is accepted by its config name (``--output_dir``
-is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
-micro-batches of a list of sample lengths and compares them with stock TRL's padded micro-batches.
+``hf-dynbsz plan [--trainer grpo|distillation|async_grpo] [config options] [--num_processes N]
+[--config_file ACCELERATE_YAML] [--lengths FILE]`` prints the batch-size plan
+(:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command: every option of the trainer's config
+(``GRPOConfig``/``DynamicBatchGRPOConfig``, ``DistillationConfig``/``DynamicBatchDistillationConfig`` with ``--trainer
+distillation``, ``AsyncGRPOConfig``/``DynamicBatchAsyncGRPOConfig`` with ``--trainer async_grpo``) is accepted by its
+config name (``--output_dir`` is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it
+also simulates the token-budget micro-batches of a list of sample lengths and compares them with stock TRL's padded
+micro-batches.
 
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
 ``GRPOConfig.__post_init__``, which would derive ``generation_batch_size`` for the world size of this machine and
@@ -117,7 +119,7 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
-PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation"}
+PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "async_grpo": "AsyncGRPO"}
 
 
 def _planned_trainer(argv: list[str]) -> str:
@@ -132,11 +134,9 @@ def _planned_trainer(argv: list[str]) -> str:
 def _plan_parser(trainer: str = "grpo"):
     from transformers import HfArgumentParser
 
-    from hf_dynbsz import config
-
     name = PLANNED_TRAINERS[trainer]
     parser = HfArgumentParser(
-        getattr(config, f"DynamicBatch{name}Config"),
+        _config_class(trainer),
         prog=f"{_PROG} plan",
         description=(
             f"Print the batch-size plan of a {name} run (per device and global) and check the divisibility rules of "
@@ -148,6 +148,18 @@ def _plan_parser(trainer: str = "grpo"):
     return parser
 
 
+def _config_class(trainer: str) -> type:
+    """The plugin's config class of ``trainer`` (the asynchronous trainer's in a module of its own: it imports TRL's
+    experimental package)."""
+    if trainer == "async_grpo":
+        from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig
+
+        return DynamicBatchAsyncGRPOConfig
+    from hf_dynbsz import config
+
+    return getattr(config, f"DynamicBatch{PLANNED_TRAINERS[trainer]}Config")
+
+
 def _add_planning_arguments(group) -> None:
     """The planner's own flags (besides the config's fields), in ``group``."""
     group.add_argument(
@@ -155,8 +167,10 @@ def _add_planning_arguments(group) -> None:
         choices=list(PLANNED_TRAINERS),
         default="grpo",
         help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
-        "sizes) or distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
-        "optimizer step, and the teacher's budget). Default: grpo.",
+        "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
+        "optimizer step, and the teacher's budget) or async_grpo (DynamicBatchAsyncGRPOTrainer: a vLLM server "
+        "generates continuously; an optimizer step takes per_device_train_batch_size x gradient_accumulation_steps x "
+        "processes samples of its queue, token_budget the tokens per pass). Default: grpo.",
     )
     group.add_argument(
         "--num_processes",
@@ -335,6 +349,10 @@ def _run_plan(argv: list[str]) -> int:
             zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
         for message in apply_env_overrides(namespace):
             print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
+        if namespace.trainer == "async_grpo":  # stock's token_budget is the plugin's training budget
+            from hf_dynbsz.async_config import take_token_budget
+
+            take_token_budget(namespace)
         validate_dynamic_batch_fields(namespace)
         attn_implementation = _attn_implementation(namespace)
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
@@ -366,7 +384,7 @@ def _run_plan(argv: list[str]) -> int:
             )
         except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
             raise with_env_sources(error, namespace) from None
-        check_as_training(namespace, plan.generation_batch_size, namespace.trainer)
+        check_as_training(namespace, plan.generation_batch_size, namespace.trainer, _config_class(namespace.trainer))
         steps = None
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does

@@ -299,17 +299,21 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
     return args
 
 
-def check_as_training(options, generation_batch_size: int, trainer: str = "grpo") -> None:
+def check_as_training(
+    options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None
+) -> None:
     """Build the config training would build from ``options`` (``hf-dynbsz plan``'s parsed namespace of the user's raw
     values): :class:`DynamicBatchGRPOConfig`, or :class:`DynamicBatchDistillationConfig` for ``trainer``
-    "distillation", so that the planner rejects exactly what training rejects, with training's own messages (one
+    "distillation", or ``config_class`` when given (``hf_dynbsz.async_config.DynamicBatchAsyncGRPOConfig`` for
+    "async_grpo"), so that the planner rejects exactly what training rejects, with training's own messages (one
     validation, not a copy).
 
     What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
     checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
     the run's processes (the planning process is one process, the run may be many).
     """
-    config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
+    if config_class is None:  # (the asynchronous trainer's config, in hf_dynbsz.async_config, is given by the caller)
+        config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -323,7 +327,7 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer != "distillation":  # a distillation's round is its optimizer step
+    if trainer not in ("distillation", "async_grpo"):  # a distillation's round is its step; async has none
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)
