@@ -25,14 +25,14 @@ its FA3 kernel written in plain torch (:func:`~hf_dynbsz.testing.async_grpo_on_c
    * ``sync stock``: ``GRPOTrainer`` (4 x 4, a generation round per optimizer step), generation then training;
    * ``sync plugin``: ``DynamicBatchGRPOTrainer``, the same;
    * ``async plugin``: ``DynamicBatchAsyncGRPOTrainer`` 16 x 1, the stand-in worker's thread producing a sample every
-     ``generation_seconds`` while the trainer trains (a queue of at most two steps' samples).
+     ``generation_seconds`` while the trainer trains (a queue of at most one step's samples).
 
    Goals: the asynchronous plugin's step at most 0.6x the synchronous plugin's (generation hidden behind training),
    at least 4x faster than synchronous stock's.
 
-Each configuration runs in a fresh process with one torch thread; the first step (two for the asynchronous wall
-clock, whose queue starts empty) is warm-up; per configuration the median over the measured steps, then over repeats.
-Part 2 reads part 1's plugin time in the same run.
+Each configuration runs in a fresh process with one torch thread. The first step is warm-up (the asynchronous wall
+clock's first four: its queue fills while they train), then per run the mean over the measured steps (6), per
+configuration the median over repeats. Part 2 reads part 1's plugin time in the same run.
 
 Usage (from the repository root)::
 
@@ -58,6 +58,9 @@ from common import RESULTS_DIR, load_average, machine_description, markdown_tabl
 from hf_dynbsz.testing import PROMPT_RANGE, run_script_worker  # noqa: E402
 
 SAMPLES_PER_STEP = 16
+#: The asynchronous wall clock's warm-up steps: the queue (one step's samples at most) fills while the first steps
+#: train and check; after these the step's time is the pace of generation or of training, whichever is slower.
+ASYNC_WARM_UP = 4
 PRESETS = {
     "quick": dict(max_completion_length=256, hidden_size=64, num_layers=2, vocab_size=1024, steps=4, repeats=1),
     "default": dict(max_completion_length=512, hidden_size=128, num_layers=3, vocab_size=4096, steps=6, repeats=3),
@@ -116,6 +119,7 @@ def run_async(spec: dict, model_dir: str, output_dir: str) -> dict:
         output_dir,
         script_of(spec),
         generation_seconds=spec.get("generation_seconds", 0.0),
+        queue_steps=1,
         **fields,
     )
     steps = steps_of(run.history, "perf/fwd_bwd_s")
@@ -199,10 +203,11 @@ def wall_clock(settings: dict, generation_seconds: float, repeats: int, timeout:
     for repeat in range(repeats):
         order = list(WALL) if repeat % 2 == 0 else list(reversed(WALL))
         for name in order:
-            spec = {**settings, "run": name, "max_steps": settings["steps"] + 1, "seed": repeat}
+            skip = ASYNC_WARM_UP if name == "async_plugin" else 1
+            spec = {**settings, "run": name, "max_steps": settings["steps"] + skip, "seed": repeat}
             result = measure({**spec, "generation_seconds": generation_seconds}, timeout)
-            skip = 2 if name == "async_plugin" else 1  # (the queue starts empty: its first two steps wait for it)
-            times[name].append(median([s for s in result["step_seconds"][skip:] if s is not None]))
+            seconds = [s for s in result["step_seconds"][skip:] if s is not None]
+            times[name].append(sum(seconds) / len(seconds))
     return times
 
 

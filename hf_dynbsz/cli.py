@@ -332,14 +332,28 @@ def _shared_prefix(namespace, lengths) -> int:
     return shared
 
 
+def _check_settings(namespace) -> None:
+    """The ``DIFFU_*`` overrides applied (each printed), stock's ``token_budget`` taken as the asynchronous trainer's
+    training budget, the plugin's fields checked, as training does."""
+    from hf_dynbsz.planning.env import apply_env_overrides
+    from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
+
+    for message in apply_env_overrides(namespace):
+        print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
+    if namespace.trainer == "async_grpo":
+        from hf_dynbsz.async_config import take_token_budget
+
+        take_token_budget(namespace)
+    validate_dynamic_batch_fields(namespace)
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser(_planned_trainer(argv))
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
 
     from hf_dynbsz.config import check_as_training
-    from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
+    from hf_dynbsz.planning.env import with_env_sources
     from hf_dynbsz.planning.plan import BatchSizePlan
-    from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
     try:
         launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
@@ -347,13 +361,7 @@ def _run_plan(argv: list[str]) -> int:
         zero_stage = launcher.get("zero_stage")
         if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
             zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
-        for message in apply_env_overrides(namespace):
-            print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
-        if namespace.trainer == "async_grpo":  # stock's token_budget is the plugin's training budget
-            from hf_dynbsz.async_config import take_token_budget
-
-            take_token_budget(namespace)
-        validate_dynamic_batch_fields(namespace)
+        _check_settings(namespace)
         attn_implementation = _attn_implementation(namespace)
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
         support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")

@@ -422,6 +422,8 @@ def async_grpo_run(
     num_processes: int = 1,
     train: bool = True,
     generation_seconds: float = 0.0,
+    queue_steps: int = 2,
+    stock_kernel: str = "reference",
     trainer_kwargs: dict | None = None,
     **fields,
 ) -> AsyncRun:
@@ -431,8 +433,9 @@ def async_grpo_run(
     ``RolloutScript(seed=1)``), through :class:`StandInRolloutWorker` (one step's samples per sync) and
     :class:`NoWeightTransfer`, stock's tree attention through :func:`async_grpo_on_cpu`. ``num_processes``: the
     processes of the launch, for the samples a step takes; ``generation_seconds``: the worker's thread produces one
-    sample every that many seconds (a queue of at most two steps' samples) instead of filling the queue at each
-    sync."""
+    sample every that many seconds (a queue of at most ``queue_steps`` steps' samples) instead of filling the queue at
+    each sync. ``stock_kernel``: "reference" (stock's tree attention in plain torch, :func:`async_grpo_on_cpu`) or
+    "fa3" (stock's own FlashAttention-3 Hub kernel, on a Hopper GPU with the ``kernels`` package)."""
     from hf_dynbsz.testing.fixtures import load_tokenizer, prompt_dataset
     from hf_dynbsz.testing.harness import snapshot_parameters, trainer_classes
 
@@ -443,10 +446,10 @@ def async_grpo_run(
         (script or RolloutScript(seed=1)).samples(),
         samples_per_sync=per_step,
         generation_seconds=generation_seconds,
-        queue_maxsize=2 * per_step if generation_seconds else 0,
+        queue_maxsize=queue_steps * per_step if generation_seconds else 0,
     )
     transfer = NoWeightTransfer()
-    with async_grpo_on_cpu():
+    with async_grpo_on_cpu() if stock_kernel == "reference" else contextlib.nullcontext():
         built = trainer_class(
             model=model_dir,
             args=config,
