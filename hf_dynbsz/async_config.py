@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from hf_dynbsz.config import DynamicBatchFields, default_ddp_backend
+from hf_dynbsz.config import DynamicBatchFields, default_ddp_backend, refuse_sequence_parallelism
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.settings import config_docstring, defaults_of
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
@@ -48,20 +48,12 @@ def take_token_budget(args) -> None:
     args.max_tokens_per_microbatch = int(budget)
 
 
-def refuse_sequence_parallelism(args) -> None:
-    """``sequence_parallel_size`` > 1: refused before any work (stock ``AsyncGRPOConfig`` refuses ``sp_size``, and the
-    plugin does not shard the asynchronous trainer's passes)."""
-    size = getattr(args, "sequence_parallel_size", 1) or 1
-    if int(size) > 1:
-        raise ValueError(
-            f"sequence_parallel_size={size}: DynamicBatchAsyncGRPOTrainer does not run sequence parallelism (stock "
-            "AsyncGRPOTrainer refuses it too); a sample longer than the token budget trains in a pass of its own. "
-            "Set sequence_parallel_size=1."
-        )
-
-
 def _check_async_fields(args) -> None:
-    refuse_sequence_parallelism(args)
+    refuse_sequence_parallelism(
+        args,
+        "DynamicBatchAsyncGRPOTrainer",
+        "stock AsyncGRPOTrainer refuses it too; a sample longer than the token budget trains in a pass of its own",
+    )
     take_token_budget(args)
     validate_dynamic_batch_fields(args)
 

@@ -36,6 +36,7 @@ __all__ = [
     "check_as_training",
     "default_ddp_backend",
     "ensure_dynamic_batch_fields",
+    "refuse_sequence_parallelism",
     "take_sequence_parallelism",
     "trainer_config",
 ]
@@ -138,16 +139,25 @@ class DynamicBatchDistillationConfig(DistillationFields, DistillationConfig):
     pass
 
 
-def refuse_distillation_sequence_parallelism(args) -> None:
-    """``sequence_parallel_size`` > 1 on a distillation: refused before any work (the teacher's passes are not
-    sharded); stock's own ``parallelism_config`` check (TRL's ``__post_init__``) refuses ``sp_size``."""
+def refuse_sequence_parallelism(args, trainer: str, why: str) -> None:
+    """``sequence_parallel_size`` > 1 on a trainer that does not run it (``trainer``, for ``why``): refused before any
+    work."""
     size = getattr(args, "sequence_parallel_size", 1) or 1
     if int(size) > 1:
         raise ValueError(
-            f"sequence_parallel_size={size}: DynamicBatchDistillationTrainer does not run sequence parallelism (the "
-            "teacher's passes are not sharded, and stock DistillationTrainer refuses sequence parallelism too). Set "
+            f"sequence_parallel_size={size}: {trainer} does not run sequence parallelism ({why}). Set "
             "sequence_parallel_size=1."
         )
+
+
+def refuse_distillation_sequence_parallelism(args) -> None:
+    """``sequence_parallel_size`` > 1 on a distillation: refused before any work (the teacher's passes are not
+    sharded); stock's own ``parallelism_config`` check (TRL's ``__post_init__``) refuses ``sp_size``."""
+    refuse_sequence_parallelism(
+        args,
+        "DynamicBatchDistillationTrainer",
+        "the teacher's passes are not sharded, and stock DistillationTrainer refuses sequence parallelism too",
+    )
 
 
 def take_sequence_parallelism(args) -> None:

@@ -60,6 +60,14 @@ def save_zoo_model(directory: str, model_type: str) -> str:
     return directory
 
 
+def stock_and_ours(tmp_path, model_dir: str, **ours) -> tuple:
+    """Stock's fixed-count step (16 x 1) and the plugin's run with ``ours``'s fields, on :data:`SCRIPT`."""
+    stock = async_grpo_run(
+        "async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, per_device_train_batch_size=16
+    )
+    return stock, async_grpo_run("async_grpo_dynamic", model_dir, str(tmp_path / "ours"), SCRIPT, **ours)
+
+
 def test_the_reference_step_equals_stock(tmp_path):
     """Where stock runs, its fixed-count step equals the reference: the reference is stock's math."""
     model_dir = save_tiny_model(str(tmp_path / "model"))
@@ -71,17 +79,7 @@ def test_the_reference_step_equals_stock(tmp_path):
 
 def test_the_models_eager_attention_equals_stock(tmp_path):
     model_dir = save_tiny_model(str(tmp_path / "model"))
-    stock = async_grpo_run(
-        "async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, per_device_train_batch_size=16
-    )
-    ours = async_grpo_run(
-        "async_grpo_dynamic",
-        model_dir,
-        str(tmp_path / "ours"),
-        SCRIPT,
-        model_init_kwargs={"attn_implementation": "eager"},
-        **STEP,
-    )
+    stock, ours = stock_and_ours(tmp_path, model_dir, model_init_kwargs={"attn_implementation": "eager"}, **STEP)
     assert ours.trainer.model.config._attn_implementation == "eager"
     assert_equals(ours, stock.final)
 
@@ -116,14 +114,9 @@ def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, per_device, accumu
     """Stock adds its MoE router aux loss over each packed row, a shared position counted once: the plugin weighs each
     position by its share of the trie node (and the reference written out agrees)."""
     model_dir = save_tiny_model(str(tmp_path / "model"), architecture="qwen3_moe")
-    stock = async_grpo_run(
-        "async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, per_device_train_batch_size=16
-    )
-    ours = async_grpo_run(
-        "async_grpo_dynamic",
+    stock, ours = stock_and_ours(
+        tmp_path,
         model_dir,
-        str(tmp_path / "ours"),
-        SCRIPT,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         token_budget=budget,

@@ -213,11 +213,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not self._dynbsz_dynamic:
             return super().training_step(model, inputs, num_items_in_batch)
         started = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        if not self._dynbsz_window:
-            self._dynbsz.meters.start()
+        self._dynbsz_training_call(model)
         self._dynbsz_window.append(inputs)
         loss = torch.zeros((), device=self.accelerator.device)
         if self.accelerator.sync_gradients:

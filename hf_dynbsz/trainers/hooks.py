@@ -101,11 +101,7 @@ class TokenBudgetHooks:
             with executor.tiles():
                 return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        if not self._dynbsz_window:
-            executor.meters.start()
+        self._dynbsz_training_call(model)
         with executor.meters.clock.phase("generation"):  # TRL's rollout (generation every steps_per_generation)
             self._dynbsz_window.append(self._prepare_inputs(inputs))
         loss = torch.zeros((), device=self.accelerator.device)
@@ -118,6 +114,15 @@ class TokenBudgetHooks:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return loss
+
+    def _dynbsz_training_call(self, model) -> None:
+        """The start of each training call, as stock's ``training_step`` starts (the model and a schedule-free
+        optimizer in training mode), and of each optimizer step, the step's meters."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        if not self._dynbsz_window:
+            self._dynbsz.meters.start()
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
