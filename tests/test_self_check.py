@@ -24,6 +24,7 @@ from hf_dynbsz.execution.self_check import (
     tolerance,
 )
 from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.testing import (
     bare_check_passes,
     build_char_tokenizer,
@@ -33,9 +34,9 @@ from hf_dynbsz.testing import (
     prefix_batch,
 )
 
-TREE = Layout("padding_free", True, "sdpa", attention="varlen", prefix_tree=True)
-SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
-PLAIN = Layout("padding_free", False, "sdpa", attention="varlen")
+TREE = Layout("padding_free", SharePrefix.TREE, "sdpa", attention="varlen")
+SHARED = Layout("padding_free", SharePrefix.GROUPS, "sdpa", attention="varlen")
+PLAIN = Layout("padding_free", segment_attention="sdpa", attention="varlen")
 PADDED = Layout("padded")
 MASKED = Layout("padded", attention_mask=True)
 
@@ -324,12 +325,12 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         checked = _train_hybrid(tmp_path / "checked")
     scheduler = checked._dynbsz.scheduler
-    assert scheduler.layout == "padding_free" and not scheduler.share_prompts and scheduler.segment_recurrence
+    assert scheduler.layout == "padding_free" and not scheduler.sharing and scheduler.segment_recurrence
     assert "gradients differ from each sample's own" in caplog.text and "linear_attn" in caplog.text
     assert _difference(checked, stock) <= 1e-5
     monkeypatch.setattr(check_passes, "gradient_tolerance", lambda dtype: math.inf)
     unchecked = _train_hybrid(tmp_path / "unchecked")
-    assert unchecked._dynbsz.scheduler.share_prompts  # the forward alone cannot tell
+    assert unchecked._dynbsz.scheduler.sharing  # the forward alone cannot tell
     assert _difference(unchecked, stock) > 1e-4
 
 
@@ -369,7 +370,7 @@ def test_flex_attentions_padding_free_rows_pass_the_check(model_type, monkeypatc
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # flex uncompiled: a CPU compile of each kernel takes about 26 s
     model = with_fused_head(build_tiny_causal_lm_of_type(model_type, attn_implementation="flex_attention"))
-    flex_shared = Layout("padding_free", True, "flex_attention", attention="varlen")
+    flex_shared = Layout("padding_free", SharePrefix.GROUPS, "flex_attention", attention="varlen")
     table = SequenceTable.from_padded(*grpo_batch([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2], token_high=60))
     with torch.no_grad():  # log-probs only: flex_attention has no backward on CPU (the GPU check trains it)
         result = run_self_check([flex_shared, PADDED, MASKED], table, *runners(model, table, False), limit=1e-4)

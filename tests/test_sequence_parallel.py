@@ -222,7 +222,7 @@ def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
         steps = ours[rank]["metrics"]
         assert len(steps) == 3
         for step in steps:
-            assert step["dynbsz/prompt_tokens_saved"] > 0  # shared prompts ran sharded too
+            assert step["dynbsz/shared_tokens_saved"] > 0  # shared prompts ran sharded too
             assert step["dynbsz/padding_fraction"] < 0.05
             if processes == 4:
                 assert step["dynbsz/samples_moved"] > 0 and step["dynbsz/rank_imbalance_after"] < 1.1, step

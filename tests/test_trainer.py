@@ -185,7 +185,7 @@ def test_padded_span_calls_match_stock(model_dir, tmp_path, monkeypatch, loss_ty
     monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", recording)
     history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
     assert calls and all(len(layer_calls) <= 2 for layer_calls in calls)
     assert any(call.padded for layer_calls in calls for call in layer_calls)  # spans of several shapes did share
 
@@ -252,7 +252,7 @@ def test_shared_prompts_really_happen_and_match_stock(model_dir, tmp_path):
         model_dir, tmp_path / "alone", loss_type="dapo", beta=0.1, num_iterations=2, share_prompt_prefix=False
     )
     for step_shared, step_alone in zip(*[[e for e in h if "dynbsz/microbatches" in e] for h in (shared, alone)]):
-        assert step_shared["dynbsz/prompt_tokens_saved"] > 0 and step_alone["dynbsz/prompt_tokens_saved"] == 0
+        assert step_shared["dynbsz/shared_tokens_saved"] > 0 and step_alone["dynbsz/shared_tokens_saved"] == 0
         assert step_shared["dynbsz/computed_tokens"] < step_alone["dynbsz/computed_tokens"]
         assert step_shared["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
 
@@ -486,7 +486,7 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
     assert lora_names and set(lora_names) == {name for name in ours if "lora_" in name}
     assert any(stock[n].abs().sum() > 0 for n in lora_names if "lora_B" in n)  # LoRA B starts at zero: it trained
     assert relative_difference({n: ours[n] for n in lora_names}, {n: stock[n] for n in lora_names}) <= PARAM_TOLERANCE
-    assert any(entry.get("dynbsz/prompt_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
+    assert any(entry.get("dynbsz/shared_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
 
 
 # ---- hybrid models: layers that carry state along a sequence (Gated DeltaNet) ----------------------------------
@@ -506,7 +506,7 @@ def test_hybrid_model_trains_padding_free_with_shared_prompts_and_matches_stock(
     )
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert steps and all(entry["dynbsz/padding_fraction"] == 0 for entry in steps)  # padding-free rows
-    assert any(entry["dynbsz/prompt_tokens_saved"] > 0 for entry in steps)  # shared prompts
+    assert any(entry["dynbsz/shared_tokens_saved"] > 0 for entry in steps)  # shared prompts
 
 
 # ---- mixture-of-experts models -----------------------------------------------------------------------------------
@@ -597,7 +597,7 @@ def test_varlen_attn_rows_match_stock(model_dir, tmp_path, monkeypatch, loss_typ
     monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
     history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
     assert calls and all(call["enable_gqa"] and call["window_size"] == (-1, 0) for call in calls)
 
 

@@ -43,6 +43,7 @@ from hf_dynbsz.execution.multimodal import join_media, media_digest, media_recor
 from hf_dynbsz.parallel.distributed import ProcessGroup
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
 from hf_dynbsz.planning.schedule import Exchange
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.planning.tokens import LAYOUTS, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
@@ -146,22 +147,23 @@ class SequenceTable:
         self._groups = groups
         return groups
 
-    def prefix_keys(self, sharing: str) -> list[np.ndarray]:
-        """Per sample, its position keys under the sharing rule ``sharing``
-        (:mod:`hf_dynbsz.planning.prefix_tree`): ``"groups"``, each prompt shared in its group (:meth:`prompt_groups`);
-        ``"tree"``, every position by its token and the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`),
-        except that a vision-language sample's keys from the token before its first image token on (its first
-        token, where its token fields do not say where its images are) carry its prompt group, so positions whose
-        hidden states its pictures decide are shared only with samples of the same prompt tokens and pictures."""
+    def prefix_keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
+        """Per sample, its position keys under the sharing rule ``sharing`` (a
+        :class:`~hf_dynbsz.planning.settings.SharePrefix` or its value; :mod:`hf_dynbsz.planning.prefix_tree`):
+        ``GROUPS``, each prompt shared in its group (:meth:`prompt_groups`); ``TREE``, every position by its token and
+        the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`), except that a vision-language sample's keys from
+        the token before its first image token on (its first token, where its token fields do not say where its
+        images are) carry its prompt group, so positions whose hidden states its pictures decide are shared only with
+        samples of the same prompt tokens and pictures."""
         if ("keys", sharing) not in self._sharing:
             self._sharing["keys", sharing] = self._keys(sharing)
         return self._sharing["keys", sharing]
 
-    def _keys(self, sharing: str) -> list[np.ndarray]:
+    def _keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
         lengths = self.lengths.tolist()
-        if sharing == "groups":
+        if sharing == SharePrefix.GROUPS:
             return group_keys(self.prompt_lengths.tolist(), lengths, self.prompt_groups())
-        if sharing != "tree":
+        if sharing != SharePrefix.TREE:
             raise ValueError(f"sharing must be 'tree' or 'groups', got {sharing!r}")
         tokens = [ids.cpu().numpy() for ids in self.tokens]
         base = max((int(ids.max()) for ids in tokens if ids.size), default=0) + 2
@@ -186,7 +188,7 @@ class SequenceTable:
             self._sharing["firsts"] = firsts
         return self._sharing["firsts"]
 
-    def prefix_tree(self, sharing: str) -> PrefixTree:
+    def prefix_tree(self, sharing: SharePrefix | str) -> PrefixTree:
         """The prefix tree of every sample of the table under ``sharing`` (:meth:`prefix_keys`)."""
         if ("tree", sharing) not in self._sharing:
             self._sharing["tree", sharing] = PrefixTree.of_keys(self.prefix_keys(sharing))
