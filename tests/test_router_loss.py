@@ -171,6 +171,8 @@ def test_a_prefix_tree_with_the_router_aux_loss_equals_stock(model_type, loss_ty
         self_check=False, **settings,
     )  # fmt: skip
     assert trainer._dynbsz.capabilities.router_aux and trainer._dynbsz.scheduler.sharing is SharePrefix.TREE
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert steps and all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # the block and trunks shared
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
     stock_aux = [entry["aux_loss"] for entry in stock_history if "aux_loss" in entry]

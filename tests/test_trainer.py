@@ -136,8 +136,7 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
     history = compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=rollout, loss_type=loss_type, beta=0.05, num_iterations=2, **TREE
     )
-    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
+    assert all(saved > 0 for saved in tree_tokens_saved(history))  # beyond what prompt groups share
 
 
 #: What a statistic over sample-tokens reads: top_entropy_quantile's quantile, the entropy bonus and its metric, clip
@@ -154,18 +153,26 @@ def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(
     """A trunk's positions are loss terms of every sample holding them: every statistic over sample-tokens counts
     each once per sample, as stock's separate sequences do (the second iteration's ratios move off 1 and clip)."""
     statistics = dict(STATISTICS[statistics], num_iterations=2)
-    compare_with_stock(
+    history = compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": comparison_prefix_rollout("tree rollout")},
         **statistics, **TREE,
     )  # fmt: skip
+    assert all(saved > 0 for saved in tree_tokens_saved(history))  # the trunks shared: the tree ran, not groups
+
+
+def tree_tokens_saved(history: list[dict]) -> list[float]:
+    """Per repacked step of ``history``, the tokens the prefix tree saved beyond prompt groups (0 where the run
+    logged none: sharing by prompt groups, after a step-down or from the start)."""
+    return [entry.get("dynbsz/tree_tokens_saved", 0) for entry in history if "dynbsz/microbatches" in entry]
 
 
 def test_a_prefix_tree_of_sampled_completions_matches_stock(model_dir, tmp_path):
     """Completions the model samples from a 4-character alphabet often begin alike, across prompts too: the tree
     shares those positions, and training still equals stock."""
-    compare_with_stock(
+    history = compare_with_stock(
         model_dir, tmp_path, share_prompt_prefix="tree", self_check=False, loss_type="dapo", beta=0.05, num_iterations=2
     )
+    assert any(saved > 0 for saved in tree_tokens_saved(history))  # completions that begin alike, shared
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
