@@ -4,11 +4,17 @@ TRL hands the trainer left-padded ``prompt_ids`` and right-padded ``completion_i
 longest row of the whole generation batch. This module strips that padding and rebuilds model inputs for
 a chosen set of sequences in one of two layouts:
 
-* ``"padding_free"``: every sequence of the micro-batch concatenated into ONE row, ``position_ids``
-  restarting at 0 for each sequence, no attention mask. transformers isolates the sequences from each
-  other only when ``attention_mask is None`` and no cache is used (flash-attention varlen kernels read the
-  boundaries from the restarting ``position_ids``; sdpa/eager build a block-diagonal mask from them).
-  The forward must therefore be called with ``use_cache=False`` (TRL's fused LM head forces it).
+* ``"padding_free"``: the micro-batch's samples in ONE row, no attention mask, laid out as the nodes of their prefix
+  tree (:mod:`hf_dynbsz.planning.prefix_tree`, by the sharing rule's position keys): each node's positions once, in
+  row order, a node's ``position_ids`` its depths (continuing from its parent's; a root counts from 0). With segment
+  attention (:mod:`hf_dynbsz.execution.attention`, whose
+  :class:`~hf_dynbsz.execution.attention.SegmentLayout` the inputs carry) each node attends to its root-to-node path:
+  a prompt shared by its group, a block shared across prompts, a trunk shared by completions are computed once.
+  Without sharing every sample is a root node of its own, a plain sequence whose positions restart at 0; that is
+  all a row holds without segment attention, where transformers isolates the sequences only when ``attention_mask is
+  None`` and no cache is used (flash-attention varlen kernels read the boundaries from the restarting
+  ``position_ids``; sdpa/eager build a block-diagonal mask from them). The forward is called with
+  ``use_cache=False`` (TRL's fused LM head forces it).
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
   attention mask is needed either; ``position_ids`` count from 0 in every row. With ``attention_mask=True``
@@ -24,10 +30,11 @@ prompt's images once, so the vision tower encodes them once per pass) and, for M
 
 ``position_offset`` is added to every position id (RoBERTa-style models number positions from ``padding_idx + 1``).
 
-In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
-the same sequence when that token is a completion token, ``-100`` otherwise, so a packed row never scores
-a token of the following sequence. :class:`MicroBatch.gather_index` maps the model's flat per-position
-output back to completion-aligned ``(rows, completion_width)`` tensors in the micro-batch's row order.
+In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries its next token when that
+token is a completion token of a sample holding ``t`` (samples share a position only when they agree on its next
+token), ``-100`` otherwise, so a packed row never scores a token of another sample. :class:`MicroBatch.gather_index`
+maps the model's flat per-position output back to completion-aligned ``(rows, completion_width)`` tensors in the
+micro-batch's row order: a shared position is read for every sample whose completion it scores, a loss term of each.
 """
 
 from __future__ import annotations
