@@ -235,7 +235,8 @@ def main(argv: Sequence[str]) -> int:
         plot_runs(runs, options.png)
     except ImportError:
         print(
-            "hf-dynbsz report: PNG not written: matplotlib is not installed (pip install 'hf-dynbsz[report]').",
+            "hf-dynbsz report: PNG not written: matplotlib is not installed (pip install matplotlib, or in a "
+            "checkout of hf-dynbsz: pip install -e '.[report]').",
             file=sys.stderr,
         )
         return 0
