@@ -394,7 +394,7 @@ class SharePrefix(str, Enum):
             return cls.TREE
         if value is False or value is None:
             return cls.NONE
-        if isinstance(value, str) and value in cls._value2member_map_:
+        if isinstance(value, str) and value in {rule.value for rule in cls}:
             return cls(value)
         raise ValueError(f"share_prompt_prefix must be 'tree', 'groups', true or false, got {value!r}")
 
