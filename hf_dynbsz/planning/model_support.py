@@ -721,6 +721,41 @@ def _segment_attention_blocker(
         return f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface"
     if "chunked_attention" in _layer_kinds(text_config):
         return "chunked attention layers (their chunks are drawn by the model's own mask)"
+    return _window_in_mask_only(text_config, model)
+
+
+#: transformers' mask of a sliding window: a model whose forward builds it applies its config's window.
+MASK_WINDOW = "create_sliding_window_causal_mask"
+
+
+def _window_in_mask_only(text_config: Any, model: Any) -> str | None:
+    """Why segment attention would attend past the model's sliding window, or None: the config has one
+    (:func:`_sliding_windows`), the model applies it (a forward of one of its modules builds
+    ``create_sliding_window_causal_mask``) and a self-attention module of ``model`` neither holds a ``sliding_window``
+    attribute nor passes ``sliding_window`` to its attention function: its window reaches attention only through the
+    mask (PhiMoE, Doge), and segment attention reads it from the attention call (:mod:`hf_dynbsz.execution.attention`).
+    A model that never applies its config's window (Moshi) attends fully in stock's forward too. Without a model (the
+    planner) nothing is known against it."""
+    if not _sliding_windows(text_config) or model is None or not callable(getattr(model, "modules", None)):
+        return None
+    classes = {type(module) for module in model.modules()}
+    if not any(MASK_WINDOW in _source(cls.forward) for cls in classes if cls.__module__.startswith("transformers")):
+        return None
+    dispatching = [  # attention modules segment attention runs (Doge's have no is_causal)
+        module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Attention")
+        and "ALL_ATTENTION_FUNCTIONS" in _source(type(module).forward)
+        and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)
+    ]
+    for module in _self_attention_modules(model) + dispatching:
+        if not hasattr(module, "sliding_window") and "sliding_window" not in _source(type(module).forward):
+            window = config_value(text_config, "sliding_window")
+            return (
+                f"its sliding window (sliding_window={window}) reaches attention only through the mask the model "
+                f"builds (create_sliding_window_causal_mask): {type(module).__name__} neither holds nor passes it, "
+                "and segment attention draws no model mask"
+            )
     return None
 
 
