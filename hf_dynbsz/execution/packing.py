@@ -138,9 +138,10 @@ class SequenceTable:
 
         Compares the unpadded prompt ids, for vision-language samples the image inputs (image tokens are one id
         whatever the picture) and for LongRoPE models the rope widths (:attr:`rope_widths`: other rotary factors), so
-        duplicate prompts of different dataset rows share an id too. A sample whose last prompt token is an image token
-        (a token field not 0 there) is alone: a shared prompt's last token is repeated in every completion's block, and
-        an image must be encoded once.
+        duplicate prompts of different dataset rows share an id too. A sample whose images reach its prompt's last token
+        (token fields not 0 from a position at or before it to one at or after it) is alone: a shared prompt's last
+        token is repeated in every completion's block, and a sample's images must all be in one node of a row (the
+        node that holds its first image brings them: an image encoded once, all of it where its tokens are).
         """
         if self._groups is not None:
             return self._groups
@@ -150,13 +151,15 @@ class SequenceTable:
         flat = torch.cat([tokens[:p] for tokens, p in zip(self.tokens, prompt_lengths)]).cpu().tolist()
         ids: dict[tuple, int] = {}
         groups, offset = [], 0
+        spans = zip(self.first_media_positions(), self.media_ends()) if self.token_fields else None
         for i, p in enumerate(prompt_lengths):
             key: tuple = tuple(flat[offset : offset + p])
             if self.media is not None:
                 key += (media_digest(self.media[i]),)
             if self.rope_widths is not None:  # other rotary factors: another prompt
                 key += (("rope width", int(self.rope_widths[i])),)
-            if any(int(values[i][p - 1]) for values in (self.token_fields or {}).values()):
+            first, end = next(spans) if spans is not None else (None, None)
+            if first is not None and end is not None and first <= p - 1 < end:
                 key = ("alone", i)
             groups.append(ids.setdefault(key, len(ids)))
             offset += p
@@ -169,9 +172,11 @@ class SequenceTable:
         ``"tree"``, every position by its token and the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`),
         except that a LongRoPE sample's keys carry its rope width (from its first token on: positions are shared only
         between samples of the same rotary factors) and a vision-language sample's keys from the token before its first
-        image token on (its first token, where its token fields do not say where its images are) carry its prompt group,
-        so positions whose hidden states its pictures decide are shared only with samples of the same prompt tokens and
-        pictures."""
+        image token on (its first token, where its token fields do not say where its images are) carry its pictures,
+        its rope width and its tokens through the one after its last image token (its prompt, where its token fields do
+        not place its images): positions whose hidden states its pictures decide are shared only with samples of the
+        same tokens and pictures, and samples that share its first image part after its last (all of a sample's images
+        in the node that holds its first, an image in a completion after a fork from a sibling included)."""
         if ("keys", sharing) not in self._sharing:
             self._sharing["keys", sharing] = self._keys(sharing)
         return self._sharing["keys", sharing]
@@ -193,10 +198,14 @@ class SequenceTable:
         for i, width in enumerate(self.rope_widths.tolist() if self.rope_widths is not None else []):
             if width:  # the first key of its own and its width: shared with samples of both alike only
                 keys[i] = namespaced(keys[i], 0, space(("rope width", width, int(keys[i][0]))))
-        groups = self.prompt_groups() if self.multimodal else None
-        for i, first in enumerate(self.first_media_positions()):
-            if first is not None:
-                keys[i] = namespaced(keys[i], max(first - 1, 0), space(("images", groups[i])))
+        prompts = self.prompt_lengths.tolist()
+        for i, (first, end) in enumerate(zip(self.first_media_positions(), self.media_ends())):
+            if first is not None:  # its pictures, factors and tokens through the one after its last image token
+                start = max(first - 1, 0)
+                through = tokens[i][start : end + 1] if end is not None else tokens[i][: prompts[i]]
+                pictures = media_digest(self.media[i]) if self.media is not None else None
+                width = int(self.rope_widths[i]) if self.rope_widths is not None else 0
+                keys[i] = namespaced(keys[i], start, space(("images", pictures, width, tuple(through.tolist()))))
         return keys
 
     def first_media_positions(self) -> list[int | None]:
@@ -212,6 +221,18 @@ class SequenceTable:
                 firsts.append(min(marked) if marked else (0 if images else None))
             self._sharing["firsts"] = firsts
         return self._sharing["firsts"]
+
+    def media_ends(self) -> list[int | None]:
+        """Per sample, the position after its last image token (its last token with a token field not 0, plus one);
+        None where its token fields mark none (no images, or images its fields do not place)."""
+        if "ends" not in self._sharing:
+            ends = []
+            for i in range(len(self)):
+                marked = [torch.nonzero(values[i]).flatten() for values in (self.token_fields or {}).values()]
+                marked = [int(where[-1]) + 1 for where in marked if where.numel()]
+                ends.append(max(marked) if marked else None)
+            self._sharing["ends"] = ends
+        return self._sharing["ends"]
 
     def prefix_tree(self, sharing: str) -> PrefixTree:
         """The prefix tree of every sample of the table under ``sharing`` (:meth:`prefix_keys`)."""

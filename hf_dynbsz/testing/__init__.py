@@ -126,6 +126,8 @@ from hf_dynbsz.testing.processes import (
 )
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
+    ToolImageGeneration,
+    ToolImageRollout,
     VisionScriptedRollout,
     build_tiny_vision_language_model,
     image_prompt_dataset,
@@ -161,6 +163,8 @@ __all__ = [
     "StandInEngine",
     "VISION_LANGUAGE_FAMILIES",
     "VLLMStandIn",
+    "ToolImageGeneration",
+    "ToolImageRollout",
     "VisionScriptedRollout",
     "accelerate_command",
     "bare_check_passes",
