@@ -191,6 +191,20 @@ def image_prompt_dataset(image_counts, *, seed: int = 0, sizes=(28, 56, 84, 112)
     return Dataset.from_list(rows)
 
 
+def prompt_ids_of(processor, prompt) -> tuple[list[int], list]:
+    """The token ids of a conversational image ``prompt`` as TRL computes them for generation (chat template
+    applied, image tokens expanded by ``processor``), and its pictures."""
+    pictures = [
+        item["image"]
+        for message in prompt
+        for item in message["content"]
+        if isinstance(item, dict) and item.get("type") == "image"
+    ]
+    text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    encoded = processor(text=[text], images=pictures or None, return_tensors="pt")
+    return encoded["input_ids"][0].tolist(), pictures
+
+
 class VisionScriptedRollout(ScriptedRollout):
     """:class:`ScriptedRollout` for image prompts: the prompt ids are the processor's (chat template applied, image
     tokens expanded, as TRL computes them for generation), so TRL's own image inputs line up with them."""
@@ -203,15 +217,7 @@ class VisionScriptedRollout(ScriptedRollout):
         result = super().__call__([str(index) for index in range(len(prompts))], trainer)
         result["prompt_ids"] = []
         for prompt in prompts:
-            images = [
-                item["image"]
-                for message in prompt
-                for item in message["content"]
-                if isinstance(item, dict) and item.get("type") == "image"
-            ]
-            text = self.processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            encoded = self.processor(text=[text], images=images or None, return_tensors="pt")
-            result["prompt_ids"].append(encoded["input_ids"][0].tolist())
+            result["prompt_ids"].append(prompt_ids_of(self.processor, prompt)[0])
         record = self.rounds[-1]  # the round's record, with the prompts' real lengths
         completions = [len(ids) for ids in result["completion_ids"]]
         prompts = [len(ids) for ids in result["prompt_ids"]]
@@ -252,16 +258,9 @@ class ToolImageRollout:
         prompt_ids, completion_ids, tool_masks, images, tool_images = [], [], [], [], []
         trunks: dict[str, list[int]] = {}
         for index, prompt in enumerate(prompts):
-            pictures = [
-                item["image"]
-                for message in prompt
-                for item in message["content"]
-                if isinstance(item, dict) and item.get("type") == "image"
-            ]
-            text = self.processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            encoded = self.processor(text=[text], images=pictures or None, return_tensors="pt")
-            prompt_ids.append(encoded["input_ids"][0].tolist())
-            trunk = trunks.setdefault(text, rng.integers(self.token_low, self.token_high, self.trunk).tolist())
+            ids, pictures = prompt_ids_of(self.processor, prompt)
+            prompt_ids.append(ids)
+            trunk = trunks.setdefault(str(ids), rng.integers(self.token_low, self.token_high, self.trunk).tolist())
             own = rng.integers(self.token_low, self.token_high, int(rng.integers(1, 6))).tolist()
             tool = index % 4 != 3
             response = self.response if tool else []
