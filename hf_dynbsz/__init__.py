@@ -9,8 +9,8 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
 * :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``)
-  and :mod:`hf_dynbsz.trainer` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
-  ``DynamicBatchDistillationTrainer``): TRL's hooks over the executor;
+  and :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
+  ``DynamicBatchDistillationTrainer``, one module each): TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
   oracles and process tools shared by tests, benchmarks and examples).
@@ -39,9 +39,9 @@ _LAZY = {
     "OversizeSequenceError": "hf_dynbsz.planning.partition",
     "MemoryModel": "hf_dynbsz.planning.memory",
     "OutOfMemoryBudgetError": "hf_dynbsz.planning.memory",
-    "DynamicBatchGRPOTrainer": "hf_dynbsz.trainer",
-    "DynamicBatchRLOOTrainer": "hf_dynbsz.trainer",
-    "DynamicBatchDistillationTrainer": "hf_dynbsz.trainer",
+    "DynamicBatchGRPOTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchRLOOTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]

@@ -308,18 +308,18 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
     """Train a tiny model on scripted random lengths; the model's folder and each step's batch, training schedule
     and prompt groups."""
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz import trainer as trainer_module
+    from hf_dynbsz.execution.batch import StepBatch
     from hf_dynbsz.testing import ScriptedRollout, run_training, save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"))
     batches, schedules, groups = [], [], []
-    from_slices = trainer_module.StepBatch.from_slices.__func__
+    from_slices = StepBatch.from_slices.__func__
 
     def recording_from_slices(cls, window, *args):
         batches.append(from_slices(cls, window, *args))
         return batches[-1]
 
-    monkeypatch.setattr(trainer_module.StepBatch, "from_slices", classmethod(recording_from_slices))
+    monkeypatch.setattr(StepBatch, "from_slices", classmethod(recording_from_slices))
 
     class Recording(DynamicBatchGRPOTrainer):
         def __init__(self, *args, **kwargs):

@@ -143,7 +143,7 @@ def names_defined_by_the_plugin() -> set[str]:
         text = path.read_text()
         defined |= set(re.findall(r"^\s*(?:def|class)\s+(_\w+)", text, re.MULTILINE))
         defined |= set(re.findall(r"^(_\w+)\s*[:=]", text, re.MULTILINE))
-        if path.name != "trainer.py":  # the trainer's own attributes are _dynbsz_*; its other writes are TRL's
+        if path.parent.name != "trainers":  # the trainers' own attributes are _dynbsz_*; their other writes are TRL's
             defined |= set(re.findall(r"self\.(_\w+)\s*[:=]", text))
     return defined
 

@@ -12,7 +12,7 @@ For a step's samples (:class:`~hf_dynbsz.execution.batch.StepBatch`) or a no-gra
 
 Sequence parallelism is an object the executor always holds (:mod:`hf_dynbsz.execution.sequence_parallel`); at size 1
 pooling, sharding and gathering are the identity. Vision-language decisions come from
-:class:`~hf_dynbsz.execution.multimodal.MediaPolicy`. The trainer (:mod:`hf_dynbsz.trainer`) only calls
+:class:`~hf_dynbsz.execution.multimodal.MediaPolicy`. The trainer (:mod:`hf_dynbsz.trainers`) only calls
 :meth:`PassExecutor.train_step`, :meth:`PassExecutor.no_grad_passes`, :meth:`PassExecutor.train_step_stock` and
 :meth:`PassExecutor.self_check` from TRL's hooks.
 """
@@ -73,8 +73,8 @@ class _NoGradPasses:
 
 
 class PassExecutor(DevicePass):
-    """Runs a step's passes for a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` or
-    :class:`~hf_dynbsz.trainer.DynamicBatchRLOOTrainer` (``trainer``: TRL's metrics store and hooks) with the trainer's
+    """Runs a step's passes for a :class:`~hf_dynbsz.trainers.DynamicBatchGRPOTrainer` or
+    :class:`~hf_dynbsz.trainers.DynamicBatchRLOOTrainer` (``trainer``: TRL's metrics store and hooks) with the trainer's
     loss (``loss``: :class:`~hf_dynbsz.execution.step_loss.StepLoss`). Built at start by
     :func:`hf_dynbsz.execution.setup.build_executor`."""
 

@@ -230,7 +230,7 @@ def tree_probe(table: SequenceTable, layouts: Sequence[Layout]) -> tuple[Sequenc
 
 def _with_cut_copies(table: SequenceTable, index: int, completion_tokens: Sequence[int]) -> SequenceTable:
     """``table`` and, after its samples, copies of sample ``index`` whose completions are cut to each of
-    ``completion_tokens`` (its prompt, images, token fields and positions kept alike)."""
+    ``completion_tokens`` (its prompt, images, token fields, positions and rope width kept alike)."""
     prompt = int(table.prompt_lengths[index])
     ends = [prompt + tokens for tokens in completion_tokens]
     fields = table.token_fields
@@ -247,6 +247,9 @@ def _with_cut_copies(table: SequenceTable, index: int, completion_tokens: Sequen
         positions=None
         if table.positions is None
         else [*table.positions, *(table.positions[index][:, :end] for end in ends)],
+        rope_widths=None
+        if table.rope_widths is None
+        else table.rope_widths[[*range(len(table)), *[index] * len(ends)]],
     )
 
 
@@ -292,6 +295,7 @@ def gradient_table(table: SequenceTable, completion_tokens: int = GRADIENT_COMPL
         if fields
         else fields,
         positions=None if table.positions is None else [p[:, :n] for p, n in zip(table.positions, lengths)],
+        rope_widths=table.rope_widths,
     )
 
 

@@ -40,8 +40,8 @@ __all__ = ["build_executor", "log_batch_size_plan"]
 
 
 def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecutor:
-    """The executor of ``trainer`` (a :class:`~hf_dynbsz.trainer.DynamicBatchGRPOTrainer` or
-    :class:`~hf_dynbsz.trainer.DynamicBatchRLOOTrainer` after TRL's constructor), with every decision of the run made
+    """The executor of ``trainer`` (a :class:`~hf_dynbsz.trainers.DynamicBatchGRPOTrainer` or
+    :class:`~hf_dynbsz.trainers.DynamicBatchRLOOTrainer` after TRL's constructor), with every decision of the run made
     once: its loss (``loss_class`` built from the trainer), capabilities (logged with their reasons), sequence
     parallelism, the memory model, the vision-language policy."""
     loss = loss_class(trainer)

@@ -31,8 +31,6 @@ from hf_dynbsz.planning.generation_round import resolve_generation_round, user_g
 from hf_dynbsz.planning.plan_table import plan_rows, text_table
 from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, SharePrefix, setting
 from hf_dynbsz.planning.tokens import ceil_div
-
-# Re-exported for importers that have not moved to hf_dynbsz.planning.validation yet (hf_dynbsz/trainer.py).
 from hf_dynbsz.planning.validation import validated_fields
 
 __all__ = [

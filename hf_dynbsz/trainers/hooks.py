@@ -1,22 +1,20 @@
-"""`DynamicBatchGRPOTrainer`, `DynamicBatchRLOOTrainer` and `DynamicBatchDistillationTrainer`: TRL's GRPOTrainer,
-RLOOTrainer and DistillationTrainer with token-budget micro-batches and the same math.
+"""TRL's hooks over the pass executor, shared by every trainer of the plugin (one module per trainer beside this one).
 
-An optimizer step consumes exactly stock's samples (stock's ``_prepare_inputs`` still generates, scores, shuffles
-and slices them). Instead of one forward/backward per fixed slice, the trainer collects the step's slices into a
-:class:`~hf_dynbsz.execution.batch.StepBatch` and hands it to the pass executor
-(:mod:`hf_dynbsz.execution.executor`), which plans and runs the step's passes with stock's per-sample loss weights.
-Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`; the trainers
-differ only in their loss (:mod:`hf_dynbsz.execution.step_loss`: a distillation's holds its teacher, whose passes
-precede the step's), their config class and the signature of ``_generate_single_turn``. All hold the hooks of
-:class:`TokenBudgetHooks`; GRPO's and RLOO's also those of :class:`LogProbHooks` (their no-grad log-prob passes).
+A trainer is TRL's class with these hooks placed before it (``class DynamicBatchGRPOTrainer(LogProbHooks,
+GRPOTrainer)``), naming its config class, its loss (:mod:`hf_dynbsz.execution.step_loss`) and its algorithm, with its
+constructor from :func:`stock_constructor`. An optimizer step consumes exactly stock's samples (stock's
+``_prepare_inputs`` still generates, scores, shuffles and slices them). Instead of one forward/backward per fixed slice,
+the hooks collect the step's slices into a :class:`~hf_dynbsz.execution.batch.StepBatch` and hand it to the pass
+executor (:mod:`hf_dynbsz.execution.executor`), which plans and runs the step's passes with stock's per-sample loss
+weights. Everything a run decides at start is decided once, in :func:`hf_dynbsz.execution.setup.build_executor`.
 
-TRL hooks overridden (the same names in every trainer unless said), and why:
+TRL hooks overridden here, and why (a trainer's module lists its own):
 
-* ``__init__``: stock's signature; the config gains the plugin's fields, and a dataset too small is refused early.
+* ``__init__`` (:func:`stock_constructor`): stock's signature; the config gains the plugin's fields, and a dataset too
+  small is refused early.
 * ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call.
-* ``_get_per_token_logps_and_entropies`` (GRPO, RLOO): run no-grad log-prob passes by the schedule (grad calls go to
-  stock).
-* ``_generate_single_turn``: generate a device's samples in chunks of ``per_device_generation_batch_size``.
+* ``_get_per_token_logps_and_entropies`` (:class:`LogProbHooks`: GRPO, RLOO): run no-grad log-prob passes by the
+  schedule (grad calls go to stock).
 * ``store_flos`` (transformers' ``Trainer``): the FLOP count's gather, the last collective of ``train()``, through the
   plugin's collectives (:mod:`hf_dynbsz.parallel.collectives`). transformers' drops the gathered tensors at once, and a
   gloo worker thread freeing them while a script that returned after ``train()`` finalized aborted the process.
@@ -33,45 +31,47 @@ import time
 import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
-from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
 from hf_dynbsz._trl_compat import check_trl_version
-from hf_dynbsz.config import (
-    DynamicBatchDistillationConfig,
-    DynamicBatchGRPOConfig,
-    DynamicBatchRLOOConfig,
-    trainer_config,
-)
+from hf_dynbsz.config import trainer_config
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
-from hf_dynbsz.execution.step_loss import DistillationLoss, GRPOLoss, RLOOLoss
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 check_trl_version()
 
-_STOCK_INIT = inspect.signature(GRPOTrainer.__init__)
-_RLOO_STOCK_INIT = inspect.signature(RLOOTrainer.__init__)
-_DISTILLATION_STOCK_INIT = inspect.signature(DistillationTrainer.__init__)
+
+def stock_constructor(stock_class: type):
+    """The ``__init__`` of a trainer over TRL's ``stock_class``: stock's signature (``inspect`` reports it), the
+    plugin's config fields filled in before TRL reads them, then the executor built after TRL's constructor."""
+    stock_init = inspect.signature(stock_class.__init__)
+
+    def __init__(self, *args, **kwargs):
+        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
+        args, kwargs = self._dynbsz_arguments(stock_init, args, kwargs)
+        super(TokenBudgetHooks, self).__init__(*args, **kwargs)  # the next class after the hooks: TRL's trainer
+        self._dynbsz_start()
+
+    __init__.__signature__ = stock_init
+    return __init__
 
 
 class TokenBudgetHooks:
     """TRL's hooks over the pass executor, shared by the trainers (placed before TRL's trainer class:
-    ``class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer)``). A trainer class names its stock
-    constructor's signature, config class and loss; its ``__init__`` calls :meth:`_dynbsz_arguments` and
-    :meth:`_dynbsz_start`."""
+    ``class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer)``). A trainer class names its config
+    class, loss and algorithm, and takes its constructor from :func:`stock_constructor`."""
 
-    _dynbsz_stock_init: inspect.Signature
     _dynbsz_config_class: type
     _dynbsz_loss_class: type
     _dynbsz_algorithm: str  # stock's default output directory is <model>-<algorithm>
 
-    def _dynbsz_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _dynbsz_arguments(self, stock_init: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Stock's constructor arguments, with the plugin's config fields filled in before TRL reads them."""
         try:
-            bound = self._dynbsz_stock_init.bind(self, *args, **kwargs)
+            bound = stock_init.bind(self, *args, **kwargs)
         except TypeError:
             return args, kwargs  # a call stock does not accept: stock's own __init__ raises its TypeError
         bound.arguments["args"] = trainer_config(
@@ -117,7 +117,8 @@ class TokenBudgetHooks:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
         executor, accelerator = self._dynbsz, self.accelerator
         if not executor.media.stock(*window):
-            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes)
+            long_rope = executor.capabilities.support.long_rope
+            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
             if executor.self_check(model, batch.table):
                 return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
@@ -220,108 +221,9 @@ class LogProbHooks(TokenBudgetHooks):
             attention_mask[:, prompt_width:],
             media=split_media(media, input_ids.size(0)),
             token_fields=token_fields,
+            long_rope=executor.capabilities.support.long_rope,  # stock's chunks are the call's width: its rope width
         )
         return table if executor.self_check(model, table) else None
-
-
-class DynamicBatchGRPOTrainer(LogProbHooks, GRPOTrainer):
-    """Drop-in replacement for :class:`trl.GRPOTrainer` with token-budget micro-batches.
-
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchGRPOConfig` or a plain
-    ``GRPOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
-    """
-
-    _dynbsz_stock_init = _STOCK_INIT
-    _dynbsz_config_class = DynamicBatchGRPOConfig
-    _dynbsz_loss_class = GRPOLoss
-    _dynbsz_algorithm = "GRPO"
-
-    def __init__(self, *args, **kwargs):
-        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
-        args, kwargs = self._dynbsz_arguments(args, kwargs)
-        super().__init__(*args, **kwargs)
-        self._dynbsz_start()
-
-    __init__.__signature__ = _STOCK_INIT
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # Override: bound generation memory by generating this device's samples in chunks.
-        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
-        if chunks is None:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        completion_ids = []
-        for chunk in chunks:
-            chunk_ids, _ = super()._generate_single_turn(
-                chunk, None, multimodal_fields, num_generations, has_tool_images
-            )
-            completion_ids.extend(chunk_ids)
-        return completion_ids, None
-
-
-class DynamicBatchRLOOTrainer(LogProbHooks, RLOOTrainer):
-    """Drop-in replacement for :class:`trl.RLOOTrainer` with token-budget micro-batches.
-
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRLOOConfig` or a plain
-    ``RLOOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
-    """
-
-    _dynbsz_stock_init = _RLOO_STOCK_INIT
-    _dynbsz_config_class = DynamicBatchRLOOConfig
-    _dynbsz_loss_class = RLOOLoss
-    _dynbsz_algorithm = "RLOO"
-
-    def __init__(self, *args, **kwargs):
-        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
-        args, kwargs = self._dynbsz_arguments(args, kwargs)
-        super().__init__(*args, **kwargs)
-        self._dynbsz_start()
-
-    __init__.__signature__ = _RLOO_STOCK_INIT
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
-        # Override: bound generation memory by generating this device's samples in chunks.
-        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
-        if chunks is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
-        completion_ids = []
-        for chunk in chunks:
-            completion_ids.extend(super()._generate_single_turn(chunk, None, multimodal_fields))
-        return completion_ids
-
-
-class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer):
-    """Drop-in replacement for :class:`trl.DistillationTrainer` with token-budget micro-batches: the student's passes
-    and the teacher's no-grad passes (with a budget of their own) repack each optimizer step's samples.
-
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchDistillationConfig` or a
-    plain ``DistillationConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still
-    apply).
-    """
-
-    _dynbsz_stock_init = _DISTILLATION_STOCK_INIT
-    _dynbsz_config_class = DynamicBatchDistillationConfig
-    _dynbsz_loss_class = DistillationLoss
-    _dynbsz_algorithm = "Distillation"
-
-    def __init__(self, *args, **kwargs):
-        # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
-        args, kwargs = self._dynbsz_arguments(args, kwargs)
-        super().__init__(*args, **kwargs)
-        self._dynbsz_start()
-
-    __init__.__signature__ = _DISTILLATION_STOCK_INIT
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
-        # Override: bound generation memory by generating this device's samples in chunks.
-        chunks = self._generation_chunks(prompt_ids, images, multimodal_fields)
-        if chunks is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-        completion_ids = []
-        for chunk in chunks:
-            completion_ids.extend(super()._generate_single_turn(chunk, None, multimodal_fields, has_tool_images))
-        return completion_ids
 
 
 class _LogPlanAtTrainBegin(TrainerCallback):
