@@ -445,6 +445,14 @@ def trained_layout(trainer) -> str:
     return trainer._dynbsz.scheduler.describe()
 
 
+def tree_really_ran(trainer, layout: str) -> bool:
+    """Whether a run whose ``layout`` names a prefix tree saved tokens beyond prompt groups at every repacked step (the
+    rollout's block shared across prompts; a tree layout kept but sharing only prompts would not); True for other
+    layouts."""
+    steps = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
+    return "prefix tree" not in layout or bool(steps) and all(s.get("dynbsz/tree_tokens_saved", 0) > 0 for s in steps)
+
+
 def per_sample_error(trainer) -> float:
     """Largest difference between the plugin's log-probs of a step (a 5-token block every prompt begins with, varied
     prompt lengths, prompt groups of 3 whose completions share a trunk, then one of two branches; the trainer's
@@ -488,6 +496,7 @@ def run_architecture(model_type: str, directory: Path) -> dict:
         result[name] = relative_difference(ours, stock)
         if equal:
             result["layout"] = trained_layout(trainer)
+            result["tree_ran"] = tree_really_ran(trainer, result["layout"])
         else:
             result["per_sample_error"] = per_sample_error(trainer)
     return result
@@ -547,6 +556,7 @@ def test_architecture_trains_as_stock(model_type, tmp_path, one_thread, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         result = run_architecture(model_type, tmp_path)
     assert result["layout"] == expected_layout, caplog.text[-3000:]
+    assert result["tree_ran"], result
     assert result["equal_prompts"] <= PARAM_TOLERANCE, result
     if model_type not in STOCK_DEPENDS_ON_PADDING:
         assert result["varied_prompts"] <= PARAM_TOLERANCE, result
@@ -583,6 +593,7 @@ def test_recurrent_architecture_trains_as_stock_under_each_loss_type(model_type,
         model_type, DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, str(tmp_path / "ours"), True, **settings
     )
     assert trained_layout(trainer) == expected(model_type).layout
+    assert tree_really_ran(trainer, trained_layout(trainer))
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
 
 
@@ -635,6 +646,7 @@ def test_recurrent_family_from_its_defaults_layer_pattern_trains_as_stock(model_
     )
     layout = expected(model_type).layout
     assert trained_layout(trainer) == (layout if share else layout.replace("prefix tree, ", ""))
+    assert tree_really_ran(trainer, trained_layout(trainer))
     assert relative_difference(ours, stock) <= PARAM_TOLERANCE
 
 

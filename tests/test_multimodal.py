@@ -491,7 +491,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
     assert len(steps) == 4  # every optimizer step, image steps included, ran repacked micro-batches...
     assert max(step["dynbsz/microbatches"] for step in steps) > 2  # ...more of them than stock's 2 slices
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)  # ...padding-free...
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
     assert "self-check passed: padding_free, prefix tree, segment attention" in caplog.text  # the default rule
     assert "stock micro-batches" not in caplog.text
     assert "image inputs" in caplog.text and "repacked" in caplog.text  # the plan table's row
@@ -500,7 +500,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
 def test_image_rollouts_train_as_stock_in_padded_rows(family, tmp_path):
     history = compare(family, tmp_path, ours_settings={"packing_layout": "padded"})
-    assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in repacked_steps(history))
+    assert all(step["dynbsz/shared_tokens_saved"] == 0 for step in repacked_steps(history))
 
 
 @pytest.mark.parametrize(
@@ -522,7 +522,7 @@ def test_prompts_of_equal_text_and_other_pictures_are_not_shared(family, tmp_pat
     """Every prompt has the same text and image size, only the pixels differ: a completion that saw another prompt's
     image features (prompts shared by their tokens alone) would move the parameters away from stock's."""
     history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True), budget=400)
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in repacked_steps(history))
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in repacked_steps(history))
 
 
 @pytest.mark.parametrize("family", VISION_LANGUAGE_FAMILIES)
@@ -606,7 +606,7 @@ def test_a_tool_image_in_a_completion_after_a_fork_trains_as_stock(tmp_path, cap
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
     steps = repacked_steps(history)
-    saved = [step["dynbsz/prompt_tokens_saved"] > 0 for step in steps]
+    saved = [step["dynbsz/shared_tokens_saved"] > 0 for step in steps]
     # prompt groups: a sample whose images reach past its prompt shares it with no one (the first two steps' image
     # prompts); the text-only prompts of the last two steps share theirs, the tool image in each completion's own block
     assert len(steps) == 4 and (

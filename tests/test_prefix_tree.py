@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
-from hf_dynbsz.planning.schedule import row_tokens
 
 
 def tree_of(sequences, base=10):
@@ -91,7 +90,10 @@ def test_the_group_rule_shares_each_prompt_in_its_group_only():
     assert list(zip(counted.start, counted.length, counted.parent)) == [
         (0, 3, -1), (3, 3, 0), (3, 1, 0), (3, 4, 0), (0, 8, -1), (0, 3, -1), (0, 3, -1),
     ]  # fmt: skip
-    assert counted.tokens() == row_tokens(range(6), prompts, completions, groups)
+    # brute force on tokens laid out as the rule assumes: a group's prompts identical, every other first token apart
+    samples = [[10 * (g + 1) + k for k in range(p)] + [1000 + 10 * s + k for k in range(c)]
+               for s, (p, c, g) in enumerate(zip(prompts, completions, groups))]  # fmt: skip
+    assert counted.tokens() == len(distinct_positions(samples)) == 3 + (3 + 1 + 4) + 8 + 3 + 3
 
 
 def test_a_namespace_keeps_positions_from_there_apart():
@@ -123,15 +125,25 @@ def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
     assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
 
 
-@pytest.mark.parametrize("budget", [3, 8, 15, 40])
-def test_the_group_rule_units_are_the_schedules_units(budget):
-    from hf_dynbsz.planning.schedule import build_units
+#: Group 0 (samples 0, 1, 2, 4: prompts of 6) shares 5 prompt tokens; its blocks (the prompt's last token and the
+#: completion) are 10, 3, 5 and 2 tokens: 25 in all. Sample 3 is alone in group 1: 10 tokens. A unit's attention term
+#: is its positions' path lengths, 2 depth + 1 each: (5 + block)^2 - 25 per block, 25 for the shared prompt.
+GROUP_UNITS = {
+    # the group fits: one unit (25 + 200 + 39 + 75 + 24 pairs)
+    40: [((0, 1, 2, 4), 25, 363), ((3,), 10, 100)],
+    # 15 tokens: pieces of 10 block tokens beside the prompt, first-fit-decreasing: [10] and [5, 3, 2]; sample 0 alone
+    15: [((0,), 15, 225), ((1, 2, 4), 15, 25 + 39 + 75 + 24), ((3,), 10, 100)],
+    # 8 and 3 tokens: no two blocks fit beside the prompt, every sample alone
+    8: [((0,), 15, 225), ((1,), 8, 64), ((2,), 10, 100), ((3,), 10, 100), ((4,), 7, 49)],
+    3: [((0,), 15, 225), ((1,), 8, 64), ((2,), 10, 100), ((3,), 10, 100), ((4,), 7, 49)],
+}
 
+
+@pytest.mark.parametrize("budget", list(GROUP_UNITS))
+def test_the_group_rule_units_share_a_group_that_fits_and_pack_its_blocks_beside_the_prompt(budget):
     prompts, completions, groups = [6, 6, 6, 3, 6], [9, 2, 4, 7, 1], [0, 0, 0, 1, 0]
     tree = PrefixTree.of_groups(prompts, completions, groups)
-    assert tree.units(budget) == build_units(prompts, completions, groups, budget)
-    for unit in tree.units(budget):
-        assert unit.tokens >= tree.tokens(unit.samples)
+    assert [(unit.samples, unit.tokens, unit.pairs) for unit in tree.units(budget)] == GROUP_UNITS[budget]
 
 
 def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():

@@ -91,7 +91,7 @@ def test_the_family_has_sequence_mixers_and_trains_padding_free(model):
     support = ModelSupport.of(model=model)
     assert support.sequence_mixers and support.padding_free_blocker is None
     layout = support.layouts()[0][0]
-    assert layout.name == "padding_free" and layout.share_prompts and layout.segment_recurrence
+    assert layout.name == "padding_free" and layout.sharing and layout.segment_recurrence
 
 
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 16])

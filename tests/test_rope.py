@@ -21,6 +21,7 @@ from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.rope import stock_rope, use_rope_widths
 from hf_dynbsz.planning.model_support import ModelSupport, rope_width
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.testing import (
     ScriptedRollout,
     build_tiny_rope_lm,
@@ -47,7 +48,7 @@ def test_longrope_is_read_from_the_config_and_dynamic_ntk_is_refused_at_start():
     for family, original in (("llama", 64), ("phi3", 48)):
         support = ModelSupport.of(model=build_tiny_rope_lm(tokenizer, family=family, original=original))
         assert support.long_rope == (original,) and support.repacking_blocker is None
-        assert support.layouts()[0][0].prefix_tree  # every layout stays available
+        assert support.layouts()[0][0].sharing is SharePrefix.TREE  # every layout stays available
     dynamic = ModelSupport.of(model=build_tiny_rope_lm(tokenizer, rope_type="dynamic"))
     layouts, notes = dynamic.layouts()
     assert layouts == [] and dynamic.long_rope == ()

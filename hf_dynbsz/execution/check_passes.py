@@ -41,6 +41,7 @@ from hf_dynbsz.execution.self_check import (
     gradients_of,
     run_self_check,
     tolerance,
+    tree_probe,
 )
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.planning.model_support import Layout
@@ -62,8 +63,10 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
     """The self-check of ``executor``'s run on ``table``'s samples: keep the fastest layout whose log-probs and
     gradients equal each sample's own, on every model the loss checks (a distillation's teacher too, log-probs only);
     when none does, stock math runs (``executor.enabled`` False). The check's passes are unsharded, whatever the run's
-    sequence parallelism; the run's layout timing follows from its result."""
+    sequence parallelism; a prefix tree is probed on three levels (:func:`~hf_dynbsz.execution.self_check.tree_probe`,
+    which may add cut copies of a sample, or say that it could not); the run's layout timing follows from its result."""
     layouts = executor.capabilities.layouts
+    table, probe_note = tree_probe(table, layouts)
     schedulers = {
         layout: dataclasses.replace(
             Scheduler.from_args(executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout),
@@ -85,7 +88,7 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
         else:
             result, note = _check_models(executor, layouts, table, passes, dtype)
     executor.self_check_seconds = time.perf_counter() - started
-    executor.self_check_summary = result.summary(layouts) + note
+    executor.self_check_summary = result.summary(layouts) + note + probe_note
     if no_gradients is not None:
         executor.self_check_summary += f" Gradients not compared: {no_gradients}."
     logger.log(

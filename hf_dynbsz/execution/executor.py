@@ -41,6 +41,7 @@ from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
 from hf_dynbsz.planning.memory import FailedPass
 from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.planning.settings import SharePrefix
 
 logger = logging.getLogger("hf_dynbsz")
 
@@ -355,8 +356,8 @@ class PassExecutor(DevicePass):
             budget,
             kind,
             prompt_lengths=table.prompt_lengths.tolist(),
-            groups=table.prompt_groups() if sharing == "groups" else None,
-            tree=table.prefix_tree(sharing) if sharing == "tree" else None,
+            groups=table.prompt_groups() if sharing is SharePrefix.GROUPS else None,
+            tree=table.prefix_tree(sharing) if sharing is SharePrefix.TREE else None,
         )
 
     def _warn_oversize(self, schedule, kind: str) -> None:

@@ -4,11 +4,17 @@ TRL hands the trainer left-padded ``prompt_ids`` and right-padded ``completion_i
 longest row of the whole generation batch. This module strips that padding and rebuilds model inputs for
 a chosen set of sequences in one of two layouts:
 
-* ``"padding_free"``: every sequence of the micro-batch concatenated into ONE row, ``position_ids``
-  restarting at 0 for each sequence, no attention mask. transformers isolates the sequences from each
-  other only when ``attention_mask is None`` and no cache is used (flash-attention varlen kernels read the
-  boundaries from the restarting ``position_ids``; sdpa/eager build a block-diagonal mask from them).
-  The forward must therefore be called with ``use_cache=False`` (TRL's fused LM head forces it).
+* ``"padding_free"``: the micro-batch's samples in ONE row, no attention mask, laid out as the nodes of their prefix
+  tree (:mod:`hf_dynbsz.planning.prefix_tree`, by the sharing rule's position keys): each node's positions once, in
+  row order, a node's ``position_ids`` its depths (continuing from its parent's; a root counts from 0). With segment
+  attention (:mod:`hf_dynbsz.execution.attention`, whose
+  :class:`~hf_dynbsz.execution.attention.SegmentLayout` the inputs carry) each node attends to its root-to-node path:
+  a prompt shared by its group, a block shared across prompts, a trunk shared by completions are computed once.
+  Without sharing every sample is a root node of its own, a plain sequence whose positions restart at 0; that is
+  all a row holds without segment attention, where transformers isolates the sequences only when ``attention_mask is
+  None`` and no cache is used (flash-attention varlen kernels read the boundaries from the restarting
+  ``position_ids``; sdpa/eager build a block-diagonal mask from them). The forward is called with
+  ``use_cache=False`` (TRL's fused LM head forces it).
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
   attention mask is needed either; ``position_ids`` count from 0 in every row. With ``attention_mask=True``
@@ -24,10 +30,11 @@ prompt's images once, so the vision tower encodes them once per pass) and, for M
 
 ``position_offset`` is added to every position id (RoBERTa-style models number positions from ``padding_idx + 1``).
 
-In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
-the same sequence when that token is a completion token, ``-100`` otherwise, so a packed row never scores
-a token of the following sequence. :class:`MicroBatch.gather_index` maps the model's flat per-position
-output back to completion-aligned ``(rows, completion_width)`` tensors in the micro-batch's row order.
+In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries its next token when that
+token is a completion token of a sample holding ``t`` (samples share a position only when they agree on its next
+token), ``-100`` otherwise, so a packed row never scores a token of another sample. :class:`MicroBatch.gather_index`
+maps the model's flat per-position output back to completion-aligned ``(rows, completion_width)`` tensors in the
+micro-batch's row order: a shared position is read for every sample whose completion it scores, a loss term of each.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from hf_dynbsz.parallel.distributed import ProcessGroup
 from hf_dynbsz.planning.model_support import rope_width
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
 from hf_dynbsz.planning.schedule import Exchange
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.planning.tokens import LAYOUTS, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
@@ -166,26 +174,27 @@ class SequenceTable:
         self._groups = groups
         return groups
 
-    def prefix_keys(self, sharing: str) -> list[np.ndarray]:
-        """Per sample, its position keys under the sharing rule ``sharing``
-        (:mod:`hf_dynbsz.planning.prefix_tree`): ``"groups"``, each prompt shared in its group (:meth:`prompt_groups`);
-        ``"tree"``, every position by its token and the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`),
-        except that a LongRoPE sample's keys carry its rope width (from its first token on: positions are shared only
-        between samples of the same rotary factors) and a vision-language sample's keys from the token before its first
-        image token on (its first token, where its token fields do not say where its images are) carry its pictures,
-        its rope width and its tokens through the one after its last image token (its prompt, where its token fields do
-        not place its images): positions whose hidden states its pictures decide are shared only with samples of the
-        same tokens and pictures, and samples that share its first image part after its last (all of a sample's images
-        in the node that holds its first, an image in a completion after a fork from a sibling included)."""
+    def prefix_keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
+        """Per sample, its position keys under the sharing rule ``sharing`` (a
+        :class:`~hf_dynbsz.planning.settings.SharePrefix` or its value; :mod:`hf_dynbsz.planning.prefix_tree`):
+        ``GROUPS``, each prompt shared in its group (:meth:`prompt_groups`); ``TREE``, every position by its token and
+        the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`), except that a LongRoPE sample's keys carry its
+        rope width (from its first token on: positions are shared only between samples of the same rotary factors) and
+        a vision-language sample's keys from the token before its first image token on (its first token, where its
+        token fields do not say where its images are) carry its pictures, its rope width and its tokens through the one
+        after its last image token (its prompt, where its token fields do not place its images): positions whose
+        hidden states its pictures decide are shared only with samples of the same tokens and pictures, and samples
+        that share its first image part after its last (all of a sample's images in the node that holds its first, an
+        image in a completion after a fork from a sibling included)."""
         if ("keys", sharing) not in self._sharing:
             self._sharing["keys", sharing] = self._keys(sharing)
         return self._sharing["keys", sharing]
 
-    def _keys(self, sharing: str) -> list[np.ndarray]:
+    def _keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
         lengths = self.lengths.tolist()
-        if sharing == "groups":
+        if sharing == SharePrefix.GROUPS:
             return group_keys(self.prompt_lengths.tolist(), lengths, self.prompt_groups())
-        if sharing != "tree":
+        if sharing != SharePrefix.TREE:
             raise ValueError(f"sharing must be 'tree' or 'groups', got {sharing!r}")
         tokens = [ids.cpu().numpy() for ids in self.tokens]
         base = max((int(ids.max()) for ids in tokens if ids.size), default=0) + 2
@@ -234,7 +243,7 @@ class SequenceTable:
             self._sharing["ends"] = ends
         return self._sharing["ends"]
 
-    def prefix_tree(self, sharing: str) -> PrefixTree:
+    def prefix_tree(self, sharing: SharePrefix | str) -> PrefixTree:
         """The prefix tree of every sample of the table under ``sharing`` (:meth:`prefix_keys`)."""
         if ("tree", sharing) not in self._sharing:
             self._sharing["tree", sharing] = PrefixTree.of_keys(self.prefix_keys(sharing))

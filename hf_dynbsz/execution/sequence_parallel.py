@@ -7,11 +7,12 @@ With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backen
   sample with its stock loss weights, or a no-grad pass's table), so every process of a group holds the same samples
   and plans the same passes; a group's pass holds up to N x the per-device token budget;
 * **shard**: a pass's padding-free row (its width rounded up to a multiple of N) is cut into N contiguous shards;
-  process k of the group runs shard k: its input ids, position ids and shift labels (a shard's last label is the
-  next shard's first token: no boundary token is lost);
+  process k of the group runs shard k: its input ids, position ids (a node's depths) and shift labels, all computed
+  for the whole row before it is cut (a position at a shard's end keeps its next token: none is lost);
 * **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.execution.attention`)
   under :data:`ULYSSES_ATTENTION_NAME`: its all-to-all gives each process the whole row for 1/N of the heads, the whole
-  row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (plain sequences, shared prompts), and a second
+  row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (whatever the row holds: plain sequences, shared
+  prompts, or a prefix tree's nodes, each attending to its root-to-node path across shard boundaries), and a second
   all-to-all returns the shard;
 * **loss**: the shards' per-token log-probs (and entropies) are gathered (:func:`gather_shards`: forward an
   all-gather, backward each process keeps its shard's gradient), every process of the group computes the pass's loss

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops, config_value, text_config_of
-from hf_dynbsz.planning.settings import sharing_rule
+from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
     "DeviceFacts",
@@ -156,9 +156,10 @@ class Layout:
     """One way to lay a pass out: the rungs the self-check walks down, fastest first.
 
     ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded to the
-    pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through segment
-    attention); with ``prefix_tree``, every prefix the pass's samples share is computed once, whatever their prompts
-    (:mod:`hf_dynbsz.planning.prefix_tree`). ``segment_attention``: the base implementation segment attention runs per
+    pass's longest). ``sharing`` (:class:`~hf_dynbsz.planning.settings.SharePrefix`): what the samples of a
+    padding-free row share through segment attention: each prompt in its group (``GROUPS``), every prefix the pass's
+    samples have in common whatever their prompts (``TREE``, :mod:`hf_dynbsz.planning.prefix_tree`), or nothing
+    (``NONE``). ``segment_attention``: the base implementation segment attention runs per
     segment, None for the model's own attention. ``segment_recurrence``: the model's sequence mixers run per sequence of
     the row (:mod:`hf_dynbsz.execution.recurrence`). ``attention_mask``: padded rows carry an attention mask (right
     padding would otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
@@ -167,23 +168,17 @@ class Layout:
     """
 
     name: str
-    share_prompts: bool = False
+    sharing: SharePrefix = SharePrefix.NONE
     segment_attention: str | None = None
     attention_mask: bool = False
     attention: str = "dense"
     segment_recurrence: bool = False
-    prefix_tree: bool = False
-
-    @property
-    def sharing(self) -> str | None:
-        """The sharing rule of the layout's rows: ``"tree"``, ``"groups"`` (each prompt in its group) or None."""
-        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     def describe(self) -> str:
         """One phrase for logs and the plan table, e.g. "padding_free, shared prompts, segment attention (sdpa)"."""
         parts = [self.name]
-        if self.share_prompts:
-            parts.append("prefix tree" if self.prefix_tree else "shared prompts")
+        if self.sharing:
+            parts.append("prefix tree" if self.sharing is SharePrefix.TREE else "shared prompts")
         if self.segment_attention:
             parts.append(f"segment attention ({self.segment_attention})")
         if self.segment_recurrence:
@@ -334,7 +329,7 @@ class ModelSupport:
     def layouts(
         self,
         packing_layout: str = "auto",
-        share_prompt_prefix: bool | str = True,
+        share_prompt_prefix: bool | str | SharePrefix = True,
         device_type: str | DeviceFacts = "cpu",
     ) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
@@ -355,15 +350,15 @@ class ModelSupport:
         with an attention mask (stock's own layout, per sample). Empty (with the reason as the note) when no
         layout can be exact: stock math runs.
 
-        ``share_prompt_prefix`` (a checked value, :func:`~hf_dynbsz.planning.settings.sharing_rule`): with "tree"
-        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with "groups" the last
-        two; False the last. Every family whose rows share prompts takes the tree: what a node computes is what the
+        ``share_prompt_prefix`` (a checked value, :meth:`~hf_dynbsz.planning.settings.SharePrefix.of`): with the tree
+        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with groups the last two;
+        with none the last. Every family whose rows share prompts takes the tree: what a node computes is what the
         samples under it compute alone wherever a shared prompt's block does (the self-check steps down to groups
         for a model that says otherwise).
         """
         if packing_layout not in ("auto", "padding_free", "padded"):
             raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
-        sharing = sharing_rule(share_prompt_prefix)
+        sharing = SharePrefix.of(share_prompt_prefix)
         if self.repacking_blocker:
             return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
         notes = []
@@ -375,14 +370,9 @@ class ModelSupport:
         if packing_layout != "padded" and self.padding_free_blocker is None:
             recurrence = bool(self.sequence_mixers)
             if base is not None:
-                if sharing == "tree":
-                    ladder.append(
-                        Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence,
-                               prefix_tree=True)
-                    )  # fmt: skip
-                if sharing is not None:
-                    ladder.append(Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence))
-                ladder.append(Layout("padding_free", False, base, attention="varlen", segment_recurrence=recurrence))
+                rules = [SharePrefix.TREE, SharePrefix.GROUPS, SharePrefix.NONE]  # the asked rule, then the ones below
+                for rule in rules[rules.index(sharing) :]:
+                    ladder.append(Layout("padding_free", rule, base, attention="varlen", segment_recurrence=recurrence))
             elif varlen:
                 ladder.append(Layout("padding_free", attention="varlen"))
             elif packing_layout == "padding_free":  # transformers' own block mask over the row: dense, but asked for
@@ -397,7 +387,7 @@ class ModelSupport:
             if self.unmasked_padding_blocker is None:
                 ladder.append(Layout("padded"))
             ladder.append(Layout("padded", attention_mask=True))
-        if sharing is not None and not ladder[0].share_prompts:
+        if sharing and not ladder[0].sharing:
             why = (
                 self.padding_free_blocker
                 if packing_layout != "padded" and self.padding_free_blocker

@@ -29,7 +29,7 @@ from hf_dynbsz.planning.coerce import coerce_int, coerce_optional_int, coerce_pa
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.generation_round import resolve_generation_round, user_generation_settings
 from hf_dynbsz.planning.plan_table import plan_rows, text_table
-from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, setting
+from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, SharePrefix, setting
 from hf_dynbsz.planning.tokens import ceil_div
 from hf_dynbsz.planning.validation import validated_fields
 
@@ -224,7 +224,7 @@ class BatchSizePlan:
     dynamic_batching: bool
     oversize_policy: str
     balance_across_ranks: bool
-    share_prompt_prefix: bool | str
+    share_prompt_prefix: SharePrefix
     #: the layouts are checked against each sample alone before the first pass
     self_check: bool
     #: "auto", "padding_free" or "padded"

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from hf_dynbsz.planning.model_support import images_stay_on_their_process
-from hf_dynbsz.planning.settings import setting, sharing_rule
+from hf_dynbsz.planning.settings import SharePrefix, setting
 
 __all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
 
@@ -308,7 +308,7 @@ PLAN_ROWS: tuple[Row, ...] = (
     Row("oversize_policy", _attr("oversize_policy"), "-", setting("oversize_policy").summary),
     Row(
         "share_prompt_prefix",
-        lambda plan: sharing_rule(plan.share_prompt_prefix) or "off",
+        lambda plan: str(SharePrefix.of(plan.share_prompt_prefix) or "off"),
         "-",
         _summary_if_on("share_prompt_prefix", "every sample computes its prompt and completion"),
     ),

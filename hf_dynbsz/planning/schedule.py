@@ -38,7 +38,7 @@ from hf_dynbsz.planning.partition import (
     partition_by_token_budget,
 )
 from hf_dynbsz.planning.prefix_tree import PrefixTree, Unit
-from hf_dynbsz.planning.settings import setting
+from hf_dynbsz.planning.settings import SharePrefix, setting
 from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 
 __all__ = [
@@ -183,7 +183,7 @@ class StepSchedule:
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
     samples longer than the budget (each ran alone). ``tree``: the prefix tree the passes were counted by (samples
     of other processes share nothing in it), None without sharing. ``pass_tokens``: the tokens each real pass
-    computes (shared positions once, padding included); ``prompt_tokens_saved``: the tokens not computed thanks to
+    computes (shared positions once, padding included); ``shared_tokens_saved``: the tokens not computed thanks to
     sharing (prompts, and with a prefix tree any shared prefix). ``balance``: the cross-rank assignment when balancing
     ran. ``pass_pairs``: each real pass's attention term (:meth:`PrefixTree.pairs`: squared sequence lengths for
     samples sharing nothing; rows x width^2 for padded passes), which the memory model reads.
@@ -195,7 +195,7 @@ class StepSchedule:
     oversize: list[int]
     lengths: list[int]
     pass_tokens: list[int]
-    prompt_tokens_saved: int = 0
+    shared_tokens_saved: int = 0
     pass_pairs: list[int] | None = None
     tree: PrefixTree | None = None
     exchange: Exchange | None = None
@@ -296,8 +296,9 @@ class Scheduler:
     ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
     attention), ``segment_recurrence`` whether the model's sequence mixers run per sequence of a padding-free row,
     ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
-    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention; ``prefix_tree``
-    shares every prefix the samples of a pass have in common, not only each prompt in its group.
+    ``sharing`` (:class:`~hf_dynbsz.planning.settings.SharePrefix`, the layout's) is on only where it is exact:
+    padding-free rows through segment attention; ``TREE`` shares every prefix the samples of a pass have in common,
+    ``GROUPS`` each prompt in its group.
     """
 
     layout: str
@@ -312,7 +313,7 @@ class Scheduler:
     #: the teacher's, :func:`hf_dynbsz.planning.memory.teacher_budget_scale`)
     teacher_scale: float = 1.0
     balance_across_ranks: bool = True
-    share_prompts: bool = False
+    sharing: SharePrefix = SharePrefix.NONE
     segment_attention: str | None = None
     segment_recurrence: bool = False
     attention_mask: bool = False
@@ -320,12 +321,6 @@ class Scheduler:
     group: RankGroup = SINGLE_PROCESS
     #: processes sharing each pass's row (:mod:`hf_dynbsz.execution.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
-    prefix_tree: bool = False
-
-    @property
-    def sharing(self) -> str | None:
-        """The sharing rule of this scheduler's rows (:attr:`Layout.sharing`): "tree", "groups" or None."""
-        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     @classmethod
     def from_args(
@@ -355,26 +350,24 @@ class Scheduler:
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
             max_tokens_per_microbatch_teacher=getattr(args, "max_tokens_per_microbatch_teacher", None),
             balance_across_ranks=bool(balance) and not images_stay_on_their_process(support.vision_language),
-            share_prompts=layout.share_prompts,
+            sharing=layout.sharing,
             segment_attention=layout.segment_attention,
             segment_recurrence=layout.segment_recurrence,
             attention_mask=layout.attention_mask,
             position_offset=support.position_offset,
             group=group,
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
-            prefix_tree=layout.prefix_tree,
         )
 
     def describe(self) -> str:
         """The layout this scheduler runs, as :meth:`Layout.describe` phrases it (logs, reports)."""
         return Layout(
             self.layout,
-            self.share_prompts,
+            self.sharing,
             self.segment_attention,
             self.attention_mask,
             self.attention,
             segment_recurrence=self.segment_recurrence,
-            prefix_tree=self.prefix_tree,
         ).describe()
 
     def budget(
@@ -428,7 +421,7 @@ class Scheduler:
     ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
-        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``share_prompts`` is
+        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``sharing`` is
         on, ``tree`` (the samples' :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`) or else ``groups`` (one id
         per sample, equal ids = identical prompt tokens: the prompt-group rule) says which positions samples share
         within a pass. Every process calls this with its own samples at the same point of the step.
@@ -465,8 +458,8 @@ class Scheduler:
         self, prompts: list[int], completions: list[int], groups: Sequence[int] | None, tree: PrefixTree | None
     ) -> PrefixTree:
         """The prefix tree the samples are planned by: ``tree``, else the prompt-group rule's of ``groups``; every
-        sample alone when nothing is shared (``share_prompts`` off, or neither given)."""
-        if not self.share_prompts or (tree is None and groups is None):
+        sample alone when nothing is shared (``sharing`` none, or neither given)."""
+        if not self.sharing or (tree is None and groups is None):
             return PrefixTree.alone([p + c for p, c in zip(prompts, completions)])
         if tree is not None:
             if tree.samples != len(prompts):
@@ -662,8 +655,8 @@ class Scheduler:
             oversize=sorted(self._oversize(units, budget)),
             lengths=lengths,
             pass_tokens=pass_tokens,
-            prompt_tokens_saved=sum(lengths) - sum(shared),
-            tree=tree if self.share_prompts else None,
+            shared_tokens_saved=sum(lengths) - sum(shared),
+            tree=tree if self.sharing else None,
             pass_pairs=pass_pairs,
         )
 

@@ -22,6 +22,7 @@ from hf_dynbsz.planning.coerce import parse_int
 from hf_dynbsz.planning.partition import token_lower_bound
 from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
     "SimulatedRound",
@@ -186,7 +187,7 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: i
 def _trees(scheduler: Scheduler, totals, prompts, groups, shared_prefix: int):
     """Per process, the prefix tree of its samples when the scheduler shares a tree and prompts share a block (the
     prompt groups' tree with the block once); None otherwise (the prompt groups, as the scheduler reads them)."""
-    if scheduler.sharing != "tree" or not shared_prefix or groups[0] is None:
+    if scheduler.sharing is not SharePrefix.TREE or not shared_prefix or groups[0] is None:
         return None
     return [
         PrefixTree.of_groups(p, [t - q for t, q in zip(ts, p)], g, shared_prefix)

@@ -14,6 +14,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
 * :mod:`~hf_dynbsz.testing.fsdp`: accelerate's FSDP on CPU processes (accelerate turns it on for accelerator devices
   only);
+* :mod:`~hf_dynbsz.testing.engines`: what a multi-process run's engine did with the parameters (recorded by the
+  worker: sharded or whole, per process) against what its accelerate config asks for, and a model's whole parameters;
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
 * :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
   begins with, tree-search rollouts' trunks and branches);
@@ -28,6 +30,7 @@ Every public name but the zoo's is re-exported here: ``from hf_dynbsz.testing im
 
 from __future__ import annotations
 
+from hf_dynbsz.testing.engines import engine_mismatches, engine_record, expected_engine, gathered_parameters
 from hf_dynbsz.testing.fixtures import (
     CHAT_SPECIAL_TOKENS,
     COMPARISON_FIELDS,
@@ -215,7 +218,11 @@ __all__ = [
     "run_training",
     "run_together",
     "run_with_timeout",
+    "engine_mismatches",
+    "engine_record",
+    "expected_engine",
     "fsdp_on_cpu",
+    "gathered_parameters",
     "save_tiny_model",
     "save_tiny_teacher",
     "saved_model_trainer",

@@ -340,14 +340,24 @@ class RecordingReward:
 
 
 def unique_tokens(sequences: list[list[int]]) -> int:
-    """The positions a prefix tree of ``sequences`` (token ids) holds, each once
-    (:class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`): what one pass of them computes by default."""
-    import numpy as np
+    """The positions one pass of ``sequences`` (token ids) computes once each, counted by brute force: a position is
+    its sample's tokens up to and including the next one (the last position's next token -1), and positions with equal
+    such prefixes are one. Independent of the plugin's prefix tree; what one pass of them computes by default.
 
-    from hf_dynbsz.planning.prefix_tree import PrefixTree, token_keys
-
-    base = max((max(ids) for ids in sequences if ids), default=0) + 2
-    return PrefixTree.of_keys([token_keys(np.array(ids), base) for ids in sequences if ids]).tokens()
+    The set holds the prefixes interned (a prefix as the number of the prefix one token shorter and its last token,
+    numbered on first sight), so that it grows with the tokens, not with their square: the same set of token-prefix
+    tuples."""
+    numbers: dict[tuple[int, int], int] = {}
+    positions = set()
+    for ids in sequences:
+        ids = [int(token) for token in ids]
+        if not ids:
+            continue
+        prefix = numbers.setdefault((-1, ids[0]), len(numbers))
+        for following in ids[1:] + [-1]:  # position i: tokens[: i + 1] and the next token
+            prefix = numbers.setdefault((prefix, following), len(numbers))
+            positions.add(prefix)
+    return len(positions)
 
 
 class ScriptedRollout:

@@ -30,7 +30,8 @@ def packed_pass(
     recomputation) runs the pass as the executor's does.
 
     ``groups``: prompt groups whose prompts the row shares (None: none shared); ``sharing``: instead, the rule the
-    row's samples share positions by ("tree", "groups": :meth:`SequenceTable.prefix_keys`); ``attention``: the base
+    row's samples share positions by (a :class:`~hf_dynbsz.planning.settings.SharePrefix` or its value, "tree" or
+    "groups": :meth:`SequenceTable.prefix_keys`; none or None: nothing); ``attention``: the base
     implementation segment attention wraps (None: the model's own attention, as padded rows run); ``layout``,
     ``attention_mask``, ``pad_to_multiple_of``: the collator's; ``mixers``: the class names of the sequence mixers
     segment recurrence runs per sequence (empty: none).
