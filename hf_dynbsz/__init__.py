@@ -30,6 +30,7 @@ _LAZY = {
     "DynamicBatchGRPOConfig": "hf_dynbsz.config",
     "DynamicBatchRLOOConfig": "hf_dynbsz.config",
     "DynamicBatchDistillationConfig": "hf_dynbsz.config",
+    "DynamicBatchDPOConfig": "hf_dynbsz.config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -42,6 +43,7 @@ _LAZY = {
     "DynamicBatchGRPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchRLOOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]

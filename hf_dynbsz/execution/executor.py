@@ -348,7 +348,8 @@ class PassExecutor(DevicePass):
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples: with shared prompts, its prompt groups (found by prompt ids), with a
-        prefix tree its samples' tree."""
+        prefix tree its samples' tree; training passes keep the table's ``together`` groups in one pass (no-grad
+        passes compute each sample's own values)."""
         sharing = self.scheduler.sharing
         return self.scheduler.plan(
             table.lengths.tolist(),
@@ -357,6 +358,7 @@ class PassExecutor(DevicePass):
             prompt_lengths=table.prompt_lengths.tolist(),
             groups=table.prompt_groups() if sharing == "groups" else None,
             tree=table.prefix_tree(sharing) if sharing == "tree" else None,
+            together=table.together if kind == "training" else None,
         )
 
     def _warn_oversize(self, schedule, kind: str) -> None:

@@ -68,6 +68,10 @@ class SequenceTable:
     #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like
     #: text, and until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
+    #: one id per sample; samples of equal ids always share a training pass (a preference pair's chosen and
+    #: rejected, whose loss is one function of both: :meth:`hf_dynbsz.planning.prefix_tree.PrefixTree.units`); None:
+    #: no such groups
+    together: list[int] | None = None
     #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
     _groups: list[int] | None = field(default=None, init=False, repr=False, compare=False)
     #: :meth:`prefix_keys` and :meth:`prefix_tree` by sharing rule, once computed
@@ -248,12 +252,20 @@ class SequenceTable:
             ]
             for name in sorted(names)
         }
+        together = None
+        if any(table.together is not None for table in tables):  # each table's groups, numbered apart
+            together, offset = [], 0
+            for table in tables:
+                ids = table.together if table.together is not None else range(len(table))
+                together += [offset + int(group) for group in ids]
+                offset = max(together, default=-1) + 1
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
             media=media,
             token_fields=fields or None,
+            together=together,
         )
 
 

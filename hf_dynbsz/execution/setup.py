@@ -53,7 +53,8 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         model,
         world,
         aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
-        external_generation=trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False),
+        external_generation=getattr(trainer, "use_vllm", False)  # (a DPO run generates nothing)
+        or getattr(trainer, "use_transformers_continuous_batching", False),
         device_type=device,
         gathered=gathered_calls(accelerator, model),
     )
