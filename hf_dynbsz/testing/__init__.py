@@ -15,6 +15,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.fsdp`: accelerate's FSDP on CPU processes (accelerate turns it on for accelerator devices
   only);
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.preference`: preference pairs (lengths from ranges or a long tail, a system block shared
+  across pairs, several pairs per prompt) and one DPO run of stock's trainer or the plugin's;
 * :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
   begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
@@ -108,6 +110,7 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, dpo_config, dpo_run, preference_pairs
 from hf_dynbsz.testing.prefixes import (
     PREFIX_STRUCTURES,
     PrefixRollout,
@@ -132,6 +135,11 @@ from hf_dynbsz.testing.vision import (
 from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_standin
 
 __all__ = [
+    "DPO_COMPARISON_FIELDS",
+    "DPO_PLUGIN_FIELDS",
+    "dpo_config",
+    "dpo_run",
+    "preference_pairs",
     "unique_tokens",
     "PREFIX_STRUCTURES",
     "PrefixRollout",
