@@ -6,8 +6,8 @@ is not public API, with the reason. The test suite (``tests/test_trl_compat.py``
 the installed versions (and that each method still takes the parameters we pass), so a TRL upgrade fails one clear test
 instead of a deep traceback; it also checks that the plugin's code touches no private name missing from this list. For
 the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's
-signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases (``docs/trl-
-compatibility.md``).
+signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
+(``docs/trl-compatibility.md``).
 
 :data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
 at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
