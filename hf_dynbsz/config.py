@@ -344,7 +344,9 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
     the run's processes (the planning process is one process, the run may be many).
     """
-    config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
+    config_class = {"distillation": DynamicBatchDistillationConfig, "dpo": DynamicBatchDPOConfig}.get(
+        trainer, DynamicBatchGRPOConfig
+    )
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -358,7 +360,7 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer != "distillation":  # a distillation's round is its optimizer step
+    if trainer not in ("distillation", "dpo"):  # a distillation's round is its optimizer step; DPO generates nothing
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)
