@@ -297,8 +297,9 @@ def test_train_peft(trainer_class, hub, tmp_path, how):
 @pytest.mark.parametrize("how", ["peft_config", "peft_model"])
 def test_train_moe_peft(trainer_class, hub, tmp_path, how):
     """TRL's ``test_train_moe_with_peft_config`` and ``test_train_moe_peft_model``: LoRA on GPT-OSS's expert parameters
-    (``target_parameters``); a model that comes with such an adapter gets no ``ref`` copy (PEFT < 0.20 allows one
-    adapter there) and its reference is the adapter-disabled base."""
+    (``target_parameters``); a model that comes with such an adapter gets a frozen ``ref`` copy as its reference from
+    PEFT 0.20 on (before, one adapter only: the adapter-disabled base; TRL's test asserts that case, and fails as
+    written, for stock and ours alike, with PEFT 0.21 installed here)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -308,8 +309,11 @@ def test_train_moe_peft(trainer_class, hub, tmp_path, how):
     kwargs = {"peft_config": lora} if how == "peft_config" else {}
     model = get_peft_model(model, lora) if how == "peft_model" else hub["gpt_oss"]
     trainer = trainer_class(model=model, args=args(tmp_path), train_dataset=zen(), **kwargs)
-    if how == "peft_model":
-        assert "ref" not in trainer.model.peft_config
+    if how == "peft_model":  # TRL's test asserts no "ref" copy, true before PEFT 0.20 (peft#3350 allows it since)
+        import peft
+        from packaging.version import Version
+
+        assert ("ref" in trainer.model.peft_config) == (Version(peft.__version__) >= Version("0.20.0"))
     train_and_check(trainer, **peft_rules(base_param_names))
 
 
