@@ -318,6 +318,7 @@ class DPOLoss:
     entropy_bonus = False
     needs_step_entropies = False
     phases = ("train", "logprob")
+    checked_model_name = "reference"  # the self-check's log names the second model it checks
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
