@@ -110,7 +110,14 @@ LOSS_TYPES = {
 }
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+#: The loss types the default suite trains (every one's arithmetic is checked against stock's in tests/test_dpo_loss.py;
+#: each trains under ``-m long``).
+DEFAULT_LOSS_TYPES = ("sigmoid", "ipo", "robust", "aot", "discopop", "sft")
+
+
+@pytest.mark.parametrize(
+    "loss_type", [t if t in DEFAULT_LOSS_TYPES else pytest.param(t, marks=pytest.mark.long) for t in LOSS_TYPES]
+)
 def test_every_loss_type_matches_stock(model_dir, tmp_path, loss_type):
     steps, _ = compare_with_stock(model_dir, tmp_path, loss_type=[loss_type], **LOSS_TYPES[loss_type])
     for step in steps:
@@ -131,10 +138,18 @@ LOSS_SETTINGS = {
     "js_divergence": dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "hinge"]),
     "alpha_divergence": dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
     "beta_small": dict(beta=0.01, loss_type=["sigmoid", "apo_zero"]),
+    # (the plugin's) budgets from a memory limit: the training and the reference's passes sized by the memory model
+    "budget_from_memory": dict(max_memory_per_device_mib=100_000, max_tokens_per_microbatch=None),
 }
 
 
-@pytest.mark.parametrize("settings", list(LOSS_SETTINGS))
+DEFAULT_SETTINGS = ("list_with_weights", "ld_alpha_aot", "use_weighting", "alpha_divergence", "budget_from_memory")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [s if s in DEFAULT_SETTINGS else pytest.param(s, marks=pytest.mark.long) for s in LOSS_SETTINGS],
+)
 def test_loss_settings_match_stock(model_dir, tmp_path, settings):
     compare_with_stock(model_dir, tmp_path, **LOSS_SETTINGS[settings])
 
