@@ -341,3 +341,12 @@ def test_model_families_from_their_default_configs(family_dirs, tmp_path, family
     if family == "qwen3_moe":
         assert trainer.aux_loss_enabled and all("aux_loss" in step for step in steps)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+
+
+def test_a_pair_over_the_budget_runs_whole_in_a_pass_of_its_own(model_dir, tmp_path):
+    """Pairs of 10 prompt and 15 + 15 response tokens in a budget of 30: each sequence fits, the pair (40 unique
+    tokens) does not, and runs alone, whole, with one warning naming its pass's size; the step equals stock's."""
+    dataset = preference_pairs(16, prompt=(10, 11), response=(15, 16), seed=9)
+    with pytest.warns(UserWarning, match=r"longer than the token budget \(30 tokens; longest (4\d)\)"):
+        steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=30)
+    assert all(step["dynbsz/microbatches"] == 8 for step in steps)  # one pass per pair

@@ -366,6 +366,9 @@ class PassExecutor(DevicePass):
             return
         self.warned.add(kind)
         longest = max(schedule.lengths[i] for i in schedule.oversize)
+        if longest <= schedule.budget:  # samples that always run together (a preference pair) are over it together
+            over = set(schedule.oversize)
+            longest = max(t for group, t in zip(schedule.microbatches, schedule.pass_tokens) if over & set(group))
         message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
         memory = self.memory
         if memory.limit_mib is not None:  # the budget came from memory: say what the sequence needs
