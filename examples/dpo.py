@@ -72,6 +72,7 @@ class DPOScriptArguments(ScriptArguments):
     """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
 
     num_pairs: int = field(default=512, metadata={"help": "Offline demo: number of synthetic preference pairs."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompts."})
     log_style: str = field(
         default="compact",
         metadata={
@@ -100,44 +101,10 @@ def build_tiny_pairs(num_pairs: int, seed: int):
     return Dataset.from_dict(rows)
 
 
-def load_named(script_args, training_args, model_args):
-    """Model name, tokenizer, train split and PEFT config of a ``--model_name_or_path`` run, as ``trl/scripts/dpo.py``
-    loads them (the model by name, with the model's dtype and attention; the reference from the same name)."""
-    from datasets import load_dataset
-    from transformers import AutoTokenizer
-
-    if not script_args.dataset_name:
-        raise ValueError("--model_name_or_path needs --dataset_name (a Hub dataset or a local path).")
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = model_init_kwargs  # the trainer loads the model (and reference) with these
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path,
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-    )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    dataset = load_dataset(
-        script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-    )[script_args.dataset_train_split]
-    peft_config = None
-    if model_args.use_peft:
-        from trl import get_peft_config
-
-        peft_config = get_peft_config(model_args)
-    return model_args.model_name_or_path, tokenizer, dataset, peft_config
-
-
 def build(script_args, training_args, model_args, named: bool):
     """``(model, tokenizer, dataset, peft_config)`` of the run: a named model, or the offline demo's."""
-    if named:
-        return load_named(script_args, training_args, model_args)
+    if named:  # (a preference dataset's columns stay as they are: --prompt_column is "prompt")
+        return grpo.load_named(script_args, training_args, model_args)
     if script_args.dataset_name:
         raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
     if "OMP_NUM_THREADS" not in os.environ:

@@ -36,8 +36,10 @@ import codecs
 import this
 
 import pytest
+import test_rloo_trl_suite as rloo_suite
 import torch
 from datasets import Dataset, DatasetDict, IterableDatasetDict
+from test_rloo_trl_suite import peft_rules
 from trl import DPOConfig, DPOTrainer
 
 from hf_dynbsz import DynamicBatchDPOTrainer
@@ -137,30 +139,13 @@ def args(tmp_path, **overrides) -> DPOConfig:
 
 
 def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False):
-    """TRL's checks after training: a train loss, and every parameter moved, except the ``unchanged`` ones, which
-    must not, and the ``unchecked`` ones."""
-    previous = {name: param.clone() for name, param in trainer.model.named_parameters()}
-    trainer.train()
-    assert trainer.state.log_history[-1]["train_loss"] is not None
-    for name, param in previous.items():
-        new = trainer.model.get_parameter(name)
-        if unchanged(name):
-            torch.testing.assert_close(param, new, msg=f"Parameter {name} has changed.")
-        elif not unchecked(name):
-            assert not torch.equal(param, new), f"Parameter {name} has not changed."
+    """TRL's checks after training (``tests/test_rloo_trl_suite.py``'s: a train loss, every parameter moved but the
+    ``unchanged`` ones, which must not, and the ``unchecked`` ones), and for the class swapped, that it repacked."""
+    rloo_suite.train_and_check(trainer, unchanged, unchecked)
     if isinstance(trainer, DynamicBatchDPOTrainer):  # the class swap repacked the steps (it did not fall back): its
         logged = any("dynbsz/microbatches" in entry for entry in trainer.state.log_history)  # figures were logged,
         assert logged or trainer._metrics["train"].get("dynbsz/microbatches")  # or wait for a log TRL's config skips
     return trainer
-
-
-def peft_rules(base_param_names) -> dict:
-    """TRL's rule: the base model's parameters stay, the adapters' move; the base layers and a frozen 'ref' copy of
-    the adapter are not checked."""
-    return {
-        "unchanged": lambda name: name in base_param_names,
-        "unchecked": lambda name: "base_layer" in name or ".ref." in name,
-    }
 
 
 def eval_split(kind: str):
