@@ -327,6 +327,13 @@ def _shared_prefix(namespace, lengths) -> int:
     return shared
 
 
+def _lengths(namespace: argparse.Namespace):
+    """The samples of ``--lengths`` (a DPO run's: two per pair), or None."""
+    if not namespace.lengths:
+        return None
+    return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
+
+
 def _run_plan(argv: list[str]) -> int:
     parser = _plan_parser(_planned_trainer(argv))
     namespace = parser.parse_args(argv)  # usage errors exit with status 2
@@ -349,8 +356,7 @@ def _run_plan(argv: list[str]) -> int:
         model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
         support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
         layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
-        read = read_pair_lengths if namespace.trainer == "dpo" else read_lengths
-        lengths = read(namespace.lengths) if namespace.lengths else None
+        lengths = _lengths(namespace)
         memory_rows = _memory_rows(
             namespace,
             model_config,
@@ -381,9 +387,7 @@ def _run_plan(argv: list[str]) -> int:
         if lengths is not None:
             namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
             scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            steps = simulate(
-                plan, scheduler, lengths, _shared_prefix(namespace, lengths), pairs=namespace.trainer == "dpo"
-            )
+            steps = simulate(plan, scheduler, lengths, _shared_prefix(namespace, lengths), namespace.trainer == "dpo")
         if namespace.json:
             document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
             if plan.memory_rows:
