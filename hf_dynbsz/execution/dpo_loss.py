@@ -125,15 +125,16 @@ class DPOSettings:
 
 
 # ---------------------------------------------------------------------------------------------------- the step's pairs
-def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch | None:
+def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
     """The pairs of one optimizer step of process ``rank`` (``window``: its stock micro-batches, each
     ``DataCollatorForPreference``'s ``input_ids`` / ``attention_mask`` / ``completion_mask`` of ``[chosen ; rejected]``
     rows, with ``ref_chosen_logps`` / ``ref_rejected_logps`` when precomputed) as a :class:`StepBatch`: each pair's
     chosen then rejected, adjacent, the pair's ``together`` id shared (the planner keeps them in one pass).
 
     A row's prompt is its tokens before the first scored one (the first response token after position 0), its
-    completion the rest (a response with no scored token: all prompt). Returns None when a row's completion mask is
-    not ``[0 ... 0 1 ... 1]`` up to its last real token (a custom collator's): that step runs stock's slices.
+    completion the rest (a response with no scored token: all prompt). A row whose completion mask is not ``[0 ... 0
+    1 ... 1]`` up to its last real token is not one of ``DataCollatorForPreference``'s: ``ValueError`` (a custom
+    collator's steps train stock's micro-batches, decided at start).
     """
     tokens, prompts, completions, fields = [], [], [], {name: [] for name in PAIR_FIELDS}
     slice_ids, slice_tokens, together = [], [], []
@@ -148,7 +149,10 @@ def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) ->
             for row in (j, pairs + j):
                 shape = _row_shape(masks[row], int(real[row]))
                 if shape is None:
-                    return None
+                    raise ValueError(
+                        f"micro-batch {slice_index}, row {row}: its completion_mask is not one run of response tokens "
+                        "to the row's end, as DataCollatorForPreference builds it"
+                    )
                 shapes.append(shape)
             shared = min(completion for _, completion, _ in shapes)
             for side, (row, (prompt, completion, response)) in enumerate(zip((j, pairs + j), shapes)):
