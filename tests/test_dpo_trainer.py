@@ -140,6 +140,9 @@ LOSS_SETTINGS = {
     "beta_small": dict(beta=0.01, loss_type=["sigmoid", "apo_zero"]),
     # (the plugin's) budgets from a memory limit: the training and the reference's passes sized by the memory model
     "budget_from_memory": dict(max_memory_per_device_mib=100_000, max_tokens_per_microbatch=None),
+    # (the plugin's) the other sharing rules: each prompt in its group; nothing shared (a pair's two rows side by side)
+    "prompt_groups": dict(share_prompt_prefix="groups"),
+    "nothing_shared": dict(share_prompt_prefix=False),
 }
 
 
