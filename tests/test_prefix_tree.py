@@ -221,10 +221,10 @@ def test_together_keeps_units_that_split_no_group():
 
 def test_pairs_sharing_a_prompt_are_repacked_whole_when_the_prompts_subtree_is_cut():
     # one prompt of 10 with four pairs; every chosen response opens with 5, every rejected one with 6, so the plain cut
-    # of the prompt's subtree (9 + 2 x (2 + 4 x 5) = 53 tokens) takes the chosen ones apart from the rejected ones
+    # of the prompt's subtree (9 + 2 x (1 + 4 x 6) = 59 tokens) takes the chosen ones apart from the rejected ones
     responses = [([5, k] + [1] * 4, [6, k] + [1] * 4) for k in range(4)]
     tree, together = pairs_tree([[0] * 10] * 4, responses)
-    assert tree.tokens() == 53 and tree.units(53, together) == tree.units(53)  # it fits: one unit
+    assert tree.tokens() == 59 and tree.units(59, together) == tree.units(59)  # it fits: one unit
     plain = [unit.samples for unit in tree.units(40)]
     assert any(len(unit) % 2 or any(s ^ 1 not in unit for s in unit) for unit in plain)  # the plain cut splits pairs
     units = tree.units(40, together)
@@ -232,6 +232,7 @@ def test_pairs_sharing_a_prompt_are_repacked_whole_when_the_prompts_subtree_is_c
     for unit in units:
         assert all(s ^ 1 in unit.samples for s in unit.samples)  # whole pairs
         assert unit.tokens == tree.tokens(unit.samples) <= 40 and unit.pairs == tree.pairs(unit.samples)
+    assert [unit.tokens for unit in units] == [35, 35]  # two pairs a piece: 9 + 2 x (1 + 2 x 6)
 
 
 def test_a_pair_over_the_budget_is_one_unit_over_the_budget():
