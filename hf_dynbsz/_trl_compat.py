@@ -320,6 +320,14 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         ("module", "query", "key", "value", "attention_mask", "scaling", "dropout"),
     ),
     InternalName(
+        "transformers.modeling_rope_utils",
+        "dynamic_rope_update",
+        "reads",
+        "execution.rope: a LongRoPE module's forward is this decorator's wrapper, which sets the frequencies of a "
+        "forward by its widest position; the plugin calls it for the short and the long width, and the plain forward "
+        "it wraps (__wrapped__), to give each sample the factors of stock's micro-batch",
+    ),
+    InternalName(
         "transformers.integrations.flash_attention",
         "get_target_dtype",
         "calls",

@@ -22,13 +22,21 @@ Invalid settings exit with status 2 and the validation message on stderr (no tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hf_dynbsz.planning.coerce import parse_int
+from hf_dynbsz.plan_inputs import (
+    attn_implementation_of,
+    checked_shared_prefix,
+    planned_num_processes,
+    read_accelerate_config,
+    read_model_config,
+    zero_stage_from_deepspeed_json,
+)
 from hf_dynbsz.planning.model_support import ModelSupport, router_aux_loss_coef
 from hf_dynbsz.planning.schedule import Scheduler
 from hf_dynbsz.planning.simulation import (
@@ -40,82 +48,10 @@ from hf_dynbsz.planning.simulation import (
 )
 from hf_dynbsz.planning.simulation_table import render_processes, render_simulation
 
-__all__ = ["main", "read_accelerate_config", "read_lengths"]
+__all__ = ["main"]
 
 _PROG = "hf-dynbsz"
 _EXIT_USAGE = 2
-
-
-class UsageError(ValueError):
-    """A problem with the user's input (file, setting): reported on stderr with exit status 2."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------------------------
-
-
-def read_accelerate_config(path: str) -> dict[str, Any]:
-    """``num_processes``, ``num_machines``, ``mixed_precision`` and the DeepSpeed ``zero_stage`` of an ``accelerate``
-    YAML file.
-
-    Keys absent from the file are absent from the result. ``num_processes`` is accelerate's total over all
-    machines. The ZeRO stage comes from ``deepspeed_config.zero_stage``, or from the ``zero_optimization.stage`` of
-    the JSON file named by ``deepspeed_config.deepspeed_config_file``.
-    """
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-    except OSError as error:
-        raise UsageError(f"cannot read --config_file {path!r}: {error.strerror or error}") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"--config_file {path!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config_file {path!r} must be a YAML mapping (an accelerate config file).")
-    result: dict[str, Any] = {}
-    for key in ("num_processes", "num_machines"):
-        if data.get(key) is not None:
-            result[key] = data[key]
-    if data.get("mixed_precision") is not None:
-        precision = data["mixed_precision"]
-        result["mixed_precision"] = "no" if precision is False else str(precision)  # YAML 1.1 reads `no` as False
-    deepspeed = data.get("deepspeed_config") or {}
-    if isinstance(deepspeed, dict):
-        if deepspeed.get("zero_stage") is not None:
-            result["zero_stage"] = deepspeed["zero_stage"]
-        elif deepspeed.get("deepspeed_config_file"):
-            stage = _zero_stage_from_deepspeed_json(deepspeed["deepspeed_config_file"])
-            if stage is not None:
-                result["zero_stage"] = stage
-    return result
-
-
-def _zero_stage_from_deepspeed_json(path: str) -> int | None:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise UsageError(f"cannot read DeepSpeed config {path!r}: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"DeepSpeed config {path!r} is not valid JSON: {error}") from None
-    stage = (data.get("zero_optimization") or {}).get("stage") if isinstance(data, dict) else None
-    return stage if isinstance(stage, int) else None
-
-
-def _attn_implementation(namespace: argparse.Namespace) -> str | None:
-    if namespace.attn_implementation:
-        return namespace.attn_implementation
-    kwargs = getattr(namespace, "model_init_kwargs", None)
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError:
-            return None
-    if isinstance(kwargs, dict):
-        return kwargs.get("attn_implementation")
-    return None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -225,39 +161,6 @@ def _add_planning_arguments(group) -> None:
     )
 
 
-def _read_model_config(path: str):
-    """The transformers config of a model directory or ``config.json`` file (workload model, layout, images)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--model_config {path!r}: not a model directory or config.json file ({error}).") from None
-
-
-def _num_processes(namespace: argparse.Namespace, launcher: dict[str, Any]) -> int:
-    """The world size to plan for: ``--num_processes``, else the accelerate file's (all machines), else 1."""
-    if namespace.num_processes is not None:
-        value, where = namespace.num_processes, "--num_processes"
-    elif launcher.get("num_processes") is not None:
-        value, where = launcher["num_processes"], f"num_processes of --config_file {namespace.config_file!r}"
-    else:
-        return 1
-    if parse_int(value, strings=False) is None or value < 1:
-        raise UsageError(
-            f"{where} must be a positive integer (data-parallel processes over all machines), got "
-            f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs."
-        )
-    machines = launcher.get("num_machines", 1)
-    if namespace.num_processes is None and (not isinstance(machines, int) or machines < 1 or value % machines):
-        raise UsageError(
-            f"num_processes={value} of --config_file {namespace.config_file!r} is not a multiple of its "
-            f"num_machines={machines!r}: accelerate's num_processes counts every process on every "
-            "machine (e.g. 2 machines x 8 GPUs = 16)."
-        )
-    return value
-
-
 def _memory_rows(
     namespace: argparse.Namespace,
     model_config,
@@ -283,7 +186,7 @@ def _memory_rows(
     memory = MemoryModel.from_config(
         config,
         limit,
-        teacher_config=_read_model_config(teacher) if teacher else None,
+        teacher_config=read_model_config(teacher) if teacher else None,
         activation_bytes=2 if half else 4,
         gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
         tensor_batch_size=namespace.tensor_batch_size,
@@ -314,17 +217,26 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
     return layouts, layouts[0].name if decided else None
 
 
-def _shared_prefix(namespace, lengths) -> int:
-    """``--shared_prefix``, checked against the lengths: a block of tokens shorter than every prompt given."""
-    shared = namespace.shared_prefix
-    shortest = min((prompt for _, prompt, _ in lengths if prompt is not None), default=None)
-    if shared < 0 or (shared and (shortest is None or shortest < shared)):
-        raise UsageError(
-            f"--shared_prefix must be a number of tokens every prompt begins with, at most the shortest prompt of "
-            f"--lengths ({shortest if shortest is not None else 'none given: use PROMPT COMPLETION lines'}), got "
-            f"{shared}."
-        )
-    return shared
+@dataclasses.dataclass
+class _Planned:
+    """What ``hf-dynbsz plan`` prints: the plan, and with ``--lengths`` the scheduler and each simulated step."""
+
+    plan: Any
+    scheduler: Scheduler | None
+    steps: list | None
+    totals_only: bool  # lengths without prompt/completion parts: the simulation shows totals only
+    layout_note: str
+
+
+def _run_plan(argv: list[str]) -> int:
+    namespace = _plan_parser(_planned_trainer(argv)).parse_args(argv)  # usage errors exit with status 2
+    try:
+        planned = _plan(namespace)
+    except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
+        print(f"{_PROG} plan: error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    print(_as_json(planned) if namespace.json else _as_tables(planned))
+    return 0
 
 
 def _lengths(namespace: argparse.Namespace):
@@ -334,84 +246,83 @@ def _lengths(namespace: argparse.Namespace):
     return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
 
 
-def _run_plan(argv: list[str]) -> int:
-    parser = _plan_parser(_planned_trainer(argv))
-    namespace = parser.parse_args(argv)  # usage errors exit with status 2
-
+def _plan(namespace: argparse.Namespace) -> _Planned:
+    """The plan of ``namespace`` (the user's raw values), checked as training checks it, and the simulated steps."""
     from hf_dynbsz.config import check_as_training
     from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
     from hf_dynbsz.planning.plan import BatchSizePlan
     from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
+    launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
+    num_processes = planned_num_processes(namespace, launcher)
+    zero_stage = launcher.get("zero_stage")
+    if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
+        zero_stage = zero_stage_from_deepspeed_json(namespace.deepspeed)
+    for message in apply_env_overrides(namespace):
+        print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
+    validate_dynamic_batch_fields(namespace)
+    attn_implementation = attn_implementation_of(namespace)
+    model_config = read_model_config(namespace.model_config) if namespace.model_config else None
+    support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
+    layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
+    lengths = _lengths(namespace)
+    mixed_precision = launcher.get("mixed_precision")
+    memory_rows = _memory_rows(
+        namespace, model_config, attn_implementation, lengths, num_processes, zero_stage, mixed_precision
+    )
+    router_aux_coef = router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
     try:
-        launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
-        num_processes = _num_processes(namespace, launcher)
-        zero_stage = launcher.get("zero_stage")
-        if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
-            zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
-        for message in apply_env_overrides(namespace):
-            print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
-        validate_dynamic_batch_fields(namespace)
-        attn_implementation = _attn_implementation(namespace)
-        model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
-        support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
-        layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
-        lengths = _lengths(namespace)
-        memory_rows = _memory_rows(
+        plan = BatchSizePlan.from_args(
             namespace,
-            model_config,
-            attn_implementation,
-            lengths,
-            num_processes,
-            zero_stage,
-            launcher.get("mixed_precision"),
+            num_processes=num_processes,
+            zero_stage=zero_stage,
+            mixed_precision=mixed_precision,
+            layout=shown_layout,
+            vision_language=support.vision_language,
+            router_aux=support.router_aux_mode(router_aux_coef),
+            memory_rows=memory_rows,
+            trainer=namespace.trainer,
         )
-        try:
-            plan = BatchSizePlan.from_args(
-                namespace,
-                num_processes=num_processes,
-                zero_stage=zero_stage,
-                mixed_precision=launcher.get("mixed_precision"),
-                layout=shown_layout,
-                vision_language=support.vision_language,
-                router_aux=support.router_aux_mode(
-                    router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
-                ),
-                memory_rows=memory_rows,
-                trainer=namespace.trainer,
-            )
-        except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
-            raise with_env_sources(error, namespace) from None
-        check_as_training(namespace, plan.generation_batch_size, namespace.trainer)
-        steps = None
-        if lengths is not None:
-            namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
-            scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            steps = simulate(plan, scheduler, lengths, _shared_prefix(namespace, lengths), namespace.trainer == "dpo")
-        if namespace.json:
-            document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
-            if plan.memory_rows:
-                document["memory"] = {name: value for name, value, _ in plan.memory_rows}
-            if steps is not None:
-                document["layout"] = scheduler.layout
-                multi = plan.num_processes > 1
-                document["steps"] = processes_as_dict(steps) if multi else simulation_as_dict(steps)
-            print(json.dumps(document, indent=1))
-            return 0
-        print(plan.render())
-        if steps is not None and plan.num_processes > 1:
-            print()
-            print(render_processes(plan, scheduler, steps))
-        elif steps is not None:
-            layout_note = ""
-            if namespace.packing_layout == "auto":
-                layout_note = f" (packing_layout auto, attn_implementation {attn_implementation or 'sdpa (default)'})"
-            print()
-            print(render_simulation(plan, scheduler, steps, totals_only=lengths[0][1] is None, layout_note=layout_note))
-    except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
-        print(f"{_PROG} plan: error: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    return 0
+    except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
+        raise with_env_sources(error, namespace) from None
+    check_as_training(namespace, plan.generation_batch_size, namespace.trainer)
+    planned = _Planned(plan, None, None, False, "")
+    if lengths is not None:
+        namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
+        planned.scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
+        shared = checked_shared_prefix(namespace, lengths)
+        planned.steps = simulate(plan, planned.scheduler, lengths, shared, pairs=namespace.trainer == "dpo")
+        planned.totals_only = lengths[0][1] is None
+        if namespace.packing_layout == "auto":
+            implementation = attn_implementation or "sdpa (default)"
+            planned.layout_note = f" (packing_layout auto, attn_implementation {implementation})"
+    return planned
+
+
+def _as_json(planned: _Planned) -> str:
+    """One JSON document: the plan, the environment's overrides, the memory rows, each simulated step."""
+    plan = planned.plan
+    document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
+    if plan.memory_rows:
+        document["memory"] = {name: value for name, value, _ in plan.memory_rows}
+    if planned.steps is not None:
+        document["layout"] = planned.scheduler.layout
+        multi = plan.num_processes > 1
+        document["steps"] = processes_as_dict(planned.steps) if multi else simulation_as_dict(planned.steps)
+    return json.dumps(document, indent=1)
+
+
+def _as_tables(planned: _Planned) -> str:
+    """The plan table, and the simulation's tables (one process's, or every process's)."""
+    plan, scheduler, steps = planned.plan, planned.scheduler, planned.steps
+    if steps is None:
+        return plan.render()
+    if plan.num_processes > 1:
+        return f"{plan.render()}\n\n{render_processes(plan, scheduler, steps)}"
+    simulation = render_simulation(
+        plan, scheduler, steps, totals_only=planned.totals_only, layout_note=planned.layout_note
+    )
+    return f"{plan.render()}\n\n{simulation}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

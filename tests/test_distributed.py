@@ -199,6 +199,10 @@ HYBRID_RUNS = {
     backend: dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED[backend][1])
     for backend in ("ddp", "zero3", "fsdp2")
 }
+#: A LongRoPE model (original length 20) on the lopsided rollout under DDP: process 1's rounds are 26-32 tokens wide in
+#: stock (the long factors), process 0's under 12 (the short ones); balancing moves process 1's samples, each with its
+#: factors, to process 0 (test_long_rope_samples_moved_between_processes_...).
+LONG_ROPE_RUN = dict(architecture="llama_longrope_20", **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
 #: Loss types with loss metrics of their own (cispo's clip ratio; vespo's phi, one value per sequence), with the KL
 #: term (a token mean per slice), every long completion on rank 1, under DDP (test_the_loss_metrics_of_moved_...).
 METRIC_RUNS = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}
@@ -254,7 +258,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
-    | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"], "long_rope": LONG_ROPE_RUN}
     | {f"metrics_{loss}": dict(METRIC_RUN, loss_type=loss) for loss in METRIC_RUNS}
     | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
@@ -282,6 +286,14 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, model_dir, shared_la
             assert (
                 step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
             )
+
+
+def test_long_rope_samples_moved_between_processes_keep_their_stock_factors(model_dir, shared_launches):
+    """Process 1's samples take LongRoPE's long factors in stock (their round is past the original length), process
+    0's the short ones; balancing runs some of process 1's on process 0, in passes with its own."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **LONG_ROPE_RUN)
+    for rank in range(2):
+        assert all(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
 
 
 @pytest.mark.parametrize("loss_type", list(METRIC_RUNS))

@@ -350,3 +350,40 @@ def test_sliding_windows_need_a_varlen_attn_that_takes_window_size():
     assert not support_of("qwen2").sliding_windows  # use_sliding_window=False
     assert support_of("qwen2").varlen_attn_reason(no_window) is None
     assert support_of("gemma3_text").sliding_windows  # sliding_attention layers
+
+
+# ---- sliding windows that reach attention through the model's mask only ----------------------------------------
+def tiny_model_with_window(model_type: str, window: int | None = 8):
+    """The zoo's tiny ``model_type`` (its config's defaults made small) with ``sliding_window=window``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.zoo import tiny_causal_lm_config
+
+    config = tiny_causal_lm_config(model_type)
+    config.sliding_window = window
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "doge"])
+def test_a_window_the_attention_modules_do_not_carry_refuses_segment_attention_at_start(model_type):
+    """PhiMoE and Doge apply their sliding window through create_sliding_window_causal_mask alone; segment attention
+    reads the window from the attention call, so it would attend past it: padding-free rows are not used, with the
+    reason (the share_prompt_prefix note the run logs), and padded rows run the model's own mask."""
+    support = ModelSupport.of(model=tiny_model_with_window(model_type))
+    assert "sliding window (sliding_window=8) reaches attention only through the mask" in (
+        support.segment_attention_blocker
+    )
+    layouts, notes = support.layouts()
+    assert all(layout.name == "padded" for layout in layouts)
+    assert notes == [f"share_prompt_prefix is not applied: {support.segment_attention_blocker}"]
+    assert ModelSupport.of(model=tiny_model_with_window(model_type, None)).segment_attention_blocker is None
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text", "moshi"])
+def test_a_window_the_attention_modules_carry_or_the_model_never_applies_keeps_segment_attention(model_type):
+    """Mistral passes its window to the attention call, Qwen2 and Gemma-3 hold it on their attention modules, and
+    Moshi never applies its config's window (stock's forward attends fully too)."""
+    model = tiny_model_with_window(model_type, 8 if model_type != "gemma3_text" else 4)
+    assert ModelSupport.of(model=model).segment_attention_blocker is None

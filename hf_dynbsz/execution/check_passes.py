@@ -29,6 +29,7 @@ from hf_dynbsz.execution.layout_timing import (
     pass_clock,
 )
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.rope import stock_rope
 from hf_dynbsz.execution.self_check import (
     CheckResult,
     Probe,
@@ -202,10 +203,12 @@ class CheckPasses:
         return None
 
     def alone(self, index: int, gradients: bool) -> Probe:
-        """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``."""
+        """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``; a LongRoPE model
+        gives it the factors of stock's micro-batch that holds it (:mod:`hf_dynbsz.execution.rope`), as passes do."""
         executor, table = self.executor, self.tables[gradients]
         mb = alone_microbatch(table, index, executor.pad_token_id, executor.accelerator.device)
-        return self._probe(mb, table, [index], gradients)
+        with stock_rope(self.model):
+            return self._probe(mb, table, [index], gradients)
 
     def layout(self, layout: Layout, indices: list[int], gradients: bool) -> Probe:
         """One pass over ``indices`` in ``layout``, with gradients when ``gradients``. The check's first pass of a

@@ -206,6 +206,7 @@ def gradient_table(table: SequenceTable, completion_tokens: int = GRADIENT_COMPL
         if fields
         else fields,
         positions=None if table.positions is None else [p[:, :n] for p, n in zip(table.positions, lengths)],
+        rope_widths=table.rope_widths,
     )
 
 

@@ -226,7 +226,12 @@ class SequenceParallel:
         from hf_dynbsz.execution.packing import SequenceTable
 
         members = self._gather_objects(
-            ([tokens.cpu() for tokens in table.tokens], table.prompt_lengths.cpu(), table.completion_lengths.cpu())
+            (
+                [tokens.cpu() for tokens in table.tokens],
+                table.prompt_lengths.cpu(),
+                table.completion_lengths.cpu(),
+                table.rope_widths,
+            )
         )
         start = sum(len(member[0]) for member in members[: self.rank])
         device = table.tokens[0].device if len(table) else torch.device("cpu")
@@ -234,6 +239,7 @@ class SequenceParallel:
             tokens=[tokens.to(device) for member in members for tokens in member[0]],
             prompt_lengths=torch.cat([member[1] for member in members]),
             completion_lengths=torch.cat([member[2] for member in members]),
+            rope_widths=None if table.rope_widths is None else torch.cat([member[3] for member in members]),
         )
         return pooled, slice(start, start + len(table))
 

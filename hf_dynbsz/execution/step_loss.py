@@ -48,6 +48,7 @@ from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, metric_keys, mi
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.reference import Reference
 from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
+from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.execution.teacher import Teacher
 from hf_dynbsz.parallel.collectives import reduce_sum
 
@@ -270,6 +271,7 @@ class DistillationLoss:
         teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
         unwrapped = executor.accelerator.unwrap_model(model)
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         divergence, entropy = self.trainer._forward_redirection(
             model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
             mb.gather_index[valid], teacher,
@@ -297,6 +299,7 @@ class DistillationLoss:
         teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
         unwrapped = executor.accelerator.unwrap_model(model)
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)
             divergence, _ = self.trainer._forward_redirection(
                 model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,

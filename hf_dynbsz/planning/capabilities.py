@@ -160,7 +160,9 @@ class Capabilities:
         allows) together. The teacher's no-grad passes run the samples of the student's passes in the same layout, so
         the pair keeps the layouts both models allow, fastest first (the student's order; segment recurrence where
         either model has sequence mixers, each model's own found by class name). Image steps run stock's
-        micro-batches (a teacher's image inputs are not repacked). Each feature not applied has one note."""
+        micro-batches (a teacher's image inputs are not repacked). A sample's rope width is read against both models'
+        LongRoPE lengths (:func:`~hf_dynbsz.planning.model_support.rope_width`). Each feature not applied has one
+        note."""
         teacher_layouts, _ = teacher.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
         pair = [_pair_layout(layout, teacher_layouts) for layout in self.layouts]
         pair = [layout for layout in pair if layout is not None]
@@ -176,6 +178,7 @@ class Capabilities:
         support = replace(
             self.support,
             sequence_mixers=tuple(dict.fromkeys(self.support.sequence_mixers + teacher.sequence_mixers)),
+            long_rope=tuple(sorted(set(self.support.long_rope + teacher.long_rope))),
             vision_language="stock" if self.support.vision_language or teacher.vision_language else None,
         )
         if self.enabled and support.vision_language:

@@ -45,6 +45,7 @@ from hf_dynbsz.testing.fixtures import (
     build_tiny_causal_lm,
     build_tiny_hybrid_lm,
     build_tiny_moe_lm,
+    build_tiny_rope_lm,
     build_tiny_teacher,
     checkpointing_field,
     load_tokenizer,
@@ -128,6 +129,8 @@ from hf_dynbsz.testing.processes import (
 )
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
+    ToolImageGeneration,
+    ToolImageRollout,
     VisionScriptedRollout,
     build_tiny_vision_language_model,
     image_prompt_dataset,
@@ -168,6 +171,8 @@ __all__ = [
     "StandInEngine",
     "VISION_LANGUAGE_FAMILIES",
     "VLLMStandIn",
+    "ToolImageGeneration",
+    "ToolImageRollout",
     "VisionScriptedRollout",
     "accelerate_command",
     "bare_check_passes",
@@ -177,6 +182,7 @@ __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
+    "build_tiny_rope_lm",
     "build_tiny_teacher",
     "build_tiny_vision_language_model",
     "build_trainer",

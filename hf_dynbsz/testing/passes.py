@@ -38,6 +38,7 @@ def packed_pass(
     from hf_dynbsz.execution.attention import segment_attention, use_segments
     from hf_dynbsz.execution.packing import build_microbatch
     from hf_dynbsz.execution.recurrence import segment_recurrence
+    from hf_dynbsz.execution.rope import stock_rope, use_rope_widths
 
     mb = build_microbatch(
         table,
@@ -50,8 +51,9 @@ def packed_pass(
         pad_to_multiple_of=pad_to_multiple_of,
         keys=table.prefix_keys(sharing) if sharing else None,
     )
-    with segment_attention(model, attention is not None), segment_recurrence(model, mixers):
+    with segment_attention(model, attention is not None), segment_recurrence(model, mixers), stock_rope(model):
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
         yield mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
 

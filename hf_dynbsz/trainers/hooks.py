@@ -119,7 +119,8 @@ class TokenBudgetHooks:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
         executor, accelerator = self._dynbsz, self.accelerator
         if not executor.media.stock(*window):
-            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes)
+            long_rope = executor.capabilities.support.long_rope
+            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
             if executor.self_check(model, batch.table):
                 return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
@@ -222,6 +223,7 @@ class LogProbHooks(TokenBudgetHooks):
             attention_mask[:, prompt_width:],
             media=split_media(media, input_ids.size(0)),
             token_fields=token_fields,
+            long_rope=executor.capabilities.support.long_rope,  # stock's chunks are the call's width: its rope width
         )
         return table if executor.self_check(model, table) else None
 
