@@ -353,3 +353,25 @@ def test_a_pair_over_the_budget_runs_whole_in_a_pass_of_its_own(model_dir, tmp_p
     with pytest.warns(UserWarning, match=r"longer than the token budget \(30 tokens; longest (4\d)\)"):
         steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=30)
     assert all(step["dynbsz/microbatches"] == 8 for step in steps)  # one pass per pair
+
+
+def test_longrope_pairs_take_the_factors_of_their_micro_batch(tmp_path, monkeypatch):
+    """A Phi-3 LongRoPE model (original length 48): stock's forward picks the long or short factors by its padded
+    micro-batch's width; each pair takes its micro-batch's in the passes (``rope_widths``), whatever it shares a pass
+    with. Micro-batches both under and over 48 tokens wide. (Without the widths the self-check finds every layout off
+    by 1e-2 and stock's math runs.)"""
+    from hf_dynbsz.trainers import dpo as dpo_module
+
+    widths, step_batch = set(), dpo_module.dpo_step_batch
+
+    def recording(*args):
+        batch = step_batch(*args)
+        widths.update(batch.table.rope_widths.tolist())
+        return batch
+
+    monkeypatch.setattr(dpo_module, "dpo_step_batch", recording)
+    model_dir = save_tiny_model(str(tmp_path / "phi3"), architecture="phi3_longrope")
+    dataset = preference_pairs(16, prompt=(3, 30), response=(1, 30), seed=10)
+    steps, trainer = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=120)
+    assert trainer._dynbsz.capabilities.support.long_rope == (48,)
+    assert widths == {0, 49}  # short factors (under 48 tokens wide) and long ones

@@ -45,10 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.device_pass import named_pass
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.router_loss import captured_router_logits
+from hf_dynbsz.planning.model_support import rope_width
 
 __all__ = [
     "COUPLED_LOSS_TYPES",
@@ -125,7 +126,9 @@ class DPOSettings:
 
 
 # ---------------------------------------------------------------------------------------------------- the step's pairs
-def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
+def dpo_step_batch(
+    window: list[dict], rank: int = 0, num_processes: int = 1, long_rope: tuple[int, ...] = ()
+) -> StepBatch:
     """The pairs of one optimizer step of process ``rank`` (``window``: its stock micro-batches, each
     ``DataCollatorForPreference``'s ``input_ids`` / ``attention_mask`` / ``completion_mask`` of ``[chosen ; rejected]``
     rows, with ``ref_chosen_logps`` / ``ref_rejected_logps`` when precomputed) as a :class:`StepBatch`: each pair's
@@ -134,10 +137,12 @@ def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) ->
     A row's prompt is its tokens before the first scored one (the first response token after position 0), its
     completion the rest (a response with no scored token: all prompt). A row whose completion mask is not ``[0 ... 0
     1 ... 1]`` up to its last real token is not one of ``DataCollatorForPreference``'s: ``ValueError`` (a custom
-    collator's steps train stock's micro-batches, decided at start).
+    collator's steps train stock's micro-batches, decided at start). ``long_rope``: the run's LongRoPE models'
+    ``original_max_position_embeddings`` (:attr:`~hf_dynbsz.planning.model_support.ModelSupport.long_rope`): each
+    sample takes the rope width of its micro-batch's padded width, as stock's forward picks its factors.
     """
     tokens, prompts, completions, fields = [], [], [], {name: [] for name in PAIR_FIELDS}
-    slice_ids, slice_tokens, together = [], [], []
+    slice_ids, slice_tokens, together, widths = [], [], [], []
     for slice_index, inputs in enumerate(window):
         rows = inputs["input_ids"].size(0)
         pairs = rows // 2
@@ -164,6 +169,7 @@ def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) ->
                     fields[name].append(value)
                 slice_ids.append(rank * len(window) + slice_index)
                 together.append(len(together) // 2)
+                widths.append(rope_width(inputs["input_ids"].size(1), tuple(long_rope)))
         slice_tokens.append(rows * inputs["input_ids"].size(1))
     width = max(completions + [1])
     device = window[0]["input_ids"].device
@@ -174,6 +180,7 @@ def dpo_step_batch(window: list[dict], rank: int = 0, num_processes: int = 1) ->
     counts = torch.bincount(torch.tensor(slice_ids, dtype=torch.long) - rank * len(window), minlength=len(window))
     slice_rows[rank * len(window) : (rank + 1) * len(window)] = counts
     table = SequenceTable(tokens, torch.tensor(prompts), torch.tensor(completions), together=together)
+    table.rope_widths = torch.tensor(widths, dtype=torch.long) if long_rope else None
     return StepBatch(
         table=table,
         loss_mask=loss_mask,
@@ -219,11 +226,10 @@ def pass_outputs(executor, model, mb, outputs: tuple[str, ...], router: bool = F
     """The fused LM head's per-token ``outputs`` of one pass of ``model`` over micro-batch ``mb``, each
     completion-aligned ``(rows, width)`` (``is_top1`` as 0/1 floats), and for ``router`` its router logits (or None):
     the forward stock's ``_compute_loss`` runs, on the pass's row."""
-    use_segments(mb.segments)
     extra = {"output_router_logits": True} if router else {}
     unwrapped = executor.accelerator.unwrap_model(model)
     capture = captured_router_logits(unwrapped) if router else contextlib.nullcontext()
-    inputs, labels = executor.parallel.shard(mb.model_inputs, mb.shift_labels)
+    inputs, labels = named_pass(mb, executor.parallel)  # its segment layout and rope widths, this process's part
     with executor.accelerator.autocast(), capture as router_logits:
         result = model(**inputs, shift_labels=labels, fused_lm_head=True, **extra)
     fields = {}

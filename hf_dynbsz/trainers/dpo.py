@@ -70,7 +70,8 @@ class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer):
         """One optimizer step from its micro-batches: the pairs repacked (stock's slices if the self-check keeps no
         layout)."""
         executor, accelerator = self._dynbsz, self.accelerator
-        batch = dpo_step_batch(window, accelerator.process_index, accelerator.num_processes)
+        long_rope = executor.capabilities.support.long_rope
+        batch = dpo_step_batch(window, accelerator.process_index, accelerator.num_processes, long_rope)
         if executor.self_check(model, batch.table):
             return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
