@@ -1,9 +1,10 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
-``hf-dynbsz plan [--trainer grpo|distillation] [config options] [--num_processes N] [--config_file ACCELERATE_YAML]
+``hf-dynbsz plan [--trainer grpo|distillation|dpo] [config options] [--num_processes N] [--config_file ACCELERATE_YAML]
 [--lengths FILE]`` prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command:
-every option of the trainer's config (``GRPOConfig``/``DynamicBatchGRPOConfig``, or ``DistillationConfig``/
-``DynamicBatchDistillationConfig`` with ``--trainer distillation``) is accepted by its config name (``--output_dir``
+every option of the trainer's config (``GRPOConfig``/``DynamicBatchGRPOConfig``, ``DistillationConfig``/
+``DynamicBatchDistillationConfig`` with ``--trainer distillation``, ``DPOConfig``/``DynamicBatchDPOConfig`` with
+``--trainer dpo``) is accepted by its config name (``--output_dir``
 is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
 micro-batches of a list of sample lengths and compares them with stock TRL's padded micro-batches.
 
@@ -38,7 +39,13 @@ from hf_dynbsz.plan_inputs import (
 )
 from hf_dynbsz.planning.model_support import ModelSupport, router_aux_loss_coef
 from hf_dynbsz.planning.schedule import Scheduler
-from hf_dynbsz.planning.simulation import processes_as_dict, read_lengths, simulate, simulation_as_dict
+from hf_dynbsz.planning.simulation import (
+    processes_as_dict,
+    read_lengths,
+    read_pair_lengths,
+    simulate,
+    simulation_as_dict,
+)
 from hf_dynbsz.planning.simulation_table import render_processes, render_simulation
 
 __all__ = ["main"]
@@ -53,7 +60,7 @@ _EXIT_USAGE = 2
 
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
-PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation"}
+PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO"}
 
 
 def _planned_trainer(argv: list[str]) -> str:
@@ -91,8 +98,9 @@ def _add_planning_arguments(group) -> None:
         choices=list(PLANNED_TRAINERS),
         default="grpo",
         help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
-        "sizes) or distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
-        "optimizer step, and the teacher's budget). Default: grpo.",
+        "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
+        "optimizer step, and the teacher's budget) or dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
+        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair). Default: grpo.",
     )
     group.add_argument(
         "--num_processes",
@@ -109,7 +117,8 @@ def _add_planning_arguments(group) -> None:
         "--lengths",
         default=None,
         help="File of sample lengths in tokens (one integer per line, 'PROMPT COMPLETION' per line, or a JSON "
-        "list of integers or [prompt, completion] pairs): simulate the micro-batches of one device.",
+        "list of integers or [prompt, completion] pairs; with --trainer dpo 'PROMPT CHOSEN REJECTED' per pair): "
+        "simulate the micro-batches of one device.",
     )
     group.add_argument(
         "--shared_prefix",
@@ -230,6 +239,13 @@ def _run_plan(argv: list[str]) -> int:
     return 0
 
 
+def _lengths(namespace: argparse.Namespace):
+    """The samples of ``--lengths`` (a DPO run's: two per pair), or None."""
+    if not namespace.lengths:
+        return None
+    return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
+
+
 def _plan(namespace: argparse.Namespace) -> _Planned:
     """The plan of ``namespace`` (the user's raw values), checked as training checks it, and the simulated steps."""
     from hf_dynbsz.config import check_as_training
@@ -249,7 +265,7 @@ def _plan(namespace: argparse.Namespace) -> _Planned:
     model_config = read_model_config(namespace.model_config) if namespace.model_config else None
     support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
     layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
-    lengths = read_lengths(namespace.lengths) if namespace.lengths else None
+    lengths = _lengths(namespace)
     mixed_precision = launcher.get("mixed_precision")
     memory_rows = _memory_rows(
         namespace, model_config, attn_implementation, lengths, num_processes, zero_stage, mixed_precision
@@ -274,7 +290,8 @@ def _plan(namespace: argparse.Namespace) -> _Planned:
     if lengths is not None:
         namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
         planned.scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-        planned.steps = simulate(plan, planned.scheduler, lengths, checked_shared_prefix(namespace, lengths))
+        shared = checked_shared_prefix(namespace, lengths)
+        planned.steps = simulate(plan, planned.scheduler, lengths, shared, pairs=namespace.trainer == "dpo")
         planned.totals_only = lengths[0][1] is None
         if namespace.packing_layout == "auto":
             implementation = attn_implementation or "sdpa (default)"

@@ -1,7 +1,8 @@
-"""``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig`` and ``DynamicBatchDistillationConfig``: TRL's ``GRPOConfig``,
-``RLOOConfig`` and ``DistillationConfig`` plus the settings of token-budget micro-batching (one set of fields,
-:class:`DynamicBatchFields`, from one settings table; a distillation adds its teacher's budget,
-:class:`DistillationFields`).
+"""``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig`` and
+``DynamicBatchDPOConfig``: TRL's ``GRPOConfig``, ``RLOOConfig``, ``DistillationConfig`` and ``DPOConfig`` plus the
+settings of token-budget micro-batching (one set of fields, :class:`DynamicBatchFields`, from one settings table; a
+distillation adds its teacher's budget, :class:`DistillationFields`; a DPO run has no generation round,
+:class:`DPOFields`).
 
 Units: *samples* are completions; *tokens* are prompt + completion tokens; *per device* means one process,
 *global* means all processes. TRL's ``generation_batch_size`` keeps its meaning: GLOBAL samples per
@@ -20,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl import DistillationConfig, GRPOConfig, RLOOConfig
+from trl import DistillationConfig, DPOConfig, GRPOConfig, RLOOConfig
 
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
@@ -28,7 +29,9 @@ from hf_dynbsz.planning.settings import config_docstring, defaults_of, setting
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields, validate_grpo_fields
 
 __all__ = [
+    "DPOFields",
     "DistillationFields",
+    "DynamicBatchDPOConfig",
     "DynamicBatchDistillationConfig",
     "DynamicBatchFields",
     "DynamicBatchGRPOConfig",
@@ -138,6 +141,34 @@ class DynamicBatchDistillationConfig(DistillationFields, DistillationConfig):
     pass
 
 
+@dataclass
+class DPOFields(DynamicBatchFields):
+    """The plugin's fields of a DPO run (:class:`DynamicBatchFields`) and their checks: no generation round and no
+    GRPO settings, so after the environment only TRL's own ``DPOConfig.__post_init__`` and the plugin's fields apply;
+    ``max_tokens_per_microbatch_logprob`` is the reference's budget."""
+
+    def _dynbsz_check_and_derive(self) -> None:
+        refuse_dpo_sequence_parallelism(self)
+        super(DynamicBatchFields, self).__post_init__()  # TRL's DPOConfig.__post_init__
+        validate_dynamic_batch_fields(self)
+
+
+@dataclass
+class DynamicBatchDPOConfig(DPOFields, DPOConfig):
+    pass
+
+
+def refuse_dpo_sequence_parallelism(args) -> None:
+    """``sequence_parallel_size`` > 1 on a DPO run: refused before any work (a pair's loss is computed in one pass of
+    whole rows)."""
+    size = getattr(args, "sequence_parallel_size", 1) or 1
+    if int(size) > 1:
+        raise ValueError(
+            f"sequence_parallel_size={size}: DynamicBatchDPOTrainer does not run sequence parallelism (a pair's loss "
+            "is computed from whole rows in one pass). Set sequence_parallel_size=1."
+        )
+
+
 def refuse_distillation_sequence_parallelism(args) -> None:
     """``sequence_parallel_size`` > 1 on a distillation: refused before any work (the teacher's passes are not
     sharded); stock's own ``parallelism_config`` check (TRL's ``__post_init__``) refuses ``sp_size``."""
@@ -230,6 +261,9 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
         if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
+        elif trainer == "dpo":  # no generation round, no GRPO settings (see DPOFields)
+            refuse_dpo_sequence_parallelism(args)
+            validate_dynamic_batch_fields(args)
         else:
             _rederive_and_validate(args, previous)
     except ValueError as error:  # name the DIFFU_* variables behind the values
@@ -275,6 +309,7 @@ def _config_doc(trainer: str) -> str:
 DynamicBatchGRPOConfig.__doc__ = _config_doc("GRPO")
 DynamicBatchRLOOConfig.__doc__ = _config_doc("RLOO")
 DynamicBatchDistillationConfig.__doc__ = _config_doc("Distillation")
+DynamicBatchDPOConfig.__doc__ = _config_doc("DPO")
 
 
 def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, algorithm: str = "GRPO"):
@@ -309,7 +344,9 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
     the run's processes (the planning process is one process, the run may be many).
     """
-    config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
+    config_class = {"distillation": DynamicBatchDistillationConfig, "dpo": DynamicBatchDPOConfig}.get(
+        trainer, DynamicBatchGRPOConfig
+    )
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -323,7 +360,7 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer != "distillation":  # a distillation's round is its optimizer step
+    if trainer not in ("distillation", "dpo"):  # a distillation's round is its optimizer step; DPO generates nothing
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

@@ -212,3 +212,59 @@ def test_a_tree_that_shares_a_position_takes_the_general_walk():
     assert PrefixTree.of_groups([4, 1, 1], [2, 3, 1], [0, 1, 1]).shares_nothing  # a 1-token prompt: nothing shared
     picked = PrefixTree.joined([(PrefixTree.alone([5]), 0), (PrefixTree.alone([5]), 0)])
     assert picked.shares_nothing and picked.length == [5, 5]  # two trees' samples: distinct however equal
+
+
+# ---- groups that always share a pass (a preference pair's chosen and rejected) -----------------------------------
+def pairs_tree(prompts, responses):
+    """Preference pairs: prompt ``prompts[k]`` (a list of tokens) with its two responses ``responses[k]``; samples in
+    pair order (chosen, rejected, ...) and each pair's ``together`` id."""
+    samples = [prompt + response for prompt, pair in zip(prompts, responses) for response in pair]
+    return tree_of(samples), [k for k in range(len(prompts)) for _ in range(2)]
+
+
+def test_together_keeps_units_that_split_no_group():
+    tree, together = pairs_tree([[0] * 6, [1] * 6], [([2] * 3, [3] * 4), ([2] * 2, [3] * 2)])
+    for budget in (5, 13, 100):
+        plain = tree.units(budget)
+        grouped = tree.units(budget, together)
+        whole = [unit for unit in plain if all(s ^ 1 in unit.samples for s in unit.samples)]
+        assert all(unit in grouped for unit in whole)  # a unit holding whole pairs stays as it is
+
+
+def test_pairs_sharing_a_prompt_are_repacked_whole_when_the_prompts_subtree_is_cut():
+    # one prompt of 10 with four pairs; every chosen response opens with 5, every rejected one with 6, so the plain cut
+    # of the prompt's subtree (9 + 2 x (1 + 4 x 6) = 59 tokens) takes the chosen ones apart from the rejected ones
+    responses = [([5, k] + [1] * 4, [6, k] + [1] * 4) for k in range(4)]
+    tree, together = pairs_tree([[0] * 10] * 4, responses)
+    assert tree.tokens() == 59 and tree.units(59, together) == tree.units(59)  # it fits: one unit
+    plain = [unit.samples for unit in tree.units(40)]
+    assert any(len(unit) % 2 or any(s ^ 1 not in unit for s in unit) for unit in plain)  # the plain cut splits pairs
+    units = tree.units(40, together)
+    assert sorted(s for unit in units for s in unit.samples) == list(range(8))
+    for unit in units:
+        assert all(s ^ 1 in unit.samples for s in unit.samples)  # whole pairs
+        assert unit.tokens == tree.tokens(unit.samples) <= 40 and unit.pairs == tree.pairs(unit.samples)
+    assert [unit.tokens for unit in units] == [35, 35]  # two pairs a piece: 9 + 2 x (1 + 2 x 6)
+
+
+def test_a_pair_over_the_budget_is_one_unit_over_the_budget():
+    tree, together = pairs_tree([[0] * 10], [([1] * 8, [2] * 8)])
+    (unit,) = tree.units(12, together)
+    assert unit.samples == (0, 1) and unit.tokens == tree.tokens() == 9 + 2 * 9
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=2, max_size=12), st.data())
+def test_every_group_runs_in_exactly_one_unit(samples, data):
+    tree = tree_of(samples)
+    together = data.draw(st.lists(st.integers(0, 3), min_size=len(samples), max_size=len(samples)))
+    budget = data.draw(st.integers(1, 40))
+    units = tree.units(budget, together)
+    assert sorted(s for unit in units for s in unit.samples) == list(range(len(samples)))
+    where = {s: index for index, unit in enumerate(units) for s in unit.samples}
+    for group in set(together):
+        assert len({where[s] for s, g in enumerate(together) if g == group}) == 1
+    plain = tree.units(budget)
+    for unit in units:  # a unit the plain cut made, or a repacked one: whole groups within the budget, or one group
+        assert unit in plain or unit.tokens == tree.tokens(unit.samples)
+        assert unit in plain or unit.tokens <= budget or len({together[s] for s in unit.samples}) == 1

@@ -668,3 +668,32 @@ def test_step_cost_is_the_cost_of_the_passes_this_scheduler_would_plan(layout):
     )
     assert scheduler.step_cost(lengths, budget) == pytest.approx(expected)
     assert scheduler.step_cost([], budget) == 0.0
+
+
+# ---- groups that always share a pass -------------------------------------------------------------------------
+def test_a_request_carries_its_together_ids_through_the_all_gather():
+    from hf_dynbsz.planning.schedule import StepRequest
+
+    planner = scheduler("padding_free", "varlen")
+    request = planner._request([10, 12, 7, 9], 30, [4, 4, 3, 3], None, None, [0, 0, 1, 1])
+    assert StepRequest.from_values(request.values()) == request
+    plain = planner._request([10, 12], 30, [4, 4], None, None)
+    assert plain.together is None and StepRequest.from_values(plain.values()) == plain
+
+
+def test_balancing_moves_pairs_whole_and_runs_each_pair_in_one_pass():
+    """Pairs (samples 2k and 2k + 1) on two lopsided processes: balancing moves whole pairs, and every pass holds
+    whole pairs, the chosen before the rejected."""
+    planner = scheduler("padding_free", "varlen", balance_across_ranks=True)
+    lengths = [[300, 280, 310, 290, 305, 295, 200, 210], [20, 25, 30, 22, 28, 24, 26, 21]]
+    together = [[k // 2 for k in range(len(row))] for row in lengths]
+    prompts = [[1] * len(row) for row in lengths]
+    plans = simulate_processes(planner, lengths, [700, 700], prompts, together=together)
+    assert plans[0].balance.moved > 0
+    for plan in plans:
+        moved = plan.exchange.incoming
+        for group in plan.microbatches:
+            origins = [moved[i] for i in group]
+            pairs = {(origin, index // 2) for origin, index in origins}
+            assert len(origins) == 2 * len(pairs)  # whole pairs
+            assert all(origins[j + 1] == (origins[j][0], origins[j][1] + 1) for j in range(0, len(origins), 2))

@@ -112,18 +112,19 @@ def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPas
     makes the same checks: each step of each is agreed); the result is the first model's, with every model's reasons
     and the layout they all passed, and a sentence on the others' log-probs for the log."""
     alone = [functools.cache(one.alone) for one in passes]
+    other = getattr(executor.loss, "checked_model_name", "teacher")  # the second model's name in the log
     start, passed, reasons, results = 0, set(), [], {}
     while start < len(layouts) and len(passed) < len(passes):
         index = min(set(range(len(passes))) - passed)
         result = _check(executor, layouts[start:], table, passes[index], alone[index], dtype)
-        reasons += [f"{'teacher: ' if index else ''}{reason}" for reason in result.reasons]
+        reasons += [f"{f'{other}: ' if index else ''}{reason}" for reason in result.reasons]
         passed = {index} if result.chosen else passed | {index}
         start += result.chosen
         results[index] = result
     if start >= len(layouts):
         return CheckResult(len(layouts), [], reasons), ""
     others = max(result.errors[-1] for index, result in results.items() if index)
-    note = f" The teacher's log-probs in that layout differ from each sample's own by {others:.1e} at most."
+    note = f" The {other}'s log-probs in that layout differ from each sample's own by {others:.1e} at most."
     return dataclasses.replace(results[0], chosen=start, reasons=reasons), note
 
 

@@ -179,9 +179,12 @@ _LOGGED_AS = {
 _CLIP_FLAGS = ("clip_ratio/low", "clip_ratio/high")
 
 
-def _row_sums(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sums(values, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's value sum and count: a ``(rows,)`` tensor is one value per sequence (counted once), a ``(rows,
-    width)`` tensor one per token (summed over ``mask``, its tokens counted)."""
+    width)`` tensor one per token (summed over ``mask``, its tokens counted), a ``(sums, counts)`` pair of ``(rows,)``
+    tensors each row's own (DPO's pair metrics: a pair's values on its chosen row, counted once)."""
+    if isinstance(values, tuple):
+        return values[0].detach().float(), values[1].detach().float()
     values = values.detach().float()
     if values.dim() == 1:
         return values, torch.ones_like(values)

@@ -77,6 +77,10 @@ class SequenceTable:
     #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like
     #: text, and until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
+    #: one id per sample; samples of equal ids always share a training pass (a preference pair's chosen and
+    #: rejected, whose loss is one function of both: :meth:`hf_dynbsz.planning.prefix_tree.PrefixTree.units`); None:
+    #: no such groups
+    together: list[int] | None = None
     #: ``(N,)`` long, CPU: per sample, the width its LongRoPE factors are picked by
     #: (:func:`~hf_dynbsz.planning.model_support.rope_width` of the padded width of stock's micro-batch that holds it;
     #: :mod:`hf_dynbsz.execution.rope`); None for a model without LongRoPE
@@ -311,6 +315,13 @@ class SequenceTable:
             ]
             for name in sorted(names)
         }
+        together = None
+        if any(table.together is not None for table in tables):  # each table's groups, numbered apart
+            together, offset = [], 0
+            for table in tables:
+                ids = table.together if table.together is not None else range(len(table))
+                together += [offset + int(group) for group in ids]
+                offset = max(together, default=-1) + 1
         widths = None
         if any(table.rope_widths is not None for table in tables):
             widths = torch.cat(
@@ -325,6 +336,7 @@ class SequenceTable:
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
             media=media,
             token_fields=fields or None,
+            together=together,
             rope_widths=widths,
         )
 

@@ -72,14 +72,19 @@ def _zero_stage(zero_stage: int | None, args: Any) -> int | None:
 
 
 #: The trainers a plan knows: their stock trainer's name (the table says what dynamic_batching=False gives).
-STOCK_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "distillation": "DistillationTrainer"}
+STOCK_TRAINERS = {
+    "grpo": "GRPOTrainer",
+    "rloo": "RLOOTrainer",
+    "distillation": "DistillationTrainer",
+    "dpo": "DPOTrainer",
+}
 
 
 def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dict[str, Any]:
     """The batch sizes of ``args`` on ``num_processes`` processes, converted and checked, with the generation round
     derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`). A distillation
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
-    if trainer == "distillation":
+    if trainer in ("distillation", "dpo"):  # (a DPO step's pairs come from the dataset, no generation)
         return _distillation_settings(args, num_processes)
     settings = _step_settings(args, num_processes) | {
         "num_generations": coerce_int(

@@ -99,6 +99,11 @@ def _budget_all(name: str) -> Callable[[Plan], str]:
 def _train_budget_meaning(plan: Plan) -> str:
     if plan.max_tokens_per_microbatch is not None:
         return setting("max_tokens_per_microbatch").summary
+    if plan.trainer == "dpo":  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
+        return (
+            f"tokens per training micro-batch; auto = 2 x {plan.per_device_train_batch_size} rows x the longest "
+            "prompt + response of stock's micro-batch"
+        )
     return (
         f"tokens per training micro-batch; auto = {plan.per_device_train_batch_size} x (longest prompt + "
         "longest completion) per generation batch"
@@ -107,6 +112,8 @@ def _train_budget_meaning(plan: Plan) -> str:
 
 def _logprob_budget_meaning(plan: Plan) -> str:
     default = "; default 2 x training budget" if plan.max_tokens_per_microbatch_logprob is None else ""
+    if plan.trainer == "dpo":
+        return "tokens per no-grad reference micro-batch (the reference model's log-probs)" + default
     return setting("max_tokens_per_microbatch_logprob").summary + default
 
 
@@ -141,8 +148,23 @@ def _router_meaning(plan: Plan) -> str:
 
 
 def _grpo_round(plan: Plan) -> bool:
-    """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1)."""
-    return plan.trainer != "distillation"
+    """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; a DPO run
+    generates nothing)."""
+    return plan.trainer not in ("distillation", "dpo")
+
+
+def _generates(plan: Plan) -> bool:
+    """Rows of generation (a DPO run's pairs come from its dataset)."""
+    return plan.trainer != "dpo"
+
+
+def _dpo(plan: Plan) -> bool:
+    return plan.trainer == "dpo"
+
+
+def _logprob_rows(plan: Plan) -> bool:
+    """The log-prob budget's row: GRPO's and RLOO's no-grad passes, a DPO run's reference passes."""
+    return _grpo_round(plan) or _dpo(plan)
 
 
 def _distillation(plan: Plan) -> bool:
@@ -205,6 +227,15 @@ PLAN_ROWS: tuple[Row, ...] = (
         _attr("per_device_samples_per_optimizer_step"),
         _attr("global_samples_per_optimizer_step"),
         "per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+        when=_generates,
+    ),
+    Row(
+        "pairs per optimizer step",
+        _attr("per_device_samples_per_optimizer_step"),
+        _attr("global_samples_per_optimizer_step"),
+        "preference pairs: per_device_train_batch_size x gradient_accumulation_steps (x processes); a pair's chosen "
+        "and rejected sequences run in one pass under one copy of their prompt",
+        when=_dpo,
     ),
     Row(
         "prompts per optimizer step",
@@ -257,12 +288,19 @@ PLAN_ROWS: tuple[Row, ...] = (
         "one completion per prompt, generated once per optimizer step (a distillation's round is its step)",
         when=_distillation,
     ),
-    Row("per_device_generation_batch_size", _chunk, "-", setting("per_device_generation_batch_size").summary),
+    Row(
+        "per_device_generation_batch_size",
+        _chunk,
+        "-",
+        setting("per_device_generation_batch_size").summary,
+        when=_generates,
+    ),
     Row(
         "generation chunks",
         _attr("generation_chunks_per_device"),
         "-",
         "generate calls per device per generation round",
+        when=_generates,
     ),
     Row(
         "tensor_batch_size",
@@ -281,7 +319,7 @@ PLAN_ROWS: tuple[Row, ...] = (
         _budget("effective_max_tokens_per_microbatch_logprob", "2 x auto"),
         _budget_all("effective_max_tokens_per_microbatch_logprob"),
         _logprob_budget_meaning,
-        when=_grpo_round,
+        when=_logprob_rows,
     ),
     Row(
         "max_tokens_per_microbatch_teacher",

@@ -221,13 +221,15 @@ class StepSchedule:
 @dataclass(frozen=True)
 class StepRequest:
     """What one process brings to the scheduling of a step: its samples' ``prompts`` and ``completions`` (tokens),
-    the prefix ``tree`` the samples share positions by (:meth:`Scheduler._tree`; every sample alone without sharing)
-    and its ``budget`` (tokens per pass)."""
+    the prefix ``tree`` the samples share positions by (:meth:`Scheduler._tree`; every sample alone without sharing),
+    its ``budget`` (tokens per pass) and ``together`` (one id per sample, equal ids always in one pass: a preference
+    pair's chosen and rejected; None: no such groups)."""
 
     prompts: list[int]
     completions: list[int]
     tree: PrefixTree
     budget: int
+    together: list[int] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -236,16 +238,19 @@ class StepRequest:
 
     def values(self) -> list[int]:
         """What the process contributes to the all-gather of cross-rank balancing: the budget, the sample count, each
-        sample's prompt and completion, then its prefix tree (:meth:`PrefixTree.encode`)."""
+        sample's prompt and completion, its prefix tree (:meth:`PrefixTree.encode`), then its ``together`` ids (if
+        any)."""
         shapes = [v for sample in zip(self.prompts, self.completions) for v in sample]
-        return [self.budget, len(self.prompts), *shapes, *self.tree.encode()]
+        return [self.budget, len(self.prompts), *shapes, *self.tree.encode(), *(self.together or [])]
 
     @classmethod
     def from_values(cls, values: Sequence[int]) -> StepRequest:
         """The request of a process from its :meth:`values`."""
         count = values[1]
         shapes = values[2 : 2 + 2 * count]
-        return cls(list(shapes[0::2]), list(shapes[1::2]), PrefixTree.decode(values[2 + 2 * count :])[0], values[0])
+        tree, taken = PrefixTree.decode(values[2 + 2 * count :])
+        together = [int(v) for v in values[2 + 2 * count + taken :]] or None
+        return cls(list(shapes[0::2]), list(shapes[1::2]), tree, values[0], together)
 
 
 @dataclass(frozen=True)
@@ -418,13 +423,16 @@ class Scheduler:
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
         tree: PrefixTree | None = None,
+        together: Sequence[int] | None = None,
     ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
         ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``sharing`` is
         on, ``tree`` (the samples' :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`) or else ``groups`` (one id
         per sample, equal ids = identical prompt tokens: the prompt-group rule) says which positions samples share
-        within a pass. Every process calls this with its own samples at the same point of the step.
+        within a pass. ``together`` (one id per sample): samples of equal ids always share a pass (a preference pair's
+        chosen and rejected; :meth:`PrefixTree.units`). Every process calls this with its own samples at the same point
+        of the step.
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
         sample's lengths and prefix tree lets every process compute the same assignment of units to processes
@@ -433,7 +441,7 @@ class Scheduler:
         :func:`simulate_processes` runs the same phases for every simulated process, each collective computed
         directly over the processes' values.
         """
-        request = self._request(lengths, budget, prompt_lengths, groups, tree)
+        request = self._request(lengths, budget, prompt_lengths, groups, tree, together)
         if self._balances(self.group.num_processes):
             agreed = self._balancing(self.group.all_gather(request.values()))
             return self._balanced_schedule(agreed, self.group.rank, kind)
@@ -447,12 +455,18 @@ class Scheduler:
         prompt_lengths: Sequence[int] | None,
         groups: Sequence[int] | None,
         tree: PrefixTree | None = None,
+        together: Sequence[int] | None = None,
     ) -> StepRequest:
         """What this process brings to the step's scheduling (:meth:`plan`'s arguments, as integers and a tree)."""
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        return StepRequest(prompts, completions, self._tree(prompts, completions, groups, tree), budget)
+        if together is not None:
+            together = [int(group) for group in together]
+            if len(together) != len(lengths):
+                raise ValueError(f"together has {len(together)} ids for {len(lengths)} samples")
+        tree = self._tree(prompts, completions, groups, tree)
+        return StepRequest(prompts, completions, tree, budget, together if together else None)
 
     def _tree(
         self, prompts: list[int], completions: list[int], groups: Sequence[int] | None, tree: PrefixTree | None
@@ -473,7 +487,7 @@ class Scheduler:
 
     def _lockstep(self, request: StepRequest) -> _Lockstep:
         """This process's part of a step without balancing, up to the all-reduce of :meth:`_Lockstep.values`."""
-        units = request.tree.units(request.budget)
+        units = request.tree.units(request.budget, request.together)
         longest_oversize = self._longest_oversize(request.lengths, units, request.budget)
         return _Lockstep(request, units, self._passes_needed(units, request.budget), longest_oversize)
 
@@ -495,7 +509,7 @@ class Scheduler:
         process order."""
         requests = [StepRequest.from_values(values) for values in gathered]
         budget = max(request.budget for request in requests)  # automatic budgets differ: the largest is stock's bound
-        units = [r.tree.units(budget) for r in requests]
+        units = [r.tree.units(budget, r.together) for r in requests]
         over = []
         if self.oversize_policy == "error":
             over = [self._longest_oversize(r.lengths, u, budget) for r, u in zip(requests, units)]
@@ -710,9 +724,11 @@ def simulate_processes(
     kind: str = "training",
     groups: Sequence[Sequence[int]] | None = None,
     trees: Sequence[PrefixTree] | None = None,
+    together: Sequence[Sequence[int]] | None = None,
 ) -> list:
     """The schedules ``len(lengths)`` processes would compute, each from its own ``lengths`` and budget
-    (``groups`` / ``trees``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree``).
+    (``groups`` / ``trees`` / ``together``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree`` /
+    ``together``).
 
     Runs the phases of :meth:`Scheduler.plan` for every simulated process in turn, in this thread: each process's
     part up to the collective, the collective computed directly over every process's values (what it returns on
@@ -732,6 +748,7 @@ def simulate_processes(
             prompts,
             None if groups is None else groups[rank],
             None if trees is None else trees[rank],
+            None if together is None else together[rank],
         )
         return request if balanced else scheduler._lockstep(request)
 

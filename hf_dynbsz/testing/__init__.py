@@ -17,6 +17,8 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.engines`: what a multi-process run's engine did with the parameters (recorded by the
   worker: sharded or whole, per process) against what its accelerate config asks for, and a model's whole parameters;
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.preference`: preference pairs (lengths from ranges or a long tail, a system block shared
+  across pairs, several pairs per prompt) and one DPO run of stock's trainer or the plugin's;
 * :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
   begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
@@ -112,6 +114,7 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, dpo_config, dpo_run, preference_pairs
 from hf_dynbsz.testing.prefixes import (
     PREFIX_STRUCTURES,
     PrefixRollout,
@@ -138,6 +141,11 @@ from hf_dynbsz.testing.vision import (
 from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_standin
 
 __all__ = [
+    "DPO_COMPARISON_FIELDS",
+    "DPO_PLUGIN_FIELDS",
+    "dpo_config",
+    "dpo_run",
+    "preference_pairs",
     "unique_tokens",
     "PREFIX_STRUCTURES",
     "PrefixRollout",

@@ -67,6 +67,8 @@ class TokenBudgetHooks:
     _dynbsz_config_class: type
     _dynbsz_loss_class: type
     _dynbsz_algorithm: str  # stock's default output directory is <model>-<algorithm>
+    #: whether a dataset too small for one generation round is refused (a DPO run has none: stock trains any size)
+    _dynbsz_refuses_small_datasets = True
 
     def _dynbsz_arguments(self, stock_init: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Stock's constructor arguments, with the plugin's config fields filled in before TRL reads them."""
@@ -77,7 +79,7 @@ class TokenBudgetHooks:
         bound.arguments["args"] = trainer_config(
             bound.arguments.get("args"), bound.arguments["model"], self._dynbsz_config_class, self._dynbsz_algorithm
         )
-        if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
+        if self._dynbsz_refuses_small_datasets and hasattr(bound.arguments.get("train_dataset"), "__len__"):
             validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
         return bound.args[1:], bound.kwargs
 
