@@ -1,6 +1,6 @@
 """GRPO with token-budget micro-batches: TRL's GRPO example script, on ``DynamicBatchGRPOTrainer``.
 
-**No arguments: an offline demo** (nothing is downloaded; 1-2 minutes on 2 CPU cores)::
+**No arguments: an offline demo** (nothing is downloaded; about a minute and a half on an idle CPU core)::
 
     python examples/grpo.py
 

@@ -1,5 +1,5 @@
-"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer and AsyncGRPOTrainer,
-with exactly stock TRL's training math.
+"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer, DPOTrainer and
+AsyncGRPOTrainer, with exactly stock TRL's training math.
 
 Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
@@ -8,10 +8,11 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
 * :mod:`hf_dynbsz.execution`: the torch layer (step batch, packing, segment attention, tiling, loss weights, router
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
-* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``),
-  :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``) and :mod:`hf_dynbsz.trainers`
-  (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``, ``DynamicBatchDistillationTrainer``,
-  ``DynamicBatchAsyncGRPOTrainer``, one module each): TRL's hooks over the executor;
+* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
+  ``DynamicBatchDPOConfig``), :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``) and
+  :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
+  ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
+  TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
   oracles and process tools shared by tests, benchmarks and examples).
@@ -31,6 +32,7 @@ _LAZY = {
     "DynamicBatchGRPOConfig": "hf_dynbsz.config",
     "DynamicBatchRLOOConfig": "hf_dynbsz.config",
     "DynamicBatchDistillationConfig": "hf_dynbsz.config",
+    "DynamicBatchDPOConfig": "hf_dynbsz.config",
     "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.async_config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
@@ -44,6 +46,7 @@ _LAZY = {
     "DynamicBatchGRPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchRLOOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
 }
 

@@ -1,12 +1,12 @@
 """Every private or internal name of TRL, transformers and accelerate the plugin touches, in one list.
 
-TRL's private ``GRPOTrainer``, ``RLOOTrainer`` and ``DistillationTrainer`` hooks change between releases. The
-plugin keeps its overrides few, and this module lists each name it overrides, calls, reads or writes that is not
-public API, with the reason. The test suite (``tests/test_trl_compat.py``) checks that every name still exists in the
-installed versions (and that each method still takes the parameters we pass), so a TRL upgrade fails one clear test
-instead of a deep traceback; it also checks that the plugin's code touches no private name missing from this list.
-For the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with
-stock's signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
+TRL's private ``GRPOTrainer``, ``RLOOTrainer``, ``DistillationTrainer`` and ``DPOTrainer`` hooks change between
+releases. The plugin keeps its overrides few, and this module lists each name it overrides, calls, reads or writes that
+is not public API, with the reason. The test suite (``tests/test_trl_compat.py``) checks that every name still exists in
+the installed versions (and that each method still takes the parameters we pass), so a TRL upgrade fails one clear test
+instead of a deep traceback; it also checks that the plugin's code touches no private name missing from this list. For
+the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengths` compare the override with stock's
+signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
 (``docs/trl-compatibility.md``).
 
 :data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
@@ -222,6 +222,28 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "writes",
         "tensor_batch_size: vocabulary columns per tile of the distillation divergence",
     ),
+    # ---- DPOTrainer: the step hook (training_step, public) and what its loss and metrics read and write
+    InternalName(
+        "trl.DPOTrainer",
+        "_prepare_inputs",
+        "calls",
+        "each collated micro-batch moved to the device (transformers' Trainer's), as stock training_step does",
+    ),
+    InternalName("trl.DPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
+    InternalName("trl.DPOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
+    InternalName(
+        "trl.DPOTrainer instance",
+        "_total_train_tokens",
+        "writes",
+        "the num_tokens metric: every process's real tokens of the step added once per step, as stock adds them",
+    ),
+    InternalName("trl.DPOTrainer instance", "_tp_size", "reads", "num_tokens counts a token once per TP group"),
+    InternalName(
+        "trl.DPOTrainer instance",
+        "_is_vision_dataset",
+        "reads",
+        "vision-language pairs train stock's micro-batches (their image inputs are not repacked for DPO)",
+    ),
     # ---- AsyncGRPOTrainer (trl.experimental.async_grpo): hf_dynbsz/trainers/async_grpo.py
     InternalName(
         "trl.experimental.async_grpo.async_grpo_trainer",
@@ -391,6 +413,14 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "segment attention runs each span through the model's own eager function, found next to its attention "
         "module (Llama's checked here; every model of the zoo test exercises its own)",
         ("module", "query", "key", "value", "attention_mask", "scaling", "dropout"),
+    ),
+    InternalName(
+        "transformers.modeling_rope_utils",
+        "dynamic_rope_update",
+        "reads",
+        "execution.rope: a LongRoPE module's forward is this decorator's wrapper, which sets the frequencies of a "
+        "forward by its widest position; the plugin calls it for the short and the long width, and the plain forward "
+        "it wraps (__wrapped__), to give each sample the factors of stock's micro-batch",
     ),
     InternalName(
         "transformers.integrations.flash_attention",

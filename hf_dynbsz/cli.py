@@ -1,12 +1,13 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
-``hf-dynbsz plan [--trainer grpo|distillation|async_grpo] [config options] [--num_processes N]
+``hf-dynbsz plan [--trainer grpo|distillation|dpo|async_grpo] [config options] [--num_processes N]
 [--config_file ACCELERATE_YAML] [--lengths FILE]`` prints the batch-size plan
 (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command: every option of the trainer's config
 (``GRPOConfig``/``DynamicBatchGRPOConfig``, ``DistillationConfig``/``DynamicBatchDistillationConfig`` with ``--trainer
-distillation``, ``AsyncGRPOConfig``/``DynamicBatchAsyncGRPOConfig`` with ``--trainer async_grpo``) is accepted by its
-config name (``--output_dir`` is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it
-also simulates the token-budget micro-batches of a list of sample lengths and compares them with stock TRL's padded
+distillation``, ``DPOConfig``/``DynamicBatchDPOConfig`` with ``--trainer dpo``,
+``AsyncGRPOConfig``/``DynamicBatchAsyncGRPOConfig`` with ``--trainer async_grpo``) is accepted by its config name
+(``--output_dir`` is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also
+simulates the token-budget micro-batches of a list of sample lengths and compares them with stock TRL's padded
 micro-batches.
 
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
@@ -23,94 +24,36 @@ Invalid settings exit with status 2 and the validation message on stderr (no tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hf_dynbsz.planning.coerce import parse_int
+from hf_dynbsz.plan_inputs import (
+    attn_implementation_of,
+    checked_shared_prefix,
+    planned_num_processes,
+    read_accelerate_config,
+    read_model_config,
+    zero_stage_from_deepspeed_json,
+)
 from hf_dynbsz.planning.model_support import ModelSupport, router_aux_loss_coef
 from hf_dynbsz.planning.schedule import Scheduler
-from hf_dynbsz.planning.simulation import processes_as_dict, read_lengths, simulate, simulation_as_dict
+from hf_dynbsz.planning.simulation import (
+    processes_as_dict,
+    read_lengths,
+    read_pair_lengths,
+    simulate,
+    simulation_as_dict,
+)
 from hf_dynbsz.planning.simulation_table import render_processes, render_simulation
 
-__all__ = ["main", "read_accelerate_config", "read_lengths"]
+__all__ = ["main"]
 
 _PROG = "hf-dynbsz"
 _EXIT_USAGE = 2
-
-
-class UsageError(ValueError):
-    """A problem with the user's input (file, setting): reported on stderr with exit status 2."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------------------------
-
-
-def read_accelerate_config(path: str) -> dict[str, Any]:
-    """``num_processes``, ``num_machines``, ``mixed_precision`` and the DeepSpeed ``zero_stage`` of an ``accelerate``
-    YAML file.
-
-    Keys absent from the file are absent from the result. ``num_processes`` is accelerate's total over all
-    machines. The ZeRO stage comes from ``deepspeed_config.zero_stage``, or from the ``zero_optimization.stage`` of
-    the JSON file named by ``deepspeed_config.deepspeed_config_file``.
-    """
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-    except OSError as error:
-        raise UsageError(f"cannot read --config_file {path!r}: {error.strerror or error}") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"--config_file {path!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config_file {path!r} must be a YAML mapping (an accelerate config file).")
-    result: dict[str, Any] = {}
-    for key in ("num_processes", "num_machines"):
-        if data.get(key) is not None:
-            result[key] = data[key]
-    if data.get("mixed_precision") is not None:
-        precision = data["mixed_precision"]
-        result["mixed_precision"] = "no" if precision is False else str(precision)  # YAML 1.1 reads `no` as False
-    deepspeed = data.get("deepspeed_config") or {}
-    if isinstance(deepspeed, dict):
-        if deepspeed.get("zero_stage") is not None:
-            result["zero_stage"] = deepspeed["zero_stage"]
-        elif deepspeed.get("deepspeed_config_file"):
-            stage = _zero_stage_from_deepspeed_json(deepspeed["deepspeed_config_file"])
-            if stage is not None:
-                result["zero_stage"] = stage
-    return result
-
-
-def _zero_stage_from_deepspeed_json(path: str) -> int | None:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise UsageError(f"cannot read DeepSpeed config {path!r}: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"DeepSpeed config {path!r} is not valid JSON: {error}") from None
-    stage = (data.get("zero_optimization") or {}).get("stage") if isinstance(data, dict) else None
-    return stage if isinstance(stage, int) else None
-
-
-def _attn_implementation(namespace: argparse.Namespace) -> str | None:
-    if namespace.attn_implementation:
-        return namespace.attn_implementation
-    kwargs = getattr(namespace, "model_init_kwargs", None)
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError:
-            return None
-    if isinstance(kwargs, dict):
-        return kwargs.get("attn_implementation")
-    return None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -119,7 +62,7 @@ def _attn_implementation(namespace: argparse.Namespace) -> str | None:
 
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
-PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "async_grpo": "AsyncGRPO"}
+PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "async_grpo": "AsyncGRPO"}
 
 
 def _planned_trainer(argv: list[str]) -> str:
@@ -168,9 +111,11 @@ def _add_planning_arguments(group) -> None:
         default="grpo",
         help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
         "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
-        "optimizer step, and the teacher's budget) or async_grpo (DynamicBatchAsyncGRPOTrainer: a vLLM server "
-        "generates continuously; an optimizer step takes per_device_train_batch_size x gradient_accumulation_steps x "
-        "processes samples of its queue, token_budget the tokens per pass). Default: grpo.",
+        "optimizer step, and the teacher's budget), dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
+        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair) or async_grpo "
+        "(DynamicBatchAsyncGRPOTrainer: a vLLM server generates continuously; an optimizer step takes "
+        "per_device_train_batch_size x gradient_accumulation_steps x processes samples of its queue, token_budget the "
+        "tokens per pass). Default: grpo.",
     )
     group.add_argument(
         "--num_processes",
@@ -187,7 +132,8 @@ def _add_planning_arguments(group) -> None:
         "--lengths",
         default=None,
         help="File of sample lengths in tokens (one integer per line, 'PROMPT COMPLETION' per line, or a JSON "
-        "list of integers or [prompt, completion] pairs): simulate the micro-batches of one device.",
+        "list of integers or [prompt, completion] pairs; with --trainer dpo 'PROMPT CHOSEN REJECTED' per pair): "
+        "simulate the micro-batches of one device.",
     )
     group.add_argument(
         "--shared_prefix",
@@ -230,39 +176,6 @@ def _add_planning_arguments(group) -> None:
     )
 
 
-def _read_model_config(path: str):
-    """The transformers config of a model directory or ``config.json`` file (workload model, layout, images)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--model_config {path!r}: not a model directory or config.json file ({error}).") from None
-
-
-def _num_processes(namespace: argparse.Namespace, launcher: dict[str, Any]) -> int:
-    """The world size to plan for: ``--num_processes``, else the accelerate file's (all machines), else 1."""
-    if namespace.num_processes is not None:
-        value, where = namespace.num_processes, "--num_processes"
-    elif launcher.get("num_processes") is not None:
-        value, where = launcher["num_processes"], f"num_processes of --config_file {namespace.config_file!r}"
-    else:
-        return 1
-    if parse_int(value, strings=False) is None or value < 1:
-        raise UsageError(
-            f"{where} must be a positive integer (data-parallel processes over all machines), got "
-            f"{value!r}: give the number of devices the run uses, e.g. 8 for one node of 8 GPUs."
-        )
-    machines = launcher.get("num_machines", 1)
-    if namespace.num_processes is None and (not isinstance(machines, int) or machines < 1 or value % machines):
-        raise UsageError(
-            f"num_processes={value} of --config_file {namespace.config_file!r} is not a multiple of its "
-            f"num_machines={machines!r}: accelerate's num_processes counts every process on every "
-            "machine (e.g. 2 machines x 8 GPUs = 16)."
-        )
-    return value
-
-
 def _memory_rows(
     namespace: argparse.Namespace,
     model_config,
@@ -288,7 +201,7 @@ def _memory_rows(
     memory = MemoryModel.from_config(
         config,
         limit,
-        teacher_config=_read_model_config(teacher) if teacher else None,
+        teacher_config=read_model_config(teacher) if teacher else None,
         activation_bytes=2 if half else 4,
         gradient_checkpointing=bool(getattr(namespace, "gradient_checkpointing", False)),
         tensor_batch_size=namespace.tensor_batch_size,
@@ -319,17 +232,33 @@ def _planned_layouts(namespace, support: ModelSupport, attn_implementation: str 
     return layouts, layouts[0].name if decided else None
 
 
-def _shared_prefix(namespace, lengths) -> int:
-    """``--shared_prefix``, checked against the lengths: a block of tokens shorter than every prompt given."""
-    shared = namespace.shared_prefix
-    shortest = min((prompt for _, prompt, _ in lengths if prompt is not None), default=None)
-    if shared < 0 or (shared and (shortest is None or shortest < shared)):
-        raise UsageError(
-            f"--shared_prefix must be a number of tokens every prompt begins with, at most the shortest prompt of "
-            f"--lengths ({shortest if shortest is not None else 'none given: use PROMPT COMPLETION lines'}), got "
-            f"{shared}."
-        )
-    return shared
+@dataclasses.dataclass
+class _Planned:
+    """What ``hf-dynbsz plan`` prints: the plan, and with ``--lengths`` the scheduler and each simulated step."""
+
+    plan: Any
+    scheduler: Scheduler | None
+    steps: list | None
+    totals_only: bool  # lengths without prompt/completion parts: the simulation shows totals only
+    layout_note: str
+
+
+def _run_plan(argv: list[str]) -> int:
+    namespace = _plan_parser(_planned_trainer(argv)).parse_args(argv)  # usage errors exit with status 2
+    try:
+        planned = _plan(namespace)
+    except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
+        print(f"{_PROG} plan: error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+    print(_as_json(planned) if namespace.json else _as_tables(planned))
+    return 0
+
+
+def _lengths(namespace: argparse.Namespace):
+    """The samples of ``--lengths`` (a DPO run's: two per pair), or None."""
+    if not namespace.lengths:
+        return None
+    return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
 
 
 def _check_settings(namespace) -> None:
@@ -347,81 +276,80 @@ def _check_settings(namespace) -> None:
     validate_dynamic_batch_fields(namespace)
 
 
-def _run_plan(argv: list[str]) -> int:
-    parser = _plan_parser(_planned_trainer(argv))
-    namespace = parser.parse_args(argv)  # usage errors exit with status 2
-
+def _plan(namespace: argparse.Namespace) -> _Planned:
+    """The plan of ``namespace`` (the user's raw values), checked as training checks it, and the simulated steps."""
     from hf_dynbsz.config import check_as_training
     from hf_dynbsz.planning.env import with_env_sources
     from hf_dynbsz.planning.plan import BatchSizePlan
 
+    launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
+    num_processes = planned_num_processes(namespace, launcher)
+    zero_stage = launcher.get("zero_stage")
+    if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
+        zero_stage = zero_stage_from_deepspeed_json(namespace.deepspeed)
+    _check_settings(namespace)
+    attn_implementation = attn_implementation_of(namespace)
+    model_config = read_model_config(namespace.model_config) if namespace.model_config else None
+    support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
+    layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
+    lengths = _lengths(namespace)
+    mixed_precision = launcher.get("mixed_precision")
+    memory_rows = _memory_rows(
+        namespace, model_config, attn_implementation, lengths, num_processes, zero_stage, mixed_precision
+    )
+    router_aux_coef = router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
     try:
-        launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
-        num_processes = _num_processes(namespace, launcher)
-        zero_stage = launcher.get("zero_stage")
-        if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
-            zero_stage = _zero_stage_from_deepspeed_json(namespace.deepspeed)
-        _check_settings(namespace)
-        attn_implementation = _attn_implementation(namespace)
-        model_config = _read_model_config(namespace.model_config) if namespace.model_config else None
-        support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
-        layouts, shown_layout = _planned_layouts(namespace, support, attn_implementation)
-        lengths = read_lengths(namespace.lengths) if namespace.lengths else None
-        memory_rows = _memory_rows(
+        plan = BatchSizePlan.from_args(
             namespace,
-            model_config,
-            attn_implementation,
-            lengths,
-            num_processes,
-            zero_stage,
-            launcher.get("mixed_precision"),
+            num_processes=num_processes,
+            zero_stage=zero_stage,
+            mixed_precision=mixed_precision,
+            layout=shown_layout,
+            vision_language=support.vision_language,
+            router_aux=support.router_aux_mode(router_aux_coef),
+            memory_rows=memory_rows,
+            trainer=namespace.trainer,
         )
-        try:
-            plan = BatchSizePlan.from_args(
-                namespace,
-                num_processes=num_processes,
-                zero_stage=zero_stage,
-                mixed_precision=launcher.get("mixed_precision"),
-                layout=shown_layout,
-                vision_language=support.vision_language,
-                router_aux=support.router_aux_mode(
-                    router_aux_loss_coef(model_config, getattr(namespace, "router_aux_loss_coef", None))
-                ),
-                memory_rows=memory_rows,
-                trainer=namespace.trainer,
-            )
-        except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
-            raise with_env_sources(error, namespace) from None
-        check_as_training(namespace, plan.generation_batch_size, namespace.trainer, _config_class(namespace.trainer))
-        steps = None
-        if lengths is not None:
-            namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
-            scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
-            steps = simulate(plan, scheduler, lengths, _shared_prefix(namespace, lengths))
-        if namespace.json:
-            document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
-            if plan.memory_rows:
-                document["memory"] = {name: value for name, value, _ in plan.memory_rows}
-            if steps is not None:
-                document["layout"] = scheduler.layout
-                multi = plan.num_processes > 1
-                document["steps"] = processes_as_dict(steps) if multi else simulation_as_dict(steps)
-            print(json.dumps(document, indent=1))
-            return 0
-        print(plan.render())
-        if steps is not None and plan.num_processes > 1:
-            print()
-            print(render_processes(plan, scheduler, steps))
-        elif steps is not None:
-            layout_note = ""
-            if namespace.packing_layout == "auto":
-                layout_note = f" (packing_layout auto, attn_implementation {attn_implementation or 'sdpa (default)'})"
-            print()
-            print(render_simulation(plan, scheduler, steps, totals_only=lengths[0][1] is None, layout_note=layout_note))
-    except ValueError as error:  # includes UsageError and partition's OversizeSequenceError
-        print(f"{_PROG} plan: error: {error}", file=sys.stderr)
-        return _EXIT_USAGE
-    return 0
+    except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
+        raise with_env_sources(error, namespace) from None
+    check_as_training(namespace, plan.generation_batch_size, namespace.trainer, _config_class(namespace.trainer))
+    planned = _Planned(plan, None, None, False, "")
+    if lengths is not None:
+        namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
+        planned.scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
+        shared = checked_shared_prefix(namespace, lengths)
+        planned.steps = simulate(plan, planned.scheduler, lengths, shared, pairs=namespace.trainer == "dpo")
+        planned.totals_only = lengths[0][1] is None
+        if namespace.packing_layout == "auto":
+            implementation = attn_implementation or "sdpa (default)"
+            planned.layout_note = f" (packing_layout auto, attn_implementation {implementation})"
+    return planned
+
+
+def _as_json(planned: _Planned) -> str:
+    """One JSON document: the plan, the environment's overrides, the memory rows, each simulated step."""
+    plan = planned.plan
+    document = {"plan": plan.as_dict(), "env_overrides": dict(plan.env_sources)}
+    if plan.memory_rows:
+        document["memory"] = {name: value for name, value, _ in plan.memory_rows}
+    if planned.steps is not None:
+        document["layout"] = planned.scheduler.layout
+        multi = plan.num_processes > 1
+        document["steps"] = processes_as_dict(planned.steps) if multi else simulation_as_dict(planned.steps)
+    return json.dumps(document, indent=1)
+
+
+def _as_tables(planned: _Planned) -> str:
+    """The plan table, and the simulation's tables (one process's, or every process's)."""
+    plan, scheduler, steps = planned.plan, planned.scheduler, planned.steps
+    if steps is None:
+        return plan.render()
+    if plan.num_processes > 1:
+        return f"{plan.render()}\n\n{render_processes(plan, scheduler, steps)}"
+    simulation = render_simulation(
+        plan, scheduler, steps, totals_only=planned.totals_only, layout_note=planned.layout_note
+    )
+    return f"{plan.render()}\n\n{simulation}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

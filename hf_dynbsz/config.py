@@ -1,7 +1,8 @@
-"""``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig`` and ``DynamicBatchDistillationConfig``: TRL's ``GRPOConfig``,
-``RLOOConfig`` and ``DistillationConfig`` plus the settings of token-budget micro-batching (one set of fields,
-:class:`DynamicBatchFields`, from one settings table; a distillation adds its teacher's budget,
-:class:`DistillationFields`).
+"""``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig`` and
+``DynamicBatchDPOConfig``: TRL's ``GRPOConfig``, ``RLOOConfig``, ``DistillationConfig`` and ``DPOConfig`` plus the
+settings of token-budget micro-batching (one set of fields, :class:`DynamicBatchFields`, from one settings table; a
+distillation adds its teacher's budget, :class:`DistillationFields`; a DPO run has no generation round,
+:class:`DPOFields`).
 
 Units: *samples* are completions; *tokens* are prompt + completion tokens; *per device* means one process,
 *global* means all processes. TRL's ``generation_batch_size`` keeps its meaning: GLOBAL samples per
@@ -20,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl import DistillationConfig, GRPOConfig, RLOOConfig
+from trl import DistillationConfig, DPOConfig, GRPOConfig, RLOOConfig
 
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.generation_round import USER_BATCH_SETTINGS_ATTR, resolve_generation_round
@@ -28,7 +29,9 @@ from hf_dynbsz.planning.settings import config_docstring, defaults_of, setting
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields, validate_grpo_fields
 
 __all__ = [
+    "DPOFields",
     "DistillationFields",
+    "DynamicBatchDPOConfig",
     "DynamicBatchDistillationConfig",
     "DynamicBatchFields",
     "DynamicBatchGRPOConfig",
@@ -139,6 +142,23 @@ class DynamicBatchDistillationConfig(DistillationFields, DistillationConfig):
     pass
 
 
+@dataclass
+class DPOFields(DynamicBatchFields):
+    """The plugin's fields of a DPO run (:class:`DynamicBatchFields`) and their checks: no generation round and no
+    GRPO settings, so after the environment only TRL's own ``DPOConfig.__post_init__`` and the plugin's fields apply;
+    ``max_tokens_per_microbatch_logprob`` is the reference's budget."""
+
+    def _dynbsz_check_and_derive(self) -> None:
+        refuse_dpo_sequence_parallelism(self)
+        super(DynamicBatchFields, self).__post_init__()  # TRL's DPOConfig.__post_init__
+        validate_dynamic_batch_fields(self)
+
+
+@dataclass
+class DynamicBatchDPOConfig(DPOFields, DPOConfig):
+    pass
+
+
 def refuse_sequence_parallelism(args, trainer: str, why: str) -> None:
     """``sequence_parallel_size`` > 1 on a trainer that does not run it (``trainer``, for ``why``): refused before any
     work."""
@@ -148,6 +168,14 @@ def refuse_sequence_parallelism(args, trainer: str, why: str) -> None:
             f"sequence_parallel_size={size}: {trainer} does not run sequence parallelism ({why}). Set "
             "sequence_parallel_size=1."
         )
+
+
+def refuse_dpo_sequence_parallelism(args) -> None:
+    """``sequence_parallel_size`` > 1 on a DPO run: refused before any work (a pair's loss is computed in one pass of
+    whole rows)."""
+    refuse_sequence_parallelism(
+        args, "DynamicBatchDPOTrainer", "a pair's loss is computed from whole rows in one pass"
+    )
 
 
 def refuse_distillation_sequence_parallelism(args) -> None:
@@ -240,6 +268,9 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
         if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
+        elif trainer == "dpo":  # no generation round, no GRPO settings (see DPOFields)
+            refuse_dpo_sequence_parallelism(args)
+            validate_dynamic_batch_fields(args)
         else:
             _rederive_and_validate(args, previous)
     except ValueError as error:  # name the DIFFU_* variables behind the values
@@ -285,6 +316,7 @@ def _config_doc(trainer: str) -> str:
 DynamicBatchGRPOConfig.__doc__ = _config_doc("GRPO")
 DynamicBatchRLOOConfig.__doc__ = _config_doc("RLOO")
 DynamicBatchDistillationConfig.__doc__ = _config_doc("Distillation")
+DynamicBatchDPOConfig.__doc__ = _config_doc("DPO")
 
 
 def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, algorithm: str = "GRPO"):
@@ -309,21 +341,21 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
     return args
 
 
-def check_as_training(
-    options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None
-) -> None:
+def check_as_training(options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None) -> None:
     """Build the config training would build from ``options`` (``hf-dynbsz plan``'s parsed namespace of the user's raw
-    values): :class:`DynamicBatchGRPOConfig`, or :class:`DynamicBatchDistillationConfig` for ``trainer``
-    "distillation", or ``config_class`` when given (``hf_dynbsz.async_config.DynamicBatchAsyncGRPOConfig`` for
-    "async_grpo"), so that the planner rejects exactly what training rejects, with training's own messages (one
-    validation, not a copy).
+    values): :class:`DynamicBatchGRPOConfig`, :class:`DynamicBatchDistillationConfig` for ``trainer`` "distillation",
+    :class:`DynamicBatchDPOConfig` for "dpo", or ``config_class`` when given
+    (``hf_dynbsz.async_config.DynamicBatchAsyncGRPOConfig`` for "async_grpo"), so that the planner rejects exactly what
+    training rejects, with training's own messages (one validation, not a copy).
 
     What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
     checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
     the run's processes (the planning process is one process, the run may be many).
     """
     if config_class is None:  # (the asynchronous trainer's config, in hf_dynbsz.async_config, is given by the caller)
-        config_class = DynamicBatchDistillationConfig if trainer == "distillation" else DynamicBatchGRPOConfig
+        config_class = {"distillation": DynamicBatchDistillationConfig, "dpo": DynamicBatchDPOConfig}.get(
+            trainer, DynamicBatchGRPOConfig
+        )
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -337,7 +369,7 @@ def check_as_training(
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer not in ("distillation", "async_grpo"):  # a distillation's round is its step; async has none
+    if trainer not in ("distillation", "dpo", "async_grpo"):  # a distillation's round is its step; DPO, async: none
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

@@ -5,7 +5,7 @@ checkpoint holds one too, so a run that stopped early is read from its latest ch
 markdown table, one row per run (printed, and written with ``--markdown``), and a PNG with one panel per figure
 and one line per run: the reward (mean and std: the first curve to check that a run learns) and the mean completion
 length beside the efficiency figures: padding fraction, tokens per second, peak memory, micro-batches and dummy
-passes per step, and, when the runs logged them, rank imbalance and prompt tokens saved. The typical use is a
+passes per step, and, when the runs logged them, rank imbalance and shared tokens saved. The typical use is a
 ``DIFFU_*`` sweep (``examples/sweep.sh``): which budget gives the most tokens per second within the memory you have.
 
 Pure reading and plotting: no torch, no TRL (matplotlib for the PNG).
@@ -40,8 +40,12 @@ class Run:
     steps: list[dict]
 
     def values(self, metric: str) -> list[tuple[int, float]]:
-        """``(step, value)`` of ``metric`` for the steps that logged it."""
-        return [(entry["step"], float(entry[metric])) for entry in self.steps if entry.get(metric) is not None]
+        """``(step, value)`` of ``metric`` for the steps that logged it (under its name, or a run of an earlier release
+        under its former name, :data:`FORMER_NAMES`)."""
+        found = [
+            (entry["step"], entry.get(metric, entry.get(FORMER_NAMES.get(metric, metric)))) for entry in self.steps
+        ]
+        return [(step, float(value)) for step, value in found if value is not None]
 
     def mean(self, metric: str) -> float | None:
         values = [value for _, value in self.values(metric)]
@@ -97,6 +101,9 @@ def read_run(directory: str | Path, name: str | None = None) -> Run:
     return Run(name or Path(directory).resolve().name, state_file, sorted(steps, key=lambda entry: entry["step"]))
 
 
+#: Metrics renamed, by their name now: the name earlier releases logged them under.
+FORMER_NAMES = {"dynbsz/shared_tokens_saved": "dynbsz/prompt_tokens_saved"}
+
 #: The table's columns: (header, metric, how a run's steps are summarised, format).
 COLUMNS = (
     ("steps", None, None, "d"),
@@ -108,7 +115,7 @@ COLUMNS = (
     ("train s/step", "dynbsz/train_seconds", "mean", ".3f"),
     ("MFU", "dynbsz/mfu", "mean", ".1%"),
     ("rank imbalance", "dynbsz/rank_imbalance_after", "mean", ".3f"),
-    ("prompt tokens saved/step", "dynbsz/prompt_tokens_saved", "mean", ",.0f"),
+    ("shared tokens saved/step", "dynbsz/shared_tokens_saved", "mean", ",.0f"),
     ("reward (last)", "reward", "last", ".3f"),
     ("completion length (mean)", "completions/mean_length", "mean", ",.1f"),
 )
@@ -142,7 +149,7 @@ PANELS = (
         ("dynbsz/microbatches_max_over_ranks", "dynbsz/dummy_passes"),
     ),
     ("rank imbalance (largest process cost / mean)", ("dynbsz/rank_imbalance_after",)),
-    ("prompt tokens saved per step", ("dynbsz/prompt_tokens_saved",)),
+    ("shared tokens saved per step", ("dynbsz/shared_tokens_saved",)),
 )
 
 
@@ -228,7 +235,8 @@ def main(argv: Sequence[str]) -> int:
         plot_runs(runs, options.png)
     except ImportError:
         print(
-            "hf-dynbsz report: PNG not written: matplotlib is not installed (pip install 'hf-dynbsz[report]').",
+            "hf-dynbsz report: PNG not written: matplotlib is not installed (pip install matplotlib, or in a "
+            "checkout of hf-dynbsz: pip install -e '.[report]').",
             file=sys.stderr,
         )
         return 0

@@ -5,7 +5,7 @@ Trains stock ``AsyncGRPOTrainer`` or ``DynamicBatchAsyncGRPOTrainer`` (``--train
 ``async_grpo_dynamic``) from a saved tiny model on scripted rollout samples (:func:`hf_dynbsz.testing.async_grpo_run`:
 the stand-in rollout worker on the main process, the no-op weight transfer, stock's tree kernel in plain torch) and
 writes each rank's record (every logged metric, the plugin's ``dynbsz/*`` figures, what the engine did to the
-parameters) and, from rank 0, the final (gathered) parameters.
+parameters: :func:`~hf_dynbsz.testing.engine_record`) and, from rank 0, the final (gathered) parameters.
 
 ``--scenarios`` (JSON, ``{"name": {"flag": value, ...}, ...}``) trains once per named set of flags in the same launch
 (files suffixed ``.name``): a launch's start-up costs more than a tiny run. The flags (:data:`FLAGS`): ``per_device``
@@ -22,13 +22,14 @@ import json
 import os
 
 import torch
-from distributed_grpo import gathered_parameters
 
 from hf_dynbsz.testing import (
     ASYNC_UNCOMPARED,
     RolloutScript,
     async_grpo_run,
+    engine_record,
     fsdp_on_cpu,
+    gathered_parameters,
     logged_metrics,
     quiet_worker,
     save_tiny_model,
@@ -51,26 +52,6 @@ def model_directory(model_dir: str, architecture: str | None, out: str) -> str:
         if state.is_main_process:
             save_tiny_model(directory, architecture=architecture)
     return directory
-
-
-def engine_facts(trainer) -> dict:
-    """What the engine did to the parameters: FSDP2's DTensor shards; ZeRO-3's partitions (every parameter managed
-    by stage 3, this process's partitions holding less than the whole model: the tiny model's parameters are below
-    the persistence threshold, so they also stay gathered between calls); the wrapper class."""
-    from torch.distributed.tensor import DTensor
-
-    wrapped = trainer.model_wrapped
-    parameters = list(trainer.accelerator.unwrap_model(wrapped).parameters())
-    managed = all(hasattr(p, "ds_id") for p in parameters)
-    stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
-    return {
-        "distributed_type": str(trainer.accelerator.distributed_type),
-        "wrapper": type(wrapped).__name__,
-        "fsdp_sharded": all(isinstance(p, DTensor) for p in parameters),
-        "zero3_partitioned": stage == 3
-        and managed
-        and sum(p.ds_tensor.numel() for p in parameters) < sum(p.ds_numel for p in parameters),
-    }
 
 
 def train(trainer: str, model_dir: str, out: str, flags: dict) -> None:
@@ -100,14 +81,15 @@ def train(trainer: str, model_dir: str, out: str, flags: dict) -> None:
     )
     accelerator = run.trainer.accelerator
     history = run.trainer.state.log_history
+    unwrapped = accelerator.unwrap_model(run.trainer.model_wrapped)
     record = {
         "rank": accelerator.process_index,
         "logged": logged_metrics(history, ASYNC_UNCOMPARED),
         "metrics": [entry for entry in history if "dynbsz/microbatches" in entry],
-        "engine": engine_facts(run.trainer),
+        "engine": engine_record(accelerator, unwrapped),
         "weight_syncs": run.transfer.syncs,
     }
-    params = gathered_parameters(run.trainer)
+    params = gathered_parameters(unwrapped)  # ZeRO-3 partitions, FSDP2 shards: every process takes part
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as handle:
         json.dump(record, handle)
     if accelerator.is_main_process:

@@ -24,7 +24,11 @@ that receives them, the samples that cross-rank balancing moved (their advantage
 teacher hidden states): a check that the comparison with stock would catch a sample that lost what belongs to it.
 ``--save_steps``, ``--kill_at`` and ``--resume`` make a killed-and-restarted run: checkpoints every N steps, a process
 killed mid-step, the relaunch resumed from the latest checkpoint. Under FSDP (real on CPU processes too:
-:func:`~hf_dynbsz.testing.fsdp_on_cpu`) the final parameters are gathered from every process's shards.
+:func:`~hf_dynbsz.testing.fsdp_on_cpu`) and ZeRO-3 the parameters are gathered from every process's shards: the
+initial ones (before training: ``<out>.initial.pt``; a resumed run's are the model's, before its first step) and the
+final ones (``<out>.params.pt``). Each rank's record holds its ``engine``
+(:func:`~hf_dynbsz.testing.engine_record`: accelerate's distributed type, the parameters sharded or whole), which the
+tests check against the launch's config.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ from hf_dynbsz.testing import (
     build_trainer,
     distillation_config,
     distillation_trainer,
+    engine_record,
     fsdp_on_cpu,
+    gathered_parameters,
     image_prompt_dataset,
     load_tokenizer,
     logged_metrics,
@@ -369,6 +375,7 @@ def train_distillation(cli, loss_type: str, out: str):
         cli.trainer, out, model_dir=cli.model_dir, teacher=cli.teacher_dir, rollout=scripted_rollout(cli),
         dataset=dataset, args=args,
     )  # fmt: skip
+    save_initial_parameters(trainer, out)
     trainer.train()
     write_results(trainer, None, cli, out, [])
     return trainer
@@ -408,6 +415,7 @@ def train(cli, loss_type: str, out: str):
             args, model, processing_class, dataset=dataset, reward=funcs, rollout=rollout, trainer_cls=trainer_cls,
             **kwargs,
         )  # fmt: skip
+        save_initial_parameters(trainer, out)
         if cli.kill_at:
             kill_at(trainer, cli.kill_at)
         trainer.train(resume_from_checkpoint=True if cli.resume else None)
@@ -416,26 +424,12 @@ def train(cli, loss_type: str, out: str):
     return trainer
 
 
-def full_tensor(parameter):
-    """The whole of ``parameter``: FSDP2's DTensor shard gathered from every process (a collective), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-
-
-def gathered_parameters(trainer) -> dict:
-    """Every parameter of ``trainer``'s model, whole, on the CPU: under ZeRO-3 gathered from the partitions, under
-    FSDP2 from the DTensor shards (collectives: every process calls this)."""
-    accelerator = trainer.accelerator
-    unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            return {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
-    # FSDP2's parameters are DTensor shards: every process takes part in gathering each one
-    return {name: full_tensor(p).detach().clone().cpu() for name, p in unwrapped.named_parameters()}
+def save_initial_parameters(trainer, out: str) -> None:
+    """The trainer's model's parameters before training, whole, written by the main process to
+    ``<out>.initial.pt`` (every process takes part in gathering them)."""
+    initial = gathered_parameters(trainer.model)
+    if trainer.accelerator.is_main_process:
+        torch.save(initial, f"{out}.initial.pt")
 
 
 def kill_at(trainer, spec: str) -> None:
@@ -461,7 +455,8 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
     """Each rank's record and, from rank 0, the final (gathered) parameters, under ``out``. ``engines``: the
     ``(weight syncs, requests)`` of each vLLM stand-in engine of this process."""
     accelerator = trainer.accelerator
-    params = gathered_parameters(trainer)
+    unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
+    params = gathered_parameters(unwrapped)  # ZeRO-3 partitions, FSDP2 shards: every process takes part
     metrics = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     aux_losses = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
@@ -477,6 +472,7 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
     ]
     rank_record = {
         "rank": accelerator.process_index,
+        "engine": engine_record(accelerator, unwrapped),
         "completions": reward.completions if reward is not None else trainer.generated,  # (a distillation's ids)
         "metrics": metrics,
         "rewards": rewards,

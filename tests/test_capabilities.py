@@ -23,7 +23,7 @@ def capabilities(tmp_path, gathered: str | None) -> Capabilities:
 
 def test_a_hybrid_model_trains_padding_free_rows_through_segment_recurrence(tmp_path):
     first = capabilities(tmp_path, gathered=None).layouts[0]
-    assert first.name == "padding_free" and first.share_prompts and first.segment_recurrence
+    assert first.name == "padding_free" and first.sharing and first.segment_recurrence
 
 
 def test_where_a_mixers_calls_gather_parameters_a_hybrid_model_trains_padded_rows_with_the_reason(tmp_path):

@@ -730,3 +730,37 @@ def test_every_combination_of_the_plan_flags_prints_a_plan(tmp_path, plan_in_pro
         except Exception as error:  # noqa: BLE001 - a crash of the command is a failure of this combination
             failures.append(f"{combination}: {type(error).__name__}: {error}")
     assert not failures, f"{len(failures)} combinations failed, the first:\n" + "\n".join(failures[:3])
+
+
+def test_a_dpo_plan_counts_pairs_and_simulates_them_whole(plan_in_process, tmp_path):
+    """``--trainer dpo`` takes DPOConfig's options: pairs per optimizer step, no generation rows, the reference's
+    budget; ``--lengths`` of ``PROMPT CHOSEN REJECTED`` simulates each pair's two sequences in one pass, against stock's
+    micro-batches of 2 x per_device_train_batch_size rows padded to their longest; a value stock's config refuses exits
+    2 with its message."""
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("20 30 50\n400 10 900\n12 300 20\n600 40 35\n30 30 30\n80 200 400\n15 15 15\n900 60 50\n")
+    result = plan_in_process(
+        "--trainer", "dpo", "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2,
+        "--max_tokens_per_microbatch", 2500, "--lengths", pairs, "--use_cpu", "true", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    import json
+
+    document = json.loads(result.stdout)
+    assert document["plan"]["trainer"] == "dpo"
+    steps = document["steps"]
+    assert [len(step["lengths"]) for step in steps] == [8, 8]  # 4 pairs a step, two sequences each
+    for step in steps:
+        for group in step["microbatches"]:
+            assert all(index ^ 1 in group for index in group)  # whole pairs
+    table = plan_in_process("--trainer", "dpo", "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2)
+    assert table.returncode == 0, table.stderr
+    assert table_row(table.stdout, "pairs per optimizer step")[:2] == ["4", "4"]
+    assert "generation" not in table.stdout and "num_generations" not in table.stdout
+    assert "reference" in " ".join(table_row(table.stdout, "max_tokens_per_microbatch_logprob"))
+    refused = plan_in_process("--trainer", "dpo", "--loss_type", "sigmoid", "--loss_weights", "1.0", "2.0")
+    assert refused.returncode == 2 and "`loss_weights` must have the same length as `loss_type`" in refused.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_text("20 30\n")
+    wrong = plan_in_process("--trainer", "dpo", "--lengths", bad)
+    assert wrong.returncode == 2 and "expected PROMPT CHOSEN REJECTED" in wrong.stderr

@@ -62,7 +62,7 @@ def test_defaults(tmp_path):
     assert config.tensor_batch_size == 1024
     assert config.oversize_policy == "warn"
     assert config.packing_layout == "auto"
-    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DEFAULTS)
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == held_defaults("grpo")
 
 
 def test_every_new_field_has_help_stating_its_unit():
@@ -106,14 +106,17 @@ def test_string_values_are_converted(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("given", "value", "rule"),
-    [(True, True, "tree"), ("tree", "tree", "tree"), ("Groups", "groups", "groups"), ("false", False, None)],
+    ("given", "rule"),
+    [(True, "tree"), ("tree", "tree"), ("Groups", "groups"), ("false", "none"), (False, "none"), ("none", "none")],
 )
-def test_the_sharing_rule_is_a_name_or_a_boolean_and_true_is_the_tree(tmp_path, monkeypatch, given, value, rule):
-    from hf_dynbsz.planning.settings import sharing_rule
+def test_the_sharing_rule_is_a_name_or_a_boolean_and_true_is_the_tree(tmp_path, monkeypatch, given, rule):
+    """Whatever it was given as, the config holds the rule (``SharePrefix``: a string of the rule's name, false when
+    nothing is shared), the one value the scheduler and the layouts carry too."""
+    from hf_dynbsz.planning.settings import SharePrefix
 
     config = make_config(tmp_path, share_prompt_prefix=given)
-    assert config.share_prompt_prefix == value and sharing_rule(config.share_prompt_prefix) == rule
+    assert config.share_prompt_prefix is SharePrefix(rule) and config.share_prompt_prefix == rule
+    assert bool(config.share_prompt_prefix) == (rule != "none")
     monkeypatch.setenv("DIFFU_SHARE_PROMPT_PREFIX", "groups")
     assert make_config(tmp_path, share_prompt_prefix="tree").share_prompt_prefix == "groups"
 
@@ -122,7 +125,7 @@ def test_the_sharing_rule_parses_from_the_command_line(tmp_path):
     from trl import TrlParser
 
     parser = TrlParser(DynamicBatchGRPOConfig)
-    for text, value in (("tree", "tree"), ("false", False), ("groups", "groups")):
+    for text, value in (("tree", "tree"), ("false", "none"), ("groups", "groups")):
         arguments = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--share_prompt_prefix", text]
         (config,) = parser.parse_args_and_config(arguments)
         assert config.share_prompt_prefix == value
@@ -293,7 +296,7 @@ def test_plan_table_marks_values_set_by_the_environment(tmp_path, monkeypatch):
 def test_plain_grpo_config_gets_the_defaults(tmp_path):
     config = make_config(tmp_path, cls=GRPOConfig)
     assert ensure_dynamic_batch_fields(config) is config
-    assert {name: getattr(config, name) for name in NEW_FIELDS} == dict(DEFAULTS)
+    assert {name: getattr(config, name) for name in NEW_FIELDS} == held_defaults("grpo")
 
 
 def test_plain_grpo_config_keeps_attributes_set_by_the_user(tmp_path):
@@ -397,6 +400,12 @@ def test_a_memory_fraction_outside_zero_to_one_is_refused(tmp_path, fraction):
 
 
 # ---- a distillation's config -------------------------------------------------------------------------------
+def held_defaults(trainer: str) -> dict:
+    """The defaults of ``trainer``'s fields as a config holds them: share_prompt_prefix's True as the rule it means
+    (SharePrefix.TREE, equal to "tree")."""
+    return dict(defaults_of(trainer), share_prompt_prefix="tree")
+
+
 def test_a_distillation_config_has_the_plugins_fields_and_its_teachers_budget(tmp_path, monkeypatch):
     """DynamicBatchDistillationConfig: DistillationConfig's fields and checks (beta in [0, 1]), the plugin's fields
     (environment over arguments), the teacher's budget; no generation round; sequence parallelism refused."""
@@ -407,9 +416,9 @@ def test_a_distillation_config_has_the_plugins_fields_and_its_teachers_budget(tm
     monkeypatch.setenv("DIFFU_MAX_TOKENS", "99")
     config = DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert isinstance(config, DistillationConfig) and config.max_tokens_per_microbatch == 99
-    assert {
-        name: getattr(config, name) for name in defaults_of("distillation") if name != "max_tokens_per_microbatch"
-    } == {name: default for name, default in defaults_of("distillation").items() if name != "max_tokens_per_microbatch"}
+    expected = held_defaults("distillation")
+    del expected["max_tokens_per_microbatch"]
+    assert {name: getattr(config, name) for name in expected} == expected
     assert not hasattr(config, "num_generations")
     with pytest.raises(ValueError, match=r"beta must be in \[0.0, 1.0\], got 2"):
         DynamicBatchDistillationConfig(output_dir=str(tmp_path), use_cpu=True, beta=2.0)
@@ -424,7 +433,7 @@ def test_a_plain_distillation_config_gets_its_fields_and_no_grpo_check(tmp_path)
 
     config = DistillationConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", temperature=1.5)
     assert ensure_dynamic_batch_fields(config, "distillation") is config
-    assert {name: getattr(config, name) for name in defaults_of("distillation")} == defaults_of("distillation")
+    assert {name: getattr(config, name) for name in defaults_of("distillation")} == held_defaults("distillation")
     grpo = make_config(tmp_path, cls=GRPOConfig)
     ensure_dynamic_batch_fields(grpo)
     assert not hasattr(grpo, "max_tokens_per_microbatch_teacher")  # a GRPO config has no teacher

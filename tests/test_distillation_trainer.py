@@ -22,6 +22,7 @@ import pytest
 from trl import DistillationConfig, DistillationTrainer
 
 from hf_dynbsz import DynamicBatchDistillationTrainer
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.testing import (
     TEST_ALPHABET,
     ScriptedRollout,
@@ -137,7 +138,7 @@ def test_shared_prompts_and_the_teachers_own_budget_on_long_tailed_completions(m
         max_tokens_per_microbatch_teacher=192,
     )
     for step in steps:
-        assert step["dynbsz/prompt_tokens_saved"] > 0 and step["dynbsz/padding_fraction"] == 0
+        assert step["dynbsz/shared_tokens_saved"] > 0 and step["dynbsz/padding_fraction"] == 0
         assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
         assert step["dynbsz/microbatches"] >= 2
 
@@ -183,7 +184,7 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, run):
     )  # fmt: skip
     assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
     for step, generated in zip(steps, rollouts[1].rounds):  # one generation per optimizer step
-        assert step["dynbsz/computed_tokens"] + step["dynbsz/prompt_tokens_saved"] == generated["real_tokens"]
+        assert step["dynbsz/computed_tokens"] + step["dynbsz/shared_tokens_saved"] == generated["real_tokens"]
         assert step["dynbsz/padding_fraction"] == 0
         if step["dynbsz/microbatches"] == 1:
             assert step["dynbsz/computed_tokens"] == generated["unique_tokens"]
@@ -226,11 +227,11 @@ def test_a_prefix_tree_the_teacher_computes_wrong_steps_the_pair_down_to_prompt_
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         trainer.train()
     executor = trainer._dynbsz
-    assert executor.enabled and executor.scheduler.sharing == "groups"
+    assert executor.enabled and executor.scheduler.sharing is SharePrefix.GROUPS
     assert "teacher: padding_free, prefix tree, segment attention (sdpa): log-probs differ" in caplog.text
     assert sum(record.getMessage().count("prefix tree") for record in caplog.records) == 1  # one reason, logged once
     steps = [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry]
-    assert steps and all(step["dynbsz/prompt_tokens_saved"] > 0 and "dynbsz/tree_tokens_saved" not in step
+    assert steps and all(step["dynbsz/shared_tokens_saved"] > 0 and "dynbsz/tree_tokens_saved" not in step
                          for step in steps)  # fmt: skip
     assert relative_difference(dict(trainer.model.named_parameters()), stock) <= PARAM_TOLERANCE
 

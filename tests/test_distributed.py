@@ -1,8 +1,11 @@
 """Multi-process runs for real: `accelerate launch`, 2 CPU processes, gloo, DDP, DeepSpeed ZeRO-1/2/3 and FSDP2.
 
 For each backend, stock GRPOTrainer and DynamicBatchGRPOTrainer train from the same saved model and seed;
-the final (gathered) parameters must agree within 1e-5, every rank must generate the same completions and log
-stock's metrics (the loss metrics, reduced per stock slice over both processes, among them).
+the final (gathered) parameters must agree within 1e-5, the plugin's update (final minus initial parameters) must
+be stock's within 1e-3 (relative, as in the single-process tests), training must have moved the parameters, every
+rank must generate the same completions and log stock's metrics (the loss metrics, reduced per stock slice over both
+processes, among them). Every launch's engine is checked against its config on every process: accelerate's
+distributed type, and under FSDP2 and ZeRO-3 every parameter sharded, each process holding a part of each.
 The lopsided-prompt runs (balancing off) give rank 1 prompts ~20x longer than rank 0's, so the ranks need
 different numbers of micro-batches: without lockstep (all-reduce MAX + exact-k + dummy passes) ZeRO-2/3 and FSDP2
 would hang. The balancing runs give rank 1 every long completion and check that samples move between the ranks and
@@ -20,11 +23,13 @@ import torch
 
 from hf_dynbsz.testing import (
     accelerate_command,
+    engine_mismatches,
     grpo_worker_command,
     metric_mismatches,
     relative_difference,
     run_with_timeout,
     save_tiny_model,
+    update_difference,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,14 +62,53 @@ def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> l
     return read_records(out, config, trainer)
 
 
-def read_records(out: Path, config: str, trainer: str) -> list[dict]:
-    """Each rank's record of the run written under ``out``; every rank must have written one."""
+def read_records(out: Path, config: str, trainer: str, processes: int = 2) -> list[dict]:
+    """Each rank's record of the run written under ``out``; every rank must have written one, and its engine must be
+    what ``config`` (a file of ``accelerate_configs/``) asks for (:func:`~hf_dynbsz.testing.engine_mismatches`: under
+    FSDP2 and ZeRO-3, every parameter sharded)."""
     records = []
-    for rank in range(2):
+    for rank in range(processes):
         path = Path(f"{out}.rank{rank}.json")
         assert path.exists(), f"rank {rank} did not finish ({config}, {trainer})"
         records.append(json.loads(path.read_text()))
+    mismatches = engine_mismatches(records, config)
+    assert not mismatches, f"{trainer} under {config}: {mismatches}"
     return records
+
+
+#: The plugin's parameter update (final minus initial) against stock's, relative: the single-process tests' bound.
+UPDATE_TOLERANCE = 1e-3
+#: The least relative change of the parameters over a run (final against initial) that counts as trained: 100 times
+#: the parameters' tolerance, so that runs that hardly moved cannot pass the comparison by standing still.
+MOVED = 1e-3
+
+
+def parameter_differences(our_out: Path | str, stock_out: Path | str) -> dict[str, float]:
+    """The runs' parameters written under ``our_out`` and ``stock_out`` (``.initial.pt``, ``.params.pt``), compared:
+    the initial ones (``initial``), the final ones (``parameters``), the updates (``update``:
+    :func:`~hf_dynbsz.testing.update_difference`), and how far each run moved them (``moved_ours``,
+    ``moved_stock``), all relative."""
+    initial, stock_initial = torch.load(f"{our_out}.initial.pt"), torch.load(f"{stock_out}.initial.pt")
+    ours, stock = torch.load(f"{our_out}.params.pt"), torch.load(f"{stock_out}.params.pt")
+    return dict(
+        initial=relative_difference(initial, stock_initial),
+        parameters=relative_difference(ours, stock),
+        update=update_difference(stock_initial, ours, stock),
+        moved_ours=relative_difference(ours, initial),
+        moved_stock=relative_difference(stock, stock_initial),
+    )
+
+
+def assert_parameters_match(our_out: Path | str, stock_out: Path | str) -> dict[str, float]:
+    """Ours and stock's runs (output prefixes) started from the same parameters, both trained them (moved by at least
+    :data:`MOVED`), and ours ended within 1e-5 of stock's parameters and :data:`UPDATE_TOLERANCE` of its update;
+    returns :func:`parameter_differences`."""
+    found = parameter_differences(our_out, stock_out)
+    assert found["initial"] == 0.0, found
+    assert found["moved_stock"] >= MOVED and found["moved_ours"] >= MOVED, found
+    assert found["parameters"] <= 1e-5, found
+    assert found["update"] <= UPDATE_TOLERANCE, found
+    return found
 
 
 #: Flags of tests/distributed_grpo.py that only the plugin's trainers read: stock's run is the same without them.
@@ -131,17 +175,16 @@ def shared_launches(tmp_path_factory, model_dir):
 
 def compare(config, model_dir, shared_launches, repacked=True, **options):
     """Ours against stock, both run with ``options`` under ``config``: same completions, every logged metric stock's
-    on every rank (the loss metrics, which stock reduces per slice over both processes, among them), parameters within
-    1e-5; ``repacked``: ours repacked steps (logged dynbsz metrics) on every rank."""
+    on every rank (the loss metrics, which stock reduces per slice over both processes, among them), parameters and
+    update stock's (:func:`assert_parameters_match`); ``repacked``: ours repacked steps (logged dynbsz metrics) on
+    every rank."""
     stock_out, stock = shared_launches.get("stock", config, model_dir, **options)
     our_out, ours = shared_launches.get("dynamic", config, model_dir, **options)
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
         assert bool(ours[rank]["metrics"]) == repacked, f"rank {rank}: dynbsz metrics {ours[rank]['metrics']}"
         assert not metric_mismatches(ours[rank]["logged"], stock[rank]["logged"]), f"rank {rank}'s logged metrics"
-    stock_params = torch.load(f"{stock_out}.params.pt")
-    our_params = torch.load(f"{our_out}.params.pt")
-    assert relative_difference(our_params, stock_params) <= 1e-5
+    assert_parameters_match(our_out, stock_out)
     return ours
 
 
@@ -199,6 +242,10 @@ HYBRID_RUNS = {
     backend: dict(architecture="qwen3_next", router_aux_loss_coef=0.0, **LOPSIDED_ROLLOUT, **BALANCED[backend][1])
     for backend in ("ddp", "zero3", "fsdp2")
 }
+#: A LongRoPE model (original length 20) on the lopsided rollout under DDP: process 1's rounds are 26-32 tokens wide in
+#: stock (the long factors), process 0's under 12 (the short ones); balancing moves process 1's samples, each with its
+#: factors, to process 0 (test_long_rope_samples_moved_between_processes_...).
+LONG_ROPE_RUN = dict(architecture="llama_longrope_20", **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
 #: Loss types with loss metrics of their own (cispo's clip ratio; vespo's phi, one value per sequence), with the KL
 #: term (a token mean per slice), every long completion on rank 1, under DDP (test_the_loss_metrics_of_moved_...).
 METRIC_RUNS = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}
@@ -254,7 +301,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     {f"vision_{family}": dict(vision=family, **VISION_RUN) for family in VISION_FAMILIES}
     | {f"multiturn_{loss}": dict(MULTITURN_RUN, loss_type=loss) for loss in ROLLOUT_LOSS_TYPES}
     | {f"damaged_{what}": dict(mutate=what, **LOPSIDED_ROLLOUT, **BALANCED["ddp"][1]) for what in DAMAGES}
-    | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"]}
+    | {"hybrid": HYBRID_RUNS["ddp"], "moe": MOE_RUNS["ddp"], "long_rope": LONG_ROPE_RUN}
     | {f"metrics_{loss}": dict(METRIC_RUN, loss_type=loss) for loss in METRIC_RUNS}
     | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
@@ -282,6 +329,14 @@ def test_balancing_lopsided_rollouts_matches_stock(backend, model_dir, shared_la
             assert (
                 step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
             )
+
+
+def test_long_rope_samples_moved_between_processes_keep_their_stock_factors(model_dir, shared_launches):
+    """Process 1's samples take LongRoPE's long factors in stock (their round is past the original length), process
+    0's the short ones; balancing runs some of process 1's on process 0, in passes with its own."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **LONG_ROPE_RUN)
+    for rank in range(2):
+        assert all(step["dynbsz/samples_moved"] > 0 for step in ours[rank]["metrics"])
 
 
 @pytest.mark.parametrize("loss_type", list(METRIC_RUNS))
@@ -350,7 +405,7 @@ def test_a_hybrid_model_balanced_across_processes_matches_stock(backend, model_d
     ours = compare(BACKENDS[backend][0], model_dir, shared_launches, **HYBRID_RUNS[backend])
     steps = [step for record in ours for step in record["metrics"]]
     assert max(step["dynbsz/samples_moved"] for step in steps) > 0
-    assert max(step["dynbsz/prompt_tokens_saved"] for step in steps) > 0
+    assert max(step["dynbsz/shared_tokens_saved"] for step in steps) > 0
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)
 
 
@@ -360,7 +415,7 @@ def test_under_zero3_a_hybrid_model_trains_padded_rows_and_matches_stock(model_d
     ours = compare("cpu_zero3.yaml", model_dir, shared_launches, **HYBRID_RUNS["zero3"])
     steps = [step for record in ours for step in record["metrics"]]
     assert max(step["dynbsz/samples_moved"] for step in steps) > 0
-    assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in steps)
+    assert all(step["dynbsz/shared_tokens_saved"] == 0 for step in steps)
     assert max(step["dynbsz/padding_fraction"] for step in steps) > 0
 
 
@@ -391,7 +446,7 @@ def test_under_fsdp2_sequence_parallelism_matches_stock(model_dir, shared_launch
     ours = compare("cpu_fsdp2.yaml", model_dir, shared_launches, **FSDP2_SEQUENCE_PARALLEL_RUN)
     for record in ours:
         assert all(step["dynbsz/budget_tokens"] == 48 for step in record["metrics"])
-        assert any(step["dynbsz/prompt_tokens_saved"] > 0 for step in record["metrics"])
+        assert any(step["dynbsz/shared_tokens_saved"] > 0 for step in record["metrics"])
 
 
 # ---- vision-language samples moved between processes, 2-process DDP --------------------------------------------
@@ -415,10 +470,7 @@ def test_image_steps_keep_stocks_slices_under_zero3_and_every_process_finishes(t
     for rank in range(2):
         assert ours[rank]["completions"] == stock[rank]["completions"]
         assert not ours[rank]["metrics"]  # every step of this run has images: none was repacked
-    assert (
-        relative_difference(torch.load(f"{tmp_path / 'ours'}.params.pt"), torch.load(f"{tmp_path / 'stock'}.params.pt"))
-        <= 1e-5
-    )
+    assert_parameters_match(tmp_path / "ours", tmp_path / "stock")
 
 
 # ---- tool and environment rollouts, 2-process DDP ----------------------------------------------------------------
@@ -451,9 +503,7 @@ def test_environment_rollouts_match_stock(tmp_path, chat_model_dir):
             assert records["dynamic"][rank]["completions"] == records["stock"][rank]["completions"]
             assert records["dynamic"][rank]["metrics"], f"rank {rank} logged no dynbsz metrics ({loss_type})"
         assert any(reward != 0 for reward in records["stock"][0]["rewards"])  # the environment's reward counted
-        stock_params = torch.load(f"{tmp_path / 'stock'}.{loss_type}.params.pt")
-        our_params = torch.load(f"{tmp_path / 'dynamic'}.{loss_type}.params.pt")
-        assert relative_difference(our_params, stock_params) <= 1e-5, loss_type
+        assert_parameters_match(f"{tmp_path / 'dynamic'}.{loss_type}", f"{tmp_path / 'stock'}.{loss_type}")
 
 
 # ---- mixture-of-experts with TRL's router aux loss: every long completion on rank 1, samples moved -------------

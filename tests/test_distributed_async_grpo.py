@@ -5,7 +5,8 @@ Stock's reference is its fixed-count mode with the step in one micro-batch per p
 step); the plugin trains the same samples with the step written 8 x 1 or 4 x 2 and cut by a token budget, its samples
 balanced across the processes, every pass in lockstep. Parameters within 1e-5 of stock's (updates within 1e-3), the
 step's loss metrics stock's (reduced over both processes), stock's per-micro-batch metrics those of stock written the
-same way, and the engine asserted (DDP's wrapper, FSDP2's DTensor shards, ZeRO-3's partitions). The runs of a backend
+same way, and the engine asserted (:func:`~hf_dynbsz.testing.engine_mismatches`: the parameters whole under DDP,
+sharded under FSDP2 and ZeRO-3). The runs of a backend
 share one launch per trainer (``--scenarios``, :class:`~test_distributed.SharedLaunches`'s pattern).
 """
 
@@ -20,6 +21,7 @@ from test_async_grpo_trainer import STEP_METRICS, step_metrics
 
 from hf_dynbsz.testing import (
     accelerate_command,
+    engine_mismatches,
     metric_mismatches,
     relative_difference,
     run_with_timeout,
@@ -53,15 +55,6 @@ REFERENCE = {
     "agentic_cut": ("agentic", "agentic_cut"),
     "moe": ("moe", "moe"),
 }
-#: Per backend, what its engine did (the worker's record of the trained model): DDP's wrapper, ZeRO-3's partitions,
-#: FSDP2's DTensor shards.
-ENGINES = {
-    "cpu_ddp.yaml": lambda engine: engine["wrapper"] == "DistributedDataParallel",
-    "cpu_zero3.yaml": lambda engine: engine["zero3_partitioned"],
-    "cpu_fsdp2.yaml": lambda engine: engine["fsdp_sharded"],
-}
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
@@ -108,6 +101,7 @@ def compare(config: str, scenario: str, model_dir: str, launches: Launches) -> l
     stock_out, stock = launches.get("async_grpo_stock", config, step_reference)
     _, stock_cut = launches.get("async_grpo_stock", config, same_cut)
     our_out, ours = launches.get("async_grpo_dynamic", config, scenario)
+    assert engine_mismatches(ours, config) == [] and engine_mismatches(stock, config) == []
     stock_params, our_params = torch.load(f"{stock_out}.params.pt"), torch.load(f"{our_out}.params.pt")
     parameters = relative_difference(our_params, stock_params)
     architecture = RUNS[config][step_reference].get("architecture")  # (the worker saved that model by its output)
@@ -121,7 +115,6 @@ def compare(config: str, scenario: str, model_dir: str, launches: Launches) -> l
         left = [{k: v for k, v in e.items() if not k.startswith(STEP_METRICS)} for e in ours_logged]
         right = [{k: v for k, v in e.items() if not k.startswith(STEP_METRICS)} for e in stock_cut[rank]["logged"]]
         assert not metric_mismatches(left, right), f"rank {rank}'s per-micro-batch metrics"
-        assert ENGINES[config](ours[rank]["engine"]), ours[rank]["engine"]
         for step in ours[rank]["metrics"]:  # lockstep: every rank ran the agreed number of passes
             assert (
                 step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]

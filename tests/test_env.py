@@ -10,7 +10,7 @@ import pytest
 
 from hf_dynbsz.planning import env
 from hf_dynbsz.planning.env import apply_env_overrides, read_env_overrides
-from hf_dynbsz.planning.settings import ENV_SETTINGS
+from hf_dynbsz.planning.settings import ENV_SETTINGS, SharePrefix
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,10 +43,10 @@ def test_each_variable_maps_to_its_field():
     }
 
 
-@pytest.mark.parametrize("raw, value", [("tree", "tree"), ("GROUPS", "groups"), ("false", False), ("1", True)])
+@pytest.mark.parametrize("raw, value", [("tree", "tree"), ("GROUPS", "groups"), ("false", "none"), ("1", "tree")])
 def test_the_sharing_rule_is_a_name_or_a_boolean(raw, value):
     assert read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": raw}) == {
-        "share_prompt_prefix": ("DIFFU_SHARE_PROMPT_PREFIX", value)
+        "share_prompt_prefix": ("DIFFU_SHARE_PROMPT_PREFIX", SharePrefix(value))
     }
     with pytest.raises(ValueError, match=r"DIFFU_SHARE_PROMPT_PREFIX='trie' is not valid: expected 'tree', 'groups'"):
         read_env_overrides({"DIFFU_SHARE_PROMPT_PREFIX": "trie"})

@@ -250,3 +250,28 @@ def test_distill_example_short_single_process_and_its_hub_mode_on_local_models(t
     ]  # fmt: skip
     output = run([sys.executable, script, *named], cwd=tmp_path)
     assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output
+
+
+def test_dpo_example_short_single_process_and_its_hub_mode_on_local_models(tmp_path):
+    """examples/dpo.py: the offline demo (the tiny model learns to prefer the alphabet in order over random letters)
+    prints the plan, a line per step with the rewards and the tokens computed against stock's, and the summary; with
+    ``--model_name_or_path`` and ``--dataset_name`` (a local directory and a local JSON-lines preference dataset, as
+    TRL's script loads Hub ones) TRL loads the model and its reference by name."""
+    script = str(ROOT / "examples" / "dpo.py")
+    output = run([sys.executable, script, "--max_steps", "3", "--output_dir", str(tmp_path / "out")], cwd=tmp_path)
+    assert "hf_dynbsz batch-size plan" in output and "pairs per optimizer step" in output
+    assert re.search(r"step +3 \| loss=[0-9.]+ \| rewards/accuracies=[0-9.]+ \| rewards/margins=-?[0-9.]+ \| "
+                     r"dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)", output), output[-3000:]  # fmt: skip
+    assert summary_steps(output) == 3 and re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
+    model = save_tiny_model(str(tmp_path / "model"))
+    (tmp_path / "pairs").mkdir()
+    rows = [
+        {"prompt": "ab"[: 1 + i % 2] * (1 + i % 3), "chosen": "abcd"[: 1 + i % 4], "rejected": "dc"} for i in range(16)
+    ]
+    (tmp_path / "pairs" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    named = [
+        "--model_name_or_path", model, "--dataset_name", str(tmp_path / "pairs"), "--max_steps", "1",
+        "--bf16", "false", "--output_dir", str(tmp_path / "named"), "--per_device_train_batch_size", "4",
+    ]  # fmt: skip
+    output = run([sys.executable, script, *named], cwd=tmp_path)
+    assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output

@@ -6,6 +6,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_dynbsz.testing import (
     REPO_ROOT,
@@ -82,11 +84,8 @@ def test_a_mix_rollout_draws_the_mix_lengths_and_the_tokenizers_tokens():
 @pytest.mark.parametrize(("mix", "block", "stem"), [("agentic", 600, 0), ("few_shot", 400, 0), ("tree", 0, 112)])
 def test_a_prefix_mix_rollout_gives_its_prompts_a_block_and_its_completions_a_trunk(mix, block, stem):
     """The prefix mixes: every prompt begins with the same block; a prompt's completions share the trunk and their
-    branch (``k mod 2``), then leaves of their own; each round records its prefix tree's unique tokens."""
-    import numpy as np
-
-    from hf_dynbsz.planning.prefix_tree import PrefixTree, token_keys
-
+    branch (``k mod 2``), then leaves of their own; each round records its unique tokens (the distinct token
+    prefixes)."""
     tokenizer = build_char_tokenizer()
     rollout = mix_rollout(mix, tokenizer, 384)
     trainer = type("Trainer", (), {"accelerator": type("Accelerator", (), {"process_index": 0})})()
@@ -98,8 +97,21 @@ def test_a_prefix_mix_rollout_gives_its_prompts_a_block_and_its_completions_a_tr
         assert completions[0][:64] == completions[1][:64] and completions[0][:stem] == completions[2][:stem]
         assert completions[0][64:stem] != completions[1][64:stem] and completions[0][:64] != completions[4][:64]
     sequences = [p + c for p, c in zip(prompts, completions)]
-    tree = PrefixTree.of_keys([token_keys(np.array(ids), len(tokenizer) + 2) for ids in sequences])
-    assert rollout.rounds[-1]["unique_tokens"] == tree.tokens() < sum(map(len, sequences))
+    assert rollout.rounds[-1]["unique_tokens"] == len(distinct_prefixes(sequences)) < sum(map(len, sequences))
+
+
+def distinct_prefixes(sequences):
+    """Brute force: a position as its sample's tokens up to and including the next one (-1 after the last), each
+    distinct tuple once."""
+    return {tuple([*ids, -1][: i + 2]) for ids in sequences for i in range(len(ids))}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=10), max_size=8))
+def test_unique_tokens_counts_the_distinct_token_prefixes(sequences):
+    from hf_dynbsz.testing import unique_tokens
+
+    assert unique_tokens(sequences) == len(distinct_prefixes(sequences))
 
 
 def test_rloo_takes_the_scripted_rollout_as_its_generation(tmp_path):

@@ -30,14 +30,15 @@ from hf_dynbsz.execution.layout_timing import (
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import VARLEN_ATTN, Layout
 from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.planning.settings import SharePrefix
 
 QUADRATIC = 0.01  # cost units per attention pair: rows of tens of tokens cost visibly more padded
 
 
 def candidate(name: str) -> Candidate:
     layout = {
-        "varlen": Layout("padding_free", True, VARLEN_ATTN, attention="varlen"),
-        "flex": Layout("padding_free", True, "flex_attention", attention="varlen"),
+        "varlen": Layout("padding_free", SharePrefix.GROUPS, VARLEN_ATTN, attention="varlen"),
+        "flex": Layout("padding_free", SharePrefix.GROUPS, "flex_attention", attention="varlen"),
         "padded": Layout("padded"),
     }[name]
     workload = WorkloadModel(1.0, QUADRATIC / (2 if layout.attention == "varlen" else 1))
@@ -88,10 +89,10 @@ def costs_of(timing, lengths):
 
 
 def test_families_name_the_kernel_work_of_a_layout():
-    assert family(Layout("padding_free", True, VARLEN_ATTN, attention="varlen")) == "varlen"
-    assert family(Layout("padding_free", False, "sdpa", attention="varlen")) == "spans"
-    assert family(Layout("padding_free", True, "flex_attention")) == "flex"
-    assert family(Layout("padding_free", False, "flash_attention_2")) == "flash"
+    assert family(Layout("padding_free", SharePrefix.GROUPS, VARLEN_ATTN, attention="varlen")) == "varlen"
+    assert family(Layout("padding_free", segment_attention="sdpa", attention="varlen")) == "spans"
+    assert family(Layout("padding_free", SharePrefix.GROUPS, "flex_attention")) == "flex"
+    assert family(Layout("padding_free", segment_attention="flash_attention_2")) == "flash"
     assert family(Layout("padding_free", attention="varlen")) == "padding_free"
     assert family(Layout("padded", attention_mask=True)) == family(Layout("padded")) == "padded"
 

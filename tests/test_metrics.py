@@ -207,7 +207,9 @@ def test_every_step_logs_time_throughput_memory_and_mfu(tensorboard_run):
         # tokens/s: every sample's prompt + completion tokens, over the training passes' time
         assert entry["dynbsz/tokens_per_second"] * seconds == pytest.approx(generated["real_tokens"], rel=1e-9)
         # MFU: the model FLOPs of these samples (shared prompts computed once) over time x peak
-        expected = flops.training_flops(prompts, completions, entry["dynbsz/prompt_tokens_saved"])
+        expected = flops.training_flops(prompts, completions, entry["dynbsz/shared_tokens_saved"])
+        # the former name, deprecated, logged alongside for one release with the same value
+        assert entry["dynbsz/prompt_tokens_saved"] == entry["dynbsz/shared_tokens_saved"] > 0
         assert entry["dynbsz/mfu"] * seconds * PEAK_TFLOPS * 1e12 == pytest.approx(expected, rel=1e-9)
         assert 100 < entry["dynbsz/peak_memory_mib"] < 24 * 1024  # this process's peak resident set, in MiB
 

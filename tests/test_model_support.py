@@ -11,6 +11,7 @@ from transformers import CONFIG_MAPPING
 
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops
 from hf_dynbsz.planning.model_support import VARLEN_ATTN, DeviceFacts, Layout, ModelSupport
+from hf_dynbsz.planning.settings import SharePrefix
 
 
 def support_of(model_type, attn_implementation="sdpa", **config):
@@ -19,7 +20,7 @@ def support_of(model_type, attn_implementation="sdpa", **config):
 
 def names(layouts):
     return [
-        (layout.name, layout.share_prompts, layout.segment_attention, layout.attention_mask, layout.attention)
+        (layout.name, bool(layout.sharing), layout.segment_attention, layout.attention_mask, layout.attention)
         for layout in layouts
     ]
 
@@ -27,7 +28,7 @@ def names(layouts):
 # ---- the layouts a run may use, fastest first -------------------------------------------------------------------
 def test_a_plain_decoder_starts_padding_free_with_shared_prompts_and_can_step_down_to_stocks_layout():
     layouts, notes = support_of("llama").layouts()
-    assert [layout.sharing for layout in layouts] == ["tree", "groups", None, None, None]
+    assert [layout.sharing for layout in layouts] == [SharePrefix.TREE, SharePrefix.GROUPS] + [SharePrefix.NONE] * 3
     assert names(layouts) == [
         ("padding_free", True, "sdpa", False, "varlen"),
         ("padding_free", True, "sdpa", False, "varlen"),
@@ -45,11 +46,12 @@ def test_a_prefix_tree_comes_first_and_steps_down_to_prompt_groups(model_type):
     True (the default rule) at the tree's."""
     support = ModelSupport.of(CONFIG_MAPPING[model_type](), attn_implementation="sdpa")
     tree, notes = support.layouts(share_prompt_prefix="tree")
-    assert [layout.sharing for layout in tree[:3]] == ["tree", "groups", None] and notes == []
+    assert [layout.sharing for layout in tree[:3]] == [SharePrefix.TREE, SharePrefix.GROUPS, SharePrefix.NONE]
+    assert notes == []
     assert tree[0].describe().startswith("padding_free, prefix tree, segment attention (sdpa)")
     assert tree[1:] == support.layouts(share_prompt_prefix="groups")[0] and tree == support.layouts()[0]
     padded, notes = support.layouts("padded", share_prompt_prefix="tree")
-    assert not any(layout.share_prompts for layout in padded)
+    assert not any(layout.sharing for layout in padded)
     assert notes == ["share_prompt_prefix is not applied: packing_layout='padded'"]
 
 
@@ -71,7 +73,7 @@ def test_an_explicit_layout_keeps_to_its_kind():
     support = support_of("llama")
     assert {layout.name for layout in support.layouts("padded")[0]} == {"padded"}
     assert {layout.name for layout in support.layouts("padding_free")[0]} == {"padding_free"}
-    assert not any(layout.share_prompts for layout in support.layouts("auto", share_prompt_prefix=False)[0])
+    assert not any(layout.sharing for layout in support.layouts("auto", share_prompt_prefix=False)[0])
     with pytest.raises(ValueError, match="packing_layout must be one of .* got 'packed'"):
         support.layouts("packed")
 
@@ -124,7 +126,7 @@ def test_the_planner_takes_known_state_carrying_kinds_as_segment_recurrence(mode
     support = support_of(model_type)
     assert support.padding_free_blocker is None and support.sequence_mixers == kinds
     layout = support.layouts()[0][0]
-    assert layout.segment_recurrence and layout.share_prompts
+    assert layout.segment_recurrence and layout.sharing
     assert layout.describe().endswith("segment recurrence")
 
 
@@ -220,7 +222,7 @@ def test_flex_attention_gets_padding_free_rows_with_shared_prompts():
     support = support_of("llama", attn_implementation="flex_attention")
     assert support.segment_attention_blocker is None
     layouts, _ = support.layouts()
-    assert layouts[0].share_prompts and layouts[0].segment_attention == "flex_attention"
+    assert layouts[0].sharing and layouts[0].segment_attention == "flex_attention"
 
 
 # ---- a config it does not understand never raises ----------------------------------------------------------------
@@ -268,7 +270,7 @@ def test_auto_on_cuda_leaves_out_the_span_formulations_padding_free_rows(attenti
     layouts, notes = support.layouts("auto", True, device_type="cuda")
     assert [layout.name for layout in layouts] == ["padded", "padded"]
     assert any("6.4x slower than stock" in note for note in notes)
-    assert support.layouts("padding_free", True, device_type="cuda")[0][0].share_prompts  # asked for: given
+    assert support.layouts("padding_free", True, device_type="cuda")[0][0].sharing  # asked for: given
     assert support.layouts("auto", True, device_type="cpu")[0][0].name == "padding_free"
     flex = support_of("llama", attn_implementation="flex_attention").layouts("auto", True, device_type="cuda")[0]
     assert flex[0].segment_attention == "flex_attention"
@@ -350,3 +352,40 @@ def test_sliding_windows_need_a_varlen_attn_that_takes_window_size():
     assert not support_of("qwen2").sliding_windows  # use_sliding_window=False
     assert support_of("qwen2").varlen_attn_reason(no_window) is None
     assert support_of("gemma3_text").sliding_windows  # sliding_attention layers
+
+
+# ---- sliding windows that reach attention through the model's mask only ----------------------------------------
+def tiny_model_with_window(model_type: str, window: int | None = 8):
+    """The zoo's tiny ``model_type`` (its config's defaults made small) with ``sliding_window=window``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing.zoo import tiny_causal_lm_config
+
+    config = tiny_causal_lm_config(model_type)
+    config.sliding_window = window
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "doge"])
+def test_a_window_the_attention_modules_do_not_carry_refuses_segment_attention_at_start(model_type):
+    """PhiMoE and Doge apply their sliding window through create_sliding_window_causal_mask alone; segment attention
+    reads the window from the attention call, so it would attend past it: padding-free rows are not used, with the
+    reason (the share_prompt_prefix note the run logs), and padded rows run the model's own mask."""
+    support = ModelSupport.of(model=tiny_model_with_window(model_type))
+    assert "sliding window (sliding_window=8) reaches attention only through the mask" in (
+        support.segment_attention_blocker
+    )
+    layouts, notes = support.layouts()
+    assert all(layout.name == "padded" for layout in layouts)
+    assert notes == [f"share_prompt_prefix is not applied: {support.segment_attention_blocker}"]
+    assert ModelSupport.of(model=tiny_model_with_window(model_type, None)).segment_attention_blocker is None
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gemma3_text", "moshi"])
+def test_a_window_the_attention_modules_carry_or_the_model_never_applies_keeps_segment_attention(model_type):
+    """Mistral passes its window to the attention call, Qwen2 and Gemma-3 hold it on their attention modules, and
+    Moshi never applies its config's window (stock's forward attends fully too)."""
+    model = tiny_model_with_window(model_type, 8 if model_type != "gemma3_text" else 4)
+    assert ModelSupport.of(model=model).segment_attention_blocker is None

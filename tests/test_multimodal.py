@@ -25,6 +25,8 @@ from hf_dynbsz.planning import model_support
 from hf_dynbsz.testing import (
     VISION_LANGUAGE_FAMILIES,
     RecordingReward,
+    ToolImageGeneration,
+    ToolImageRollout,
     VisionScriptedRollout,
     base_config_kwargs,
     build_tiny_vision_language_model,
@@ -265,6 +267,68 @@ def test_a_prompt_ending_in_an_image_token_is_never_shared():
     assert table.prompt_groups() == [0, 1]
 
 
+def tool_image_table(completions=None) -> SequenceTable:
+    """Samples 0 and 1: the prompt [6 7 image image 8] with one picture, completions [3 4] then a fork (9 / 10), then
+    the same tool image [5 5] and [11]: their pictures (prompt and tool) are equal. Sample 2: the same prompt and
+    completion as sample 0, no tool image. ``completions``: samples 0 and 1's own (6 or 7 tokens, the tool image at
+    completion positions 3 and 4)."""
+    completions = completions or [[3, 4, 9, 5, 5, 11], [3, 4, 10, 5, 5, 11]]
+    width = max(len(ids) for ids in completions)
+    prompt_ids = torch.tensor([[6, 7, 5, 5, 8]] * 3)
+    padded = [ids + [0] * (width - len(ids)) for ids in completions] + [[3, 4, 9] + [0] * (width - 3)]
+    completion_ids = torch.tensor(padded)
+    completion_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in completions + [[3, 4, 9]]])
+    inputs = grid_inputs([2, 2, 1])
+    inputs["image_grid_thw"] = torch.tensor([[1, 2, 2]] * 5)
+    inputs["pixel_values"] = torch.cat([torch.full((4, 6), value) for value in (1.0, 2.0, 1.0, 2.0, 1.0)])
+    tool = [0, 0, 1, 1, 0, 0, 0, 0, 1, 1] + [0] * (width - 5)
+    fields = torch.tensor([tool, tool, [0, 0, 1, 1] + [0] * (width + 1)])
+    return SequenceTable.from_padded(
+        prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask,
+        media=split_media(inputs, 3), token_fields={"mm_token_type_ids": fields},
+    )  # fmt: skip
+
+
+def images_in_row_order(mb) -> list[float]:
+    """The pictures (their pixel value) of a row's image tokens, two tokens per picture, in row order, as the model
+    would place the row's image features: the row's images must match its image tokens one for one."""
+    tokens = int(mb.model_inputs["mm_token_type_ids"].sum())
+    grid = mb.model_inputs["image_grid_thw"]
+    assert tokens == 2 * grid.size(0), f"{tokens} image tokens, {grid.size(0)} images"
+    return mb.model_inputs["pixel_values"][::4, 0].tolist()
+
+
+@pytest.mark.parametrize("sharing", ["tree", "groups"])
+def test_a_tool_image_in_a_completion_after_a_fork_is_in_the_row_with_its_own_node(sharing):
+    """The node that holds a sample's first image brings all its images: a sample whose images span a fork from a
+    sibling (a prompt image, then a tool image after their completions part) shares nothing with it from the token
+    before its first image (tree), and its prompt with no one (groups); a sibling without the tool image still shares
+    with the samples of its own prompt and pictures."""
+    table = tool_image_table()
+    assert table.media_ends() == [10, 10, 4]
+    assert table.prompt_groups() == [0, 1, 2]  # the images of 0 and 1 reach past their prompt's last token
+    mb = build_microbatch(
+        table, [0, 1, 2], layout="padding_free", pad_token_id=0, attention="sdpa",
+        keys=table.prefix_keys(sharing) if sharing == "tree" else None,
+        groups=table.prompt_groups() if sharing == "groups" else None,
+    )  # fmt: skip
+    assert images_in_row_order(mb) == [1.0, 2.0, 1.0, 2.0, 1.0]  # each sample's pictures once, in row order
+    if sharing == "tree":  # [6] shared by all, then each sample's own
+        assert [(n.start, n.length, n.parent) for n in mb.segments.nodes()][0] == (0, 1, -1)
+        assert mb.real_tokens == 1 + 10 + 10 + 7
+
+
+def test_siblings_whose_images_end_before_they_part_share_them():
+    """Samples 0 and 1 equal through the token after the tool image, parting after it: one node holds both pictures
+    of both (the vision tower encodes them once)."""
+    table = tool_image_table([[3, 4, 9, 5, 5, 11, 13], [3, 4, 9, 5, 5, 11, 12]])
+    mb = build_microbatch(
+        table, [0, 1], layout="padding_free", pad_token_id=0, attention="sdpa", keys=table.prefix_keys("tree")
+    )
+    assert images_in_row_order(mb) == [1.0, 2.0]
+    assert mb.real_tokens == 10 + 2 + 2  # positions 0-9 once (a key is a token and the next), then each own
+
+
 def test_media_digest_tells_images_apart():
     inputs = grid_inputs([1, 1])
     first, second = split_media(inputs, 2)
@@ -427,7 +491,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
     assert len(steps) == 4  # every optimizer step, image steps included, ran repacked micro-batches...
     assert max(step["dynbsz/microbatches"] for step in steps) > 2  # ...more of them than stock's 2 slices
     assert all(step["dynbsz/padding_fraction"] == 0 for step in steps)  # ...padding-free...
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # ...each image prompt computed once
     assert "self-check passed: padding_free, prefix tree, segment attention" in caplog.text  # the default rule
     assert "stock micro-batches" not in caplog.text
     assert "image inputs" in caplog.text and "repacked" in caplog.text  # the plan table's row
@@ -436,7 +500,7 @@ def test_image_rollouts_train_as_stock_in_padding_free_rows_with_shared_prompts(
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
 def test_image_rollouts_train_as_stock_in_padded_rows(family, tmp_path):
     history = compare(family, tmp_path, ours_settings={"packing_layout": "padded"})
-    assert all(step["dynbsz/prompt_tokens_saved"] == 0 for step in repacked_steps(history))
+    assert all(step["dynbsz/shared_tokens_saved"] == 0 for step in repacked_steps(history))
 
 
 @pytest.mark.parametrize(
@@ -458,7 +522,7 @@ def test_prompts_of_equal_text_and_other_pictures_are_not_shared(family, tmp_pat
     """Every prompt has the same text and image size, only the pixels differ: a completion that saw another prompt's
     image features (prompts shared by their tokens alone) would move the parameters away from stock's."""
     history = compare(family, tmp_path, dataset=image_prompt_dataset([1] * 8, sizes=(56,), same_text=True), budget=400)
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in repacked_steps(history))
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in repacked_steps(history))
 
 
 @pytest.mark.parametrize("family", VISION_LANGUAGE_FAMILIES)
@@ -494,6 +558,62 @@ def test_the_vision_tower_encodes_a_shared_prompts_images_once_per_pass(family, 
     per_step = [counts[2 * step] + counts[2 * step + 1] for step in range(4)]  # 2 prompts per step
     assert our_calls[0][-4:] == per_step  # (before them: the self-check's passes, at the first step)
     assert sum(stock_calls[0]) == 4 * sum(per_step)
+
+
+def train_with_tool_images(trainer_cls, config_cls, tmp_path, **overrides):
+    """``trainer_cls`` (GRPO, stock's or the plugin's) on a tiny Qwen2-VL whose completions hold a tool's image after
+    a fork from their siblings (:class:`~hf_dynbsz.testing.ToolImageRollout`): initial and final parameters, the
+    completions and the log history."""
+    from PIL import Image
+
+    model, processor = build_tiny_vision_language_model("qwen2_vl")
+    pixels = np.random.default_rng(7).random((56, 56, 3))
+    rollout = ToolImageRollout(processor, Image.fromarray((pixels * 255).astype("uint8")))
+    reward = RecordingReward()
+    settings = base_config_kwargs(
+        str(tmp_path / trainer_cls.__name__), shuffle_dataset=False, max_steps=4, max_completion_length=40
+    )
+    trainer = type(f"ToolImage{trainer_cls.__name__}", (ToolImageGeneration, trainer_cls), {})(
+        model=model,
+        reward_funcs=reward,
+        args=config_cls(**settings, **overrides),
+        train_dataset=image_prompt_dataset(IMAGE_COUNTS),
+        processing_class=processor,
+    )
+    trainer.tool_image_rollout = rollout
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return initial, final, reward.completions, trainer.state.log_history
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"share_prompt_prefix": "tree", "self_check": False}, {"share_prompt_prefix": "groups"}],
+    ids=["checked tree", "trusted tree", "prompt groups"],
+)
+def test_a_tool_image_in_a_completion_after_a_fork_trains_as_stock(tmp_path, caplog, settings):
+    """Completions that share a trunk, part, then hold a tool's image (the same picture for every sibling, after a
+    prompt with 0-2 pictures of its own): each sample's images are in the row once, in the node of its first image,
+    whatever the sharing rule; the self-check keeps the prefix tree, and the parameters are stock's."""
+    initial, stock, stock_completions, _ = train_with_tool_images(GRPOTrainer, GRPOConfig, tmp_path / "stock")
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        _, ours, completions, history = train_with_tool_images(
+            DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, tmp_path / "ours", max_tokens_per_microbatch=200,
+            **settings,
+        )  # fmt: skip
+    assert completions == stock_completions
+    assert relative_difference(ours, stock) <= 1e-5
+    assert update_difference(initial, ours, stock) <= 1e-3
+    steps = repacked_steps(history)
+    saved = [step["dynbsz/shared_tokens_saved"] > 0 for step in steps]
+    # prompt groups: a sample whose images reach past its prompt shares it with no one (the first two steps' image
+    # prompts); the text-only prompts of the last two steps share theirs, the tool image in each completion's own block
+    assert len(steps) == 4 and (
+        all(saved) if settings.get("share_prompt_prefix") != "groups" else saved[2:] == [True, True]
+    )
+    if not settings:
+        assert "self-check passed: padding_free, prefix tree, segment attention" in caplog.text
 
 
 def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_path, caplog, monkeypatch):

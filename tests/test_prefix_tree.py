@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
-from hf_dynbsz.planning.schedule import row_tokens
 
 
 def tree_of(sequences, base=10):
@@ -91,7 +90,10 @@ def test_the_group_rule_shares_each_prompt_in_its_group_only():
     assert list(zip(counted.start, counted.length, counted.parent)) == [
         (0, 3, -1), (3, 3, 0), (3, 1, 0), (3, 4, 0), (0, 8, -1), (0, 3, -1), (0, 3, -1),
     ]  # fmt: skip
-    assert counted.tokens() == row_tokens(range(6), prompts, completions, groups)
+    # brute force on tokens laid out as the rule assumes: a group's prompts identical, every other first token apart
+    samples = [[10 * (g + 1) + k for k in range(p)] + [1000 + 10 * s + k for k in range(c)]
+               for s, (p, c, g) in enumerate(zip(prompts, completions, groups))]  # fmt: skip
+    assert counted.tokens() == len(distinct_positions(samples)) == 3 + (3 + 1 + 4) + 8 + 3 + 3
 
 
 def test_a_namespace_keeps_positions_from_there_apart():
@@ -123,15 +125,25 @@ def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
     assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
 
 
-@pytest.mark.parametrize("budget", [3, 8, 15, 40])
-def test_the_group_rule_units_are_the_schedules_units(budget):
-    from hf_dynbsz.planning.schedule import build_units
+#: Group 0 (samples 0, 1, 2, 4: prompts of 6) shares 5 prompt tokens; its blocks (the prompt's last token and the
+#: completion) are 10, 3, 5 and 2 tokens: 25 in all. Sample 3 is alone in group 1: 10 tokens. A unit's attention term
+#: is its positions' path lengths, 2 depth + 1 each: (5 + block)^2 - 25 per block, 25 for the shared prompt.
+GROUP_UNITS = {
+    # the group fits: one unit (25 + 200 + 39 + 75 + 24 pairs)
+    40: [((0, 1, 2, 4), 25, 363), ((3,), 10, 100)],
+    # 15 tokens: pieces of 10 block tokens beside the prompt, first-fit-decreasing: [10] and [5, 3, 2]; sample 0 alone
+    15: [((0,), 15, 225), ((1, 2, 4), 15, 25 + 39 + 75 + 24), ((3,), 10, 100)],
+    # 8 and 3 tokens: no two blocks fit beside the prompt, every sample alone
+    8: [((0,), 15, 225), ((1,), 8, 64), ((2,), 10, 100), ((3,), 10, 100), ((4,), 7, 49)],
+    3: [((0,), 15, 225), ((1,), 8, 64), ((2,), 10, 100), ((3,), 10, 100), ((4,), 7, 49)],
+}
 
+
+@pytest.mark.parametrize("budget", list(GROUP_UNITS))
+def test_the_group_rule_units_share_a_group_that_fits_and_pack_its_blocks_beside_the_prompt(budget):
     prompts, completions, groups = [6, 6, 6, 3, 6], [9, 2, 4, 7, 1], [0, 0, 0, 1, 0]
     tree = PrefixTree.of_groups(prompts, completions, groups)
-    assert tree.units(budget) == build_units(prompts, completions, groups, budget)
-    for unit in tree.units(budget):
-        assert unit.tokens >= tree.tokens(unit.samples)
+    assert [(unit.samples, unit.tokens, unit.pairs) for unit in tree.units(budget)] == GROUP_UNITS[budget]
 
 
 def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():
@@ -200,3 +212,59 @@ def test_a_tree_that_shares_a_position_takes_the_general_walk():
     assert PrefixTree.of_groups([4, 1, 1], [2, 3, 1], [0, 1, 1]).shares_nothing  # a 1-token prompt: nothing shared
     picked = PrefixTree.joined([(PrefixTree.alone([5]), 0), (PrefixTree.alone([5]), 0)])
     assert picked.shares_nothing and picked.length == [5, 5]  # two trees' samples: distinct however equal
+
+
+# ---- groups that always share a pass (a preference pair's chosen and rejected) -----------------------------------
+def pairs_tree(prompts, responses):
+    """Preference pairs: prompt ``prompts[k]`` (a list of tokens) with its two responses ``responses[k]``; samples in
+    pair order (chosen, rejected, ...) and each pair's ``together`` id."""
+    samples = [prompt + response for prompt, pair in zip(prompts, responses) for response in pair]
+    return tree_of(samples), [k for k in range(len(prompts)) for _ in range(2)]
+
+
+def test_together_keeps_units_that_split_no_group():
+    tree, together = pairs_tree([[0] * 6, [1] * 6], [([2] * 3, [3] * 4), ([2] * 2, [3] * 2)])
+    for budget in (5, 13, 100):
+        plain = tree.units(budget)
+        grouped = tree.units(budget, together)
+        whole = [unit for unit in plain if all(s ^ 1 in unit.samples for s in unit.samples)]
+        assert all(unit in grouped for unit in whole)  # a unit holding whole pairs stays as it is
+
+
+def test_pairs_sharing_a_prompt_are_repacked_whole_when_the_prompts_subtree_is_cut():
+    # one prompt of 10 with four pairs; every chosen response opens with 5, every rejected one with 6, so the plain cut
+    # of the prompt's subtree (9 + 2 x (1 + 4 x 6) = 59 tokens) takes the chosen ones apart from the rejected ones
+    responses = [([5, k] + [1] * 4, [6, k] + [1] * 4) for k in range(4)]
+    tree, together = pairs_tree([[0] * 10] * 4, responses)
+    assert tree.tokens() == 59 and tree.units(59, together) == tree.units(59)  # it fits: one unit
+    plain = [unit.samples for unit in tree.units(40)]
+    assert any(len(unit) % 2 or any(s ^ 1 not in unit for s in unit) for unit in plain)  # the plain cut splits pairs
+    units = tree.units(40, together)
+    assert sorted(s for unit in units for s in unit.samples) == list(range(8))
+    for unit in units:
+        assert all(s ^ 1 in unit.samples for s in unit.samples)  # whole pairs
+        assert unit.tokens == tree.tokens(unit.samples) <= 40 and unit.pairs == tree.pairs(unit.samples)
+    assert [unit.tokens for unit in units] == [35, 35]  # two pairs a piece: 9 + 2 x (1 + 2 x 6)
+
+
+def test_a_pair_over_the_budget_is_one_unit_over_the_budget():
+    tree, together = pairs_tree([[0] * 10], [([1] * 8, [2] * 8)])
+    (unit,) = tree.units(12, together)
+    assert unit.samples == (0, 1) and unit.tokens == tree.tokens() == 9 + 2 * 9
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=2, max_size=12), st.data())
+def test_every_group_runs_in_exactly_one_unit(samples, data):
+    tree = tree_of(samples)
+    together = data.draw(st.lists(st.integers(0, 3), min_size=len(samples), max_size=len(samples)))
+    budget = data.draw(st.integers(1, 40))
+    units = tree.units(budget, together)
+    assert sorted(s for unit in units for s in unit.samples) == list(range(len(samples)))
+    where = {s: index for index, unit in enumerate(units) for s in unit.samples}
+    for group in set(together):
+        assert len({where[s] for s, g in enumerate(together) if g == group}) == 1
+    plain = tree.units(budget)
+    for unit in units:  # a unit the plain cut made, or a repacked one: whole groups within the budget, or one group
+        assert unit in plain or unit.tokens == tree.tokens(unit.samples)
+        assert unit in plain or unit.tokens <= budget or len({together[s] for s in unit.samples}) == 1

@@ -20,18 +20,19 @@ from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
 from hf_dynbsz.execution.attention import Node, Segment, SegmentLayout, use_segments
-from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
     bucket_length,
     chained_states,
     continuation_calls,
+    continuation_runs,
     prefix_states,
     recurrence_calls,
     segment_recurrence,
     state_argument,
 )
-from hf_dynbsz.execution.self_check import gradient_error
+from hf_dynbsz.execution.self_check import gradient_error, gradient_table
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, prefix_batch, stock_logps
 from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES, build_tiny_causal_lm_of_type, causal_lm_types
@@ -91,7 +92,7 @@ def test_the_family_has_sequence_mixers_and_trains_padding_free(model):
     support = ModelSupport.of(model=model)
     assert support.sequence_mixers and support.padding_free_blocker is None
     layout = support.layouts()[0][0]
-    assert layout.name == "padding_free" and layout.share_prompts and layout.segment_recurrence
+    assert layout.name == "padding_free" and layout.sharing and layout.segment_recurrence
 
 
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
@@ -273,43 +274,75 @@ def test_passes_without_a_layout_run_the_mixers_untouched(model):
 
 
 #: The families from their defaults' layer patterns that also run by default (the others with ``-m zoo``): a Jamba
-#: (four Mamba layers in a row, MoE between them), Qwen3.5's Gated DeltaNet, Mamba (no attention) and LFM2.
-DEFAULT_PATTERN_SUBSET = ("jamba", "qwen3_5_text", "mamba", "lfm2")
+#: (four Mamba layers in a row, MoE between them), Qwen3.5's Gated DeltaNet, Mamba (no attention), LFM2 and Mamba-2
+#: (the Mamba-2 mixer of Bamba, Falcon-H1, Nemotron-H, Zamba and Zamba2).
+DEFAULT_PATTERN_SUBSET = ("jamba", "qwen3_5_text", "mamba", "lfm2", "mamba2")
+
+#: The rows of the training passes from the defaults' layer patterns: (sharing, prompt lengths, prefix structure of
+#: :func:`~hf_dynbsz.testing.prefix_batch`). Prompt groups only; or a prefix tree over prompts of equal or of different
+#: lengths that begin with a block shared across groups (then a prompt's completions share a trunk of 2 tokens, and
+#: pairs of them one more token), or that share nothing beyond their group (pairs of a prompt's completions begin with
+#: the same token): both make inner nodes of one token below a root, which a Mamba-2 mixer ran through its decoding
+#: path from its parent's state, updating it in place (the backward raised; under checkpointing gradients were off).
+ROWS = {
+    "groups": ("groups", PROMPTS, None),
+    "tree-across-equal": ("tree", [5, 5, 5], dict(shared=7, trunk=2, branches=2, branch=1)),
+    "tree-across-varied": ("tree", [5, 2, 9], dict(shared=7, trunk=2, branches=2, branch=1)),
+    "tree-within-equal": ("tree", [5, 5, 5], dict(branches=2, branch=1)),
+    "tree-within-varied": ("tree", [5, 2, 9], dict(branches=2, branch=1)),
+}
+#: The passes of each family: (rows of :data:`ROWS`, gradient checkpointing), each structure of a tree's rows once,
+#: with and without checkpointing (the backward raised without it; with it, gradients were silently off).
+PASSES = (
+    ("groups", False),
+    ("groups", True),
+    ("tree-across-equal", True),
+    ("tree-across-varied", False),
+    ("tree-within-equal", False),
+    ("tree-within-varied", True),
+)
+#: The passes of :data:`PASSES` the default run takes for :data:`DEFAULT_PATTERN_SUBSET`.
+DEFAULT_PASSES = {("groups", False), ("groups", True), ("tree-across-equal", True), ("tree-within-equal", False)}
 
 
-def _default_pattern_families():
+def _default_pattern_params():
     installed = set(causal_lm_types())
     for family in SEGMENT_RECURRENCE_FAMILIES:
-        marks = [pytest.mark.zoo] + ([pytest.mark.representative] if family in DEFAULT_PATTERN_SUBSET else [])
-        if family not in installed:
-            marks.append(pytest.mark.skip(reason=f"{family} is not in the installed transformers"))
-        yield pytest.param(family, marks=marks, id=family)
+        for rows, checkpointing in PASSES:
+            marks = [pytest.mark.zoo]
+            if family in DEFAULT_PATTERN_SUBSET and (rows, checkpointing) in DEFAULT_PASSES:
+                marks.append(pytest.mark.representative)
+            if family not in installed:
+                marks.append(pytest.mark.skip(reason=f"{family} is not in the installed transformers"))
+            checkpoint = "-checkpointing" if checkpointing else ""
+            yield pytest.param(family, rows, checkpointing, marks=marks, id=f"{family}-{rows}{checkpoint}")
 
 
-@pytest.mark.parametrize(
-    ("checkpointing", "sharing"),
-    [(False, "groups"), (True, "groups"), (True, "tree")],
-    ids=["", "checkpointing", "checkpointing-tree"],
-)
-@pytest.mark.parametrize("family", list(_default_pattern_families()))
-def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, checkpointing, sharing):
+def _rows_batch(rows: str):
+    """The generation batch of :data:`ROWS`' ``rows``: ``(sharing, batch)``."""
+    sharing, prompts, structure = ROWS[rows]
+    if structure is None:
+        return sharing, grpo_batch(prompts, COMPLETIONS, REPEATS, seed=2, token_high=40)
+    return sharing, prefix_batch(prompts, [6, 0, 3, 9, 1, 5, 4, 7, 2, 8, 3, 1], [4, 4, 4], seed=3, **structure)
+
+
+@pytest.mark.parametrize(("family", "rows", "checkpointing"), list(_default_pattern_params()))
+def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gradients(family, rows, checkpointing):
     """Each segment-recurrence family built from its config's defaults, reduced in size only (its real layer pattern:
     several recurrent layers in a row, MoE between them where the family has MoE): one training pass of a row with
     shared prompts gives every sample's own log-probs and the gradients of the samples run alone, with and without
-    gradient checkpointing (whose recomputation must take the forward's path); and so does a prefix tree's row (a
-    block every prompt begins with, completions sharing a trunk and branches). A Jamba's blocks started from their
-    prefix's states, which its Mamba scan ignores, and its gradients were 1e-2 off (its log-probs 5e-7)."""
+    gradient checkpointing (whose recomputation must take the forward's path); and so does a prefix tree's row
+    (:data:`ROWS`: prompts of equal and of different lengths, sharing a block across groups or nothing beyond their
+    group). A Jamba's blocks started from their prefix's states, which its Mamba scan ignores, and its gradients were
+    1e-2 off (its log-probs 5e-7); a Mamba-2 mixer's one-token inner nodes raised in the backward."""
     model = build_tiny_causal_lm_of_type(family, seed=1, layer_pattern="default")
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # dropout is off; checkpointing runs in training mode only
+    sharing, batch = _rows_batch(rows)
     layout = ModelSupport.of(model=model).layouts(share_prompt_prefix=sharing)[0][0]
     assert layout.sharing == sharing and layout.segment_recurrence
-    if sharing == "tree":
-        batch = prefix_batch([5, 2, 9], [6, 0, 3, 9, 1, 5], [2, 2, 2], shared=7, trunk=4, branches=2, branch=3, seed=3)
-    else:
-        batch = grpo_batch(PROMPTS, COMPLETIONS, REPEATS, seed=2, token_high=40)
     table = SequenceTable.from_padded(*batch)
     completions = table.completion_lengths.tolist()
     run_layout, run_alone = bare_check_passes(model, table)
@@ -323,6 +356,51 @@ def test_a_training_pass_from_the_defaults_layer_pattern_has_each_samples_own_gr
     expected = {name: sum(p.gradients[name] for p in alone_probes) for name in probe.gradients}
     error, name = gradient_error(probe.gradients, expected)
     assert error <= 1e-5, (error, name)
+    assert sharing == "groups" or one_token_inner_nodes(gradient_table(table)), "the tree row has no one-token fork"
+
+
+def one_token_inner_nodes(table) -> int:
+    """How many inner nodes of one token below a root the prefix tree's row of all of ``table``'s samples holds."""
+    mb = build_microbatch(table, list(range(len(table))), layout="padding_free", pad_token_id=0, attention="sdpa",
+                          keys=table.prefix_keys("tree"))  # fmt: skip
+    return sum(1 for part in mb.segments.parts() if part.children and part.parent >= 0 and len(part.own) == 1)
+
+
+def test_an_inner_node_of_one_token_below_a_root_runs_in_front_of_its_children():
+    """A mixer run on one token from a state takes its decoding path, which updates the state in place (Mamba-2's):
+    no run from a state is one token long. Such a node's token runs in front of each child's own tokens, from its
+    parent's states, the first child keeping its output; every position is kept once."""
+    nodes = [
+        Node(0, 4),  # 0: a root of 4 tokens
+        Node(4, 1, 0),  # 1: one token below it, with children 2 and 3 (leaves)
+        Node(5, 3, 1),
+        Node(8, 2, 1),
+        Node(10, 1, 0),  # 4: one token, whose only child 5 is one token too, with leaves 6 and 7
+        Node(11, 1, 4),
+        Node(12, 2, 5),
+        Node(14, 1, 5),
+        Node(15, 1),  # 8: a root of one token (from a zero state: runs alone), with leaves 9 and 10
+        Node(16, 2, 8),
+        Node(18, 3, 8),
+    ]
+    layout = SegmentLayout(nodes, "sdpa")
+    runs = continuation_runs(layout)
+    assert runs == {
+        0: ([0, 1, 2, 3], 0, -1),
+        2: ([4, 5, 6, 7], 0, 0),  # node 1's token in front, kept here
+        3: ([4, 8, 9], 1, 0),
+        5: ([10, 11], 0, 0),  # node 4's token in front: two tokens, an inner node that runs
+        6: ([12, 13], 0, 5),
+        7: ([14], 0, 5),
+        8: ([15], 0, -1),
+        9: ([16, 17], 0, 8),
+        10: ([18, 19, 20], 0, 8),
+    }
+    levels, calls, positions = continuation_calls(layout, "cpu")
+    assert sorted(positions.tolist()) == list(range(layout.width))
+    for call in [call for level in levels for call in level] + calls:
+        assert call.state_rows is None or call.gather.shape[1] > 1
+    assert [[call.gather.tolist() for call in level] for level in levels] == [[[[15]], [[0, 1, 2, 3]]], [[[10, 11]]]]
 
 
 @pytest.mark.parametrize(("family", "continues"), [("mamba", False), ("qwen3_5_text", True)])

@@ -35,7 +35,7 @@ def step(tokens_per_second, memory, reward, **more):
         "dynbsz/microbatches_max_over_ranks": 3.0,
         "dynbsz/dummy_passes": 0.0,
         "dynbsz/train_seconds": 0.5,
-        "dynbsz/prompt_tokens_saved": 10.0,
+        "dynbsz/shared_tokens_saved": 10.0,
         **more,
     }
 
@@ -77,8 +77,17 @@ def test_runs_are_compared_in_one_table_and_one_png(tmp_path, capsys):
     assert rows["budget-512"]["padding"] == "25.0%"
     assert rows["budget-512"]["rank imbalance"] == "-" and rows["budget-2048"]["rank imbalance"] == "1.030"
     assert "MFU" not in rows["budget-512"]  # no run logged it: no column
+    assert rows["budget-512"]["shared tokens saved/step"] == "10"
     assert markdown.read_text().strip() == "\n".join(line for line in out.splitlines() if line.startswith("|"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_a_run_of_an_earlier_release_shows_its_metrics_under_their_names_now(tmp_path, capsys):
+    """dynbsz/shared_tokens_saved was logged as dynbsz/prompt_tokens_saved before: such a run fills the column."""
+    earlier = step(1000, 500, 0.1)
+    earlier["dynbsz/prompt_tokens_saved"] = earlier.pop("dynbsz/shared_tokens_saved")
+    code, out, _ = report(write_state(tmp_path / "earlier", [earlier]), "--png", tmp_path / "r.png", capsys=capsys)
+    assert code == 0 and table_rows(out)["earlier"]["shared tokens saved/step"] == "10"
 
 
 def test_a_run_without_a_final_state_is_read_from_its_latest_checkpoint(tmp_path, capsys):

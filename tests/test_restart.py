@@ -5,8 +5,9 @@ Each trainer, stock and the plugin's, trains 4 optimizer steps on 2 processes wi
 gradients of step 3, after a pass of that step's backward. The launcher must stop the other process (no hang: every
 launch runs under a timeout), the step-2 checkpoint must be the last one, and the relaunch with
 ``resume_from_checkpoint`` trains steps 3 and 4. The plugin's parameters then equal stock's after the same kill and
-restart (within 1e-5), under DDP, DeepSpeed ZeRO-3 and FSDP2 (its sharded checkpoint written and read on CPU over
-gloo).
+restart (within 1e-5, and the update over the whole job, from the saved model to the end, within 1e-3 of stock's),
+under DDP, DeepSpeed ZeRO-3 and FSDP2 (its sharded checkpoint written and read on CPU over gloo), each engine the one
+its config asks for (the relaunch's parameters sharded under ZeRO-3 and FSDP2).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_distributed import BACKENDS, LAUNCH_TIMEOUT_S, ROOT, read_records
+from test_distributed import BACKENDS, LAUNCH_TIMEOUT_S, ROOT, assert_parameters_match, read_records
 
-from hf_dynbsz.testing import grpo_worker_command, relative_difference, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import grpo_worker_command, run_with_timeout, save_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -59,7 +59,4 @@ def test_a_process_killed_mid_step_and_the_job_restarted_from_its_checkpoint_mat
         assert ours[rank]["completions"] == stock[rank]["completions"], f"rank {rank} generated differently"
         assert len(ours[rank]["completions"]) == 2 * SAMPLES_PER_STEP  # the relaunch trained steps 3 and 4 only
         assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
-    difference = relative_difference(
-        torch.load(f"{tmp_path / 'ours'}.params.pt"), torch.load(f"{tmp_path / 'stock'}.params.pt")
-    )
-    assert difference <= 1e-5, difference
+    assert_parameters_match(tmp_path / "ours", tmp_path / "stock")  # initial: the saved model (the relaunch loads it)

@@ -121,7 +121,7 @@ def test_shared_prompts_really_happen_in_both_layouts(model_dir, tmp_path):
     shared = compare_with_stock(model_dir, tmp_path / "shared", beta=0.1, num_iterations=2)
     padded = compare_with_stock(model_dir, tmp_path / "padded", beta=0.1, num_iterations=2, packing_layout="padded")
     for step_shared, step_padded in zip(shared, padded):
-        assert step_shared["dynbsz/prompt_tokens_saved"] > 0 and step_padded["dynbsz/prompt_tokens_saved"] == 0
+        assert step_shared["dynbsz/shared_tokens_saved"] > 0 and step_padded["dynbsz/shared_tokens_saved"] == 0
         assert step_shared["dynbsz/padding_fraction"] == 0 < step_padded["dynbsz/padding_fraction"]
         assert step_shared["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
         assert (
@@ -246,7 +246,7 @@ def test_lora_with_the_reference_as_the_disabled_adapter_matches_stock(model_dir
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     steps = compare_with_stock(model_dir, tmp_path, trainer_kwargs={"peft_config": lora}, beta=0.1, num_iterations=2)
-    assert any(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+    assert any(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)
 
 
 # ---- vision-language samples ------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_generated_image_prompts_match_stock(tmp_path, monkeypatch, repacked):
     assert update_difference(initial, ours, stock) <= UPDATE_TOLERANCE
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert len(steps) == (2 if repacked else 0)
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)
     assert relative_difference(stock, initial) > 1e-4  # it trained
 
 

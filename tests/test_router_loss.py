@@ -18,6 +18,7 @@ from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.router_loss import RouterAuxLoss, captured_router_logits, router_statistics
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.testing import (
     PrefixRollout,
     RecordingReward,
@@ -149,7 +150,7 @@ def test_training_with_the_router_aux_loss_equals_stock(model_type, loss_type, n
         *PLUGIN, model_type, str(tmp_path / "o"), max_tokens_per_microbatch=48, **settings
     )
     assert trainer._dynbsz.enabled and trainer._dynbsz.capabilities.router_aux
-    assert trainer._dynbsz.scheduler.share_prompts  # padding-free rows with shared prompts
+    assert trainer._dynbsz.scheduler.sharing  # padding-free rows with shared prompts
     assert any(entry.get("dynbsz/microbatches", 0) >= 2 for entry in history)  # really repacked
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
@@ -169,7 +170,9 @@ def test_a_prefix_tree_with_the_router_aux_loss_equals_stock(model_type, loss_ty
         *PLUGIN, model_type, str(tmp_path / "o"), max_tokens_per_microbatch=160, share_prompt_prefix="tree",
         self_check=False, **settings,
     )  # fmt: skip
-    assert trainer._dynbsz.capabilities.router_aux and trainer._dynbsz.scheduler.prefix_tree
+    assert trainer._dynbsz.capabilities.router_aux and trainer._dynbsz.scheduler.sharing is SharePrefix.TREE
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert steps and all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # the block and trunks shared
     assert relative_difference(ours, stock) <= 1e-5
     assert update_difference(initial, ours, stock) <= 1e-3
     stock_aux = [entry["aux_loss"] for entry in stock_history if "aux_loss" in entry]

@@ -13,6 +13,7 @@ from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.planning.partition import OversizeSequenceError
 from hf_dynbsz.planning.schedule import SINGLE_PROCESS, Scheduler, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.planning.tokens import microbatch_tokens
 
 
@@ -274,7 +275,7 @@ def test_simulated_processes_compute_what_processes_meeting_at_collectives_compu
         layout,
         "varlen" if layout == "padding_free" else "dense",
         balance_across_ranks=balance,
-        share_prompts=share and layout == "padding_free",
+        sharing=SharePrefix.GROUPS if share and layout == "padding_free" else SharePrefix.NONE,
         oversize_policy=policy,
         pad_to_multiple_of=pad,
     )
@@ -307,18 +308,18 @@ def _train_recording_schedules(tmp_path, monkeypatch, settings_):
     """Train a tiny model on scripted random lengths; the model's folder and each step's batch, training schedule
     and prompt groups."""
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz import trainer as trainer_module
+    from hf_dynbsz.execution.batch import StepBatch
     from hf_dynbsz.testing import ScriptedRollout, run_training, save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"))
     batches, schedules, groups = [], [], []
-    from_slices = trainer_module.StepBatch.from_slices.__func__
+    from_slices = StepBatch.from_slices.__func__
 
     def recording_from_slices(cls, window, *args):
         batches.append(from_slices(cls, window, *args))
         return batches[-1]
 
-    monkeypatch.setattr(trainer_module.StepBatch, "from_slices", classmethod(recording_from_slices))
+    monkeypatch.setattr(StepBatch, "from_slices", classmethod(recording_from_slices))
 
     class Recording(DynamicBatchGRPOTrainer):
         def __init__(self, *args, **kwargs):
@@ -424,13 +425,13 @@ def test_shared_prompts_apply_only_to_padding_free_rows_with_segment_attention()
     args = scheduler_args()
     segments = ModelSupport.of(attn_implementation="sdpa")
     no_segments = dataclasses.replace(segments, segment_attention_blocker="no AttentionInterface")
-    assert Scheduler.from_args(args, segments).share_prompts
-    assert not Scheduler.from_args(args, no_segments).share_prompts  # padded then
+    assert Scheduler.from_args(args, segments).sharing
+    assert not Scheduler.from_args(args, no_segments).sharing  # padded then
     assert Scheduler.from_args(args, no_segments).layout == "padded"
     args.packing_layout = "padded"
-    assert not Scheduler.from_args(args, segments).share_prompts
+    assert not Scheduler.from_args(args, segments).sharing
     args.packing_layout, args.share_prompt_prefix = "padding_free", False
-    assert not Scheduler.from_args(args, segments).share_prompts
+    assert not Scheduler.from_args(args, segments).sharing
     assert Scheduler.from_args(args, segments).segment_attention == "sdpa"
 
 
@@ -489,7 +490,7 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
         completion_lengths=torch.tensor(completions),
     )
     planner = scheduler("padding_free", "varlen", pad_to_multiple_of=pad)
-    planner = dataclasses.replace(planner, share_prompts=True)
+    planner = dataclasses.replace(planner, sharing=SharePrefix.GROUPS)
     groups = table.prompt_groups()
     schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), groups=groups)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
@@ -498,7 +499,7 @@ def test_shared_passes_compute_what_the_schedule_counts(data):
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
-    assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(
+    assert schedule.shared_tokens_saved == sum(table.lengths.tolist()) - sum(
         build_microbatch(table, g, layout="padding_free", pad_token_id=0, attention="sdpa", groups=groups).real_tokens
         for g in real
     )
@@ -533,8 +534,7 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
     completions = data.draw(st.lists(st.lists(symbols, max_size=8), min_size=count, max_size=count))
     table = tree_table(block, prompts, completions, prompt_of)
     budget, pad = data.draw(st.integers(8, 60)), data.draw(st.sampled_from([None, 4]))
-    planner = dataclasses.replace(scheduler("padding_free", "varlen", pad_to_multiple_of=pad), share_prompts=True)
-    planner = dataclasses.replace(planner, prefix_tree=True)
+    planner = dataclasses.replace(scheduler("padding_free", "varlen", pad_to_multiple_of=pad), sharing=SharePrefix.TREE)
     tree = table.prefix_tree("tree")
     schedule = planner.plan(table.lengths.tolist(), budget, prompt_lengths=table.prompt_lengths.tolist(), tree=tree)
     assert sorted(i for group in schedule.microbatches for i in group) == list(range(count))
@@ -544,7 +544,7 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
         assert mb.computed_tokens == planned
         if not set(group) & set(schedule.oversize):
             assert planned <= budget
-    assert schedule.prompt_tokens_saved == sum(table.lengths.tolist()) - sum(mb.real_tokens for mb in built)
+    assert schedule.shared_tokens_saved == sum(table.lengths.tolist()) - sum(mb.real_tokens for mb in built)
     assert schedule.pass_pairs == [tree.pairs(group) for group in real]
 
 
@@ -555,8 +555,8 @@ def test_a_shared_prefix_keeps_its_samples_in_one_pass_where_they_fit():
     completions = [[5 + (j % 3)] * (6 + j) for j in range(12)]
     table = tree_table(block, prompts, completions, [j // 3 for j in range(12)])
     lengths, prompt_lengths = table.lengths.tolist(), table.prompt_lengths.tolist()
-    shared = dataclasses.replace(scheduler("padding_free", "varlen"), share_prompts=True)
-    tree = dataclasses.replace(shared, prefix_tree=True)
+    shared = dataclasses.replace(scheduler("padding_free", "varlen"), sharing=SharePrefix.GROUPS)
+    tree = dataclasses.replace(shared, sharing=SharePrefix.TREE)
     by_tree = tree.plan(lengths, 300, prompt_lengths=prompt_lengths, tree=table.prefix_tree("tree"))
     by_groups = shared.plan(lengths, 300, prompt_lengths=prompt_lengths, groups=table.prompt_groups())
     assert by_tree.passes == 1 and by_tree.pass_tokens == [table.prefix_tree("tree").tokens()] and by_groups.passes == 2
@@ -586,7 +586,9 @@ def test_balancing_moves_a_prompt_group_piece_whole():
     prompts = [[30] * 8, [30] * 8]
     groups = [[0] * 4 + [1] * 4, [0] * 8]  # process 0: two prompts x 4; process 1: one prompt x 8, in two pieces
     budget = 1600
-    planner = dataclasses.replace(scheduler("padding_free", "varlen", balance_across_ranks=True), share_prompts=True)
+    planner = dataclasses.replace(
+        scheduler("padding_free", "varlen", balance_across_ranks=True), sharing=SharePrefix.GROUPS
+    )
     plans = simulate_processes(planner, lengths, [budget, budget], prompts, groups=groups)
     exchange = plans[0].exchange
     # a small piece of process 0 and a large piece of process 1 swap: even loads
@@ -616,9 +618,13 @@ def test_repacked_vision_language_models_train_padding_free_and_balanced_other_f
     assert "position ids" in ModelSupport.of(idefics).padding_free_blocker
     args = scheduler_args(balance_across_ranks=True)
     scheduler = Scheduler.from_args(args, ModelSupport.of(qwen_vl, attn_implementation="flash_attention_2"))
-    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padding_free", True, True)
+    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.sharing) == (
+        "padding_free",
+        True,
+        SharePrefix.TREE,
+    )
     scheduler = Scheduler.from_args(args, ModelSupport.of(idefics, attn_implementation="flash_attention_2"))
-    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.share_prompts) == ("padded", False, False)
+    assert (scheduler.layout, scheduler.balance_across_ranks, scheduler.sharing) == ("padded", False, SharePrefix.NONE)
     assert scheduler.attention_mask  # image inputs are positioned from the mask
     assert Scheduler.from_args(args, ModelSupport.of(qwen_vl.get_text_config())).balance_across_ranks
 
@@ -662,3 +668,32 @@ def test_step_cost_is_the_cost_of_the_passes_this_scheduler_would_plan(layout):
     )
     assert scheduler.step_cost(lengths, budget) == pytest.approx(expected)
     assert scheduler.step_cost([], budget) == 0.0
+
+
+# ---- groups that always share a pass -------------------------------------------------------------------------
+def test_a_request_carries_its_together_ids_through_the_all_gather():
+    from hf_dynbsz.planning.schedule import StepRequest
+
+    planner = scheduler("padding_free", "varlen")
+    request = planner._request([10, 12, 7, 9], 30, [4, 4, 3, 3], None, None, [0, 0, 1, 1])
+    assert StepRequest.from_values(request.values()) == request
+    plain = planner._request([10, 12], 30, [4, 4], None, None)
+    assert plain.together is None and StepRequest.from_values(plain.values()) == plain
+
+
+def test_balancing_moves_pairs_whole_and_runs_each_pair_in_one_pass():
+    """Pairs (samples 2k and 2k + 1) on two lopsided processes: balancing moves whole pairs, and every pass holds
+    whole pairs, the chosen before the rejected."""
+    planner = scheduler("padding_free", "varlen", balance_across_ranks=True)
+    lengths = [[300, 280, 310, 290, 305, 295, 200, 210], [20, 25, 30, 22, 28, 24, 26, 21]]
+    together = [[k // 2 for k in range(len(row))] for row in lengths]
+    prompts = [[1] * len(row) for row in lengths]
+    plans = simulate_processes(planner, lengths, [700, 700], prompts, together=together)
+    assert plans[0].balance.moved > 0
+    for plan in plans:
+        moved = plan.exchange.incoming
+        for group in plan.microbatches:
+            origins = [moved[i] for i in group]
+            pairs = {(origin, index // 2) for origin, index in origins}
+            assert len(origins) == 2 * len(pairs)  # whole pairs
+            assert all(origins[j + 1] == (origins[j][0], origins[j][1] + 1) for j in range(0, len(origins), 2))

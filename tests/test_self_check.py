@@ -22,8 +22,11 @@ from hf_dynbsz.execution.self_check import (
     pick_samples,
     run_self_check,
     tolerance,
+    tree_probe,
+    tree_samples,
 )
 from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.testing import (
     bare_check_passes,
     build_char_tokenizer,
@@ -33,9 +36,9 @@ from hf_dynbsz.testing import (
     prefix_batch,
 )
 
-TREE = Layout("padding_free", True, "sdpa", attention="varlen", prefix_tree=True)
-SHARED = Layout("padding_free", True, "sdpa", attention="varlen")
-PLAIN = Layout("padding_free", False, "sdpa", attention="varlen")
+TREE = Layout("padding_free", SharePrefix.TREE, "sdpa", attention="varlen")
+SHARED = Layout("padding_free", SharePrefix.GROUPS, "sdpa", attention="varlen")
+PLAIN = Layout("padding_free", segment_attention="sdpa", attention="varlen")
 PADDED = Layout("padded")
 MASKED = Layout("padded", attention_mask=True)
 
@@ -166,6 +169,109 @@ def test_a_prefix_tree_that_differs_steps_down_to_prompt_groups(tokenizer, monke
         result = run_self_check([TREE, SHARED, PLAIN], table, *runners(model, table), limit=1e-4)
     assert result.chosen == 1 and result.errors[0] > 1e-3 and result.errors[1] < 1e-5
     assert result.reasons[0].startswith("padding_free, prefix tree, segment attention (sdpa): log-probs differ")
+
+
+def shared_positions(a, b) -> int:
+    """Positions two samples compute once between them, from their tokens: a position is its sample's tokens up to
+    and including the next one (-1 after the last), so they share position i when they agree on tokens 0..i+1."""
+    a, b = [*a, -1], [*b, -1]
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return max(n - 1, 0)
+
+
+def three_levels(table, samples) -> bool:
+    """Whether three samples make a prefix tree of three levels, from their tokens: two of them share more positions
+    than either shares with the third, which shares at least one with both, and the two part (each has a position of
+    its own)."""
+    tokens = [table.tokens[i].tolist() for i in samples]
+    for pair, third in (((0, 1), 2), ((0, 2), 1), ((1, 2), 0)):
+        a, b, c = tokens[pair[0]], tokens[pair[1]], tokens[third]
+        trunk, root = shared_positions(a, b), shared_positions(a, c)
+        if trunk > root >= 1 and shared_positions(b, c) == root and trunk < min(len(a), len(b)):
+            return True
+    return False
+
+
+def test_a_prefix_tree_is_probed_on_three_levels_of_the_steps_own_samples():
+    """A block every prompt begins with, then each prompt, then its completions' trunk: the tree's check picks two
+    completions of one prompt and a sample of another prompt, and the probe table is the step's own."""
+    table = tree_table()
+    picked = tree_samples(table)
+    assert picked is not None and three_levels(table, picked)
+    assert set(picked) <= set(pick_samples(table, tree=True)) and len(pick_samples(table, tree=True)) == 4
+    assert tree_probe(table, [TREE, SHARED]) == (table, "")
+
+
+def test_without_three_levels_in_the_step_the_tree_is_probed_on_cut_copies_of_a_sample(tokenizer, monkeypatch):
+    """Prompt groups and completions that part at once (the step of a run without shared blocks or trunks): the
+    probe adds two copies of the shortest sample of 3 completion tokens or more, cut inside its completion, so that
+    the tree's check runs three levels. The bug of a node that sees its parent's keys but not its grandparent's,
+    invisible on shared prompts alone, is caught there."""
+    table = table_of([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2])
+    assert tree_samples(table) is None  # shared prompts only: two levels
+    probe, note = tree_probe(table, [TREE, SHARED])
+    assert "probed on two copies of one of them cut short" in note
+    assert len(probe) == len(table) + 2 and probe.completion_lengths.tolist()[-2:] == [1, 2]  # sample 0's 4, cut
+    for copy in (6, 7):
+        assert probe.tokens[copy].tolist() == table.tokens[0].tolist()[: int(probe.lengths[copy])]
+    picked = sorted(set(pick_samples(probe, tree=True)))
+    assert {0, 6, 7} <= set(picked) and three_levels(probe, [0, 6, 7])
+    assert three_levels(gradient_table(probe), [0, 6, 7])  # the gradient passes keep the three levels
+    assert tree_probe(table, [SHARED, PLAIN]) == (table, "")  # no tree to check: the step's samples as they are
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    with torch.no_grad():
+        result = run_self_check([TREE, SHARED], probe, *runners(model, probe), limit=1e-4)
+    assert result.chosen == 0 and result.gradient_errors[0] < 1e-5
+    from hf_dynbsz.execution.attention.layout import SegmentLayout
+
+    build = SegmentLayout._build_parts
+    monkeypatch.setattr(SegmentLayout, "_build_parts", lambda layout: [
+        part._replace(path=part.path[-1:]) for part in build(layout)])  # fmt: skip
+    for checked, caught in ((table, False), (probe, True)):
+        with torch.no_grad():
+            result = run_self_check([TREE, SHARED], checked, *runners(model, checked), limit=1e-4)
+        assert (result.chosen == 1) == caught, result
+
+
+def test_a_run_whose_first_step_shares_only_prompts_still_checks_the_tree_and_leaves_it_when_wrong(
+    tmp_path, monkeypatch
+):
+    """The trainer's self-check on a first step of prompt groups whose completions part at once (no tree beyond them):
+    the probe's cut copies make the tree three levels deep, and a tree whose nodes miss their grandparent's keys (right
+    for shared prompts, wrong deeper) is left for prompt groups at start, with the probe named in the log."""
+    from hf_dynbsz import DynamicBatchGRPOConfig
+    from hf_dynbsz.execution.attention.layout import SegmentLayout
+    from hf_dynbsz.testing import RecordingReward, ScriptedRollout, base_config_kwargs, build_trainer, prompt_dataset
+
+    build = SegmentLayout._build_parts
+    monkeypatch.setattr(SegmentLayout, "_build_parts", lambda layout: [
+        part._replace(path=part.path[-1:]) for part in build(layout)])  # fmt: skip
+    tokenizer = build_char_tokenizer()
+    args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), max_steps=1, share_prompt_prefix="tree"))
+    lengths, prompt_length = (lambda rng, n, rank: rng.integers(4, 12, n)), (lambda rng: rng.integers(3, 12))
+    scripted = ScriptedRollout(lengths, prompt_length, max_completion_length=16, seed=0, token_high=40)
+
+    def rollout(prompts, trainer):  # a prompt's completions begin with tokens of their own: they part at once
+        out = scripted(prompts, trainer)
+        for k, ids in enumerate(out["completion_ids"]):
+            ids[0] = 3 + k
+        return out
+
+    model = build_tiny_causal_lm(tokenizer)
+    trainer = build_trainer(args, model, tokenizer, dataset=prompt_dataset(), reward=RecordingReward(), rollout=rollout)
+    trainer.train()
+    executor = trainer._dynbsz
+    assert executor.enabled and executor.scheduler.sharing is SharePrefix.GROUPS, executor.self_check_summary
+    assert "padding_free, prefix tree, segment attention (sdpa): log-probs differ" in executor.self_check_summary
+    assert "the prefix tree was probed on two copies of one of them cut short" in executor.self_check_summary
+
+
+def test_a_step_that_cannot_make_three_levels_says_the_tree_was_not_probed():
+    table = table_of([6, 3], [2, 1, 2, 0], [2, 2])  # completions of 2 tokens at most: no cut copy parts from another
+    probe, note = tree_probe(table, [TREE, SHARED])
+    assert probe is table and note.startswith(" The prefix tree was not probed")
 
 
 def test_a_layout_that_mixes_sequences_is_left_with_its_reason(tokenizer):
@@ -324,12 +430,12 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         checked = _train_hybrid(tmp_path / "checked")
     scheduler = checked._dynbsz.scheduler
-    assert scheduler.layout == "padding_free" and not scheduler.share_prompts and scheduler.segment_recurrence
+    assert scheduler.layout == "padding_free" and not scheduler.sharing and scheduler.segment_recurrence
     assert "gradients differ from each sample's own" in caplog.text and "linear_attn" in caplog.text
     assert _difference(checked, stock) <= 1e-5
     monkeypatch.setattr(check_passes, "gradient_tolerance", lambda dtype: math.inf)
     unchecked = _train_hybrid(tmp_path / "unchecked")
-    assert unchecked._dynbsz.scheduler.share_prompts  # the forward alone cannot tell
+    assert unchecked._dynbsz.scheduler.sharing  # the forward alone cannot tell
     assert _difference(unchecked, stock) > 1e-4
 
 
@@ -369,7 +475,7 @@ def test_flex_attentions_padding_free_rows_pass_the_check(model_type, monkeypatc
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # flex uncompiled: a CPU compile of each kernel takes about 26 s
     model = with_fused_head(build_tiny_causal_lm_of_type(model_type, attn_implementation="flex_attention"))
-    flex_shared = Layout("padding_free", True, "flex_attention", attention="varlen")
+    flex_shared = Layout("padding_free", SharePrefix.GROUPS, "flex_attention", attention="varlen")
     table = SequenceTable.from_padded(*grpo_batch([6, 3, 9], [4, 11, 2, 7, 1, 5], [3, 1, 2], token_high=60))
     with torch.no_grad():  # log-probs only: flex_attention has no backward on CPU (the GPU check trains it)
         result = run_self_check([flex_shared, PADDED, MASKED], table, *runners(model, table, False), limit=1e-4)
@@ -468,7 +574,7 @@ def test_under_bf16_mixed_precision_the_check_uses_bf16s_tolerances(tmp_path):
     summary = executor.self_check_summary
     assert executor.enabled and summary.startswith("self-check passed"), summary
     assert f"of {tolerance(torch.bfloat16):g}, gradients" in summary, summary
-    assert summary.endswith(f"of {gradient_tolerance(torch.bfloat16):g})."), summary
+    assert f"of {gradient_tolerance(torch.bfloat16):g})." in summary, summary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

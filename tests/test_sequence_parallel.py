@@ -3,9 +3,10 @@
 Single-process specifications: the config takes accelerate's ``ParallelismConfig(sp_size=N)`` (stock's refuses it),
 what cannot run is refused at start naming the setting and the fix, a pass's budget spans the group. Multi-process
 runs (marked slow): per-token log-probs and gradients of sharded rows equal unsharded ones, and training with
-``sp_size=2`` equals stock GRPOTrainer (no sequence parallelism, same samples) under DDP, ZeRO-2 and ZeRO-3, with
-long-tailed completions, shared prompts and sequences longer than one device's budget; on 4 processes, 2 groups
-balanced against each other.
+``sp_size=2`` equals stock GRPOTrainer (no sequence parallelism, same samples: parameters, update and both runs'
+movement as in ``tests/test_distributed.py``) under DDP, ZeRO-2 and ZeRO-3 (its parameters sharded, checked on every
+process), with long-tailed completions, shared prompts and sequences longer than one device's budget; on 4
+processes, 2 groups balanced against each other.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from accelerate.parallelism_config import ParallelismConfig
+from test_distributed import assert_parameters_match
 from trl import GRPOConfig
 
 from hf_dynbsz import DynamicBatchGRPOConfig
@@ -28,8 +29,8 @@ from hf_dynbsz.testing import REPO_ROOT as ROOT
 from hf_dynbsz.testing import (
     accelerate_command,
     base_config_kwargs,
+    engine_mismatches,
     grpo_worker_command,
-    relative_difference,
     run_with_timeout,
     save_tiny_model,
 )
@@ -154,6 +155,8 @@ def launch(script: str, config_file: str, out: Path, *arguments: str, processes:
         path = Path(f"{out}.rank{rank}.json")
         assert path.exists(), f"rank {rank} did not finish ({script}, {config_file})"
         records.append(json.loads(path.read_text()))
+    if script == "distributed_grpo.py":  # the engine the config asks for (under ZeRO-3, every parameter sharded)
+        assert not engine_mismatches(records, config_file), engine_mismatches(records, config_file)
     return records
 
 
@@ -222,17 +225,14 @@ def test_sp_size_2_matches_stock(name, tmp_path, model_dir):
         steps = ours[rank]["metrics"]
         assert len(steps) == 3
         for step in steps:
-            assert step["dynbsz/prompt_tokens_saved"] > 0  # shared prompts ran sharded too
+            assert step["dynbsz/shared_tokens_saved"] > 0  # shared prompts ran sharded too
             assert step["dynbsz/padding_fraction"] < 0.05
             if processes == 4:
                 assert step["dynbsz/samples_moved"] > 0 and step["dynbsz/rank_imbalance_after"] < 1.1, step
     # the logged loss counts each group once (each of its processes holds the group's whole loss); it is not near 0
     # in the ZeRO runs, so a loss counted per process (x2) fails here
     assert ours[0]["losses"] == pytest.approx(stock[0]["losses"], rel=1e-3, abs=1e-6)
-    difference = relative_difference(
-        torch.load(f"{tmp_path / 'ours'}.params.pt"), torch.load(f"{tmp_path / 'stock'}.params.pt")
-    )
-    assert difference <= 1e-5, difference
+    assert_parameters_match(tmp_path / "ours", tmp_path / "stock")
 
 
 @pytest.mark.long

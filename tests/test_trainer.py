@@ -136,8 +136,7 @@ def test_a_prefix_tree_matches_stock(model_dir, tmp_path, structure, loss_type):
     history = compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=rollout, loss_type=loss_type, beta=0.05, num_iterations=2, **TREE
     )
-    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in steps)  # beyond what prompt groups share
+    assert all(saved > 0 for saved in tree_tokens_saved(history))  # beyond what prompt groups share
 
 
 #: What a statistic over sample-tokens reads: top_entropy_quantile's quantile, the entropy bonus and its metric, clip
@@ -154,18 +153,26 @@ def test_a_prefix_tree_counts_a_shared_token_once_per_sample_in_every_statistic(
     """A trunk's positions are loss terms of every sample holding them: every statistic over sample-tokens counts
     each once per sample, as stock's separate sequences do (the second iteration's ratios move off 1 and clip)."""
     statistics = dict(STATISTICS[statistics], num_iterations=2)
-    compare_with_stock(
+    history = compare_with_stock(
         model_dir, tmp_path, trainer_kwargs=lambda: {"rollout_func": comparison_prefix_rollout("tree rollout")},
         **statistics, **TREE,
     )  # fmt: skip
+    assert all(saved > 0 for saved in tree_tokens_saved(history))  # the trunks shared: the tree ran, not groups
+
+
+def tree_tokens_saved(history: list[dict]) -> list[float]:
+    """Per repacked step of ``history``, the tokens the prefix tree saved beyond prompt groups (0 where the run
+    logged none: sharing by prompt groups, after a step-down or from the start)."""
+    return [entry.get("dynbsz/tree_tokens_saved", 0) for entry in history if "dynbsz/microbatches" in entry]
 
 
 def test_a_prefix_tree_of_sampled_completions_matches_stock(model_dir, tmp_path):
     """Completions the model samples from a 4-character alphabet often begin alike, across prompts too: the tree
     shares those positions, and training still equals stock."""
-    compare_with_stock(
+    history = compare_with_stock(
         model_dir, tmp_path, share_prompt_prefix="tree", self_check=False, loss_type="dapo", beta=0.05, num_iterations=2
     )
+    assert any(saved > 0 for saved in tree_tokens_saved(history))  # completions that begin alike, shared
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -185,7 +192,7 @@ def test_padded_span_calls_match_stock(model_dir, tmp_path, monkeypatch, loss_ty
     monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", recording)
     history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
     assert calls and all(len(layer_calls) <= 2 for layer_calls in calls)
     assert any(call.padded for layer_calls in calls for call in layer_calls)  # spans of several shapes did share
 
@@ -252,7 +259,7 @@ def test_shared_prompts_really_happen_and_match_stock(model_dir, tmp_path):
         model_dir, tmp_path / "alone", loss_type="dapo", beta=0.1, num_iterations=2, share_prompt_prefix=False
     )
     for step_shared, step_alone in zip(*[[e for e in h if "dynbsz/microbatches" in e] for h in (shared, alone)]):
-        assert step_shared["dynbsz/prompt_tokens_saved"] > 0 and step_alone["dynbsz/prompt_tokens_saved"] == 0
+        assert step_shared["dynbsz/shared_tokens_saved"] > 0 and step_alone["dynbsz/shared_tokens_saved"] == 0
         assert step_shared["dynbsz/computed_tokens"] < step_alone["dynbsz/computed_tokens"]
         assert step_shared["dynbsz/tokens_per_microbatch_max"] <= SMALL_BUDGET
 
@@ -486,7 +493,7 @@ def test_matches_stock_with_peft_lora(model_dir, tmp_path, loss_type):
     assert lora_names and set(lora_names) == {name for name in ours if "lora_" in name}
     assert any(stock[n].abs().sum() > 0 for n in lora_names if "lora_B" in n)  # LoRA B starts at zero: it trained
     assert relative_difference({n: ours[n] for n in lora_names}, {n: stock[n] for n in lora_names}) <= PARAM_TOLERANCE
-    assert any(entry.get("dynbsz/prompt_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
+    assert any(entry.get("dynbsz/shared_tokens_saved", 0) > 0 for entry in history)  # shared prompts under PEFT
 
 
 # ---- hybrid models: layers that carry state along a sequence (Gated DeltaNet) ----------------------------------
@@ -506,7 +513,7 @@ def test_hybrid_model_trains_padding_free_with_shared_prompts_and_matches_stock(
     )
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert steps and all(entry["dynbsz/padding_fraction"] == 0 for entry in steps)  # padding-free rows
-    assert any(entry["dynbsz/prompt_tokens_saved"] > 0 for entry in steps)  # shared prompts
+    assert any(entry["dynbsz/shared_tokens_saved"] > 0 for entry in steps)  # shared prompts
 
 
 # ---- mixture-of-experts models -----------------------------------------------------------------------------------
@@ -597,7 +604,7 @@ def test_varlen_attn_rows_match_stock(model_dir, tmp_path, monkeypatch, loss_typ
     monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
     history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
-    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
+    assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts
     assert calls and all(call["enable_gqa"] and call["window_size"] == (-1, 0) for call in calls)
 
 

@@ -38,6 +38,11 @@ PER_TOKEN_KEYS = {
 }
 
 
+#: Per-sample values after a record's rows (:meth:`StepBatch.records`): slice id, items, policy and entropy weights,
+#: rope width (-1: none).
+EXTRAS = 5
+
+
 def _pad_columns(tensor: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
     if tensor.size(1) >= width:
         return tensor[:, :width]
@@ -106,12 +111,16 @@ class StepBatch:
     teacher_hidden_size: int = 0
 
     @classmethod
-    def from_slices(cls, window: list[dict], rank: int = 0, num_processes: int = 1) -> StepBatch:
+    def from_slices(
+        cls, window: list[dict], rank: int = 0, num_processes: int = 1, long_rope: tuple[int, ...] = ()
+    ) -> StepBatch:
         """Flatten the stock slices of one optimizer step (the outputs of TRL's ``_prepare_inputs``) of process
         ``rank``.
 
         Slices are numbered across processes (slice ``s`` of process ``p`` is ``p * slices + s``), so that a sample
-        that moves to another process (cross-rank balancing) still says which stock slice it belongs to.
+        that moves to another process (cross-rank balancing) still says which stock slice it belongs to. ``long_rope``:
+        the run's LongRoPE models' ``original_max_position_embeddings``: each sample's rope width is its slice's
+        (:meth:`~hf_dynbsz.execution.packing.SequenceTable.from_padded`).
         """
         width = max(inputs["completion_ids"].size(1) for inputs in window)
         keys = [key for key in PER_TOKEN_KEYS if window[0].get(key) is not None]
@@ -128,6 +137,7 @@ class StepBatch:
                     inputs["completion_mask"],
                     media=split_media(inputs, rows),
                     token_fields={key: inputs[key] for key in TOKEN_FIELDS if inputs.get(key) is not None},
+                    long_rope=long_rope,
                 )
             )
             mask = inputs["completion_mask"]
@@ -229,7 +239,8 @@ class StepBatch:
 
     def record_size(self, prompt_length: int, completion_length: int) -> int:
         """Values in the record of a sample with these lengths: its tokens, its rows up to its completion
-        length, slice id, items, policy and entropy weights, and a distillation's teacher hidden states."""
+        length, slice id, items, policy and entropy weights, rope width, and a distillation's teacher hidden
+        states."""
         per_token = sum(1 for _, _, is_per_token in self._row_fields() if is_per_token)
         hidden = self.teacher_hidden_size * completion_length if self.teacher_hidden is not None else 0
         return (
@@ -237,7 +248,7 @@ class StepBatch:
             + completion_length
             + per_token * completion_length
             + (len(self._row_fields()) - per_token)
-            + 4
+            + EXTRAS
             + hidden
         )
 
@@ -249,6 +260,7 @@ class StepBatch:
             pieces = [tokens.double()]
             for _, tensor, is_per_token in self._row_fields():
                 pieces.append(tensor[i, :length].double() if is_per_token else tensor[i].reshape(1).double())
+            widths = self.table.rope_widths
             pieces.append(
                 torch.stack(
                     [
@@ -256,6 +268,7 @@ class StepBatch:
                         self.num_items[i].double(),
                         self.policy_weights[i].double(),
                         self.entropy_weights[i].double(),
+                        widths[i].double() if widths is not None else torch.tensor(-1.0, dtype=torch.float64),
                     ]
                 ).to(tokens.device)
             )
@@ -281,9 +294,9 @@ class StepBatch:
                     value = torch.cat([value, value.new_full((width - completion,), pad)])
                 rows[name].append(value.to(tensor.dtype))
                 offset += size
-            extras.append(record[offset : offset + 4])
+            extras.append(record[offset : offset + EXTRAS])
             if self.teacher_hidden is not None:
-                hidden.append(record[offset + 4 :].view(completion, self.teacher_hidden_size))
+                hidden.append(record[offset + EXTRAS :].view(completion, self.teacher_hidden_size))
         stacked = {name: torch.stack(values) for name, values in rows.items()}
         extras = torch.stack(extras).cpu()
         advantages = stacked["advantages"]
@@ -292,6 +305,7 @@ class StepBatch:
                 tokens=tokens,
                 prompt_lengths=torch.tensor([p for p, _ in shapes]),
                 completion_lengths=torch.tensor([c for _, c in shapes]),
+                rope_widths=extras[:, 4].long() if self.table.rope_widths is not None else None,
             ),
             loss_mask=stacked["loss_mask"],
             advantages=advantages if self.advantages.dim() == 2 else advantages.squeeze(1),

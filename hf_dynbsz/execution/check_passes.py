@@ -29,6 +29,7 @@ from hf_dynbsz.execution.layout_timing import (
     pass_clock,
 )
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.rope import stock_rope
 from hf_dynbsz.execution.self_check import (
     CheckResult,
     Probe,
@@ -40,6 +41,7 @@ from hf_dynbsz.execution.self_check import (
     gradients_of,
     run_self_check,
     tolerance,
+    tree_probe,
 )
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.planning.model_support import Layout
@@ -61,8 +63,10 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
     """The self-check of ``executor``'s run on ``table``'s samples: keep the fastest layout whose log-probs and
     gradients equal each sample's own, on every model the loss checks (a distillation's teacher too, log-probs only);
     when none does, stock math runs (``executor.enabled`` False). The check's passes are unsharded, whatever the run's
-    sequence parallelism; the run's layout timing follows from its result."""
+    sequence parallelism; a prefix tree is probed on three levels (:func:`~hf_dynbsz.execution.self_check.tree_probe`,
+    which may add cut copies of a sample, or say that it could not); the run's layout timing follows from its result."""
     layouts = executor.capabilities.layouts
+    table, probe_note = tree_probe(table, layouts)
     schedulers = {
         layout: dataclasses.replace(
             Scheduler.from_args(executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout),
@@ -84,7 +88,7 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
         else:
             result, note = _check_models(executor, layouts, table, passes, dtype)
     executor.self_check_seconds = time.perf_counter() - started
-    executor.self_check_summary = result.summary(layouts) + note
+    executor.self_check_summary = result.summary(layouts) + note + probe_note
     if no_gradients is not None:
         executor.self_check_summary += f" Gradients not compared: {no_gradients}."
     logger.log(
@@ -108,18 +112,19 @@ def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPas
     makes the same checks: each step of each is agreed); the result is the first model's, with every model's reasons
     and the layout they all passed, and a sentence on the others' log-probs for the log."""
     alone = [functools.cache(one.alone) for one in passes]
+    other = getattr(executor.loss, "checked_model_name", "teacher")  # the second model's name in the log
     start, passed, reasons, results = 0, set(), [], {}
     while start < len(layouts) and len(passed) < len(passes):
         index = min(set(range(len(passes))) - passed)
         result = _check(executor, layouts[start:], table, passes[index], alone[index], dtype)
-        reasons += [f"{'teacher: ' if index else ''}{reason}" for reason in result.reasons]
+        reasons += [f"{f'{other}: ' if index else ''}{reason}" for reason in result.reasons]
         passed = {index} if result.chosen else passed | {index}
         start += result.chosen
         results[index] = result
     if start >= len(layouts):
         return CheckResult(len(layouts), [], reasons), ""
     others = max(result.errors[-1] for index, result in results.items() if index)
-    note = f" The teacher's log-probs in that layout differ from each sample's own by {others:.1e} at most."
+    note = f" The {other}'s log-probs in that layout differ from each sample's own by {others:.1e} at most."
     return dataclasses.replace(results[0], chosen=start, reasons=reasons), note
 
 
@@ -201,10 +206,12 @@ class CheckPasses:
         return None
 
     def alone(self, index: int, gradients: bool) -> Probe:
-        """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``."""
+        """Sample ``index`` alone (:func:`alone_microbatch`), with its gradients when ``gradients``; a LongRoPE model
+        gives it the factors of stock's micro-batch that holds it (:mod:`hf_dynbsz.execution.rope`), as passes do."""
         executor, table = self.executor, self.tables[gradients]
         mb = alone_microbatch(table, index, executor.pad_token_id, executor.accelerator.device)
-        return self._probe(mb, table, [index], gradients)
+        with stock_rope(self.model):
+            return self._probe(mb, table, [index], gradients)
 
     def layout(self, layout: Layout, indices: list[int], gradients: bool) -> Probe:
         """One pass over ``indices`` in ``layout``, with gradients when ``gradients``. The check's first pass of a

@@ -20,12 +20,30 @@ from hf_dynbsz.execution.attention import segment_attention, use_segments
 from hf_dynbsz.execution.multimodal import rope_positions
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch, dummy_microbatch
 from hf_dynbsz.execution.recurrence import segment_recurrence
+from hf_dynbsz.execution.rope import stock_rope, use_rope_widths
 from hf_dynbsz.execution.router_loss import captured_router_logits
 from hf_dynbsz.execution.tiling import lm_head_tiles
 from hf_dynbsz.planning.model_support import base_model
 from hf_dynbsz.planning.schedule import Scheduler
 
-__all__ = ["DevicePass"]
+__all__ = ["DevicePass", "named_pass"]
+
+
+def named_pass(mb, parallel) -> tuple[dict, torch.Tensor]:
+    """Name ``mb`` as the pass about to run (its segment layout, its positions' rope widths) and return its model
+    inputs and labels as ``parallel`` shards them (this process's part of the row; the whole row without sequence
+    parallelism)."""
+    use_segments(mb.segments)
+    if mb.rope_widths is None:
+        use_rope_widths(None)
+        return parallel.shard(mb.model_inputs, mb.shift_labels)
+    inputs, labels = parallel.shard({**mb.model_inputs, ROPE_WIDTHS: mb.rope_widths}, mb.shift_labels)
+    use_rope_widths(inputs.pop(ROPE_WIDTHS))
+    return inputs, labels
+
+
+#: The name the rope widths are sharded under with a pass's model inputs (never given to the model).
+ROPE_WIDTHS = "_dynbsz_rope_widths"
 
 
 class DevicePass:
@@ -60,14 +78,16 @@ class DevicePass:
     @contextlib.contextmanager
     def segments(self, model, scheduler: Scheduler | None = None, parallel=None):
         """Segment attention for the passes (forward and backward) when padding-free rows use it, through
-        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses), and segment
-        recurrence for the model's sequence mixers (the identity for a model without any, and for padded passes)."""
+        ``parallel``'s attention (default: the run's; under sequence parallelism DeepSpeed Ulysses), segment
+        recurrence for the model's sequence mixers (the identity for a model without any, and for padded passes), and
+        each sample's LongRoPE factors as stock's micro-batch picks them (:mod:`hf_dynbsz.execution.rope`; the
+        identity for a model without LongRoPE)."""
         scheduler = scheduler or self.scheduler
         enabled = scheduler.segment_attention is not None
         name = (parallel or self.parallel).attention_name
         unwrapped = self.accelerator.unwrap_model(model)
         mixers = self.capabilities.support.sequence_mixers if scheduler.segment_recurrence else ()
-        with segment_attention(unwrapped, enabled, name), segment_recurrence(unwrapped, mixers):
+        with segment_attention(unwrapped, enabled, name), segment_recurrence(unwrapped, mixers), stock_rope(unwrapped):
             yield
 
     def forward(self, model, mb, compute_entropy: bool, router: bool = False, autocast: bool = True, parallel=None):
@@ -76,11 +96,10 @@ class DevicePass:
         ``parallel`` (default: the run's sequence parallelism): this process runs its shard of the row and the
         shards' outputs are gathered (the identity at size 1)."""
         parallel = parallel or self.parallel
-        use_segments(mb.segments)
         extra = {"output_router_logits": True} if router else {}
         capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
         precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
-        inputs, labels = parallel.shard(mb.model_inputs, mb.shift_labels)
+        inputs, labels = named_pass(mb, parallel)
         with precision, capture as router_logits:
             outputs = model(**inputs, shift_labels=labels, fused_lm_head=True, **extra)
         log_probs = parallel.gather(outputs.log_probs)
@@ -117,8 +136,7 @@ class DevicePass:
         forward as the other processes' passes leave theirs (their training passes run inside ``no_sync`` too).
         """
         mb = self.lockstep_microbatch()
-        use_segments(mb.segments)
-        inputs, labels = self.parallel.shard(mb.model_inputs, mb.shift_labels)
+        inputs, labels = named_pass(mb, self.parallel)
         with self.no_sync(model, bool(last)), self.accelerator.autocast():
             outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
             if last is not None:

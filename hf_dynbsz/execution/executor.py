@@ -41,6 +41,7 @@ from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
 from hf_dynbsz.planning.memory import FailedPass
 from hf_dynbsz.planning.schedule import Scheduler
+from hf_dynbsz.planning.settings import SharePrefix
 
 logger = logging.getLogger("hf_dynbsz")
 
@@ -352,15 +353,17 @@ class PassExecutor(DevicePass):
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples: with shared prompts, its prompt groups (found by prompt ids), with a
-        prefix tree its samples' tree."""
+        prefix tree its samples' tree; training passes keep the table's ``together`` groups in one pass (no-grad
+        passes compute each sample's own values)."""
         sharing = self.scheduler.sharing
         return self.scheduler.plan(
             table.lengths.tolist(),
             budget,
             kind,
             prompt_lengths=table.prompt_lengths.tolist(),
-            groups=table.prompt_groups() if sharing == "groups" else None,
-            tree=table.prefix_tree(sharing) if sharing == "tree" else None,
+            groups=table.prompt_groups() if sharing is SharePrefix.GROUPS else None,
+            tree=table.prefix_tree(sharing) if sharing is SharePrefix.TREE else None,
+            together=table.together if kind == "training" else None,
         )
 
     def _warn_oversize(self, schedule, kind: str) -> None:
@@ -368,6 +371,9 @@ class PassExecutor(DevicePass):
             return
         self.warned.add(kind)
         longest = max(schedule.lengths[i] for i in schedule.oversize)
+        if longest <= schedule.budget:  # samples that always run together (a preference pair) are over it together
+            over = set(schedule.oversize)
+            longest = max(t for group, t in zip(schedule.microbatches, schedule.pass_tokens) if over & set(group))
         message = Scheduler.oversize_warning(len(schedule.oversize), longest, schedule.budget, kind)
         memory = self.memory
         if memory.limit_mib is not None:  # the budget came from memory: say what the sequence needs

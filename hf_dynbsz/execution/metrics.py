@@ -26,8 +26,20 @@ from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
+from hf_dynbsz.planning.settings import SharePrefix
 
-__all__ = ["PeakMemory", "StepClock", "StepMeters", "StepMetrics", "device_peak_tflops"]
+__all__ = [
+    "DEPRECATED_SHARED_TOKENS_SAVED",
+    "PeakMemory",
+    "StepClock",
+    "StepMeters",
+    "StepMetrics",
+    "device_peak_tflops",
+]
+
+#: ``dynbsz/shared_tokens_saved``'s former name, logged with the same value for one release (deprecated: it counts
+#: every shared prefix, completion trunks included, not only prompts); removed in the release after the next.
+DEPRECATED_SHARED_TOKENS_SAVED = "dynbsz/prompt_tokens_saved"
 
 #: Peak dense bf16/fp16 tensor TFLOP/s of datacenter GPUs (vendor data sheets, without sparsity), by a part of the
 #: name torch reports; the first match wins (PCIe/NVL variants before the SXM default).
@@ -167,9 +179,12 @@ _LOGGED_AS = {
 _CLIP_FLAGS = ("clip_ratio/low", "clip_ratio/high")
 
 
-def _row_sums(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sums(values, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's value sum and count: a ``(rows,)`` tensor is one value per sequence (counted once), a ``(rows,
-    width)`` tensor one per token (summed over ``mask``, its tokens counted)."""
+    width)`` tensor one per token (summed over ``mask``, its tokens counted), a ``(sums, counts)`` pair of ``(rows,)``
+    tensors each row's own (DPO's pair metrics: a pair's values on its chosen row, counted once)."""
+    if isinstance(values, tuple):
+        return values[0].detach().float(), values[1].detach().float()
     values = values.detach().float()
     if values.dim() == 1:
         return values, torch.ones_like(values)
@@ -256,7 +271,7 @@ class StepMetrics:
         meters: StepMeters,
         table: SequenceTable,
         replicas: int = 1,
-        sharing: str | None = None,
+        sharing: SharePrefix = SharePrefix.NONE,
     ) -> None:
         """Reduce over processes (one gather) and append to ``store``.
 
@@ -266,9 +281,10 @@ class StepMetrics:
         passes every process ran, ``dummy_passes``, tokens per pass (mean, max), ``budget_tokens`` and
         ``budget_utilization`` (real tokens / (passes x budget)), and over all processes ``padding_fraction``,
         ``computed_tokens`` and ``stock_computed_tokens`` (what stock's fixed slices compute for the same samples),
-        ``prompt_tokens_saved`` (tokens sharing did not compute: shared prompts, and with a prefix tree every shared
-        prefix) and with ``sharing`` "tree" ``tree_tokens_saved`` (of those, the tokens the prefix tree saved beyond
-        prompt groups in the same passes); with cross-rank balancing ``rank_imbalance_before`` and
+        ``shared_tokens_saved`` (tokens sharing did not compute: shared prompts, and with a prefix tree every shared
+        prefix, completion trunks included; also logged as ``prompt_tokens_saved``, its former name, for one release)
+        and with ``sharing`` the tree ``tree_tokens_saved`` (of those, the tokens the prefix tree saved beyond prompt
+        groups in the same passes); with cross-rank balancing ``rank_imbalance_before`` and
         ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and ``samples_moved``.
         Time and memory, the maximum over processes (the step waits for the slowest): ``train_seconds``,
         ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds`` too: ``meters.phases``,
@@ -289,7 +305,7 @@ class StepMetrics:
             if meters.flops is not None
             else 0.0
         )
-        tree_saved = _tree_tokens_saved(table, schedule, real) if sharing == "tree" else 0
+        tree_saved = _tree_tokens_saved(table, schedule, real) if sharing is SharePrefix.TREE else 0
         host = [real, self.computed_tokens, stock_computed_tokens, saved, tree_saved]
         device = self.sums.device
         summed = torch.cat([self.sums.flatten(), torch.tensor([*host, flops], dtype=torch.float64, device=device)])
@@ -303,8 +319,9 @@ class StepMetrics:
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
         store["dynbsz/computed_tokens"].append(computed_all)
         store["dynbsz/stock_computed_tokens"].append(stock_all)
-        store["dynbsz/prompt_tokens_saved"].append(saved_all)
-        if sharing == "tree":
+        store["dynbsz/shared_tokens_saved"].append(saved_all)
+        store[DEPRECATED_SHARED_TOKENS_SAVED].append(saved_all)  # its former name, for one release
+        if sharing is SharePrefix.TREE:
             store["dynbsz/tree_tokens_saved"].append(tree_all)
         if schedule.balance is not None:  # cross-rank balancing ran (the same figures on every process)
             store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
@@ -344,7 +361,7 @@ class StepMetrics:
 def _tree_tokens_saved(table: SequenceTable, schedule: StepSchedule, tree_tokens: int) -> int:
     """The tokens a prefix tree saved beyond prompt groups: what the passes of ``schedule`` (over ``table``'s samples)
     compute under the prompt-group rule, less ``tree_tokens``, what they computed as prefix trees."""
-    groups = table.prefix_tree("groups")
+    groups = table.prefix_tree(SharePrefix.GROUPS)
     return sum(groups.tokens(samples) for samples in schedule.microbatches if samples) - tree_tokens
 
 

@@ -4,11 +4,17 @@ TRL hands the trainer left-padded ``prompt_ids`` and right-padded ``completion_i
 longest row of the whole generation batch. This module strips that padding and rebuilds model inputs for
 a chosen set of sequences in one of two layouts:
 
-* ``"padding_free"``: every sequence of the micro-batch concatenated into ONE row, ``position_ids``
-  restarting at 0 for each sequence, no attention mask. transformers isolates the sequences from each
-  other only when ``attention_mask is None`` and no cache is used (flash-attention varlen kernels read the
-  boundaries from the restarting ``position_ids``; sdpa/eager build a block-diagonal mask from them).
-  The forward must therefore be called with ``use_cache=False`` (TRL's fused LM head forces it).
+* ``"padding_free"``: the micro-batch's samples in ONE row, no attention mask, laid out as the nodes of their prefix
+  tree (:mod:`hf_dynbsz.planning.prefix_tree`, by the sharing rule's position keys): each node's positions once, in
+  row order, a node's ``position_ids`` its depths (continuing from its parent's; a root counts from 0). With segment
+  attention (:mod:`hf_dynbsz.execution.attention`, whose
+  :class:`~hf_dynbsz.execution.attention.SegmentLayout` the inputs carry) each node attends to its root-to-node path:
+  a prompt shared by its group, a block shared across prompts, a trunk shared by completions are computed once.
+  Without sharing every sample is a root node of its own, a plain sequence whose positions restart at 0; that is
+  all a row holds without segment attention, where transformers isolates the sequences only when ``attention_mask is
+  None`` and no cache is used (flash-attention varlen kernels read the boundaries from the restarting
+  ``position_ids``; sdpa/eager build a block-diagonal mask from them). The forward is called with
+  ``use_cache=False`` (TRL's fused LM head forces it).
 * ``"padded"``: one row per sequence, right-padded only to the micro-batch's own longest row (rounded up
   to ``pad_to_multiple_of``). Right padding under a causal mask cannot influence real tokens, so no
   attention mask is needed either; ``position_ids`` count from 0 in every row. With ``attention_mask=True``
@@ -24,10 +30,11 @@ prompt's images once, so the vision tower encodes them once per pass) and, for M
 
 ``position_offset`` is added to every position id (RoBERTa-style models number positions from ``padding_idx + 1``).
 
-In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries the next token of
-the same sequence when that token is a completion token, ``-100`` otherwise, so a packed row never scores
-a token of the following sequence. :class:`MicroBatch.gather_index` maps the model's flat per-position
-output back to completion-aligned ``(rows, completion_width)`` tensors in the micro-batch's row order.
+In both layouts the labels are pre-shifted (``shift_labels``): position ``t`` carries its next token when that
+token is a completion token of a sample holding ``t`` (samples share a position only when they agree on its next
+token), ``-100`` otherwise, so a packed row never scores a token of another sample. :class:`MicroBatch.gather_index`
+maps the model's flat per-position output back to completion-aligned ``(rows, completion_width)`` tensors in the
+micro-batch's row order: a shared position is read for every sample whose completion it scores, a loss term of each.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ import torch
 
 from hf_dynbsz.execution.multimodal import join_media, media_digest, media_record, read_media_record
 from hf_dynbsz.parallel.distributed import ProcessGroup
+from hf_dynbsz.planning.model_support import rope_width
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
 from hf_dynbsz.planning.schedule import Exchange
+from hf_dynbsz.planning.settings import SharePrefix
 from hf_dynbsz.planning.tokens import LAYOUTS, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
@@ -68,6 +77,14 @@ class SequenceTable:
     #: (:func:`hf_dynbsz.execution.multimodal.rope_positions`); None for models whose tokens count positions like
     #: text, and until the trainer computes them for a padding-free pass (a new table, moved or concatenated, has none)
     positions: list[torch.Tensor] | None = None
+    #: one id per sample; samples of equal ids always share a training pass (a preference pair's chosen and
+    #: rejected, whose loss is one function of both: :meth:`hf_dynbsz.planning.prefix_tree.PrefixTree.units`); None:
+    #: no such groups
+    together: list[int] | None = None
+    #: ``(N,)`` long, CPU: per sample, the width its LongRoPE factors are picked by
+    #: (:func:`~hf_dynbsz.planning.model_support.rope_width` of the padded width of stock's micro-batch that holds it;
+    #: :mod:`hf_dynbsz.execution.rope`); None for a model without LongRoPE
+    rope_widths: torch.Tensor | None = None
     #: :meth:`prompt_groups`, once computed (it hashes every sample's pixels)
     _groups: list[int] | None = field(default=None, init=False, repr=False, compare=False)
     #: :meth:`prefix_keys` and :meth:`prefix_tree` by sharing rule, once computed
@@ -94,11 +111,15 @@ class SequenceTable:
         completion_mask,
         media=None,
         token_fields: dict[str, torch.Tensor] | None = None,
+        long_rope: tuple[int, ...] = (),
     ) -> SequenceTable:
         """Strip TRL's padding: prompts are left-padded, completions right-padded (masks are contiguous).
 
         ``media``: per-sample image inputs; ``token_fields``: ``(samples, prompt width + completion width)`` tensors
-        aligned with ``prompt_ids`` then ``completion_ids``, stripped like the token ids.
+        aligned with ``prompt_ids`` then ``completion_ids``, stripped like the token ids. ``long_rope``: the
+        ``original_max_position_embeddings`` of the run's LongRoPE models
+        (:attr:`~hf_dynbsz.planning.model_support.ModelSupport.long_rope`): every sample gets the rope width of these
+        tensors' width, the width of stock's forward over them (:attr:`rope_widths`).
         """
         prompt_lengths = prompt_mask.sum(dim=1).long()
         completion_lengths = completion_mask.sum(dim=1).long()
@@ -111,21 +132,28 @@ class SequenceTable:
             name: [values[row, width - p : width + c] for row, (p, c) in enumerate(zip(p_cpu, c_cpu))]
             for name, values in (token_fields or {}).items()
         }
+        rope_widths = None
+        if long_rope:
+            rope = rope_width(width + completion_ids.size(1), tuple(long_rope))
+            rope_widths = torch.full((len(tokens),), rope, dtype=torch.long)
         return cls(
             tokens=tokens,
             prompt_lengths=prompt_lengths.cpu(),
             completion_lengths=completion_lengths.cpu(),
             media=media,
             token_fields=fields or None,
+            rope_widths=rope_widths,
         )
 
     def prompt_groups(self) -> list[int]:
         """One id per sample, shared by the samples whose prompts are identical (numbered by first appearance).
 
-        Compares the unpadded prompt ids and, for vision-language samples, the image inputs (image tokens are one id
-        whatever the picture), so duplicate prompts of different dataset rows share an id too. A sample whose last
-        prompt token is an image token (a token field not 0 there) is alone: a shared prompt's last token is
-        repeated in every completion's block, and an image must be encoded once.
+        Compares the unpadded prompt ids, for vision-language samples the image inputs (image tokens are one id
+        whatever the picture) and for LongRoPE models the rope widths (:attr:`rope_widths`: other rotary factors), so
+        duplicate prompts of different dataset rows share an id too. A sample whose images reach its prompt's last token
+        (token fields not 0 from a position at or before it to one at or after it) is alone: a shared prompt's last
+        token is repeated in every completion's block, and a sample's images must all be in one node of a row (the
+        node that holds its first image brings them: an image encoded once, all of it where its tokens are).
         """
         if self._groups is not None:
             return self._groups
@@ -135,41 +163,62 @@ class SequenceTable:
         flat = torch.cat([tokens[:p] for tokens, p in zip(self.tokens, prompt_lengths)]).cpu().tolist()
         ids: dict[tuple, int] = {}
         groups, offset = [], 0
+        spans = zip(self.first_media_positions(), self.media_ends()) if self.token_fields else None
         for i, p in enumerate(prompt_lengths):
             key: tuple = tuple(flat[offset : offset + p])
             if self.media is not None:
                 key += (media_digest(self.media[i]),)
-            if any(int(values[i][p - 1]) for values in (self.token_fields or {}).values()):
+            if self.rope_widths is not None:  # other rotary factors: another prompt
+                key += (("rope width", int(self.rope_widths[i])),)
+            first, end = next(spans) if spans is not None else (None, None)
+            if first is not None and end is not None and first <= p - 1 < end:
                 key = ("alone", i)
             groups.append(ids.setdefault(key, len(ids)))
             offset += p
         self._groups = groups
         return groups
 
-    def prefix_keys(self, sharing: str) -> list[np.ndarray]:
-        """Per sample, its position keys under the sharing rule ``sharing``
-        (:mod:`hf_dynbsz.planning.prefix_tree`): ``"groups"``, each prompt shared in its group (:meth:`prompt_groups`);
-        ``"tree"``, every position by its token and the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`),
-        except that a vision-language sample's keys from the token before its first image token on (its first
-        token, where its token fields do not say where its images are) carry its prompt group, so positions whose
-        hidden states its pictures decide are shared only with samples of the same prompt tokens and pictures."""
+    def prefix_keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
+        """Per sample, its position keys under the sharing rule ``sharing`` (a
+        :class:`~hf_dynbsz.planning.settings.SharePrefix` or its value; :mod:`hf_dynbsz.planning.prefix_tree`):
+        ``GROUPS``, each prompt shared in its group (:meth:`prompt_groups`); ``TREE``, every position by its token and
+        the next (:func:`~hf_dynbsz.planning.prefix_tree.token_keys`), except that a LongRoPE sample's keys carry its
+        rope width (from its first token on: positions are shared only between samples of the same rotary factors) and
+        a vision-language sample's keys from the token before its first image token on (its first token, where its
+        token fields do not say where its images are) carry its pictures, its rope width and its tokens through the one
+        after its last image token (its prompt, where its token fields do not place its images): positions whose
+        hidden states its pictures decide are shared only with samples of the same tokens and pictures, and samples
+        that share its first image part after its last (all of a sample's images in the node that holds its first, an
+        image in a completion after a fork from a sibling included)."""
         if ("keys", sharing) not in self._sharing:
             self._sharing["keys", sharing] = self._keys(sharing)
         return self._sharing["keys", sharing]
 
-    def _keys(self, sharing: str) -> list[np.ndarray]:
+    def _keys(self, sharing: SharePrefix | str) -> list[np.ndarray]:
         lengths = self.lengths.tolist()
-        if sharing == "groups":
+        if sharing == SharePrefix.GROUPS:
             return group_keys(self.prompt_lengths.tolist(), lengths, self.prompt_groups())
-        if sharing != "tree":
+        if sharing != SharePrefix.TREE:
             raise ValueError(f"sharing must be 'tree' or 'groups', got {sharing!r}")
         tokens = [ids.cpu().numpy() for ids in self.tokens]
         base = max((int(ids.max()) for ids in tokens if ids.size), default=0) + 2
         keys = [token_keys(ids, base) for ids in tokens]
-        groups = self.prompt_groups() if self.multimodal else None
-        for i, first in enumerate(self.first_media_positions()):
-            if first is not None:
-                keys[i] = namespaced(keys[i], max(first - 1, 0), -2 - groups[i])
+        spaces: dict[tuple, int] = {}  # one numbering of the namespaces, so that no two kinds share a key
+
+        def space(name: tuple) -> int:
+            return -2 - spaces.setdefault(name, len(spaces))
+
+        for i, width in enumerate(self.rope_widths.tolist() if self.rope_widths is not None else []):
+            if width:  # the first key of its own and its width: shared with samples of both alike only
+                keys[i] = namespaced(keys[i], 0, space(("rope width", width, int(keys[i][0]))))
+        prompts = self.prompt_lengths.tolist()
+        for i, (first, end) in enumerate(zip(self.first_media_positions(), self.media_ends())):
+            if first is not None:  # its pictures, factors and tokens through the one after its last image token
+                start = max(first - 1, 0)
+                through = tokens[i][start : end + 1] if end is not None else tokens[i][: prompts[i]]
+                pictures = media_digest(self.media[i]) if self.media is not None else None
+                width = int(self.rope_widths[i]) if self.rope_widths is not None else 0
+                keys[i] = namespaced(keys[i], start, space(("images", pictures, width, tuple(through.tolist()))))
         return keys
 
     def first_media_positions(self) -> list[int | None]:
@@ -186,7 +235,19 @@ class SequenceTable:
             self._sharing["firsts"] = firsts
         return self._sharing["firsts"]
 
-    def prefix_tree(self, sharing: str) -> PrefixTree:
+    def media_ends(self) -> list[int | None]:
+        """Per sample, the position after its last image token (its last token with a token field not 0, plus one);
+        None where its token fields mark none (no images, or images its fields do not place)."""
+        if "ends" not in self._sharing:
+            ends = []
+            for i in range(len(self)):
+                marked = [torch.nonzero(values[i]).flatten() for values in (self.token_fields or {}).values()]
+                marked = [int(where[-1]) + 1 for where in marked if where.numel()]
+                ends.append(max(marked) if marked else None)
+            self._sharing["ends"] = ends
+        return self._sharing["ends"]
+
+    def prefix_tree(self, sharing: SharePrefix | str) -> PrefixTree:
         """The prefix tree of every sample of the table under ``sharing`` (:meth:`prefix_keys`)."""
         if ("tree", sharing) not in self._sharing:
             self._sharing["tree", sharing] = PrefixTree.of_keys(self.prefix_keys(sharing))
@@ -196,12 +257,18 @@ class SequenceTable:
         """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
         process runs under ``exchange``. ``media`` must be the same on every process (the model is
         vision-language)."""
-        records = group.send_to_runners([tokens.double() for tokens in self.tokens], exchange, lambda p, c: p + c)
+        widths = self.rope_widths
+        sent = [tokens.double() for tokens in self.tokens]
+        if widths is not None:  # the rope width travels at the end of the sample's record
+            sent = [torch.cat([ids, ids.new_full((1,), float(width))]) for ids, width in zip(sent, widths.tolist())]
+        extra = int(widths is not None)
+        records = group.send_to_runners(sent, exchange, lambda p, c: p + c + extra)
         shapes = [exchange.shapes[origin][i] for origin, i in exchange.incoming]
         moved = SequenceTable(
-            tokens=[record.long() for record in records],
+            tokens=[record[: p + c].long() for record, (p, c) in zip(records, shapes)],
             prompt_lengths=torch.tensor([p for p, _ in shapes]),
             completion_lengths=torch.tensor([c for _, c in shapes]),
+            rope_widths=torch.tensor([int(record[-1]) for record in records]) if extra else None,
         )
         return moved.with_media_records(group.send_to_runners(self.media_records(), exchange)) if media else moved
 
@@ -248,12 +315,29 @@ class SequenceTable:
             ]
             for name in sorted(names)
         }
+        together = None
+        if any(table.together is not None for table in tables):  # each table's groups, numbered apart
+            together, offset = [], 0
+            for table in tables:
+                ids = table.together if table.together is not None else range(len(table))
+                together += [offset + int(group) for group in ids]
+                offset = max(together, default=-1) + 1
+        widths = None
+        if any(table.rope_widths is not None for table in tables):
+            widths = torch.cat(
+                [
+                    table.rope_widths if table.rope_widths is not None else torch.zeros(len(table), dtype=torch.long)
+                    for table in tables
+                ]
+            )
         return cls(
             tokens=[tokens for table in tables for tokens in table.tokens],
             prompt_lengths=torch.cat([table.prompt_lengths for table in tables]),
             completion_lengths=torch.cat([table.completion_lengths for table in tables]),
             media=media,
             token_fields=fields or None,
+            together=together,
+            rope_widths=widths,
         )
 
 
@@ -285,6 +369,9 @@ class MicroBatch:
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     #: ``indices`` as a device tensor (rows of per-sample tensors are picked with it, no host list on the device)
     sample_index: torch.Tensor | None = None
+    #: each position's rope width (:attr:`SequenceTable.rope_widths` of the sample it holds, 0 on padding), shaped
+    #: like ``input_ids``, for :func:`~hf_dynbsz.execution.rope.use_rope_widths`; None for a model without LongRoPE
+    rope_widths: torch.Tensor | None = None
 
     def to_completion_layout(self, per_position: torch.Tensor) -> torch.Tensor:
         """(1 or rows, positions) model output -> (rows, completion_width), zero where not a completion token."""
@@ -349,6 +436,7 @@ def build_microbatch(
         segments=built.segments,
         token_rows=(moved["token_index"], moved["row_index"]),
         sample_index=moved["sample_index"],
+        rope_widths=moved.get("rope_widths"),
     )
 
 
@@ -366,6 +454,8 @@ def _host_inputs(built: _LayoutInputs, samples: _Samples, position_offset: int) 
     )
     if built.position_ids is not None:
         host["position_ids"] = built.position_ids + position_offset
+    if built.rope_widths is not None:
+        host["rope_widths"] = built.rope_widths
     return host
 
 
@@ -459,6 +549,7 @@ class _LayoutInputs:
     real_tokens: int
     computed_tokens: int
     segments: object | None = None
+    rope_widths: torch.Tensor | None = None
 
 
 class _PackedRow:
@@ -472,6 +563,7 @@ class _PackedRow:
         self.nodes: list[tuple[int, int, int]] = []  # (row start, length, parent) per node of the row
         self.shown: list[int] = []  # samples whose images the row holds, in row order
         self.rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
+        self.widths: list[torch.Tensor] = []  # rope widths along the row (table.rope_widths)
         self.fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
         self.offset = 0
 
@@ -497,6 +589,8 @@ class _PackedRow:
             self.pieces.append(self.table.tokens[i][low : low + length].cpu())
             self.carry(i, low, low + length)
             self.positions.append(torch.arange(low, low + length))
+            if self.table.rope_widths is not None:  # a node's samples share its source's (prefix_keys)
+                self.widths.append(self.table.rope_widths[i].expand(length))
             self.nodes.append((self.offset, length, tree.parent[node]))
             if firsts is not None and firsts[i] is not None and low <= firsts[i] < low + length:
                 self.shown.append(i)  # the node holding its first image holds all its images (prefix_keys)
@@ -523,6 +617,8 @@ class _PackedRow:
             values.append(torch.zeros(length, dtype=values[0].dtype))
         if self.rope:
             self.rope.append(torch.arange(length).expand(3, -1))
+        if self.widths:
+            self.widths.append(torch.zeros(length, dtype=torch.long))
 
 
 def _padding_free_inputs(
@@ -567,6 +663,7 @@ def _padding_free_inputs(
         real_tokens=total,
         computed_tokens=width,
         segments=segment_layout,
+        rope_widths=torch.cat(row.widths).unsqueeze(0) if row.widths else None,
     )
 
 
@@ -595,6 +692,9 @@ def _padded_inputs(
     if table.multimodal:  # the model computes its (multimodal) positions from the mask, as in stock's forward
         model_inputs.update(_padded_media_inputs(table, samples, width))
         position_ids = None
+    rope_widths = None
+    if table.rope_widths is not None:  # each row its sample's, over the whole row
+        rope_widths = table.rope_widths[samples.indices].unsqueeze(1).expand(rows, width).clone()
     return _LayoutInputs(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -602,6 +702,7 @@ def _padded_inputs(
         model_inputs=model_inputs,
         real_tokens=sum(seq_lengths),
         computed_tokens=rows * width,
+        rope_widths=rope_widths,
     )
 
 

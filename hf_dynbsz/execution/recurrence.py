@@ -19,8 +19,10 @@ sequence**, so every sequence starts from a zero state, exactly as it does alone
 * a prefix tree (any depth): every node starts from its parent's final states, copied for each child. With states
   handed on, the inner nodes (those with children) run level by level from the roots, each once, then every leaf;
   a mixer hands states down chains of inner nodes only where its check also passed on the row cut in halves
-  (:func:`chained_states`), and otherwise recomputes the paths of trees deeper than shared prompts. Recomputing,
-  each leaf runs ``[path ; own]``, the first leaf under a node keeping the node's outputs;
+  (:func:`chained_states`), and otherwise recomputes the paths of trees deeper than shared prompts. No run from a
+  state is one token long (a mixer's decoding path updates its state in place): an inner node of one token below a
+  root runs in front of each of its children (:func:`continuation_runs`). Recomputing, each leaf runs
+  ``[path ; own]``, the first leaf under a node keeping the node's outputs;
 * runs are batched into few calls of the layer: each run is right-padded to its *bucket* length (16, 24, 32, 48,
   64, 96, ...: less than half as many tokens again), and the runs of a bucket make one call. A mixer is causal, so
   tokens after a run's end (copies of its last token) change none of its outputs, and they are dropped;
@@ -55,8 +57,9 @@ from hf_dynbsz.execution.attention.layout import Node, SegmentLayout, active_seg
 __all__ = [
     "RecurrenceCall",
     "RunStates",
-    "continuation_calls",
     "chained_states",
+    "continuation_calls",
+    "continuation_runs",
     "prefix_states",
     "recurrence_calls",
     "segment_recurrence",
@@ -156,37 +159,64 @@ def continuation_calls(
     level by level from the roots (nodes of one level and length in one unpadded call, each from its parent's final
     states: ``state_rows`` into the bank of the inner nodes run before, None for roots, which start from zero), and
     their final states fill the bank in call order; then every leaf, by bucket, from its parent's final states (a root
-    leaf from the bank's zero row, its last). ``positions``: the row positions of the kept outputs, inner calls
-    first."""
+    leaf from the bank's zero row, its last). An inner node of one token below a root runs in front of each of its
+    children instead (:func:`continuation_runs`): no run from a state is one token long. ``positions``: the row
+    positions of the kept outputs, inner calls first."""
 
     def build():
-        parts = layout.parts()
-        level = {}
-        for part in parts:
-            level[part.node] = 0 if part.parent < 0 else level[part.parent] + 1
+        parts, runs = layout.parts(), continuation_runs(layout)
+        level: dict[int, int] = {}
         inner: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # level -> length -> nodes
-        for part in parts:
-            if part.children:
-                inner[level[part.node]][len(part.own)].append(part.node)
+        for node, (positions, _, start) in runs.items():
+            level[node] = 0 if start < 0 else level[start] + 1
+            if parts[node].children:
+                inner[level[node]][len(positions)].append(node)
         levels, bank_row = [], {}
         for depth in sorted(inner):
             calls = []
             for length in sorted(inner[depth]):
                 nodes = inner[depth][length]
-                gather = torch.tensor([list(parts[n].own) for n in nodes])
-                rows = None if depth == 0 else torch.tensor([bank_row[parts[n].parent] for n in nodes], device=device)
-                calls.append(
-                    RecurrenceCall(gather.to(device), torch.ones_like(gather, dtype=torch.bool).to(device), rows)
-                )
+                gather = torch.tensor([runs[n][0] for n in nodes])
+                keep = torch.arange(length).unsqueeze(0) >= torch.tensor([[runs[n][1]] for n in nodes])
+                rows = None if depth == 0 else torch.tensor([bank_row[runs[n][2]] for n in nodes], device=device)
+                calls.append(RecurrenceCall(gather.to(device), keep.to(device), rows))
                 for n in nodes:
                     bank_row[n] = len(bank_row)
             levels.append(calls)
         zero_row = len(bank_row)
-        runs = [(list(p.own), 0, bank_row.get(p.parent, zero_row)) for p in parts if not p.children]
-        calls = _bucketed(runs, device)
+        leaves = [(positions, kept, bank_row.get(start, zero_row))
+                  for node, (positions, kept, start) in runs.items() if not parts[node].children]  # fmt: skip
+        calls = _bucketed(leaves, device)
         return levels, calls, _kept_positions([call for calls in levels for call in calls] + calls, device)
 
     return layout.cached(("continuation", device), build)
+
+
+def continuation_runs(layout: SegmentLayout) -> dict[int, tuple[list[int], int, int]]:
+    """Per node that runs with states handed on, in row order: ``(positions, kept from, start)``, the row positions it
+    runs, the first of them whose output it keeps, and the node whose final states it starts from (-1: a zero state).
+
+    A node runs its own positions from its parent's final states, but for an inner node of **one token** below a root:
+    it does not run, each of its children runs its token in front of their own from its parent's states, the first
+    child keeping its output. A mixer run on one token from a state takes its decoding path, which updates the state
+    in place once it has used it (Mamba-2's ``state * dA`` then ``state.copy_``, in every Mamba-2 mixer): autograd
+    cannot go back through it (the backward raises; under gradient checkpointing the recomputation reads the updated
+    state and its gradients are silently wrong)."""
+    runs: dict[int, tuple[list[int], int, int]] = {}
+    carried: dict[int, tuple[list[int], int]] = {}  # a node run in front of its children: its positions, its start
+    claimed: set[int] = set()  # such nodes whose output a child keeps
+    for part in layout.parts():
+        before, start = carried.get(part.parent, ([], part.parent))
+        kept = len(before)
+        if part.parent in carried and part.parent not in claimed:
+            kept = 0
+            claimed.add(part.parent)
+        positions = [*before, *part.own]
+        if part.children and start >= 0 and len(positions) == 1:
+            carried[part.node] = (positions, start)
+            continue
+        runs[part.node] = (positions, kept, start)
+    return runs
 
 
 def _along_row(value, width: int) -> bool:
@@ -298,9 +328,9 @@ def _bank(states: list[dict], kernel: int) -> dict:
 
 def _continued(forward, argument: str, kernel: int, layout: SegmentLayout, args, kwargs, width: int, device):
     """``forward`` over a padding-free row, each inner node of its prefix tree run once and every node from its
-    parent's final states (:func:`continuation_calls`); ``argument``: the forward's cache keyword
-    (:func:`state_argument`). A node's states are copied out of the bank for it (the bank is never updated in place:
-    siblings each start from their own copy of their parent's)."""
+    parent's final states (:func:`continuation_calls`; an inner node of one token below a root in front of each of its
+    children); ``argument``: the forward's cache keyword (:func:`state_argument`). A node's states are copied out of
+    the bank for it (the bank is never updated in place: siblings each start from their own copy of their parent's)."""
     levels, calls, positions = continuation_calls(layout, device)
     outputs, extras, conv, recurrent = [], None, [], []
     for level in levels:

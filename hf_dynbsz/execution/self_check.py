@@ -12,6 +12,11 @@ instead of crashing mid-step.
 Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each): the
 same count of references, then layout by layout with one all-reduce after each (did every process pass it?), so
 the processes try the same layouts and stop at the same one.
+
+A prefix tree is checked on a tree of at least three levels (:func:`tree_samples`: a node shared by all the probe's
+tree samples, one below it shared by two, and where they part), from the step's own samples when they hold one,
+else from two copies of one of them cut short inside its completion (:func:`tree_probe`); when no sample has the
+completion tokens for that, the log says that the tree was not probed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
 from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
     "CheckResult",
@@ -40,6 +46,8 @@ __all__ = [
     "pick_samples",
     "run_self_check",
     "tolerance",
+    "tree_probe",
+    "tree_samples",
 ]
 
 #: Samples per check (and per-sample reference forwards on every process).
@@ -138,30 +146,111 @@ def check_loss(logps: torch.Tensor, indices: Sequence[int], completions: Sequenc
     return total
 
 
-def pick_samples(table: SequenceTable, count: int = SAMPLES) -> list[int]:
+def pick_samples(table: SequenceTable, count: int = SAMPLES, tree: bool = False) -> list[int]:
     """``count`` sample indices that exercise a layout (repeated when the table holds fewer).
 
     Two short completions of the largest prompt group with a prompt of at least 2 tokens (shared prompts are checked
     on siblings: :func:`_siblings`), then the longest and the shortest other samples (padded rows get padding; the
-    longest reaches what only long sequences meet, such as a sliding window).
+    longest reaches what only long sequences meet, such as a sliding window). With ``tree`` (a prefix tree to check)
+    and a three-level tree in the table (:func:`tree_samples`), its three samples, then the longest other one.
     """
     lengths = table.lengths.tolist()
-    chosen = _siblings(table)
+    chosen = (tree_samples(table) if tree else None) or _siblings(table)
     others = sorted((i for i in range(len(table)) if i not in chosen), key=lambda i: (-lengths[i], i))
     if others:
-        chosen += [others[0]] + ([others[-1]] if len(others) > 1 else [])
+        chosen += [others[0]] + ([others[-1]] if len(others) > 1 and len(chosen) < 3 else [])
     chosen = sorted(set(chosen)) or [0]
     return (chosen * count)[:count]
 
 
-def gradient_samples(table: SequenceTable, picked: Sequence[int]) -> list[int]:
+def gradient_samples(table: SequenceTable, picked: Sequence[int], tree: bool = False) -> list[int]:
     """The samples of ``picked`` whose gradients the check compares: the siblings (a prefix's state handed to its
-    blocks, or their keys gathered behind it, carry gradients back to the prompt) and the shortest other sample with a
-    completion. Not the longest: a backward costs twice its forward, and its log-probs are compared all the same."""
+    blocks, or their keys gathered behind it, carry gradients back to the prompt; with ``tree``, the samples of
+    :func:`tree_samples`, whose nested paths do) and the shortest other sample with a completion. Not the longest: a
+    backward costs twice its forward, and its log-probs are compared all the same."""
     completions = table.completion_lengths.tolist()
-    siblings = [i for i in _siblings(table) if i in picked]
+    shared = (tree_samples(table) if tree else None) or _siblings(table)
+    siblings = [i for i in shared if i in picked]
     others = sorted((i for i in set(picked) if i not in siblings and completions[i]), key=lambda i: (completions[i], i))
     return sorted(siblings + others[:1])
+
+
+def tree_samples(table: SequenceTable) -> list[int] | None:
+    """Three samples whose prefix tree (``table``'s, :meth:`SequenceTable.prefix_tree` ``"tree"``) has three levels:
+    two that share a node below another shared node and part below it, and a third that shares only the node above;
+    None when the table holds no such samples. The deepest such node is taken (the longest paths of nodes), and under
+    it and beside it the shortest samples with a completion (the cheapest passes whose log-probs count)."""
+    tree = table.prefix_tree(SharePrefix.TREE)
+    lengths, completions = table.lengths.tolist(), table.completion_lengths.tolist()
+    children, below, paths = tree.children(), tree.below(), tree.paths()
+
+    def cheapest(samples):
+        return min(samples, key=lambda i: (completions[i] == 0, lengths[i], i))
+
+    best = None
+    for node, above in enumerate(tree.parent):
+        if above < 0 or len(children[node]) < 2:
+            continue
+        inside = set(below[node])
+        beside = [i for i in below[above] if i not in inside]
+        depth = paths[below[node][0]].index(node)  # nodes above it
+        if beside and (best is None or depth > best[0]):
+            picked = [cheapest(below[child]) for child in children[node][:2]] + [cheapest(beside)]
+            best = (depth, sorted(picked))
+    return None if best is None else best[1]
+
+
+def tree_probe(table: SequenceTable, layouts: Sequence[Layout]) -> tuple[SequenceTable, str]:
+    """The samples the self-check of ``layouts`` picks from, and a sentence for its log (empty: nothing to say).
+
+    Without a prefix tree among ``layouts``, or when ``table``'s samples hold a three-level tree
+    (:func:`tree_samples`): ``table``. Otherwise ``table`` with two copies of its shortest sample of at least 3
+    completion tokens, cut inside its completion at a third and two thirds of its first :data:`GRADIENT_COMPLETION`
+    tokens: the three share the prompt and the first tokens, the longer two the next ones, and all three part (in the
+    gradient passes too, whose completions are cut at :data:`GRADIENT_COMPLETION`). When no sample can give that
+    tree, ``table`` and the sentence that the tree was not probed."""
+    if not any(layout.sharing is SharePrefix.TREE for layout in layouts) or tree_samples(table) is not None:
+        return table, ""
+    completions, lengths = table.completion_lengths.tolist(), table.lengths.tolist()
+    candidates = [i for i, c in enumerate(completions) if c >= 3]
+    if candidates:
+        index = min(candidates, key=lambda i: (lengths[i], i))
+        kept = min(completions[index], GRADIENT_COMPLETION)
+        probe = _with_cut_copies(table, index, [kept // 3, 2 * kept // 3])
+        if tree_samples(probe) is not None:
+            return probe, (
+                " The step's samples share no prefix three levels deep: the prefix tree was probed on two copies of "
+                "one of them cut short."
+            )
+    return table, (
+        " The prefix tree was not probed: the step's samples share no prefix three levels deep and none has the 3 "
+        "completion tokens to make one, so its check was the prompt groups'."
+    )
+
+
+def _with_cut_copies(table: SequenceTable, index: int, completion_tokens: Sequence[int]) -> SequenceTable:
+    """``table`` and, after its samples, copies of sample ``index`` whose completions are cut to each of
+    ``completion_tokens`` (its prompt, images, token fields, positions and rope width kept alike)."""
+    prompt = int(table.prompt_lengths[index])
+    ends = [prompt + tokens for tokens in completion_tokens]
+    fields = table.token_fields
+    return SequenceTable(
+        tokens=[*table.tokens, *(table.tokens[index][:end] for end in ends)],
+        prompt_lengths=torch.cat([table.prompt_lengths, table.prompt_lengths.new_tensor([prompt] * len(ends))]),
+        completion_lengths=torch.cat(
+            [table.completion_lengths, table.completion_lengths.new_tensor(completion_tokens)]
+        ),
+        media=None if table.media is None else [*table.media, *(table.media[index] for _ in ends)],
+        token_fields={name: [*values, *(values[index][:end] for end in ends)] for name, values in fields.items()}
+        if fields
+        else fields,
+        positions=None
+        if table.positions is None
+        else [*table.positions, *(table.positions[index][:, :end] for end in ends)],
+        rope_widths=None
+        if table.rope_widths is None
+        else table.rope_widths[[*range(len(table)), *[index] * len(ends)]],
+    )
 
 
 def _siblings(table: SequenceTable) -> list[int]:
@@ -206,6 +295,7 @@ def gradient_table(table: SequenceTable, completion_tokens: int = GRADIENT_COMPL
         if fields
         else fields,
         positions=None if table.positions is None else [p[:, :n] for p, n in zip(table.positions, lengths)],
+        rope_widths=table.rope_widths,
     )
 
 
@@ -288,13 +378,14 @@ def run_self_check(
     tried). ``gradients=False``, or probes that carry none, compare log-probs only (``gradients=False`` where the
     gradient passes' count may not differ between processes: under ZeRO-3 every forward gathers parameters).
     """
-    samples = pick_samples(table)
+    tree = any(layout.sharing is SharePrefix.TREE for layout in layouts)
+    samples = pick_samples(table, tree=tree)
     distinct = sorted(set(samples))
     completions = table.completion_lengths.tolist()
     reference, reference_gradients = {}, None
     for index in samples:  # the same number of forwards on every process
         reference.setdefault(index, run_alone(index, False).logps[0])
-    graded = gradient_samples(table, distinct) if gradients else []
+    graded = gradient_samples(table, distinct, tree=tree) if gradients else []
     for index in graded:
         reference_gradients = _summed(reference_gradients, run_alone(index, True).gradients)
     errors, gradient_errors, reasons = [], [], []

@@ -7,11 +7,12 @@ With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backen
   sample with its stock loss weights, or a no-grad pass's table), so every process of a group holds the same samples
   and plans the same passes; a group's pass holds up to N x the per-device token budget;
 * **shard**: a pass's padding-free row (its width rounded up to a multiple of N) is cut into N contiguous shards;
-  process k of the group runs shard k: its input ids, position ids and shift labels (a shard's last label is the
-  next shard's first token: no boundary token is lost);
+  process k of the group runs shard k: its input ids, position ids (a node's depths) and shift labels, all computed
+  for the whole row before it is cut (a position at a shard's end keeps its next token: none is lost);
 * **attention**: DeepSpeed's ``UlyssesSPAttentionHF`` wraps segment attention (:mod:`hf_dynbsz.execution.attention`)
   under :data:`ULYSSES_ATTENTION_NAME`: its all-to-all gives each process the whole row for 1/N of the heads, the whole
-  row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (plain sequences, shared prompts), and a second
+  row's :class:`~hf_dynbsz.execution.attention.SegmentLayout` applies (whatever the row holds: plain sequences, shared
+  prompts, or a prefix tree's nodes, each attending to its root-to-node path across shard boundaries), and a second
   all-to-all returns the shard;
 * **loss**: the shards' per-token log-probs (and entropies) are gathered (:func:`gather_shards`: forward an
   all-gather, backward each process keeps its shard's gradient), every process of the group computes the pass's loss
@@ -226,7 +227,12 @@ class SequenceParallel:
         from hf_dynbsz.execution.packing import SequenceTable
 
         members = self._gather_objects(
-            ([tokens.cpu() for tokens in table.tokens], table.prompt_lengths.cpu(), table.completion_lengths.cpu())
+            (
+                [tokens.cpu() for tokens in table.tokens],
+                table.prompt_lengths.cpu(),
+                table.completion_lengths.cpu(),
+                table.rope_widths,
+            )
         )
         start = sum(len(member[0]) for member in members[: self.rank])
         device = table.tokens[0].device if len(table) else torch.device("cpu")
@@ -234,6 +240,7 @@ class SequenceParallel:
             tokens=[tokens.to(device) for member in members for tokens in member[0]],
             prompt_lengths=torch.cat([member[1] for member in members]),
             completion_lengths=torch.cat([member[2] for member in members]),
+            rope_widths=None if table.rope_widths is None else torch.cat([member[3] for member in members]),
         )
         return pooled, slice(start, start + len(table))
 

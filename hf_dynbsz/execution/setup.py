@@ -53,7 +53,9 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         model,
         world,
         aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
-        external_generation=_external_generation(trainer),
+        external_generation=getattr(trainer, "use_vllm", False)  # (a DPO run generates nothing)
+        or getattr(trainer, "use_transformers_continuous_batching", False)
+        or hasattr(trainer, "rollout_queue"),  # (an asynchronous trainer: its server generates)
         device_type=device,
         gathered=gathered_calls(accelerator, model),
     )
@@ -78,14 +80,6 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
     if executor.enabled and executor.media.note:
         logger.warning("hf_dynbsz: %s.", executor.media.note)
     return executor
-
-
-def _external_generation(trainer) -> bool:
-    """Whether vLLM or continuous batching generate (they schedule their own batches); an asynchronous trainer's
-    rollout worker (no ``use_vllm``) always does."""
-    if not hasattr(trainer, "use_vllm"):
-        return True
-    return bool(trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False))
 
 
 def _teacher_model(loss: StepLoss):
@@ -193,5 +187,13 @@ def _memory_rows(trainer, executor: PassExecutor) -> list:
         memory,
         held,
         "measured at start (weights, gradients to come, what else the process holds)",
-        trainer.args.max_completion_length,
+        _longest_sequence(trainer.args),
     )
+
+
+def _longest_sequence(args) -> int:
+    """The longest sequence the plan's memory rows size a budget for: GRPO's and RLOO's ``max_completion_length``, a
+    DPO run's ``max_length`` (prompt and response; 4096 where it is unset)."""
+    if getattr(args, "max_completion_length", None) is not None:
+        return args.max_completion_length
+    return getattr(args, "max_length", None) or 4096

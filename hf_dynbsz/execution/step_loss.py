@@ -13,7 +13,10 @@ logs. :class:`StepLoss` is that part, and the executor holds one:
   normalised by the step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`);
 * :class:`DistillationLoss`: ``DistillationTrainer``'s generalized Jensen-Shannon divergence against a teacher, whose
   hidden states its own passes compute before the step's training passes (:mod:`hf_dynbsz.execution.teacher`,
-  :mod:`hf_dynbsz.execution.distillation_loss`).
+  :mod:`hf_dynbsz.execution.distillation_loss`);
+* :class:`DPOLoss`: ``DPOTrainer``'s preference losses, per pair (a pair's chosen and rejected in one pass), the
+  reference's log-probs from its own no-grad passes before the step's training passes
+  (:mod:`hf_dynbsz.execution.reference`, :mod:`hf_dynbsz.execution.dpo_loss`).
 
 The trainer class names its loss (``DynamicBatchGRPOTrainer`` -> :class:`GRPOLoss`, ``DynamicBatchRLOOTrainer`` ->
 :class:`RLOOLoss`, ``DynamicBatchDistillationTrainer`` -> :class:`DistillationLoss`);
@@ -36,12 +39,24 @@ from hf_dynbsz.execution.distillation_loss import (
     distillation_sample_weights,
     pass_divergence,
 )
+from hf_dynbsz.execution.dpo_loss import METRIC_KEYS as DPO_METRIC_KEYS
+from hf_dynbsz.execution.dpo_loss import (
+    DPOSettings,
+    coupled_coefficients,
+    dpo_pass_loss,
+    pass_outputs,
+    sequence_logps,
+    sft_coefficients,
+)
 from hf_dynbsz.execution.loss import EntropyBonus, LossSettings, metric_keys, microbatch_loss, sample_weights
 from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.reference import Reference
 from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
+from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.execution.teacher import Teacher
+from hf_dynbsz.parallel.collectives import reduce_sum
 
-__all__ = ["AsyncGRPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
+__all__ = ["AsyncGRPOLoss", "DPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
 
 
 class StepLoss(Protocol):
@@ -306,6 +321,7 @@ class DistillationLoss:
         teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
         unwrapped = executor.accelerator.unwrap_model(model)
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         divergence, entropy = self.trainer._forward_redirection(
             model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
             mb.gather_index[valid], teacher,
@@ -333,6 +349,7 @@ class DistillationLoss:
         teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
         unwrapped = executor.accelerator.unwrap_model(model)
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)
             divergence, _ = self.trainer._forward_redirection(
                 model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
@@ -340,6 +357,112 @@ class DistillationLoss:
             )  # fmt: skip
             if last is not None:
                 executor.backward(model, divergence.sum() * 0.0, last)
+
+
+class DPOLoss:
+    """``DPOTrainer``'s loss: each pair's losses from its chosen and rejected sequence log-probs (one pass holds both),
+    weight ``1 / (B GA)``; the sorted losses (``aot``, ``aot_unpaired``) through coefficients from a no-grad policy
+    pass, ``sft`` through its token weights (:mod:`hf_dynbsz.execution.dpo_loss`); the reference's log-probs from its
+    own passes before the step (:class:`~hf_dynbsz.execution.reference.Reference`). Stock's metrics per stock slice
+    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`), ``num_tokens`` summed over processes once per step.
+
+    ``blocker``: why this run cannot repack its steps (the trainer then runs stock's), or None."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob")
+    checked_model_name = "reference"  # the self-check's log names the second model it checks
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.settings = DPOSettings.from_trainer(trainer)
+        self.reference = Reference(trainer)
+        self.sft = "sft" in self.settings.loss_types
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+        self.gradient_accumulation_steps = 1
+        self.blocker = _dpo_blocker(trainer, self.settings)
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        pairs = batch.slice_rows.double()[batch.slice_ids] / 2
+        batch.policy_weights = 1.0 / (pairs * float(gradient_accumulation_steps))
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        if self.sft:
+            batch.per_token["sft"] = sft_coefficients(self.settings, batch, gradient_accumulation_steps).unsqueeze(1)
+
+    def prepare(self, executor, model, batch: StepBatch) -> None:
+        """The reference's log-probs, then for a sorted loss each sample's coefficient from a no-grad policy pass."""
+        self.reference.logps(executor, model, batch, self.settings.ld_alpha)
+        if not self.settings.coupled:
+            return
+        with torch.no_grad():
+            per_token, _, _ = executor.no_grad_passes(
+                model, batch.table, batch.width, False, batch.stock_microbatch_tokens
+            )
+            mask = batch.loss_mask.to(per_token.device)
+            seq = sequence_logps(
+                per_token, mask, batch.per_token["shared"].to(per_token.device), self.settings.ld_alpha
+            )
+        ref = batch.per_token["ref_logps"].squeeze(1).to(seq)
+        coefficient, offset = coupled_coefficients(
+            self.settings, seq, ref, batch.slice_ids, self.gradient_accumulation_steps
+        )
+        device = batch.per_token["coefficient"].device
+        batch.per_token["coefficient"] = coefficient.unsqueeze(1).float().to(device)
+        batch.per_token["offset"] = offset.unsqueeze(1).float().to(device)
+
+    def attempt(self, batch: StepBatch) -> int:
+        return int(batch.table.lengths.sum())  # the real tokens this process runs (stock's attention mask's sum)
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, DPO_METRIC_KEYS)
+
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        values, router_logits = pass_outputs(executor, model, mb, self.settings.outputs, router)
+        return values, values["entropy"], router_logits
+
+    def pass_loss(self, state, values, entropies, rows: SampleRows):
+        return dpo_pass_loss(self.settings, values, rows, self.sft)
+
+    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
+        """Stock's ``num_tokens``: every process's real tokens of the step (each pair's prompt twice), added up."""
+        trainer = self.trainer
+        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
+        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
+        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss / gradient_accumulation_steps  # the Trainer divides DPO's loss (loss_is_scaled_for_ga False)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        reference = self.reference.model
+        return [(model, True)] + (
+            [(reference, False)] if reference is not None and not self.reference.precomputed else []
+        )
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)
+
+
+def _dpo_blocker(trainer, settings: DPOSettings) -> str | None:
+    """Why a DPO run trains stock's micro-batches, or None: what the passes do not repack exactly."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    if getattr(trainer, "_is_vision_dataset", False):
+        return "vision-language pairs (their image inputs are not repacked for DPO)"
+    if not isinstance(trainer.data_collator, DataCollatorForPreference):
+        name = type(trainer.data_collator).__name__
+        return f"a custom data collator ({name}): the passes read DataCollatorForPreference's rows"
+    if settings.use_weighting and "sft" in settings.loss_types:
+        return (
+            "loss_type 'sft' with use_weighting=True: the WPO weights of a micro-batch's pairs scale its SFT token "
+            "mean, which couples its pairs"
+        )
+    return None
 
 
 def _add_fused_lm_head(model, temperature: float) -> None:

@@ -34,6 +34,7 @@ from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.distillation_loss import backbone_hidden_states
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.planning.cost import config_value, text_config_of
 
 __all__ = ["Teacher"]
@@ -98,6 +99,7 @@ class Teacher:
     def _forward(self, mb) -> torch.Tensor:
         """The teacher's last hidden states over ``mb``'s rows, through its wrapper as stock runs it."""
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         return self.redirect(self.model, self.unwrapped, backbone_hidden_states, self.unwrapped, mb.model_inputs)
 
     def dummy_pass(self, executor, model, last=None) -> None:

@@ -21,7 +21,7 @@ from hf_dynbsz.planning.model_support import (
     images_stay_on_their_process,
 )
 from hf_dynbsz.planning.schedule import RankGroup, Scheduler
-from hf_dynbsz.planning.settings import ENV_SETTINGS, SHARING_RULES
+from hf_dynbsz.planning.settings import ENV_SETTINGS, SharePrefix
 
 __all__ = ["Capabilities", "check_same_on_every_process", "support_under"]
 
@@ -48,17 +48,21 @@ def check_same_on_every_process(args, group: RankGroup) -> None:
             )
 
 
+#: The sharing rules as :func:`_code` numbers them, below 0.
+_RULES = tuple(SharePrefix)
+
+
 def _code(value) -> int:
     """A setting's value as one integer the processes compare: a number as itself (None and False as 0), a sharing
-    rule by its place in :data:`SHARING_RULES`, below 0."""
-    if isinstance(value, str):
-        return -1 - SHARING_RULES.index(value)
+    rule (:class:`~hf_dynbsz.planning.settings.SharePrefix`) by its place among the rules, below 0."""
+    if isinstance(value, str):  # (a SharePrefix is one)
+        return -1 - _RULES.index(SharePrefix.of(value))
     return int(value or 0)
 
 
 def _decoded(code: int):
     """What :func:`_code` made ``code`` of (a rule's name, else the number)."""
-    return SHARING_RULES[-1 - code] if code < 0 else code
+    return _RULES[-1 - code].value if code < 0 else code
 
 
 #: Why a model with sequence mixers trains padded rows where their calls gather parameters ({why}: the engine's
@@ -160,7 +164,9 @@ class Capabilities:
         allows) together. The teacher's no-grad passes run the samples of the student's passes in the same layout, so
         the pair keeps the layouts both models allow, fastest first (the student's order; segment recurrence where
         either model has sequence mixers, each model's own found by class name). Image steps run stock's
-        micro-batches (a teacher's image inputs are not repacked). Each feature not applied has one note."""
+        micro-batches (a teacher's image inputs are not repacked). A sample's rope width is read against both models'
+        LongRoPE lengths (:func:`~hf_dynbsz.planning.model_support.rope_width`). Each feature not applied has one
+        note."""
         teacher_layouts, _ = teacher.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
         pair = [_pair_layout(layout, teacher_layouts) for layout in self.layouts]
         pair = [layout for layout in pair if layout is not None]
@@ -176,6 +182,7 @@ class Capabilities:
         support = replace(
             self.support,
             sequence_mixers=tuple(dict.fromkeys(self.support.sequence_mixers + teacher.sequence_mixers)),
+            long_rope=tuple(sorted(set(self.support.long_rope + teacher.long_rope))),
             vision_language="stock" if self.support.vision_language or teacher.vision_language else None,
         )
         if self.enabled and support.vision_language:
@@ -191,7 +198,7 @@ class Capabilities:
 def _pair_layout(layout: Layout, teacher_layouts: list[Layout]) -> Layout | None:
     """``layout`` (the student's) as the pair runs it when the teacher allows it too (the same rows, prompts, attention
     and mask), with segment recurrence where either model needs it; None when the teacher does not."""
-    fields = ("name", "share_prompts", "prefix_tree", "segment_attention", "attention_mask", "attention")
+    fields = ("name", "sharing", "segment_attention", "attention_mask", "attention")
     for other in teacher_layouts:
         if all(getattr(layout, field) == getattr(other, field) for field in fields):
             return replace(layout, segment_recurrence=layout.segment_recurrence or other.segment_recurrence)

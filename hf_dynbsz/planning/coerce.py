@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from hf_dynbsz.planning.settings import Setting
+    from hf_dynbsz.planning.settings import Setting, SharePrefix
 
 __all__ = [
     "check_choice",
@@ -115,12 +115,18 @@ def finite_number(value: Any) -> float | None:
     return float(value)
 
 
-def coerce_sharing(spec: Setting, value: Any) -> bool | str:
-    """A bool or one of ``spec.choices`` (strings as :func:`coerce_bool` reads them, or a choice in any case)."""
-    if isinstance(value, str) and value.strip().lower() in spec.choices:
-        return value.strip().lower()
+def coerce_sharing(spec: Setting, value: Any) -> SharePrefix:
+    """The :class:`~hf_dynbsz.planning.settings.SharePrefix` of a sharing setting's value: a member, a bool (strings
+    as :func:`coerce_bool` reads them; true is the default rule, the tree), or a rule's name in any case ("tree",
+    "groups", and "none", the name a saved config writes for false)."""
+    from hf_dynbsz.planning.settings import SharePrefix
+
+    if isinstance(value, SharePrefix):
+        return value
+    if isinstance(value, str) and value.strip().lower() in (*spec.choices, SharePrefix.NONE.value):
+        return SharePrefix(value.strip().lower())
     try:
-        return coerce_bool(spec.name, value)
+        return SharePrefix.of(coerce_bool(spec.name, value))
     except ValueError:
         raise ValueError(f"{spec.name} must be {spec.expected}, got {value!r}: {spec.fix}") from None
 

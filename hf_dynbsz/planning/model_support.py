@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_dynbsz.planning.cost import GENERIC_DECODER, ModelFlops, config_value, text_config_of
-from hf_dynbsz.planning.settings import sharing_rule
+from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
     "DeviceFacts",
@@ -33,6 +33,8 @@ __all__ = [
     "VARLEN_ATTN",
     "base_model",
     "images_stay_on_their_process",
+    "long_rope_modules",
+    "rope_width",
     "vision_language_mode",
 ]
 
@@ -111,6 +113,23 @@ SPANS_ON_CUDA = (
 )
 
 
+#: The rotary embedding type whose frequencies transformers picks per forward by the forward's widest position
+#: (``dynamic_rope_update``): the long factors once ``max(position_ids) + 1`` passes
+#: ``original_max_position_embeddings``, the short ones below. Phi-3/3.5/4-mini long-context models use it.
+LONG_ROPE = "longrope"
+
+
+def rope_width(stock_width: int, originals: tuple[int, ...]) -> int:
+    """The width a sample's LongRoPE factors are picked by, in tokens: the least width past the same
+    ``original_max_position_embeddings`` of ``originals`` (every LongRoPE model of the run,
+    :attr:`ModelSupport.long_rope`) as ``stock_width`` (the padded width of stock's micro-batch that holds the sample:
+    each of stock's forwards runs positions ``0 .. width - 1``); 0 where it passes none (the short factors of every
+    model). Samples of one rope width take the same factors in every model, so the prefix tree shares positions
+    between them only (:meth:`~hf_dynbsz.execution.packing.SequenceTable.prefix_keys`)."""
+    passed = [original for original in originals if stock_width > original]
+    return max(passed) + 1 if passed else 0
+
+
 def vision_language_mode(config: Any) -> str | None:
     """How the image steps of a model of this (top-level) config train: None for a text model, ``"repacked"`` for
     :data:`REPACKED_VISION_MODEL_TYPES` (any layout, image prompts shared, samples balanced across processes with
@@ -137,9 +156,10 @@ class Layout:
     """One way to lay a pass out: the rungs the self-check walks down, fastest first.
 
     ``name``: ``"padding_free"`` (the pass's samples in one row) or ``"padded"`` (a row per sample, right-padded to the
-    pass's longest). ``share_prompts``: samples of one prompt share one copy of it (padding-free rows through segment
-    attention); with ``prefix_tree``, every prefix the pass's samples share is computed once, whatever their prompts
-    (:mod:`hf_dynbsz.planning.prefix_tree`). ``segment_attention``: the base implementation segment attention runs per
+    pass's longest). ``sharing`` (:class:`~hf_dynbsz.planning.settings.SharePrefix`): what the samples of a
+    padding-free row share through segment attention: each prompt in its group (``GROUPS``), every prefix the pass's
+    samples have in common whatever their prompts (``TREE``, :mod:`hf_dynbsz.planning.prefix_tree`), or nothing
+    (``NONE``). ``segment_attention``: the base implementation segment attention runs per
     segment, None for the model's own attention. ``segment_recurrence``: the model's sequence mixers run per sequence of
     the row (:mod:`hf_dynbsz.execution.recurrence`). ``attention_mask``: padded rows carry an attention mask (right
     padding would otherwise reach real tokens, or the model positions tokens from the mask). ``attention``: the cost the
@@ -148,23 +168,17 @@ class Layout:
     """
 
     name: str
-    share_prompts: bool = False
+    sharing: SharePrefix = SharePrefix.NONE
     segment_attention: str | None = None
     attention_mask: bool = False
     attention: str = "dense"
     segment_recurrence: bool = False
-    prefix_tree: bool = False
-
-    @property
-    def sharing(self) -> str | None:
-        """The sharing rule of the layout's rows: ``"tree"``, ``"groups"`` (each prompt in its group) or None."""
-        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     def describe(self) -> str:
         """One phrase for logs and the plan table, e.g. "padding_free, shared prompts, segment attention (sdpa)"."""
         parts = [self.name]
-        if self.share_prompts:
-            parts.append("prefix tree" if self.prefix_tree else "shared prompts")
+        if self.sharing:
+            parts.append("prefix tree" if self.sharing is SharePrefix.TREE else "shared prompts")
         if self.segment_attention:
             parts.append(f"segment attention ({self.segment_attention})")
         if self.segment_recurrence:
@@ -221,6 +235,12 @@ class ModelSupport:
       dropout); the device's side is :meth:`varlen_attn_reason`'s. ``sliding_windows``: some layer attends within
       a sliding window (``varlen_attn`` needs ``window_size`` for it).
 
+    ``long_rope``: the ``original_max_position_embeddings`` of the model's LongRoPE rotary embeddings
+    (:data:`LONG_ROPE`; empty: none). Stock's forward picks their factors by its padded width, so every pass gives each
+    sample the factors of stock's micro-batch that holds it (:func:`rope_width`, :mod:`hf_dynbsz.execution.rope`). A
+    rotary embedding that rescales with the forwards seen so far (dynamic NTK), or a LongRoPE one the plugin cannot give
+    per-sample factors, is a ``repacking_blocker``.
+
     ``position_offset`` is added to every position id (RoBERTa-style models number positions from
     ``padding_idx + 1``). ``multimodal_rope``: padding-free rows carry each sample's M-RoPE positions
     (:data:`MULTIMODAL_ROPE_MODEL_TYPES`). ``model_flops``: the FLOPs read off the config (None when it gives none:
@@ -242,6 +262,7 @@ class ModelSupport:
     sliding_windows: bool = False
     position_offset: int = 0
     multimodal_rope: bool = False
+    long_rope: tuple[int, ...] = ()
     sequence_mixers: tuple[str, ...] = ()
     model_flops: ModelFlops | None = None
     notes: tuple[str, ...] = ()
@@ -286,26 +307,29 @@ class ModelSupport:
             segment = segment or bidirectional
             unmasked = bidirectional
         router_aux, router_blocker = _router_aux_form(text, model)
+        multimodal_rope = vision == "repacked" and config_value(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES
+        long_rope, rope_blocker = _long_rope(text, decoder, multimodal_rope)
         return replace(
             support,
             padding_free_blocker=padding_free,
             segment_attention_blocker=segment,
             unmasked_padding_blocker=unmasked,
-            repacking_blocker=_content_selected_keys(text),
+            repacking_blocker=_content_selected_keys(text) or rope_blocker,
             router_aux=router_aux,
             router_aux_blocker=router_blocker,
             varlen_attn_blocker=_varlen_attn_blocker(text, decoder),
             sliding_windows=_sliding_windows(text),
             position_offset=_position_offset(model),
             sequence_mixers=mixers if padding_free is None else (),
-            multimodal_rope=vision == "repacked" and config_value(config, "model_type") in MULTIMODAL_ROPE_MODEL_TYPES,
+            multimodal_rope=multimodal_rope,
+            long_rope=long_rope,
         )
 
     # ------------------------------------------------------------------ what a run uses
     def layouts(
         self,
         packing_layout: str = "auto",
-        share_prompt_prefix: bool | str = True,
+        share_prompt_prefix: bool | str | SharePrefix = True,
         device_type: str | DeviceFacts = "cpu",
     ) -> tuple[list[Layout], list[str]]:
         """The layouts a run may use, fastest first, and one note per feature asked for but not available.
@@ -326,15 +350,15 @@ class ModelSupport:
         with an attention mask (stock's own layout, per sample). Empty (with the reason as the note) when no
         layout can be exact: stock math runs.
 
-        ``share_prompt_prefix`` (a checked value, :func:`~hf_dynbsz.planning.settings.sharing_rule`): with "tree"
-        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with "groups" the last
-        two; False the last. Every family whose rows share prompts takes the tree: what a node computes is what the
+        ``share_prompt_prefix`` (a checked value, :meth:`~hf_dynbsz.planning.settings.SharePrefix.of`): with the tree
+        the padding-free rungs are a prefix tree's, then prompt groups', then no sharing; with groups the last two;
+        with none the last. Every family whose rows share prompts takes the tree: what a node computes is what the
         samples under it compute alone wherever a shared prompt's block does (the self-check steps down to groups
         for a model that says otherwise).
         """
         if packing_layout not in ("auto", "padding_free", "padded"):
             raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
-        sharing = sharing_rule(share_prompt_prefix)
+        sharing = SharePrefix.of(share_prompt_prefix)
         if self.repacking_blocker:
             return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
         notes = []
@@ -346,14 +370,9 @@ class ModelSupport:
         if packing_layout != "padded" and self.padding_free_blocker is None:
             recurrence = bool(self.sequence_mixers)
             if base is not None:
-                if sharing == "tree":
-                    ladder.append(
-                        Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence,
-                               prefix_tree=True)
-                    )  # fmt: skip
-                if sharing is not None:
-                    ladder.append(Layout("padding_free", True, base, attention="varlen", segment_recurrence=recurrence))
-                ladder.append(Layout("padding_free", False, base, attention="varlen", segment_recurrence=recurrence))
+                rules = [SharePrefix.TREE, SharePrefix.GROUPS, SharePrefix.NONE]  # the asked rule, then the ones below
+                for rule in rules[rules.index(sharing) :]:
+                    ladder.append(Layout("padding_free", rule, base, attention="varlen", segment_recurrence=recurrence))
             elif varlen:
                 ladder.append(Layout("padding_free", attention="varlen"))
             elif packing_layout == "padding_free":  # transformers' own block mask over the row: dense, but asked for
@@ -368,7 +387,7 @@ class ModelSupport:
             if self.unmasked_padding_blocker is None:
                 ladder.append(Layout("padded"))
             ladder.append(Layout("padded", attention_mask=True))
-        if sharing is not None and not ladder[0].share_prompts:
+        if sharing and not ladder[0].sharing:
             why = (
                 self.padding_free_blocker
                 if packing_layout != "padded" and self.padding_free_blocker
@@ -442,6 +461,11 @@ class ModelSupport:
                 lines.append(f"{label}: off ({reason})")
         if self.position_offset:
             lines.append(f"position ids start at {self.position_offset} (the model numbers them from padding_idx + 1)")
+        if self.long_rope and not self.repacking_blocker:
+            lines.append(
+                f"LongRoPE (original_max_position_embeddings {', '.join(map(str, self.long_rope))}): each sample takes "
+                "the rotary factors of the stock micro-batch that holds it"
+            )
         return lines + list(self.notes)
 
 
@@ -539,6 +563,79 @@ def _content_selected_keys(text_config: Any) -> str | None:
     return None
 
 
+def _rope_parameters(text_config: Any) -> list[dict]:
+    """The rotary parameters of ``text_config``: ``rope_parameters`` (one dict, or one per layer type), else the
+    older ``rope_scaling``; empty where it has none."""
+    parameters = config_value(text_config, "rope_parameters")
+    if not isinstance(parameters, dict):
+        parameters = config_value(text_config, "rope_scaling")
+    if not isinstance(parameters, dict):
+        return []
+    if "rope_type" in parameters or "type" in parameters:
+        return [parameters]
+    return [value for value in parameters.values() if isinstance(value, dict)]
+
+
+def _rope_type(parameters: dict) -> str:
+    return str(parameters.get("rope_type", parameters.get("type", "default")))
+
+
+#: Why a model whose rotary embedding rescales by the forwards seen so far (transformers' dynamic NTK) trains stock's
+#: math ({kind}: its rope type).
+DYNAMIC_ROPE = (
+    "its rotary embedding is dynamic NTK (rope_type={kind!r}): transformers rescales the frequencies by the longest "
+    "forward the model has run so far (generation's included) and keeps that state across forwards, so a sample's "
+    "log-probs depend on the widths and order of every earlier forward, which repacked passes change"
+)
+
+
+def _long_rope(text_config: Any, model: Any, multimodal_rope: bool) -> tuple[tuple[int, ...], str | None]:
+    """``(the original_max_position_embeddings of the LongRoPE rotary embeddings, why no layout can be exact)``.
+
+    Dynamic NTK (a rope type containing "dynamic", as transformers tests it) is a blocker (:data:`DYNAMIC_ROPE`).
+    LongRoPE is one where positions come from the model's own M-RoPE index (computed from the attention mask, not the
+    padded width), or where the model's LongRoPE modules are not transformers' ``dynamic_rope_update`` (the plugin
+    gives each sample its factors through it: :mod:`hf_dynbsz.execution.rope`)."""
+    kinds = [_rope_type(parameters) for parameters in _rope_parameters(text_config)]
+    dynamic = next((kind for kind in kinds if "dynamic" in kind), None)
+    if dynamic:
+        return (), DYNAMIC_ROPE.format(kind=dynamic)
+    originals = []
+    for parameters in _rope_parameters(text_config):
+        if _rope_type(parameters) == LONG_ROPE:
+            original = parameters.get("original_max_position_embeddings")
+            original = original or config_value(text_config, "original_max_position_embeddings")
+            originals.append(original or config_value(text_config, "max_position_embeddings"))
+    if not originals:
+        return (), None
+    if not all(isinstance(original, int) for original in originals):
+        return (), f"its LongRoPE rotary embedding names no original_max_position_embeddings ({originals})"
+    if multimodal_rope:
+        return (), (
+            "its LongRoPE factors are picked from the M-RoPE positions the model computes from the attention mask, "
+            "not from the padded width the plugin gives each sample"
+        )
+    if model is not None and callable(getattr(model, "named_modules", None)) and not long_rope_modules(model):
+        return (), (
+            "its config asks for LongRoPE, but no rotary module picks its factors through transformers' "
+            "dynamic_rope_update, where the plugin gives each sample the factors of stock's micro-batch"
+        )
+    return tuple(sorted(set(originals))), None
+
+
+def long_rope_modules(model: Any) -> list:
+    """The modules of ``model`` whose rotary frequencies transformers' ``dynamic_rope_update`` picks as LongRoPE:
+    a ``rope_type`` of :data:`LONG_ROPE` (or one per layer type that holds it) and a ``forward`` that wraps the plain
+    one (``__wrapped__``, where the plugin computes each set of factors)."""
+    found = []
+    for _, module in model.named_modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else [kind]
+        if LONG_ROPE in kinds and callable(getattr(type(module).forward, "__wrapped__", None)):
+            found.append(module)
+    return found
+
+
 def _self_attention_modules(model: Any) -> list:
     """The model's self-attention modules (cross-attention of encoder-decoder decoders left out: it sees no tokens
     of the row when the model runs as a causal LM)."""
@@ -614,6 +711,41 @@ def _segment_attention_blocker(
         return f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface"
     if "chunked_attention" in _layer_kinds(text_config):
         return "chunked attention layers (their chunks are drawn by the model's own mask)"
+    return _window_in_mask_only(text_config, model)
+
+
+#: transformers' mask of a sliding window: a model whose forward builds it applies its config's window.
+MASK_WINDOW = "create_sliding_window_causal_mask"
+
+
+def _window_in_mask_only(text_config: Any, model: Any) -> str | None:
+    """Why segment attention would attend past the model's sliding window, or None: the config has one
+    (:func:`_sliding_windows`), the model applies it (a forward of one of its modules builds
+    ``create_sliding_window_causal_mask``) and a self-attention module of ``model`` neither holds a ``sliding_window``
+    attribute nor passes ``sliding_window`` to its attention function: its window reaches attention only through the
+    mask (PhiMoE, Doge), and segment attention reads it from the attention call (:mod:`hf_dynbsz.execution.attention`).
+    A model that never applies its config's window (Moshi) attends fully in stock's forward too. Without a model (the
+    planner) nothing is known against it."""
+    if not _sliding_windows(text_config) or model is None or not callable(getattr(model, "modules", None)):
+        return None
+    classes = {type(module) for module in model.modules()}
+    if not any(MASK_WINDOW in _source(cls.forward) for cls in classes if cls.__module__.startswith("transformers")):
+        return None
+    dispatching = [  # attention modules segment attention runs (Doge's have no is_causal)
+        module
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Attention")
+        and "ALL_ATTENTION_FUNCTIONS" in _source(type(module).forward)
+        and not re.search(r"cross|encoder_attn", name, re.IGNORECASE)
+    ]
+    for module in _self_attention_modules(model) + dispatching:
+        if not hasattr(module, "sliding_window") and "sliding_window" not in _source(type(module).forward):
+            window = config_value(text_config, "sliding_window")
+            return (
+                f"its sliding window (sliding_window={window}) reaches attention only through the mask the model "
+                f"builds (create_sliding_window_causal_mask): {type(module).__name__} neither holds nor passes it, "
+                "and segment attention draws no model mask"
+            )
     return None
 
 

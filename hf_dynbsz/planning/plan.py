@@ -29,7 +29,7 @@ from hf_dynbsz.planning.coerce import coerce_int, coerce_optional_int, coerce_pa
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.generation_round import resolve_generation_round, user_generation_settings
 from hf_dynbsz.planning.plan_table import plan_rows, text_table
-from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, setting
+from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, SharePrefix, setting
 from hf_dynbsz.planning.tokens import ceil_div
 from hf_dynbsz.planning.validation import validated_fields
 
@@ -76,6 +76,7 @@ STOCK_TRAINERS = {
     "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
     "distillation": "DistillationTrainer",
+    "dpo": "DPOTrainer",
     "async_grpo": "AsyncGRPOTrainer",
 }
 
@@ -84,7 +85,7 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     """The batch sizes of ``args`` on ``num_processes`` processes, converted and checked, with the generation round
     derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`). A distillation
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
-    if trainer == "distillation":
+    if trainer in ("distillation", "dpo"):  # (a DPO step's pairs come from the dataset, no generation)
         return _distillation_settings(args, num_processes)
     if trainer == "async_grpo":
         return _async_settings(args, num_processes)
@@ -248,7 +249,7 @@ class BatchSizePlan:
     dynamic_batching: bool
     oversize_policy: str
     balance_across_ranks: bool
-    share_prompt_prefix: bool | str
+    share_prompt_prefix: SharePrefix
     #: the layouts are checked against each sample alone before the first pass
     self_check: bool
     #: "auto", "padding_free" or "padded"

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from hf_dynbsz.planning.model_support import images_stay_on_their_process
-from hf_dynbsz.planning.settings import setting, sharing_rule
+from hf_dynbsz.planning.settings import SharePrefix, setting
 
 __all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
 
@@ -104,6 +104,11 @@ def _train_budget_meaning(plan: Plan) -> str:
             "tokens per training pass (token_budget); auto = the prefix trie of stock's fixed-count row of "
             f"{plan.per_device_train_batch_size} samples per micro-batch"
         )
+    if plan.trainer == "dpo":  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
+        return (
+            f"tokens per training micro-batch; auto = 2 x {plan.per_device_train_batch_size} rows x the longest "
+            "prompt + response of stock's micro-batch"
+        )
     return (
         f"tokens per training micro-batch; auto = {plan.per_device_train_batch_size} x (longest prompt + "
         "longest completion) per generation batch"
@@ -112,6 +117,8 @@ def _train_budget_meaning(plan: Plan) -> str:
 
 def _logprob_budget_meaning(plan: Plan) -> str:
     default = "; default 2 x training budget" if plan.max_tokens_per_microbatch_logprob is None else ""
+    if plan.trainer == "dpo":
+        return "tokens per no-grad reference micro-batch (the reference model's log-probs)" + default
     return setting("max_tokens_per_microbatch_logprob").summary + default
 
 
@@ -146,9 +153,9 @@ def _router_meaning(plan: Plan) -> str:
 
 
 def _grpo_round(plan: Plan) -> bool:
-    """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; an
-    asynchronous GRPO run's rollout worker generates continuously)."""
-    return plan.trainer not in ("distillation", "async_grpo")
+    """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; a DPO run
+    generates nothing; an asynchronous GRPO run's rollout worker generates continuously)."""
+    return plan.trainer not in ("distillation", "dpo", "async_grpo")
 
 
 def _asynchronous(plan: Plan) -> bool:
@@ -156,8 +163,22 @@ def _asynchronous(plan: Plan) -> bool:
 
 
 def _generates_in_trainer(plan: Plan) -> bool:
-    """Rows of the trainer's own generation (an asynchronous run's server generates)."""
-    return plan.trainer != "async_grpo"
+    """Rows of the trainer's own generation (a DPO run generates nothing, an asynchronous run's server generates)."""
+    return plan.trainer not in ("dpo", "async_grpo")
+
+
+def _generates(plan: Plan) -> bool:
+    """Rows of generation (a DPO run's pairs come from its dataset)."""
+    return plan.trainer != "dpo"
+
+
+def _dpo(plan: Plan) -> bool:
+    return plan.trainer == "dpo"
+
+
+def _logprob_rows(plan: Plan) -> bool:
+    """The log-prob budget's row: GRPO's and RLOO's no-grad passes, a DPO run's reference passes."""
+    return _grpo_round(plan) or _dpo(plan)
 
 
 def _distillation(plan: Plan) -> bool:
@@ -220,6 +241,15 @@ PLAN_ROWS: tuple[Row, ...] = (
         _attr("per_device_samples_per_optimizer_step"),
         _attr("global_samples_per_optimizer_step"),
         "per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+        when=_generates,
+    ),
+    Row(
+        "pairs per optimizer step",
+        _attr("per_device_samples_per_optimizer_step"),
+        _attr("global_samples_per_optimizer_step"),
+        "preference pairs: per_device_train_batch_size x gradient_accumulation_steps (x processes); a pair's chosen "
+        "and rejected sequences run in one pass under one copy of their prompt",
+        when=_dpo,
     ),
     Row(
         "prompts per optimizer step",
@@ -318,7 +348,7 @@ PLAN_ROWS: tuple[Row, ...] = (
         _budget("effective_max_tokens_per_microbatch_logprob", "2 x auto"),
         _budget_all("effective_max_tokens_per_microbatch_logprob"),
         _logprob_budget_meaning,
-        when=_grpo_round,
+        when=_logprob_rows,
     ),
     Row(
         "max_tokens_per_microbatch_teacher",
@@ -345,7 +375,7 @@ PLAN_ROWS: tuple[Row, ...] = (
     Row("oversize_policy", _attr("oversize_policy"), "-", setting("oversize_policy").summary),
     Row(
         "share_prompt_prefix",
-        lambda plan: sharing_rule(plan.share_prompt_prefix) or "off",
+        lambda plan: str(SharePrefix.of(plan.share_prompt_prefix) or "off"),
         "-",
         _summary_if_on("share_prompt_prefix", "every sample computes its prompt and completion"),
     ),

@@ -251,11 +251,21 @@ class PrefixTree:
         return {node for sample in chosen for node in paths[sample]}
 
     # ------------------------------------------------------------------ units of the partitioner
-    def units(self, budget: int) -> list[Unit]:
+    def units(self, budget: int, together: Sequence[int] | None = None) -> list[Unit]:
         """The samples that always share a pass, ordered by their first sample: each root's subtree when it fits
         ``budget`` tokens; otherwise its children's subtrees packed first-fit-decreasing into pieces that fit with
         the path they share (each piece carrying it), a subtree too large for a piece split the same way below it,
-        and a sample that fits with no other alone (longer than the budget if it must)."""
+        and a sample that fits with no other alone (longer than the budget if it must).
+
+        ``together``: one id per sample; samples of equal ids always share a pass (a preference pair's chosen and
+        rejected, whose loss is one function of both): units that split such a group are repacked by groups
+        (:func:`_together`), a group that fits with no other alone (longer than the budget if it must)."""
+        if together is not None and len(together) != self.samples:
+            raise ValueError(f"together has {len(together)} ids for {self.samples} samples")
+        units = self._units(budget)
+        return units if together is None else _together(self, units, together, budget)
+
+    def _units(self, budget: int) -> list[Unit]:
         if self.shares_nothing:  # every root a sample with no children: one unit each, whatever the budget
             return [Unit((sample,), size, size * size) for sample, size in enumerate(self.length)]
         sizes, pairs = self._subtree_sums()
@@ -325,6 +335,34 @@ class PrefixTree:
                     start.append(tree.start[node]), length.append(tree.length[node]), source.append(index)
             leaf.append(number[id(tree), tree.paths()[sample][-1]])
         return cls._in_row_order(parent, start, length, source, leaf)
+
+
+def _together(tree: PrefixTree, units: list[Unit], together: Sequence[int], budget: int) -> list[Unit]:
+    """``units`` (of ``tree`` under ``budget``) with every group of equal ``together`` ids in one unit: the units
+    that hold part of a split group give up their samples, which are repacked group by group, largest first, into
+    pieces whose tree tokens fit the budget (first fit); the units that split no group stay as they are."""
+    members: dict[int, list[int]] = {}
+    for sample, group in enumerate(together):
+        members.setdefault(int(group), []).append(sample)
+    unit_of = {sample: index for index, unit in enumerate(units) for sample in unit.samples}
+    split = {group for group, samples in members.items() if len({unit_of[s] for s in samples}) > 1}
+    if not split:
+        return units
+    broken = {unit_of[s] for group in split for s in members[group]}
+    kept = [unit for index, unit in enumerate(units) if index not in broken]
+    groups = sorted(
+        {int(together[s]) for index in broken for s in units[index].samples},
+        key=lambda group: (-tree.tokens(members[group]), members[group][0]),
+    )
+    pieces: list[list[int]] = []
+    for group in groups:
+        piece = next((p for p in pieces if tree.tokens(p + members[group]) <= budget), None)
+        if piece is None:
+            pieces.append(list(members[group]))
+        else:
+            piece += members[group]
+    repacked = [Unit(tuple(sorted(piece)), tree.tokens(piece), tree.pairs(piece)) for piece in pieces]
+    return sorted(kept + repacked, key=lambda unit: unit.samples[0])
 
 
 class _Split:

@@ -38,7 +38,7 @@ from hf_dynbsz.planning.partition import (
     partition_by_token_budget,
 )
 from hf_dynbsz.planning.prefix_tree import PrefixTree, Unit
-from hf_dynbsz.planning.settings import setting
+from hf_dynbsz.planning.settings import SharePrefix, setting
 from hf_dynbsz.planning.tokens import microbatch_tokens, round_up
 
 __all__ = [
@@ -183,7 +183,7 @@ class StepSchedule:
     counts them. ``passes_needed``: how many passes this process alone would have run. ``oversize``: indices of the
     samples longer than the budget (each ran alone). ``tree``: the prefix tree the passes were counted by (samples
     of other processes share nothing in it), None without sharing. ``pass_tokens``: the tokens each real pass
-    computes (shared positions once, padding included); ``prompt_tokens_saved``: the tokens not computed thanks to
+    computes (shared positions once, padding included); ``shared_tokens_saved``: the tokens not computed thanks to
     sharing (prompts, and with a prefix tree any shared prefix). ``balance``: the cross-rank assignment when balancing
     ran. ``pass_pairs``: each real pass's attention term (:meth:`PrefixTree.pairs`: squared sequence lengths for
     samples sharing nothing; rows x width^2 for padded passes), which the memory model reads.
@@ -195,7 +195,7 @@ class StepSchedule:
     oversize: list[int]
     lengths: list[int]
     pass_tokens: list[int]
-    prompt_tokens_saved: int = 0
+    shared_tokens_saved: int = 0
     pass_pairs: list[int] | None = None
     tree: PrefixTree | None = None
     exchange: Exchange | None = None
@@ -221,13 +221,15 @@ class StepSchedule:
 @dataclass(frozen=True)
 class StepRequest:
     """What one process brings to the scheduling of a step: its samples' ``prompts`` and ``completions`` (tokens),
-    the prefix ``tree`` the samples share positions by (:meth:`Scheduler._tree`; every sample alone without sharing)
-    and its ``budget`` (tokens per pass)."""
+    the prefix ``tree`` the samples share positions by (:meth:`Scheduler._tree`; every sample alone without sharing),
+    its ``budget`` (tokens per pass) and ``together`` (one id per sample, equal ids always in one pass: a preference
+    pair's chosen and rejected; None: no such groups)."""
 
     prompts: list[int]
     completions: list[int]
     tree: PrefixTree
     budget: int
+    together: list[int] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -236,16 +238,19 @@ class StepRequest:
 
     def values(self) -> list[int]:
         """What the process contributes to the all-gather of cross-rank balancing: the budget, the sample count, each
-        sample's prompt and completion, then its prefix tree (:meth:`PrefixTree.encode`)."""
+        sample's prompt and completion, its prefix tree (:meth:`PrefixTree.encode`), then its ``together`` ids (if
+        any)."""
         shapes = [v for sample in zip(self.prompts, self.completions) for v in sample]
-        return [self.budget, len(self.prompts), *shapes, *self.tree.encode()]
+        return [self.budget, len(self.prompts), *shapes, *self.tree.encode(), *(self.together or [])]
 
     @classmethod
     def from_values(cls, values: Sequence[int]) -> StepRequest:
         """The request of a process from its :meth:`values`."""
         count = values[1]
         shapes = values[2 : 2 + 2 * count]
-        return cls(list(shapes[0::2]), list(shapes[1::2]), PrefixTree.decode(values[2 + 2 * count :])[0], values[0])
+        tree, taken = PrefixTree.decode(values[2 + 2 * count :])
+        together = [int(v) for v in values[2 + 2 * count + taken :]] or None
+        return cls(list(shapes[0::2]), list(shapes[1::2]), tree, values[0], together)
 
 
 @dataclass(frozen=True)
@@ -296,8 +301,9 @@ class Scheduler:
     ``"dense"``), ``segment_attention`` the base implementation segment attention runs (None: the model's own
     attention), ``segment_recurrence`` whether the model's sequence mixers run per sequence of a padding-free row,
     ``attention_mask`` whether padded rows carry a mask, ``position_offset`` the first position id.
-    ``share_prompts`` is on only where it is exact: padding-free rows through segment attention; ``prefix_tree``
-    shares every prefix the samples of a pass have in common, not only each prompt in its group.
+    ``sharing`` (:class:`~hf_dynbsz.planning.settings.SharePrefix`, the layout's) is on only where it is exact:
+    padding-free rows through segment attention; ``TREE`` shares every prefix the samples of a pass have in common,
+    ``GROUPS`` each prompt in its group.
     """
 
     layout: str
@@ -312,7 +318,7 @@ class Scheduler:
     #: the teacher's, :func:`hf_dynbsz.planning.memory.teacher_budget_scale`)
     teacher_scale: float = 1.0
     balance_across_ranks: bool = True
-    share_prompts: bool = False
+    sharing: SharePrefix = SharePrefix.NONE
     segment_attention: str | None = None
     segment_recurrence: bool = False
     attention_mask: bool = False
@@ -320,12 +326,6 @@ class Scheduler:
     group: RankGroup = SINGLE_PROCESS
     #: processes sharing each pass's row (:mod:`hf_dynbsz.execution.sequence_parallel`): a pass holds this many budgets
     sequence_parallel_size: int = 1
-    prefix_tree: bool = False
-
-    @property
-    def sharing(self) -> str | None:
-        """The sharing rule of this scheduler's rows (:attr:`Layout.sharing`): "tree", "groups" or None."""
-        return ("tree" if self.prefix_tree else "groups") if self.share_prompts else None
 
     @classmethod
     def from_args(
@@ -355,26 +355,24 @@ class Scheduler:
             max_tokens_per_microbatch_logprob=args.max_tokens_per_microbatch_logprob,
             max_tokens_per_microbatch_teacher=getattr(args, "max_tokens_per_microbatch_teacher", None),
             balance_across_ranks=bool(balance) and not images_stay_on_their_process(support.vision_language),
-            share_prompts=layout.share_prompts,
+            sharing=layout.sharing,
             segment_attention=layout.segment_attention,
             segment_recurrence=layout.segment_recurrence,
             attention_mask=layout.attention_mask,
             position_offset=support.position_offset,
             group=group,
             sequence_parallel_size=int(getattr(args, "sequence_parallel_size", 1) or 1),
-            prefix_tree=layout.prefix_tree,
         )
 
     def describe(self) -> str:
         """The layout this scheduler runs, as :meth:`Layout.describe` phrases it (logs, reports)."""
         return Layout(
             self.layout,
-            self.share_prompts,
+            self.sharing,
             self.segment_attention,
             self.attention_mask,
             self.attention,
             segment_recurrence=self.segment_recurrence,
-            prefix_tree=self.prefix_tree,
         ).describe()
 
     def budget(
@@ -425,13 +423,16 @@ class Scheduler:
         prompt_lengths: Sequence[int] | None = None,
         groups: Sequence[int] | None = None,
         tree: PrefixTree | None = None,
+        together: Sequence[int] | None = None,
     ) -> StepSchedule:
         """Partition this process's samples (``lengths``: prompt + completion tokens each) into passes.
 
-        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``share_prompts`` is
+        ``prompt_lengths`` split the lengths (the exchange and shared prompts need them). When ``sharing`` is
         on, ``tree`` (the samples' :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`) or else ``groups`` (one id
         per sample, equal ids = identical prompt tokens: the prompt-group rule) says which positions samples share
-        within a pass. Every process calls this with its own samples at the same point of the step.
+        within a pass. ``together`` (one id per sample): samples of equal ids always share a pass (a preference pair's
+        chosen and rejected; :meth:`PrefixTree.units`). Every process calls this with its own samples at the same point
+        of the step.
         Without balancing one all-reduce agrees on the pass count (the most any process needs) and on the longest
         oversize sequence anywhere; with ``balance_across_ranks`` on several processes, one all-gather of every
         sample's lengths and prefix tree lets every process compute the same assignment of units to processes
@@ -440,7 +441,7 @@ class Scheduler:
         :func:`simulate_processes` runs the same phases for every simulated process, each collective computed
         directly over the processes' values.
         """
-        request = self._request(lengths, budget, prompt_lengths, groups, tree)
+        request = self._request(lengths, budget, prompt_lengths, groups, tree, together)
         if self._balances(self.group.num_processes):
             agreed = self._balancing(self.group.all_gather(request.values()))
             return self._balanced_schedule(agreed, self.group.rank, kind)
@@ -454,19 +455,25 @@ class Scheduler:
         prompt_lengths: Sequence[int] | None,
         groups: Sequence[int] | None,
         tree: PrefixTree | None = None,
+        together: Sequence[int] | None = None,
     ) -> StepRequest:
         """What this process brings to the step's scheduling (:meth:`plan`'s arguments, as integers and a tree)."""
         lengths = [int(length) for length in lengths]
         prompts = [int(p) for p in prompt_lengths] if prompt_lengths is not None else [0] * len(lengths)
         completions = [n - p for n, p in zip(lengths, prompts)]
-        return StepRequest(prompts, completions, self._tree(prompts, completions, groups, tree), budget)
+        if together is not None:
+            together = [int(group) for group in together]
+            if len(together) != len(lengths):
+                raise ValueError(f"together has {len(together)} ids for {len(lengths)} samples")
+        tree = self._tree(prompts, completions, groups, tree)
+        return StepRequest(prompts, completions, tree, budget, together if together else None)
 
     def _tree(
         self, prompts: list[int], completions: list[int], groups: Sequence[int] | None, tree: PrefixTree | None
     ) -> PrefixTree:
         """The prefix tree the samples are planned by: ``tree``, else the prompt-group rule's of ``groups``; every
-        sample alone when nothing is shared (``share_prompts`` off, or neither given)."""
-        if not self.share_prompts or (tree is None and groups is None):
+        sample alone when nothing is shared (``sharing`` none, or neither given)."""
+        if not self.sharing or (tree is None and groups is None):
             return PrefixTree.alone([p + c for p, c in zip(prompts, completions)])
         if tree is not None:
             if tree.samples != len(prompts):
@@ -480,7 +487,7 @@ class Scheduler:
 
     def _lockstep(self, request: StepRequest) -> _Lockstep:
         """This process's part of a step without balancing, up to the all-reduce of :meth:`_Lockstep.values`."""
-        units = request.tree.units(request.budget)
+        units = request.tree.units(request.budget, request.together)
         longest_oversize = self._longest_oversize(request.lengths, units, request.budget)
         return _Lockstep(request, units, self._passes_needed(units, request.budget), longest_oversize)
 
@@ -502,7 +509,7 @@ class Scheduler:
         process order."""
         requests = [StepRequest.from_values(values) for values in gathered]
         budget = max(request.budget for request in requests)  # automatic budgets differ: the largest is stock's bound
-        units = [r.tree.units(budget) for r in requests]
+        units = [r.tree.units(budget, r.together) for r in requests]
         over = []
         if self.oversize_policy == "error":
             over = [self._longest_oversize(r.lengths, u, budget) for r, u in zip(requests, units)]
@@ -662,8 +669,8 @@ class Scheduler:
             oversize=sorted(self._oversize(units, budget)),
             lengths=lengths,
             pass_tokens=pass_tokens,
-            prompt_tokens_saved=sum(lengths) - sum(shared),
-            tree=tree if self.share_prompts else None,
+            shared_tokens_saved=sum(lengths) - sum(shared),
+            tree=tree if self.sharing else None,
             pass_pairs=pass_pairs,
         )
 
@@ -717,9 +724,11 @@ def simulate_processes(
     kind: str = "training",
     groups: Sequence[Sequence[int]] | None = None,
     trees: Sequence[PrefixTree] | None = None,
+    together: Sequence[Sequence[int]] | None = None,
 ) -> list:
     """The schedules ``len(lengths)`` processes would compute, each from its own ``lengths`` and budget
-    (``groups`` / ``trees``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree``).
+    (``groups`` / ``trees`` / ``together``: per process, what :meth:`Scheduler.plan` reads as ``groups`` / ``tree`` /
+    ``together``).
 
     Runs the phases of :meth:`Scheduler.plan` for every simulated process in turn, in this thread: each process's
     part up to the collective, the collective computed directly over every process's values (what it returns on
@@ -739,6 +748,7 @@ def simulate_processes(
             prompts,
             None if groups is None else groups[rank],
             None if trees is None else trees[rank],
+            None if together is None else together[rank],
         )
         return request if balanced else scheduler._lockstep(request)
 

@@ -19,21 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN
 
 __all__ = [
     "DEFAULTS",
-    "DEFAULT_SHARING",
     "ENV_SETTINGS",
     "SETTINGS",
-    "SHARING_RULES",
     "Setting",
+    "SharePrefix",
     "defaults_of",
     "markdown_tables",
     "setting",
-    "sharing_rule",
     "update_readme",
 ]
 
@@ -360,21 +359,44 @@ def defaults_of(trainer: str) -> dict[str, Any]:
 ENV_SETTINGS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
 
 
-#: The sharing rules of ``share_prompt_prefix`` (:func:`sharing_rule`), and the one ``True`` means.
-SHARING_RULES = ("tree", "groups")
-DEFAULT_SHARING = "tree"
+class SharePrefix(str, Enum):
+    """The sharing rule of padding-free rows: the one value that ``share_prompt_prefix`` holds once checked, that a
+    :class:`~hf_dynbsz.planning.model_support.Layout` and the :class:`~hf_dynbsz.planning.schedule.Scheduler` carry,
+    and that the collator and the metrics read. ``TREE``: every prefix a pass's samples share is computed once
+    (:mod:`hf_dynbsz.planning.prefix_tree`); ``GROUPS``: each prompt once for its group's completions; ``NONE``:
+    every sample whole. A member is its value as a string (``SharePrefix.TREE == "tree"``, hashed alike, printed as
+    ``tree``), and ``NONE`` is false: ``if sharing:`` reads "something is shared"."""
 
+    NONE = "none"
+    GROUPS = "groups"
+    TREE = "tree"
 
-def sharing_rule(value: Any) -> str | None:
-    """The rule a (checked) ``share_prompt_prefix`` value asks for: ``"tree"``, ``"groups"``, or None (nothing
-    shared); ``True`` is :data:`DEFAULT_SHARING`."""
-    if value is True:
-        return DEFAULT_SHARING
-    if value in SHARING_RULES:
-        return value
-    if value is False or value is None:
-        return None
-    raise ValueError(f"share_prompt_prefix must be 'tree', 'groups', true or false, got {value!r}")
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __bool__(self) -> bool:
+        return self is not SharePrefix.NONE
+
+    @classmethod
+    def of(cls, value: Any) -> SharePrefix:
+        """The rule of a (checked) ``share_prompt_prefix`` value: a member as itself, ``True`` the default
+        (:attr:`TREE`), ``False`` and None :attr:`NONE`, a member's value (``"tree"``, ``"groups"``, ``"none"``) that
+        member."""
+        if isinstance(value, cls):
+            return value
+        if value is True:
+            return cls.TREE
+        if value is False or value is None:
+            return cls.NONE
+        if isinstance(value, str) and value in {rule.value for rule in cls}:
+            return cls(value)
+        raise ValueError(f"share_prompt_prefix must be 'tree', 'groups', true or false, got {value!r}")
 
 
 def setting(name: str) -> Setting:

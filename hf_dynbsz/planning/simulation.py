@@ -1,12 +1,12 @@
 """The simulation of ``hf-dynbsz plan --lengths``: a list of sample lengths scheduled step by step, as training would.
 
-:func:`read_lengths` reads the lengths file (totals, ``PROMPT COMPLETION`` or ``PROMPT COMPLETION GROUP`` per
-sample); :func:`simulate` cuts the samples into optimizer steps over ``num_processes`` processes and schedules each
-step with the trainer's own :class:`~hf_dynbsz.planning.schedule.Scheduler` (through
-:func:`~hf_dynbsz.planning.schedule.simulate_processes`: the scheduler's phases for every process in one thread, each
-collective computed over the processes' values), with and without cross-rank balancing; :class:`StepFigures` are a
-step's figures on one process (passes, lower bound, utilisation, computed and stock tokens) and their totals. The
-command line (:mod:`hf_dynbsz.cli`) renders them.
+:func:`read_lengths` reads the lengths file (totals, ``PROMPT COMPLETION`` or ``PROMPT COMPLETION GROUP`` per sample),
+:func:`read_pair_lengths` a DPO run's (``PROMPT CHOSEN REJECTED`` per preference pair); :func:`simulate` cuts the
+samples into optimizer steps over ``num_processes`` processes and schedules each step with the trainer's own
+:class:`~hf_dynbsz.planning.schedule.Scheduler` (through :func:`~hf_dynbsz.planning.schedule.simulate_processes`: the
+scheduler's phases for every process in one thread, each collective computed over the processes' values), with and
+without cross-rank balancing; :class:`StepFigures` are a step's figures on one process (passes, lower bound,
+utilisation, computed and stock tokens) and their totals. The command line (:mod:`hf_dynbsz.cli`) renders them.
 
 Units: lengths, budgets and token counts are tokens. Pure Python (no torch, no TRL).
 """
@@ -22,6 +22,8 @@ from hf_dynbsz.planning.coerce import parse_int
 from hf_dynbsz.planning.partition import token_lower_bound
 from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import Scheduler, StepSchedule, simulate_processes, stock_microbatch_tokens
+from hf_dynbsz.planning.settings import SharePrefix
+from hf_dynbsz.planning.tokens import round_up
 
 __all__ = [
     "SimulatedRound",
@@ -29,6 +31,7 @@ __all__ = [
     "processes_as_dict",
     "prompt_groups",
     "read_lengths",
+    "read_pair_lengths",
     "simulate",
     "simulation_as_dict",
 ]
@@ -106,6 +109,43 @@ def read_lengths(path: str) -> list[Sample]:
     return lengths
 
 
+def read_pair_lengths(path: str) -> list[Sample]:
+    """Preference pairs' lengths in tokens from ``path`` (``hf-dynbsz plan --trainer dpo``): lines ``PROMPT CHOSEN
+    REJECTED`` or a JSON list of such triples, as two samples per pair, ``(prompt + chosen, prompt, pair)`` then
+    ``(prompt + rejected, prompt, pair)`` (the pair's number its group: the two share their prompt). A file that
+    cannot be read or holds anything else: ``ValueError`` naming the file, the line or item and what was expected."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise ValueError(f"cannot read --lengths {path!r}: {error.strerror or error}") from None
+    samples: list[Sample] = []
+    for pair, (item, where) in enumerate(_entries(text, path)):
+        values = [parse_int(value) for value in item] if isinstance(item, list | tuple) else []
+        if len(values) != 3 or any(value is None or value < 0 for value in values) or min(values[1:]) < 1:
+            raise ValueError(
+                f"--lengths {path!r}: {where}: expected PROMPT CHOSEN REJECTED (tokens; each response at least 1) "
+                f"for --trainer dpo, got {item!r}."
+            )
+        prompt, chosen, rejected = values
+        samples += [(prompt + chosen, prompt, pair), (prompt + rejected, prompt, pair)]
+    if not samples:
+        raise ValueError(f"--lengths {path!r} holds no pairs.")
+    return samples
+
+
+def _pair_microbatches(plan, totals: list[int]) -> tuple[int, int]:
+    """``(largest, all)``: token positions of stock DPOTrainer's micro-batches of one process's pairs (``totals``: the
+    step's samples, chosen then rejected per pair): ``per_device_train_batch_size`` pairs each, ``2 B`` rows padded to
+    their longest (``DataCollatorForPreference``)."""
+    rows = 2 * plan.per_device_train_batch_size
+    sizes = [
+        len(totals[start : start + rows]) * round_up(max(totals[start : start + rows]), plan.pad_to_multiple_of)
+        for start in range(0, len(totals), rows)
+    ]
+    return max(sizes, default=0), sum(sizes)
+
+
 def prompt_groups(samples: list[Sample], num_generations: int) -> list[int] | None:
     """Prompt groups of a step's samples: the file's GROUP column, else runs of ``num_generations`` consecutive samples
     with equal prompt lengths; None with totals only (no prompt to share)."""
@@ -139,7 +179,9 @@ class SimulatedRound:
         return (1.0, 1.0) if balance is None else (balance.imbalance_before, balance.imbalance_after)
 
 
-def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: int = 0) -> list[SimulatedRound]:
+def simulate(
+    plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: int = 0, pairs: bool = False
+) -> list[SimulatedRound]:
     """The schedules of each optimizer step of ``lengths`` (samples in training order), as every process computes
     them: a step takes ``num_processes x per_device_train_batch_size x gradient_accumulation_steps`` samples, process
     0's first (the last step may be partial: it is simulated over the processes that hold its samples), and is
@@ -150,8 +192,10 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: i
     generation batch; equal to the optimizer step's when ``steps_per_generation == gradient_accumulation_steps`` (the
     default).
     ``shared_prefix``: with a prefix tree, every prompt begins with that many tokens in common
-    (:meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.of_groups`)."""
-    per_process, processes = plan.per_device_samples_per_optimizer_step, plan.num_processes
+    (:meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.of_groups`). ``pairs``: ``lengths`` are preference pairs
+    (:func:`read_pair_lengths`): a step takes two samples per pair, each pair's two in one pass, and stock's
+    micro-batches pad their ``2 B`` rows to the longest (DPO's collator)."""
+    per_process, processes = plan.per_device_samples_per_optimizer_step * (2 if pairs else 1), plan.num_processes
     rounds = []
     for start in range(0, len(lengths), per_process * processes):
         step = lengths[start : start + per_process * processes]
@@ -160,23 +204,35 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: i
         totals = [[total for total, _, _ in part] for part in parts]
         prompts = [[prompt or 0 for _, prompt, _ in part] for part in parts]
         groups = [prompt_groups(part, plan.num_generations) for part in parts]
-        rows = [
-            stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
-            for ts, p in zip(totals, prompts)
-        ]
-        budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
+        if pairs:
+            stock_per_process = [_pair_microbatches(plan, ts) for ts in totals]
+            budgets = [scheduler.budget(largest) for largest, _ in stock_per_process]
+            stock = sum(every for _, every in stock_per_process)
+        else:
+            rows = [
+                stock_microbatch_tokens(1, p, [t - q for t, q in zip(ts, p)], plan.pad_to_multiple_of)
+                for ts, p in zip(totals, prompts)
+            ]
+            budgets = [scheduler.budget(plan.per_device_train_batch_size * row) for row in rows]
+            stock = sum(len(ts) * row for ts, row in zip(totals, rows))
+        together = [[index // 2 for index in range(len(ts))] for ts in totals] if pairs else None
         schedules = {}
         trees = _trees(scheduler, totals, prompts, groups, shared_prefix)  # the same for both simulations
         for balance in (True, False):
             planner = dataclasses.replace(scheduler, balance_across_ranks=balance)
             results = simulate_processes(
-                planner, totals, budgets, prompts, groups=None if groups[0] is None else groups, trees=trees
+                planner,
+                totals,
+                budgets,
+                prompts,
+                groups=None if groups[0] is None else groups,
+                trees=trees,
+                together=together,
             )
             errors = [result for result in results if isinstance(result, Exception)]
             if errors:
                 raise errors[0]
             schedules[balance] = results
-        stock = sum(len(ts) * row for ts, row in zip(totals, rows))
         rounds.append(
             SimulatedRound(totals, stock, schedules[True], schedules[False], len(step) < per_process * processes)
         )
@@ -186,7 +242,7 @@ def simulate(plan, scheduler: Scheduler, lengths: list[Sample], shared_prefix: i
 def _trees(scheduler: Scheduler, totals, prompts, groups, shared_prefix: int):
     """Per process, the prefix tree of its samples when the scheduler shares a tree and prompts share a block (the
     prompt groups' tree with the block once); None otherwise (the prompt groups, as the scheduler reads them)."""
-    if scheduler.sharing != "tree" or not shared_prefix or groups[0] is None:
+    if scheduler.sharing is not SharePrefix.TREE or not shared_prefix or groups[0] is None:
         return None
     return [
         PrefixTree.of_groups(p, [t - q for t, q in zip(ts, p)], g, shared_prefix)

@@ -14,7 +14,11 @@ imported inside the functions). The modules:
 * :mod:`~hf_dynbsz.testing.processes`: a subprocess runner with a timeout, a run's whole-process peak memory;
 * :mod:`~hf_dynbsz.testing.fsdp`: accelerate's FSDP on CPU processes (accelerate turns it on for accelerator devices
   only);
+* :mod:`~hf_dynbsz.testing.engines`: what a multi-process run's engine did with the parameters (recorded by the
+  worker: sharded or whole, per process) against what its accelerate config asks for, and a model's whole parameters;
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
+* :mod:`~hf_dynbsz.testing.preference`: preference pairs (lengths from ranges or a long tail, a system block shared
+  across pairs, several pairs per prompt) and one DPO run of stock's trainer or the plugin's;
 * :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
   begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
@@ -44,6 +48,7 @@ from hf_dynbsz.testing.async_grpo import (
     reference_flash_attn_varlen_func,
     reference_tree_attention,
 )
+from hf_dynbsz.testing.engines import engine_mismatches, engine_record, expected_engine, gathered_parameters
 from hf_dynbsz.testing.fixtures import (
     CHAT_SPECIAL_TOKENS,
     COMPARISON_FIELDS,
@@ -59,6 +64,7 @@ from hf_dynbsz.testing.fixtures import (
     build_tiny_causal_lm,
     build_tiny_hybrid_lm,
     build_tiny_moe_lm,
+    build_tiny_rope_lm,
     build_tiny_teacher,
     checkpointing_field,
     load_tokenizer,
@@ -124,6 +130,7 @@ from hf_dynbsz.testing.oracles import (
     update_difference,
 )
 from hf_dynbsz.testing.passes import bare_check_passes, packed_logps, packed_pass, random_passes
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, dpo_config, dpo_run, preference_pairs
 from hf_dynbsz.testing.prefixes import (
     PREFIX_STRUCTURES,
     PrefixRollout,
@@ -141,6 +148,8 @@ from hf_dynbsz.testing.processes import (
 )
 from hf_dynbsz.testing.vision import (
     VISION_LANGUAGE_FAMILIES,
+    ToolImageGeneration,
+    ToolImageRollout,
     VisionScriptedRollout,
     build_tiny_vision_language_model,
     image_prompt_dataset,
@@ -160,6 +169,11 @@ __all__ = [
     "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
+    "DPO_COMPARISON_FIELDS",
+    "DPO_PLUGIN_FIELDS",
+    "dpo_config",
+    "dpo_run",
+    "preference_pairs",
     "unique_tokens",
     "PREFIX_STRUCTURES",
     "PrefixRollout",
@@ -188,6 +202,8 @@ __all__ = [
     "StandInEngine",
     "VISION_LANGUAGE_FAMILIES",
     "VLLMStandIn",
+    "ToolImageGeneration",
+    "ToolImageRollout",
     "VisionScriptedRollout",
     "accelerate_command",
     "bare_check_passes",
@@ -197,6 +213,7 @@ __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
+    "build_tiny_rope_lm",
     "build_tiny_teacher",
     "build_tiny_vision_language_model",
     "build_trainer",
@@ -237,7 +254,11 @@ __all__ = [
     "run_training",
     "run_together",
     "run_with_timeout",
+    "engine_mismatches",
+    "engine_record",
+    "expected_engine",
     "fsdp_on_cpu",
+    "gathered_parameters",
     "save_tiny_model",
     "save_tiny_teacher",
     "saved_model_trainer",

@@ -179,6 +179,46 @@ def build_tiny_hybrid_lm(tokenizer, *, seed: int = 0):
     return seeded_model(Qwen3NextForCausalLM, config, tokenizer, seed)
 
 
+#: The standard deviation of :func:`build_tiny_rope_lm`'s weights: at the configs' default (0.02) a model this small
+#: attends almost uniformly, where the rotary factors hardly move a log-prob (a run that gave a crossing round the
+#: wrong LongRoPE factors ended 1.8e-5 from stock's parameters, 3.5e-4 at this range).
+ROPE_INITIALIZER_RANGE = 0.1
+#: The rotary types :func:`build_tiny_rope_lm` builds, and its families.
+ROPE_TYPES = ("longrope", "dynamic")
+ROPE_FAMILIES = ("llama", "phi3")
+
+
+def build_tiny_rope_lm(
+    tokenizer, *, family: str = "llama", rope_type: str = "longrope", original: int = 64, seed: int = 0
+):
+    """A tiny causal LM of ``family`` ("llama" or "phi3", its config's defaults but the sizes) whose rotary embedding
+    depends on the forward's width: ``rope_type`` "longrope" (short factors 1, long factors 1 to 16 over the head's
+    frequencies, as Phi-3 long-context models) or "dynamic" (dynamic NTK, factor 4; Llama only: Phi-3's config takes
+    LongRoPE alone), from ``original`` positions (``original_max_position_embeddings``) of 4 x ``original``; weights
+    drawn at :data:`ROPE_INITIALIZER_RANGE`."""
+    import transformers
+
+    if rope_type not in ROPE_TYPES or family not in ROPE_FAMILIES or (family, rope_type) == ("phi3", "dynamic"):
+        raise ValueError(f"rope_type must be one of {ROPE_TYPES} and family of {ROPE_FAMILIES} (phi3: longrope)")
+    fields = _small_config_fields(tokenizer)
+    fields.pop("head_dim")  # (Phi-3 has none: hidden / heads = 8 either way)
+    frequencies = fields["hidden_size"] // fields["num_attention_heads"] // 2
+    if rope_type == "longrope":
+        rope = dict(
+            short_factor=[1.0] * frequencies, long_factor=[16.0 ** (k / frequencies) for k in range(frequencies)]
+        )
+    else:
+        rope = dict(factor=4.0)
+    rope.update(rope_type=rope_type, rope_theta=10000.0, original_max_position_embeddings=original)
+    name = {"llama": "Llama", "phi3": "Phi3"}[family]
+    if family == "phi3":  # its config keeps the original length at the top, and standardizes its rope from there
+        fields["original_max_position_embeddings"] = original
+    config = getattr(transformers, f"{name}Config")(
+        **fields, max_position_embeddings=4 * original, rope_parameters=rope, initializer_range=ROPE_INITIALIZER_RANGE
+    )
+    return seeded_model(getattr(transformers, f"{name}ForCausalLM"), config, tokenizer, seed)
+
+
 def build_tiny_moe_lm(tokenizer, *, seed: int = 0):
     """A Qwen3-MoE-style causal LM with random weights: 2 layers of 4 experts, 2 routed per token. TRL trains its
     router aux loss unless ``router_aux_loss_coef=0``."""
@@ -200,7 +240,8 @@ def save_tiny_model(
     batching is for) and some hit ``max_completion_length`` (truncated). ``chat=True``: the tokenizer of
     :func:`build_chat_tokenizer` (a wider vocabulary with a chat template, for conversational prompts and tools).
     ``architecture``: "qwen2" (:func:`build_tiny_causal_lm`), "qwen3_next" (:func:`build_tiny_hybrid_lm`, linear
-    attention) or "qwen3_moe" (:func:`build_tiny_moe_lm`).
+    attention), "qwen3_moe" (:func:`build_tiny_moe_lm`) or one of :data:`ROPE_ARCHITECTURES`
+    (:func:`build_tiny_rope_lm`).
     """
     import torch
 
@@ -211,13 +252,28 @@ def save_tiny_model(
         model = build_tiny_moe_lm(tokenizer, seed=seed)
     elif architecture == "qwen2":
         model = build_tiny_causal_lm(tokenizer, attn_implementation=attn_implementation, seed=seed)
+    elif architecture in ROPE_ARCHITECTURES:
+        family, rope_type, original = ROPE_ARCHITECTURES[architecture]
+        model = build_tiny_rope_lm(tokenizer, family=family, rope_type=rope_type, original=original, seed=seed)
     else:
-        raise ValueError(f"architecture must be 'qwen2', 'qwen3_next' or 'qwen3_moe', got {architecture!r}")
+        raise ValueError(
+            f"architecture must be 'qwen2', 'qwen3_next', 'qwen3_moe' or one of {sorted(ROPE_ARCHITECTURES)}, got "
+            f"{architecture!r}"
+        )
     with torch.no_grad():
         model.lm_head.weight.mul_(0.05)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+#: :func:`save_tiny_model`'s architectures of :func:`build_tiny_rope_lm`: (family, rope type, original positions).
+ROPE_ARCHITECTURES = {
+    "llama_longrope": ("llama", "longrope", 64),
+    "phi3_longrope": ("phi3", "longrope", 48),
+    "llama_dynamic": ("llama", "dynamic", 64),
+    "llama_longrope_20": ("llama", "longrope", 20),  # the multi-process runs' lopsided rollout: one process crosses
+}
 
 
 #: The distillation runs' teacher: the test model's architecture and vocabulary, 3.4x its parameters (hidden 48, 3
@@ -284,14 +340,24 @@ class RecordingReward:
 
 
 def unique_tokens(sequences: list[list[int]]) -> int:
-    """The positions a prefix tree of ``sequences`` (token ids) holds, each once
-    (:class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`): what one pass of them computes by default."""
-    import numpy as np
+    """The positions one pass of ``sequences`` (token ids) computes once each, counted by brute force: a position is
+    its sample's tokens up to and including the next one (the last position's next token -1), and positions with equal
+    such prefixes are one. Independent of the plugin's prefix tree; what one pass of them computes by default.
 
-    from hf_dynbsz.planning.prefix_tree import PrefixTree, token_keys
-
-    base = max((max(ids) for ids in sequences if ids), default=0) + 2
-    return PrefixTree.of_keys([token_keys(np.array(ids), base) for ids in sequences if ids]).tokens()
+    The set holds the prefixes interned (a prefix as the number of the prefix one token shorter and its last token,
+    numbered on first sight), so that it grows with the tokens, not with their square: the same set of token-prefix
+    tuples."""
+    numbers: dict[tuple[int, int], int] = {}
+    positions = set()
+    for ids in sequences:
+        ids = [int(token) for token in ids]
+        if not ids:
+            continue
+        prefix = numbers.setdefault((-1, ids[0]), len(numbers))
+        for following in ids[1:] + [-1]:  # position i: tokens[: i + 1] and the next token
+            prefix = numbers.setdefault((prefix, following), len(numbers))
+            positions.add(prefix)
+    return len(positions)
 
 
 class ScriptedRollout:

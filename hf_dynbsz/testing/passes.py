@@ -30,7 +30,8 @@ def packed_pass(
     recomputation) runs the pass as the executor's does.
 
     ``groups``: prompt groups whose prompts the row shares (None: none shared); ``sharing``: instead, the rule the
-    row's samples share positions by ("tree", "groups": :meth:`SequenceTable.prefix_keys`); ``attention``: the base
+    row's samples share positions by (a :class:`~hf_dynbsz.planning.settings.SharePrefix` or its value, "tree" or
+    "groups": :meth:`SequenceTable.prefix_keys`; none or None: nothing); ``attention``: the base
     implementation segment attention wraps (None: the model's own attention, as padded rows run); ``layout``,
     ``attention_mask``, ``pad_to_multiple_of``: the collator's; ``mixers``: the class names of the sequence mixers
     segment recurrence runs per sequence (empty: none).
@@ -38,6 +39,7 @@ def packed_pass(
     from hf_dynbsz.execution.attention import segment_attention, use_segments
     from hf_dynbsz.execution.packing import build_microbatch
     from hf_dynbsz.execution.recurrence import segment_recurrence
+    from hf_dynbsz.execution.rope import stock_rope, use_rope_widths
 
     mb = build_microbatch(
         table,
@@ -50,8 +52,9 @@ def packed_pass(
         pad_to_multiple_of=pad_to_multiple_of,
         keys=table.prefix_keys(sharing) if sharing else None,
     )
-    with segment_attention(model, attention is not None), segment_recurrence(model, mixers):
+    with segment_attention(model, attention is not None), segment_recurrence(model, mixers), stock_rope(model):
         use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
         out = model(**mb.model_inputs, shift_labels=mb.shift_labels, fused_lm_head=True)
         yield mb, mb.to_completion_layout(out.log_probs), mb.to_completion_layout(out.entropy)
 

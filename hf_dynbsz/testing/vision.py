@@ -16,6 +16,8 @@ from hf_dynbsz.testing.fixtures import (
 
 __all__ = [
     "VISION_LANGUAGE_FAMILIES",
+    "ToolImageGeneration",
+    "ToolImageRollout",
     "VisionScriptedRollout",
     "build_tiny_vision_language_model",
     "image_prompt_dataset",
@@ -189,6 +191,20 @@ def image_prompt_dataset(image_counts, *, seed: int = 0, sizes=(28, 56, 84, 112)
     return Dataset.from_list(rows)
 
 
+def prompt_ids_of(processor, prompt) -> tuple[list[int], list]:
+    """The token ids of a conversational image ``prompt`` as TRL computes them for generation (chat template
+    applied, image tokens expanded by ``processor``), and its pictures."""
+    pictures = [
+        item["image"]
+        for message in prompt
+        for item in message["content"]
+        if isinstance(item, dict) and item.get("type") == "image"
+    ]
+    text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    encoded = processor(text=[text], images=pictures or None, return_tensors="pt")
+    return encoded["input_ids"][0].tolist(), pictures
+
+
 class VisionScriptedRollout(ScriptedRollout):
     """:class:`ScriptedRollout` for image prompts: the prompt ids are the processor's (chat template applied, image
     tokens expanded, as TRL computes them for generation), so TRL's own image inputs line up with them."""
@@ -201,15 +217,7 @@ class VisionScriptedRollout(ScriptedRollout):
         result = super().__call__([str(index) for index in range(len(prompts))], trainer)
         result["prompt_ids"] = []
         for prompt in prompts:
-            images = [
-                item["image"]
-                for message in prompt
-                for item in message["content"]
-                if isinstance(item, dict) and item.get("type") == "image"
-            ]
-            text = self.processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            encoded = self.processor(text=[text], images=images or None, return_tensors="pt")
-            result["prompt_ids"].append(encoded["input_ids"][0].tolist())
+            result["prompt_ids"].append(prompt_ids_of(self.processor, prompt)[0])
         record = self.rounds[-1]  # the round's record, with the prompts' real lengths
         completions = [len(ids) for ids in result["completion_ids"]]
         prompts = [len(ids) for ids in result["prompt_ids"]]
@@ -219,3 +227,71 @@ class VisionScriptedRollout(ScriptedRollout):
             lengths=list(zip(prompts, completions)),
         )
         return result
+
+
+class ToolImageRollout:
+    """TRL's generation as its tool loop returns it for a vision-language model, scripted: each completion is a trunk
+    its prompt's completions share (``trunk`` tokens), tokens of its own (a fork from its siblings), then, for three
+    completions in four, a tool's response holding ``tool_image`` (``<|vision_start|>``, its image tokens,
+    ``<|vision_end|>``: tool-mask 0) and a last few tokens of its own. :meth:`generate` returns what TRL's
+    ``GRPOTrainer._generate`` returns (the prompt's and the tool's images per sample among them); a trainer class that
+    takes :class:`ToolImageGeneration` first generates with it. Qwen-VL processors (the image token
+    ``<|image_pad|>``) only."""
+
+    def __init__(
+        self, processor, tool_image, *, trunk: int = 4, seed: int = 0, token_low: int = 3, token_high: int = 30
+    ):
+        self.processor, self.tool_image, self.trunk, self.seed = processor, tool_image, trunk, seed
+        self.token_low, self.token_high, self.calls = token_low, token_high, 0
+        tokenizer = processor.tokenizer
+        grid = processor.image_processor(images=[tool_image], return_tensors="pt")["image_grid_thw"][0]
+        merge = getattr(processor.image_processor, "merge_size", 2)
+        image = [tokenizer.convert_tokens_to_ids("<|image_pad|>")] * (int(grid.prod()) // merge**2)
+        self.response = [tokenizer.convert_tokens_to_ids("<|vision_start|>"), *image]
+        self.response.append(tokenizer.convert_tokens_to_ids("<|vision_end|>"))
+
+    def generate(self, prompts):
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, self.calls])
+        self.calls += 1
+        prompt_ids, completion_ids, tool_masks, images, tool_images = [], [], [], [], []
+        trunks: dict[str, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            ids, pictures = prompt_ids_of(self.processor, prompt)
+            prompt_ids.append(ids)
+            trunk = trunks.setdefault(str(ids), rng.integers(self.token_low, self.token_high, self.trunk).tolist())
+            own = rng.integers(self.token_low, self.token_high, int(rng.integers(1, 6))).tolist()
+            tool = index % 4 != 3
+            response = self.response if tool else []
+            tail = rng.integers(self.token_low, self.token_high, int(rng.integers(1, 4))).tolist()
+            completion = trunk + own + response + tail + [self.processor.tokenizer.eos_token_id]
+            completion_ids.append(completion)
+            mask = [1] * len(trunk + own) + [0] * len(response) + [1] * (len(tail) + 1)
+            tool_masks.append(mask)
+            tool_images.append([self.tool_image] if tool else [])
+            images.append(pictures + tool_images[-1])
+        decoded = self.processor.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": content}] for content in decoded]
+        return prompt_ids, completion_ids, tool_masks, completions, None, {}, images, tool_images
+
+
+def _look(picture: str) -> str:
+    """Look at a picture.
+
+    Args:
+        picture: its name.
+    """
+    return picture
+
+
+class ToolImageGeneration:
+    """Place before a GRPO trainer class (stock's or the plugin's): it generates with ``tool_image_rollout`` (a
+    :class:`ToolImageRollout` set on the instance) instead of the model, as TRL's tool loop would have, and holds a
+    tool so that TRL builds the step's image inputs the way it does for tool images."""
+
+    tool_image_rollout: ToolImageRollout
+
+    def _generate(self, prompts):
+        self.tools = self.tools or [_look]  # (read by TRL after _generate: image inputs of tool images)
+        return self.tool_image_rollout.generate(prompts)

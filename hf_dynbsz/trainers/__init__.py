@@ -3,11 +3,13 @@ is a new module here and a line below. ``DynamicBatchAsyncGRPOTrainer`` is impor
 package it subclasses takes seconds to import and warns."""
 
 from hf_dynbsz.trainers.distillation import DynamicBatchDistillationTrainer
+from hf_dynbsz.trainers.dpo import DynamicBatchDPOTrainer
 from hf_dynbsz.trainers.grpo import DynamicBatchGRPOTrainer
 from hf_dynbsz.trainers.rloo import DynamicBatchRLOOTrainer
 
 __all__ = [
     "DynamicBatchAsyncGRPOTrainer",
+    "DynamicBatchDPOTrainer",
     "DynamicBatchDistillationTrainer",
     "DynamicBatchGRPOTrainer",
     "DynamicBatchRLOOTrainer",

@@ -69,6 +69,8 @@ class TokenBudgetHooks:
     _dynbsz_config_class: type
     _dynbsz_loss_class: type
     _dynbsz_algorithm: str  # stock's default output directory is <model>-<algorithm>
+    #: whether a dataset too small for one generation round is refused (a DPO run has none: stock trains any size)
+    _dynbsz_refuses_small_datasets = True
 
     def _dynbsz_arguments(self, stock_init: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Stock's constructor arguments, with the plugin's config fields filled in before TRL reads them."""
@@ -79,7 +81,7 @@ class TokenBudgetHooks:
         bound.arguments["args"] = trainer_config(
             bound.arguments.get("args"), bound.arguments["model"], self._dynbsz_config_class, self._dynbsz_algorithm
         )
-        if hasattr(bound.arguments.get("train_dataset"), "__len__"):  # a dataset too small trains 0 steps
+        if self._dynbsz_refuses_small_datasets and hasattr(bound.arguments.get("train_dataset"), "__len__"):
             validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
         return bound.args[1:], bound.kwargs
 
@@ -128,7 +130,8 @@ class TokenBudgetHooks:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
         executor, accelerator = self._dynbsz, self.accelerator
         if not executor.media.stock(*window):
-            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes)
+            long_rope = executor.capabilities.support.long_rope
+            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
             if executor.self_check(model, batch.table):
                 return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
@@ -231,6 +234,7 @@ class LogProbHooks(TokenBudgetHooks):
             attention_mask[:, prompt_width:],
             media=split_media(media, input_ids.size(0)),
             token_fields=token_fields,
+            long_rope=executor.capabilities.support.long_rope,  # stock's chunks are the call's width: its rope width
         )
         return table if executor.self_check(model, table) else None
 

@@ -1,0 +1,338 @@
+"""Training-step time and peak memory, DPO: stock ``trl.DPOTrainer`` vs ``hf_dynbsz.DynamicBatchDPOTrainer``, in
+one run, on three mixes of preference pairs.
+
+What it runs
+------------
+A Qwen2-style model (hidden 128, 2 layers, vocabulary 4096, fp32, sdpa, random weights) trained with DPO (sigmoid
+loss, ``beta`` 0.1, AdamW at 1e-5), its reference a copy of it, on 8 pairs per optimizer step
+(per_device_train_batch_size 4, gradient accumulation 2), ``max_length`` unset (nothing truncated); every other
+setting TRL's (gradient checkpointing on) and, for the plugin, its defaults (padding-free rows through segment
+attention with a prefix tree, the automatic training budget: stock's own micro-batch of 8 padded rows; the reference's
+passes twice that). The mixes (tokens; one character-level token per character):
+
+* ``long_tailed``: prompts 20-1,000 tokens and each response 10-2,000, log-uniform (as chat-model preference sets
+  have: most short, a long tail);
+* ``long_context``: each pair its own 1,500-token document as prompt, responses 50-400;
+* ``system_prompt``: a 600-token system prompt common to every pair, then a question of 10-50 tokens, responses
+  10-100.
+
+What it measures
+----------------
+Per optimizer step (a callback's ``on_step_begin`` to ``on_step_end``: the reference's passes, the policy's, the
+optimizer), wall and CPU time and the process's peak resident set less what it held before training; the first step is
+warm-up (and carries the plugin's self-check). Per step index the median over repeats, then the mean over the measured
+steps. One fresh process per trainer, mix and repeat, interleaved, one torch thread each. *token limit* = stock's
+computed positions (its padded rows, policy and reference alike) / the plugin's unique tokens (each pair's prompt once,
+the shared system prompt once per pass): the speed-up computing only those tokens would give; the plugin logs both
+(``dynbsz/stock_computed_tokens``, ``dynbsz/computed_tokens``). The final parameters of the two trainers are compared
+(relative difference). The goals of issue 61: at least 2.5x stock's step on the long-tailed mix, 1.7x on the
+long-context mix, 3x on the system-prompt mix, each within 80% of its token limit; peak memory at most 0.6x stock's;
+parameters equal.
+
+Usage (from the repository root; run it alone on the machine, under ``flock /work/cpu.lock`` where it is shared)::
+
+    python benchmarks/dpo_step_time.py            # 3 repeats of 4 steps per mix
+    python benchmarks/dpo_step_time.py --quick    # shorter pairs, one repeat
+
+Writes ``benchmarks/results/dpo_step_time.md`` and the raw per-step data ``dpo_step_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
+from step_time import _mean, _per_index, code_fingerprint, git_state  # noqa: E402
+
+CONFIGS = {"stock": "stock DPOTrainer", "dynamic": "DynamicBatchDPOTrainer"}
+#: Per mix: prompt and response lengths (tokens) as ``(low, high, "log" | "uniform")``, the shared block's length.
+MIXES = {
+    "long_tailed": dict(prompt=(20, 1000, "log"), response=(10, 2000, "log"), system=0),
+    "long_context": dict(prompt=(1500, 1501, "uniform"), response=(50, 400, "uniform"), system=0),
+    "system_prompt": dict(prompt=(10, 50, "uniform"), response=(10, 100, "uniform"), system=600),
+}
+#: Issue 61's speed goal per mix.
+GOALS = {"long_tailed": 2.5, "long_context": 1.7, "system_prompt": 3.0}
+PRESETS = {
+    "quick": dict(steps=3, scale=0.25, repeats=1),
+    "default": dict(steps=4, scale=1.0, repeats=3),
+}
+SCHEDULE = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, beta=0.1)
+MODEL = dict(hidden_size=128, num_layers=2, vocab_size=4096)
+
+
+# --------------------------------------------------------------------------------------------------- workload
+def pairs(mix: str, count: int, scale: float, seed: int):
+    """The mix's preference pairs (a ``datasets.Dataset``), lengths times ``scale``."""
+    import numpy as np
+
+    from hf_dynbsz.testing import preference_pairs
+
+    spec = MIXES[mix]
+
+    def draw(bounds):
+        low, high, kind = bounds
+        low = max(1, round(low * scale))
+        high = max(low + 1, round(high * scale))
+
+        def lengths(rng, n):
+            if kind == "log":
+                return np.exp(rng.uniform(math.log(low), math.log(high), n)).astype(int)
+            return rng.integers(low, high, n)
+
+        return lengths
+
+    return preference_pairs(
+        count,
+        seed=seed,
+        prompt=draw(spec["prompt"]),
+        response=draw(spec["response"]),
+        system=round(spec["system"] * scale),
+        alphabet="abcdefghijklmnopqrstuvwxyz",
+    )
+
+
+# --------------------------------------------------------------------------------------------------- worker
+def run_worker(spec: dict) -> dict:
+    import copy
+
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_dynbsz.execution.device_memory import reset_peak_rss, status_mib
+    from hf_dynbsz.testing import ModelShape, build_char_tokenizer, dpo_config, quiet_worker
+
+    quiet_worker(threads=1)
+    torch.set_num_interop_threads(1)
+    tokenizer = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
+    samples = SCHEDULE["per_device_train_batch_size"] * SCHEDULE["gradient_accumulation_steps"]
+    dataset = pairs(spec["mix"], samples * spec["steps"], spec["scale"], spec["seed"])
+    model = ModelShape(**MODEL).build(tokenizer, max_positions=8192)
+    plugin = spec["config"] == "dynamic"
+    args = dpo_config(
+        spec["output_dir"], plugin=plugin, **SCHEDULE, max_steps=spec["steps"], learning_rate=1e-5, optim="adamw_torch",
+        max_grad_norm=1.0, max_length=None, seed=spec["seed"],
+    )  # fmt: skip
+    from trl import DPOTrainer
+
+    from hf_dynbsz import DynamicBatchDPOTrainer
+
+    trainer = (DynamicBatchDPOTrainer if plugin else DPOTrainer)(
+        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    steps: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            reset_peak_rss()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(
+                {
+                    "train_s": time.perf_counter() - self.start,
+                    "train_cpu_s": time.process_time() - self.cpu,
+                    "peak_mb": status_mib("VmHWM"),
+                }
+            )
+
+    trainer.add_callback(Clock())
+    baseline = status_mib("VmRSS")
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
+    for step, entry in zip(steps, logged):
+        step["num_tokens"] = entry["num_tokens"]
+        step["computed"] = entry.get("dynbsz/computed_tokens")
+        step["stock_computed"] = entry.get("dynbsz/stock_computed_tokens")
+        step["tree_saved"] = entry.get("dynbsz/tree_tokens_saved")
+        step["passes"] = entry.get("dynbsz/microbatches", float(SCHEDULE["gradient_accumulation_steps"]))
+    torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, spec["output_dir"] + ".params.pt")
+    executor = getattr(trainer, "_dynbsz", None)
+    return {
+        "spec": spec,
+        "code": code_fingerprint(),
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "baseline_mb": baseline,
+        "steps": steps,
+        "layout": executor.scheduler.describe() if executor is not None and executor.enabled else "stock",
+        "params_path": spec["output_dir"] + ".params.pt",
+    }
+
+
+# --------------------------------------------------------------------------------------------------- driver
+def run_one(spec: dict, timeout: float, keep: Path) -> dict:
+    from hf_dynbsz.testing import run_script_worker
+
+    label = f"worker for {spec['config']} on {spec['mix']}"
+    result = run_script_worker(__file__, dict(spec, keep=str(keep)), timeout, label, prefix="dynbsz-dpo-bench-")
+    return result
+
+
+def parameter_difference(results: list[dict], mix: str) -> float:
+    """Relative difference of the final parameters, ours against stock, on ``mix`` (first repeat of each)."""
+    import torch
+
+    from hf_dynbsz.testing import relative_difference
+
+    paths = {
+        config: next(r["params_path"] for r in results if r["spec"]["mix"] == mix and r["spec"]["config"] == config)
+        for config in CONFIGS
+    }
+    return relative_difference(torch.load(paths["dynamic"]), torch.load(paths["stock"]))
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    rows = []
+    for mix in MIXES:
+        mix_rows = {}
+        for config in CONFIGS:
+            runs = [r for r in results if r["spec"]["mix"] == mix and r["spec"]["config"] == config]
+            if not runs:
+                continue
+            peaks = [max(step["peak_mb"] for step in run["steps"][1:]) - run["baseline_mb"] for run in runs]
+            mix_rows[config] = {
+                "mix": mix,
+                "config": config,
+                "train_s": _mean(_per_index(runs, "steps", "train_s", 1)),
+                "train_cpu_s": _mean(_per_index(runs, "steps", "train_cpu_s", 1)),
+                "peak_mb": statistics.median(peaks),
+                "computed": _mean(_per_index(runs, "steps", "computed", 1)),
+                "stock_computed": _mean(_per_index(runs, "steps", "stock_computed", 1)),
+                "passes": _mean(_per_index(runs, "steps", "passes", 1)),
+                "steps": min(len(run["steps"]) for run in runs) - 1,
+                "repeats": len(runs),
+                "layout": runs[0]["layout"],
+                "tokens": [step["num_tokens"] for step in runs[0]["steps"]],
+            }
+        if len(mix_rows) < 2:
+            continue
+        stock, ours = mix_rows["stock"], mix_rows["dynamic"]
+        assert stock["tokens"] == ours["tokens"], f"{mix}: the trainers saw different pairs"
+        limit = ours["stock_computed"] / ours["computed"]
+        for row in mix_rows.values():
+            row["speedup"] = stock["train_s"] / row["train_s"]
+            row["speedup_cpu"] = stock["train_cpu_s"] / row["train_cpu_s"]
+            row["token_limit"] = limit
+            row["of_limit"] = row["speedup"] / limit
+            row["memory_ratio"] = row["peak_mb"] / stock["peak_mb"]
+            row["parameter_difference"] = parameter_difference(results, mix)
+        rows += list(mix_rows.values())
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    header = ["mix", "trainer", "layout", "step s", "speed-up", "token limit", "of the limit", "CPU s (speed-up)"]
+    header += ["computed positions/step (stock's)", "passes/step", "peak memory MiB (vs stock)", "parameters vs stock"]
+    body = [
+        [
+            row["mix"],
+            CONFIGS[row["config"]],
+            row["layout"],
+            f"{row['train_s']:.2f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['token_limit']:.2f}x",
+            f"{row['of_limit']:.0%}",
+            f"{row['train_cpu_s']:.2f} ({row['speedup_cpu']:.2f}x)",
+            f"{row['computed']:.0f} ({row['stock_computed']:.0f})" if row["config"] == "dynamic" else "-",
+            f"{row['passes']:.1f}",
+            f"{row['peak_mb']:.0f} ({row['memory_ratio']:.2f}x)",
+            f"{row['parameter_difference']:.1e}" if row["config"] == "dynamic" else "-",
+        ]
+        for row in rows
+    ]
+    return markdown_table(header, body)
+
+
+def goals(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        if row["config"] != "dynamic":
+            continue
+        goal = GOALS[row["mix"]]
+        met = row["speedup"] >= goal and row["of_limit"] >= 0.8
+        lines.append(
+            f"{row['mix']}: {row['speedup']:.2f}x (goal >= {goal}x), {row['of_limit']:.0%} of a "
+            f"{row['token_limit']:.2f}x token limit (goal >= 80%): {'met' if met else 'missed'}; peak memory "
+            f"{row['memory_ratio']:.2f}x stock's (goal <= 0.6x): {'met' if row['memory_ratio'] <= 0.6 else 'missed'}; "
+            f"parameters {row['parameter_difference']:.1e} from stock's (goal <= 1e-5): "
+            f"{'met' if row['parameter_difference'] <= 1e-5 else 'missed'}."
+        )
+    return "Goals (issue 61):\n\n" + "\n".join(f"- {line}" for line in lines)
+
+
+def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[str], minutes: float) -> str:
+    return "\n\n".join(
+        [
+            "# Training-step time and memory, DPO: stock DPOTrainer vs DynamicBatchDPOTrainer",
+            f"Generated by `python benchmarks/dpo_step_time.py{' --quick' if args.quick else ''}` in "
+            f"{minutes:.1f} min.",
+            f"Workload: {json.dumps(MIXES)} (tokens, times {spec['scale']}), settings {json.dumps(SCHEDULE)}, "
+            f"model {json.dumps(MODEL)} ({results[0]['parameters'] / 1e6:.2f} M parameters), its reference a copy; "
+            f"every other setting TRL's or the plugin's default. {args.repeats} fresh process(es) per trainer and "
+            f"mix, {rows[0]['steps']} measured optimizer steps each (the first left out).",
+            f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
+            f"{' | '.join(loads)} (a machine shared with other agents' jobs during the measurement: the times are "
+            "noisy; the medians over repeats and the ratios within one run are the figures to read).",
+            f"Code: {git_state()}; hf_dynbsz source hash {results[0]['code']}.",
+            render_table(rows),
+            "*step s*: wall time of an optimizer step (the reference's forwards, the policy's forwards and backwards, "
+            "the optimizer), per step the median over repeats, then the mean over the measured steps; *speed-up*: "
+            "stock / this, in the same run; *token limit*: stock's computed positions (padded rows, each pair's "
+            "prompt twice) / the plugin's unique tokens (each prompt once, a shared prefix once per pass), both "
+            "logged by the plugin; *of the limit*: speed-up / token limit; *peak memory*: the highest resident set "
+            "over a step less what the process held before training, the median over repeats; *parameters vs "
+            "stock*: relative difference of the final parameters.",
+            goals(rows),
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter pairs, one repeat")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--mixes", default=",".join(MIXES), help="comma-separated mixes to run")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker)
+        spec["output_dir"] = str(Path(spec["keep"]) / f"{spec['mix']}-{spec['config']}-{spec['repeat']}")
+        with open(args.worker_out, "w") as handle:
+            json.dump(run_worker(spec), handle)
+        return
+    preset = dict(PRESETS["quick" if args.quick else "default"])
+    args.repeats = args.repeats or preset["repeats"]
+    spec = dict(steps=preset["steps"], scale=preset["scale"], seed=0)
+    import tempfile
+
+    keep = Path(tempfile.mkdtemp(prefix="dynbsz-dpo-bench-params-"))
+    started, results, loads = time.perf_counter(), [], [load_average()]
+    for repeat in range(args.repeats):
+        for mix in args.mixes.split(","):
+            for config in list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS)):
+                print(f"repeat {repeat + 1}/{args.repeats}: {config} on {mix}", flush=True)
+                results.append(run_one(dict(spec, mix=mix, config=config, repeat=repeat), 3600, keep))
+        loads.append(load_average())
+    rows = summarise(results)
+    text = report(args, spec, results, rows, loads, (time.perf_counter() - started) / 60)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = "dpo_step_time_quick" if args.quick else "dpo_step_time"
+    (args.out_dir / f"{name}.md").write_text(text + "\n")
+    raw = {"rows": rows, "runs": [{"spec": r["spec"], "layout": r["layout"], "steps": r["steps"]} for r in results]}
+    (args.out_dir / f"{name}.json").write_text(json.dumps(raw) + "\n")
+    print(render_table(rows))
+    print(goals(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Preference training with token-budget passes: TRL's DPO script, on ``DynamicBatchDPOTrainer``.
+
+**No arguments: an offline demo** (nothing is downloaded; about a minute on 2 CPU cores)::
+
+    python examples/dpo.py
+    accelerate launch examples/dpo.py
+
+``examples/grpo.py``'s tiny model (a Qwen2-style model with random weights, hidden 128, 2 layers, a character
+tokenizer) learns a preference: after prompts like ``"long:"`` (a task word, sometimes behind a shared instruction
+block), the chosen response spells the alphabet in order and the rejected one is random letters, of long-tailed
+lengths (1 to 120 tokens). ``rewards/accuracies`` (the share of pairs whose chosen response the policy now prefers
+over the reference more than the rejected one) rises towards 1 and ``rewards/margins`` grows. The run prints the
+batch-size table, one line per optimizer step (``loss``, ``rewards/accuracies``, ``rewards/margins``,
+``dynbsz/microbatches_max_over_ranks`` against stock's fixed count, ``dynbsz/computed_tokens`` against
+``dynbsz/stock_computed_tokens``: each pair's prompt once for both its responses, no padding) and a summary; the model
+and ``trainer_state.json`` are saved to ``runs/dpo-tiny``.
+
+**With Hub models and a dataset**, as TRL's own ``trl/scripts/dpo.py``::
+
+    python examples/dpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct \\
+        --dataset_name trl-lib/ultrafeedback_binarized --learning_rate 5.0e-7 --output_dir runs/dpo-qwen2.5
+
+The dataset is any of TRL's preference formats (``prompt`` / ``chosen`` / ``rejected``, plain text or chat messages,
+or an implicit prompt); the reference model is loaded from the same name (or, with ``--use_peft``, the policy with its
+adapter disabled). Every ``DynamicBatchDPOConfig`` option is a flag (``--max_tokens_per_microbatch 8192``,
+``--max_tokens_per_microbatch_logprob 16384`` for the reference's passes, ``--loss_type sigmoid sft``,
+``--dynamic_batching false`` for stock DPOTrainer, ...), as is every ``DPOConfig`` / ``TrainingArguments`` and
+``ModelConfig`` one (``--dtype bfloat16``, ``--use_peft``, ...); ``--config my.yaml`` reads them from a YAML file. The
+console output, multi-process notes and ``--resume_from_checkpoint`` are ``examples/grpo.py``'s (this script imports
+them from it: keep the two files together).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
+import grpo  # noqa: E402
+
+from hf_dynbsz import DynamicBatchDPOConfig  # noqa: E402
+
+MODEL_DEFAULTS = dict(output_dir="runs/dpo")
+# The offline demo: 8 pairs per process per optimizer step, which stock runs as 2 passes of 8 padded rows.
+TINY_DEFAULTS = dict(
+    output_dir="runs/dpo-tiny",
+    max_steps=40,
+    learning_rate=1e-2,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    beta=0.1,
+    max_length=256,
+    bf16=False,
+    save_strategy="no",
+    seed=0,
+    **{grpo._CHECKPOINTING: False},  # the tiny model does not need it
+)
+COMPACT_METRICS = (("loss", ".4f"), ("rewards/accuracies", ".2f"), ("rewards/margins", ".3f"))
+#: The shared instruction block some demo prompts open with (the prefix tree computes it once per pass).
+INSTRUCTION = "answer in order: "
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass
+class DPOScriptArguments(ScriptArguments):
+    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
+
+    num_pairs: int = field(default=512, metadata={"help": "Offline demo: number of synthetic preference pairs."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompts."})
+    log_style: str = field(
+        default="compact",
+        metadata={
+            "help": "compact: one line per logging step with the loss, rewards and dynbsz/ metrics; full: the "
+            "Trainer's dictionary of every metric.",
+            "choices": ["compact", "full"],
+        },
+    )
+
+
+def build_tiny_pairs(num_pairs: int, seed: int):
+    """The demo's preference pairs: prompt ``"<task>:"`` (half of them behind :data:`INSTRUCTION`), chosen = the
+    alphabet in order from a random letter, rejected = random letters; response lengths long-tailed (1-120)."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(num_pairs):
+        word = rng.choice(list(grpo.TINY_TASKS))
+        rows["prompt"].append((INSTRUCTION if rng.random() < 0.5 else "") + f"{word}:")
+        length = min(int(rng.expovariate(1 / 25)) + 1, 120)
+        start = rng.randrange(len(ALPHABET))
+        rows["chosen"].append("".join(ALPHABET[(start + k) % len(ALPHABET)] for k in range(length)))
+        other = min(int(rng.expovariate(1 / 25)) + 1, 120)
+        rows["rejected"].append("".join(rng.choice(ALPHABET) for _ in range(other)))
+    return Dataset.from_dict(rows)
+
+
+def build(script_args, training_args, model_args, named: bool):
+    """``(model, tokenizer, dataset, peft_config)`` of the run: a named model, or the offline demo's."""
+    if named:  # (a preference dataset's columns stay as they are: --prompt_column is "prompt")
+        return grpo.load_named(script_args, training_args, model_args)
+    if script_args.dataset_name:
+        raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
+    model, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+    return model, tokenizer, build_tiny_pairs(script_args.num_pairs, training_args.seed), None
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = grpo.uses_named_model(argv)
+    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
+    parser = TrlParser((DPOScriptArguments, DynamicBatchDPOConfig, ModelConfig))
+    parser.set_defaults(**defaults)
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    grpo.setup_logging(training_args.process_index == 0)
+
+    from hf_dynbsz import DynamicBatchDPOTrainer
+
+    model, tokenizer, dataset, peft_config = build(script_args, training_args, model_args, named)
+    reference = None
+    if not named:  # the demo's model lives in memory: its reference is a copy (stock would load one by name)
+        import copy
+
+        reference = copy.deepcopy(model)
+    trainer = DynamicBatchDPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A DPO run's reference: each sample's reference sequence log-prob, from no-grad passes with a budget of their own
+(torch layer).
+
+Stock ``DPOTrainer`` runs the reference inside each training micro-batch, over the same padded ``[chosen ; rejected]``
+rows (each pair's prompt twice), under no grad: the ``ref_model`` it holds (a DeepSpeed engine under ZeRO, FSDP's
+module, or the accelerator's evaluation-mode model), or with PEFT and no ``ref_model`` the policy with its adapter
+disabled (TRL's ``use_adapter``: the ``"ref"`` adapter when the model came with one). With
+``precompute_ref_log_probs`` the dataset carries each pair's reference log-probs (stock computed them at start) and
+no reference runs during training.
+
+Here the reference runs before the step's training passes, over the step's samples, in the executor's no-grad
+log-prob passes (:meth:`~hf_dynbsz.execution.executor.PassExecutor.no_grad_passes`, kind ``"logprob"``: the budget
+``max_tokens_per_microbatch_logprob``, padding-free rows with each prompt once, balanced across processes, lockstep
+dummy passes on the reference model), and each sample's sequence log-prob is summed on the process that owns it as
+stock sums it (:func:`~hf_dynbsz.execution.dpo_loss.sequence_logps`, LD-DPO's weights included). A token's log-prob
+depends on its own sequence alone (the self-check compares each layout with the sample alone on the reference model
+too), so the values are stock's whatever the passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from accelerate.utils import is_peft_model
+
+from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.dpo_loss import sequence_logps
+
+__all__ = ["Reference"]
+
+
+class Reference:
+    """The reference of a ``DPOTrainer``: ``model`` the prepared reference model (None where stock has none: PEFT's
+    adapter-disabled policy, or precomputed log-probs), ``precomputed`` whether the dataset carries them."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.model = trainer.ref_model
+        self.precomputed = bool(trainer.precompute_ref_logps)
+        self.adapter = self.model is None and is_peft_model(trainer.model)
+
+    @contextlib.contextmanager
+    def _as_reference(self, policy):
+        """Around the passes of the policy as its own reference (PEFT): its adapter disabled (the ``"ref"`` adapter
+        active when the model has one) and gradient checkpointing off, as stock's reference forward."""
+        from trl.models.utils import disable_gradient_checkpointing
+        from trl.trainer.utils import use_adapter
+
+        unwrapped = self.trainer.accelerator.unwrap_model(policy)
+        name = "ref" if "ref" in unwrapped.peft_config else None
+        with use_adapter(unwrapped, adapter_name=name):
+            with disable_gradient_checkpointing(self.trainer.model, self.trainer.args.gradient_checkpointing_kwargs):
+                yield
+
+    @torch.no_grad()
+    def logps(self, executor, policy, batch: StepBatch, ld_alpha: float | None) -> None:
+        """Fill ``batch.per_token["ref_logps"]`` (samples, 1): each sample's reference sequence log-prob, from the
+        reference's no-grad passes over ``batch``'s samples (this process's), or left as the dataset's precomputed
+        values."""
+        if self.precomputed:
+            return
+        model = policy if self.adapter else self.model
+        context = self._as_reference(policy) if self.adapter else contextlib.nullcontext()
+        with context:
+            per_token, _, _ = executor.no_grad_passes(
+                model, batch.table, batch.width, False, batch.stock_microbatch_tokens
+            )
+        mask = batch.loss_mask.to(per_token.device)
+        seq = sequence_logps(per_token, mask, batch.per_token["shared"].to(per_token.device), ld_alpha)
+        batch.per_token["ref_logps"] = seq.float().unsqueeze(1).to(batch.per_token["ref_logps"].device)
