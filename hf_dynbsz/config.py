@@ -173,9 +173,7 @@ def refuse_sequence_parallelism(args, trainer: str, why: str) -> None:
 def refuse_dpo_sequence_parallelism(args) -> None:
     """``sequence_parallel_size`` > 1 on a DPO run: refused before any work (a pair's loss is computed in one pass of
     whole rows)."""
-    refuse_sequence_parallelism(
-        args, "DynamicBatchDPOTrainer", "a pair's loss is computed from whole rows in one pass"
-    )
+    refuse_sequence_parallelism(args, "DynamicBatchDPOTrainer", "a pair's loss is computed from whole rows in one pass")
 
 
 def refuse_distillation_sequence_parallelism(args) -> None:
@@ -341,7 +339,9 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
     return args
 
 
-def check_as_training(options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None) -> None:
+def check_as_training(
+    options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None
+) -> None:
     """Build the config training would build from ``options`` (``hf-dynbsz plan``'s parsed namespace of the user's raw
     values): :class:`DynamicBatchGRPOConfig`, :class:`DynamicBatchDistillationConfig` for ``trainer`` "distillation",
     :class:`DynamicBatchDPOConfig` for "dpo", or ``config_class`` when given

@@ -55,6 +55,8 @@ REFERENCE = {
     "agentic_cut": ("agentic", "agentic_cut"),
     "moe": ("moe", "moe"),
 }
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
