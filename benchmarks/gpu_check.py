@@ -70,6 +70,10 @@ flex exactness rows come last), and the speed group skips the mixes not started.
   what it holds (gradients included) plus half of what that pass added, so the pass raises
   ``torch.OutOfMemoryError``. It must be recovered (``dynbsz/oom_retries`` > 0) and the run must end with stock's
   parameters (fp32 tolerances).
+* ``async_grpo`` (``benchmarks/gpu_async.py``, not run on a GPU yet): ``DynamicBatchAsyncGRPOTrainer`` against stock
+  ``AsyncGRPOTrainer``: fp32 exactness against stock's fixed-count step (stock's tree kernel in plain torch), and the
+  bf16 training phase per 16 samples against stock's fixed-count mode and its default budget on stock's own
+  FlashAttention-3 kernel where it loads (information).
 
 Rows that need CUDA read "skipped: no CUDA" on CPU and are not failures; the exit status is 1 when any row fails.
 A run that has spent its time budget (``--time-budget-s``) skips the groups not started yet, and says so; flex
@@ -109,6 +113,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_async  # noqa: E402
 import gpu_probes  # noqa: E402
 from common import REPO_ROOT, RESULTS_DIR, machine_description, markdown_table  # noqa: E402
 
@@ -138,6 +143,7 @@ CHECKS = (
     "oom",
     "flash_attention_2",
     "flex_attention",
+    "async_grpo",
 )
 #: (loss type, num_iterations, share_prompt_prefix) of the exactness rows.
 LOSS_CASES = (("grpo", 1, True), ("bnpo", 1, True), ("dapo", 2, True), ("dapo", 2, False))
@@ -954,6 +960,7 @@ GROUPS = {
     "oom": (oom, "real CUDA out-of-memory recovered", "-", 0.0),
     "flash_attention_2": (flash_attention, "equal to stock (bf16)", "flash_attention_2", 0.0),
     "flex_attention": (flex_attention, "equal to stock (fp32)", "flex_attention", FLEX_MIN_LEFT_S),
+    "async_grpo": (gpu_async.rows, "async GRPO", "-", 0.0),
 }
 
 

@@ -1,5 +1,5 @@
-"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer and DPOTrainer, with
-exactly stock TRL's training math.
+"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer, DPOTrainer and
+AsyncGRPOTrainer, with exactly stock TRL's training math.
 
 Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
@@ -9,9 +9,10 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
 * :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
-  ``DynamicBatchDPOConfig``)
-  and :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
-  ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, one module each): TRL's hooks over the executor;
+  ``DynamicBatchDPOConfig``), :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``) and
+  :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
+  ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
+  TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
   oracles and process tools shared by tests, benchmarks and examples).
@@ -32,6 +33,7 @@ _LAZY = {
     "DynamicBatchRLOOConfig": "hf_dynbsz.config",
     "DynamicBatchDistillationConfig": "hf_dynbsz.config",
     "DynamicBatchDPOConfig": "hf_dynbsz.config",
+    "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.async_config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -45,6 +47,7 @@ _LAZY = {
     "DynamicBatchRLOOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]

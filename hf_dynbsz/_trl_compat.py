@@ -244,6 +244,101 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "reads",
         "vision-language pairs train stock's micro-batches (their image inputs are not repacked for DPO)",
     ),
+    # ---- AsyncGRPOTrainer (trl.experimental.async_grpo): hf_dynbsz/trainers/async_grpo.py
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "create_model_from_path",
+        "writes",
+        "replaced while stock's constructor runs: the model loads with the run's attention kernel, not stock's FA3 "
+        "tree kernel, and stock's refusals of state-carrying layers and attention sinks do not see them",
+        ("model_id",),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "add_fused_lm_head",
+        "writes",
+        "replaced while stock's constructor runs: stock's next call after its refusals, where the model's layer kinds "
+        "and sinks are put back before stock's own call",
+        ("model", "temperature", "outputs"),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "get_peak_flops_per_device",
+        "writes",
+        "replaced while stock's constructor runs: None on a device without CUDA (stock asks CUDA for the device's "
+        "name; the value only feeds an MFU figure)",
+        ("accelerator", "dtype"),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "RolloutQueueDataset",
+        "calls",
+        "stock's rollout queue with its staleness filter, read by the plugin's dataloader",
+        ("rollout_queue", "model_version_fn", "check_health_fn", "stale_after_s", "metrics", "max_staleness"),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "FixedCountBatcher",
+        "calls",
+        "stock's fixed-count planner: per_device_train_batch_size x processes samples per micro-batch, one row per "
+        "process",
+        ("dataset", "num_processes", "microbatch_size"),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer.DataCollatorForRollout",
+        "_log_metrics",
+        "calls",
+        "stock's sample, reward and packing metrics of each micro-batch, from the plugin's collator (a subclass)",
+        ("rows", "all_examples", "padded"),
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "_metrics",
+        "writes",
+        "logs the step's metrics where stock logs its own",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "_trained_groups",
+        "reads",
+        "the prompt groups trained, which the collator adds to (stock's epoch stop)",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "_rollout_dataset",
+        "writes",
+        "the queue whose wait stock's _log_step_metrics flushes at each optimizer step",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "_current_train_step_time",
+        "writes",
+        "perf/fwd_bwd_s, as stock's training_step keeps it",
+    ),
+    *(
+        InternalName(
+            "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+            name,
+            "writes",
+            "the step accounting stock's compute_loss keeps and _log_step_metrics logs (perf/*, batch/*), for the "
+            "plugin's passes",
+        )
+        for name in (
+            "_step_forward_tokens",
+            "_step_trained_tokens",
+            "_step_samples",
+            "_step_seq_len_weighted",
+            "_step_forward_s",
+            "_step_microbatches",
+        )
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.packing",
+        "_flash_attn",
+        "writes",
+        "hf_dynbsz.testing.reference_tree_attention (tests only): stock's FA3 kernel in plain torch, so stock runs on "
+        "CPU as the comparison",
+    ),
     # ---- torch
     InternalName(
         "torch.Tensor",

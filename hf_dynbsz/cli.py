@@ -1,12 +1,14 @@
 """``hf-dynbsz``: command-line tools (``plan`` here; ``report`` in :mod:`hf_dynbsz.report`).
 
-``hf-dynbsz plan [--trainer grpo|distillation|dpo] [config options] [--num_processes N] [--config_file ACCELERATE_YAML]
-[--lengths FILE]`` prints the batch-size plan (:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command:
-every option of the trainer's config (``GRPOConfig``/``DynamicBatchGRPOConfig``, ``DistillationConfig``/
-``DynamicBatchDistillationConfig`` with ``--trainer distillation``, ``DPOConfig``/``DynamicBatchDPOConfig`` with
-``--trainer dpo``) is accepted by its config name (``--output_dir``
-is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also simulates the token-budget
-micro-batches of a list of sample lengths and compares them with stock TRL's padded micro-batches.
+``hf-dynbsz plan [--trainer grpo|distillation|dpo|async_grpo] [config options] [--num_processes N]
+[--config_file ACCELERATE_YAML] [--lengths FILE]`` prints the batch-size plan
+(:class:`~hf_dynbsz.planning.plan.BatchSizePlan`) of a training command: every option of the trainer's config
+(``GRPOConfig``/``DynamicBatchGRPOConfig``, ``DistillationConfig``/``DynamicBatchDistillationConfig`` with ``--trainer
+distillation``, ``DPOConfig``/``DynamicBatchDPOConfig`` with ``--trainer dpo``,
+``AsyncGRPOConfig``/``DynamicBatchAsyncGRPOConfig`` with ``--trainer async_grpo``) is accepted by its config name
+(``--output_dir`` is not required), ``DIFFU_*`` environment variables are honoured. With ``--lengths`` it also
+simulates the token-budget micro-batches of a list of sample lengths and compares them with stock TRL's padded
+micro-batches.
 
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
 ``GRPOConfig.__post_init__``, which would derive ``generation_batch_size`` for the world size of this machine and
@@ -60,7 +62,7 @@ _EXIT_USAGE = 2
 
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
-PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO"}
+PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "async_grpo": "AsyncGRPO"}
 
 
 def _planned_trainer(argv: list[str]) -> str:
@@ -75,11 +77,9 @@ def _planned_trainer(argv: list[str]) -> str:
 def _plan_parser(trainer: str = "grpo"):
     from transformers import HfArgumentParser
 
-    from hf_dynbsz import config
-
     name = PLANNED_TRAINERS[trainer]
     parser = HfArgumentParser(
-        getattr(config, f"DynamicBatch{name}Config"),
+        _config_class(trainer),
         prog=f"{_PROG} plan",
         description=(
             f"Print the batch-size plan of a {name} run (per device and global) and check the divisibility rules of "
@@ -91,6 +91,18 @@ def _plan_parser(trainer: str = "grpo"):
     return parser
 
 
+def _config_class(trainer: str) -> type:
+    """The plugin's config class of ``trainer`` (the asynchronous trainer's in a module of its own: it imports TRL's
+    experimental package)."""
+    if trainer == "async_grpo":
+        from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig
+
+        return DynamicBatchAsyncGRPOConfig
+    from hf_dynbsz import config
+
+    return getattr(config, f"DynamicBatch{PLANNED_TRAINERS[trainer]}Config")
+
+
 def _add_planning_arguments(group) -> None:
     """The planner's own flags (besides the config's fields), in ``group``."""
     group.add_argument(
@@ -99,8 +111,11 @@ def _add_planning_arguments(group) -> None:
         default="grpo",
         help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
         "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
-        "optimizer step, and the teacher's budget) or dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
-        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair). Default: grpo.",
+        "optimizer step, and the teacher's budget), dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
+        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair) or async_grpo "
+        "(DynamicBatchAsyncGRPOTrainer: a vLLM server generates continuously; an optimizer step takes "
+        "per_device_train_batch_size x gradient_accumulation_steps x processes samples of its queue, token_budget the "
+        "tokens per pass). Default: grpo.",
     )
     group.add_argument(
         "--num_processes",
@@ -246,21 +261,33 @@ def _lengths(namespace: argparse.Namespace):
     return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
 
 
+def _check_settings(namespace) -> None:
+    """The ``DIFFU_*`` overrides applied (each printed), stock's ``token_budget`` taken as the asynchronous trainer's
+    training budget, the plugin's fields checked, as training does."""
+    from hf_dynbsz.planning.env import apply_env_overrides
+    from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
+
+    for message in apply_env_overrides(namespace):
+        print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
+    if namespace.trainer == "async_grpo":
+        from hf_dynbsz.async_config import take_token_budget
+
+        take_token_budget(namespace)
+    validate_dynamic_batch_fields(namespace)
+
+
 def _plan(namespace: argparse.Namespace) -> _Planned:
     """The plan of ``namespace`` (the user's raw values), checked as training checks it, and the simulated steps."""
     from hf_dynbsz.config import check_as_training
-    from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
+    from hf_dynbsz.planning.env import with_env_sources
     from hf_dynbsz.planning.plan import BatchSizePlan
-    from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
     launcher = read_accelerate_config(namespace.config_file) if namespace.config_file else {}
     num_processes = planned_num_processes(namespace, launcher)
     zero_stage = launcher.get("zero_stage")
     if zero_stage is None and isinstance(namespace.deepspeed, str) and namespace.deepspeed.endswith(".json"):
         zero_stage = zero_stage_from_deepspeed_json(namespace.deepspeed)
-    for message in apply_env_overrides(namespace):
-        print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
-    validate_dynamic_batch_fields(namespace)
+    _check_settings(namespace)
     attn_implementation = attn_implementation_of(namespace)
     model_config = read_model_config(namespace.model_config) if namespace.model_config else None
     support = ModelSupport.of(model_config, attn_implementation=attn_implementation or "sdpa")
@@ -285,7 +312,7 @@ def _plan(namespace: argparse.Namespace) -> _Planned:
         )
     except ValueError as error:  # name the DIFFU_* variables behind the values, as training does
         raise with_env_sources(error, namespace) from None
-    check_as_training(namespace, plan.generation_batch_size, namespace.trainer)
+    check_as_training(namespace, plan.generation_batch_size, namespace.trainer, _config_class(namespace.trainer))
     planned = _Planned(plan, None, None, False, "")
     if lengths is not None:
         namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does

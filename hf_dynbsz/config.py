@@ -39,6 +39,7 @@ __all__ = [
     "check_as_training",
     "default_ddp_backend",
     "ensure_dynamic_batch_fields",
+    "refuse_sequence_parallelism",
     "take_sequence_parallelism",
     "trainer_config",
 ]
@@ -158,27 +159,31 @@ class DynamicBatchDPOConfig(DPOFields, DPOConfig):
     pass
 
 
-def refuse_dpo_sequence_parallelism(args) -> None:
-    """``sequence_parallel_size`` > 1 on a DPO run: refused before any work (a pair's loss is computed in one pass of
-    whole rows)."""
+def refuse_sequence_parallelism(args, trainer: str, why: str) -> None:
+    """``sequence_parallel_size`` > 1 on a trainer that does not run it (``trainer``, for ``why``): refused before any
+    work."""
     size = getattr(args, "sequence_parallel_size", 1) or 1
     if int(size) > 1:
         raise ValueError(
-            f"sequence_parallel_size={size}: DynamicBatchDPOTrainer does not run sequence parallelism (a pair's loss "
-            "is computed from whole rows in one pass). Set sequence_parallel_size=1."
+            f"sequence_parallel_size={size}: {trainer} does not run sequence parallelism ({why}). Set "
+            "sequence_parallel_size=1."
         )
+
+
+def refuse_dpo_sequence_parallelism(args) -> None:
+    """``sequence_parallel_size`` > 1 on a DPO run: refused before any work (a pair's loss is computed in one pass of
+    whole rows)."""
+    refuse_sequence_parallelism(args, "DynamicBatchDPOTrainer", "a pair's loss is computed from whole rows in one pass")
 
 
 def refuse_distillation_sequence_parallelism(args) -> None:
     """``sequence_parallel_size`` > 1 on a distillation: refused before any work (the teacher's passes are not
     sharded); stock's own ``parallelism_config`` check (TRL's ``__post_init__``) refuses ``sp_size``."""
-    size = getattr(args, "sequence_parallel_size", 1) or 1
-    if int(size) > 1:
-        raise ValueError(
-            f"sequence_parallel_size={size}: DynamicBatchDistillationTrainer does not run sequence parallelism (the "
-            "teacher's passes are not sharded, and stock DistillationTrainer refuses sequence parallelism too). Set "
-            "sequence_parallel_size=1."
-        )
+    refuse_sequence_parallelism(
+        args,
+        "DynamicBatchDistillationTrainer",
+        "the teacher's passes are not sharded, and stock DistillationTrainer refuses sequence parallelism too",
+    )
 
 
 def take_sequence_parallelism(args) -> None:
@@ -334,19 +339,23 @@ def trainer_config(args, model, config_class: type = DynamicBatchGRPOConfig, alg
     return args
 
 
-def check_as_training(options, generation_batch_size: int, trainer: str = "grpo") -> None:
+def check_as_training(
+    options, generation_batch_size: int, trainer: str = "grpo", config_class: type | None = None
+) -> None:
     """Build the config training would build from ``options`` (``hf-dynbsz plan``'s parsed namespace of the user's raw
-    values): :class:`DynamicBatchGRPOConfig`, or :class:`DynamicBatchDistillationConfig` for ``trainer``
-    "distillation", so that the planner rejects exactly what training rejects, with training's own messages (one
-    validation, not a copy).
+    values): :class:`DynamicBatchGRPOConfig`, :class:`DynamicBatchDistillationConfig` for ``trainer`` "distillation",
+    :class:`DynamicBatchDPOConfig` for "dpo", or ``config_class`` when given
+    (``hf_dynbsz.async_config.DynamicBatchAsyncGRPOConfig`` for "async_grpo"), so that the planner rejects exactly what
+    training rejects, with training's own messages (one validation, not a copy).
 
     What depends on the machine rather than on the run is neutralised (precision, DeepSpeed, reporters, evaluation:
     checked by the launcher, not here), and GRPO's generation round is ``generation_batch_size``, the one planned for
     the run's processes (the planning process is one process, the run may be many).
     """
-    config_class = {"distillation": DynamicBatchDistillationConfig, "dpo": DynamicBatchDPOConfig}.get(
-        trainer, DynamicBatchGRPOConfig
-    )
+    if config_class is None:  # (the asynchronous trainer's config, in hf_dynbsz.async_config, is given by the caller)
+        config_class = {"distillation": DynamicBatchDistillationConfig, "dpo": DynamicBatchDPOConfig}.get(
+            trainer, DynamicBatchGRPOConfig
+        )
 
     def default(f: dataclasses.Field) -> Any:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -360,7 +369,7 @@ def check_as_training(options, generation_batch_size: int, trainer: str = "grpo"
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer not in ("distillation", "dpo"):  # a distillation's round is its optimizer step; DPO generates nothing
+    if trainer not in ("distillation", "dpo", "async_grpo"):  # a distillation's round is its step; DPO, async: none
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

@@ -67,7 +67,7 @@ class DevicePass:
             group,
             layout=scheduler.layout,
             pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.parallel.row_multiple(self.args.pad_to_multiple_of),
+            pad_to_multiple_of=self.parallel.row_multiple(getattr(self.args, "pad_to_multiple_of", None)),  # (GRPO's)
             device=self.accelerator.device,
             attention=scheduler.segment_attention,
             attention_mask=scheduler.attention_mask,

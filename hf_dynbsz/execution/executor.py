@@ -85,7 +85,8 @@ class PassExecutor(DevicePass):
         self.media = MediaPolicy.of(capabilities.vision_language, self.accelerator, world)
         self.recovery = OutOfMemoryRecovery(self.accelerator, memory, meters, sequence_parallel_size=parallel.size)
         self.loss = loss  # the trainer's per-sample loss and weights (GRPO's or RLOO's)
-        self.pad_token_id = trainer._tokenizer.pad_token_id
+        tokenizer = getattr(trainer, "_tokenizer", None) or trainer.processing_class  # (AsyncGRPOTrainer: the latter)
+        self.pad_token_id = tokenizer.pad_token_id
         self.checked = not self.args.self_check
         self.self_check_summary: str | None = None  # what the self-check decided and why (its log line)
         self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)
@@ -239,9 +240,11 @@ class PassExecutor(DevicePass):
         aux = None
         if self.capabilities.router_aux:  # stock's MoE router aux loss, per sample
             router = self.capabilities.support.router_aux
+            divisor, token_weights = self.loss.router_weighting(batch, ga)  # (the async step: 1, shared positions)
             aux = RouterAuxLoss(
-                trainer.router_aux_loss_coef, *router, len(batch.slice_rows), ga, self.accelerator.device
-            )
+                trainer.router_aux_loss_coef, *router, len(batch.slice_rows), divisor, self.accelerator.device,
+                token_weights=token_weights,
+            )  # fmt: skip
         masked = self.loss.needs_step_entropies
         if not masked and aux is None:
             return None, None
@@ -271,7 +274,7 @@ class PassExecutor(DevicePass):
         with record_function("dynbsz/loss"):
             loss, loss_metrics = self.loss.pass_loss(state.loss_state, values, entropies, rows)
             if aux is not None:
-                loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids)
+                loss = loss + aux.term(router_logits, mb.token_rows, rows.slice_ids, samples=group)
         with record_function("dynbsz/backward"):
             self.backward(model, loss, last)
         state.losses.append(loss.detach())
@@ -334,7 +337,8 @@ class PassExecutor(DevicePass):
         if compute_entropy:
             state.results[:, 1, : entropies.size(1)].index_copy_(0, index, entropies.float())
         if router is not None:
-            state.statistics.index_copy_(0, index, router.pass_statistics(router_logits, mb.token_rows, len(group)))
+            statistics = router.pass_statistics(router_logits, mb.token_rows, len(group), samples=group)
+            state.statistics.index_copy_(0, index, statistics)
 
     # ------------------------------------------------------------------ planning a step
     def _budget(self, table: SequenceTable, stock_tokens: int, kind: str) -> int:

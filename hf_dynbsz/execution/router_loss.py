@@ -54,15 +54,23 @@ def captured_router_logits(model):
 
 
 def router_statistics(
-    router_logits, token_index: torch.Tensor, row_index: torch.Tensor, rows: int, top_k: int, num_experts: int
+    router_logits,
+    token_index: torch.Tensor,
+    row_index: torch.Tensor,
+    rows: int,
+    top_k: int,
+    num_experts: int,
+    pair_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (sample) of a pass: ``(counts, probabilities)``, each ``(rows, num_experts)`` summed over the router
     layers and the row's tokens.
 
     ``router_logits``: the model's per-layer ``(tokens of the pass, experts)`` logits; ``(token_index, row_index)``
     pairs say which flat token position counts for which row (:attr:`hf_dynbsz.execution.packing.MicroBatch.token_rows`:
-    a shared prompt's tokens for every sample sharing it, padding for none). ``counts`` are the top-k assignments
-    (float64, no gradient); ``probabilities`` keep the gradient.
+    a shared prompt's tokens for every sample sharing it, padding for none). ``pair_weights`` (one per pair, None: 1
+    each): how much each pair counts, an asynchronous step's share of a position its samples share
+    (:class:`RouterAuxLoss`'s ``token_weights``). ``counts`` are the top-k assignments (float64, no gradient);
+    ``probabilities`` keep the gradient.
     """
     counts = torch.zeros(rows, num_experts, dtype=torch.float64, device=token_index.device)
     probabilities = None
@@ -70,6 +78,9 @@ def router_statistics(
         weights = torch.softmax(layer.float(), dim=-1)[token_index]  # (pairs, experts)
         chosen = torch.topk(weights.detach(), top_k, dim=-1).indices
         one_hot = torch.zeros_like(weights, dtype=torch.float64).scatter_(1, chosen, 1.0)
+        if pair_weights is not None:
+            one_hot = one_hot * pair_weights.double().unsqueeze(1)
+            weights = weights * pair_weights.to(weights.dtype).unsqueeze(1)
         counts.index_add_(0, row_index, one_hot)
         summed = torch.zeros(rows, num_experts, dtype=weights.dtype, device=weights.device).index_add(
             0, row_index, weights
@@ -83,14 +94,26 @@ class RouterAuxLoss:
 
     ``num_slices``: stock slices of the step over all processes (slice ``s`` of process ``p`` is ``p x slices +
     s``, as :class:`hf_dynbsz.execution.batch.StepBatch` numbers them); ``coef``: TRL's ``router_aux_loss_coef``;
-    ``gradient_accumulation_steps``: stock's divisor of the aux loss.
+    ``gradient_accumulation_steps``: stock's divisor of the aux loss. ``token_weights`` (None: every position counts
+    once per sample holding it, as GRPOTrainer's padded slices count a shared prompt): per sample of the step's table,
+    each position's weight; ``AsyncGRPOTrainer``'s packed rows count a position its samples share once, so there each
+    sample's share of it (:func:`hf_dynbsz.execution.async_loss.position_shares`). The weighted counts and
+    probability sums are stock's exactly: a shared position routes the same in every sample holding it.
     """
 
     def __init__(
-        self, coef: float, num_experts: int, top_k: int, num_slices: int, gradient_accumulation_steps: int, device
+        self,
+        coef: float,
+        num_experts: int,
+        top_k: int,
+        num_slices: int,
+        gradient_accumulation_steps: int,
+        device,
+        token_weights: list[torch.Tensor] | None = None,
     ) -> None:
         self.coef, self.num_experts, self.top_k = coef, num_experts, top_k
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.token_weights = token_weights
         # per slice: expert counts (E), tokens (1); and the detached probability sums of the training passes (E)
         self.counts = torch.zeros(num_slices, num_experts + 1, dtype=torch.float64, device=device)
         self.probabilities = torch.zeros(num_slices, num_experts, dtype=torch.float64, device=device)
@@ -100,11 +123,23 @@ class RouterAuxLoss:
         """Values per sample of the router pass: expert counts, then tokens."""
         return self.num_experts + 1
 
-    def pass_statistics(self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
-        """``(rows, width)`` statistics of one pass of the router pass: each sample's expert counts, then tokens."""
+    def pair_weights(self, samples: list[int], device) -> torch.Tensor | None:
+        """The weight of each pair of a pass of the table's ``samples`` (their positions in order, sample by sample,
+        as the collator's ``token_rows`` lists them), or None when every pair counts once."""
+        if self.token_weights is None:
+            return None
+        return torch.cat([self.token_weights[sample] for sample in samples]).to(device)
+
+    def pass_statistics(
+        self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], rows: int, samples: list[int] | None = None
+    ) -> torch.Tensor:
+        """``(rows, width)`` statistics of one pass of the router pass: each sample's expert counts, then tokens.
+        ``samples``: the pass's samples (table indices), for ``token_weights``."""
         token_index, row_index = token_rows
-        counts, _ = router_statistics(router_logits, token_index, row_index, rows, self.top_k, self.num_experts)
-        tokens = counts.new_zeros(rows).index_add_(0, row_index, counts.new_ones(row_index.numel())).unsqueeze(1)
+        pairs = self.pair_weights(samples, token_index.device) if samples is not None else None
+        counts, _ = router_statistics(router_logits, token_index, row_index, rows, self.top_k, self.num_experts, pairs)
+        ones = counts.new_ones(row_index.numel()) if pairs is None else pairs.double()
+        tokens = counts.new_zeros(rows).index_add_(0, row_index, ones).unsqueeze(1)
         return torch.cat([counts, tokens], dim=1)
 
     def add_counts(self, slice_ids: torch.Tensor, statistics: torch.Tensor) -> None:
@@ -126,12 +161,18 @@ class RouterAuxLoss:
         return counts[:, :-1] * scale.unsqueeze(1)
 
     def term(
-        self, router_logits, token_rows: tuple[torch.Tensor, torch.Tensor], slice_ids: torch.Tensor
+        self,
+        router_logits,
+        token_rows: tuple[torch.Tensor, torch.Tensor],
+        slice_ids: torch.Tensor,
+        samples: list[int] | None = None,
     ) -> torch.Tensor:
-        """The aux loss of one training pass's samples (scalar, with gradient), from its router logits."""
+        """The aux loss of one training pass's samples (scalar, with gradient), from its router logits. ``samples``:
+        the pass's samples (table indices), for ``token_weights``."""
         token_index, row_index = token_rows
+        pairs = self.pair_weights(samples, token_index.device) if samples is not None else None
         _, probabilities = router_statistics(
-            router_logits, token_index, row_index, len(slice_ids), self.top_k, self.num_experts
+            router_logits, token_index, row_index, len(slice_ids), self.top_k, self.num_experts, pairs
         )
         self.probabilities.index_add_(0, slice_ids.to(self.probabilities.device), probabilities.detach().double())
         weights = self.weights(slice_ids).to(probabilities.dtype)

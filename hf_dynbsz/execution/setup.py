@@ -54,7 +54,8 @@ def build_executor(trainer, loss_class: type[StepLoss] = GRPOLoss) -> PassExecut
         world,
         aux_loss=getattr(trainer, "aux_loss_enabled", False),  # (a distillation trains no router aux loss)
         external_generation=getattr(trainer, "use_vllm", False)  # (a DPO run generates nothing)
-        or getattr(trainer, "use_transformers_continuous_batching", False),
+        or getattr(trainer, "use_transformers_continuous_batching", False)
+        or hasattr(trainer, "rollout_queue"),  # (an asynchronous trainer: its server generates)
         device_type=device,
         gathered=gathered_calls(accelerator, model),
     )
@@ -170,7 +171,7 @@ def log_batch_size_plan(trainer, executor: PassExecutor) -> None:
         vision_language=executor.capabilities.vision_language if enabled else None,
         router_aux=executor.capabilities.support.router_aux_mode(aux_coef),
         memory_rows=_memory_rows(trainer, executor),
-        trainer=trainer._dynbsz_algorithm.lower(),
+        trainer=getattr(trainer, "_dynbsz_trainer_name", trainer._dynbsz_algorithm.lower()),
     )
     logger.warning("hf_dynbsz batch-size plan:\n%s", plan.render())
 

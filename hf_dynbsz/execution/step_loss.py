@@ -9,6 +9,8 @@ logs. :class:`StepLoss` is that part, and the executor holds one:
   (:mod:`hf_dynbsz.execution.loss`);
 * :class:`RLOOLoss`: ``RLOOTrainer``'s sequence-level clipped ratio of summed log-probs
   (:mod:`hf_dynbsz.execution.rloo_loss`);
+* :class:`AsyncGRPOLoss`: ``AsyncGRPOTrainer``'s clipped token loss over an optimizer step defined by samples,
+  normalised by the step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`);
 * :class:`DistillationLoss`: ``DistillationTrainer``'s generalized Jensen-Shannon divergence against a teacher, whose
   hidden states its own passes compute before the step's training passes (:mod:`hf_dynbsz.execution.teacher`,
   :mod:`hf_dynbsz.execution.distillation_loss`);
@@ -27,6 +29,8 @@ from typing import Protocol
 
 import torch
 
+from hf_dynbsz.execution.async_loss import METRIC_KEYS as ASYNC_METRIC_KEYS
+from hf_dynbsz.execution.async_loss import async_loss_settings, async_pass_loss, async_sample_weights, position_shares
 from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.distillation_loss import (
@@ -52,7 +56,7 @@ from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.execution.teacher import Teacher
 from hf_dynbsz.parallel.collectives import reduce_sum
 
-__all__ = ["DPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
+__all__ = ["AsyncGRPOLoss", "DPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
 
 
 class StepLoss(Protocol):
@@ -105,6 +109,11 @@ class StepLoss(Protocol):
         """A lockstep training pass that runs what a real pass runs (under ZeRO-3 the same parameter gathers) and
         learns nothing (:meth:`~hf_dynbsz.execution.device_pass.DevicePass.dummy_pass`'s contract)."""
 
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        """The MoE router aux loss's divisor and per-position weights of ``batch``'s samples
+        (:class:`~hf_dynbsz.execution.router_loss.RouterAuxLoss`: None counts a position once per sample holding
+        it)."""
+
 
 class _LogProbLoss:
     """A loss over the policy's completion log-probs (GRPO's and RLOO's): a training pass is the model's fused LM
@@ -123,6 +132,9 @@ class _LogProbLoss:
 
     def dummy_pass(self, executor, model, last: bool | None = None) -> None:
         executor.dummy_pass(model, last)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's slices: a shared prompt counts for each of its samples
 
 
 class GRPOLoss(_LogProbLoss):
@@ -219,6 +231,44 @@ class RLOOLoss(_LogProbLoss):
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)
+
+
+class AsyncGRPOLoss(_LogProbLoss):
+    """``AsyncGRPOTrainer``'s loss: the clipped token loss against the generator's log-probs, every sample weighted
+    ``processes / N`` with ``N`` the optimizer step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`); its
+    metrics (ratio, kl, entropy, clip ratios) logged once per optimizer step, the step being one stock slice. No
+    entropy term, no reference model."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob", "generation")  # generation: waiting for the rollout queue
+
+    def __init__(self, trainer) -> None:
+        self.settings = async_loss_settings(trainer)
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes)
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def attempt(self, batch: StepBatch) -> None:
+        return None
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(1, self.device, ASYNC_METRIC_KEYS)
+
+    def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
+        return async_pass_loss(self.settings, per_token_logps, entropies, rows)
+
+    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
+        return None
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return 1, position_shares(batch.table)  # the step is one micro-batch of packed rows: a shared position once
 
 
 class DistillationLoss:
@@ -384,6 +434,9 @@ class DPOLoss:
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides DPO's loss (loss_is_scaled_for_ga False)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
 
     def checked_models(self, model) -> list[tuple[object, bool]]:
         reference = self.reference.model

@@ -77,6 +77,7 @@ STOCK_TRAINERS = {
     "rloo": "RLOOTrainer",
     "distillation": "DistillationTrainer",
     "dpo": "DPOTrainer",
+    "async_grpo": "AsyncGRPOTrainer",
 }
 
 
@@ -86,6 +87,8 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
     if trainer in ("distillation", "dpo"):  # (a DPO step's pairs come from the dataset, no generation)
         return _distillation_settings(args, num_processes)
+    if trainer == "async_grpo":
+        return _async_settings(args, num_processes)
     settings = _step_settings(args, num_processes) | {
         "num_generations": coerce_int(
             "num_generations",
@@ -147,6 +150,23 @@ def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
     return settings | {
         "num_generations": 1,
         "generation_batch_size": samples,
+        "steps_per_generation": steps,
+        "generation_round_source": "gradient_accumulation_steps",
+        "num_iterations": 1,
+    }
+
+
+def _async_settings(args: Any, num_processes: Any) -> dict[str, Any]:
+    """An asynchronous GRPO run's batch sizes (:func:`_batch_settings`): the rollout worker generates continuously,
+    and an optimizer step takes ``per_device_train_batch_size x processes x gradient_accumulation_steps`` samples of
+    its queue (stock's fixed-count mode); that is the "round" the table shows."""
+    settings = _step_settings(args, num_processes)
+    steps = settings["gradient_accumulation_steps"]
+    return settings | {
+        "num_generations": coerce_int(
+            "num_generations", getattr(args, "num_generations", 8), "a positive integer number of completions"
+        ),
+        "generation_batch_size": settings["per_device_train_batch_size"] * settings["num_processes"] * steps,
         "steps_per_generation": steps,
         "generation_round_source": "gradient_accumulation_steps",
         "num_iterations": 1,

@@ -99,6 +99,11 @@ def _budget_all(name: str) -> Callable[[Plan], str]:
 def _train_budget_meaning(plan: Plan) -> str:
     if plan.max_tokens_per_microbatch is not None:
         return setting("max_tokens_per_microbatch").summary
+    if plan.trainer == "async_grpo":
+        return (
+            "tokens per training pass (token_budget); auto = the prefix trie of stock's fixed-count row of "
+            f"{plan.per_device_train_batch_size} samples per micro-batch"
+        )
     if plan.trainer == "dpo":  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
         return (
             f"tokens per training micro-batch; auto = 2 x {plan.per_device_train_batch_size} rows x the longest "
@@ -149,8 +154,17 @@ def _router_meaning(plan: Plan) -> str:
 
 def _grpo_round(plan: Plan) -> bool:
     """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; a DPO run
-    generates nothing)."""
-    return plan.trainer not in ("distillation", "dpo")
+    generates nothing; an asynchronous GRPO run's rollout worker generates continuously)."""
+    return plan.trainer not in ("distillation", "dpo", "async_grpo")
+
+
+def _asynchronous(plan: Plan) -> bool:
+    return plan.trainer == "async_grpo"
+
+
+def _generates_in_trainer(plan: Plan) -> bool:
+    """Rows of the trainer's own generation (a DPO run generates nothing, an asynchronous run's server generates)."""
+    return plan.trainer not in ("dpo", "async_grpo")
 
 
 def _generates(plan: Plan) -> bool:
@@ -289,18 +303,33 @@ PLAN_ROWS: tuple[Row, ...] = (
         when=_distillation,
     ),
     Row(
+        "prompts per optimizer step",
+        "-",
+        _attr("prompts_per_optimizer_step"),
+        "global samples per optimizer step / num_generations (whole groups when it divides)",
+        when=_asynchronous,
+    ),
+    Row(
+        "rollout queue",
+        _attr("per_device_samples_per_optimizer_step"),
+        _attr("global_samples_per_optimizer_step"),
+        "samples each optimizer step takes from the rollout queue, as stock's fixed-count mode (token_budget <= 0); "
+        "the token budget cuts them into passes and never changes what the step computes",
+        when=_asynchronous,
+    ),
+    Row(
         "per_device_generation_batch_size",
         _chunk,
         "-",
         setting("per_device_generation_batch_size").summary,
-        when=_generates,
+        when=_generates_in_trainer,
     ),
     Row(
         "generation chunks",
         _attr("generation_chunks_per_device"),
         "-",
         "generate calls per device per generation round",
-        when=_generates,
+        when=_generates_in_trainer,
     ),
     Row(
         "tensor_batch_size",

@@ -23,6 +23,8 @@ imported inside the functions). The modules:
   begins with, tree-search rollouts' trunks and branches);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
+* :mod:`~hf_dynbsz.testing.async_grpo`: TRL's ``AsyncGRPOTrainer`` offline: a rollout worker and a weight transfer
+  through TRL's protocols over scripted samples, stock's FA3 tree kernel in plain torch, a run of either trainer;
 * :mod:`~hf_dynbsz.testing.vllm_standin`: a stand-in for vLLM behind TRL's own ``VLLMGeneration`` (server and colocate
   mode: completions sampled from the synced weights, log-probs with fixed noise), installed by ``vllm_standin()``;
 * :mod:`~hf_dynbsz.testing.zoo`: tiny models of every causal-LM architecture of transformers (imports torch).
@@ -32,6 +34,20 @@ Every public name but the zoo's is re-exported here: ``from hf_dynbsz.testing im
 
 from __future__ import annotations
 
+from hf_dynbsz.testing.async_grpo import (
+    ASYNC_COMPARISON_FIELDS,
+    ASYNC_UNCOMPARED,
+    AsyncRun,
+    NoWeightTransfer,
+    RolloutScript,
+    ScriptRolloutFunc,
+    StandInRolloutWorker,
+    async_grpo_on_cpu,
+    async_grpo_run,
+    reference_async_grpo_steps,
+    reference_flash_attn_varlen_func,
+    reference_tree_attention,
+)
 from hf_dynbsz.testing.engines import engine_mismatches, engine_record, expected_engine, gathered_parameters
 from hf_dynbsz.testing.fixtures import (
     CHAT_SPECIAL_TOKENS,
@@ -141,6 +157,18 @@ from hf_dynbsz.testing.vision import (
 from hf_dynbsz.testing.vllm_standin import StandInEngine, VLLMStandIn, vllm_standin
 
 __all__ = [
+    "ASYNC_COMPARISON_FIELDS",
+    "ASYNC_UNCOMPARED",
+    "AsyncRun",
+    "NoWeightTransfer",
+    "RolloutScript",
+    "ScriptRolloutFunc",
+    "StandInRolloutWorker",
+    "async_grpo_on_cpu",
+    "async_grpo_run",
+    "reference_async_grpo_steps",
+    "reference_flash_attn_varlen_func",
+    "reference_tree_attention",
     "DPO_COMPARISON_FIELDS",
     "DPO_PLUGIN_FIELDS",
     "dpo_config",

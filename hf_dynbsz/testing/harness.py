@@ -59,6 +59,8 @@ TRAINERS = {
     "rloo_dynamic": ("hf_dynbsz", "DynamicBatchRLOOTrainer", "DynamicBatchRLOOConfig"),
     "distillation_stock": ("trl", "DistillationTrainer", "DistillationConfig"),
     "distillation_dynamic": ("hf_dynbsz", "DynamicBatchDistillationTrainer", "DynamicBatchDistillationConfig"),
+    "async_grpo_stock": ("trl.experimental.async_grpo", "AsyncGRPOTrainer", "AsyncGRPOConfig"),
+    "async_grpo_dynamic": ("hf_dynbsz", "DynamicBatchAsyncGRPOTrainer", "DynamicBatchAsyncGRPOConfig"),
 }
 _ALIASES = {"stock": "grpo_stock", "dynamic": "grpo_dynamic", "ours": "grpo_dynamic"}
 

@@ -25,6 +25,7 @@ Every other internal name of TRL, transformers or accelerate the plugin touches 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -52,7 +53,8 @@ def stock_constructor(stock_class: type):
     def __init__(self, *args, **kwargs):
         # Override: stock's arguments, with the plugin's config fields filled in before TRL reads them.
         args, kwargs = self._dynbsz_arguments(stock_init, args, kwargs)
-        super(TokenBudgetHooks, self).__init__(*args, **kwargs)  # the next class after the hooks: TRL's trainer
+        with self._dynbsz_construction():
+            super(TokenBudgetHooks, self).__init__(*args, **kwargs)  # the next class after the hooks: TRL's trainer
         self._dynbsz_start()
 
     __init__.__signature__ = stock_init
@@ -83,6 +85,10 @@ class TokenBudgetHooks:
             validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
         return bound.args[1:], bound.kwargs
 
+    def _dynbsz_construction(self):
+        """Around TRL's constructor (a trainer's own: the asynchronous trainer loads its model there); nothing here."""
+        return contextlib.nullcontext()
+
     def _dynbsz_start(self) -> None:
         """After TRL's constructor: the executor with the trainer's loss, and the plan logged at the first step."""
         self._dynbsz = build_executor(self, self._dynbsz_loss_class)
@@ -97,11 +103,7 @@ class TokenBudgetHooks:
             with executor.tiles():
                 return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        if not self._dynbsz_window:
-            executor.meters.start()
+        self._dynbsz_training_call(model)
         with executor.meters.clock.phase("generation"):  # TRL's rollout (generation every steps_per_generation)
             self._dynbsz_window.append(self._prepare_inputs(inputs))
         loss = torch.zeros((), device=self.accelerator.device)
@@ -114,6 +116,15 @@ class TokenBudgetHooks:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return loss
+
+    def _dynbsz_training_call(self, model) -> None:
+        """The start of each training call, as stock's ``training_step`` starts (the model and a schedule-free
+        optimizer in training mode), and of each optimizer step, the step's meters."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        if not self._dynbsz_window:
+            self._dynbsz.meters.start()
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""

@@ -1,0 +1,100 @@
+"""``AsyncGRPOTrainer``'s loss, per sample, over an optimizer step defined by samples (torch layer).
+
+TRL 1.16's ``AsyncGRPOTrainer.compute_loss`` takes, per trained token, the clipped PPO term
+``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`` with ``r = exp(log p - log p_old)`` (the generator's log-probs;
+no KL term, no reference model), sums it over a micro-batch and divides by the micro-batch's global trained tokens per
+process and by the accumulation steps. With a whole optimizer step in one micro-batch per process (stock's fixed-count
+mode, ``token_budget <= 0``, ``gradient_accumulation_steps=1``) that is the step's token mean: each process's loss is
+its tokens' sum times ``processes / N`` (``N`` the step's trained tokens over all processes), which the data-parallel
+gradient average turns into ``sum / N``. That is GRPO's ``dapo`` normalisation with ``N`` as
+``num_items_in_batch`` and one accumulation step per generation round, so the per-token loss and each sample's weight
+are GRPO's (:func:`~hf_dynbsz.execution.loss.per_token_policy_loss`,
+:func:`~hf_dynbsz.execution.loss.sample_weights`): the sum over any partition of the step's samples into passes, on
+any processes, is that loss, whatever the budget and however the step's samples arrived (``16 x 1`` or ``8 x 2``).
+
+Stock's metrics of that micro-batch (``ratio``, ``kl``: the ``(r - 1) - log r`` estimate, ``entropy``, the clip
+ratios' means, ``clip_ratio/low_min`` and ``clip_ratio/high_max`` over the samples) are the step's token means and
+sample extremes: :class:`~hf_dynbsz.execution.metrics.StepMetrics` with the step as one slice.
+
+An MoE model's router aux loss is stock's over its packed row, where a position its samples share (a prompt, a tool
+block, a forked history) routes once: over the step's samples on a process, each position weighs its share of the
+prefix-trie node holding it (:func:`position_shares`), so the aux loss of the plugin's passes is that of the process's
+step as one packed row, stock's fixed-count step exactly where the process's row is stock's (one process, or one
+accumulation step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.loss import LossSettings, microbatch_loss, sample_weights
+from hf_dynbsz.execution.packing import SequenceTable
+
+__all__ = ["METRIC_KEYS", "async_loss_settings", "async_pass_loss", "async_sample_weights", "position_shares"]
+
+#: The per-token tensors of a pass that stock's logged metrics read, besides the entropy (see the module).
+METRIC_KEYS = ("ratio", "kl", "clip_ratio/low", "clip_ratio/high")
+
+
+def async_loss_settings(trainer) -> LossSettings:
+    """The async trainer's loss as GRPO's ``dapo`` loss: its clipping epsilons, no KL term, token-level ratios, no
+    importance-sampling correction or off-policy mask."""
+    return LossSettings(
+        loss_type="dapo",
+        beta=0.0,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=None,
+        importance_sampling_level="token",
+        off_policy_mask_threshold=None,
+        use_bias_correction_kl=False,
+        vllm_importance_sampling=False,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.0,
+        vespo=(1.0, 1.0, 1.0, 1.0),
+        max_completion_length=trainer.args.max_completion_length,
+    )
+
+
+def async_sample_weights(settings: LossSettings, batch: StepBatch, num_processes: int) -> torch.Tensor:
+    """``(samples,)`` float64: every sample's weight, ``processes / N`` with ``N`` the step's trained tokens over all
+    processes (``batch.num_items``), whatever slice the sample arrived in."""
+    policy, _ = sample_weights(
+        settings,
+        batch.loss_tokens,
+        batch.slice_ids,
+        batch.slice_rows,
+        batch.num_items,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_processes=num_processes,
+    )
+    return policy
+
+
+def async_pass_loss(
+    settings: LossSettings, per_token_logps: torch.Tensor, entropies: torch.Tensor, rows: SampleRows
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One pass's loss (with gradient) and the per-token tensors of :data:`METRIC_KEYS` (``(rows, width)``)."""
+    loss, metrics = microbatch_loss(settings, per_token_logps, entropies, rows)
+    log_ratio = (per_token_logps - rows.per_token["old_per_token_logps"]).detach()
+    ratio = torch.exp(log_ratio)
+    metrics["ratio"] = ratio
+    metrics["kl"] = (ratio - 1) - log_ratio
+    return loss, metrics
+
+
+def position_shares(table: SequenceTable) -> list[torch.Tensor]:
+    """Per sample of ``table``, each position's share of its node in the samples' prefix trie (keyed as stock's
+    ``TreeRow``: a token and the next): 1 / the samples holding it (float64, one per token)."""
+    tree = table.prefix_tree("tree")
+    paths = tree.paths()
+    holders = [0] * tree.nodes
+    for path in paths:
+        for node in path:
+            holders[node] += 1
+    return [
+        torch.cat([torch.full((tree.length[node],), 1.0 / holders[node], dtype=torch.float64) for node in path])
+        for path in paths
+    ]

@@ -1,0 +1,330 @@
+"""``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with an optimizer
+step defined by samples, packed into token-budget passes by the plugin's planner, with the math of stock's fixed-count
+mode whatever the budget.
+
+Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and metrics stay stock's. What changes:
+
+* the step: ``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples of the rollout queue,
+  taken as stock's fixed-count mode takes them (its ``FixedCountBatcher``: ``per_device_train_batch_size x
+  processes`` samples per micro-batch, each process's row balanced by attention cost, groups kept together), collected
+  over the step's accumulation steps into one :class:`~hf_dynbsz.execution.batch.StepBatch`
+  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes, the prefix tree (a group's
+  prompt, a tool block common to every prompt, a forked conversation's shared history), cross-rank balancing,
+  lockstep pass counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager,
+  flex, flash, torch's ``varlen_attn``) instead of FlashAttention-3 only;
+* the loss: stock's clipped token loss normalised by the step's trained tokens over all processes
+  (:mod:`hf_dynbsz.execution.async_loss`): stock's fixed-count mode with the step in one micro-batch, whatever the
+  budget and however the step is written (``16 x 1`` or ``8 x 2`` samples per process);
+* the model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
+  default when unset), not stock's FA3 tree kernel, and stock's refusals of state-carrying layers and attention sinks
+  do not apply: segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
+
+With ``dynamic_batching=False`` the trainer is stock's: FA3 tree attention, stock's batchers and ``compute_loss``.
+
+TRL names this module touches (all in :mod:`hf_dynbsz._trl_compat`): ``__init__`` through
+:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module
+replaced while stock's constructor runs (:meth:`_dynbsz_construction`: ``create_model_from_path``,
+``add_fused_lm_head``, ``get_peak_flops_per_device``); ``get_train_dataloader`` and ``training_step`` (overridden);
+stock's ``RolloutQueueDataset``, ``FixedCountBatcher`` and ``DataCollatorForRollout`` (its ``_log_metrics``:
+stock's sample and packing metrics of each micro-batch); the trainer's ``_metrics``, ``_trained_groups``,
+``_rollout_dataset`` and the step accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import time
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+from trl.experimental.async_grpo import async_grpo_trainer as stock_module
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+)
+
+from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config
+from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
+from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
+from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
+
+__all__ = ["DynamicBatchAsyncGRPOTrainer"]
+
+logger = logging.getLogger("hf_dynbsz")
+
+#: The layer kinds stock's tree attention trains (anything else it refuses).
+_STOCK_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
+    """Drop-in replacement for TRL's ``AsyncGRPOTrainer`` with an optimizer step defined by samples and token-budget
+    passes.
+
+    Takes exactly stock's constructor arguments (``rollout_worker`` and ``weight_transfer`` included). Accepts a
+    :class:`~hf_dynbsz.DynamicBatchAsyncGRPOConfig` or a plain ``AsyncGRPOConfig`` (the plugin's fields then take
+    their defaults and ``DIFFU_*`` environment overrides still apply).
+    """
+
+    _dynbsz_config_class = DynamicBatchAsyncGRPOConfig
+    _dynbsz_loss_class = AsyncGRPOLoss
+    _dynbsz_algorithm = "AsyncGRPO"
+    _dynbsz_trainer_name = "async_grpo"  # the plan's trainer (hf-dynbsz plan --trainer async_grpo)
+    _dynbsz_dynamic = False  # dynamic_batching of the run (set from the config before stock's constructor)
+    _dynbsz_attention: str | None = None  # the attention implementation the model loads with (None: transformers')
+    _dynbsz_flop_tokens = 0.0  # tokens of the last step's passes, per process, for the Trainer's FLOP count
+    _dynbsz_stock_throughput: str | None = None  # why stock's throughput figures cannot be computed (None: they can)
+
+    __init__ = stock_constructor(AsyncGRPOTrainer)
+
+    # ------------------------------------------------------------------ construction
+    def _dynbsz_arguments(self, stock_init: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Stock's constructor arguments with the plugin's config; the attention implementation the model loads with
+        taken out of ``model_init_kwargs`` (stock passes its own beside them)."""
+        try:
+            bound = stock_init.bind(self, *args, **kwargs)
+        except TypeError:
+            return args, kwargs  # a call stock does not accept: stock's own __init__ raises its TypeError
+        config = async_trainer_config(bound.arguments.get("args"), bound.arguments["model"])
+        bound.arguments["args"] = config
+        init_kwargs = config.model_init_kwargs if isinstance(config.model_init_kwargs, dict) else {}
+        if config.dynamic_batching and "attn_implementation" in init_kwargs:
+            config._dynbsz_attn_implementation = init_kwargs.pop("attn_implementation")
+        self._dynbsz_dynamic = bool(config.dynamic_batching)
+        self._dynbsz_attention = getattr(config, "_dynbsz_attn_implementation", None)
+        return bound.args[1:], bound.kwargs
+
+    @contextlib.contextmanager
+    def _dynbsz_construction(self):
+        """While stock's constructor runs (dynamic batching on): the model loads with the run's attention kernel,
+        stock's refusals of state-carrying layers and attention sinks see neither (the plugin runs both exactly:
+        they are back before stock's next step, ``add_fused_lm_head``), and a device without CUDA looks up no peak
+        FLOPs (stock asks CUDA for the device's name; the value only feeds an MFU figure)."""
+        if not self._dynbsz_dynamic:
+            yield
+            return
+        restore: list = []
+        originals = {
+            name: getattr(stock_module, name)
+            for name in ("create_model_from_path", "add_fused_lm_head", "get_peak_flops_per_device")
+        }
+
+        def create_model_from_path(model_id, *args, **kwargs):
+            kwargs.pop("attn_implementation", None)
+            if self._dynbsz_attention is not None:
+                kwargs["attn_implementation"] = self._dynbsz_attention
+            model = originals["create_model_from_path"](model_id, *args, **kwargs)
+            restore.append(_hide_from_stock_refusals(model))
+            return model
+
+        def add_fused_lm_head(model, *args, **kwargs):
+            while restore:
+                restore.pop()()
+            return originals["add_fused_lm_head"](model, *args, **kwargs)
+
+        def get_peak_flops_per_device(accelerator, dtype):
+            if accelerator.device.type != "cuda":
+                return None
+            return originals["get_peak_flops_per_device"](accelerator, dtype)
+
+        replacements = dict(
+            create_model_from_path=create_model_from_path,
+            add_fused_lm_head=add_fused_lm_head,
+            get_peak_flops_per_device=get_peak_flops_per_device,
+        )
+        for name, function in replacements.items():
+            setattr(stock_module, name, function)
+        try:
+            yield
+        finally:
+            while restore:
+                restore.pop()()
+            for name, function in originals.items():
+                setattr(stock_module, name, function)
+
+    def _dynbsz_start(self) -> None:
+        if self._dynbsz_dynamic and self.aux_loss_enabled and self.accelerator.num_processes > 1:
+            self._dynbsz_keep_samples_home()
+        super()._dynbsz_start()
+        if not self._dynbsz_dynamic:
+            return
+        if not self._dynbsz.enabled:
+            raise ValueError(
+                "DynamicBatchAsyncGRPOTrainer cannot repack this model (the reasons are logged above) and has no "
+                "stock fallback on the plugin's kernels: set dynamic_batching=False for stock AsyncGRPOTrainer "
+                "(FlashAttention-3 tree attention)."
+            )
+        self._dynbsz_stock_throughput = _stock_throughput_blocker(self.model.config.get_text_config())
+        if self._dynbsz_stock_throughput is not None:
+            logger.warning(
+                "hf_dynbsz: stock's perf/*_tok_s and MFU figures are not logged for this model: TRL's "
+                "compute_flops_per_token cannot read its config (%s); dynbsz/tokens_per_second is.",
+                self._dynbsz_stock_throughput,
+            )
+
+    def _dynbsz_keep_samples_home(self) -> None:
+        """An MoE model's router aux loss over an asynchronous step counts a position the process's samples share
+        once, as stock's packed row does (:func:`~hf_dynbsz.execution.async_loss.position_shares`): each sample then
+        trains on the process stock's planner dispatched it to (its attention-cost balancing stays), and the plugin's
+        cross-rank balancing is not applied (one logged reason)."""
+        if self.args.balance_across_ranks:
+            self.args.balance_across_ranks = False
+            logger.warning(
+                "hf_dynbsz: balance_across_ranks is not applied: an MoE model's router aux loss counts a position the "
+                "samples of a process share once (stock's packed row), so each sample trains on the process stock's "
+                "fixed-count planner dispatched it to."
+            )
+
+    # ------------------------------------------------------------------ the samples of a step
+    def get_train_dataloader(self) -> DataLoader:
+        # Override: stock's queue and fixed-count batcher (per_device_train_batch_size x processes samples per
+        # micro-batch), each micro-batch sent to the processes as per-sample rows (the plugin packs them).
+        if not self._dynbsz_dynamic:
+            return super().get_train_dataloader()
+        processes = self.accelerator.num_processes
+        dataset: IterableDataset = _NoSamples()
+        if self.accelerator.is_main_process:
+            source = RolloutQueueDataset(
+                rollout_queue=self.rollout_queue,
+                model_version_fn=lambda: self.model_version,
+                check_health_fn=self.rollout_worker.check_health,
+                stale_after_s=self.args.heartbeat_stale_after_s,
+                metrics=self._metrics["train"],
+                max_staleness=self.args.max_staleness,
+                report_to=self.args.report_to,
+            )
+            self._rollout_dataset = source  # (stock's _log_step_metrics flushes its queue wait)
+            dataset = FixedCountBatcher(source, processes, self.args.per_device_train_batch_size * processes)
+        collator = _RolloutSliceCollator(
+            self.processing_class.pad_token_id,
+            processes,
+            groups_trained=self._trained_groups,
+            metrics=self._metrics["train"],
+        )
+        return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model, inputs, num_items_in_batch):
+        # Override: collect the optimizer step's slices; run the step's passes on its last call.
+        if not self._dynbsz_dynamic:
+            return super().training_step(model, inputs, num_items_in_batch)
+        started = time.perf_counter()
+        self._dynbsz_training_call(model)
+        self._dynbsz_window.append(inputs)
+        loss = torch.zeros((), device=self.accelerator.device)
+        if self.accelerator.sync_gradients:
+            window, self._dynbsz_window = self._dynbsz_window, []
+            loss = self._train_rollouts(model, window)
+        self._current_train_step_time += time.perf_counter() - started
+        return loss
+
+    def _train_rollouts(self, model, window: list[dict]) -> torch.Tensor:
+        """One optimizer step from its slices: the step's samples through the pass executor."""
+        executor, accelerator = self._dynbsz, self.accelerator
+        batch = rollout_step_batch(window, accelerator.process_index, accelerator.num_processes)
+        if not executor.self_check(model, batch.table):
+            raise RuntimeError(
+                "DynamicBatchAsyncGRPOTrainer: no layout passed the self-check on this model (the log above says "
+                "why), and the asynchronous trainer has no stock fallback on the plugin's kernels: set "
+                "dynamic_batching=False for stock AsyncGRPOTrainer (FlashAttention-3 tree attention)."
+            )
+        loss = executor.train_step(model, batch)
+        self._account_step(window)
+        return loss
+
+    def _account_step(self, window: list[dict]) -> None:
+        """Stock's step accounting, which its ``_log_step_metrics`` turns into ``perf/*`` and ``batch/*`` figures,
+        for the step the passes ran: tokens computed (over all processes), trained tokens, samples, passes, and the
+        passes' time as the forward time."""
+        store = self._metrics["train"]
+        computed = float(store["dynbsz/computed_tokens"][-1])
+        samples = sum(float(inputs["global_samples"][0]) for inputs in window)
+        sequence_tokens = sum(float(inputs["global_sequence_tokens"][0]) for inputs in window)
+        if self._dynbsz_stock_throughput is None:  # (stock's step metrics read the model's FLOPs per token off it)
+            self._step_forward_tokens += computed
+        self._step_trained_tokens += sum(float(inputs["global_trained_tokens"][0]) for inputs in window)
+        self._step_samples += samples
+        self._step_seq_len_weighted += sequence_tokens / max(samples, 1.0) * computed
+        self._step_forward_s += float(store["dynbsz/train_seconds"][-1])
+        self._step_microbatches += int(store["dynbsz/microbatches_max_over_ranks"][-1])
+        self._dynbsz_flop_tokens = computed / self.accelerator.num_processes
+
+    def floating_point_ops(self, inputs) -> int:
+        # Override (transformers' Trainer): the tokens the step's passes computed, counted on the step's last call
+        # (summed over processes by store_flos), not the sizes of the per-sample rows the processes receive.
+        if not self._dynbsz_dynamic:
+            return super().floating_point_ops(inputs)
+        tokens, self._dynbsz_flop_tokens = round(self._dynbsz_flop_tokens), 0.0
+        if not tokens:
+            return 0
+        return super().floating_point_ops({self.model.main_input_name: torch.empty(tokens, dtype=torch.bool)})
+
+
+def _stock_throughput_blocker(text_config) -> str | None:
+    """Why stock's step metrics cannot compute the model's FLOPs per token (TRL's ``compute_flops_per_token`` reads
+    a homogeneous, dense or Mixtral-style config; stock never reaches it for the families it refuses), or None."""
+    from trl.trainer.utils import compute_flops_per_token
+
+    try:
+        compute_flops_per_token(text_config, 1)
+    except Exception as error:  # noqa: BLE001 - any failure of TRL's reader: the figures stock derives are left out
+        return f"{type(error).__name__}: {error}".splitlines()[0]
+    return None
+
+
+def _hide_from_stock_refusals(model):
+    """Hide from stock's constructor what its FA3 tree kernel refuses and the plugin runs exactly: layer kinds other
+    than full and sliding attention (segment recurrence runs state-carrying layers per node of the prefix tree) and
+    parameters named ``*.sinks`` (the kernels take attention sinks). Returns the function that puts both back."""
+    text_config = model.config.get_text_config()
+    layer_types = getattr(text_config, "layer_types", None)
+    hidden_layers = bool(layer_types) and bool(set(layer_types) - _STOCK_LAYER_TYPES)
+    if hidden_layers:
+        text_config.layer_types = None
+    has_sinks = any(name.endswith(".sinks") for name, _ in model.named_parameters())
+    if has_sinks:
+        named_parameters = type(model).named_parameters
+
+        def without_sinks(*args, **kwargs):
+            return ((n, p) for n, p in named_parameters(model, *args, **kwargs) if not n.endswith(".sinks"))
+
+        model.named_parameters = without_sinks
+
+    def put_back() -> None:
+        if hidden_layers:
+            text_config.layer_types = layer_types
+        if has_sinks:
+            del model.named_parameters
+
+    return put_back
+
+
+class _NoSamples(IterableDataset):
+    """The dataset of the processes other than the main one: accelerate's dispatcher sends them the main process's
+    micro-batches, so it is never read."""
+
+    def __iter__(self):
+        return iter(())
+
+
+@dataclasses.dataclass
+class _RolloutSliceCollator(DataCollatorForRollout):
+    """Stock's collator with the plugin's output: a micro-batch of stock's fixed-count batcher (one row of samples per
+    process) as per-sample rows (:func:`~hf_dynbsz.execution.rollouts.slice_tensors`) with the micro-batch's sample
+    count and tokens over all processes; stock's bookkeeping kept (the prompt groups trained, for the epoch stop, and
+    the micro-batch's sample and packing metrics, ``_log_metrics``)."""
+
+    def torch_call(self, examples):
+        (rows,) = examples
+        samples = [row.samples for row in rows]
+        tensors = slice_tensors(samples, self.pad_token_id, [len(row.tokens) for row in rows])
+        every = [sample for row in samples for sample in row]
+        self.groups_trained.update(sample["group_id"] for sample in every)
+        width = tensors["input_ids"].size(1)
+        padded = (torch.arange(width).unsqueeze(0) < tensors["lengths"].unsqueeze(1)).long()
+        self._log_metrics(rows=rows, all_examples=every, padded=padded)
+        return tensors

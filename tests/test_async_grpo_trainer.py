@@ -1,0 +1,213 @@
+"""DynamicBatchAsyncGRPOTrainer against stock TRL AsyncGRPOTrainer, one process on CPU, through TRL's own protocols.
+
+Stock runs here through its own extension points (:mod:`hf_dynbsz.testing.async_grpo`): a stand-in rollout worker
+over scripted samples, a no-op weight transfer, its FA3 tree kernel in plain torch. The reference is stock's
+fixed-count mode with the whole optimizer step in one micro-batch per process (``token_budget=0``,
+``per_device_train_batch_size`` the step's samples, ``gradient_accumulation_steps=1``), where stock's loss is the
+step's token mean. The plugin trains the same samples whatever its budget and however its step is written (``16 x 1``
+or ``8 x 2``): the parameters (SGD at a large rate: the update shows every sample's weight), and every metric stock
+logs, equal stock's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from hf_dynbsz.testing import (
+    ASYNC_UNCOMPARED,
+    RolloutScript,
+    async_grpo_run,
+    logged_metrics,
+    metric_mismatches,
+    relative_difference,
+    save_tiny_model,
+    update_difference,
+)
+
+#: The plugin's and stock's parameters (relative) and updates (relative to stock's update) after 3 steps.
+PARAMETER_TOLERANCE, UPDATE_TOLERANCE = 1e-5, 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("async-model")))
+
+
+@pytest.fixture(scope="module")
+def stock_step(model_dir, tmp_path_factory):
+    """Stock's fixed-count mode, the step in one micro-batch: 16 samples x 1 accumulation step."""
+    return async_grpo_run(
+        "async_grpo_stock", model_dir, str(tmp_path_factory.mktemp("stock")), per_device_train_batch_size=16
+    )
+
+
+@pytest.fixture(scope="module")
+def stock_cut(model_dir, tmp_path_factory):
+    """Stock's fixed-count mode with the same samples per step cut 8 x 2."""
+    return async_grpo_run(
+        "async_grpo_stock",
+        model_dir,
+        str(tmp_path_factory.mktemp("stock-cut")),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+    )
+
+
+#: What the optimizer step computed (its loss, gradient and stock's loss metrics), compared with stock's step in one
+#: micro-batch; what stock's collator logs per micro-batch (sample and reward figures, the queue) depends on how the
+#: step is written, and is compared with stock's run written the same way.
+STEP_METRICS = ("loss", "grad_norm", "ratio", "kl", "entropy", "clip_ratio/", "train_loss", "aux_loss")
+
+
+def step_metrics(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if k.startswith(STEP_METRICS)} for entry in history]
+
+
+def assert_equals_stock(ours, stock, same_cut=None) -> None:
+    """``ours`` trained ``stock``'s parameters and logged its step's metrics; every other metric stock logs is that
+    of ``same_cut`` (stock written as ``ours`` is; default ``stock``)."""
+    parameters = relative_difference(ours.final, stock.final)
+    update = update_difference(stock.initial, ours.final, stock.final)
+    assert parameters < PARAMETER_TOLERANCE and update < UPDATE_TOLERANCE, (parameters, update)
+    assert metric_mismatches(step_metrics(ours.history), step_metrics(stock.history)) == []
+    left_out = (*ASYNC_UNCOMPARED, *STEP_METRICS)
+    same_cut = same_cut or stock
+    assert metric_mismatches(logged_metrics(ours.history, left_out), logged_metrics(same_cut.history, left_out)) == []
+
+
+@pytest.mark.parametrize(
+    ("per_device", "accumulation", "budget"),
+    [(16, 1, 0), (16, 1, 64), (8, 2, 0), (8, 2, 100)],
+    ids=["16x1-auto", "16x1-64", "8x2-auto", "8x2-100"],
+)
+def test_the_step_equals_stock_fixed_count_whatever_the_budget(
+    model_dir, stock_step, stock_cut, tmp_path, per_device, accumulation, budget
+):
+    ours = async_grpo_run(
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path),
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        token_budget=budget,
+    )
+    assert_equals_stock(ours, stock_step, stock_cut if accumulation > 1 else stock_step)
+    if not budget and accumulation == 1:  # the same tokens as stock's one row per step: the same FLOP count
+        assert ours.history[-1]["total_flos"] == stock_step.history[-1]["total_flos"]
+    passes = [entry["dynbsz/microbatches"] for entry in ours.history if "dynbsz/microbatches" in entry]
+    assert len(passes) == 3
+    if budget:  # the budget cut each step into several passes
+        assert min(passes) > 1
+        assert max(e["dynbsz/tokens_per_microbatch_max"] for e in ours.history if "loss" in e) <= budget
+    trained = [e["batch/samples_per_step"] for e in ours.history if "loss" in e]
+    assert trained == [16.0, 16.0, 16.0]
+
+
+def test_stock_depends_on_how_its_step_is_cut(stock_step, stock_cut):
+    """The control: stock's 8 x 2 takes the same samples per step as its 16 x 1 and trains different parameters
+    (each micro-batch normalised by its own tokens), so the comparisons above can tell the two apart."""
+    assert update_difference(stock_step.initial, stock_cut.final, stock_step.final) > 20 * UPDATE_TOLERANCE
+
+
+def test_multi_turn_forks_and_a_shared_tool_block_equal_stock(model_dir, tmp_path):
+    """Tool results inside a completion (context), conversations forked into a second row sharing their history,
+    and a block every prompt begins with: the prefix tree shares them, the step equals stock's."""
+    script = RolloutScript(seed=3, shared_prefix=12, tool_turns=2, forks=0.5, completion_lengths=(6, 40))
+    stock = async_grpo_run(
+        "async_grpo_stock", model_dir, str(tmp_path / "stock"), script, per_device_train_batch_size=16
+    )
+    ours = async_grpo_run(
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path / "ours"),
+        script,
+        per_device_train_batch_size=16,
+        token_budget=120,
+    )
+    assert_equals_stock(ours, stock)
+    entries = [entry for entry in ours.history if "loss" in entry]
+    assert all(entry["dynbsz/tree_tokens_saved"] > 0 for entry in entries)
+    assert all(entry["dynbsz/prompt_tokens_saved"] > 0 for entry in entries)
+
+
+def test_a_sample_longer_than_the_budget_is_trained_not_dropped(model_dir, stock_step, tmp_path):
+    """Stock's token-budget mode drops a sample longer than its budget; the plugin gives it a pass of its own."""
+    with pytest.warns(UserWarning, match="longer than"):
+        ours = async_grpo_run(
+            "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, token_budget=24
+        )
+    assert_equals_stock(ours, stock_step)
+
+
+def test_the_constructor_is_stocks():
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from hf_dynbsz import DynamicBatchAsyncGRPOTrainer
+
+    assert inspect.signature(DynamicBatchAsyncGRPOTrainer.__init__) == inspect.signature(AsyncGRPOTrainer.__init__)
+    assert issubclass(DynamicBatchAsyncGRPOTrainer, AsyncGRPOTrainer)
+
+
+def test_the_budget_from_memory_equals_stock(model_dir, stock_step, tmp_path):
+    """token_budget unset with a memory limit: each step's budget is the largest whose predicted peak fits."""
+    ours = async_grpo_run(
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path),
+        per_device_train_batch_size=16,
+        token_budget=None,
+        max_memory_per_device_mib=100_000,
+    )
+    assert_equals_stock(ours, stock_step)
+    steps = [entry for entry in ours.history if "dynbsz/microbatches" in entry]
+    assert all(entry["dynbsz/predicted_peak_memory_mib"] > 0 for entry in steps)
+
+
+def test_an_out_of_memory_pass_is_replanned_and_equals_stock(model_dir, stock_step, tmp_path):
+    from hf_dynbsz.execution.device_memory import inject_out_of_memory
+
+    inject_out_of_memory("training", "backward", 2)
+    ours = async_grpo_run(
+        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, token_budget=96
+    )
+    assert_equals_stock(ours, stock_step)
+    assert sum(entry.get("dynbsz/oom_retries", 0) for entry in ours.history) == 1
+
+
+def test_dynamic_batching_off_is_stock(model_dir, stock_step, tmp_path):
+    """dynamic_batching=False: stock's trainer (its FA3 tree kernel, here the reference one; its batchers and
+    compute_loss), the same parameters and every logged metric."""
+    ours = async_grpo_run(
+        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, dynamic_batching=False
+    )
+    assert ours.trainer.model.config._attn_implementation == "tree_fa3"
+    assert relative_difference(ours.final, stock_step.final) == 0.0
+    left_out = ("perf/", "sample/time_in_queue_s")
+    assert metric_mismatches(logged_metrics(ours.history, left_out), logged_metrics(stock_step.history, left_out)) == []
+
+
+# ---- the config ------------------------------------------------------------------------------------------------
+
+
+def test_token_budget_is_the_training_budget_and_a_second_one_is_refused(tmp_path):
+    from hf_dynbsz import DynamicBatchAsyncGRPOConfig
+
+    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, use_cpu=True)
+    assert config.max_tokens_per_microbatch == 512
+    assert DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=0, use_cpu=True).max_tokens_per_microbatch is None
+    with pytest.raises(ValueError, match="token_budget=512 and max_tokens_per_microbatch=256 disagree"):
+        DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, max_tokens_per_microbatch=256, use_cpu=True)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2: DynamicBatchAsyncGRPOTrainer does not run"):
+        DynamicBatchAsyncGRPOConfig(str(tmp_path), sequence_parallel_size=2, use_cpu=True)
+
+
+def test_a_plain_async_config_gains_the_plugins_fields_and_the_environment(model_dir, tmp_path, monkeypatch):
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from hf_dynbsz.async_config import async_trainer_config
+
+    monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "256")
+    config = async_trainer_config(AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True), model_dir)
+    assert (config.max_tokens_per_microbatch, config.tensor_batch_size, config.dynamic_batching) == (300, 256, True)
