@@ -52,6 +52,7 @@ def test_a_pass_computes_each_distinct_position_once(samples, data):
     assert tree.tokens() == len(distinct_positions(samples))
     assert tree.pairs() == brute_pairs(samples)
     assert tree.path_keys() == brute_path_keys(samples)
+    assert tree.counts() == (tree.tokens(), tree.pairs(), tree.path_keys())
     subset = data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True))
     assert tree.tokens(subset) == len(distinct_positions([samples[i] for i in subset]))  # a pass of some of them
     assert tree.pairs(subset) == brute_pairs([samples[i] for i in subset])
@@ -200,6 +201,7 @@ def test_samples_that_share_nothing_travel_as_their_lengths_and_count_as_the_gen
         assert tree.units(budget) == general.units(budget)
         chosen = data.draw(st.lists(st.sampled_from(range(len(lengths))), unique=True))
         assert (tree.tokens(chosen), tree.pairs(chosen)) == (general.tokens(chosen), general.pairs(chosen))
+        assert tree.counts(chosen) == general.counts(chosen) == (tree.tokens(chosen), tree.pairs(chosen), 0)
     first, second = built[0], built[1]
     picks = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct picks
     general = {id(first): walked(first), id(second): walked(second)}

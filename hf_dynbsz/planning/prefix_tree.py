@@ -254,6 +254,18 @@ class PrefixTree:
             return 0
         return sum(self.start[node] for node in self._union(samples))
 
+    def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all), from one walk of their nodes."""
+        nodes = self._union(samples)
+        if self.shares_nothing:
+            return sum(self.length[n] for n in nodes), sum(self.length[n] ** 2 for n in nodes), 0
+        length, start = self.length, self.start
+        return (
+            sum(length[n] for n in nodes),
+            sum(length[n] * (length[n] + 2 * start[n]) for n in nodes),
+            sum(start[n] for n in nodes),
+        )
+
     def _union(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples
         if self.shares_nothing:  # node s is sample s

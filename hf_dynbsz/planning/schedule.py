@@ -652,11 +652,12 @@ class Scheduler:
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
         lengths = [p + c for p, c in zip(prompts, completions)]
         real = [b for b in order if bins[b]]
-        shared = [tree.tokens(microbatches[position]) for position in range(len(real))]
+        counts = [tree.counts(microbatches[position]) for position in range(len(real))]  # (tokens, pairs, keys)
+        shared = [tokens for tokens, _, _ in counts]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
-            pass_pairs = [tree.pairs(microbatches[position]) for position in range(len(real))]
-            pass_path_keys = [tree.path_keys(microbatches[position]) for position in range(len(real))]
+            pass_pairs = [pairs for _, pairs, _ in counts]
+            pass_path_keys = [path_keys for _, _, path_keys in counts]
         else:
             pass_tokens = [
                 microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
