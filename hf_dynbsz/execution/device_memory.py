@@ -8,8 +8,9 @@ The torch side of :mod:`hf_dynbsz.planning.memory` (which models and decides, wi
   bound: glibc then maps every block of :data:`MAPPED_BLOCK_BYTES` or more on its own and unmaps it when freed.
   By default glibc raises that threshold (up to 32 MiB) each time it frees a larger mapped block, after which a
   pass's tensors come from the heap, whose free pieces stay resident and are reused in an order that depends on the
-  heap's history: the same pass of the same run then peaked 1.8-2.2x what its tensors held, differently each time
-  (issue 58's 280 MiB between identical capped runs; ``benchmarks/memory_budget.py``).
+  heap's history: the same pass then peaked 1.7-2.3x what it peaks at with the blocks mapped, differently in each
+  process and each time (issue 58's 280 MiB between identical capped runs; ``benchmarks/memory_budget.py``, section
+  4). Mapping costs CPU time: about 20% of a forward and backward's there.
 * :func:`is_out_of_memory` recognises an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and
   the injected ones), the CPU allocator's ``RuntimeError`` ("can't allocate memory"), ``MemoryError``.
 * :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, or
