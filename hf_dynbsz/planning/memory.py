@@ -351,7 +351,7 @@ class MemoryModel:
         than ``budget``, by the share of the room the worst such pass overshoots (at least 1).
 
         ``passes``: per planned pass, ``(tokens, pairs, path_keys, samples)``. A pass of one sample cannot be
-        split: it runs as it is (:meth:`budget` already keeps it from sharing a pass where it alone fits).
+        split: it runs as it is, however small the budget (the executor's oversize warning says what it needs).
         """
         room = self.room(held_mib + reserved_mib)
         if room is None:
