@@ -11,9 +11,16 @@ Every run is a fresh process (its whole-process peak is its own) training a tiny
    with the memory-chosen budget at that limit: its whole-process peak, and its budget over the largest that fits.
 3. **Speed**: step time of stock GRPOTrainer, the default budget (stock's micro-batch size) and the memory-chosen
    budget at two limits, on long-tailed and on short completions.
+4. **Cap** (issue 58): on the long-tailed, agentic and tree-rollout mixes (the prefix tree on, the default), a
+   Qwen2-style decoder of hidden 384 and 4 layers with gradient checkpointing, 8 completions of up to 2600 tokens a
+   step: the cap halfway between the floor (every sequence alone) and the ceiling (the whole step in one pass), five
+   capped runs each, their whole-process peaks against the cap, and their parameters against stock GRPOTrainer's
+   on the same completions; and the reason identical runs differed before: the same forward and backward measured
+   in fresh processes under glibc's default heap and with large blocks mapped on their own.
 
 Writes ``benchmarks/results/memory_budget.md``, ``memory_budget.png`` and ``memory_budget.json``.
-Run: ``python benchmarks/memory_budget.py`` (about 15 minutes on 2 CPU cores), ``--quick`` for a smoke run.
+Run: ``python benchmarks/memory_budget.py`` (about 15 minutes on 2 CPU cores, the cap section an hour more),
+``--quick`` for a smoke run, ``--only cap`` for section 4 alone.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ MIX = {"long_tailed": 2048, "short": 256}  # max completion length of each mix
 LIMITS_MIB = (1300, 1800)  # section 2 (completions up to 1024 tokens)
 SPEED_LIMITS_MIB = (1700, 2200)  # section 3: the longest sequence alone (2048 + prompt tokens) needs about 1550 MiB
 SWEEP_BUDGETS = (512, 768, 1024, 1536, 2048, 3072, 4096)
+#: Section 4: the mixes, capped runs per mix, and the run's shape (the issue's check: Qwen2 hidden 384, 4 layers,
+#: gradient checkpointing, 8 completions of up to 2600 tokens a step, 4 of each prompt).
+CAP_MIXES = ("long_tailed", "agentic", "tree")
+CAP_RUNS = 5
+CAP_RUN = dict(hidden=384, max_completion=2600, steps=4, batch=2, accum=4, generations=4, learning_rate=1e-4)
+#: A capped run holds its cap when its whole-process peak is at most this much over it.
+CAP_TOLERANCE = 0.03
 
 
 def completion_lengths(mix: str, longest: int):
@@ -79,13 +93,37 @@ def build_run(spec: dict):
     )
 
 
+def cap_run(spec: dict):
+    """Section 4's trainer: stock's or the plugin's (``spec["fields"]``: its budget and limit) on a Qwen2-style model of
+    :data:`CAP_RUN`'s shape and the scripted rollout of ``spec["mix"]`` (a prefix mix's structure included)."""
+    from hf_dynbsz.testing import ModelShape
+    from hf_dynbsz.testing.fixtures import build_char_tokenizer
+    from hf_dynbsz.testing.harness import build_trainer, mix_rollout, numbered_prompts, run_config
+    from hf_dynbsz.testing.mixes import longest_prompt
+
+    shape, tokenizer = CAP_RUN, build_char_tokenizer()
+    longest = shape["max_completion"]
+    model = ModelShape(shape["hidden"], 4).build(tokenizer, max_positions=longest + longest_prompt(spec["mix"]) + 8)
+    rollout = mix_rollout(spec["mix"], tokenizer, longest, seed=spec["seed"])
+    fields = dict(per_device_train_batch_size=shape["batch"], gradient_accumulation_steps=shape["accum"])
+    fields.update(num_generations=shape["generations"], max_steps=shape["steps"], learning_rate=shape["learning_rate"])
+    fields.update(beta=0.0, gradient_checkpointing=True, max_completion_length=longest, seed=spec["seed"])
+    name = "grpo_stock" if spec["trainer"] == "stock" else "grpo_dynamic"
+    args = run_config(name, spec["output_dir"], **fields, **spec.get("fields", {}))
+    dataset = numbered_prompts(shape["steps"] * 8, prefix="p")
+    return build_trainer(args, model, tokenizer, dataset=dataset, rollout=rollout)
+
+
 def worker(spec: dict) -> dict:
     """One training run in this (fresh) process."""
     ensure_repo_on_path()
-    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker, run_peak_mib
+    from hf_dynbsz.testing import ResidentSetSampler, quiet_worker, run_peak_mib, snapshot_parameters
 
     quiet_worker(threads=1)
-    trainer = build_run(spec)
+    if spec.get("section") == "heap":
+        return heap_probe(spec)
+    trainer = cap_run(spec) if spec.get("section") == "cap" else build_run(spec)
+    initial = snapshot_parameters(trainer.model) if spec.get("params_out") else None
     start = time.perf_counter()
     with ResidentSetSampler() as sampler:  # with a limit the trainer resets VmHWM before each pass
         trainer.train()
@@ -99,11 +137,47 @@ def worker(spec: dict) -> dict:
         "budgets": [e.get("dynbsz/budget_tokens") for e in steps],
         "passes": [e.get("dynbsz/microbatches") for e in steps],
     }
-    memory = getattr(trainer, "_dynbsz_memory", None)
-    if memory is not None:
-        result["history"] = [list(h) for h in memory.history]
-        result["model"] = {kind: memory.describe(kind) for kind in ("training", "logprob")}
+    executor = getattr(trainer, "_dynbsz", None)
+    if executor is not None:
+        result["history"] = [list(h) for h in executor.memory.history]
+        result["model"] = {kind: executor.memory.describe(kind) for kind in ("training", "logprob")}
+    if initial is not None:
+        import torch
+
+        torch.save({"initial": initial, "final": snapshot_parameters(trainer.model)}, spec["params_out"])
     return result
+
+
+def heap_probe(spec: dict) -> dict:
+    """Section 4's allocator probe, in this fresh process: the same forward and backward (a Qwen2-style model of
+    :data:`CAP_RUN`'s shape, gradient checkpointing, ``spec["tokens"]`` tokens) ``spec["repeats"]`` times, each from
+    freed heap given back and the peak resident set restarted; with ``spec["mapped"]`` after
+    :func:`~hf_dynbsz.execution.device_memory.map_large_blocks`. Returns each pass's peak over what the process held."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hf_dynbsz.execution.device_memory import map_large_blocks, release_cached_memory, reset_peak_rss, status_mib
+
+    if spec["mapped"]:
+        map_large_blocks(torch.device("cpu"))
+    hidden = CAP_RUN["hidden"]
+    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=4, num_attention_heads=hidden // 32,
+                         num_key_value_heads=hidden // 64, intermediate_size=3 * hidden, vocab_size=64,
+                         max_position_embeddings=spec["tokens"], attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 64, (1, spec["tokens"]))
+    increments = []
+    for _ in range(spec["repeats"]):
+        model.zero_grad(set_to_none=False)
+        release_cached_memory(torch.device("cpu"))
+        reset_peak_rss()
+        held = status_mib("VmRSS")
+        model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        increments.append(status_mib("VmHWM") - held)
+    return {"spec": spec, "increments": increments}
 
 
 def run(spec: dict, timeout: float = 1200) -> dict:
@@ -165,21 +239,13 @@ def main() -> None:
     base = dict(hidden=512, checkpointing=False, mix="long_tailed", steps=steps, seed=0, trainer="ours")
     started = time.time()
     results: dict = {"prediction": [], "sweep": [], "limited": [], "speed": [], "quick": cli.quick, "steps": steps}
-    sections = set(cli.only.split(",")) if cli.only else {"prediction", "limit", "speed"}
+    sections = set(cli.only.split(",")) if cli.only else {"prediction", "limit", "speed", "cap"}
+    keys = {"prediction": ["prediction"], "limit": ["sweep", "limited"], "speed": ["speed"], "cap": ["cap", "heap"]}
     if cli.only:
-        rerun = {
-            key
-            for section in sections
-            for key in {"prediction": ["prediction"], "limit": ["sweep", "limited"], "speed": ["speed"]}[section]
-        }
+        rerun = {key for section in sections for key in keys[section]}
         kept = json.loads((cli.out_dir / "memory_budget.json").read_text())
-        results.update(
-            {
-                key: value
-                for key, value in kept.items()
-                if key in ("prediction", "sweep", "limited", "speed") and key not in rerun
-            }
-        )
+        every = [key for section in keys.values() for key in section]
+        results.update({key: value for key, value in kept.items() if key in every and key not in rerun})
 
     # 1. prediction over hidden sizes and gradient checkpointing
     for hidden, checkpointing in (
@@ -215,10 +281,156 @@ def main() -> None:
             results["speed"].append(dict(run(dict(base, mix=mix, **extra)), label=label))
             print("speed", mix, label, flush=True)
 
+    if "cap" in sections:
+        results.update(cap_section_runs(cli.quick))
+
     results["seconds"] = time.time() - started
     cli.out_dir.mkdir(parents=True, exist_ok=True)
     (cli.out_dir / "memory_budget.json").write_text(json.dumps(results))
     report(results, cli.out_dir, cli.quick, results["seconds"])
+
+
+def cap_section_runs(quick: bool) -> dict:
+    """Section 4's runs, each a fresh process: the allocator probe (glibc's default heap, then large blocks mapped;
+    two processes each), then per mix stock GRPOTrainer, the floor, the ceiling, the default budget without a limit
+    and :data:`CAP_RUNS` runs capped halfway between the floor and the ceiling."""
+    heap = [
+        run(dict(section="heap", mapped=mapped, tokens=2800, repeats=3)) for mapped in (False, True) for _ in (0, 1)
+    ]
+    print("heap", flush=True)
+    caps = []
+    with tempfile.TemporaryDirectory(prefix="dynbsz-cap-params-") as params:
+        for mix in CAP_MIXES[:1] if quick else CAP_MIXES:
+            base = dict(section="cap", mix=mix, seed=0, trainer="ours")
+            stock = run(dict(base, trainer="stock", params_out=f"{params}/{mix}-stock.pt"))
+            floor = run(dict(base, fields=dict(max_tokens_per_microbatch=1, max_memory_per_device_mib=10**6)))
+            ceiling = run(dict(base, fields=dict(max_memory_per_device_mib=10**6)))
+            default = run(base)  # no limit: stock's micro-batch size, glibc's default heap
+            cap = round((floor["run_peak_mib"] + ceiling["run_peak_mib"]) / 2)
+            capped = []
+            for index in range(1 if quick else CAP_RUNS):
+                out = f"{params}/{mix}-{index}.pt"
+                result = run(dict(base, fields=dict(max_memory_per_device_mib=cap), params_out=out))
+                result.update(parameter_differences(out, f"{params}/{mix}-stock.pt"))
+                capped.append(result)
+                print("cap", mix, index, round(result["run_peak_mib"]), cap, flush=True)
+            caps.append(
+                dict(mix=mix, cap=cap, stock=stock, floor=floor, ceiling=ceiling, default=default, capped=capped)
+            )
+    return {"cap": caps, "heap": heap}
+
+
+def parameter_differences(ours: str, stock: str) -> dict:
+    """Two runs' final parameters, from the files their workers saved: their relative difference
+    (:func:`~hf_dynbsz.testing.relative_difference`) and that of their updates
+    (:func:`~hf_dynbsz.testing.update_difference`)."""
+    import torch
+
+    from hf_dynbsz.testing import relative_difference, update_difference
+
+    ours, stock = torch.load(ours), torch.load(stock)
+    assert relative_difference(ours["initial"], stock["initial"]) == 0.0, "the runs must start from the same weights"
+    return {
+        "parameter_difference": relative_difference(ours["final"], stock["final"]),
+        "update_difference": update_difference(stock["initial"], ours["final"], stock["final"]),
+    }
+
+
+def heap_section(heap: list[dict]) -> list[str]:
+    """Section 4's first table: the same pass's peak in fresh processes, glibc's default heap against large blocks
+    mapped on their own."""
+    rows = []
+    for mapped in (False, True):
+        runs = [r for r in heap if r["spec"]["mapped"] == mapped]
+        values = [v for r in runs for v in r["increments"]]
+        rows.append(
+            [
+                "large blocks mapped on their own" if mapped else "glibc's default (threshold raised as blocks free)",
+                "; ".join(", ".join(f"{v:.0f}" for v in r["increments"]) for r in runs),
+                f"{min(values):.0f}-{max(values):.0f}",
+            ]
+        )
+    header = ["heap", "each pass's peak over what the process held (MiB), per process", "range"]
+    return [
+        "## 4. The cap on long-tailed, agentic and tree-rollout steps",
+        "",
+        "Why identical capped runs peaked apart: the same forward and backward (hidden 384, 4 layers, gradient "
+        f"checkpointing, {heap[0]['spec']['tokens']} tokens) {len(heap[0]['increments'])} times in each of two fresh "
+        "processes, freed heap given back and the peak restarted before each:",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+
+
+def cap_rows(entry: dict) -> list[list]:
+    """One mix's rows of section 4: each capped run's peak against the cap, its budgets, its predictions and its
+    parameters against stock's."""
+    rows = []
+    for index, result in enumerate(entry["capped"]):
+        history = [h for h in result["history"] if h[0] == "training"]
+        first = int(result["passes"][0] or 0)
+        errors = [(h[4] - h[5]) / h[5] for h in history[first:]] or [0.0]
+        budgets = [b for b in result["budgets"][1:] if b]
+        peak = result["run_peak_mib"]
+        rows.append(
+            [
+                entry["mix"] if index == 0 else "",
+                f"{entry['cap']}" if index == 0 else "",
+                index + 1,
+                f"{peak:.0f}",
+                f"{peak / entry['cap'] - 1:+.1%}",
+                "yes" if peak <= entry["cap"] * (1 + CAP_TOLERANCE) else "NO",
+                f"{min(budgets):.0f}-{max(budgets):.0f}" if budgets else "-",
+                "/".join(f"{p:.0f}" for p in result["passes"]),
+                f"{max(errors, key=abs):+.1%}",
+                f"{result['parameter_difference']:.1e}",
+                f"{result['update_difference']:.1e}",
+                f"{mean_step(result):.1f}",
+            ]
+        )
+    return rows
+
+
+def cap_section(results: dict) -> list[str]:
+    """Section 4: the allocator probe, then per mix its floor, ceiling and cap and each capped run."""
+    if not results.get("cap"):
+        return []
+    lines = heap_section(results["heap"]) if results.get("heap") else []
+    bounds = [
+        [
+            entry["mix"],
+            f"{entry['floor']['run_peak_mib']:.0f}",
+            f"{entry['ceiling']['run_peak_mib']:.0f}",
+            entry["cap"],
+            f"{entry['default']['run_peak_mib']:.0f}",
+            f"{mean_step(entry['stock']):.1f}",
+        ]
+        for entry in results["cap"]
+    ]
+    header = ["mix", "floor (MiB)", "ceiling (MiB)", "cap (MiB)", "default budget, no limit (MiB)", "stock step (s)"]
+    held = sum(row[5] == "yes" for entry in results["cap"] for row in cap_rows(entry))
+    runs = sum(len(entry["capped"]) for entry in results["cap"])
+    columns = ["mix", "cap (MiB)", "run", "peak (MiB)", "over the cap", f"within {CAP_TOLERANCE:.0%}", "budgets",
+               "passes per step", "worst prediction (after step 1)", "parameters vs stock", "update vs stock",
+               "step (s)"]  # fmt: skip
+    return lines + [
+        "Qwen2-style decoder, hidden 384, 4 layers, gradient checkpointing, sdpa, fp32, the prefix tree (the "
+        f"default); {CAP_RUN['batch'] * CAP_RUN['accum']} completions a step, {CAP_RUN['generations']} of each "
+        f"prompt, up to {CAP_RUN['max_completion']} tokens, {CAP_RUN['steps']} steps, one process. The floor is the "
+        "run's whole-process peak with every sequence alone, the ceiling with the whole step in one pass (both "
+        "under a limit far above, measured as the capped runs are), the cap halfway between; the default budget's "
+        "run has no limit (glibc's default heap).",
+        "",
+        markdown_table(header, bounds),
+        "",
+        f"Capped runs: {held} of {runs} within {CAP_TOLERANCE:.0%} of their cap. Budgets after the first step (tokens "
+        "per pass), the worst predicted-vs-measured pass peak after the first step, and the relative differences of "
+        "the final parameters and of the parameter updates from stock GRPOTrainer's on the same completions:",
+        "",
+        markdown_table(columns, [row for entry in results["cap"] for row in cap_rows(entry)]),
+        "",
+    ]
 
 
 def prediction_section(results: dict, quick: bool, seconds: float) -> list[str]:
@@ -327,7 +539,7 @@ def speed_section(results: dict) -> list[str]:
 def report(results: dict, out_dir: Path, quick: bool, seconds: float) -> None:
     sweep = sorted(results["sweep"], key=lambda r: r["spec"]["budget"])
     lines = prediction_section(results, quick, seconds) + sweep_section(sweep)
-    lines += limited_section(results, sweep) + speed_section(results)
+    lines += limited_section(results, sweep) + speed_section(results) + cap_section(results)
     (out_dir / "memory_budget.md").write_text("\n".join(lines))
     plot(results, out_dir / "memory_budget.png")
     print("\n".join(lines))

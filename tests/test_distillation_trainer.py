@@ -368,17 +368,36 @@ def test_a_dataset_too_small_for_one_step_and_sequence_parallelism_are_refused_b
 
 
 # ---- the plugin's capabilities ----------------------------------------------------------------------------------
-def test_the_budget_from_memory_and_out_of_memory_passes_match_stock(model_dir, tmp_path):
-    """With a memory limit each kind's budget is the largest the memory model fits, the teacher's from its own model;
-    a teacher pass and a training pass that run out of memory are each re-planned (the training step runs again from
-    no gradients)."""
-    from hf_dynbsz.execution.device_memory import inject_out_of_memory
+def test_the_budget_from_memory_and_out_of_memory_passes_match_stock(model_dir, tmp_path, monkeypatch):
+    """With a memory limit each kind's budget is the largest the memory model fits, the teacher's from its own model,
+    keeping room for the teacher's last hidden states its passes will hold (every completion token of the step, of
+    the teacher's width, fp32); a teacher pass and a training pass that run out of memory are each re-planned (the
+    training step runs again from no gradients)."""
+    import inspect
 
+    from hf_dynbsz.execution.device_memory import inject_out_of_memory
+    from hf_dynbsz.planning.memory import MemoryModel
+    from hf_dynbsz.testing.fixtures import TEACHER_SHAPE
+
+    reserved, budget = [], MemoryModel.budget
+
+    def observed(self, kind, held_mib, longest, path_keys_per_token=0.0, reserved_mib=0.0):  # the real one, watched
+        if not any(frame.function == "plan_rows" for frame in inspect.stack()):  # (not the start-up plan table's)
+            reserved.append((kind, reserved_mib))
+        return budget(self, kind, held_mib, longest, path_keys_per_token, reserved_mib)
+
+    monkeypatch.setattr(MemoryModel, "budget", observed)
     inject_out_of_memory("teacher", "forward", 1)
     inject_out_of_memory("training", "backward", 1)
     steps = compare_with_stock(model_dir, tmp_path, beta=0.5, max_memory_per_device_mib=100_000)
     assert sum(step["dynbsz/oom_retries"] for step in steps) == 2
     assert all(step["dynbsz/predicted_peak_memory_mib"] > 0 for step in steps)
+    samples = 8  # per_device_train_batch_size 4 x gradient_accumulation_steps 2, one process
+    states = [step["completions/mean_length"] * samples * TEACHER_SHAPE["hidden_size"] * 4 / 2**20 for step in steps]
+    teacher = [mib for kind, mib in reserved if kind == "teacher"]
+    assert teacher[0] == teacher[1] == pytest.approx(states[0])  # the first step's, and its retry after the failure
+    assert teacher[2:] == pytest.approx(states[1:]) and min(teacher) > 0
+    assert all(mib == 0.0 for kind, mib in reserved if kind == "training")  # one process: nothing arrives
 
 
 def test_a_lora_student_matches_stock(model_dir, tmp_path):

@@ -179,3 +179,88 @@ def test_a_teachers_passes_have_a_model_of_their_own_from_the_teachers_config():
     scale = teacher_budget_scale(CONFIG, teacher)
     assert scale == pytest.approx(prior_coefficients(CONFIG, "logprob").per_token / memory.priors["teacher"].per_token)
     assert 0.45 < scale < 0.55 and teacher_budget_scale(CONFIG, CONFIG) == 1.0
+
+
+def test_a_tree_rows_path_keys_are_a_term_of_their_own():
+    """A prefix tree's node gathers its path's keys and values (and, in the sdpa / eager spans, queries) in front of
+    its own, in every layer: the prior counts them per path key, more without gradient checkpointing (every layer's
+    copies kept for backward) than with it, and none under flex_attention (its block mask reads the row in place)."""
+    sdpa = prior_coefficients(CONFIG, "training", attn_implementation="sdpa", gradient_checkpointing=True)
+    assert sdpa.per_path_key > 0
+    assert prior_coefficients(CONFIG, "training", attn_implementation="sdpa").per_path_key > 2 * sdpa.per_path_key
+    assert prior_coefficients(CONFIG, "logprob", attn_implementation="eager").per_path_key > 0
+    assert 0 < prior_coefficients(CONFIG, "logprob", attn_implementation="flash_attention_2").per_path_key
+    assert prior_coefficients(CONFIG, "training", attn_implementation="flex_attention").per_path_key == 0
+    # a pass of the same tokens grows with the keys its row gathers, and so does its predicted peak
+    memory = MemoryModel({kind: sdpa for kind in KINDS}, 4000.0)
+    increments = [memory.increment("training", 2000, 0, path_keys) for path_keys in (0, 1000, 4000)]
+    assert increments[0] < increments[1] < increments[2]
+    assert increments[2] - increments[0] == pytest.approx(4000 * sdpa.per_path_key)
+    assert memory.peak("training", 2000, 0, 100.0, 1000) == pytest.approx(100.0 + increments[1])
+    # fewer tokens fit a pass whose rows gather more keys per token
+    budgets = [memory.budget("training", 500.0, 64, path_keys_per_token=ratio) for ratio in (0.0, 1.0, 3.0)]
+    assert budgets[0] > budgets[1] > budgets[2] >= 1
+
+
+def test_measured_passes_refit_the_path_key_term():
+    """Passes of many shapes (path keys apart from tokens) fit the path-key term; passes whose path keys are always
+    the same share of their tokens cannot tell it apart from the per-token term: it keeps the prior's share."""
+    memory = model(per_pair=0.0)
+    memory.priors = {kind: Coefficients(50.0, 0.25, 0.0, 0.02) for kind in KINDS}
+    truth = Coefficients(120.0, 0.3, 0.0, 0.05)
+    shapes = [(500, 0), (1000, 3000), (2000, 200), (4000, 9000), (3000, 1000), (800, 2400), (1500, 6000)]
+    for tokens, path_keys in shapes:
+        memory.observe("training", tokens, 0, truth.increment(tokens, 0, path_keys), path_keys)
+    fitted = memory.coefficients("training")
+    assert (fitted.fixed, fitted.per_token, fitted.per_path_key) == pytest.approx((120.0, 0.3, 0.05), rel=1e-6)
+    alike = model()
+    alike.priors = {kind: Coefficients(50.0, 0.25, 0.0, 0.02) for kind in KINDS}
+    for tokens in (500, 1000, 2000, 4000, 3000, 800):
+        alike.observe("training", tokens, 0, truth.increment(tokens, 0, tokens // 2), tokens // 2)
+    fitted = alike.coefficients("training")
+    assert fitted.per_path_key == pytest.approx(0.02 * fitted.per_token / 0.25)
+    assert fitted.increment(1000, 0, 500) == pytest.approx(truth.increment(1000, 0, 500), rel=1e-6)
+
+
+def test_a_planned_pass_that_does_not_fit_cuts_the_budget():
+    """The budget counts the step's path keys per token; a pass gathering more (short leaves under a long trunk) may
+    not fit: :meth:`fitting_budget` cuts the budget by its overshoot, until every pass of several samples fits. A pass
+    of one sample cannot be split and does not cut it."""
+    memory = MemoryModel({kind: Coefficients(20.0, 0.1, 0.0, 0.05) for kind in KINDS}, 1000.0)
+    held = 400.0
+    budget = memory.budget("training", held, 64, path_keys_per_token=0.5)
+    room = memory.room(held)
+    margin = 1 + memory.increment_margin
+    fitting = (budget, 0, budget // 2, 4)  # the step's share of path keys: fits
+    assert memory.fitting_budget("training", held, budget, [fitting, (budget // 3, 0, 0, 2)]) == budget
+    heavy = (budget, 0, 3 * budget, 5)  # three path keys per token
+    assert margin * memory.increment("training", budget, 0, 3 * budget) > room
+    smaller = memory.fitting_budget("training", held, budget, [fitting, heavy])
+    assert 1 <= smaller < budget
+    # the same share of keys at the smaller budget fits
+    assert margin * memory.increment("training", smaller, 0, 3 * smaller) <= room * (1 + 1e-9)
+    alone = (budget, 0, 3 * budget, 1)
+    assert memory.fitting_budget("training", held, budget, [fitting, alone]) == budget
+    assert (
+        MemoryModel({kind: Coefficients(20.0, 0.1, 0.0) for kind in KINDS}).fitting_budget(
+            "training", held, budget, [heavy]
+        )
+        == budget
+    )  # without a limit, nothing to fit
+
+
+def test_held_states_are_reserved_from_the_room():
+    """A distillation teacher's last hidden states the passes will hold (``tokens x width`` values): the budget is the
+    one that fits as if the process held them already."""
+    from hf_dynbsz.planning.memory import held_states_mib
+
+    assert held_states_mib(1000, 1024, 2) == pytest.approx(1000 * 1024 * 2 / 2**20)
+    assert held_states_mib(0, 1024, 4) == 0.0
+    memory = model(limit=2000.0)
+    states = held_states_mib(20_000, 4096, 4)
+    assert memory.budget("teacher", 500.0, 100, reserved_mib=states) == memory.budget("teacher", 500.0 + states, 100)
+    assert memory.budget("teacher", 500.0, 100, reserved_mib=states) < memory.budget("teacher", 500.0, 100)
+    passes = [(5000, 0, 0, 3)]
+    assert memory.fitting_budget("teacher", 500.0, 5000, passes, reserved_mib=states) == memory.fitting_budget(
+        "teacher", 500.0 + states, 5000, passes
+    )

@@ -127,3 +127,47 @@ def test_a_limit_no_pass_fits_warns_what_a_sequence_needs_and_still_matches_stoc
     ):
         run = ours(model_dir, tmp_path, max_memory_per_device_mib=100)  # less than the process holds
     assert_matches(stock_run, run)
+
+
+def test_a_planned_pass_that_does_not_fit_is_planned_again_smaller(model_dir, tmp_path):
+    """Six short leaves under a 60-token trunk (5.9 path keys per token in their subtree) and three 50-token samples
+    alone (none): the budget from the step's path keys per token (2.1) puts the subtree in one pass, which the model (a
+    path key as heavy as a token) says does not fit; the step is planned again with a smaller budget, after which every
+    pass of several samples fits, and a pass of one sample (that cannot be split) is left as it is."""
+    import torch
+
+    from hf_dynbsz.execution.packing import SequenceTable
+    from hf_dynbsz.planning.memory import KINDS, Coefficients, MemoryModel
+    from hf_dynbsz.testing import base_config_kwargs, saved_model_trainer
+
+    args = DynamicBatchGRPOConfig(**base_config_kwargs(str(tmp_path), max_memory_per_device_mib=100_000))
+    executor = saved_model_trainer(args, model_dir)._dynbsz
+    assert executor.scheduler.sharing == "tree"
+    held = executor.meters.memory.held()
+    room = 300.0  # MiB a pass may add, far above what the resident set moves between two readings
+    executor.memory = MemoryModel({kind: Coefficients(0.0, 1.0, 0.0, 1.0) for kind in KINDS}, 0.0)
+    executor.memory.limit_mib = (held + room) / (1 - executor.memory.headroom)
+    trunk = [3 + (i % 4) for i in range(60)]
+    tokens = [trunk + [3 + leaf % 4, 4 + leaf // 4, 3 + leaf % 3] for leaf in range(6)]
+    tokens += [[3 + (i * 7 + k) % 4 for i in range(50)] for k in range(3)]
+    table = SequenceTable(
+        tokens=[torch.tensor(ids) for ids in tokens],
+        prompt_lengths=torch.tensor([30] * 9),
+        completion_lengths=torch.tensor([len(ids) - 30 for ids in tokens]),
+    )
+    plans = []
+    plan = executor._plan
+    executor._plan = lambda *arguments: plans.append(plan(*arguments)) or plans[-1]  # the real planner, watched
+    schedule = executor._planned(table, 10_000, "training", lambda schedule: 0.0)
+    assert len(plans) >= 2 and schedule is plans[-1] and schedule.budget < plans[0].budget
+    memory = executor.memory
+    margin = 1 + memory.increment_margin
+
+    def too_large(plan, slack: float) -> list:
+        passes = zip(plan.pass_shapes(), filter(None, plan.microbatches))
+        return [group for shape, group in passes if len(group) > 1 and margin * memory.increment(
+            "training", *shape[:2], shape[2]) > room + slack]  # fmt: skip
+
+    assert too_large(plans[0], -5.0)  # the first plan had a pass that did not fit
+    assert not too_large(schedule, 5.0)  # (the resident set moves a few MiB between the readings)
+    assert any(len(group) == 1 and group[0] < 6 for group in schedule.microbatches)  # a leaf alone with its trunk

@@ -31,6 +31,16 @@ def brute_pairs(sequences):
     return sum(2 * (len(prefix) - 2) + 1 for prefix in distinct_positions(sequences))
 
 
+def brute_path_keys(sequences):
+    """The keys gathered in front of the nodes: each node's depth (its path's length). A node begins at a position
+    whose parent (its tuple less its last entry) continues in two or more ways; a root's depth is 0."""
+    positions = distinct_positions(sequences)
+    children = {}
+    for prefix in positions:
+        children[prefix[:-1]] = children.get(prefix[:-1], 0) + 1
+    return sum(len(prefix) - 2 for prefix in positions if len(prefix) > 2 and children[prefix[:-1]] >= 2)
+
+
 sequences = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=8)
 
 
@@ -40,9 +50,14 @@ def test_a_pass_computes_each_distinct_position_once(samples, data):
     tree = tree_of(samples)
     assert tree.tokens() == len(distinct_positions(samples))
     assert tree.pairs() == brute_pairs(samples)
+    assert tree.path_keys() == brute_path_keys(samples)
+    assert tree.counts() == (tree.tokens(), tree.pairs(), tree.path_keys())
     subset = data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True))
     assert tree.tokens(subset) == len(distinct_positions([samples[i] for i in subset]))  # a pass of some of them
     assert tree.pairs(subset) == brute_pairs([samples[i] for i in subset])
+    # counted on the step's tree, a pass of some samples gathers at least what the pass's own tree (which the collator
+    # lays out) does: the step's nodes are cut where any of its samples fork, the pass's only where its own do
+    assert tree.path_keys(subset) >= brute_path_keys([samples[i] for i in subset])
 
 
 @settings(max_examples=200, deadline=None)
@@ -198,6 +213,7 @@ def test_samples_that_share_nothing_travel_as_their_lengths_and_count_as_the_gen
         assert tree.units(budget) == general.units(budget)
         chosen = data.draw(st.lists(st.sampled_from(range(len(lengths))), unique=True))
         assert (tree.tokens(chosen), tree.pairs(chosen)) == (general.tokens(chosen), general.pairs(chosen))
+        assert tree.counts(chosen) == general.counts(chosen) == (tree.tokens(chosen), tree.pairs(chosen), 0)
     first, second = built[0], built[1]
     picks = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct picks
     general = {id(first): walked(first), id(second): walked(second)}

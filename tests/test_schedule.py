@@ -546,6 +546,8 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
             assert planned <= budget
     assert schedule.shared_tokens_saved == sum(table.lengths.tolist()) - sum(mb.real_tokens for mb in built)
     assert schedule.pass_pairs == [tree.pairs(group) for group in real]
+    assert schedule.pass_path_keys == [tree.path_keys(group) for group in real]
+    assert schedule.pass_shapes() == list(zip(schedule.pass_tokens, schedule.pass_pairs, schedule.pass_path_keys))
 
 
 def test_a_shared_prefix_keeps_its_samples_in_one_pass_where_they_fit():

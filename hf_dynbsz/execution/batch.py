@@ -230,30 +230,56 @@ class StepBatch:
 
     def moved(self, group: ProcessGroup, exchange: Exchange, media: bool = False) -> StepBatch:
         """The training samples this process runs under ``exchange``, each with everything that belongs to it (with
-        ``media``, the same on every process, their image inputs and token fields too)."""
+        ``media``, the same on every process, their image inputs and token fields too). A distillation's teacher
+        hidden states travel apart, in their own dtype, and only those of samples that change process (a sample that
+        stays keeps its states, uncopied)."""
         records = group.send_to_runners(self.records(), exchange, self.record_size)
-        moved = self.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming])
+        hidden = None
+        if self.teacher_hidden is not None:
+            width = self.teacher_hidden_size
+            hidden = [
+                record.view(-1, width)
+                for record in group.send_to_runners(
+                    [rows.reshape(-1) for rows in self.teacher_hidden],
+                    exchange,
+                    lambda prompt, completion: completion * width,
+                    dtype=self.teacher_hidden_dtype,
+                )
+            ]
+        moved = self.from_records(records, [exchange.shapes[origin][i] for origin, i in exchange.incoming], hidden)
         if media:
             moved.table = moved.table.with_media_records(group.send_to_runners(self.table.media_records(), exchange))
         return moved
 
+    @property
+    def teacher_hidden_dtype(self) -> torch.dtype:
+        """The dtype of the teacher hidden states (every process's are the teacher's output dtype; a process owns at
+        least one sample)."""
+        return self.teacher_hidden[0].dtype if self.teacher_hidden else torch.float32
+
+    def arriving_hidden_tokens(self, exchange: Exchange | None, rank: int) -> int:
+        """Completion tokens whose teacher hidden states arrive at process ``rank`` under ``exchange`` (0 without a
+        teacher, or nothing moved): states this process will hold during the step's passes besides its own."""
+        if self.teacher_hidden is None or exchange is None:
+            return 0
+        return sum(exchange.shapes[origin][i][1] for origin, i in exchange.incoming if origin != rank)
+
     def record_size(self, prompt_length: int, completion_length: int) -> int:
         """Values in the record of a sample with these lengths: its tokens, its rows up to its completion
-        length, slice id, items, policy and entropy weights, rope width, and a distillation's teacher hidden
-        states."""
+        length, slice id, items, policy and entropy weights, rope width (a distillation's teacher hidden states
+        travel apart)."""
         per_token = sum(1 for _, _, is_per_token in self._row_fields() if is_per_token)
-        hidden = self.teacher_hidden_size * completion_length if self.teacher_hidden is not None else 0
         return (
             prompt_length
             + completion_length
             + per_token * completion_length
             + (len(self._row_fields()) - per_token)
             + EXTRAS
-            + hidden
         )
 
     def records(self) -> list[torch.Tensor]:
-        """One float64 record per sample (everything that belongs to it), exact for ids, masks, fp32 and fp64."""
+        """One float64 record per sample (everything that belongs to it but a distillation's teacher hidden states,
+        which :meth:`moved` sends in their own dtype), exact for ids, masks, fp32 and fp64."""
         records = []  # (image inputs and token fields travel apart: SequenceTable.media_records)
         for i, tokens in enumerate(self.table.tokens):
             length = int(self.table.completion_lengths[i])
@@ -272,17 +298,18 @@ class StepBatch:
                     ]
                 ).to(tokens.device)
             )
-            if self.teacher_hidden is not None:
-                pieces.append(self.teacher_hidden[i].double().reshape(-1))
             records.append(torch.cat([piece.to(tokens.device) for piece in pieces]))
         return records
 
-    def from_records(self, records: list[torch.Tensor], shapes: list[tuple[int, int]]) -> StepBatch:
-        """A batch of the samples in ``records`` (lengths ``shapes``), laid out like this one (same fields)."""
+    def from_records(
+        self, records: list[torch.Tensor], shapes: list[tuple[int, int]], hidden: list[torch.Tensor] | None = None
+    ) -> StepBatch:
+        """A batch of the samples in ``records`` (lengths ``shapes``), laid out like this one (same fields);
+        ``hidden``: their teacher hidden states, ``(completion, teacher_hidden_size)`` each (with a teacher)."""
         width = max([completion for _, completion in shapes] + [1])
         fields = self._row_fields()
         rows = {name: [] for name, _, _ in fields}
-        tokens, extras, hidden = [], [], []
+        tokens, extras = [], []
         for record, (prompt, completion) in zip(records, shapes):
             tokens.append(record[: prompt + completion].long())
             offset = prompt + completion
@@ -295,8 +322,6 @@ class StepBatch:
                 rows[name].append(value.to(tensor.dtype))
                 offset += size
             extras.append(record[offset : offset + EXTRAS])
-            if self.teacher_hidden is not None:
-                hidden.append(record[offset + EXTRAS :].view(completion, self.teacher_hidden_size))
         stacked = {name: torch.stack(values) for name, values in rows.items()}
         extras = torch.stack(extras).cpu()
         advantages = stacked["advantages"]
@@ -318,13 +343,6 @@ class StepBatch:
             high_entropy=stacked.get("high_entropy"),
             policy_weights=extras[:, 2],
             entropy_weights=extras[:, 3],
-            teacher_hidden=self._hidden_like(hidden),
+            teacher_hidden=None if self.teacher_hidden is None else list(hidden),
             teacher_hidden_size=self.teacher_hidden_size,
         )
-
-    def _hidden_like(self, hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Received teacher hidden states in this batch's dtype (None without a teacher)."""
-        if self.teacher_hidden is None:
-            return None
-        dtype = self.teacher_hidden[0].dtype if self.teacher_hidden else torch.float32
-        return [rows.to(dtype) for rows in hidden]

@@ -4,6 +4,13 @@ The torch side of :mod:`hf_dynbsz.planning.memory` (which models and decides, wi
 
 * :func:`release_cached_memory` gives freed memory back before a pass is measured (the measuring itself is
   :class:`hf_dynbsz.execution.metrics.PeakMemory`), :func:`pending_gradient_mib` the gradients a backward will allocate.
+* :func:`map_large_blocks` makes a CPU process's resident set follow what its tensors hold, for a memory limit to
+  bound: glibc then maps every block of :data:`MAPPED_BLOCK_BYTES` or more on its own and unmaps it when freed.
+  By default glibc raises that threshold (up to 32 MiB) each time it frees a larger mapped block, after which a
+  pass's tensors come from the heap, whose free pieces stay resident and are reused in an order that depends on the
+  heap's history: the same pass then peaked 1.7-2.3x what it peaks at with the blocks mapped, differently in each
+  process and each time (issue 58's 280 MiB between identical capped runs; ``benchmarks/memory_budget.py``, section
+  4). Mapping costs CPU time: about 20% of a forward and backward's there.
 * :func:`is_out_of_memory` recognises an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and
   the injected ones), the CPU allocator's ``RuntimeError`` ("can't allocate memory"), ``MemoryError``.
 * :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, or
@@ -24,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "MAPPED_BLOCK_BYTES",
     "inject_out_of_memory",
     "injected_fault",
     "is_out_of_memory",
+    "map_large_blocks",
     "pending_gradient_mib",
     "release_cached_memory",
     "reset_peak_rss",
@@ -83,6 +92,24 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
+
+
+#: Blocks of at least this many bytes are mapped on their own under a memory limit on CPU (glibc's initial
+#: ``M_MMAP_THRESHOLD``, kept there: :func:`map_large_blocks`).
+MAPPED_BLOCK_BYTES = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_blocks(device: torch.device) -> bool:
+    """On a CPU with glibc, map every allocation of :data:`MAPPED_BLOCK_BYTES` or more on its own from now on (and
+    give it back to the system when freed): ``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from raising the
+    threshold as mapped blocks are freed. A process's resident set is then what its tensors hold, the same for the
+    same pass, and a memory limit bounds it; otherwise freed heap pieces stay resident in an order no model can
+    predict (see the module). Process-wide and for the rest of the process. Returns whether it was set (False on
+    CUDA, whose allocator counters the limit reads instead, and without glibc)."""
+    if device.type == "cuda" or _LIBC is None or not hasattr(_LIBC, "mallopt"):
+        return False
+    return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES))
 
 
 def pending_gradient_mib(model: torch.nn.Module) -> float:

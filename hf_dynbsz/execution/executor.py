@@ -39,7 +39,8 @@ from hf_dynbsz.execution.multimodal import MediaPolicy
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
-from hf_dynbsz.planning.memory import FailedPass
+from hf_dynbsz.planning.memory import FIT_REPLANS, FailedPass
+from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import Scheduler
 from hf_dynbsz.planning.settings import SharePrefix
 
@@ -95,18 +96,30 @@ class PassExecutor(DevicePass):
         self.layout_timing = NO_LAYOUT_TIMING  # on CUDA with packing_layout "auto": set by the self-check
 
     # ------------------------------------------------------------------ the one loop
-    def run(self, model, kind: str, table: SequenceTable, stock_tokens: int, start, run_pass: PassFunction, dummy=None):
+    def run(
+        self,
+        model,
+        kind: str,
+        table: SequenceTable,
+        stock_tokens: int,
+        start,
+        run_pass: PassFunction,
+        dummy=None,
+        reserve: Callable[[object], float] | None = None,
+    ):
         """Plan ``table``'s samples for ``kind`` passes and run them; returns ``(schedule, state)``.
 
         ``start(schedule)`` moves the samples as the schedule's exchange says and returns the attempt's state;
         ``run_pass(state, schedule, group, last)`` runs one pass; ``dummy(model, last)`` a lockstep pass (default:
-        :meth:`dummy_pass`). After an out-of-memory error (here or on another process) the step is re-planned with a
-        smaller budget and runs again from its start.
+        :meth:`dummy_pass`); ``reserve(schedule)`` the MiB the passes will hold that the process does not hold when
+        they are planned (``schedule`` None before there is one; a distillation teacher's hidden states: see
+        :func:`~hf_dynbsz.planning.memory.held_states_mib`). After an out-of-memory error (here or on another
+        process) the step is re-planned with a smaller budget and runs again from its start.
         """
         while True:
             self._allocate_gradients(model, kind)
             with record_function("dynbsz/plan"):
-                schedule = self._plan(table, self._budget(table, stock_tokens, kind), kind)
+                schedule = self._planned(table, stock_tokens, kind, reserve or (lambda schedule: 0.0))
             self._warn_oversize(schedule, kind)
             with record_function("dynbsz/exchange"):
                 state = start(schedule)
@@ -141,7 +154,7 @@ class PassExecutor(DevicePass):
         """
         dummy = dummy or self.dummy_pass
         training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
-        failure, shapes = None, iter(zip(schedule.pass_tokens, schedule.pass_pairs))
+        failure, shapes = None, iter(schedule.pass_shapes())
         unwrapped = self.accelerator.unwrap_model(model)  # once per attempt (injected faults hook its layers)
         for position, group in enumerate(schedule.microbatches):
             last = position == schedule.passes - 1 and not sync_apart
@@ -165,10 +178,10 @@ class PassExecutor(DevicePass):
     ) -> FailedPass | None:
         """One real pass; with a memory limit measured (teaching the memory model); ``candidate``: in that layout
         of the layout timing, timed. Returns its failure, if any."""
-        held = None
+        held, (tokens, pairs, path_keys) = None, shape
         if self.memory.limit_mib is not None:
             held = self.meters.memory.held()
-            self.meters.predicted(self.memory.peak(kind, *shape, held))
+            self.meters.predicted(self.memory.peak(kind, tokens, pairs, held, path_keys))
         rank, lengths = self.accelerator.process_index, [schedule.lengths[i] for i in group]
         timed = self.layout_timing.timed(candidate, lengths, partial(self.segments, model))
         try:
@@ -178,10 +191,11 @@ class PassExecutor(DevicePass):
             self.recovery.check(error)
             self.recovery.settle(model)
             longest = max(schedule.lengths[i] for i in group)
-            failure = FailedPass(kind, *shape, held, len(group), longest, str(error).splitlines()[0])
+            message = str(error).splitlines()[0]
+            failure = FailedPass(kind, tokens, pairs, held, len(group), longest, message, path_keys=path_keys)
         else:
             if held is not None:
-                self.memory.measured(kind, *shape, held, self.meters.memory.pass_peak())
+                self.memory.measured(kind, tokens, pairs, held, self.meters.memory.pass_peak(), path_keys)
             return None
         release_cached_memory(self.accelerator.device)  # after the error (and the frames it held) is gone
         return failure
@@ -200,6 +214,7 @@ class PassExecutor(DevicePass):
             schedule, state = self.run(
                 model, "training", pooled.table, pooled.stock_microbatch_tokens, start, run_pass,
                 dummy=partial(self.loss.dummy_pass, self),
+                reserve=partial(self.loss.reserved_mib, pooled, self.scheduler.group.rank),
             )  # fmt: skip
             self._finish_layout_timing(pooled, schedule)
             losses = state.losses
@@ -341,15 +356,43 @@ class PassExecutor(DevicePass):
             state.statistics.index_copy_(0, index, statistics)
 
     # ------------------------------------------------------------------ planning a step
-    def _budget(self, table: SequenceTable, stock_tokens: int, kind: str) -> int:
-        """The token budget of ``kind``'s passes (:meth:`Scheduler.budget`), with a memory limit the largest whose
-        predicted peak fits (:meth:`MemoryModel.budget`), agreed by every process."""
-        memory, fits = self.memory, None
-        if memory.limit_mib is not None:
-            fits = memory.budget(kind, self.meters.memory.held(), max(table.lengths.tolist(), default=1))
-        return self.scheduler.budget(
-            stock_tokens, kind, fits=fits, cap=memory.caps.get(kind), agree=memory.limit_mib is not None
-        )
+    def _planned(self, table: SequenceTable, stock_tokens: int, kind: str, reserve: Callable[[object], float]):
+        """The schedule of ``table``'s ``kind`` passes: under the token budget of :meth:`Scheduler.budget`; with a
+        memory limit the largest whose predicted peak fits (:meth:`MemoryModel.budget`, by the step's path keys per
+        token and what ``reserve`` says the passes will hold), planned again smaller while a planned pass does not fit
+        (:meth:`MemoryModel.fitting_budget`), every process agreeing on each budget."""
+        memory, scheduler = self.memory, self.scheduler
+        if memory.limit_mib is None:
+            return self._plan(table, scheduler.budget(stock_tokens, kind, cap=memory.caps.get(kind)), kind)
+        held = self.meters.memory.held()
+        tree = self._step_tree(table)
+        keys_per_token = tree.path_keys() / max(tree.tokens(), 1) if tree is not None else 0.0
+        longest = max(table.lengths.tolist(), default=1)
+        fits = memory.budget(kind, held, longest, keys_per_token, reserve(None))
+        budget = scheduler.budget(stock_tokens, kind, fits=fits, cap=memory.caps.get(kind), agree=True)
+        schedule = self._plan(table, budget, kind)
+        for _ in range(FIT_REPLANS):
+            passes = [
+                (*self.parallel.per_process(shape), len(group))
+                for shape, group in zip(schedule.pass_shapes(), filter(None, schedule.microbatches))
+            ]
+            fits = memory.fitting_budget(kind, held, budget // self.parallel.size, passes, reserve(schedule))
+            smaller = scheduler.budget(stock_tokens, kind, fits=fits, cap=memory.caps.get(kind), agree=True)
+            if smaller >= budget:
+                break
+            budget, schedule = smaller, self._plan(table, smaller, kind)
+        return schedule
+
+    def _step_tree(self, table: SequenceTable):
+        """The prefix tree the step's samples share positions by (None when they share nothing)."""
+        sharing = self.scheduler.sharing
+        if sharing == "tree":
+            return table.prefix_tree(sharing)
+        if sharing == "groups":
+            prompts = table.prompt_lengths.tolist()
+            completions = [n - p for n, p in zip(table.lengths.tolist(), prompts)]
+            return PrefixTree.of_groups(prompts, completions, table.prompt_groups())
+        return None
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
         """The schedule of ``table``'s samples: with shared prompts, its prompt groups (found by prompt ids), with a

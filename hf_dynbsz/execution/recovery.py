@@ -88,7 +88,7 @@ class OutOfMemoryRecovery:
             model.zero_grad(set_to_none=True)  # the step's gradients so far: the step runs again from none
         release_cached_memory(self.accelerator.device)
         if failure.samples:
-            self.memory.record_failure(failure.kind, failure.tokens, failure.pairs, failure.held)
+            self.memory.record_failure(failure.kind, failure.tokens, failure.pairs, failure.held, failure.path_keys)
         if failure.samples == 1:
             self.failures_alone += 1
         if failure.hopeless or (self.processes == 1 and self.failures_alone >= 2):

@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from hf_dynbsz.execution.attention import device_facts
-from hf_dynbsz.execution.device_memory import pending_gradient_mib
+from hf_dynbsz.execution.device_memory import MAPPED_BLOCK_BYTES, map_large_blocks, pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
 from hf_dynbsz.execution.metrics import StepMeters
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
@@ -138,6 +138,12 @@ def _memory_model(args, accelerator, model, attn_implementation, teacher_config=
             )
         total = torch.cuda.get_device_properties(accelerator.device).total_memory / 2**20
         limit = args.max_memory_fraction_per_device * total
+    if limit is not None and map_large_blocks(accelerator.device):
+        logger.info(
+            "hf_dynbsz: max_memory_per_device_mib on a CPU: blocks of %d KiB or more are mapped on their own "
+            "(glibc's M_MMAP_THRESHOLD), so that the resident set the limit bounds is what the tensors hold.",
+            MAPPED_BLOCK_BYTES // 1024,
+        )
     mixed = str(accelerator.mixed_precision) in ("bf16", "fp16")
     checkpointing = bool(
         getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)

@@ -55,6 +55,7 @@ from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_l
 from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.execution.teacher import Teacher
 from hf_dynbsz.parallel.collectives import reduce_sum
+from hf_dynbsz.planning.memory import held_states_mib
 
 __all__ = ["AsyncGRPOLoss", "DPOLoss", "DistillationLoss", "GRPOLoss", "RLOOLoss", "StepLoss"]
 
@@ -79,6 +80,11 @@ class StepLoss(Protocol):
 
     def attempt(self, batch: StepBatch):
         """The state of one training attempt over ``batch`` (the samples this process runs)."""
+
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        """MiB the step's training passes over ``batch`` (this process's, ``rank`` in the scheduler's group) will hold
+        that the process does not hold when they are planned (``schedule`` None before there is one): the memory
+        model keeps room for it (:meth:`~hf_dynbsz.execution.executor.PassExecutor.run`'s ``reserve``)."""
 
     def metrics(self, batch: StepBatch) -> StepMetrics:
         """The metrics of one training attempt over ``batch``: stock's loss metrics, per stock slice, from the tensors
@@ -123,6 +129,9 @@ class _LogProbLoss:
 
     def prepare(self, executor, model, batch: StepBatch) -> None:
         return None
+
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        return 0.0  # what moved samples bring is a few values per token
 
     def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
         return executor.forward(model, mb, True, router=router)
@@ -306,6 +315,14 @@ class DistillationLoss:
 
     def prepare(self, executor, model, batch: StepBatch) -> None:
         self.teacher.hidden_states(executor, batch)
+
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        """The teacher hidden states that arrive with samples other processes send here (held during the passes
+        beside this process's own, which the process holds when they are planned)."""
+        exchange = None if schedule is None else schedule.exchange
+        bytes_per_value = torch.empty((), dtype=batch.teacher_hidden_dtype).element_size()
+        tokens = batch.arriving_hidden_tokens(exchange, rank)
+        return held_states_mib(tokens, batch.teacher_hidden_size, bytes_per_value)
 
     def attempt(self, batch: StepBatch) -> None:
         return None

@@ -15,8 +15,12 @@ loop (:meth:`~hf_dynbsz.execution.executor.PassExecutor.run`, kind ``"teacher"``
   gathers the teacher's parameters in every forward) that run what a real pass runs: the teacher's backbone;
 * the result, per sample, is the teacher's last hidden states at the positions that predict its completion tokens,
   ``(completion tokens, hidden size)`` in the teacher's output dtype, back on the process that owns the sample
-  (:attr:`~hf_dynbsz.execution.batch.StepBatch.teacher_hidden`); the step's training passes read them (and move them
-  with the sample when balancing moves it).
+  (:attr:`~hf_dynbsz.execution.batch.StepBatch.teacher_hidden`; only the states of samples another process ran
+  travel, in that dtype); the step's training passes read them (and move them with the sample when balancing moves
+  it);
+* the memory model counts them (:func:`~hf_dynbsz.planning.memory.held_states_mib`): the teacher's passes are
+  planned with room kept for the states they will hold by their last pass, the training passes with room for the
+  states that arrive with moved samples.
 
 A token's hidden state depends on its own sequence alone (the self-check compares each layout with the sample alone
 on the teacher too), so the hidden states are stock's whatever the passes.
@@ -36,8 +40,12 @@ from hf_dynbsz.execution.distillation_loss import backbone_hidden_states
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.planning.cost import config_value, text_config_of
+from hf_dynbsz.planning.memory import held_states_mib
 
 __all__ = ["Teacher"]
+
+#: The dtypes a teacher's hidden states can have (their index is what the processes agree on).
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclasses.dataclass
@@ -59,6 +67,8 @@ class Teacher:
         self.redirect = trainer._forward_redirection
         self.compute_context = trainer.compute_loss_context_manager
         self.hidden_size = int(config_value(text_config_of(self.unwrapped.config), "hidden_size", kind="size"))
+        #: the hidden states' dtype, once a step has shown it (every process's; the weights' until then)
+        self.dtype: torch.dtype | None = None
 
     @torch.no_grad()
     def hidden_states(self, executor, batch: StepBatch) -> None:
@@ -69,16 +79,42 @@ class Teacher:
             start = partial(self._start, executor, table)
             schedule, state = executor.run(
                 self.model, "teacher", table, batch.stock_microbatch_tokens, start, partial(self._pass, executor),
-                dummy=partial(self.dummy_pass, executor),
+                dummy=partial(self.dummy_pass, executor), reserve=partial(self.reserved_mib, table),
             )  # fmt: skip
             hidden = state.hidden
             if schedule.exchange is not None:  # the results go back to the process that owns each sample
-                size = self.hidden_size
-                records = [rows.double().reshape(-1) for rows in hidden]
-                own = executor.scheduler.group.send_to_owners(records, schedule.exchange, lambda p, c: c * size)
-                dtype = hidden[0].dtype if hidden else torch.float32
-                hidden = [record.view(-1, size).to(dtype) for record in own]
+                size, dtype = self.hidden_size, self._agreed_dtype(executor, hidden)
+                own = executor.scheduler.group.send_to_owners(
+                    [rows.reshape(-1) for rows in hidden], schedule.exchange, lambda p, c: c * size, dtype=dtype
+                )
+                hidden = [record.view(-1, size) for record in own]
+            elif hidden:  # (every process runs its own samples: each sees the dtype)
+                self.dtype = hidden[0].dtype
         batch.teacher_hidden, batch.teacher_hidden_size = hidden, self.hidden_size
+
+    def reserved_mib(self, table: SequenceTable, schedule) -> float:
+        """MiB of the hidden states this process's teacher passes will hold by their last pass (none of them is held
+        when the passes are planned): those of the samples it runs (``schedule``'s exchange; its own before there is
+        a schedule)."""
+        completions = table.completion_lengths.tolist()
+        exchange = None if schedule is None else schedule.exchange
+        tokens = sum(completions) if exchange is None else sum(exchange.shapes[q][i][1] for q, i in exchange.incoming)
+        return held_states_mib(tokens, self.hidden_size, self.element_size)
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per value of the hidden states (the weights' until a step has shown the states' dtype)."""
+        dtype = self.dtype or next(self.unwrapped.parameters()).dtype
+        return torch.empty((), dtype=dtype).element_size()
+
+    def _agreed_dtype(self, executor, hidden: list[torch.Tensor]) -> torch.dtype:
+        """The hidden states' dtype on every process (a process that ran no sample has none: one all-reduce, when the
+        first step moves samples)."""
+        if self.dtype is None:
+            local = _STATE_DTYPES.index(hidden[0].dtype) if hidden and hidden[0].dtype in _STATE_DTYPES else -1
+            agreed = executor.scheduler.group.all_reduce_max([local])[0]
+            self.dtype = _STATE_DTYPES[agreed] if agreed >= 0 else torch.float32
+        return self.dtype
 
     def _start(self, executor, table: SequenceTable, schedule) -> _TeacherPasses:
         run = table if schedule.exchange is None else executor.move(table, schedule.exchange)

@@ -2,9 +2,11 @@
 
 :class:`ProcessGroup` implements :class:`hf_dynbsz.planning.schedule.RankGroup` for a run under
 ``accelerate launch`` (NCCL on GPUs, gloo on CPU; on one process it does no communication) and moves samples as a
-balanced :class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat float64 record (ids,
-masks, fp32 and fp64 values are exact in float64) in a single ``all_to_all_single`` with uneven splits, which gloo and
-NCCL both support. Both sides compute every record's size from the all-gathered lengths, so no sizes are exchanged.
+balanced :class:`~hf_dynbsz.planning.schedule.Exchange` says: each sample travels as one flat record (float64 by
+default: ids, masks, fp32 and fp64 values are exact in it; states of one dtype, a distillation teacher's, in their
+own) in a single ``all_to_all_single`` with uneven splits, which gloo and NCCL both support. Only records that change
+process travel: a sample that stays keeps its record as it is, uncopied. Both sides compute every record's size from
+the all-gathered lengths, so no sizes are exchanged.
 The records are the torch layer's (``StepBatch.moved`` and ``SequenceTable.moved`` in :mod:`hf_dynbsz.execution`
 build and read them): this module moves tensors and imports nothing of that layer.
 Its collectives go through :mod:`hf_dynbsz.parallel.collectives`, which holds their tensors until no worker thread
@@ -114,12 +116,17 @@ class ProcessGroup:
         return [part.tolist() for part in gather_values(own, self.group)]
 
     def send_to_runners(
-        self, records: list[torch.Tensor], exchange: Exchange, size: Callable[[int, int], int] | None = None
+        self,
+        records: list[torch.Tensor],
+        exchange: Exchange,
+        size: Callable[[int, int], int] | None = None,
+        dtype: torch.dtype = torch.float64,
     ) -> list[torch.Tensor]:
         """This process's records (one per sample, local order) to the processes that run them.
 
         Returns the records of the samples this process runs, in :attr:`Exchange.incoming` order. ``size(prompt,
-        completion)`` is the length of a record; None: records of any length, whose lengths travel first.
+        completion)`` is the length of a record; None: records of any length, whose lengths travel first. ``dtype``:
+        the records' (the same on every process); a record that stays on this process is returned as it was given.
         """
         if size is None:
             lengths = iter(
@@ -136,21 +143,26 @@ class ProcessGroup:
             [size(*exchange.shapes[origin][i]) for i, target in enumerate(targets) if target == self.rank]
             for origin, targets in enumerate(exchange.destination)
         ]
-        return [record for from_one in self._all_to_all(outgoing, incoming) for record in from_one]
+        return [record for from_one in self._all_to_all(outgoing, incoming, dtype) for record in from_one]
 
     def send_to_owners(
-        self, records: list[torch.Tensor], exchange: Exchange, size: Callable[[int, int], int]
+        self,
+        records: list[torch.Tensor],
+        exchange: Exchange,
+        size: Callable[[int, int], int],
+        dtype: torch.dtype = torch.float64,
     ) -> list[torch.Tensor]:
         """The reverse of :meth:`send_to_runners`: results of the samples this process ran, back to their owners.
 
-        ``records`` are in :attr:`Exchange.incoming` order; returns one record per own sample, in local order.
+        ``records`` are in :attr:`Exchange.incoming` order; returns one record per own sample, in local order (one
+        that stayed here as it was given). ``dtype``: the records' (the same on every process).
         """
         by_owner: list[list[torch.Tensor]] = [[] for _ in range(self.num_processes)]
         for record, (origin, _) in zip(records, exchange.incoming):
             by_owner[origin].append(record)
         own_shapes = exchange.shapes[self.rank]
         expected = [[size(*own_shapes[i]) for i in indices] for indices in exchange.outgoing]
-        received = self._all_to_all(by_owner, expected)
+        received = self._all_to_all(by_owner, expected, dtype)
         result: list[torch.Tensor | None] = [None] * len(own_shapes)
         for indices, from_one in zip(exchange.outgoing, received):
             for i, record in zip(indices, from_one):
@@ -169,17 +181,21 @@ class ProcessGroup:
         return result
 
     def _all_to_all(
-        self, outgoing: list[list[torch.Tensor]], incoming_sizes: list[list[int]]
+        self, outgoing: list[list[torch.Tensor]], incoming_sizes: list[list[int]], dtype: torch.dtype = torch.float64
     ) -> list[list[torch.Tensor]]:
-        """Send ``outgoing[p]`` (1-D float64 records) to process ``p``; receive records of ``incoming_sizes[p]``."""
+        """Send ``outgoing[p]`` (1-D records of ``dtype``) to process ``p``; receive records of ``incoming_sizes[p]``.
+        This process's own records (``outgoing[rank]``) do not travel: they come back as they were given."""
+        empty = torch.zeros(0, dtype=dtype, device=self.device)
         send = [
-            torch.cat(records) if records else torch.zeros(0, dtype=torch.float64, device=self.device)
-            for records in outgoing
+            torch.cat(records) if records and target != self.rank else empty for target, records in enumerate(outgoing)
         ]
         send_splits = [int(part.numel()) for part in send]
-        receive_splits = [sum(sizes) for sizes in incoming_sizes]
-        received = torch.empty(sum(receive_splits), dtype=torch.float64, device=self.device)
-        sent = torch.cat(send).to(self.device, torch.float64)
+        receive_splits = [0 if origin == self.rank else sum(sizes) for origin, sizes in enumerate(incoming_sizes)]
+        received = torch.empty(sum(receive_splits), dtype=dtype, device=self.device)
+        sent = torch.cat(send).to(self.device, dtype)
         all_to_all_single(received, sent, receive_splits, send_splits, group=self.group)
         parts = received.detach().split(receive_splits)  # views of an alias: the received tensor stays this module's
-        return [list(part.split(sizes)) if sizes else [] for part, sizes in zip(parts, incoming_sizes)]
+        return [
+            list(outgoing[origin]) if origin == self.rank else list(part.split(sizes)) if sizes else []
+            for origin, (part, sizes) in enumerate(zip(parts, incoming_sizes))
+        ]

@@ -2,36 +2,49 @@
 
 A pass's peak memory (MiB per device) is modelled as what the process holds before it plus what the pass adds::
 
-    peak = held + pending_gradients + fixed + per_token x tokens + per_pair x pairs
+    peak = held + reserved + pending_gradients + fixed + per_token x tokens + per_path_key x path_keys
+           + per_pair x pairs
 
-``tokens`` are the token positions the pass computes (as the budget counts them), ``pairs`` its attention term
-(the sum of squared sequence lengths, an upper bound for padded rows); ``held`` is measured before the pass
-(parameters, gradients, optimizer state, everything else the process holds: on CPU its resident set) and
-``pending_gradients`` are the gradients the first backward of a step allocates. ``fixed`` (the LM head's tile,
-workspace), ``per_token`` (activations kept for backward, or one layer's live activations in a no-grad pass) and
+``tokens`` are the token positions the pass computes (as the budget counts them: a prefix tree's shared positions
+once), ``path_keys`` the keys its attention gathers in front of the row's nodes (a prefix tree's node attends to its
+root-to-node path: every layer gathers the path's keys and values, and the sdpa / eager spans its queries, in front
+of the node's own; :meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.path_keys`, 0 for samples that share nothing),
+``pairs`` its attention term (every position's queries against its path's keys: the sum of squared sequence
+lengths for samples alone, an upper bound for padded rows); ``held`` is measured before the pass (parameters,
+gradients, optimizer state, everything else the process holds: on CPU its resident set), ``reserved`` is what the
+process will hold by the pass that it does not hold yet (a distillation teacher's last hidden states, produced pass
+by pass or arriving with moved samples: :func:`held_states_mib`) and ``pending_gradients`` are the gradients the
+first backward of a step allocates. ``fixed`` (the LM head's tile, workspace), ``per_token`` (activations kept for
+backward, or one layer's live activations in a no-grad pass), ``per_path_key`` (the gathered copies of a path's
+queries, keys and values and their gradients: one layer's with gradient checkpointing, every layer's without) and
 ``per_pair`` (the attention scores of an eager kernel; about 0 for sdpa and flash kernels) start from a prior read
 off the model config, precision, gradient checkpointing and ``tensor_batch_size``, and are refitted from every
 measured pass by least squares, separately for training and no-grad passes: a wrong first guess corrects itself
-within a few steps. What it assumes: the increment of a pass is linear in its tokens and attention pairs (true of
-a transformer's activations; the LM head's tile makes it piecewise linear below ``tensor_batch_size`` tokens), and
-what the process holds between passes changes slowly (measured again before every plan).
+within a few steps. What it assumes: the increment of a pass is linear in its tokens, path keys and attention pairs
+(true of a transformer's activations; the LM head's tile makes it piecewise linear below ``tensor_batch_size``
+tokens), and what the process holds between passes changes slowly (measured again before every plan).
 
 :meth:`MemoryModel.budget` is the largest budget whose predicted whole-process peak, with ``INCREMENT_MARGIN`` of
 the pass's increment added, fits ``limit x (1 - MEMORY_HEADROOM)``, given the longest sequence of the step (a pass
-of ``B`` tokens whose sequences are at most ``L`` long has at most ``B x min(B, L)`` pairs). A pass that ran out of
-memory teaches the model its point (:meth:`MemoryModel.record_failure`) and caps later budgets below it.
+of ``B`` tokens whose sequences are at most ``L`` long has at most ``B x min(B, L)`` pairs) and its path keys per
+token (the step's tree's). Its passes then planned, :meth:`MemoryModel.fitting_budget` checks each one's own shape
+(a pass of short leaves under a long trunk gathers more path keys per token than the step) and gives a smaller
+budget to plan again with when one does not fit. A pass that ran out of memory teaches the model its point
+(:meth:`MemoryModel.record_failure`) and caps later budgets below it.
 
 Pure Python (no torch): the planner (``hf-dynbsz plan --max_memory_mib``) uses the same model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "FIT_REPLANS",
     "INCREMENT_MARGIN",
     "MEMORY_HEADROOM",
     "RESIDENT_SET_INCREMENT_MARGIN",
@@ -41,6 +54,7 @@ __all__ = [
     "MemoryModel",
     "OutOfMemoryBudgetError",
     "estimated_held_mib",
+    "held_states_mib",
     "plan_rows",
     "teacher_budget_scale",
 ]
@@ -59,6 +73,9 @@ RESIDENT_SET_INCREMENT_MARGIN = 0.25
 KINDS = ("training", "logprob", "teacher")
 #: A pass that ran out of memory caps later budgets of its kind at this share of its tokens.
 FAILURE_SHRINK = 0.7
+#: A step's passes are planned again with a smaller budget at most this many times when a planned pass does not fit
+#: (:meth:`MemoryModel.fitting_budget`; each time smaller by the worst pass's overshoot, so one or two suffice).
+FIT_REPLANS = 4
 #: Passes whose token counts differ by less than this factor cannot tell the fixed term from the per-token one:
 #: until they do, the prior's shape is kept and only its scale is fitted.
 MIN_TOKEN_SPREAD = 1.5
@@ -79,21 +96,27 @@ class OutOfMemoryBudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class Coefficients:
-    """What a pass adds to the memory the process holds, in MiB: ``fixed + per_token x tokens + per_pair x pairs``."""
+    """What a pass adds to the memory the process holds, in MiB: ``fixed + per_token x tokens + per_pair x pairs +
+    per_path_key x path_keys``."""
 
     fixed: float
     per_token: float
     per_pair: float
+    per_path_key: float = 0.0
 
-    def increment(self, tokens: int, pairs: int) -> float:
-        return self.fixed + self.per_token * tokens + self.per_pair * pairs
+    def increment(self, tokens: int, pairs: int, path_keys: int = 0) -> float:
+        return self.fixed + self.per_token * tokens + self.per_pair * pairs + self.per_path_key * path_keys
 
     def scaled(self, factor: float) -> Coefficients:
-        return Coefficients(self.fixed * factor, self.per_token * factor, self.per_pair * factor)
+        return Coefficients(
+            self.fixed * factor, self.per_token * factor, self.per_pair * factor, self.per_path_key * factor
+        )
 
     def describe(self) -> str:
-        return f"{self.fixed:.0f} MiB + {self.per_token * 1024:.1f} KiB/token" + (
-            f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else ""
+        return (
+            f"{self.fixed:.0f} MiB + {self.per_token * 1024:.1f} KiB/token"
+            + (f" + {self.per_path_key * 1024:.1f} KiB/path key" if self.per_path_key else "")
+            + (f" + {self.per_pair * _MIB:.2f} B/pair" if self.per_pair else "")
         )
 
 
@@ -126,16 +149,39 @@ def prior_coefficients(
     eager = attn_implementation in (None, "eager")
     tile_tokens = tensor_batch_size or 4096
     tile = tile_tokens * min(vocab, _FUSED_HEAD_COLUMNS if tensor_batch_size else 32768) * 4 * 3
+    gathered = _path_key_bytes(text, hidden, heads, activation_bytes, attn_implementation)
     if kind == "training":
         kept = layers * hidden * activation_bytes + 2 * per_layer if gradient_checkpointing else layers * per_layer
         per_token = kept + 4 * hidden * activation_bytes
         per_pair = (2 if gradient_checkpointing else 2 * layers) * heads * activation_bytes if eager else 0
+        # the gathered copies kept for backward (one layer's, recomputed, with checkpointing), and one layer's
+        # gradients of them in backward
+        per_path_key = (1 if gradient_checkpointing else layers) * gathered + gathered
     elif kind in ("logprob", "teacher"):  # a teacher's pass: the log-prob pass's shape, of the teacher's config
         per_token = per_layer + 2 * hidden * activation_bytes
         per_pair = 2 * heads * activation_bytes if eager else 0
+        per_path_key = gathered  # one layer's gathered copies
     else:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    return Coefficients(fixed=tile / _MIB, per_token=per_token / _MIB, per_pair=per_pair / _MIB).scaled(PRIOR_SAFETY)
+    return Coefficients(
+        fixed=tile / _MIB, per_token=per_token / _MIB, per_pair=per_pair / _MIB, per_path_key=per_path_key / _MIB
+    ).scaled(PRIOR_SAFETY)
+
+
+def _path_key_bytes(text: Any, hidden: int, heads: int, activation_bytes: int, attn_implementation: str | None) -> int:
+    """Bytes one layer gathers per path key of a prefix tree's row: the key and value copies in front of each node
+    (varlen and flash kernels), and the query copy and its output too where a span recomputes its path's queries
+    (sdpa and eager spans); none under flex_attention, whose block mask reads the row's keys where they are."""
+    from hf_dynbsz.planning.cost import config_value
+
+    if attn_implementation == "flex_attention":
+        return 0
+    head_dim = config_value(text, "head_dim", 0, kind="size") or max(1, hidden // max(heads, 1))
+    kv_heads = config_value(text, "num_key_value_heads", 0, kind="size") or heads
+    query = heads * head_dim
+    if attn_implementation is not None and attn_implementation not in ("sdpa", "eager"):  # varlen / flash: keys
+        return 2 * kv_heads * head_dim * activation_bytes
+    return (2 * query + 2 * kv_heads * head_dim) * activation_bytes
 
 
 @dataclass
@@ -143,6 +189,7 @@ class _Observation:
     tokens: int
     pairs: int
     increment: float  # MiB the pass added to what the process held
+    path_keys: int = 0
 
 
 @dataclass
@@ -161,8 +208,8 @@ class MemoryModel:
     increment_margin: float = INCREMENT_MARGIN
     observations: dict[str, deque] = field(default_factory=dict)
     caps: dict[str, int] = field(default_factory=dict)
-    #: ``(kind, tokens, pairs, held, predicted peak, measured peak)`` of the newest measured passes (MiB), the
-    #: prediction made before the pass ran: what ``benchmarks/memory_budget.py`` reports.
+    #: ``(kind, tokens, pairs, held, predicted peak, measured peak, path keys)`` of the newest measured passes (MiB),
+    #: the prediction made before the pass ran: what ``benchmarks/memory_budget.py`` reports.
     history: deque = field(default_factory=lambda: deque(maxlen=4096))
     _fits: dict[str, Coefficients] = field(default_factory=dict)
 
@@ -186,28 +233,31 @@ class MemoryModel:
         return cls(priors, limit_mib, increment_margin=increment_margin, shown=shown)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, kind: str, tokens: int, pairs: int, increment_mib: float) -> None:
-        """A measured pass of ``kind``: ``tokens`` and ``pairs`` as planned, ``increment_mib`` its measured peak minus
-        what the process held before it (and minus the gradients its backward allocated for the first time)."""
+    def observe(self, kind: str, tokens: int, pairs: int, increment_mib: float, path_keys: int = 0) -> None:
+        """A measured pass of ``kind``: ``tokens``, ``pairs`` and ``path_keys`` as planned, ``increment_mib`` its
+        measured peak minus what the process held before it (and minus the gradients its backward allocated for the
+        first time)."""
         self.observations.setdefault(kind, deque(maxlen=OBSERVATIONS_KEPT)).append(
-            _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0))
+            _Observation(int(tokens), int(pairs), max(float(increment_mib), 0.0), int(path_keys))
         )
         self._fits.pop(kind, None)
 
-    def measured(self, kind: str, tokens: int, pairs: int, held_mib: float, peak_mib: float) -> None:
+    def measured(
+        self, kind: str, tokens: int, pairs: int, held_mib: float, peak_mib: float, path_keys: int = 0
+    ) -> None:
         """A pass that ran while the process held ``held_mib`` and peaked at ``peak_mib`` (whole process): recorded
         beside what the model predicted for it (:attr:`history`), then learnt (:meth:`observe`)."""
-        predicted = self.peak(kind, tokens, pairs, held_mib)
-        self.history.append((kind, int(tokens), int(pairs), held_mib, predicted, peak_mib))
-        self.observe(kind, tokens, pairs, peak_mib - held_mib)
+        predicted = self.peak(kind, tokens, pairs, held_mib, path_keys)
+        self.history.append((kind, int(tokens), int(pairs), held_mib, predicted, peak_mib, int(path_keys)))
+        self.observe(kind, tokens, pairs, peak_mib - held_mib, path_keys)
 
-    def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float | None) -> None:
-        """A pass of ``tokens`` (``pairs``) ran out of memory while the process held ``held_mib`` (None: not
-        measured, without a limit): later budgets of ``kind`` stay below ``FAILURE_SHRINK x tokens`` and, with a
-        limit, the fit learns that the pass needed more than the limit left."""
+    def record_failure(self, kind: str, tokens: int, pairs: int, held_mib: float | None, path_keys: int = 0) -> None:
+        """A pass of ``tokens`` (``pairs``, ``path_keys``) ran out of memory while the process held ``held_mib``
+        (None: not measured, without a limit): later budgets of ``kind`` stay below ``FAILURE_SHRINK x tokens`` and,
+        with a limit, the fit learns that the pass needed more than the limit left."""
         self.caps[kind] = min(self.caps.get(kind, tokens), max(1, int(tokens * FAILURE_SHRINK)))
         if self.limit_mib is not None and held_mib is not None:
-            self.observe(kind, tokens, pairs, self.limit_mib - held_mib)
+            self.observe(kind, tokens, pairs, self.limit_mib - held_mib, path_keys)
 
     def coefficients(self, kind: str) -> Coefficients:
         """The current fit of ``kind``: the prior scaled to the measurements while they cannot separate the terms,
@@ -224,29 +274,34 @@ class MemoryModel:
         sizes = [p.tokens for p in points]
         if len(points) < MIN_POINTS_FOR_FIT or max(sizes) < MIN_TOKEN_SPREAD * max(min(sizes), 1):
             # too few, or too alike, to part the fixed term from the per-token one (measurements are noisy): keep
-            # the prior's fixed term and fit one scale of its per-token and per-pair terms
-            load = [prior.per_token * p.tokens + prior.per_pair * p.pairs for p in points]
+            # the prior's fixed term and fit one scale of its load terms
+            load = [prior.increment(p.tokens, p.pairs, p.path_keys) - prior.fixed for p in points]
             scale = sum(x * (p.increment - prior.fixed) for x, p in zip(load, points)) / max(
                 sum(x * x for x in load), 1e-12
             )
-            return Coefficients(prior.fixed, prior.per_token * max(scale, 0.0), prior.per_pair * max(scale, 0.0))
-        use_pairs = prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3
-        columns = ["fixed", "per_token"] + (["per_pair"] if use_pairs else [])
-        fitted = _least_squares(points, columns)
-        if not use_pairs:  # the pairs term keeps the prior's share, scaled like the tokens term
-            scale = fitted["per_token"] / prior.per_token if prior.per_token else 1.0
-            fitted["per_pair"] = prior.per_pair * scale
-        return Coefficients(fitted["fixed"], fitted["per_token"], fitted["per_pair"])
+            return dataclasses.replace(prior.scaled(max(scale, 0.0)), fixed=prior.fixed)
+        columns = ["fixed", "per_token"]
+        if prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3:
+            columns.append("per_pair")
+        if prior.per_path_key > 0 and _apart(points, "path_keys"):
+            columns.append("per_path_key")
+        # a term the points cannot tell apart keeps the prior's share of the per-token one (fitted with it)
+        kept = {name: getattr(prior, name) / prior.per_token if prior.per_token else 0.0
+                for name in ("per_pair", "per_path_key") if name not in columns}  # fmt: skip
+        fitted = _least_squares(points, columns, kept)
+        for name, share in kept.items():
+            fitted[name] = fitted["per_token"] * share
+        return Coefficients(fitted["fixed"], fitted["per_token"], fitted["per_pair"], fitted["per_path_key"])
 
     # ------------------------------------------------------------------ predicting and choosing
-    def increment(self, kind: str, tokens: int, pairs: int) -> float:
-        """MiB a pass of ``tokens`` and ``pairs`` adds to what the process holds."""
-        return self.coefficients(kind).increment(tokens, pairs)
+    def increment(self, kind: str, tokens: int, pairs: int, path_keys: int = 0) -> float:
+        """MiB a pass of ``tokens``, ``pairs`` and ``path_keys`` adds to what the process holds."""
+        return self.coefficients(kind).increment(tokens, pairs, path_keys)
 
-    def peak(self, kind: str, tokens: int, pairs: int, held_mib: float) -> float:
+    def peak(self, kind: str, tokens: int, pairs: int, held_mib: float, path_keys: int = 0) -> float:
         """Predicted whole-process peak (MiB) of a pass while the process holds ``held_mib`` (pending gradients
         included)."""
-        return held_mib + self.increment(kind, tokens, pairs)
+        return held_mib + self.increment(kind, tokens, pairs, path_keys)
 
     def room(self, held_mib: float) -> float | None:
         """MiB a pass may add while the process holds ``held_mib`` (None without a limit)."""
@@ -254,15 +309,20 @@ class MemoryModel:
             return None
         return self.limit_mib * (1.0 - self.headroom) - held_mib
 
-    def budget(self, kind: str, held_mib: float, longest: int) -> int | None:
-        """The largest token budget whose passes fit: ``(1 + increment_margin) x increment(B, B x min(B, longest)) <=
-        room(held_mib)``.
+    def budget(
+        self, kind: str, held_mib: float, longest: int, path_keys_per_token: float = 0.0, reserved_mib: float = 0.0
+    ) -> int | None:
+        """The largest token budget whose passes fit: ``(1 + increment_margin) x increment(B, B x min(B, longest),
+        B x path_keys_per_token) <= room(held_mib + reserved_mib)``.
 
-        ``longest``: the longest sequence (tokens) of the step. None without a limit. At least 1: when even one
-        token does not fit, every sequence runs alone (and :meth:`oversize_message` says why it cannot fit).
-        Never above the cap a failed pass left (:meth:`record_failure`).
+        ``longest``: the longest sequence (tokens) of the step; ``path_keys_per_token``: the keys a pass gathers per
+        token it computes (the step's prefix tree's, :meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.path_keys`
+        over its tokens; 0 for samples that share nothing); ``reserved_mib``: what the process will hold by then
+        that it does not hold yet (:func:`held_states_mib`). None without a limit. At least 1: when even one token
+        does not fit, every sequence runs alone (and :meth:`oversize_message` says why it cannot fit). Never above
+        the cap a failed pass left (:meth:`record_failure`).
         """
-        room = self.room(held_mib)
+        room = self.room(held_mib + reserved_mib)
         if room is None:
             return None
         c = self.coefficients(kind).scaled(1.0 + self.increment_margin)
@@ -270,12 +330,44 @@ class MemoryModel:
         available = room - c.fixed
         best = 1
         if available > 0:
-            long_rate = c.per_token + c.per_pair * longest  # every pass at least as long as the longest sequence
+            per_token = c.per_token + c.per_path_key * max(float(path_keys_per_token), 0.0)
+            long_rate = per_token + c.per_pair * longest  # every pass at least as long as the longest sequence
             best = available / long_rate if long_rate > 0 else math.inf
             if best < longest:  # passes shorter than the longest sequence: pairs <= B^2
-                best = _largest_root(c.per_pair, c.per_token, -available)
+                best = _largest_root(c.per_pair, per_token, -available)
         best = max(1, int(min(best, 2**40)))
         return min(best, self.caps.get(kind, best))
+
+    def fitting_budget(
+        self,
+        kind: str,
+        held_mib: float,
+        budget: int,
+        passes: list[tuple[int, int, int, int]],
+        reserved_mib: float = 0.0,
+    ) -> int:
+        """The budget to plan with once ``budget``'s passes are planned: ``budget`` when each pass that holds more
+        than one sample is predicted, with the margin, to fit ``room(held_mib + reserved_mib)``; otherwise smaller
+        than ``budget``, by the share of the room the worst such pass overshoots (at least 1).
+
+        ``passes``: per planned pass, ``(tokens, pairs, path_keys, samples)``. A pass of one sample cannot be
+        split: it runs as it is, however small the budget (the executor's oversize warning says what it needs).
+        """
+        room = self.room(held_mib + reserved_mib)
+        if room is None:
+            return budget
+        c = self.coefficients(kind).scaled(1.0 + self.increment_margin)
+        share = min(
+            (
+                (room - c.fixed) / max(c.increment(tokens, pairs, path_keys) - c.fixed, 1e-12)
+                for tokens, pairs, path_keys, samples in passes
+                if samples > 1 and c.increment(tokens, pairs, path_keys) > room
+            ),
+            default=None,
+        )
+        if share is None:
+            return budget
+        return max(1, min(budget - 1, int(budget * max(share, 0.0))))
 
     def describe(self, kind: str) -> str:
         fits = "fitted" if self.observations.get(kind) else "prior"
@@ -286,7 +378,7 @@ class MemoryModel:
 class FailedPass:
     """A pass that ran out of memory: its ``kind``, ``tokens`` and ``pairs`` as planned, what the process held before
     it (None: unmeasured), its ``samples`` and ``longest`` sequence (``samples`` 0: it failed on another process),
-    the error's first line; ``hopeless`` when every process agreed that it cannot be retried."""
+    the error's first line; ``hopeless`` when every process agreed that it cannot be retried; its ``path_keys``."""
 
     kind: str
     tokens: int
@@ -296,6 +388,7 @@ class FailedPass:
     longest: int
     message: str
     hopeless: bool = False
+    path_keys: int = 0
 
     def explain(self, memory: MemoryModel) -> str:
         """What failed, for the log line of a retry and for :class:`OutOfMemoryBudgetError`."""
@@ -307,7 +400,7 @@ class FailedPass:
         )
         if self.samples > 1:
             return what
-        needed = memory.increment(self.kind, self.tokens, self.pairs)
+        needed = memory.increment(self.kind, self.tokens, self.pairs, self.path_keys)
         limit = "" if memory.limit_mib is None else f" of the {memory.limit_mib:.0f} MiB limit"
         held = "" if self.held is None else f" while the process held {self.held:.0f} MiB{limit}"
         return (
@@ -375,11 +468,32 @@ def estimated_held_mib(config: Any, num_processes: int = 1, zero_stage: int | No
     return parameters * (shards[0] + shards[1] / max(num_processes, 1)) / _MIB
 
 
-def _least_squares(points: list[_Observation], columns: list[str]) -> dict[str, float]:
-    """Non-negative least squares of the increments over the named terms (few terms: drop a negative one, refit)."""
+def held_states_mib(tokens: int, width: int, element_bytes: int) -> float:
+    """MiB of per-token states a process holds for ``tokens`` tokens, ``width`` values of ``element_bytes`` each (a
+    distillation teacher's last hidden states: ``width`` its hidden size, in its output dtype): what the teacher's
+    passes reserve for the states they produce, and the training passes for the states that arrive with moved
+    samples (:meth:`MemoryModel.budget`'s ``reserved_mib``)."""
+    return max(int(tokens), 0) * int(width) * int(element_bytes) / _MIB
+
+
+def _apart(points: list[_Observation], name: str) -> bool:
+    """Whether the points' ``name`` (``path_keys``) varies apart from their tokens: some non-zero, and at least three
+    different ratios to the tokens (else the least squares could not part the two terms)."""
+    ratios = {round(getattr(p, name) / max(p.tokens, 1), 3) for p in points}
+    return any(getattr(p, name) for p in points) and len(ratios) >= 3
+
+
+def _least_squares(points: list[_Observation], columns: list[str], kept: dict[str, float]) -> dict[str, float]:
+    """Non-negative least squares of the increments over the named terms (few terms: drop a negative one, refit);
+    ``kept``: terms not fitted that count as this share of the per-token term (their load joins its column)."""
     import numpy as np
 
-    features = {"fixed": lambda p: 1.0, "per_token": lambda p: float(p.tokens), "per_pair": lambda p: float(p.pairs)}
+    load = {"per_pair": lambda p: float(p.pairs), "per_path_key": lambda p: float(p.path_keys)}
+    features = {
+        "fixed": lambda p: 1.0,
+        "per_token": lambda p: float(p.tokens) + sum(share * load[name](p) for name, share in kept.items()),
+        **load,
+    }
     active = list(columns)
     y = np.array([p.increment for p in points])
     while True:

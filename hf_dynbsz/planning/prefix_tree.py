@@ -13,7 +13,8 @@ shared by its own group only; :func:`namespaced`: a vision-language sample's ima
 by first appearance, so that samples with nothing in common keep their order): a node holds ``length`` positions from
 depth ``start`` and attends to its root-to-node path. The collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's
 row out from it; the schedule (:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens`
-(unique positions), :meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys) and
+(unique positions), :meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys),
+:meth:`PrefixTree.path_keys` (the keys gathered in front of the nodes, which the memory model counts) and
 :meth:`PrefixTree.units` (samples that stay in one pass: a subtree that fits the budget, else pieces of it, each
 carrying its path). The per-pass trie of any subset of a step's samples is a subset of the step's trie, so what the
 planner counts of a pass is what the collator builds.
@@ -242,6 +243,28 @@ class PrefixTree:
     def pairs(self, samples: Sequence[int] | None = None) -> int:
         """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
         return sum(self.node_pairs(node) for node in self._union(samples))
+
+    def path_keys(self, samples: Sequence[int] | None = None) -> int:
+        """The keys a pass of ``samples`` (default: all) gathers in front of its nodes: each node's path (its
+        ancestors' positions, ``start`` of them), which attention reads beside the node's own keys in every layer
+        (the memory model's path-key term, :mod:`hf_dynbsz.planning.memory`). 0 for samples that share nothing. Of
+        a pass of some samples, an upper bound: the collator lays out the pass's own tree, whose nodes are cut only
+        where its own samples fork."""
+        if self.shares_nothing:
+            return 0
+        return sum(self.start[node] for node in self._union(samples))
+
+    def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all), from one walk of their nodes."""
+        nodes = self._union(samples)
+        if self.shares_nothing:
+            return sum(self.length[n] for n in nodes), sum(self.length[n] ** 2 for n in nodes), 0
+        length, start = self.length, self.start
+        return (
+            sum(length[n] for n in nodes),
+            sum(length[n] * (length[n] + 2 * start[n]) for n in nodes),
+            sum(start[n] for n in nodes),
+        )
 
     def _union(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples

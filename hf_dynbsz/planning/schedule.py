@@ -186,7 +186,8 @@ class StepSchedule:
     computes (shared positions once, padding included); ``shared_tokens_saved``: the tokens not computed thanks to
     sharing (prompts, and with a prefix tree any shared prefix). ``balance``: the cross-rank assignment when balancing
     ran. ``pass_pairs``: each real pass's attention term (:meth:`PrefixTree.pairs`: squared sequence lengths for
-    samples sharing nothing; rows x width^2 for padded passes), which the memory model reads.
+    samples sharing nothing; rows x width^2 for padded passes) and ``pass_path_keys`` the keys it gathers in front
+    of its row's nodes (:meth:`PrefixTree.path_keys`; 0 for padded passes), which the memory model reads.
     """
 
     microbatches: list[list[int]]
@@ -197,6 +198,7 @@ class StepSchedule:
     pass_tokens: list[int]
     shared_tokens_saved: int = 0
     pass_pairs: list[int] | None = None
+    pass_path_keys: list[int] | None = None
     tree: PrefixTree | None = None
     exchange: Exchange | None = None
     balance: Assignment | None = None
@@ -209,6 +211,11 @@ class StepSchedule:
     @property
     def dummy_passes(self) -> int:
         return sum(1 for group in self.microbatches if not group)
+
+    def pass_shapes(self) -> list[tuple[int, int, int]]:
+        """Per real pass, ``(tokens, pairs, path keys)``: what the memory model predicts it by."""
+        keys = self.pass_path_keys or [0] * len(self.pass_tokens)
+        return list(zip(self.pass_tokens, self.pass_pairs or [0] * len(self.pass_tokens), keys))
 
     @property
     def samples_moved(self) -> int:
@@ -652,16 +659,19 @@ class Scheduler:
         microbatches = [sorted(i for u in bins[b] for i in units[u].samples) for b in order]
         lengths = [p + c for p, c in zip(prompts, completions)]
         real = [b for b in order if bins[b]]
-        shared = [tree.tokens(microbatches[position]) for position in range(len(real))]
+        counts = [tree.counts(microbatches[position]) for position in range(len(real))]  # (tokens, pairs, keys)
+        shared = [tokens for tokens, _, _ in counts]
         if layout == "padding_free":
             pass_tokens = [round_up(tokens, pad) for tokens in shared]
-            pass_pairs = [tree.pairs(microbatches[position]) for position in range(len(real))]
+            pass_pairs = [pairs for _, pairs, _ in counts]
+            pass_path_keys = [path_keys for _, _, path_keys in counts]
         else:
             pass_tokens = [
                 microbatch_tokens([lengths[i] for i in microbatches[position]], layout, pad)
                 for position in range(len(real))
             ]
             pass_pairs = [tokens * tokens // len(microbatches[position]) for position, tokens in enumerate(pass_tokens)]
+            pass_path_keys = [0] * len(real)
         return StepSchedule(
             microbatches=microbatches,
             budget=budget,
@@ -672,6 +682,7 @@ class Scheduler:
             shared_tokens_saved=sum(lengths) - sum(shared),
             tree=tree if self.sharing else None,
             pass_pairs=pass_pairs,
+            pass_path_keys=pass_path_keys,
         )
 
     def _oversize_error(
