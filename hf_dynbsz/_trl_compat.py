@@ -244,7 +244,8 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "reads",
         "vision-language pairs train stock's micro-batches (their image inputs are not repacked for DPO)",
     ),
-    # ---- AsyncGRPOTrainer (trl.experimental.async_grpo): hf_dynbsz/trainers/async_grpo.py
+    # ---- AsyncGRPOTrainer (trl.experimental.async_grpo): hf_dynbsz/trainers/async_grpo.py and, for the three
+    # functions replaced while stock's constructor runs, hf_dynbsz/trainers/async_stock_patches.py
     InternalName(
         "trl.experimental.async_grpo.async_grpo_trainer",
         "create_model_from_path",

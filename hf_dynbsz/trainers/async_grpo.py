@@ -23,10 +23,10 @@ With ``dynamic_batching=False`` the trainer is stock's: FA3 tree attention, stoc
 
 TRL names this module touches (all in :mod:`hf_dynbsz._trl_compat`): ``__init__`` through
 :func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module
-replaced while stock's constructor runs (:meth:`_dynbsz_construction`: ``create_model_from_path``,
+replaced while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
 ``add_fused_lm_head``, ``get_peak_flops_per_device``); ``get_train_dataloader`` and ``training_step`` (overridden);
-stock's ``RolloutQueueDataset``, ``FixedCountBatcher`` and ``DataCollatorForRollout`` (its ``_log_metrics``:
-stock's sample and packing metrics of each micro-batch); the trainer's ``_metrics``, ``_trained_groups``,
+stock's ``RolloutQueueDataset``, ``FixedCountBatcher`` and ``DataCollatorForRollout`` (its ``_log_metrics``: stock's
+sample and packing metrics of each micro-batch); the trainer's ``_metrics``, ``_trained_groups``,
 ``_rollout_dataset`` and the step accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
 """
 
@@ -41,7 +41,6 @@ import time
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from trl.experimental.async_grpo import AsyncGRPOTrainer
-from trl.experimental.async_grpo import async_grpo_trainer as stock_module
 from trl.experimental.async_grpo.async_grpo_trainer import (
     DataCollatorForRollout,
     FixedCountBatcher,
@@ -51,14 +50,12 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config
 from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
 from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
+from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
 __all__ = ["DynamicBatchAsyncGRPOTrainer"]
 
 logger = logging.getLogger("hf_dynbsz")
-
-#: The layer kinds stock's tree attention trains (anything else it refuses).
-_STOCK_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
@@ -98,53 +95,12 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         self._dynbsz_attention = getattr(config, "_dynbsz_attn_implementation", None)
         return bound.args[1:], bound.kwargs
 
-    @contextlib.contextmanager
     def _dynbsz_construction(self):
-        """While stock's constructor runs (dynamic batching on): the model loads with the run's attention kernel,
-        stock's refusals of state-carrying layers and attention sinks see neither (the plugin runs both exactly:
-        they are back before stock's next step, ``add_fused_lm_head``), and a device without CUDA looks up no peak
-        FLOPs (stock asks CUDA for the device's name; the value only feeds an MFU figure)."""
+        """The context stock's constructor runs in (:func:`~hf_dynbsz.trainers.async_stock_patches.stock_construction`:
+        with dynamic batching, the model on the run's kernel and stock's refusals blind to what the plugin runs)."""
         if not self._dynbsz_dynamic:
-            yield
-            return
-        restore: list = []
-        originals = {
-            name: getattr(stock_module, name)
-            for name in ("create_model_from_path", "add_fused_lm_head", "get_peak_flops_per_device")
-        }
-
-        def create_model_from_path(model_id, *args, **kwargs):
-            kwargs.pop("attn_implementation", None)
-            if self._dynbsz_attention is not None:
-                kwargs["attn_implementation"] = self._dynbsz_attention
-            model = originals["create_model_from_path"](model_id, *args, **kwargs)
-            restore.append(_hide_from_stock_refusals(model))
-            return model
-
-        def add_fused_lm_head(model, *args, **kwargs):
-            while restore:
-                restore.pop()()
-            return originals["add_fused_lm_head"](model, *args, **kwargs)
-
-        def get_peak_flops_per_device(accelerator, dtype):
-            if accelerator.device.type != "cuda":
-                return None
-            return originals["get_peak_flops_per_device"](accelerator, dtype)
-
-        replacements = dict(
-            create_model_from_path=create_model_from_path,
-            add_fused_lm_head=add_fused_lm_head,
-            get_peak_flops_per_device=get_peak_flops_per_device,
-        )
-        for name, function in replacements.items():
-            setattr(stock_module, name, function)
-        try:
-            yield
-        finally:
-            while restore:
-                restore.pop()()
-            for name, function in originals.items():
-                setattr(stock_module, name, function)
+            return contextlib.nullcontext()
+        return stock_construction(self._dynbsz_attention)
 
     def _dynbsz_start(self) -> None:
         if self._dynbsz_dynamic and self.aux_loss_enabled and self.accelerator.num_processes > 1:
@@ -158,7 +114,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "stock fallback on the plugin's kernels: set dynamic_batching=False for stock AsyncGRPOTrainer "
                 "(FlashAttention-3 tree attention)."
             )
-        self._dynbsz_stock_throughput = _stock_throughput_blocker(self.model.config.get_text_config())
+        self._dynbsz_stock_throughput = stock_throughput_blocker(self.model.config.get_text_config())
         if self._dynbsz_stock_throughput is not None:
             logger.warning(
                 "hf_dynbsz: stock's perf/*_tok_s and MFU figures are not logged for this model: TRL's "
@@ -262,45 +218,6 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not tokens:
             return 0
         return super().floating_point_ops({self.model.main_input_name: torch.empty(tokens, dtype=torch.bool)})
-
-
-def _stock_throughput_blocker(text_config) -> str | None:
-    """Why stock's step metrics cannot compute the model's FLOPs per token (TRL's ``compute_flops_per_token`` reads
-    a homogeneous, dense or Mixtral-style config; stock never reaches it for the families it refuses), or None."""
-    from trl.trainer.utils import compute_flops_per_token
-
-    try:
-        compute_flops_per_token(text_config, 1)
-    except Exception as error:  # noqa: BLE001 - any failure of TRL's reader: the figures stock derives are left out
-        return f"{type(error).__name__}: {error}".splitlines()[0]
-    return None
-
-
-def _hide_from_stock_refusals(model):
-    """Hide from stock's constructor what its FA3 tree kernel refuses and the plugin runs exactly: layer kinds other
-    than full and sliding attention (segment recurrence runs state-carrying layers per node of the prefix tree) and
-    parameters named ``*.sinks`` (the kernels take attention sinks). Returns the function that puts both back."""
-    text_config = model.config.get_text_config()
-    layer_types = getattr(text_config, "layer_types", None)
-    hidden_layers = bool(layer_types) and bool(set(layer_types) - _STOCK_LAYER_TYPES)
-    if hidden_layers:
-        text_config.layer_types = None
-    has_sinks = any(name.endswith(".sinks") for name, _ in model.named_parameters())
-    if has_sinks:
-        named_parameters = type(model).named_parameters
-
-        def without_sinks(*args, **kwargs):
-            return ((n, p) for n, p in named_parameters(model, *args, **kwargs) if not n.endswith(".sinks"))
-
-        model.named_parameters = without_sinks
-
-    def put_back() -> None:
-        if hidden_layers:
-            text_config.layer_types = layer_types
-        if has_sinks:
-            del model.named_parameters
-
-    return put_back
 
 
 class _NoSamples(IterableDataset):
