@@ -408,6 +408,9 @@ class DPOLoss:
         if self.sft:
             batch.per_token["sft"] = sft_coefficients(self.settings, batch, gradient_accumulation_steps).unsqueeze(1)
 
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        return 0.0  # the reference's log-probs and a sorted loss's coefficients are a few values per sample
+
     def prepare(self, executor, model, batch: StepBatch) -> None:
         """The reference's log-probs, then for a sorted loss each sample's coefficient from a no-grad policy pass."""
         self.reference.logps(executor, model, batch, self.settings.ld_alpha)
