@@ -123,6 +123,34 @@ def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
     assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
 
 
+@settings(max_examples=200, deadline=None)
+@given(sequences, st.data())
+def test_samples_cut_along_the_tree_give_the_samples_below_each_of_their_positions(samples, data):
+    """The pieces cross-rank balancing may cut a unit into (:meth:`PrefixTree.subtrees`): for every distinct position
+    of the chosen samples, the chosen samples that hold it (brute force over prefixes), each set once; the whole set
+    first when they share their first position. A piece computes its own path wherever it runs: its tokens are those
+    of its samples alone."""
+    tree = tree_of(samples)
+    chosen = sorted(data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True)))
+    keyed = {sample: [*samples[sample], -1] for sample in chosen}
+    expected = {
+        tuple(s for s in chosen if tuple(keyed[s][: len(prefix)]) == prefix)
+        for prefix in distinct_positions([samples[s] for s in chosen])
+    }
+    pieces = tree.subtrees(chosen)
+    assert len(pieces) == len(set(pieces)) and set(pieces) == expected
+    assert all(list(piece) == sorted(piece) for piece in pieces)
+    if len({tuple(keyed[s][:2]) for s in chosen}) == 1:
+        assert pieces[0] == tuple(chosen)
+    for piece in pieces:
+        assert tree.tokens(piece) == len(distinct_positions([samples[s] for s in piece]))
+    for budget in (1, 4, 9, 30):  # a unit costs what its samples compute: what balancing charges its parts by
+        assert all(
+            (unit.tokens, unit.pairs) == (tree.tokens(unit.samples), tree.pairs(unit.samples))
+            for unit in tree.units(budget)
+        )
+
+
 @pytest.mark.parametrize("budget", [3, 8, 15, 40])
 def test_the_group_rule_units_are_the_schedules_units(budget):
     from hf_dynbsz.planning.schedule import build_units

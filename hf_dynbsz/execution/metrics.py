@@ -269,7 +269,8 @@ class StepMetrics:
         ``prompt_tokens_saved`` (tokens sharing did not compute: shared prompts, and with a prefix tree every shared
         prefix) and with ``sharing`` "tree" ``tree_tokens_saved`` (of those, the tokens the prefix tree saved beyond
         prompt groups in the same passes); with cross-rank balancing ``rank_imbalance_before`` and
-        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and ``samples_moved``.
+        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it), ``samples_moved`` and
+        ``units_split`` (units, such as a subtree of samples sharing a prefix, that run on several processes).
         Time and memory, the maximum over processes (the step waits for the slowest): ``train_seconds``,
         ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds`` too: ``meters.phases``,
         see :class:`StepClock`) and ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit
@@ -310,6 +311,7 @@ class StepMetrics:
             store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
             store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
+            store["dynbsz/units_split"].append(float(len(schedule.balance.shares)))
 
     def publish_slices(
         self, store: dict[str, list], sums: torch.Tensor | None = None, maxima: torch.Tensor | None = None

@@ -243,6 +243,17 @@ class PrefixTree:
         """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
         return sum(self.node_pairs(node) for node in self._union(samples))
 
+    def subtrees(self, samples: Sequence[int]) -> list[tuple[int, ...]]:
+        """The distinct sets of ``samples`` whose paths run through one node, for every node their paths run through,
+        in node order (each set ascending): the pieces a unit of ``samples`` can be cut into along the tree, each then
+        computing its path apart (cross-rank balancing, :class:`hf_dynbsz.planning.balance.Divisible`). Samples
+        that share a root give their whole set first."""
+        paths, through = self.paths(), {}
+        for sample in sorted(samples):
+            for node in paths[sample]:
+                through.setdefault(node, []).append(sample)
+        return list(dict.fromkeys(tuple(through[node]) for node in sorted(through)))
+
     def _union(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples
         if self.shares_nothing:  # node s is sample s
