@@ -123,6 +123,21 @@ def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
     assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
 
 
+@settings(max_examples=300, deadline=None)
+@given(sequences, st.data())
+def test_a_pass_reads_its_tree_off_its_steps_as_its_keys_would_build_it(samples, data):
+    """The collator reads a pass's tree off its step's (:meth:`PrefixTree.restricted`, any subset in any order) rather
+    than inserting the pass's keys again: the very tree ``of_keys`` builds, nodes, order, sources and leaves."""
+    keys = [token_keys(np.array(s), 10) for s in samples]
+    chosen = data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True))
+    read, built = tree_of(samples).restricted(chosen), PrefixTree.of_keys([keys[i] for i in chosen])
+    assert (read.parent, read.start, read.length, read.source, read.leaf) == (
+        built.parent, built.start, built.length, built.source, built.leaf,
+    )  # fmt: skip
+    alone = PrefixTree.alone([len(s) for s in samples]).restricted(chosen)
+    assert alone == PrefixTree.alone([len(samples[i]) for i in chosen])
+
+
 @settings(max_examples=200, deadline=None)
 @given(sequences, st.data())
 def test_samples_cut_along_the_tree_give_the_samples_below_each_of_their_positions(samples, data):

@@ -254,7 +254,7 @@ class DistillationLoss:
         valid = rows.mask.bool() & mb.completion_mask.bool()
         completion = mb.completion_mask.bool()
         teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
-        unwrapped = executor.accelerator.unwrap_model(model)
+        unwrapped = executor.unwrap(model)
         use_segments(mb.segments)
         divergence, entropy = self.trainer._forward_redirection(
             model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
@@ -281,7 +281,7 @@ class DistillationLoss:
         mb = executor.lockstep_microbatch()
         none = mb.gather_index.new_zeros(0)
         teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
-        unwrapped = executor.accelerator.unwrap_model(model)
+        unwrapped = executor.unwrap(model)
         use_segments(mb.segments)
         with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)
             divergence, _ = self.trainer._forward_redirection(

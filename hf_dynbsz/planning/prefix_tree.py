@@ -243,6 +243,35 @@ class PrefixTree:
         """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
         return sum(self.node_pairs(node) for node in self._union(samples))
 
+    def restricted(self, samples: Sequence[int]) -> PrefixTree:
+        """The tree of ``samples`` alone, numbered in the order given: what :meth:`of_keys` builds from their keys (the
+        same nodes, row order, sources and leaves), read off this tree instead of inserting the keys again (a pass's
+        tree from its step's). Its nodes are the chains of this tree's nodes their paths run through, merged where
+        none of them forks off or ends."""
+        if self.shares_nothing:
+            return PrefixTree.alone([self.length[sample] for sample in samples])
+        paths, first, ends = self.paths(), {}, {}
+        for number, sample in enumerate(samples):
+            for node in paths[sample]:
+                first.setdefault(node, number)  # the first of them through it: its source, its place among siblings
+            ends.setdefault(self.leaf[sample], []).append(number)
+        children: dict[int, list[int]] = {}
+        for node in sorted(first, key=first.__getitem__):
+            children.setdefault(self.parent[node], []).append(node)
+        parent, start, length, source, leaf = [], [], [], [], [0] * len(samples)
+        stack = [(root, -1) for root in reversed(children.get(-1, []))]
+        while stack:
+            top, above = stack.pop()
+            node, size = top, self.length[top]
+            while node not in ends and len(children.get(node, ())) == 1:
+                node = children[node][0]
+                size += self.length[node]
+            for number in ends.get(node, ()):
+                leaf[number] = len(parent)
+            stack.extend((child, len(parent)) for child in reversed(children.get(node, ())))
+            parent.append(above), start.append(self.start[top]), length.append(size), source.append(first[top])
+        return PrefixTree(parent, start, length, source, leaf)
+
     def subtrees(self, samples: Sequence[int]) -> list[tuple[int, ...]]:
         """The distinct sets of ``samples`` whose paths run through one node, for every node their paths run through,
         in node order (each set ascending): the pieces a unit of ``samples`` can be cut into along the tree, each then
