@@ -104,7 +104,10 @@ class Forest:
         def pieces(unit, parts):
             return list(dict.fromkeys([parts, parts[: len(parts) // 2] or parts, *((k,) for k in parts)]))
 
-        return Divisible([tuple(range(len(leaves))) for leaves in self.leaves], self.cost, pieces)
+        def costs(unit, sets):
+            return [self.cost(unit, parts) for parts in sets]
+
+        return Divisible([tuple(range(len(leaves))) for leaves in self.leaves], costs, pieces)
 
 
 forests = st.lists(  # per process, its units: (path cost, leaf costs)

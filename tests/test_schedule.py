@@ -678,7 +678,7 @@ def test_a_lopsided_tree_step_balances_as_an_even_one():
             tables.append(tree_table(block, prompts, completions, [j // 4 for j in range(8)]))
         return tables
 
-    workload = WorkloadModel.from_model_config(
+    workload = WorkloadModel.from_model_config(  # the benchmark's model
         SimpleNamespace(
             hidden_size=128,
             num_hidden_layers=3,
@@ -687,7 +687,7 @@ def test_a_lopsided_tree_step_balances_as_an_even_one():
             intermediate_size=384,
             vocab_size=4096,
         )
-    )  # fmt: skip  (the benchmark's model)
+    )
     planner = dataclasses.replace(
         scheduler("padding_free", "varlen", balance_across_ranks=True),
         share_prompts=True, prefix_tree=True, workload=workload,

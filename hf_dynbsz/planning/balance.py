@@ -218,14 +218,15 @@ def _best_change(
 class Divisible:
     """Units that may be cut into pieces run by different processes (:func:`spread`).
 
-    ``parts[u]``: the parts of unit ``u`` (its samples, as integers; ascending); ``cost(u, parts)``: what a process
-    holding ``parts`` of unit ``u`` computes for them, their shared path included (``cost(u, parts[u])`` is the
-    unit's cost); ``pieces(u, parts)``: the pieces ``parts`` may give away (each a non-empty ascending tuple of them,
-    ``parts`` itself included: a whole move).
+    ``parts[u]``: the parts of unit ``u`` (its samples, as integers; ascending); ``costs(u, [parts, ...])``: for each
+    of several sets of parts of unit ``u``, what a process holding them computes for them, their shared path
+    included (0 for none; ``parts[u]`` costs the unit's cost), asked for at once so that they are counted at once;
+    ``pieces(u, parts)``: the pieces ``parts`` may give away (each a non-empty ascending tuple of them, ``parts``
+    itself included: a whole move).
     """
 
     parts: Sequence[tuple[int, ...]]
-    cost: Callable[[int, tuple[int, ...]], float]
+    costs: Callable[[int, list[tuple[int, ...]]], list[float]]
     pieces: Callable[[int, tuple[int, ...]], Sequence[tuple[int, ...]]]
 
 
@@ -317,7 +318,7 @@ def spread(
     Each round looks at the most loaded process (the lowest-numbered on ties) and the least loaded one: of every
     piece (:attr:`Divisible.pieces`) of every unit part the heavy process holds, it moves the one after which the
     larger of the two loads is least, if that is below the heavy load. A process's load is the sum over the unit
-    parts it holds of :attr:`Divisible.cost`, so a piece that joins another part of its unit is charged only what it
+    parts it holds of :attr:`Divisible.costs`, so a piece that joins another part of its unit is charged only what it
     adds, and a cut unit's shared path counts on every process holding part of it. Stops when the largest load is
     within ``close_enough`` (relative) of the mean, or no move lowers it. The largest load never rises.
     """
@@ -332,8 +333,7 @@ def spread(
         if move is None:
             break
         unit, piece, heavy_load, light_load = move
-        given = set(piece)
-        kept = tuple(part for part in placed[unit][heavy] if part not in given)
+        kept = _without(placed[unit][heavy], piece)
         if kept:
             placed[unit][heavy] = kept
         else:
@@ -346,24 +346,30 @@ def spread(
 def _best_piece(placed, loads: list[float], heavy: int, light: int, divisible: Divisible):
     """(unit, piece, heavy load after, light load after) of the move from ``heavy`` to ``light`` that leaves the
     larger of the two loads least, if below ``heavy``'s load now; None otherwise."""
-    cost = divisible.cost
     best, best_peak = None, loads[heavy] * (1.0 - 1e-9)
     for unit, parts in enumerate(placed):
         held = parts.get(heavy)
         if held is None:
             continue
         there = parts.get(light, ())
-        without = loads[heavy] - cost(unit, held)
-        light_base = loads[light] - (cost(unit, there) if there else 0.0)
-        for piece in divisible.pieces(unit, held):
-            given = set(piece)
-            kept = tuple(part for part in held if part not in given)
-            heavy_load = without + (cost(unit, kept) if kept else 0.0)
-            light_load = light_base + cost(unit, tuple(sorted(there + piece)))
+        pieces = list(divisible.pieces(unit, held))
+        kept = [_without(held, piece) for piece in pieces]
+        joined = [tuple(sorted(there + piece)) for piece in pieces]
+        costs = divisible.costs(unit, [held, there, *kept, *joined])
+        without, light_base = loads[heavy] - costs[0], loads[light] - costs[1]
+        for number, piece in enumerate(pieces):
+            heavy_load = without + costs[2 + number]
+            light_load = light_base + costs[2 + len(pieces) + number]
             peak = max(heavy_load, light_load)
             if peak < best_peak:
                 best, best_peak = (unit, piece, heavy_load, light_load), peak
     return best
+
+
+def _without(parts: tuple[int, ...], piece: tuple[int, ...]) -> tuple[int, ...]:
+    """``parts`` less those of ``piece``, in order."""
+    given = set(piece)
+    return tuple(part for part in parts if part not in given)
 
 
 def _first(parts: dict[int, tuple[int, ...]]) -> int:
@@ -375,8 +381,8 @@ def _loads_of(placed, num_processes: int, divisible: Divisible) -> list[float]:
     """Per process, the cost of the unit parts it holds."""
     loads = [0.0] * num_processes
     for unit, parts in enumerate(placed):
-        for process, held in parts.items():
-            loads[process] += divisible.cost(unit, held)
+        for process, cost in zip(parts, divisible.costs(unit, list(parts.values()))):
+            loads[process] += cost
     return loads
 
 

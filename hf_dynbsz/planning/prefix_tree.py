@@ -91,6 +91,7 @@ class PrefixTree:
         self.source, self.leaf = list(source), list(leaf)
         self._paths: tuple[tuple[int, ...], ...] | None = None
         self._below: tuple[tuple[int, ...], ...] | None = None
+        self._pairs: tuple[int, ...] | None = None  # node_pairs of every node, once counts() asks
         self._apart: bool | None = None
 
     def __eq__(self, other) -> bool:
@@ -282,6 +283,13 @@ class PrefixTree:
             for node in paths[sample]:
                 through.setdefault(node, []).append(sample)
         return list(dict.fromkeys(tuple(through[node]) for node in sorted(through)))
+
+    def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int]:
+        """``(tokens, pairs)`` of a pass of ``samples`` (:meth:`tokens`, :meth:`pairs`), their nodes collected once."""
+        nodes = self._union(samples)
+        if self._pairs is None:
+            self._pairs = tuple(self.node_pairs(node) for node in range(self.nodes))
+        return sum(map(self.length.__getitem__, nodes)), sum(map(self._pairs.__getitem__, nodes))
 
     def _union(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples

@@ -541,17 +541,18 @@ class Scheduler:
         if all(len(unit.samples) == 1 for _, unit in every_unit):
             return None
         trees = [requests[origin].tree for origin, _ in every_unit]
-        costs: dict[tuple[int, tuple[int, ...]], float] = {}
+        known: dict[tuple[int, tuple[int, ...]], float] = {(number, ()): 0.0 for number in range(len(every_unit))}
 
-        def cost(number: int, samples: tuple[int, ...]) -> float:
-            if (number, samples) not in costs:
-                costs[number, samples] = self._unit_costs([_piece(trees[number], samples)])[0]
-            return costs[number, samples]
+        def costs(number: int, sets: list[tuple[int, ...]]) -> list[float]:
+            new = list(dict.fromkeys(samples for samples in sets if (number, samples) not in known))
+            for samples, cost in zip(new, self._unit_costs([_piece(trees[number], samples) for samples in new])):
+                known[number, samples] = cost
+            return [known[number, samples] for samples in sets]
 
         def pieces(number: int, samples: tuple[int, ...]) -> list[tuple[int, ...]]:
             return list(dict.fromkeys([samples, *trees[number].subtrees(samples)]))
 
-        return Divisible([unit.samples for _, unit in every_unit], cost, pieces)
+        return Divisible([unit.samples for _, unit in every_unit], costs, pieces)
 
     def _balanced_schedule(self, agreed: _Balancing, rank: int, kind: str) -> StepSchedule:
         """Process ``rank``'s passes under the balancing every process computed alike (:meth:`_balancing`)."""
@@ -784,7 +785,7 @@ def simulate_processes(
 def _piece(tree: PrefixTree, samples: tuple[int, ...]) -> Unit:
     """The unit of ``samples`` of ``tree`` (part of a unit cut by balancing): what they compute together, their
     shared path included."""
-    return Unit(samples, tree.tokens(samples), tree.pairs(samples))
+    return Unit(samples, *tree.counts(samples))
 
 
 def _attempt(function, *args):
