@@ -98,6 +98,13 @@ def timed_train_steps(trainer) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def content_reward(completions, **kwargs) -> list[float]:
+    """A reward from the completion's characters (their codes summed, mod 7, over 7): the completions of a prompt
+    differ in it even where their lengths are equal (the lopsided work's are), so every step learns something and the
+    comparison with stock's parameters compares updates."""
+    return [sum(map(ord, completion)) % 7 / 7 for completion in completions]
+
+
 def worker(spec: dict) -> None:
     """One 2-process run (this function runs on every process under accelerate launch)."""
     import torch
@@ -114,6 +121,7 @@ def worker(spec: dict) -> None:
         completion_lengths=completion_lengths(spec["lengths"]),
         prompt_length=lambda rng: PROMPT,
         shared=BLOCK,
+        reward=content_reward,
         max_completion_length=LONG + 1,
         max_positions=1024,
         prompts=8 * spec["steps"] + 8,
