@@ -15,7 +15,7 @@ sums and the step's publication). Goal: the plugin's steady step within 1.1x sto
 Usage::
 
     python benchmarks/host_time.py                 # writes benchmarks/results/host_time.md and .json
-    python benchmarks/host_time.py --gradient-accumulation-steps 1 --out-dir /tmp/host_time_one_pass
+    python benchmarks/host_time.py --gradient-accumulation-steps 1 --name host_time_one_pass
     python benchmarks/host_time.py --quick --out-dir /tmp/host_time
 """
 
@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trainers", nargs="+", choices=list(TRAINERS)[1:], default=list(TRAINERS)[1:],
                         help="the plugin's sharing rules to run beside stock")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="host_time", help="the results' file name, without .md / .json")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 8, 2
@@ -280,8 +281,8 @@ def main(argv=None) -> int:
     summary["load"] = args.load
     text = render(summary, args, time.monotonic() - started)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "host_time.md").write_text(text)
-    (args.out_dir / "host_time.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out_dir / f"{args.name}.md").write_text(text)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(text)
     return 0
 
