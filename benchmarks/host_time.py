@@ -2,17 +2,20 @@
 almost no compute, where a step is TRL's and the plugin's Python work (as on a fast GPU).
 
 A random Qwen2-style model of hidden size 16 and one layer (a 37-token character vocabulary), completions of at most
-24 tokens from a scripted rollout (the long-tailed mix of ``benchmarks/common.py``: the same samples for both
-trainers), 8 x 4 samples a step, fp32 on the CPU, one thread. Stock and the plugin (default settings) train
-``--steps`` optimizer steps each, ``--repeats`` times, interleaved in one process; a step's wall time comes from a
-callback around it, the steady step is the median after the first ``WARM_UP`` steps. The plugin's own parts are timed
-by wrapping its executor's methods: the planner (budget and schedule), the packing (building each pass's inputs),
-the exchange (the step's samples handed to the passes: cross-rank balancing's moves, none on one process) and the
-metrics (each pass's sums and the step's publication). Goal: the plugin's steady step within 1.1x stock's.
+24 tokens from a scripted rollout (the long-tailed mix of ``benchmarks/common.py``: the same samples for every
+trainer), 8 x 4 samples a step (``--gradient-accumulation-steps 1``: 8 x 1, one stock slice a step, so that stock and
+the plugin run one pass each and the step is overhead against overhead), fp32 on the CPU, one thread. Stock and the
+plugin under each sharing rule (``share_prompt_prefix`` "tree", the default, and "groups") train ``--steps`` optimizer
+steps each, ``--repeats`` times, interleaved in one process; a step's wall time comes from a callback around it, the
+steady step is the median after the first ``WARM_UP`` steps. The plugin's own parts are timed by wrapping its
+executor's methods: the planner (budget and schedule), the packing (building each pass's inputs), the exchange (the
+step's samples handed to the passes: cross-rank balancing's moves, none on one process) and the metrics (each pass's
+sums and the step's publication). Goal: the plugin's steady step within 1.1x stock's under every rule.
 
 Usage::
 
     python benchmarks/host_time.py                 # writes benchmarks/results/host_time.md and .json
+    python benchmarks/host_time.py --gradient-accumulation-steps 1 --name host_time_one_pass
     python benchmarks/host_time.py --quick --out-dir /tmp/host_time
 """
 
@@ -40,6 +43,8 @@ MAX_COMPLETION = 24
 WARM_UP = 3  # steps left out of the steady median (the first step holds the self-check)
 GOAL = 1.1
 PARTS = ("planner", "packing", "exchange", "metrics")
+#: The trainers a run compares: stock, then the plugin under each sharing rule (its ``share_prompt_prefix``).
+TRAINERS = {"stock": None, "tree": "tree", "groups": "groups"}
 
 
 class PartTimer:
@@ -95,22 +100,28 @@ def step_clock(timer: PartTimer | None):
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
+        """Each step's wall time and this process's CPU time in it (``seconds``, ``cpu``): on a shared machine the
+        CPU time of a one-thread step is its work, whatever else runs."""
+
         def __init__(self):
             self.seconds: list[float] = []
+            self.cpu: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.begin = time.perf_counter()
+            self.begin, self.begin_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self.begin)
+            self.cpu.append(time.process_time() - self.begin_cpu)
             if timer is not None:
                 timer.end_step()
 
     return StepClock()
 
 
-def train(trainer_name: str, steps: int, workdir: str) -> tuple[list[float], list[dict]]:
-    """Step seconds (and, for the plugin, the parts of each step) of one run."""
+def train(trainer_name: str, steps: int, workdir: str, accumulation: int = 4) -> dict:
+    """One run of ``trainer_name`` (:data:`TRAINERS`): its steps' wall and CPU seconds and, for the plugin, the parts
+    of each step."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -136,10 +147,12 @@ def train(trainer_name: str, steps: int, workdir: str) -> tuple[list[float], lis
         eos_id=tokenizer.eos_token_id,
     )  # fmt: skip
     kwargs = base_config_kwargs(
-        os.path.join(workdir, trainer_name), per_device_train_batch_size=8, gradient_accumulation_steps=4,
+        os.path.join(workdir, trainer_name), per_device_train_batch_size=8, gradient_accumulation_steps=accumulation,
         max_completion_length=MAX_COMPLETION, max_steps=steps, learning_rate=1e-3,
     )  # fmt: skip
-    ours = trainer_name == "ours"
+    ours = TRAINERS[trainer_name] is not None
+    if ours:
+        kwargs["share_prompt_prefix"] = TRAINERS[trainer_name]
     args = DynamicBatchGRPOConfig(**kwargs) if ours else GRPOConfig(**kwargs)
     timer = PartTimer() if ours else None
     trainer = (DynamicBatchGRPOTrainer if ours else GRPOTrainer)(
@@ -151,49 +164,80 @@ def train(trainer_name: str, steps: int, workdir: str) -> tuple[list[float], lis
     trainer.add_callback(clock)
     with timed_parts(timer) if ours else contextlib.nullcontext():
         trainer.train()
-    return clock.seconds, (timer.steps if timer else [])
+    return {"wall": clock.seconds, "cpu": clock.cpu, "parts": timer.steps if timer else []}
 
 
-def summarise(runs: dict[str, list[tuple[list[float], list[dict]]]]) -> dict:
-    """Steady-step medians per repeat, their medians, the ratio, and the plugin's parts in ms per steady step."""
-    steady = {name: [statistics.median(seconds[WARM_UP:]) for seconds, _ in results] for name, results in runs.items()}
-    parts = {
-        part: statistics.mean(step.get(part, 0.0) for _, steps in runs["ours"] for step in steps[WARM_UP:]) * 1e3
-        for part in PARTS
-    }
-    stock, ours = statistics.median(steady["stock"]), statistics.median(steady["ours"])
-    return {"steady_s": steady, "stock_s": stock, "ours_s": ours, "ratio": ours / stock, "parts_ms": parts}
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Per clock (wall, CPU): steady-step medians per repeat, their medians, each plugin rule's ratio to stock (of the
+    medians, and per repeat: each plugin run against the stock run of its repeat); the plugin's parts in ms per
+    steady step."""
+    plugin = [name for name in runs if TRAINERS[name] is not None]
+    summary = {"parts_ms": {
+        name: {part: statistics.mean(step.get(part, 0.0) for run in runs[name] for step in run["parts"][WARM_UP:]) * 1e3
+               for part in PARTS}
+        for name in plugin
+    }}  # fmt: skip
+    for clock in ("wall", "cpu"):
+        steady = {name: [statistics.median(run[clock][WARM_UP:]) for run in results] for name, results in runs.items()}
+        median = {name: statistics.median(values) for name, values in steady.items()}
+        summary[clock] = {
+            "steady_s": steady,
+            "median_s": median,
+            "ratio": {name: median[name] / median["stock"] for name in plugin},
+            "paired_ratios": {name: [a / b for a, b in zip(steady[name], steady["stock"])] for name in plugin},
+        }
+    return summary
+
+
+def step_rows(figures: dict, clock: str) -> list[str]:
+    """The table of one clock's steady steps: stock, then each rule."""
+    steady, median, ratios = figures["steady_s"], figures["median_s"], figures["ratio"]
+    rows = [
+        f"| trainer | steady step, {clock} (median of repeats) | per repeat | vs stock | per repeat vs stock |",
+        "|---|---:|---|---:|---|",
+        f"| stock GRPOTrainer | {median['stock'] * 1e3:.1f} ms | "
+        f"{', '.join(f'{s * 1e3:.1f}' for s in steady['stock'])} ms | 1.00x | |",
+    ]
+    return rows + [
+        f"| dynamic, share_prompt_prefix={TRAINERS[name]!r} | {median[name] * 1e3:.1f} ms | "
+        f"{', '.join(f'{s * 1e3:.1f}' for s in steady[name])} ms | {ratios[name]:.2f}x | "
+        f"{', '.join(f'{r:.2f}' for r in figures['paired_ratios'][name])} |"
+        for name in ratios
+    ]
 
 
 def render(summary: dict, args, elapsed: float) -> str:
-    ratio = summary["ratio"]
-    parts = summary["parts_ms"]
-    rows = [
-        "| trainer | steady step (median of repeats) | per repeat | vs stock |",
-        "|---|---:|---|---:|",
-        f"| stock GRPOTrainer | {summary['stock_s'] * 1e3:.1f} ms | "
-        f"{', '.join(f'{s * 1e3:.1f}' for s in summary['steady_s']['stock'])} ms | 1.00x |",
-        f"| dynamic (default settings) | {summary['ours_s'] * 1e3:.1f} ms | "
-        f"{', '.join(f'{s * 1e3:.1f}' for s in summary['steady_s']['ours'])} ms | {ratio:.2f}x |",
-    ]
-    part_rows = ["| plugin part | ms per steady step |", "|---|---:|"]
-    part_rows += [f"| {part} | {parts[part]:.2f} |" for part in PARTS]
-    part_rows.append(f"| the four together | {sum(parts.values()):.2f} |")
-    verdict = "within" if ratio <= GOAL else "OVER"
+    plugin, parts = list(summary["wall"]["ratio"]), summary["parts_ms"]
+    part_rows = ["| plugin part (wall ms per steady step) | " + " | ".join(plugin) + " |",
+                 "|---|" + "---:|" * len(plugin)]  # fmt: skip
+    part_rows += [f"| {part} | " + " | ".join(f"{parts[name][part]:.2f}" for name in plugin) + " |" for part in PARTS]
+    part_rows.append(
+        "| the four together | " + " | ".join(f"{sum(parts[name].values()):.2f}" for name in plugin) + " |"
+    )
+    verdicts = "; ".join(
+        f"with {TRAINERS[name]!r} **{summary['wall']['ratio'][name]:.2f}x** wall, "
+        f"**{summary['cpu']['ratio'][name]:.2f}x** CPU "
+        f"({'within' if max(summary[c]['ratio'][name] for c in ('wall', 'cpu')) <= GOAL else 'OVER'})"
+        for name in plugin
+    )
     return "\n".join(
         [
             "# Host-side time: the plugin's Python work against stock's",
             "",
             f"Command: `python benchmarks/host_time.py {' '.join(sys.argv[1:])}`; {elapsed:.0f} s. "
-            f"{machine_description()}.",
+            f"{machine_description()}; 1-minute load average {args.load} over the runs (2 cores, shared with other "
+            "jobs).",
             "",
             f"A Qwen2-style model of hidden 16 and one layer, completions of at most {MAX_COMPLETION} tokens "
-            f"({MIX} mix), 8 x 4 samples a step, fp32, one thread; {args.steps} steps a run, {args.repeats} runs "
-            f"each, interleaved; steady step: the median after the first {WARM_UP}.",
+            f"({MIX} mix), 8 x {args.gradient_accumulation_steps} samples a step, fp32, one thread; {args.steps} steps "
+            f"a run, {args.repeats} runs each, interleaved; steady step: the median after the first {WARM_UP}. Wall "
+            "time, and the process's CPU time in the step (its work, whatever else runs on the machine).",
             "",
-            *rows,
+            *step_rows(summary["wall"], "wall"),
             "",
-            f"The plugin's steady step is **{ratio:.2f}x** stock's: {verdict} the goal of {GOAL}x.",
+            *step_rows(summary["cpu"], "CPU"),
+            "",
+            f"The plugin's steady step against stock's: {verdicts}; the goal is {GOAL}x.",
             "",
             *part_rows,
             "",
@@ -206,7 +250,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per trainer, interleaved")
     parser.add_argument("--quick", action="store_true", help="8 steps, 2 repeats")
+    parser.add_argument(
+        "--gradient-accumulation-steps", type=int, default=4, help="stock slices of 8 samples per optimizer step"
+    )
+    parser.add_argument("--trainers", nargs="+", choices=list(TRAINERS)[1:], default=list(TRAINERS)[1:],
+                        help="the plugin's sharing rules to run beside stock")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="host_time", help="the results' file name, without .md / .json")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 8, 2
@@ -217,18 +267,22 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     started = time.monotonic()
-    runs: dict[str, list] = {"stock": [], "ours": []}
+    runs: dict[str, list] = {name: [] for name in ["stock", *args.trainers]}
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as workdir:
         for repeat in range(args.repeats):
-            for name in ("stock", "ours"):
-                runs[name].append(train(name, args.steps, workdir))
-                print(f"[host_time] repeat {repeat} {name}: steps {[round(s, 4) for s in runs[name][-1][0]]}",
+            for name in runs if repeat % 2 == 0 else reversed(runs):
+                runs[name].append(train(name, args.steps, workdir, args.gradient_accumulation_steps))
+                print(f"[host_time] repeat {repeat} {name}: steps {[round(s, 4) for s in runs[name][-1]['wall']]}",
                       file=sys.stderr, flush=True)  # fmt: skip
+                loads.append(os.getloadavg()[0])
+    args.load = f"{min(loads):.1f} to {max(loads):.1f}"
     summary = summarise(runs)
+    summary["load"] = args.load
     text = render(summary, args, time.monotonic() - started)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "host_time.md").write_text(text)
-    (args.out_dir / "host_time.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out_dir / f"{args.name}.md").write_text(text)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(text)
     return 0
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN, assign, imbalance
+from hf_dynbsz.planning.balance import MIN_RELATIVE_GAIN, SPLIT_CLOSE_ENOUGH, Divisible, assign, imbalance
 
 costs_per_process = st.lists(st.lists(st.floats(0.5, 1000.0), max_size=12), min_size=1, max_size=6)
 
@@ -86,3 +86,97 @@ def test_one_process_or_no_work_is_left_alone():
     assert assign([[3.0, 4.0]]).destination == [0, 0]
     assert assign([[], []]).destination == []
     assert imbalance([0.0, 0.0]) == 1.0 and imbalance([3.0, 1.0]) == 1.5
+
+
+# ---- units cut across processes ---------------------------------------------------------------------------------
+class Forest:
+    """Divisible units for the specification: unit ``u`` is a path of ``paths[u]`` cost shared by its parts, and
+    part ``k`` of it costs ``leaves[u][k]`` more; a process holding some parts of ``u`` computes the path once and
+    each of their leaves. A unit may be cut into any of its single parts, or its first half."""
+
+    def __init__(self, paths, leaves):
+        self.paths, self.leaves = paths, leaves
+
+    def cost(self, unit, parts):
+        return self.paths[unit] + sum(self.leaves[unit][k] for k in parts) if parts else 0.0
+
+    def divisible(self):
+        def pieces(unit, parts):
+            return list(dict.fromkeys([parts, parts[: len(parts) // 2] or parts, *((k,) for k in parts)]))
+
+        def costs(unit, sets):
+            return [self.cost(unit, parts) for parts in sets]
+
+        return Divisible([tuple(range(len(leaves))) for leaves in self.leaves], costs, pieces)
+
+
+forests = st.lists(  # per process, its units: (path cost, leaf costs)
+    st.lists(st.tuples(st.floats(0.0, 50.0), st.lists(st.floats(0.5, 100.0), min_size=1, max_size=6)), max_size=4),
+    min_size=2,
+    max_size=4,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(forests)
+def test_cut_units_run_every_part_once_and_charge_the_path_on_every_process_holding_part(units_per_process):
+    units = [unit for per_process in units_per_process for unit in per_process]
+    forest = Forest([path for path, _ in units], [leaves for _, leaves in units])
+    whole = [[forest.cost(u, tuple(range(len(leaves)))) for u, (_, leaves) in enumerate(units)]]
+    costs, offset = [], 0
+    for per_process in units_per_process:
+        costs.append(whole[0][offset : offset + len(per_process)])
+        offset += len(per_process)
+    result = assign(costs, min_relative_gain=0.0, divisible=forest.divisible())
+    charged = [0.0] * len(costs)
+    for unit, (_, leaves) in enumerate(units):
+        placed = result.placed(unit, tuple(range(len(leaves))))
+        assert sorted(k for parts in placed.values() for k in parts) == list(range(len(leaves)))  # each part once
+        assert all(parts for parts in placed.values())
+        for process, parts in placed.items():  # the path on every process holding part of the unit
+            charged[process] += forest.cost(unit, parts)
+        assert (len(placed) > 1) == (unit in result.shares)
+    assert result.loads_after == pytest.approx(charged)
+    uncut = assign(costs, min_relative_gain=0.0)
+    assert max(result.loads_after) <= max(uncut.loads_after) + 1e-9  # never worse than moving whole units
+
+
+@settings(max_examples=200, deadline=None)
+@given(forests)
+def test_cutting_units_balances_within_a_part_of_the_mean(units_per_process):
+    """Where cutting ends, moving any one part from the busiest process to the idlest would not lower the larger of
+    the two loads, so they differ by at most what one part costs there (its path with it): the largest load is
+    within that of the mean, or within SPLIT_CLOSE_ENOUGH of it."""
+    units = [unit for per_process in units_per_process for unit in per_process]
+    forest = Forest([path for path, _ in units], [leaves for _, leaves in units])
+    costs, offset = [], 0
+    for per_process in units_per_process:
+        costs.append([forest.cost(u, tuple(range(len(units[u][1])))) for u in range(offset, offset + len(per_process))])
+        offset += len(per_process)
+    if not any(costs):
+        return
+    result = assign(costs, min_relative_gain=0.0, divisible=forest.divisible())
+    loads = result.loads_after
+    mean = sum(loads) / len(loads)
+    part = max(path + max(leaves) for path, leaves in units)
+    assert max(loads) <= max((1 + SPLIT_CLOSE_ENOUGH) * mean, mean + part, max(result.loads_before)) + 1e-6
+
+
+def test_a_process_holding_one_big_unit_shares_it():
+    """Process 0 holds one unit (a path of 10 and 8 parts of 100), process 1 one small one: whole units cannot move
+    usefully (1.6 times the mean); cut, each process runs about half, the path computed on both."""
+    forest = Forest([10.0, 10.0], [[100.0] * 8, [5.0] * 4])
+    costs = [[forest.cost(0, tuple(range(8)))], [forest.cost(1, tuple(range(4)))]]
+    assert assign(costs).moved == 0  # whole units: nothing helps
+    result = assign(costs, divisible=forest.divisible())
+    assert result.imbalance_before > 1.6 and result.imbalance_after < 1.1
+    assert sorted(result.shares[0]) == [0, 1] and result.loads_after == [430.0, 430.0]
+    extra = sum(10.0 * (len(result.shares.get(unit, {0: ()})) - 1) for unit in range(2))
+    assert sum(result.loads_after) == pytest.approx(sum(result.loads_before) + extra)  # a path on both processes
+
+
+def test_units_are_not_cut_where_whole_units_balance():
+    forest = Forest([10.0, 10.0, 10.0, 10.0], [[100.0] * 4, [100.0] * 4, [5.0] * 4, [5.0] * 4])
+    costs = [[forest.cost(0, (0, 1, 2, 3)), forest.cost(1, (0, 1, 2, 3))], [forest.cost(2, (0, 1, 2, 3))] * 2]
+    result = assign(costs, divisible=forest.divisible())
+    assert result.shares == {} and result.imbalance_after == 1.0 and result.moved == 2

@@ -140,6 +140,49 @@ def test_a_subtree_over_the_budget_splits_into_pieces_each_carrying_its_path():
     assert lone.samples == (0,) and lone.tokens == 19 and lone.pairs == 19 * 19
 
 
+@settings(max_examples=300, deadline=None)
+@given(sequences, st.data())
+def test_a_pass_reads_its_tree_off_its_steps_as_its_keys_would_build_it(samples, data):
+    """The collator reads a pass's tree off its step's (:meth:`PrefixTree.restricted`, any subset in any order) rather
+    than inserting the pass's keys again: the very tree ``of_keys`` builds, nodes, order, sources and leaves."""
+    keys = [token_keys(np.array(s), 10) for s in samples]
+    chosen = data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True))
+    read, built = tree_of(samples).restricted(chosen), PrefixTree.of_keys([keys[i] for i in chosen])
+    assert (read.parent, read.start, read.length, read.source, read.leaf) == (
+        built.parent, built.start, built.length, built.source, built.leaf,
+    )  # fmt: skip
+    alone = PrefixTree.alone([len(s) for s in samples]).restricted(chosen)
+    assert alone == PrefixTree.alone([len(samples[i]) for i in chosen])
+
+
+@settings(max_examples=200, deadline=None)
+@given(sequences, st.data())
+def test_samples_cut_along_the_tree_give_the_samples_below_each_of_their_positions(samples, data):
+    """The pieces cross-rank balancing may cut a unit into (:meth:`PrefixTree.subtrees`): for every distinct position
+    of the chosen samples, the chosen samples that hold it (brute force over prefixes), each set once; the whole set
+    first when they share their first position. A piece computes its own path wherever it runs: its tokens are those
+    of its samples alone."""
+    tree = tree_of(samples)
+    chosen = sorted(data.draw(st.lists(st.sampled_from(range(len(samples))), min_size=1, unique=True)))
+    keyed = {sample: [*samples[sample], -1] for sample in chosen}
+    expected = {
+        tuple(s for s in chosen if tuple(keyed[s][: len(prefix)]) == prefix)
+        for prefix in distinct_positions([samples[s] for s in chosen])
+    }
+    pieces = tree.subtrees(chosen)
+    assert len(pieces) == len(set(pieces)) and set(pieces) == expected
+    assert all(list(piece) == sorted(piece) for piece in pieces)
+    if len({tuple(keyed[s][:2]) for s in chosen}) == 1:
+        assert pieces[0] == tuple(chosen)
+    for piece in pieces:
+        assert tree.tokens(piece) == len(distinct_positions([samples[s] for s in piece]))
+    for budget in (1, 4, 9, 30):  # a unit costs what its samples compute: what balancing charges its parts by
+        assert all(
+            (unit.tokens, unit.pairs) == (tree.tokens(unit.samples), tree.pairs(unit.samples))
+            for unit in tree.units(budget)
+        )
+
+
 #: Group 0 (samples 0, 1, 2, 4: prompts of 6) shares 5 prompt tokens; its blocks (the prompt's last token and the
 #: completion) are 10, 3, 5 and 2 tokens: 25 in all. Sample 3 is alone in group 1: 10 tokens. A unit's attention term
 #: is its positions' path lengths, 2 depth + 1 each: (5 + block)^2 - 25 per block, 25 for the shared prompt.

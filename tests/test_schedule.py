@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from hf_dynbsz.planning.balance import SPLIT_CLOSE_ENOUGH, assign
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.planning.partition import OversizeSequenceError
@@ -552,7 +554,8 @@ def test_prefix_tree_passes_compute_what_the_schedule_counts(data):
 
 def test_a_shared_prefix_keeps_its_samples_in_one_pass_where_they_fit():
     """A 40-token block every prompt begins with, 4 prompts of 3 completions: their tree fits one pass of 300 tokens,
-    where prompt groups need two (and compute the block in each); balancing of two processes moves whole subtrees."""
+    where prompt groups need two (and compute the block in each); balancing of two processes moves subtrees, each
+    process charged for the paths of the parts it runs."""
     block, prompts = [7] * 40, [[3 + k, 4] for k in range(4)]
     completions = [[5 + (j % 3)] * (6 + j) for j in range(12)]
     table = tree_table(block, prompts, completions, [j // 3 for j in range(12)])
@@ -573,8 +576,12 @@ def test_a_shared_prefix_keeps_its_samples_in_one_pass_where_they_fit():
     )
     units = trees[0].units(120)
     assert len(units) > 1 and plans[0].exchange is not None
-    for unit in units:  # a unit (a subtree, or a piece carrying its path) moves whole
-        assert len({plans[0].exchange.destination[0][i] for i in unit.samples}) == 1
+    balance = plans[0].balance
+    for number, unit in enumerate(units):  # a unit (a subtree, or a piece carrying its path) runs whole, or in parts
+        placed = balance.placed(number, unit.samples)
+        assert {plans[0].exchange.destination[0][i] for i in unit.samples} == set(placed)
+    for plan in plans:  # every sample computes its whole path where it runs: a cut unit's path on both processes
+        assert [plan.tree.tokens([j]) for j in range(len(plan.lengths))] == plan.lengths
     for plan in plans:  # samples of one process keep their shared path in the tree the receiver plans by
         incoming = plan.exchange.incoming
         roots = [path[0] for path in plan.tree.paths()]
@@ -607,6 +614,105 @@ def test_balancing_moves_a_prompt_group_piece_whole():
         origin_groups = [(origin, groups[origin][i]) for origin, i in plan.exchange.incoming]
         roots = [path[0] for path in plan.tree.paths()]
         assert [r1 == r2 for r1 in roots for r2 in roots] == [o1 == o2 for o1 in origin_groups for o2 in origin_groups]
+
+
+def brute_positions(sequences) -> int:
+    """Brute force: the positions ``sequences`` compute in one tree (a position is a sample's tokens up to the one
+    after it: the prefix tree's key)."""
+    return len({tuple([*s, -1][: i + 2]) for s in sequences for i in range(len(s))})
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_balancing_cuts_lopsided_trees_charging_each_part_its_path(data):
+    """Two processes, every prompt beginning with a shared block and completions that begin alike (a 3-symbol
+    alphabet), one process's completions long: each process is charged, per process it took samples from, the
+    positions those samples compute together (their shared path on every process holding some of them: brute force
+    over prefixes), and the busiest process ends within one sample of the mean, however coarse the trees' subtrees."""
+    symbols = st.integers(3, 5)
+    block = data.draw(st.lists(symbols, max_size=12))
+    tables, longest = [], 0
+    for length in (st.integers(8, 40), st.integers(1, 4)):  # the long process, then the short one
+        prompts = data.draw(st.lists(st.lists(symbols, min_size=1, max_size=5), min_size=1, max_size=3))
+        prompt_of = data.draw(st.lists(st.integers(0, len(prompts) - 1), min_size=1, max_size=8))
+        completions = [data.draw(st.lists(symbols, min_size=n, max_size=n)) for n in data.draw(
+            st.lists(length, min_size=len(prompt_of), max_size=len(prompt_of)))]  # fmt: skip
+        tables.append(tree_table(block, prompts, completions, prompt_of))
+        longest = max(longest, *tables[-1].lengths.tolist())
+    if data.draw(st.booleans()):
+        tables.reverse()
+    planner = dataclasses.replace(
+        scheduler("padding_free", "dense", balance_across_ranks=True), sharing=SharePrefix.TREE
+    )  # dense: a pass costs its tokens
+    plans = simulate_processes(
+        planner, [t.lengths.tolist() for t in tables], [10**6] * 2, [t.prompt_lengths.tolist() for t in tables],
+        trees=[t.prefix_tree("tree") for t in tables],
+    )  # fmt: skip
+    balance = plans[0].balance
+    runs = [plan.exchange.incoming if plan.exchange else [(rank, i) for i in range(len(plan.lengths))]
+            for rank, plan in enumerate(plans)]  # fmt: skip
+    sequences = [[t.tokens[i].tolist() for i in range(len(t))] for t in tables]
+    charged = [
+        sum(brute_positions([sequences[q][i] for origin, i in run if origin == q]) for q in range(2)) for run in runs
+    ]
+    assert balance.loads_after == pytest.approx(charged)
+    event(f"cut {bool(balance.shares)}, moved {bool(balance.moved)}")
+    mean = sum(charged) / 2
+    if balance.moved:
+        assert max(charged) <= max((1 + SPLIT_CLOSE_ENOUGH) * mean, mean + longest / 2) + 1e-9
+    assert max(charged) <= max(balance.loads_before)
+
+
+def test_a_lopsided_tree_step_balances_as_an_even_one():
+    """The shape of benchmarks/balance.py: 2 processes x 2 prompts x 4 completions, a 16-token block every prompt
+    begins with, completions of 416 and 32 tokens, the automatic budget (4 x the longest sequence). Every long
+    completion on one process: its tree is one unit over the budget, cut in two pieces at the prompts, and the
+    short process's tree is one unit; moving whole units leaves the busiest process 1.07x the evenly loaded step's
+    (predicted cost), cutting the short one too as much as the even step (whose trees are over the budget: a piece per
+    prompt, each computing the block, as the cut pieces do)."""
+    rng = np.random.default_rng(0)
+    block = rng.integers(3, 53, 16).tolist()
+
+    def step(long_rank: int | None):
+        tables = []
+        for rank in range(2):
+            prompts = [rng.integers(3, 53, 32).tolist() for _ in range(2)]
+            lengths = [416 if (rank == long_rank if long_rank is not None else j % 2 == 0) else 32 for j in range(8)]
+            completions = [rng.integers(3, 53, n).tolist() for n in lengths]
+            tables.append(tree_table(block, prompts, completions, [j // 4 for j in range(8)]))
+        return tables
+
+    workload = WorkloadModel.from_model_config(  # the benchmark's model
+        SimpleNamespace(
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=384,
+            vocab_size=4096,
+        )
+    )
+    planner = dataclasses.replace(
+        scheduler("padding_free", "varlen", balance_across_ranks=True),
+        sharing=SharePrefix.TREE, workload=workload,
+    )  # fmt: skip
+    budget = 4 * (16 + 32 + 416)
+    peaks = {}
+    for name, tables in (("lopsided", step(1)), ("even", step(None))):
+        plans = simulate_processes(
+            planner, [t.lengths.tolist() for t in tables], [budget] * 2, [t.prompt_lengths.tolist() for t in tables],
+            trees=[t.prefix_tree("tree") for t in tables],
+        )  # fmt: skip
+        peaks[name] = max(plans[0].balance.loads_after)
+        if name == "lopsided":
+            balance = plans[0].balance
+            units = [t.prefix_tree("tree").units(budget) for t in tables]
+            whole = assign([planner._unit_costs(u) for u in units])
+            assert [len(u) for u in units] == [1, 2] and not whole.shares
+            assert balance.shares and plans[0].samples_moved > 0
+            peaks["whole"] = max(whole.loads_after)
+    assert peaks["whole"] / peaks["even"] > 1.06
+    assert peaks["lopsided"] / peaks["even"] <= 1.01
 
 
 def test_repacked_vision_language_models_train_padding_free_and_balanced_other_families_padded():
@@ -699,3 +805,34 @@ def test_balancing_moves_pairs_whole_and_runs_each_pair_in_one_pass():
             pairs = {(origin, index // 2) for origin, index in origins}
             assert len(origins) == 2 * len(pairs)  # whole pairs
             assert all(origins[j + 1] == (origins[j][0], origins[j][1] + 1) for j in range(0, len(origins), 2))
+
+
+def test_balancing_cuts_a_tree_of_pairs_only_between_pairs():
+    """Preference pairs behind a block every prompt begins with, one process's responses long, a budget that holds
+    a process's step in one pass (its tree is one unit): balancing cuts that unit along its tree, but only between
+    pairs (3 long pairs against 1 short: the even cut runs through a pair). A pair's chosen and rejected sequences,
+    which fork below their prompt, land on one process, and every pass holds whole pairs."""
+    rng = np.random.default_rng(1)
+    block = rng.integers(3, 53, 12).tolist()
+    tables, together = [], []
+    for pairs, length in ((3, 200), (1, 10)):  # the long process, then the short one
+        prompts = [rng.integers(3, 53, 8).tolist() for _ in range(pairs)]
+        completions = [rng.integers(3, 53, length + k).tolist() for k in range(2 * pairs)]
+        together.append([k // 2 for k in range(2 * pairs)])
+        tables.append(tree_table(block, prompts, completions, together[-1]))
+    planner = dataclasses.replace(
+        scheduler("padding_free", "dense", balance_across_ranks=True), sharing=SharePrefix.TREE
+    )  # fmt: skip
+    plans = simulate_processes(
+        planner, [t.lengths.tolist() for t in tables], [10**6] * 2, [t.prompt_lengths.tolist() for t in tables],
+        trees=[t.prefix_tree("tree") for t in tables], together=together,
+    )  # fmt: skip
+    assert plans[0].balance.shares  # the long process's tree was cut (cutting a pair would have evened them out)
+    where = {}
+    for rank, plan in enumerate(plans):
+        for group in plan.microbatches:
+            held = [plan.exchange.incoming[i] for i in group]
+            for origin, index in held:
+                where.setdefault((origin, index // 2), set()).add(rank)
+            assert sorted(held) == sorted({(o, 2 * (i // 2) + k) for o, i in held for k in (0, 1)})  # whole pairs
+    assert all(len(ranks) == 1 for ranks in where.values())

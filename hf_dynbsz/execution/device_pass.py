@@ -49,14 +49,25 @@ ROPE_WIDTHS = "_dynbsz_rope_widths"
 class DevicePass:
     """One pass on this process's device, for the executor that subclasses it. Reads the run's ``trainer``,
     ``accelerator``, ``args``, ``capabilities``, ``scheduler`` (the run's layout), ``layout_timing`` (a timed pass's
-    layout), ``parallel`` (sequence parallelism), ``memory`` (the memory model), ``pad_token_id`` and ``_dummies`` (the
-    dummy micro-batch of each layout), which the executor sets."""
+    layout), ``parallel`` (sequence parallelism), ``memory`` (the memory model), ``pad_token_id``, ``_dummies`` (the
+    dummy micro-batch of each layout) and ``_unwrapped`` (:meth:`unwrap`'s model, None at first), which the executor
+    sets."""
+
+    def unwrap(self, model):
+        """``accelerator.unwrap_model(model)``, computed once per model object: accelerate reads the installed
+        packages' metadata on every call (milliseconds a step on the host's critical path, twice a step); a wrapper
+        never changes the module it wraps."""
+        if self._unwrapped is None or self._unwrapped[0] is not model:
+            self._unwrapped = (model, self.accelerator.unwrap_model(model))
+        return self._unwrapped[1]
 
     def microbatch(self, table: SequenceTable, group: list[int], scheduler: Scheduler | None = None):
         """The packed micro-batch of ``table``'s samples ``group`` in ``scheduler``'s layout (default: the run's), its
-        samples sharing positions by the layout's rule (:meth:`SequenceTable.prefix_keys`)."""
+        samples sharing positions by the layout's rule (:meth:`SequenceTable.prefix_keys`; the pass's tree read off
+        the table's, :meth:`SequenceTable.prefix_tree`, built once per table)."""
         scheduler = scheduler or self.layout_timing.pass_scheduler or self.scheduler
         keys = table.prefix_keys(scheduler.sharing) if scheduler.sharing else None
+        tree = table.prefix_tree(scheduler.sharing) if scheduler.sharing else None
         if (
             scheduler.layout == "padding_free" and table.positions is None and self.capabilities.support.multimodal_rope
         ):  # once per table: each sample's own M-RoPE positions
@@ -73,6 +84,7 @@ class DevicePass:
             attention_mask=scheduler.attention_mask,
             position_offset=scheduler.position_offset,
             keys=keys,
+            tree=tree,
         )
 
     @contextlib.contextmanager
@@ -85,7 +97,7 @@ class DevicePass:
         scheduler = scheduler or self.scheduler
         enabled = scheduler.segment_attention is not None
         name = (parallel or self.parallel).attention_name
-        unwrapped = self.accelerator.unwrap_model(model)
+        unwrapped = self.unwrap(model)
         mixers = self.capabilities.support.sequence_mixers if scheduler.segment_recurrence else ()
         with segment_attention(unwrapped, enabled, name), segment_recurrence(unwrapped, mixers), stock_rope(unwrapped):
             yield
@@ -97,7 +109,7 @@ class DevicePass:
         shards' outputs are gathered (the identity at size 1)."""
         parallel = parallel or self.parallel
         extra = {"output_router_logits": True} if router else {}
-        capture = captured_router_logits(self.accelerator.unwrap_model(model)) if router else contextlib.nullcontext()
+        capture = captured_router_logits(self.unwrap(model)) if router else contextlib.nullcontext()
         precision = self.accelerator.autocast() if autocast else contextlib.nullcontext()
         inputs, labels = named_pass(mb, parallel)
         with precision, capture as router_logits:

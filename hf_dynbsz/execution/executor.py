@@ -93,6 +93,7 @@ class PassExecutor(DevicePass):
         self.self_check_seconds: float | None = None  # its wall time, once run (part of the first step's)
         self.warned: set[str] = set()
         self._dummies: dict = {}  # the dummy micro-batch of each layout (lockstep passes)
+        self._unwrapped: tuple | None = None  # (model, its unwrapped module): DevicePass.unwrap
         self.layout_timing = NO_LAYOUT_TIMING  # on CUDA with packing_layout "auto": set by the self-check
 
     # ------------------------------------------------------------------ the one loop
@@ -155,7 +156,7 @@ class PassExecutor(DevicePass):
         dummy = dummy or self.dummy_pass
         training, sync_apart = kind == "training", self.recovery.syncs_apart(kind)
         failure, shapes = None, iter(schedule.pass_shapes())
-        unwrapped = self.accelerator.unwrap_model(model)  # once per attempt (injected faults hook its layers)
+        unwrapped = self.unwrap(model)  # injected faults hook its layers
         for position, group in enumerate(schedule.microbatches):
             last = position == schedule.passes - 1 and not sync_apart
             if failure is not None and self.recovery.processes == 1:

@@ -25,6 +25,7 @@ from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.cost import ModelFlops
+from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 from hf_dynbsz.planning.settings import SharePrefix
 
@@ -285,7 +286,8 @@ class StepMetrics:
         prefix, completion trunks included; also logged as ``prompt_tokens_saved``, its former name, for one release)
         and with ``sharing`` the tree ``tree_tokens_saved`` (of those, the tokens the prefix tree saved beyond prompt
         groups in the same passes); with cross-rank balancing ``rank_imbalance_before`` and
-        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it) and ``samples_moved``.
+        ``rank_imbalance_after`` (largest per-process cost over the mean, without and with it), ``samples_moved`` and
+        ``units_split`` (units, such as a subtree of samples sharing a prefix, that run on several processes).
         Time and memory, the maximum over processes (the step waits for the slowest): ``train_seconds``,
         ``logprob_seconds`` and ``generation_seconds`` (a distillation's ``teacher_seconds`` too: ``meters.phases``,
         see :class:`StepClock`) and ``peak_memory_mib`` (:class:`PeakMemory`) of ``meters``, with a memory limit
@@ -327,6 +329,7 @@ class StepMetrics:
             store["dynbsz/rank_imbalance_before"].append(schedule.balance.imbalance_before)
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
             store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
+            store["dynbsz/units_split"].append(float(len(schedule.balance.shares)))
 
     def publish_slices(
         self, store: dict[str, list], sums: torch.Tensor | None = None, maxima: torch.Tensor | None = None
@@ -361,7 +364,9 @@ class StepMetrics:
 def _tree_tokens_saved(table: SequenceTable, schedule: StepSchedule, tree_tokens: int) -> int:
     """The tokens a prefix tree saved beyond prompt groups: what the passes of ``schedule`` (over ``table``'s samples)
     compute under the prompt-group rule, less ``tree_tokens``, what they computed as prefix trees."""
-    groups = table.prefix_tree(SharePrefix.GROUPS)
+    groups = PrefixTree.of_groups(  # from lengths: the prompt-group rule's counts, without keys or a trie
+        table.prompt_lengths.tolist(), table.completion_lengths.tolist(), table.prompt_groups()
+    )
     return sum(groups.tokens(samples) for samples in schedule.microbatches if samples) - tree_tokens
 
 

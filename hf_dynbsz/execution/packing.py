@@ -52,7 +52,7 @@ from hf_dynbsz.planning.model_support import rope_width
 from hf_dynbsz.planning.prefix_tree import PrefixTree, group_keys, namespaced, token_keys
 from hf_dynbsz.planning.schedule import Exchange
 from hf_dynbsz.planning.settings import SharePrefix
-from hf_dynbsz.planning.tokens import LAYOUTS, round_up
+from hf_dynbsz.planning.tokens import LAYOUTS, range_positions, round_up
 
 __all__ = ["MicroBatch", "SequenceTable", "build_microbatch", "dummy_microbatch", "to_device_once"]
 
@@ -224,6 +224,8 @@ class SequenceTable:
     def first_media_positions(self) -> list[int | None]:
         """Per sample, the first position its images decide (its first token with a token field not 0, or 0 for a
         sample with image inputs and no such field), None for a sample without images."""
+        if "firsts" not in self._sharing and not self.multimodal:  # text: no images anywhere
+            self._sharing["firsts"] = [None] * len(self)
         if "firsts" not in self._sharing:
             firsts = []
             for i in range(len(self)):
@@ -393,6 +395,7 @@ def build_microbatch(
     attention_mask: bool = False,
     position_offset: int = 0,
     keys: Sequence[np.ndarray] | None = None,
+    tree: PrefixTree | None = None,
 ) -> MicroBatch:
     """Build the inputs of one micro-batch holding the samples ``indices`` of ``table`` (in that order).
 
@@ -402,14 +405,16 @@ def build_microbatch(
     of position keys per sample of ``table``, :meth:`SequenceTable.prefix_keys`; needs segment attention): the
     micro-batch's samples fold into their prefix tree, each shared position computed once
     (:mod:`hf_dynbsz.planning.prefix_tree`); ``groups`` (one id per sample of ``table``) stands for the keys of the
-    prompt-group rule (samples with the same id have identical prompts and share one copy of it).
-    ``attention_mask``: padded rows carry an attention mask. ``position_offset``: added to every position id.
+    prompt-group rule (samples with the same id have identical prompts and share one copy of it). ``tree``: the
+    prefix tree of all of ``table``'s samples under ``keys`` (:meth:`SequenceTable.prefix_tree`), whose restriction to
+    ``indices`` is the micro-batch's tree (:meth:`PrefixTree.restricted`: the same tree, without inserting the keys
+    again). ``attention_mask``: padded rows carry an attention mask. ``position_offset``: added to every position id.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if not indices:
         raise ValueError("a micro-batch needs at least one sequence (use dummy_microbatch for an empty one)")
-    if (groups is not None or keys is not None) and (layout != "padding_free" or attention is None):
+    if (groups is not None or keys is not None or tree is not None) and (layout != "padding_free" or attention is None):
         raise ValueError("shared prompts need the padding_free layout and segment attention")
     if keys is None and groups is not None:
         keys = group_keys(table.prompt_lengths.tolist(), table.lengths.tolist(), list(groups))
@@ -417,7 +422,11 @@ def build_microbatch(
         indices, table.prompt_lengths[indices].tolist(), table.completion_lengths[indices].tolist(), device
     )
     if layout == "padding_free":
-        built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, keys)
+        if tree is not None:
+            tree = tree.restricted(samples.indices)
+        elif keys is not None:
+            tree = PrefixTree.of_keys([keys[i] for i in samples.indices])
+        built = _padding_free_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention, tree)
     else:
         built = _padded_inputs(table, samples, pad_token_id, pad_to_multiple_of, attention_mask)
     moved = _move_with_segments(_host_inputs(built, samples, position_offset), built.segments, device)
@@ -521,6 +530,21 @@ class _Samples:
         self.token_index.append(positions)
         self.row_index.append(torch.full((positions.numel(),), row))
 
+    def count_positions_of_rows(self, positions: torch.Tensor, sizes: list[int]) -> None:
+        """The flat ``positions`` count for the rows in order, ``sizes[j]`` of them for row ``j`` (as
+        :meth:`count_positions` row after row)."""
+        self.token_index.append(positions)
+        self.row_index.append(torch.from_numpy(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)))
+
+    def completions_at(self, rows: list[int], positions: torch.Tensor) -> None:
+        """Each of ``rows``' completion tokens is predicted at the flat ``positions``, row after row (as
+        :meth:`completion_at_positions` for each)."""
+        lengths = [self.completion_lengths[row] for row in rows]
+        which = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths))
+        columns = torch.from_numpy(range_positions([range(c) for c in lengths]))
+        self.gather_index[which, columns] = positions
+        self.completion_mask[which, columns] = 1
+
     def completion_at(self, row: int, first: int) -> None:
         """``row``'s completion tokens are predicted at the flat positions from ``first`` on."""
         self.completion_at_positions(row, torch.arange(first, first + self.completion_lengths[row]))
@@ -577,7 +601,8 @@ class _PackedRow:
     def add_tree(self, tree: PrefixTree) -> None:
         """The micro-batch's samples as the nodes of their prefix ``tree`` (its samples numbered as the micro-batch's
         rows): each node once, its tokens, positions (depths), token fields and M-RoPE positions its source sample's;
-        then each row's positions, loss terms and labels along its path."""
+        then each row's positions, loss terms and labels along its path (the index arrays of every row built at once,
+        :func:`~hf_dynbsz.planning.tokens.range_positions`)."""
         samples, firsts = self.samples, None
         if self.table.media is not None:
             firsts = self.table.first_media_positions()
@@ -588,21 +613,27 @@ class _PackedRow:
             starts.append(self.offset)
             self.pieces.append(self.table.tokens[i][low : low + length].cpu())
             self.carry(i, low, low + length)
-            self.positions.append(torch.arange(low, low + length))
             if self.table.rope_widths is not None:  # a node's samples share its source's (prefix_keys)
                 self.widths.append(self.table.rope_widths[i].expand(length))
             self.nodes.append((self.offset, length, tree.parent[node]))
             if firsts is not None and firsts[i] is not None and low <= firsts[i] < low + length:
                 self.shown.append(i)  # the node holding its first image holds all its images (prefix_keys)
             self.offset += length
+        depths = [range(low, low + length) for low, length in zip(tree.start, tree.length)]
+        self.positions.append(torch.from_numpy(range_positions(depths)))
+        paths = tree.paths()
+        where = range_positions([range(starts[n], starts[n] + tree.length[n]) for path in paths for n in path])
+        prompts, completions = samples.prompt_lengths, samples.completion_lengths
+        sizes = [p + c for p, c in zip(prompts, completions)]
+        samples.count_positions_of_rows(torch.from_numpy(where), sizes)
+        first = np.cumsum([0, *sizes[:-1]]).tolist()  # each row's first entry in ``where``
+        rows = [j for j, c in enumerate(completions) if c > 0]
+        predicted = where[range_positions([range(first[j] + prompts[j] - 1, first[j] + sizes[j] - 1) for j in rows])]
         labels = torch.full((self.offset,), -100, dtype=torch.long)
-        for j, path in enumerate(tree.paths()):
-            where = torch.cat([torch.arange(starts[n], starts[n] + tree.length[n]) for n in path])
-            samples.count_positions(j, where)
-            p, c = samples.prompt_lengths[j], samples.completion_lengths[j]
-            if c > 0:
-                labels[where[p - 1 : p - 1 + c]] = self.table.tokens[samples.indices[j]][p : p + c].cpu()
-                samples.completion_at_positions(j, where[p - 1 : p - 1 + c])
+        if rows:  # a shared position predicts the same next token for every row holding it
+            tokens = [self.table.tokens[samples.indices[j]][prompts[j] : sizes[j]].cpu() for j in rows]
+            labels[torch.from_numpy(predicted)] = torch.cat(tokens)
+        samples.completions_at(rows, torch.from_numpy(predicted))
         self.labels.append(labels)
 
     def pad(self, length: int, pad_token_id: int) -> None:
@@ -627,15 +658,12 @@ def _padding_free_inputs(
     pad_token_id: int,
     pad_to_multiple_of: int | None,
     attention: str | None,
-    keys: Sequence[np.ndarray] | None,
+    tree: PrefixTree | None,
 ) -> _LayoutInputs:
-    """The ``padding_free`` layout: every sample in one row, as the nodes of the samples' prefix tree (by ``keys``;
-    None: each sample alone, a plain sequence)."""
+    """The ``padding_free`` layout: every sample in one row, as the nodes of the samples' prefix ``tree`` (its samples
+    numbered as the micro-batch's rows; None: each sample alone, a plain sequence)."""
     row = _PackedRow(table, samples)
-    if keys is None:
-        row.add_tree(PrefixTree.alone(samples.seq_lengths))
-    else:
-        row.add_tree(PrefixTree.of_keys([keys[i] for i in samples.indices]))
+    row.add_tree(PrefixTree.alone(samples.seq_lengths) if tree is None else tree)
     total = row.offset
     width = round_up(total, pad_to_multiple_of)
     if attention == "flex_attention":  # a few row widths, each compiled once

@@ -336,7 +336,7 @@ class DistillationLoss:
         valid = rows.mask.bool() & mb.completion_mask.bool()
         completion = mb.completion_mask.bool()
         teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
-        unwrapped = executor.accelerator.unwrap_model(model)
+        unwrapped = executor.unwrap(model)
         use_segments(mb.segments)
         use_rope_widths(mb.rope_widths)
         divergence, entropy = self.trainer._forward_redirection(
@@ -364,7 +364,7 @@ class DistillationLoss:
         mb = executor.lockstep_microbatch()
         none = mb.gather_index.new_zeros(0)
         teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
-        unwrapped = executor.accelerator.unwrap_model(model)
+        unwrapped = executor.unwrap(model)
         use_segments(mb.segments)
         use_rope_widths(mb.rope_widths)
         with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)

@@ -20,10 +20,14 @@ the lengths of all processes' samples (a small all-gather of lengths, not of dat
 same input, computing the same assignment of *units* (a sample, or samples that share a prompt) to processes, with
 no broadcast. It takes the better of two schedules: the current placement improved (nothing moves unless it helps,
 so the result is never worse than no balancing), and longest-first with its bins renamed to keep as much work as
-possible where it is. The samples then move with everything that belongs to them
-(:mod:`hf_dynbsz.parallel.distributed`); their loss weights were fixed on the process they came from, so the summed
-gradient, and the parameters, stay stock's. When the predicted gain is below :data:`MIN_RELATIVE_GAIN` of the largest
-load, nothing moves.
+possible where it is. Whole units can be too coarse: a prefix tree makes a GRPO group one unit, and a block every
+prompt begins with makes all of a process's samples one. Units given as :class:`Divisible` are then cut where that
+lowers the largest load (:func:`spread`): a piece of a unit (the samples of one of its subtrees) moves from the most
+loaded process to the least loaded one, and each process holding part of a unit is charged what its part computes,
+the path the part shares with the rest of the unit included (the path is computed on both processes). The samples then
+move with everything that belongs to them (:mod:`hf_dynbsz.parallel.distributed`); their loss weights were fixed on
+the process they came from, so the summed gradient, and the parameters, stay stock's. When the predicted gain is below
+:data:`MIN_RELATIVE_GAIN` of the largest load, nothing moves.
 
 Everything is deterministic: ties are broken by bin number and item order, never by hashing or timing.
 """
@@ -32,14 +36,18 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["MIN_RELATIVE_GAIN", "Assignment", "assign", "balance", "imbalance", "improve"]
+__all__ = ["MIN_RELATIVE_GAIN", "SPLIT_CLOSE_ENOUGH", "Assignment", "Divisible", "assign", "balance", "imbalance",
+           "improve", "spread"]  # fmt: skip
 
 #: Smallest predicted reduction of the largest per-process cost, relative to it, worth exchanging samples for.
 #: Below it the exchange (two all-to-alls of a few hundred bytes per token moved) would cost about what it saves.
 MIN_RELATIVE_GAIN = 0.02
+#: Units are cut (:func:`spread`) only while the largest load is more than this far (relative) above the mean: a cut
+#: computes the piece's path twice and moves more samples, for what the cost model can no longer tell apart.
+SPLIT_CLOSE_ENOUGH = 0.01
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -207,22 +215,45 @@ def _best_change(
 
 
 @dataclass(frozen=True)
+class Divisible:
+    """Units that may be cut into pieces run by different processes (:func:`spread`).
+
+    ``parts[u]``: the parts of unit ``u`` (its samples, as integers; ascending); ``costs(u, [parts, ...])``: for each
+    of several sets of parts of unit ``u``, what a process holding them computes for them, their shared path
+    included (0 for none; ``parts[u]`` costs the unit's cost), asked for at once so that they are counted at once;
+    ``pieces(u, parts)``: the pieces ``parts`` may give away (each a non-empty ascending tuple of them, ``parts``
+    itself included: a whole move).
+    """
+
+    parts: Sequence[tuple[int, ...]]
+    costs: Callable[[int, list[tuple[int, ...]]], list[float]]
+    pieces: Callable[[int, tuple[int, ...]], Sequence[tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
 class Assignment:
     """Where each unit runs. Units are numbered in input order: process 0's units, then process 1's, ...
 
     ``origin[u]`` and ``destination[u]`` are the processes unit ``u`` comes from and runs on; ``loads_before`` and
-    ``loads_after`` the per-process costs without and with the assignment.
+    ``loads_after`` the per-process costs without and with the assignment. ``shares``: the units cut across
+    processes (:func:`spread`), each as ``{process: its parts there}``; such a unit's ``destination`` is where its
+    first part runs.
     """
 
     origin: list[int]
     destination: list[int]
     loads_before: list[float]
     loads_after: list[float]
+    shares: dict[int, dict[int, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def moved(self) -> int:
-        """Units that change process."""
-        return sum(1 for source, target in zip(self.origin, self.destination) if source != target)
+        """Units that change process, wholly or in part."""
+        return sum(
+            1
+            for unit, (source, target) in enumerate(zip(self.origin, self.destination))
+            if (set(self.shares[unit]) != {source} if unit in self.shares else source != target)
+        )
 
     @property
     def imbalance_before(self) -> float:
@@ -232,12 +263,22 @@ class Assignment:
     def imbalance_after(self) -> float:
         return imbalance(self.loads_after)
 
+    def placed(self, unit: int, parts: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+        """Unit ``unit``'s ``parts`` (all of them) by the process that runs them, in process order."""
+        return dict(sorted(self.shares[unit].items())) if unit in self.shares else {self.destination[unit]: parts}
 
-def assign(unit_costs: Sequence[Sequence[float]], min_relative_gain: float = MIN_RELATIVE_GAIN) -> Assignment:
+
+def assign(
+    unit_costs: Sequence[Sequence[float]],
+    min_relative_gain: float = MIN_RELATIVE_GAIN,
+    divisible: Divisible | None = None,
+) -> Assignment:
     """The assignment of units to processes minimising the largest per-process cost (deterministic).
 
     ``unit_costs[p]`` are the costs of process ``p``'s units, in its order. Every process must call this with the
-    same ``unit_costs`` (the result depends on nothing else).
+    same ``unit_costs`` (the result depends on nothing else). ``divisible``: the units (numbered as in
+    :class:`Assignment`) may be cut where whole units leave the largest load more than :data:`SPLIT_CLOSE_ENOUGH`
+    above the mean (:func:`spread`).
     """
     num_processes = len(unit_costs)
     costs = [float(cost) for per_process in unit_costs for cost in per_process]
@@ -255,10 +296,94 @@ def assign(unit_costs: Sequence[Sequence[float]], min_relative_gain: float = MIN
             sum(a != b for a, b in zip(destination, origin)),
         ),
     )
-    after = _loads(best, costs, num_processes)
+    after, shares = _loads(best, costs, num_processes), {}
+    if divisible is not None and max(after) > (1.0 + SPLIT_CLOSE_ENOUGH) * sum(after) / num_processes:
+        placed = spread(best, num_processes, divisible)
+        loads = _loads_of(placed, num_processes, divisible)
+        if max(loads) < max(after):
+            best = [_first(parts) for parts in placed]
+            shares = {unit: parts for unit, parts in enumerate(placed) if len(parts) > 1}
+            after = loads
     if max(before) - max(after) < min_relative_gain * max(before):
         return unchanged
-    return Assignment(origin, best, before, after)
+    return Assignment(origin, best, before, after, shares)
+
+
+def spread(
+    destination: Sequence[int], num_processes: int, divisible: Divisible, close_enough: float = SPLIT_CLOSE_ENOUGH
+) -> list[dict[int, tuple[int, ...]]]:
+    """Units placed by ``destination`` (one process each), then cut across processes while that lowers the largest
+    load: per unit, ``{process: its parts there}``.
+
+    Each round looks at the most loaded process (the lowest-numbered on ties) and the least loaded one: of every
+    piece (:attr:`Divisible.pieces`) of every unit part the heavy process holds, it moves the one after which the
+    larger of the two loads is least, if that is below the heavy load. A process's load is the sum over the unit
+    parts it holds of :attr:`Divisible.costs`, so a piece that joins another part of its unit is charged only what it
+    adds, and a cut unit's shared path counts on every process holding part of it. Stops when the largest load is
+    within ``close_enough`` (relative) of the mean, or no move lowers it. The largest load never rises.
+    """
+    placed = [{process: tuple(divisible.parts[unit])} for unit, process in enumerate(destination)]
+    loads = _loads_of(placed, num_processes, divisible)
+    for _ in range(4 * sum(len(parts) for parts in divisible.parts) + 4 * num_processes):
+        heavy = max(range(num_processes), key=lambda p: (loads[p], -p))
+        light = min(range(num_processes), key=lambda p: (loads[p], p))
+        if loads[heavy] <= (1.0 + close_enough) * sum(loads) / num_processes:
+            break
+        move = _best_piece(placed, loads, heavy, light, divisible)
+        if move is None:
+            break
+        unit, piece, heavy_load, light_load = move
+        kept = _without(placed[unit][heavy], piece)
+        if kept:
+            placed[unit][heavy] = kept
+        else:
+            del placed[unit][heavy]
+        placed[unit][light] = tuple(sorted(placed[unit].get(light, ()) + piece))
+        loads[heavy], loads[light] = heavy_load, light_load
+    return placed
+
+
+def _best_piece(placed, loads: list[float], heavy: int, light: int, divisible: Divisible):
+    """(unit, piece, heavy load after, light load after) of the move from ``heavy`` to ``light`` that leaves the
+    larger of the two loads least, if below ``heavy``'s load now; None otherwise."""
+    best, best_peak = None, loads[heavy] * (1.0 - 1e-9)
+    for unit, parts in enumerate(placed):
+        held = parts.get(heavy)
+        if held is None:
+            continue
+        there = parts.get(light, ())
+        pieces = list(divisible.pieces(unit, held))
+        kept = [_without(held, piece) for piece in pieces]
+        joined = [tuple(sorted(there + piece)) for piece in pieces]
+        costs = divisible.costs(unit, [held, there, *kept, *joined])
+        without, light_base = loads[heavy] - costs[0], loads[light] - costs[1]
+        for number, piece in enumerate(pieces):
+            heavy_load = without + costs[2 + number]
+            light_load = light_base + costs[2 + len(pieces) + number]
+            peak = max(heavy_load, light_load)
+            if peak < best_peak:
+                best, best_peak = (unit, piece, heavy_load, light_load), peak
+    return best
+
+
+def _without(parts: tuple[int, ...], piece: tuple[int, ...]) -> tuple[int, ...]:
+    """``parts`` less those of ``piece``, in order."""
+    given = set(piece)
+    return tuple(part for part in parts if part not in given)
+
+
+def _first(parts: dict[int, tuple[int, ...]]) -> int:
+    """The process holding a unit's first part."""
+    return min(parts, key=lambda process: parts[process][0])
+
+
+def _loads_of(placed, num_processes: int, divisible: Divisible) -> list[float]:
+    """Per process, the cost of the unit parts it holds."""
+    loads = [0.0] * num_processes
+    for unit, parts in enumerate(placed):
+        for process, cost in zip(parts, divisible.costs(unit, list(parts.values()))):
+            loads[process] += cost
+    return loads
 
 
 def _loads(destination: Sequence[int], costs: Sequence[float], num_processes: int) -> list[float]:

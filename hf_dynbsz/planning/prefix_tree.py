@@ -92,6 +92,7 @@ class PrefixTree:
         self.source, self.leaf = list(source), list(leaf)
         self._paths: tuple[tuple[int, ...], ...] | None = None
         self._below: tuple[tuple[int, ...], ...] | None = None
+        self._pairs: tuple[int, ...] | None = None  # node_pairs of every node, once counts() asks
         self._apart: bool | None = None
 
     def __eq__(self, other) -> bool:
@@ -254,17 +255,54 @@ class PrefixTree:
             return 0
         return sum(self.start[node] for node in self._union(samples))
 
-    def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
-        """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all), from one walk of their nodes."""
-        nodes = self._union(samples)
+    def restricted(self, samples: Sequence[int]) -> PrefixTree:
+        """The tree of ``samples`` alone, numbered in the order given: what :meth:`of_keys` builds from their keys (the
+        same nodes, row order, sources and leaves), read off this tree instead of inserting the keys again (a pass's
+        tree from its step's). Its nodes are the chains of this tree's nodes their paths run through, merged where
+        none of them forks off or ends."""
         if self.shares_nothing:
-            return sum(self.length[n] for n in nodes), sum(self.length[n] ** 2 for n in nodes), 0
-        length, start = self.length, self.start
-        return (
-            sum(length[n] for n in nodes),
-            sum(length[n] * (length[n] + 2 * start[n]) for n in nodes),
-            sum(start[n] for n in nodes),
-        )
+            return PrefixTree.alone([self.length[sample] for sample in samples])
+        paths, first, ends = self.paths(), {}, {}
+        for number, sample in enumerate(samples):
+            for node in paths[sample]:
+                first.setdefault(node, number)  # the first of them through it: its source, its place among siblings
+            ends.setdefault(self.leaf[sample], []).append(number)
+        children: dict[int, list[int]] = {}
+        for node in sorted(first, key=first.__getitem__):
+            children.setdefault(self.parent[node], []).append(node)
+        parent, start, length, source, leaf = [], [], [], [], [0] * len(samples)
+        stack = [(root, -1) for root in reversed(children.get(-1, []))]
+        while stack:
+            top, above = stack.pop()
+            node, size = top, self.length[top]
+            while node not in ends and len(children.get(node, ())) == 1:
+                node = children[node][0]
+                size += self.length[node]
+            for number in ends.get(node, ()):
+                leaf[number] = len(parent)
+            stack.extend((child, len(parent)) for child in reversed(children.get(node, ())))
+            parent.append(above), start.append(self.start[top]), length.append(size), source.append(first[top])
+        return PrefixTree(parent, start, length, source, leaf)
+
+    def subtrees(self, samples: Sequence[int]) -> list[tuple[int, ...]]:
+        """The distinct sets of ``samples`` whose paths run through one node, for every node their paths run through,
+        in node order (each set ascending): the pieces a unit of ``samples`` can be cut into along the tree, each then
+        computing its path apart (cross-rank balancing, :class:`hf_dynbsz.planning.balance.Divisible`). Samples
+        that share a root give their whole set first."""
+        paths, through = self.paths(), {}
+        for sample in sorted(samples):
+            for node in paths[sample]:
+                through.setdefault(node, []).append(sample)
+        return list(dict.fromkeys(tuple(through[node]) for node in sorted(through)))
+
+    def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all): :meth:`tokens`, :meth:`pairs` and
+        :meth:`path_keys`, their nodes collected once."""
+        nodes = self._union(samples)
+        if self._pairs is None:
+            self._pairs = tuple(self.node_pairs(node) for node in range(self.nodes))
+        keys = 0 if self.shares_nothing else sum(map(self.start.__getitem__, nodes))
+        return sum(map(self.length.__getitem__, nodes)), sum(map(self._pairs.__getitem__, nodes)), keys
 
     def _union(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples

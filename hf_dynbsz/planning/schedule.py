@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hf_dynbsz.planning.balance import Assignment, assign
+from hf_dynbsz.planning.balance import Assignment, Divisible, assign
 from hf_dynbsz.planning.cost import WorkloadModel
 from hf_dynbsz.planning.model_support import Layout, ModelSupport, images_stay_on_their_process
 from hf_dynbsz.planning.partition import (
@@ -520,14 +520,19 @@ class Scheduler:
         over = []
         if self.oversize_policy == "error":
             over = [self._longest_oversize(r.lengths, u, budget) for r, u in zip(requests, units)]
-        assignment = assign([self._unit_costs(process_units) for process_units in units])
+        every_unit = [(origin, unit) for origin, process_units in enumerate(units) for unit in process_units]
+        assignment = assign(
+            [self._unit_costs(process_units) for process_units in units],
+            divisible=self._divisible(requests, every_unit),
+        )
         destination = [[0] * len(request.prompts) for request in requests]
         runs: list[list[tuple[int, Unit]]] = [[] for _ in requests]
-        every_unit = ((origin, unit) for origin, process_units in enumerate(units) for unit in process_units)
-        for (origin, unit), target in zip(every_unit, assignment.destination):
-            for i in unit.samples:
-                destination[origin][i] = target
-            runs[target].append((origin, unit))
+        for number, (origin, unit) in enumerate(every_unit):
+            for target, samples in assignment.placed(number, unit.samples).items():
+                for i in samples:
+                    destination[origin][i] = target
+                part = unit if samples == unit.samples else _piece(requests[origin].tree, samples)
+                runs[target].append((origin, part))
         return _Balancing(
             budget=budget,
             requests=requests,
@@ -541,6 +546,29 @@ class Scheduler:
             runs=runs,
             needed=[self._passes_needed([unit for _, unit in run], budget) for run in runs],
         )
+
+    def _divisible(self, requests: list[StepRequest], every_unit: list[tuple[int, Unit]]) -> Divisible | None:
+        """The units of every process (``(origin, unit)``, numbered as :func:`assign` numbers them), cut along their
+        origin's prefix tree where balancing needs it: a piece is the samples below one of a unit's nodes
+        (:meth:`PrefixTree.subtrees`), and a part of a unit costs what it computes, its path included
+        (:func:`_piece`), on every process holding one. None when every unit is one sample."""
+        if all(len(unit.samples) == 1 for _, unit in every_unit):
+            return None
+        trees = [requests[origin].tree for origin, _ in every_unit]
+        known: dict[tuple[int, tuple[int, ...]], float] = {(number, ()): 0.0 for number in range(len(every_unit))}
+
+        def costs(number: int, sets: list[tuple[int, ...]]) -> list[float]:
+            new = list(dict.fromkeys(samples for samples in sets if (number, samples) not in known))
+            for samples, cost in zip(new, self._unit_costs([_piece(trees[number], samples) for samples in new])):
+                known[number, samples] = cost
+            return [known[number, samples] for samples in sets]
+
+        def pieces(number: int, samples: tuple[int, ...]) -> list[tuple[int, ...]]:
+            cuts = dict.fromkeys([samples, *trees[number].subtrees(samples)])
+            together = requests[every_unit[number][0]].together
+            return [piece for piece in cuts if together is None or _keeps_together(piece, samples, together)]
+
+        return Divisible([unit.samples for _, unit in every_unit], costs, pieces)
 
     def _balanced_schedule(self, agreed: _Balancing, rank: int, kind: str) -> StepSchedule:
         """Process ``rank``'s passes under the balancing every process computed alike (:meth:`_balancing`)."""
@@ -775,6 +803,19 @@ def simulate_processes(
         return [_attempt(scheduler._balanced_schedule, agreed, rank, kind) for rank in range(count)]
     agreed = [max(column) for column in zip(*(part.values() for part in own))]  # the all-reduce MAX
     return [_attempt(scheduler._in_lockstep, part, agreed, kind) for part in own]
+
+
+def _keeps_together(piece: tuple[int, ...], unit: tuple[int, ...], together: Sequence[int]) -> bool:
+    """Whether cutting ``piece`` off ``unit`` keeps every ``together`` id's samples on one side (a preference pair's
+    chosen and rejected sequences always share a pass)."""
+    inside = {together[i] for i in piece}
+    return all(i in piece for i in unit if together[i] in inside)
+
+
+def _piece(tree: PrefixTree, samples: tuple[int, ...]) -> Unit:
+    """The unit of ``samples`` of ``tree`` (part of a unit cut by balancing): what they compute together, their
+    shared path included."""
+    return Unit(samples, *tree.counts(samples)[:2])
 
 
 def _attempt(function, *args):

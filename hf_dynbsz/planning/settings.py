@@ -211,7 +211,9 @@ SETTINGS: tuple[Setting, ...] = (
         summary="move samples between processes so none waits for the busiest (exact)",
         help="Before each optimizer step's passes (and each no-grad log-prob pass), move whole samples between "
         "processes so that the largest per-process cost (tokens plus attention, by the partitioner's workload "
-        "model) is as small as possible. Every process all-gathers the sample lengths and computes the same "
+        "model) is as small as possible; samples sharing a prefix move together, or are cut apart along their "
+        "prefix tree when that lowers the largest cost (the shared prefix then computed on each process holding "
+        "some of them). Every process all-gathers the sample lengths and computes the same "
         "assignment; samples move with their advantages, log-probs and loss weights, and no-grad results go back "
         "to the process that owns the sample, so the training math stays stock's. Skipped for a step when the "
         f"predicted gain is below {MIN_RELATIVE_GAIN * 100:g} percent of the largest per-process cost; a no-op on "

@@ -8,9 +8,13 @@ Pure Python (the rounding also takes integer numpy arrays): no torch import.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from hf_dynbsz.planning.coerce import check_choice, check_length_list, check_optional_int
 
-__all__ = ["ATTENTION_KINDS", "LAYOUTS", "ceil_div", "microbatch_tokens", "round_up"]
+__all__ = ["ATTENTION_KINDS", "LAYOUTS", "ceil_div", "microbatch_tokens", "range_positions", "round_up"]
 
 LAYOUTS = ("padding_free", "padded")  # the user-facing names of packing_layout
 ATTENTION_KINDS = ("varlen", "dense")
@@ -46,3 +50,12 @@ def microbatch_tokens(
     if layout == "padding_free":
         return round_up(sum(values), pad_to_multiple_of)
     return len(values) * round_up(max(values), pad_to_multiple_of)
+
+
+def range_positions(ranges: Sequence[range]) -> np.ndarray:
+    """The integers of ``ranges`` (positions along a row, each range ascending by 1), one range after another, as one
+    int64 array built in a few array operations whatever the number of ranges (a pass's nodes and paths number dozens
+    to hundreds; an array per range costs more than its positions)."""
+    lows = np.fromiter((r.start for r in ranges), np.int64, len(ranges))
+    sizes = np.fromiter((len(r) for r in ranges), np.int64, len(ranges))
+    return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(lows - (np.cumsum(sizes) - sizes), sizes)

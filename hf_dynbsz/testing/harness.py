@@ -228,12 +228,14 @@ def scripted_run(
     prompt_prefix: str = "prompt-",
     rollout_seed: int = 0,
     reward=length_reward,
+    shared: int = 0,
     **fields,
 ):
     """A whole scripted run, ready to train: trainer ``name`` (:func:`trainer_classes`) on a model of ``shape`` with
     the character tokenizer, the scripted completions and prompts of ``completion_lengths`` and ``prompt_length``
-    (:class:`~hf_dynbsz.testing.ScriptedRollout`, seeded by ``rollout_seed``), ``prompts`` numbered prompts, the
-    config of :func:`run_config` with ``fields``."""
+    (:class:`~hf_dynbsz.testing.ScriptedRollout`, seeded by ``rollout_seed``; with ``shared``, every prompt begins
+    with the same ``shared`` tokens, a system prompt: :class:`~hf_dynbsz.testing.prefixes.PrefixRollout`),
+    ``prompts`` numbered prompts, the config of :func:`run_config` with ``fields``."""
     from hf_dynbsz.testing.fixtures import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -241,6 +243,11 @@ def scripted_run(
     rollout = tokenizer_rollout(
         tokenizer, completion_lengths, prompt_length, max_completion_length=max_completion_length, seed=rollout_seed
     )
+    if shared:
+        rollout = PrefixRollout(completion_lengths, prompt_length, shared=shared,
+                                max_completion_length=max_completion_length, seed=rollout_seed,
+                                token_low=rollout.token_low, token_high=rollout.token_high,
+                                eos_id=rollout.eos_id)  # fmt: skip
     args = run_config(name, output_dir, max_completion_length=max_completion_length, **fields)
     dataset = numbered_prompts(prompts, prefix=prompt_prefix)
     return build_trainer(args, model, tokenizer, dataset=dataset, reward=reward, rollout=rollout)

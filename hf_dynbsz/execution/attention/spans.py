@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hf_dynbsz.execution.attention.common import ATTENTION_NAME
+from hf_dynbsz.planning.tokens import range_positions
 
 __all__ = ["SPAN_CALLS_PER_LAYER", "SpanCall", "build_span_calls", "span_attention"]
 
@@ -182,12 +183,12 @@ def build_span_calls(layout, max_calls: int | None) -> tuple[list[SpanCall], tor
         span = _Span((part.own,), (*part.path, part.own))
         groups[span.shape].append(span)
     if max_calls is None or len(groups) <= max_calls:
-        calls = [_shape_call(members) for members in groups.values()]
+        calls, order = _shape_calls(list(groups.values()))
     else:
         spans = sorted((s for members in groups.values() for s in members), key=lambda s: s.shape[1::-1])
         cuts = _padded_partition([span.shape for span in spans], max_calls)
         calls = [_batched_call(spans[a:b], 0) for a, b in zip([0, *cuts], [*cuts, len(spans)])]
-    order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
+        order = torch.cat([call.queries.index_select(0, call.kept) for call in calls])
     if order.numel() != layout.width or not torch.equal(order.sort().values, torch.arange(layout.width)):
         raise ValueError("segments must cover the row exactly (trailing padding included)")
     return calls, torch.argsort(order)
@@ -196,11 +197,44 @@ def build_span_calls(layout, max_calls: int | None) -> tuple[list[SpanCall], tor
 def _shape_call(spans: list[_Span]) -> SpanCall:
     """The call of spans of one shape; nodes at least as long as their path as causal calls over ``[path ; own]``
     whose path queries are dropped."""
-    queries, keys = spans[0].shape
-    prefix = keys - queries
-    if prefix and queries >= prefix:
-        return _batched_call([_Span(span.keys, span.keys) for span in spans], prefix)
-    return _batched_call(spans, 0)
+    return _shape_calls([spans])[0][0]
+
+
+def _shape_calls(groups: list[list[_Span]]) -> tuple[list[SpanCall], torch.Tensor]:
+    """One call per group of spans of one shape (:func:`_shape_call` each, no padding) and the row positions of
+    their kept outputs, in call order. The calls' tensors are views of five tensors built at once (a pass holds dozens
+    of shapes, and a dozen small array operations per call cost more than its positions): every position range of
+    every call is expanded by one vectorised :func:`~hf_dynbsz.planning.tokens.range_positions`."""
+    queries, keys, kept, starts, lengths, shapes = [], [], [], [], [], []
+    for spans in groups:
+        query_length, key_length = spans[0].shape
+        prefix, skip, own = key_length - query_length, 0, [span.queries for span in spans]
+        if prefix and query_length >= prefix:  # causal over [path ; own], the path's queries dropped
+            skip, query_length, own = prefix, key_length, [span.keys for span in spans]
+        for ranges in own:
+            queries.extend(ranges)
+        for span in spans:
+            keys.extend(span.keys)
+        rows = len(spans)
+        kept.extend(range(row * query_length + skip, (row + 1) * query_length) for row in range(rows))
+        starts.append((rows, key_length - query_length))
+        lengths.append((rows, query_length))
+        shapes.append((rows, query_length, key_length, rows * (query_length - skip)))
+    flat_queries, flat_keys, flat_kept = range_positions(queries), range_positions(keys), range_positions(kept)
+    query_offsets = np.repeat(np.cumsum([0] + [rows * length for rows, length, _, _ in shapes[:-1]]),
+                              [count for *_, count in shapes])  # fmt: skip
+    returned = flat_queries[flat_kept + query_offsets]
+    tensors = [torch.from_numpy(values) for values in (flat_queries, flat_keys, flat_kept)]
+    for pairs in (starts, lengths):  # per call (rows, value): the value once per row
+        counts, values = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+        tensors.append(torch.from_numpy(np.repeat(values, counts)))
+    calls, offsets = [], [0] * 5
+    for rows, query_length, key_length, kept_count in shapes:
+        sizes = (rows * query_length, rows * key_length, kept_count, rows, rows)
+        views = [tensor[offset : offset + size] for tensor, offset, size in zip(tensors, offsets, sizes)]
+        offsets = [offset + size for offset, size in zip(offsets, sizes)]
+        calls.append(SpanCall(views[0], views[1], rows, (query_length,) * rows, (key_length,) * rows, *views[2:]))
+    return calls, torch.from_numpy(returned)
 
 
 def span_attention(module, layout, query, key, value, scaling, dropout, window, **kwargs):
