@@ -78,8 +78,7 @@ def timed_parts(timer: PartTimer):
 
     saved = []
     targets = [
-        (executor.PassExecutor, "_budget", "planner"),
-        (executor.PassExecutor, "_plan", "planner"),
+        (executor.PassExecutor, "_planned", "planner"),  # the budget and the plan (StepPlanning)
         (executor.PassExecutor, "microbatch", "packing"),
         (executor.PassExecutor, "_start_training", "exchange"),
         (executor.PassExecutor, "_start_no_grad", "exchange"),
