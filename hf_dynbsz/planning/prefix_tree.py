@@ -11,13 +11,15 @@ shared by its own group only; :func:`namespaced`: a vision-language sample's ima
 
 :class:`PrefixTree` merges chains of single-child positions into *nodes*, numbered in row order (depth first, children
 by first appearance, so that samples with nothing in common keep their order): a node holds ``length`` positions from
-depth ``start`` and attends to its root-to-node path. The collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's
-row out from it; the schedule (:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens`
-(unique positions), :meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys),
-:meth:`PrefixTree.path_keys` (the keys gathered in front of the nodes, which the memory model counts) and
-:meth:`PrefixTree.units` (samples that stay in one pass: a subtree that fits the budget, else pieces of it, each
-carrying its path). The per-pass trie of any subset of a step's samples is a subset of the step's trie, so what the
-planner counts of a pass is what the collator builds.
+depth ``start`` and attends to its root-to-node path. It is the one model of the tree, from the planner's counts to the
+kernels' index tensors: the collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's row out from it, its nodes back
+to back in row order (:meth:`PrefixTree.with_padding`: the row's trailing padding a root of its own), and segment
+attention reads that tree (:class:`~hf_dynbsz.execution.attention.SegmentLayout`); the schedule
+(:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens` (unique positions),
+:meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys), :meth:`PrefixTree.path_keys`
+(the keys gathered in front of the nodes, which the memory model counts) and :meth:`PrefixTree.units` (samples that stay
+in one pass: a subtree that fits the budget, else pieces of it, each carrying its path). The per-pass trie of any subset
+of a step's samples is a subset of the step's trie, so what the planner counts of a pass is what the collator builds.
 
 Pure Python + numpy: no torch.
 """
@@ -116,6 +118,22 @@ class PrefixTree:
         """Samples of ``lengths`` tokens that share nothing: one root node each."""
         count = len(lengths)
         return cls([-1] * count, [0] * count, [int(n) for n in lengths], range(count), range(count))
+
+    @classmethod
+    def of_nodes(cls, parent: Sequence[int], length: Sequence[int]) -> PrefixTree:
+        """A tree of nodes given in row order (``parent[n]`` before ``n``, -1 for a root) and their lengths, no sample
+        ending on it: a padding-free row's layout as its kernels read it (depths follow from the parents)."""
+        start: list[int] = []
+        for node, above in enumerate(parent):
+            if not -1 <= above < node:
+                raise ValueError(f"node {node} of a prefix tree names parent {above}: not a node before it")
+            start.append(0 if above < 0 else start[above] + length[above])
+        return cls(parent, start, length, [-1] * len(parent), [])
+
+    def with_padding(self, length: int) -> PrefixTree:
+        """This tree and, after its nodes, a root of ``length`` positions that no sample holds (a padding-free row's
+        trailing padding: a node of its own, attending only to itself)."""
+        return PrefixTree([*self.parent, -1], [*self.start, 0], [*self.length, length], [*self.source, -1], self.leaf)
 
     @classmethod
     def of_groups(
