@@ -27,7 +27,7 @@ Pure Python + numpy: no torch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,21 +170,10 @@ class PrefixTree:
         return cls._in_row_order(parent, start, length, source, leaf)
 
     @classmethod
-    def _in_row_order(cls, parent, start, length, source, leaf, children=None, roots=None) -> PrefixTree:
-        """The tree of nodes numbered in any order: renumbered depth first, ``roots`` and each node's ``children``
-        in the order given (default: by number)."""
-        if children is None:
-            children = [[] for _ in parent]
-            for node, above in enumerate(parent):
-                if above >= 0:
-                    children[above].append(node)
-        if roots is None:
-            roots = [node for node, above in enumerate(parent) if above < 0]
-        order, stack = [], roots[::-1]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(children[node]))
+    def _in_row_order(cls, parent, start, length, source, leaf, children=None) -> PrefixTree:
+        """The tree of nodes numbered in any order: renumbered depth first (:func:`_depth_first`), ``children``
+        (:func:`_children_by`: per node and -1 for the roots, in the order they take; default: by number)."""
+        order = _depth_first(_children_by(parent, range(len(parent))) if children is None else children)
         number = {node: index for index, node in enumerate(order)}
         return cls(
             [number[parent[n]] if parent[n] >= 0 else -1 for n in order],
@@ -234,11 +223,8 @@ class PrefixTree:
 
     def children(self) -> list[list[int]]:
         """Per node, its children in row order."""
-        children: list[list[int]] = [[] for _ in self.parent]
-        for node, above in enumerate(self.parent):
-            if above >= 0:
-                children[above].append(node)
-        return children
+        children = _children_by(self.parent, range(self.nodes))
+        return [children.get(node, []) for node in range(self.nodes)]
 
     def below(self) -> tuple[tuple[int, ...], ...]:
         """Per node, the samples whose path runs through it, ascending (tuples, as :meth:`paths`)."""
@@ -285,21 +271,21 @@ class PrefixTree:
             for node in paths[sample]:
                 first.setdefault(node, number)  # the first of them through it: its source, its place among siblings
             ends.setdefault(self.leaf[sample], []).append(number)
-        children: dict[int, list[int]] = {}
-        for node in sorted(first, key=first.__getitem__):
-            children.setdefault(self.parent[node], []).append(node)
+        children = _children_by(self.parent, sorted(first, key=first.__getitem__))
         parent, start, length, source, leaf = [], [], [], [], [0] * len(samples)
-        stack = [(root, -1) for root in reversed(children.get(-1, []))]
-        while stack:
-            top, above = stack.pop()
-            node, size = top, self.length[top]
-            while node not in ends and len(children.get(node, ())) == 1:
-                node = children[node][0]
-                size += self.length[node]
-            for number in ends.get(node, ()):
-                leaf[number] = len(parent)
-            stack.extend((child, len(parent)) for child in reversed(children.get(node, ())))
-            parent.append(above), start.append(self.start[top]), length.append(size), source.append(first[top])
+        merged: dict[int, int] = {}  # per node of this tree, the node of the restricted tree holding it
+        for node in _depth_first(children):
+            above = self.parent[node]
+            if above >= 0 and above not in ends and len(children[above]) == 1:  # a chain: one node with its parent
+                merged[node] = merged[above]
+                length[merged[node]] += self.length[node]
+                continue
+            merged[node] = len(parent)
+            parent.append(merged[above] if above >= 0 else -1)
+            start.append(self.start[node]), length.append(self.length[node]), source.append(first[node])
+        for node, numbers in ends.items():
+            for number in numbers:
+                leaf[number] = merged[node]
         return PrefixTree(parent, start, length, source, leaf)
 
     def subtrees(self, samples: Sequence[int]) -> list[tuple[int, ...]]:
@@ -529,12 +515,27 @@ class _Trie:
     def tree(self) -> PrefixTree:
         """The finished trie, renumbered in row order (roots and children in first-appearance order: a node cut
         in two keeps its place among its siblings)."""
-        return PrefixTree._in_row_order(
-            self.parent,
-            self.low,
-            [high - low for low, high in zip(self.low, self.high)],
-            self.source,
-            self.leaf,
-            [list(table.values()) for table in self.children],
-            roots=list(self.roots.values()),
-        )
+        children = {node: list(table.values()) for node, table in enumerate(self.children)}
+        children[-1] = list(self.roots.values())
+        lengths = [high - low for low, high in zip(self.low, self.high)]
+        return PrefixTree._in_row_order(self.parent, self.low, lengths, self.source, self.leaf, children)
+
+
+def _children_by(parent: Sequence[int], nodes: Iterable[int]) -> dict[int, list[int]]:
+    """Per node among ``nodes`` (a node's parent among them too), and per -1 for the roots: its children among
+    ``nodes``, in the order ``nodes`` gives them (the order :func:`_depth_first` takes them in)."""
+    children: dict[int, list[int]] = {}
+    for node in nodes:
+        children.setdefault(parent[node], []).append(node)
+    return children
+
+
+def _depth_first(children: dict[int, list[int]]) -> list[int]:
+    """The nodes of ``children`` (:func:`_children_by`) in row order: depth first from the roots, each node's
+    children in their order."""
+    order, stack = [], children.get(-1, [])[::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children.get(node, ())))
+    return order
