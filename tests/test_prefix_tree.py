@@ -238,7 +238,7 @@ def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():
 def walked(tree):
     """``tree`` with the shortcut of samples sharing nothing turned off: what the general walk computes."""
     general = PrefixTree(tree.parent, tree.start, tree.length, tree.source, tree.leaf)
-    general._apart = False
+    general._shares_nothing = False
     return general
 
 
@@ -272,11 +272,11 @@ def test_samples_that_share_nothing_travel_as_their_lengths_and_count_as_the_gen
         assert (tree.tokens(chosen), tree.pairs(chosen)) == (general.tokens(chosen), general.pairs(chosen))
         assert tree.counts(chosen) == general.counts(chosen) == (tree.tokens(chosen), tree.pairs(chosen), 0)
     first, second = built[0], built[1]
-    picks = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct picks
+    tree_samples = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct
     general = {id(first): walked(first), id(second): walked(second)}
-    joined = PrefixTree.joined(picks)
-    assert joined == PrefixTree.joined([(general[id(tree)], sample) for tree, sample in picks])
-    assert joined.length == [lengths[-1], lengths[0], lengths[0]][: len(picks)]
+    joined = PrefixTree.joined(tree_samples)
+    assert joined == PrefixTree.joined([(general[id(tree)], sample) for tree, sample in tree_samples])
+    assert joined.length == [lengths[-1], lengths[0], lengths[0]][: len(tree_samples)]
 
 
 def test_a_tree_that_shares_a_position_takes_the_general_walk():

@@ -586,13 +586,13 @@ class _PackedRow:
         self.positions: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
         self.tree: PrefixTree | None = None
-        self.shown: list[int] = []  # samples whose images the row holds, in row order
+        self.samples_with_images: list[int] = []  # samples whose images the row holds, in row order
         self.rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
         self.widths: list[torch.Tensor] = []  # rope widths along the row (table.rope_widths)
         self.fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
         self.offset = 0
 
-    def carry(self, i: int, start: int, end: int | None = None) -> None:
+    def append_token_fields(self, i: int, start: int, end: int | None = None) -> None:
         """Sample ``i``'s token fields and M-RoPE positions for its tokens ``start:end``, appended to the row."""
         for name, values in self.fields.items():
             values.append(self.table.token_fields[name][i][start:end].cpu())
@@ -613,11 +613,11 @@ class _PackedRow:
             low, length = tree.start[node], tree.length[node]
             starts.append(self.offset)
             self.pieces.append(self.table.tokens[i][low : low + length].cpu())
-            self.carry(i, low, low + length)
+            self.append_token_fields(i, low, low + length)
             if self.table.rope_widths is not None:  # a node's samples share its source's (prefix_keys)
                 self.widths.append(self.table.rope_widths[i].expand(length))
             if firsts is not None and firsts[i] is not None and low <= firsts[i] < low + length:
-                self.shown.append(i)  # the node holding its first image holds all its images (prefix_keys)
+                self.samples_with_images.append(i)  # its first image's node holds all its images (prefix_keys)
             self.offset += length
         depths = [range(low, low + length) for low, length in zip(tree.start, tree.length)]
         self.positions.append(torch.from_numpy(range_positions(depths)))
@@ -677,7 +677,7 @@ def _padding_free_inputs(
         position_ids = torch.cat([position_ids, torch.cat(row.rope, dim=1)]).unsqueeze(1)
     model_inputs = {name: torch.cat(values).unsqueeze(0) for name, values in row.fields.items()}  # (moved later)
     if table.media is not None:
-        model_inputs.update(samples.media_inputs(table, row.shown))
+        model_inputs.update(samples.media_inputs(table, row.samples_with_images))
     segment_layout = None
     if attention is not None:
         from hf_dynbsz.execution.attention.layout import SegmentLayout

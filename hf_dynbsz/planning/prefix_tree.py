@@ -93,9 +93,9 @@ class PrefixTree:
         self.parent, self.start, self.length = list(parent), list(start), list(length)
         self.source, self.leaf = list(source), list(leaf)
         self._paths: tuple[tuple[int, ...], ...] | None = None
-        self._below: tuple[tuple[int, ...], ...] | None = None
+        self._samples_through: tuple[tuple[int, ...], ...] | None = None
         self._pairs: tuple[int, ...] | None = None  # node_pairs of every node, once counts() asks
-        self._apart: bool | None = None
+        self._shares_nothing: bool | None = None
 
     def __eq__(self, other) -> bool:
         """Equal structure (nodes, their depths and lengths, each sample's leaf): what :meth:`encode` sends. A node's
@@ -197,14 +197,14 @@ class PrefixTree:
         """Whether every sample is a root node of its own (node ``s`` is sample ``s``, whole): what :meth:`alone`
         builds, and what a step without sharing (padded rows) plans by. Its counts, units, encoding and joins take a
         shortcut that gives what the general walk gives, at a fraction of its cost."""
-        if self._apart is None:
-            self._apart = (
+        if self._shares_nothing is None:
+            self._shares_nothing = (
                 self.nodes == self.samples
                 and self.leaf == list(range(self.samples))
                 and all(above < 0 for above in self.parent)
                 and not any(self.start)
             )
-        return self._apart
+        return self._shares_nothing
 
     def paths(self) -> tuple[tuple[int, ...], ...]:
         """Per sample, its nodes from its root to its leaf. Tuples of integers, which Python's garbage collector stops
@@ -226,15 +226,15 @@ class PrefixTree:
         children = _children_by(self.parent, range(self.nodes))
         return [children.get(node, []) for node in range(self.nodes)]
 
-    def below(self) -> tuple[tuple[int, ...], ...]:
+    def samples_through(self) -> tuple[tuple[int, ...], ...]:
         """Per node, the samples whose path runs through it, ascending (tuples, as :meth:`paths`)."""
-        if self._below is None:
-            below: list[list[int]] = [[] for _ in self.parent]
+        if self._samples_through is None:
+            through: list[list[int]] = [[] for _ in self.parent]
             for sample, path in enumerate(self.paths()):
                 for node in path:
-                    below[node].append(sample)
-            self._below = tuple(map(tuple, below))
-        return self._below
+                    through[node].append(sample)
+            self._samples_through = tuple(map(tuple, through))
+        return self._samples_through
 
     def node_pairs(self, node: int) -> int:
         """The attention term of ``node``: its positions' queries against their paths' keys, counted as squared
@@ -243,11 +243,11 @@ class PrefixTree:
 
     def tokens(self, samples: Sequence[int] | None = None) -> int:
         """Positions a pass of ``samples`` (default: all) computes: each position once, however many samples hold it."""
-        return sum(self.length[node] for node in self._union(samples))
+        return sum(self.length[node] for node in self._nodes_of(samples))
 
     def pairs(self, samples: Sequence[int] | None = None) -> int:
         """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
-        return sum(self.node_pairs(node) for node in self._union(samples))
+        return sum(self.node_pairs(node) for node in self._nodes_of(samples))
 
     def path_keys(self, samples: Sequence[int] | None = None) -> int:
         """The keys a pass of ``samples`` (default: all) gathers in front of its nodes: each node's path (its
@@ -257,7 +257,7 @@ class PrefixTree:
         where its own samples fork."""
         if self.shares_nothing:
             return 0
-        return sum(self.start[node] for node in self._union(samples))
+        return sum(self.start[node] for node in self._nodes_of(samples))
 
     def restricted(self, samples: Sequence[int]) -> PrefixTree:
         """The tree of ``samples`` alone, numbered in the order given: what :meth:`of_keys` builds from their keys (the
@@ -302,13 +302,13 @@ class PrefixTree:
     def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
         """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all): :meth:`tokens`, :meth:`pairs` and
         :meth:`path_keys`, their nodes collected once."""
-        nodes = self._union(samples)
+        nodes = self._nodes_of(samples)
         if self._pairs is None:
             self._pairs = tuple(self.node_pairs(node) for node in range(self.nodes))
         keys = 0 if self.shares_nothing else sum(map(self.start.__getitem__, nodes))
         return sum(map(self.length.__getitem__, nodes)), sum(map(self._pairs.__getitem__, nodes)), keys
 
-    def _union(self, samples: Sequence[int] | None) -> set[int]:
+    def _nodes_of(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples
         if self.shares_nothing:  # node s is sample s
             return set(chosen)
@@ -335,11 +335,11 @@ class PrefixTree:
             return [Unit((sample,), size, size * size) for sample, size in enumerate(self.length)]
         sizes, pairs = self._subtree_sums()
         units: list[Unit] = []
-        children, below = self.children(), self.below()
+        children, through = self.children(), self.samples_through()
         ends = [[] for _ in self.parent]
         for sample, node in enumerate(self.leaf):
             ends[node].append(sample)
-        split = _Split(self, budget, sizes, pairs, children, below, ends, units)
+        split = _Split(self, budget, sizes, pairs, children, through, ends, units)
         for root in (node for node, above in enumerate(self.parent) if above < 0):
             split.subtree(root, 0, 0)
         return sorted(units, key=lambda unit: unit.samples[0])
@@ -378,19 +378,20 @@ class PrefixTree:
         offset += 3 * nodes
         leaf = [int(v) for v in values[offset : offset + samples]]
         tree = cls(parent, start, length, [0] * nodes, leaf)
-        below = tree.below()
-        tree.source = [members[0] if members else 0 for members in below]
+        tree.source = [members[0] if members else 0 for members in tree.samples_through()]
         return tree, offset + samples
 
     @classmethod
-    def joined(cls, picks: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
-        """One tree of the samples ``picks`` (``(tree, sample)`` pairs, in the new order): each keeps its path in its
-        own tree; samples of different trees share nothing (the planner's view of samples from other processes)."""
-        if all(tree.shares_nothing for tree, _ in picks) and len({(id(t), s) for t, s in picks}) == len(picks):
-            return cls.alone([tree.length[sample] for tree, sample in picks])
+    def joined(cls, tree_samples: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
+        """One tree of the samples ``tree_samples`` (``(tree, sample)`` pairs, in the new order): each keeps its path
+        in its own tree; samples of different trees share nothing (the planner's view of samples from other
+        processes)."""
+        alone = all(tree.shares_nothing for tree, _ in tree_samples)
+        if alone and len({(id(tree), sample) for tree, sample in tree_samples}) == len(tree_samples):  # distinct
+            return cls.alone([tree.length[sample] for tree, sample in tree_samples])
         parent, start, length, source, leaf = [], [], [], [], []
         number: dict[tuple[int, int], int] = {}
-        for index, (tree, sample) in enumerate(picks):
+        for index, (tree, sample) in enumerate(tree_samples):
             for node in tree.paths()[sample]:
                 key = (id(tree), node)
                 if key not in number:
@@ -433,20 +434,21 @@ def _together(tree: PrefixTree, units: list[Unit], together: Sequence[int], budg
 class _Split:
     """:meth:`PrefixTree.units`'s walk: a subtree with the path above it is one unit when it fits, else pieces."""
 
-    def __init__(self, tree, budget, sizes, pairs, children, below, ends, units) -> None:
+    def __init__(self, tree, budget, sizes, pairs, children, samples_through, ends, units) -> None:
         self.tree, self.budget, self.sizes, self.pairs = tree, budget, sizes, pairs
-        self.children, self.below, self.ends, self.units = children, below, ends, units
+        self.children, self.samples_through, self.ends, self.units = children, samples_through, ends, units
 
     def subtree(self, node: int, above_tokens: int, above_pairs: int) -> None:
         tree = self.tree
         total = above_tokens + self.sizes[node]
         if total <= self.budget or not self.children[node]:
-            self.units.append(Unit(tuple(self.below[node]), total, above_pairs + self.pairs[node]))
+            self.units.append(Unit(tuple(self.samples_through[node]), total, above_pairs + self.pairs[node]))
             return
         path = above_tokens + tree.length[node]
         path_pairs = above_pairs + tree.node_pairs(node)
         room = self.budget - path
-        items = [(self.sizes[c], self.below[c][0], c, self.pairs[c], self.below[c]) for c in self.children[node]]
+        through = self.samples_through
+        items = [(self.sizes[c], through[c][0], c, self.pairs[c], through[c]) for c in self.children[node]]
         items += [(0, sample, -1, 0, [sample]) for sample in self.ends[node]]
         pieces: list[list] = []  # [free room, samples, tokens, pairs]
         for size, _, child, child_pairs, samples in sorted(items, key=lambda item: (-item[0], item[1])):
