@@ -22,8 +22,6 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_dynbsz.execution import attention
 from hf_dynbsz.execution.attention import (
     ATTENTION_NAME,
-    Node,
-    Segment,
     SegmentLayout,
     device_facts,
     segment_attention,
@@ -34,14 +32,18 @@ from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.planning.model_support import VARLEN_ATTN
 from hf_dynbsz.planning.schedule import row_tokens
 from hf_dynbsz.testing import (
+    Segment,
     build_char_tokenizer,
     build_tiny_causal_lm,
     grpo_batch,
+    node_tree,
     packed_logps,
     prefix_batch,
     reference_varlen_attention,
     reference_varlen_attn,
+    row_nodes,
     segment_mask,
+    segment_tree,
     stock_logps,
     tree_mask,
 )
@@ -192,7 +194,9 @@ def test_a_sibling_never_sees_another_siblings_tokens(model):
 
 
 def test_varlen_spans_of_the_flash_formulation():
-    layout = SegmentLayout([Segment(0, 3, (2, 4)), Segment(9, 0, (5,)), Segment(14, 0, (2,))], "flash_attention_2")
+    layout = SegmentLayout(
+        segment_tree([Segment(0, 3, (2, 4)), Segment(9, 0, (5,)), Segment(14, 0, (2,))]), "flash_attention_2"
+    )
     cu_q, cu_k, key_index, max_q, max_k = layout.varlen_spans("cpu")
     # query spans: prefix (3), block (2), block (4), plain (5), trailing padding (2); tiling the row in order
     assert cu_q.tolist() == [0, 3, 5, 9, 14, 16]
@@ -203,8 +207,10 @@ def test_varlen_spans_of_the_flash_formulation():
 
 
 def test_segments_must_cover_the_row():
-    layout = SegmentLayout([Segment(0, 0, (3,))], "sdpa")
-    layout.segments.append(Segment(5, 0, (2,)))  # a hole at positions 3-4
+    """The span calls are checked on the host to cover the row once: here the calls of a row whose second node is
+    left out of its parts."""
+    layout = SegmentLayout(segment_tree([Segment(0, 0, (3,)), Segment(3, 0, (2,))]), "sdpa")
+    layout._cache["parts"] = layout.parts()[:1]  # positions 3-4 in no span
     with pytest.raises(ValueError, match="cover the row"):
         layout.span_calls("cpu")
 
@@ -218,7 +224,7 @@ def test_the_attention_function_refuses_a_forward_without_segments_or_with_a_mas
     use_segments(None)
     with pytest.raises(RuntimeError, match="padding-free rows of hf_dynbsz only"):
         segment_attention_forward(MODULE, query, query, query, None)
-    use_segments(SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
+    use_segments(SegmentLayout(segment_tree([Segment(0, 0, (3,))]), "sdpa"))
     try:  # a model that hands its attention a bias of its own (Doge's dynamic mask) cannot be placed on segments
         with pytest.raises(RuntimeError, match="got an attention mask"):
             segment_attention_forward(MODULE, query, query, query, torch.zeros(1, 1, 3, 3))
@@ -230,7 +236,7 @@ def test_the_context_switches_the_implementation_and_restores_it(model):
     base = model.config._attn_implementation
     with segment_attention(model):
         assert model.config._attn_implementation == ATTENTION_NAME
-        use_segments(SegmentLayout([Segment(0, 0, (3,))], "sdpa"))
+        use_segments(SegmentLayout(segment_tree([Segment(0, 0, (3,))]), "sdpa"))
     assert model.config._attn_implementation == base
     assert attention._ACTIVE[0] is None  # no layout outlives its passes
     with pytest.raises(KeyError), segment_attention(model):
@@ -272,7 +278,7 @@ def test_flex_formulation_equals_dense_segment_masks(window, value_dim):
     masks: shared prefixes, plain sequences, trailing padding, a sliding window over positions within the sequence."""
     torch.manual_seed(0)
     segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 5, (3, 2)), Segment(29, 0, (8,))]
-    layout = SegmentLayout(segments, "flex_attention")
+    layout = SegmentLayout(segment_tree(segments), "flex_attention")
     width = layout.width
     query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)
     with eager_flex_attention():
@@ -296,7 +302,7 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
         Segment(29, 0, (6,)),
         Segment(35, 0, (2,)),
     ]
-    layout = SegmentLayout(segments, "sdpa")
+    layout = SegmentLayout(segment_tree(segments), "sdpa")
     width = layout.width
     query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)
     out = segment_attention_of(layout, query, key, value, scaling=0.3, sliding_window=window)
@@ -308,10 +314,11 @@ def test_sdpa_formulation_equals_dense_segment_masks(window, value_dim):
         [(5, 5, 2, 0), (6, 6, 2, 0), (2, 2, 1, 0), (3, 8, 2, 0), (1, 6, 1, 0), (4, 9, 1, 0), (2, 7, 1, 0)]
     )
     # blocks at least as long as their prefix: one causal call over [prefix ; block], prefix queries dropped
-    long_blocks = SegmentLayout([Segment(0, 2, (3, 3, 2))], "sdpa")
+    long = [Segment(0, 2, (3, 3, 2))]
+    long_blocks = SegmentLayout(segment_tree(long), "sdpa")
     query, key, value = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, value_dim)
     out = segment_attention_of(long_blocks, query, key, value, scaling=0.3, sliding_window=window)
-    assert torch.allclose(out, dense_reference(long_blocks.segments, query, key, value, 0.3, window), atol=1e-6)
+    assert torch.allclose(out, dense_reference(long, query, key, value, 0.3, window), atol=1e-6)
     calls, _ = long_blocks.span_calls("cpu")
     assert sorted((c.query_length, c.rows, dropped(c), c.mask(None, "cpu") is None) for c in calls) == [
         (2, 1, 0, True),
@@ -336,7 +343,7 @@ def test_eager_formulation_runs_the_models_own_eager_function():
     segments = [Segment(0, 4, (3, 5)), Segment(12, 0, (7,))]
     query, key, value = torch.randn(1, 4, 19, 8), torch.randn(1, 2, 19, 8), torch.randn(1, 2, 19, 8)
     out = segment_attention_of(
-        SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3, softcap=2.0
+        SegmentLayout(segment_tree(segments), "eager"), query, key, value, module=module, scaling=0.3, softcap=2.0
     )
     expected = torch.zeros(1, 19, 4, 8)
     for segment in segments:
@@ -349,7 +356,9 @@ def test_eager_formulation_runs_the_models_own_eager_function():
         )
         expected[:, span] = dense
     assert torch.allclose(out, expected, atol=1e-6)
-    without_cap = segment_attention_of(SegmentLayout(segments, "eager"), query, key, value, module=module, scaling=0.3)
+    without_cap = segment_attention_of(
+        SegmentLayout(segment_tree(segments), "eager"), query, key, value, module=module, scaling=0.3
+    )
     assert not torch.allclose(without_cap, expected, atol=1e-3)  # the soft-cap was applied, not dropped
 
 
@@ -406,8 +415,10 @@ def test_flex_formulation_runs_in_autocasts_dtype_as_sdpa_does(monkeypatch):
     query, key = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8)
     value = torch.randn(1, 2, width, 8).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16), eager_flex_attention():
-        flex = segment_attention_of(SegmentLayout(segments, "flex_attention"), query, key, value, scaling=0.3)
-        sdpa = segment_attention_of(SegmentLayout(segments, "sdpa"), query, key, value, scaling=0.3)
+        flex = segment_attention_of(
+            SegmentLayout(segment_tree(segments), "flex_attention"), query, key, value, scaling=0.3
+        )
+        sdpa = segment_attention_of(SegmentLayout(segment_tree(segments), "sdpa"), query, key, value, scaling=0.3)
     assert seen == [(torch.bfloat16,) * 3]
     assert flex.dtype == sdpa.dtype == torch.bfloat16
     assert torch.allclose(flex.float(), sdpa.float(), atol=2e-2)
@@ -431,7 +442,7 @@ def test_spans_of_several_shapes_share_a_padded_call_with_the_same_outputs_and_g
         Segment(33, 0, (9,)),
         Segment(42, 0, (1,)),
     ]
-    layout = SegmentLayout(segments, "sdpa")
+    layout = SegmentLayout(segment_tree(segments), "sdpa")
     width = layout.width
     inputs = [torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, value_dim)]
     ours_inputs = [t.clone().requires_grad_() for t in inputs]
@@ -461,7 +472,7 @@ def test_eager_padded_calls_equal_the_dense_rule(monkeypatch):
     monkeypatch.setitem(attention.SPAN_CALLS_PER_LAYER, "cpu", 2)
     torch.manual_seed(4)
     segments = [Segment(0, 4, (2, 5)), Segment(11, 0, (3,)), Segment(14, 0, (8,))]
-    layout = SegmentLayout(segments, "eager")
+    layout = SegmentLayout(segment_tree(segments), "eager")
     width = layout.width
     query, key, value = torch.randn(1, 4, width, 8), torch.randn(1, 2, width, 8), torch.randn(1, 2, width, 8)
     module = modeling_qwen2.Qwen2Attention(modeling_qwen2.Qwen2Config(hidden_size=32, num_attention_heads=4,
@@ -508,7 +519,7 @@ def test_flex_block_mask_is_drawn_from_the_segments_as_torch_would_draw_it(windo
         Segment(757, 60, (129, 128, 1)),
         Segment(1075, 0, (5,)),
     ]
-    layout = SegmentLayout(segments, "flex_attention")
+    layout = SegmentLayout(segment_tree(segments), "flex_attention")
     ours = layout.block_mask(window, "cpu")
     labels = layout.position_labels("cpu")
     node, subtree_end, position = (labels[n] for n in ("node", "subtree_end", "position"))
@@ -678,7 +689,7 @@ def test_the_installed_signature_is_read_at_run_time(monkeypatch, version, windo
     monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
     torch.manual_seed(6)
     segments = [Segment(0, 5, (3, 1, 4)), Segment(13, 0, (6,)), Segment(19, 0, (2,))]
-    layout = SegmentLayout(segments, VARLEN_ATTN)
+    layout = SegmentLayout(segment_tree(segments), VARLEN_ATTN)
     query, key, value = torch.randn(1, 4, 21, 8), torch.randn(1, 2, 21, 8), torch.randn(1, 2, 21, 8)
     if window is not None and version == "2.10":
         with pytest.raises(RuntimeError, match="takes no window_size"):
@@ -690,7 +701,7 @@ def test_the_installed_signature_is_read_at_run_time(monkeypatch, version, windo
 
 
 def test_varlen_attn_refuses_what_it_cannot_compute(varlen_attn_kernel):
-    layout = SegmentLayout([Segment(0, 0, (3,))], VARLEN_ATTN)
+    layout = SegmentLayout(segment_tree([Segment(0, 0, (3,))]), VARLEN_ATTN)
     query = torch.zeros(1, 2, 3, 4)
     for features in ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"dropout": 0.1}):
         with pytest.raises(RuntimeError, match="does not compute"):
@@ -729,8 +740,7 @@ def test_a_flex_row_pads_to_its_width_with_a_segment_of_its_own(model):
         expected, _ = stock_logps(model, *batch)
         mb, logps, _ = packed_logps(model, table, list(range(8)), table.prompt_groups(), "flex_attention")
     assert mb.computed_tokens == 128 > mb.real_tokens and mb.segments.width == 128
-    last = mb.segments.nodes()[-1]  # the padding: a root of its own
-    assert (last.start, last.length, last.parent) == (mb.real_tokens, 128 - mb.real_tokens, -1)
+    assert row_nodes(mb.segments)[-1] == (mb.real_tokens, 128 - mb.real_tokens, -1)  # the padding: a root alone
     for row in range(8):
         n = COMPLETIONS[row]
         assert torch.allclose(logps[row, :n], expected[row, :n], atol=2e-6, rtol=0)
@@ -779,7 +789,7 @@ def tree_reference(nodes, query, key, value, scale, window=None):
 
 
 def tree_layout(base):
-    return SegmentLayout([Node(*node) for node in TREE], base)
+    return SegmentLayout(node_tree(TREE), base)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -930,6 +940,6 @@ def test_a_tree_row_without_sharing_beyond_groups_is_the_groups_row(model):
         build_microbatch(table, order, layout="padding_free", pad_token_id=0, attention="sdpa", keys=keys)
         for keys in (table.prefix_keys("tree"), table.prefix_keys("groups"))
     ]
-    assert rows[0].segments.nodes() == rows[1].segments.nodes()
+    assert row_nodes(rows[0].segments) == row_nodes(rows[1].segments)
     assert torch.equal(rows[0].model_inputs["input_ids"], rows[1].model_inputs["input_ids"])
     assert torch.equal(rows[0].gather_index, rows[1].gather_index)

@@ -32,6 +32,7 @@ from hf_dynbsz.testing import (
     build_tiny_vision_language_model,
     image_prompt_dataset,
     relative_difference,
+    row_nodes,
     update_difference,
 )
 
@@ -237,7 +238,7 @@ def test_a_tree_row_shares_text_before_the_images_across_prompts_and_each_prompt
                           keys=table.prefix_keys("tree"))  # fmt: skip
     # [6 | 7 5 5 8 | 3 4 | 3 9 | 7 5 5 8 3 4]: the first token once, then each picture's prompt
     assert mb.model_inputs["input_ids"].tolist() == [[6, 7, 5, 5, 8, 3, 4, 3, 9, 7, 5, 5, 8, 3, 4]]
-    assert [(n.start, n.length, n.parent) for n in mb.segments.nodes()] == [
+    assert row_nodes(mb.segments) == [
         (0, 1, -1), (1, 4, 0), (5, 2, 1), (7, 2, 1), (9, 6, 0),
     ]  # fmt: skip
     assert mb.model_inputs["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0]]
@@ -314,7 +315,7 @@ def test_a_tool_image_in_a_completion_after_a_fork_is_in_the_row_with_its_own_no
     )  # fmt: skip
     assert images_in_row_order(mb) == [1.0, 2.0, 1.0, 2.0, 1.0]  # each sample's pictures once, in row order
     if sharing == "tree":  # [6] shared by all, then each sample's own
-        assert [(n.start, n.length, n.parent) for n in mb.segments.nodes()][0] == (0, 1, -1)
+        assert row_nodes(mb.segments)[0] == (0, 1, -1)
         assert mb.real_tokens == 1 + 10 + 10 + 7
 
 

@@ -155,6 +155,20 @@ def test_a_pass_reads_its_tree_off_its_steps_as_its_keys_would_build_it(samples,
     assert alone == PrefixTree.alone([len(samples[i]) for i in chosen])
 
 
+def test_a_rows_nodes_are_a_tree_and_its_trailing_padding_a_root_of_no_sample():
+    """Segment attention reads a row as its tree: nodes given in row order by parent and length (a hand-written row)
+    take their depths from their parents, a parent must come before its node, and the collator's trailing padding is
+    one more root that no sample's path holds (the samples' counts stay the tree's)."""
+    row = PrefixTree.of_nodes([-1, 0, 1, 0, -1], [4, 2, 3, 5, 6])
+    assert row.start == [0, 4, 6, 4, 0] and row.children() == [[1, 3], [2], [], [], []] and row.samples == 0
+    with pytest.raises(ValueError, match="node 1 of a prefix tree names parent 2: not a node before it"):
+        PrefixTree.of_nodes([-1, 2, -1], [1, 1, 1])
+    tree = tree_of([[1, 2, 3, 4], [1, 2, 5], [6, 7]])
+    padded = tree.with_padding(3)
+    assert (padded.parent[-1], padded.start[-1], padded.length[-1]) == (-1, 0, 3) and padded.nodes == tree.nodes + 1
+    assert padded.paths() == tree.paths() and padded.counts() == tree.counts()
+
+
 @settings(max_examples=200, deadline=None)
 @given(sequences, st.data())
 def test_samples_cut_along_the_tree_give_the_samples_below_each_of_their_positions(samples, data):
@@ -224,7 +238,7 @@ def test_a_tree_travels_as_integers_and_trees_join_as_a_forest():
 def walked(tree):
     """``tree`` with the shortcut of samples sharing nothing turned off: what the general walk computes."""
     general = PrefixTree(tree.parent, tree.start, tree.length, tree.source, tree.leaf)
-    general._apart = False
+    general._shares_nothing = False
     return general
 
 
@@ -258,11 +272,11 @@ def test_samples_that_share_nothing_travel_as_their_lengths_and_count_as_the_gen
         assert (tree.tokens(chosen), tree.pairs(chosen)) == (general.tokens(chosen), general.pairs(chosen))
         assert tree.counts(chosen) == general.counts(chosen) == (tree.tokens(chosen), tree.pairs(chosen), 0)
     first, second = built[0], built[1]
-    picks = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct picks
+    tree_samples = [(second, len(lengths) - 1), (first, 0), (second, 0)][: 3 if len(lengths) > 1 else 2]  # distinct
     general = {id(first): walked(first), id(second): walked(second)}
-    joined = PrefixTree.joined(picks)
-    assert joined == PrefixTree.joined([(general[id(tree)], sample) for tree, sample in picks])
-    assert joined.length == [lengths[-1], lengths[0], lengths[0]][: len(picks)]
+    joined = PrefixTree.joined(tree_samples)
+    assert joined == PrefixTree.joined([(general[id(tree)], sample) for tree, sample in tree_samples])
+    assert joined.length == [lengths[-1], lengths[0], lengths[0]][: len(tree_samples)]
 
 
 def test_a_tree_that_shares_a_position_takes_the_general_walk():

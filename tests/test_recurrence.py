@@ -19,7 +19,7 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
-from hf_dynbsz.execution.attention import Node, Segment, SegmentLayout, use_segments
+from hf_dynbsz.execution.attention import SegmentLayout, use_segments
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
@@ -34,7 +34,18 @@ from hf_dynbsz.execution.recurrence import (
 )
 from hf_dynbsz.execution.self_check import gradient_error, gradient_table
 from hf_dynbsz.planning.model_support import ModelSupport
-from hf_dynbsz.testing import bare_check_passes, grpo_batch, logps_alone, packed_logps, prefix_batch, stock_logps
+from hf_dynbsz.planning.prefix_tree import PrefixTree
+from hf_dynbsz.testing import (
+    Segment,
+    bare_check_passes,
+    grpo_batch,
+    logps_alone,
+    node_tree,
+    packed_logps,
+    prefix_batch,
+    segment_tree,
+    stock_logps,
+)
 from hf_dynbsz.testing.zoo import SEGMENT_RECURRENCE_FAMILIES, build_tiny_causal_lm_of_type, causal_lm_types
 
 TOLERANCE = 2e-6  # fp32: the runs differ from each sample alone by 5e-7 at most
@@ -160,7 +171,7 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
 
     # the control: blocks run from a zero state, each prefix alone (recomputed prefixes), or from the bank's zero row
     def without_prefix_state(layout, device):  # every node a root of its own
-        split = [Node(part.own.start, len(part.own)) for part in layout.parts()]
+        split = PrefixTree.alone([len(part.own) for part in layout.parts()])
         return recomputed(SegmentLayout(split, layout.base_implementation), device)
 
     def from_zero_state(layout, device):
@@ -218,7 +229,7 @@ def test_gradients_equal_those_of_each_sample_alone():
 def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
     # a plain sequence of 5, a shared prompt of prefix 4 with blocks 3, 1 and 3, a plain sequence of 7, one of 20
     segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 0, (20,))]
-    layout = SegmentLayout(segments, "sdpa")
+    layout = SegmentLayout(segment_tree(segments), "sdpa")
     calls, positions = recurrence_calls(layout, "cpu")
     assert [tuple(call.gather.shape) for call in calls] == [(5, 16), (1, 24)]  # runs of 5, 7, 5, 7, 7 | 20
     assert sorted(positions.tolist()) == list(range(layout.width))
@@ -232,7 +243,7 @@ def test_runs_of_a_bucket_share_a_call_and_every_token_is_kept_once():
 
 def test_with_prefix_states_each_prefix_runs_once_and_its_blocks_start_from_its_final_state():
     segments = [Segment(0, 0, (5,)), Segment(5, 4, (3, 1, 3)), Segment(16, 0, (7,)), Segment(23, 2, (4, 6))]
-    layout = SegmentLayout(segments, "sdpa")
+    layout = SegmentLayout(segment_tree(segments), "sdpa")
     (prefix_calls,), calls, positions = continuation_calls(layout, "cpu")  # one level of inner nodes: the prefixes
     # prefixes unpadded (their final states are read), by length: [23, 24] then [5..8]; bank rows 0, 1; zero row 2
     assert [call.gather.tolist() for call in prefix_calls] == [[[23, 24]], [[5, 6, 7, 8]]]
@@ -371,19 +382,19 @@ def test_an_inner_node_of_one_token_below_a_root_runs_in_front_of_its_children()
     no run from a state is one token long. Such a node's token runs in front of each child's own tokens, from its
     parent's states, the first child keeping its output; every position is kept once."""
     nodes = [
-        Node(0, 4),  # 0: a root of 4 tokens
-        Node(4, 1, 0),  # 1: one token below it, with children 2 and 3 (leaves)
-        Node(5, 3, 1),
-        Node(8, 2, 1),
-        Node(10, 1, 0),  # 4: one token, whose only child 5 is one token too, with leaves 6 and 7
-        Node(11, 1, 4),
-        Node(12, 2, 5),
-        Node(14, 1, 5),
-        Node(15, 1),  # 8: a root of one token (from a zero state: runs alone), with leaves 9 and 10
-        Node(16, 2, 8),
-        Node(18, 3, 8),
+        (0, 4, -1),  # 0: a root of 4 tokens
+        (4, 1, 0),  # 1: one token below it, with children 2 and 3 (leaves)
+        (5, 3, 1),
+        (8, 2, 1),
+        (10, 1, 0),  # 4: one token, whose only child 5 is one token too, with leaves 6 and 7
+        (11, 1, 4),
+        (12, 2, 5),
+        (14, 1, 5),
+        (15, 1, -1),  # 8: a root of one token (from a zero state: runs alone), with leaves 9 and 10
+        (16, 2, 8),
+        (18, 3, 8),
     ]
-    layout = SegmentLayout(nodes, "sdpa")
+    layout = SegmentLayout(node_tree(nodes), "sdpa")
     runs = continuation_runs(layout)
     assert runs == {
         0: ([0, 1, 2, 3], 0, -1),

@@ -577,21 +577,22 @@ class _LayoutInputs:
 
 
 class _PackedRow:
-    """The pieces of a padding-free row, appended node by node of the pass's prefix tree."""
+    """The pieces of a padding-free row, appended node by node of the pass's prefix tree: ``tree``, the row's nodes
+    back to back in its row order (its trailing padding a root of its own), what segment attention reads."""
 
     def __init__(self, table: SequenceTable, samples: _Samples) -> None:
         self.table, self.samples = table, samples
         self.pieces: list[torch.Tensor] = []
         self.positions: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
-        self.nodes: list[tuple[int, int, int]] = []  # (row start, length, parent) per node of the row
-        self.shown: list[int] = []  # samples whose images the row holds, in row order
+        self.tree: PrefixTree | None = None
+        self.samples_with_images: list[int] = []  # samples whose images the row holds, in row order
         self.rope: list[torch.Tensor] = []  # M-RoPE positions along the row (table.positions)
         self.widths: list[torch.Tensor] = []  # rope widths along the row (table.rope_widths)
         self.fields: dict[str, list[torch.Tensor]] = {name: [] for name in table.token_fields or {}}
         self.offset = 0
 
-    def carry(self, i: int, start: int, end: int | None = None) -> None:
+    def append_token_fields(self, i: int, start: int, end: int | None = None) -> None:
         """Sample ``i``'s token fields and M-RoPE positions for its tokens ``start:end``, appended to the row."""
         for name, values in self.fields.items():
             values.append(self.table.token_fields[name][i][start:end].cpu())
@@ -603,7 +604,7 @@ class _PackedRow:
         rows): each node once, its tokens, positions (depths), token fields and M-RoPE positions its source sample's;
         then each row's positions, loss terms and labels along its path (the index arrays of every row built at once,
         :func:`~hf_dynbsz.planning.tokens.range_positions`)."""
-        samples, firsts = self.samples, None
+        self.tree, samples, firsts = tree, self.samples, None
         if self.table.media is not None:
             firsts = self.table.first_media_positions()
         starts = []
@@ -612,12 +613,11 @@ class _PackedRow:
             low, length = tree.start[node], tree.length[node]
             starts.append(self.offset)
             self.pieces.append(self.table.tokens[i][low : low + length].cpu())
-            self.carry(i, low, low + length)
+            self.append_token_fields(i, low, low + length)
             if self.table.rope_widths is not None:  # a node's samples share its source's (prefix_keys)
                 self.widths.append(self.table.rope_widths[i].expand(length))
-            self.nodes.append((self.offset, length, tree.parent[node]))
             if firsts is not None and firsts[i] is not None and low <= firsts[i] < low + length:
-                self.shown.append(i)  # the node holding its first image holds all its images (prefix_keys)
+                self.samples_with_images.append(i)  # its first image's node holds all its images (prefix_keys)
             self.offset += length
         depths = [range(low, low + length) for low, length in zip(tree.start, tree.length)]
         self.positions.append(torch.from_numpy(range_positions(depths)))
@@ -643,7 +643,7 @@ class _PackedRow:
         self.pieces.append(torch.full((length,), pad_token_id, dtype=torch.long))
         self.positions.append(torch.arange(length))
         self.labels.append(torch.full((length,), -100, dtype=torch.long))
-        self.nodes.append((self.offset, length, -1))
+        self.tree = self.tree.with_padding(length)
         for values in self.fields.values():
             values.append(torch.zeros(length, dtype=values[0].dtype))
         if self.rope:
@@ -677,12 +677,12 @@ def _padding_free_inputs(
         position_ids = torch.cat([position_ids, torch.cat(row.rope, dim=1)]).unsqueeze(1)
     model_inputs = {name: torch.cat(values).unsqueeze(0) for name, values in row.fields.items()}  # (moved later)
     if table.media is not None:
-        model_inputs.update(samples.media_inputs(table, row.shown))
+        model_inputs.update(samples.media_inputs(table, row.samples_with_images))
     segment_layout = None
     if attention is not None:
-        from hf_dynbsz.execution.attention.layout import Node, SegmentLayout
+        from hf_dynbsz.execution.attention.layout import SegmentLayout
 
-        segment_layout = SegmentLayout([Node(*node) for node in row.nodes], attention)
+        segment_layout = SegmentLayout(row.tree, attention)
     return _LayoutInputs(
         input_ids=torch.cat(row.pieces).unsqueeze(0),
         position_ids=position_ids,
@@ -774,9 +774,9 @@ def dummy_microbatch(
         host["attention_mask"] = torch.ones(1, width, dtype=torch.long)
     segment_layout = None
     if attention is not None:
-        from hf_dynbsz.execution.attention.layout import Node, SegmentLayout
+        from hf_dynbsz.execution.attention.layout import SegmentLayout
 
-        segment_layout = SegmentLayout([Node(0, width)], attention)
+        segment_layout = SegmentLayout(PrefixTree.alone([width]), attention)
     moved = _move_with_segments(host, segment_layout, device)
     labels = moved.pop("shift_labels")
     return MicroBatch(

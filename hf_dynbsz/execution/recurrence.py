@@ -52,7 +52,8 @@ from collections import defaultdict
 
 import torch
 
-from hf_dynbsz.execution.attention.layout import Node, SegmentLayout, active_segments
+from hf_dynbsz.execution.attention.layout import SegmentLayout, active_segments
+from hf_dynbsz.planning.prefix_tree import PrefixTree
 
 __all__ = [
     "RecurrenceCall",
@@ -420,15 +421,14 @@ def _decided(module, forward, argument, kernel, layout, args, kwargs, width, dev
 def _deepened(layout: SegmentLayout) -> SegmentLayout:
     """``layout`` with every node of two positions or more cut in two, the first half the parent of the second (and
     of the node's children): the same attention, with a chain of inner nodes under every root."""
-    nodes, last = [], {}
-    for part in layout.parts():
-        parent = last.get(part.parent, -1)
-        half = (len(part.own) + 1) // 2 if len(part.own) > 1 else len(part.own)
-        nodes.append(Node(part.own.start, half, parent))
-        if half < len(part.own):
-            nodes.append(Node(part.own.start + half, len(part.own) - half, len(nodes) - 1))
-        last[part.node] = len(nodes) - 1
-    return SegmentLayout(nodes, layout.base_implementation)
+    parent, length, last = [], [], {}  # last: per node of ``layout``, the number of its second half
+    for node, (above, size) in enumerate(zip(layout.tree.parent, layout.tree.length)):
+        half = (size + 1) // 2 if size > 1 else size
+        parent.append(last.get(above, -1)), length.append(half)
+        if half < size:
+            parent.append(len(parent) - 1), length.append(size - half)
+        last[node] = len(parent) - 1
+    return SegmentLayout(PrefixTree.of_nodes(parent, length), layout.base_implementation)
 
 
 def _inner_levels(layout: SegmentLayout) -> int:

@@ -182,7 +182,7 @@ def tree_samples(table: SequenceTable) -> list[int] | None:
     it and beside it the shortest samples with a completion (the cheapest passes whose log-probs count)."""
     tree = table.prefix_tree(SharePrefix.TREE)
     lengths, completions = table.lengths.tolist(), table.completion_lengths.tolist()
-    children, below, paths = tree.children(), tree.below(), tree.paths()
+    children, through, paths = tree.children(), tree.samples_through(), tree.paths()
 
     def cheapest(samples):
         return min(samples, key=lambda i: (completions[i] == 0, lengths[i], i))
@@ -191,11 +191,11 @@ def tree_samples(table: SequenceTable) -> list[int] | None:
     for node, above in enumerate(tree.parent):
         if above < 0 or len(children[node]) < 2:
             continue
-        inside = set(below[node])
-        beside = [i for i in below[above] if i not in inside]
-        depth = paths[below[node][0]].index(node)  # nodes above it
+        inside = set(through[node])
+        beside = [i for i in through[above] if i not in inside]
+        depth = paths[through[node][0]].index(node)  # nodes above it
         if beside and (best is None or depth > best[0]):
-            picked = [cheapest(below[child]) for child in children[node][:2]] + [cheapest(beside)]
+            picked = [cheapest(through[child]) for child in children[node][:2]] + [cheapest(beside)]
             best = (depth, sorted(picked))
     return None if best is None else best[1]
 

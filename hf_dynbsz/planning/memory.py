@@ -214,7 +214,7 @@ class MemoryModel:
     _fits: dict[str, Coefficients] = field(default_factory=dict)
 
     #: the kinds the plan table shows (:func:`plan_rows`): the teacher's with a teacher
-    shown: tuple[str, ...] = ("training", "logprob")
+    table_kinds: tuple[str, ...] = ("training", "logprob")
 
     @classmethod
     def from_config(
@@ -229,8 +229,8 @@ class MemoryModel:
         ``prior_options`` go to :func:`prior_coefficients`."""
         configs = {"training": config, "logprob": config, "teacher": teacher_config or config}
         priors = {kind: prior_coefficients(configs[kind], kind, **prior_options) for kind in KINDS}
-        shown = KINDS if teacher_config is not None else ("training", "logprob")
-        return cls(priors, limit_mib, increment_margin=increment_margin, shown=shown)
+        table_kinds = KINDS if teacher_config is not None else ("training", "logprob")
+        return cls(priors, limit_mib, increment_margin=increment_margin, table_kinds=table_kinds)
 
     # ------------------------------------------------------------------ learning
     def observe(self, kind: str, tokens: int, pairs: int, increment_mib: float, path_keys: int = 0) -> None:
@@ -283,7 +283,7 @@ class MemoryModel:
         columns = ["fixed", "per_token"]
         if prior.per_pair > 0 and len({(p.tokens, p.pairs) for p in points}) >= 3:
             columns.append("per_pair")
-        if prior.per_path_key > 0 and _apart(points, "path_keys"):
+        if prior.per_path_key > 0 and _varies_apart_from_tokens(points, "path_keys"):
             columns.append("per_path_key")
         # a term the points cannot tell apart keeps the prior's share of the per-token one (fitted with it)
         kept = {name: getattr(prior, name) / prior.per_token if prior.per_token else 0.0
@@ -423,7 +423,7 @@ def plan_rows(memory: MemoryModel, held_mib: float, held_source: str, longest: i
         ("memory held before passes", f"{held_mib:.0f} MiB", held_source),
     ]
     labels = {"training": "training", "logprob": "no-grad", "teacher": "teacher"}
-    for kind, label in ((kind, labels[kind]) for kind in memory.shown):
+    for kind, label in ((kind, labels[kind]) for kind in memory.table_kinds):
         rows.append(
             (
                 f"memory of a {label} pass",
@@ -476,7 +476,7 @@ def held_states_mib(tokens: int, width: int, element_bytes: int) -> float:
     return max(int(tokens), 0) * int(width) * int(element_bytes) / _MIB
 
 
-def _apart(points: list[_Observation], name: str) -> bool:
+def _varies_apart_from_tokens(points: list[_Observation], name: str) -> bool:
     """Whether the points' ``name`` (``path_keys``) varies apart from their tokens: some non-zero, and at least three
     different ratios to the tokens (else the least squares could not part the two terms)."""
     ratios = {round(getattr(p, name) / max(p.tokens, 1), 3) for p in points}

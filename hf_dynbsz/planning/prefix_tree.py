@@ -11,13 +11,15 @@ shared by its own group only; :func:`namespaced`: a vision-language sample's ima
 
 :class:`PrefixTree` merges chains of single-child positions into *nodes*, numbered in row order (depth first, children
 by first appearance, so that samples with nothing in common keep their order): a node holds ``length`` positions from
-depth ``start`` and attends to its root-to-node path. The collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's
-row out from it; the schedule (:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens`
-(unique positions), :meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys),
-:meth:`PrefixTree.path_keys` (the keys gathered in front of the nodes, which the memory model counts) and
-:meth:`PrefixTree.units` (samples that stay in one pass: a subtree that fits the budget, else pieces of it, each
-carrying its path). The per-pass trie of any subset of a step's samples is a subset of the step's trie, so what the
-planner counts of a pass is what the collator builds.
+depth ``start`` and attends to its root-to-node path. It is the one model of the tree, from the planner's counts to the
+kernels' index tensors: the collator (:mod:`hf_dynbsz.execution.packing`) lays a pass's row out from it, its nodes back
+to back in row order (:meth:`PrefixTree.with_padding`: the row's trailing padding a root of its own), and segment
+attention reads that tree (:class:`~hf_dynbsz.execution.attention.SegmentLayout`); the schedule
+(:mod:`hf_dynbsz.planning.schedule`) counts a pass by it: :meth:`PrefixTree.tokens` (unique positions),
+:meth:`PrefixTree.pairs` (attention: every position's queries against its path's keys), :meth:`PrefixTree.path_keys`
+(the keys gathered in front of the nodes, which the memory model counts) and :meth:`PrefixTree.units` (samples that stay
+in one pass: a subtree that fits the budget, else pieces of it, each carrying its path). The per-pass trie of any subset
+of a step's samples is a subset of the step's trie, so what the planner counts of a pass is what the collator builds.
 
 Pure Python + numpy: no torch.
 """
@@ -25,7 +27,7 @@ Pure Python + numpy: no torch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,9 +93,9 @@ class PrefixTree:
         self.parent, self.start, self.length = list(parent), list(start), list(length)
         self.source, self.leaf = list(source), list(leaf)
         self._paths: tuple[tuple[int, ...], ...] | None = None
-        self._below: tuple[tuple[int, ...], ...] | None = None
+        self._samples_through: tuple[tuple[int, ...], ...] | None = None
         self._pairs: tuple[int, ...] | None = None  # node_pairs of every node, once counts() asks
-        self._apart: bool | None = None
+        self._shares_nothing: bool | None = None
 
     def __eq__(self, other) -> bool:
         """Equal structure (nodes, their depths and lengths, each sample's leaf): what :meth:`encode` sends. A node's
@@ -116,6 +118,22 @@ class PrefixTree:
         """Samples of ``lengths`` tokens that share nothing: one root node each."""
         count = len(lengths)
         return cls([-1] * count, [0] * count, [int(n) for n in lengths], range(count), range(count))
+
+    @classmethod
+    def of_nodes(cls, parent: Sequence[int], length: Sequence[int]) -> PrefixTree:
+        """A tree of nodes given in row order (``parent[n]`` before ``n``, -1 for a root) and their lengths, no sample
+        ending on it: a padding-free row's layout as its kernels read it (depths follow from the parents)."""
+        start: list[int] = []
+        for node, above in enumerate(parent):
+            if not -1 <= above < node:
+                raise ValueError(f"node {node} of a prefix tree names parent {above}: not a node before it")
+            start.append(0 if above < 0 else start[above] + length[above])
+        return cls(parent, start, length, [-1] * len(parent), [])
+
+    def with_padding(self, length: int) -> PrefixTree:
+        """This tree and, after its nodes, a root of ``length`` positions that no sample holds (a padding-free row's
+        trailing padding: a node of its own, attending only to itself)."""
+        return PrefixTree([*self.parent, -1], [*self.start, 0], [*self.length, length], [*self.source, -1], self.leaf)
 
     @classmethod
     def of_groups(
@@ -152,21 +170,10 @@ class PrefixTree:
         return cls._in_row_order(parent, start, length, source, leaf)
 
     @classmethod
-    def _in_row_order(cls, parent, start, length, source, leaf, children=None, roots=None) -> PrefixTree:
-        """The tree of nodes numbered in any order: renumbered depth first, ``roots`` and each node's ``children``
-        in the order given (default: by number)."""
-        if children is None:
-            children = [[] for _ in parent]
-            for node, above in enumerate(parent):
-                if above >= 0:
-                    children[above].append(node)
-        if roots is None:
-            roots = [node for node, above in enumerate(parent) if above < 0]
-        order, stack = [], roots[::-1]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(children[node]))
+    def _in_row_order(cls, parent, start, length, source, leaf, children=None) -> PrefixTree:
+        """The tree of nodes numbered in any order: renumbered depth first (:func:`_depth_first`), ``children``
+        (:func:`_children_by`: per node and -1 for the roots, in the order they take; default: by number)."""
+        order = _depth_first(_children_by(parent, range(len(parent))) if children is None else children)
         number = {node: index for index, node in enumerate(order)}
         return cls(
             [number[parent[n]] if parent[n] >= 0 else -1 for n in order],
@@ -190,14 +197,14 @@ class PrefixTree:
         """Whether every sample is a root node of its own (node ``s`` is sample ``s``, whole): what :meth:`alone`
         builds, and what a step without sharing (padded rows) plans by. Its counts, units, encoding and joins take a
         shortcut that gives what the general walk gives, at a fraction of its cost."""
-        if self._apart is None:
-            self._apart = (
+        if self._shares_nothing is None:
+            self._shares_nothing = (
                 self.nodes == self.samples
                 and self.leaf == list(range(self.samples))
                 and all(above < 0 for above in self.parent)
                 and not any(self.start)
             )
-        return self._apart
+        return self._shares_nothing
 
     def paths(self) -> tuple[tuple[int, ...], ...]:
         """Per sample, its nodes from its root to its leaf. Tuples of integers, which Python's garbage collector stops
@@ -216,21 +223,18 @@ class PrefixTree:
 
     def children(self) -> list[list[int]]:
         """Per node, its children in row order."""
-        children: list[list[int]] = [[] for _ in self.parent]
-        for node, above in enumerate(self.parent):
-            if above >= 0:
-                children[above].append(node)
-        return children
+        children = _children_by(self.parent, range(self.nodes))
+        return [children.get(node, []) for node in range(self.nodes)]
 
-    def below(self) -> tuple[tuple[int, ...], ...]:
+    def samples_through(self) -> tuple[tuple[int, ...], ...]:
         """Per node, the samples whose path runs through it, ascending (tuples, as :meth:`paths`)."""
-        if self._below is None:
-            below: list[list[int]] = [[] for _ in self.parent]
+        if self._samples_through is None:
+            through: list[list[int]] = [[] for _ in self.parent]
             for sample, path in enumerate(self.paths()):
                 for node in path:
-                    below[node].append(sample)
-            self._below = tuple(map(tuple, below))
-        return self._below
+                    through[node].append(sample)
+            self._samples_through = tuple(map(tuple, through))
+        return self._samples_through
 
     def node_pairs(self, node: int) -> int:
         """The attention term of ``node``: its positions' queries against their paths' keys, counted as squared
@@ -239,11 +243,11 @@ class PrefixTree:
 
     def tokens(self, samples: Sequence[int] | None = None) -> int:
         """Positions a pass of ``samples`` (default: all) computes: each position once, however many samples hold it."""
-        return sum(self.length[node] for node in self._union(samples))
+        return sum(self.length[node] for node in self._nodes_of(samples))
 
     def pairs(self, samples: Sequence[int] | None = None) -> int:
         """The attention term of a pass of ``samples`` (default: all): :meth:`node_pairs` over their nodes."""
-        return sum(self.node_pairs(node) for node in self._union(samples))
+        return sum(self.node_pairs(node) for node in self._nodes_of(samples))
 
     def path_keys(self, samples: Sequence[int] | None = None) -> int:
         """The keys a pass of ``samples`` (default: all) gathers in front of its nodes: each node's path (its
@@ -253,7 +257,7 @@ class PrefixTree:
         where its own samples fork."""
         if self.shares_nothing:
             return 0
-        return sum(self.start[node] for node in self._union(samples))
+        return sum(self.start[node] for node in self._nodes_of(samples))
 
     def restricted(self, samples: Sequence[int]) -> PrefixTree:
         """The tree of ``samples`` alone, numbered in the order given: what :meth:`of_keys` builds from their keys (the
@@ -267,21 +271,21 @@ class PrefixTree:
             for node in paths[sample]:
                 first.setdefault(node, number)  # the first of them through it: its source, its place among siblings
             ends.setdefault(self.leaf[sample], []).append(number)
-        children: dict[int, list[int]] = {}
-        for node in sorted(first, key=first.__getitem__):
-            children.setdefault(self.parent[node], []).append(node)
+        children = _children_by(self.parent, sorted(first, key=first.__getitem__))
         parent, start, length, source, leaf = [], [], [], [], [0] * len(samples)
-        stack = [(root, -1) for root in reversed(children.get(-1, []))]
-        while stack:
-            top, above = stack.pop()
-            node, size = top, self.length[top]
-            while node not in ends and len(children.get(node, ())) == 1:
-                node = children[node][0]
-                size += self.length[node]
-            for number in ends.get(node, ()):
-                leaf[number] = len(parent)
-            stack.extend((child, len(parent)) for child in reversed(children.get(node, ())))
-            parent.append(above), start.append(self.start[top]), length.append(size), source.append(first[top])
+        merged: dict[int, int] = {}  # per node of this tree, the node of the restricted tree holding it
+        for node in _depth_first(children):
+            above = self.parent[node]
+            if above >= 0 and above not in ends and len(children[above]) == 1:  # a chain: one node with its parent
+                merged[node] = merged[above]
+                length[merged[node]] += self.length[node]
+                continue
+            merged[node] = len(parent)
+            parent.append(merged[above] if above >= 0 else -1)
+            start.append(self.start[node]), length.append(self.length[node]), source.append(first[node])
+        for node, numbers in ends.items():
+            for number in numbers:
+                leaf[number] = merged[node]
         return PrefixTree(parent, start, length, source, leaf)
 
     def subtrees(self, samples: Sequence[int]) -> list[tuple[int, ...]]:
@@ -298,13 +302,13 @@ class PrefixTree:
     def counts(self, samples: Sequence[int] | None = None) -> tuple[int, int, int]:
         """``(tokens, pairs, path keys)`` of a pass of ``samples`` (default: all): :meth:`tokens`, :meth:`pairs` and
         :meth:`path_keys`, their nodes collected once."""
-        nodes = self._union(samples)
+        nodes = self._nodes_of(samples)
         if self._pairs is None:
             self._pairs = tuple(self.node_pairs(node) for node in range(self.nodes))
         keys = 0 if self.shares_nothing else sum(map(self.start.__getitem__, nodes))
         return sum(map(self.length.__getitem__, nodes)), sum(map(self._pairs.__getitem__, nodes)), keys
 
-    def _union(self, samples: Sequence[int] | None) -> set[int]:
+    def _nodes_of(self, samples: Sequence[int] | None) -> set[int]:
         chosen = range(self.samples) if samples is None else samples
         if self.shares_nothing:  # node s is sample s
             return set(chosen)
@@ -331,11 +335,11 @@ class PrefixTree:
             return [Unit((sample,), size, size * size) for sample, size in enumerate(self.length)]
         sizes, pairs = self._subtree_sums()
         units: list[Unit] = []
-        children, below = self.children(), self.below()
+        children, through = self.children(), self.samples_through()
         ends = [[] for _ in self.parent]
         for sample, node in enumerate(self.leaf):
             ends[node].append(sample)
-        split = _Split(self, budget, sizes, pairs, children, below, ends, units)
+        split = _Split(self, budget, sizes, pairs, children, through, ends, units)
         for root in (node for node, above in enumerate(self.parent) if above < 0):
             split.subtree(root, 0, 0)
         return sorted(units, key=lambda unit: unit.samples[0])
@@ -374,19 +378,20 @@ class PrefixTree:
         offset += 3 * nodes
         leaf = [int(v) for v in values[offset : offset + samples]]
         tree = cls(parent, start, length, [0] * nodes, leaf)
-        below = tree.below()
-        tree.source = [members[0] if members else 0 for members in below]
+        tree.source = [members[0] if members else 0 for members in tree.samples_through()]
         return tree, offset + samples
 
     @classmethod
-    def joined(cls, picks: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
-        """One tree of the samples ``picks`` (``(tree, sample)`` pairs, in the new order): each keeps its path in its
-        own tree; samples of different trees share nothing (the planner's view of samples from other processes)."""
-        if all(tree.shares_nothing for tree, _ in picks) and len({(id(t), s) for t, s in picks}) == len(picks):
-            return cls.alone([tree.length[sample] for tree, sample in picks])
+    def joined(cls, tree_samples: Sequence[tuple[PrefixTree, int]]) -> PrefixTree:
+        """One tree of the samples ``tree_samples`` (``(tree, sample)`` pairs, in the new order): each keeps its path
+        in its own tree; samples of different trees share nothing (the planner's view of samples from other
+        processes)."""
+        alone = all(tree.shares_nothing for tree, _ in tree_samples)
+        if alone and len({(id(tree), sample) for tree, sample in tree_samples}) == len(tree_samples):  # distinct
+            return cls.alone([tree.length[sample] for tree, sample in tree_samples])
         parent, start, length, source, leaf = [], [], [], [], []
         number: dict[tuple[int, int], int] = {}
-        for index, (tree, sample) in enumerate(picks):
+        for index, (tree, sample) in enumerate(tree_samples):
             for node in tree.paths()[sample]:
                 key = (id(tree), node)
                 if key not in number:
@@ -429,20 +434,21 @@ def _together(tree: PrefixTree, units: list[Unit], together: Sequence[int], budg
 class _Split:
     """:meth:`PrefixTree.units`'s walk: a subtree with the path above it is one unit when it fits, else pieces."""
 
-    def __init__(self, tree, budget, sizes, pairs, children, below, ends, units) -> None:
+    def __init__(self, tree, budget, sizes, pairs, children, samples_through, ends, units) -> None:
         self.tree, self.budget, self.sizes, self.pairs = tree, budget, sizes, pairs
-        self.children, self.below, self.ends, self.units = children, below, ends, units
+        self.children, self.samples_through, self.ends, self.units = children, samples_through, ends, units
 
     def subtree(self, node: int, above_tokens: int, above_pairs: int) -> None:
         tree = self.tree
         total = above_tokens + self.sizes[node]
         if total <= self.budget or not self.children[node]:
-            self.units.append(Unit(tuple(self.below[node]), total, above_pairs + self.pairs[node]))
+            self.units.append(Unit(tuple(self.samples_through[node]), total, above_pairs + self.pairs[node]))
             return
         path = above_tokens + tree.length[node]
         path_pairs = above_pairs + tree.node_pairs(node)
         room = self.budget - path
-        items = [(self.sizes[c], self.below[c][0], c, self.pairs[c], self.below[c]) for c in self.children[node]]
+        through = self.samples_through
+        items = [(self.sizes[c], through[c][0], c, self.pairs[c], through[c]) for c in self.children[node]]
         items += [(0, sample, -1, 0, [sample]) for sample in self.ends[node]]
         pieces: list[list] = []  # [free room, samples, tokens, pairs]
         for size, _, child, child_pairs, samples in sorted(items, key=lambda item: (-item[0], item[1])):
@@ -511,12 +517,27 @@ class _Trie:
     def tree(self) -> PrefixTree:
         """The finished trie, renumbered in row order (roots and children in first-appearance order: a node cut
         in two keeps its place among its siblings)."""
-        return PrefixTree._in_row_order(
-            self.parent,
-            self.low,
-            [high - low for low, high in zip(self.low, self.high)],
-            self.source,
-            self.leaf,
-            [list(table.values()) for table in self.children],
-            roots=list(self.roots.values()),
-        )
+        children = {node: list(table.values()) for node, table in enumerate(self.children)}
+        children[-1] = list(self.roots.values())
+        lengths = [high - low for low, high in zip(self.low, self.high)]
+        return PrefixTree._in_row_order(self.parent, self.low, lengths, self.source, self.leaf, children)
+
+
+def _children_by(parent: Sequence[int], nodes: Iterable[int]) -> dict[int, list[int]]:
+    """Per node among ``nodes`` (a node's parent among them too), and per -1 for the roots: its children among
+    ``nodes``, in the order ``nodes`` gives them (the order :func:`_depth_first` takes them in)."""
+    children: dict[int, list[int]] = {}
+    for node in nodes:
+        children.setdefault(parent[node], []).append(node)
+    return children
+
+
+def _depth_first(children: dict[int, list[int]]) -> list[int]:
+    """The nodes of ``children`` (:func:`_children_by`) in row order: depth first from the roots, each node's
+    children in their order."""
+    order, stack = [], children.get(-1, [])[::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children.get(node, ())))
+    return order

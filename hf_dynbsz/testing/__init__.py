@@ -16,6 +16,8 @@ imported inside the functions). The modules:
   only);
 * :mod:`~hf_dynbsz.testing.engines`: what a multi-process run's engine did with the parameters (recorded by the
   worker: sharded or whole, per process) against what its accelerate config asks for, and a model's whole parameters;
+* :mod:`~hf_dynbsz.testing.layouts`: padding-free rows written by hand (shared prompts' segments, nodes) as planning's
+  prefix tree, and a segment layout's nodes read back;
 * :mod:`~hf_dynbsz.testing.mixes`: the benchmarks' named length mixes (completion and prompt lengths);
 * :mod:`~hf_dynbsz.testing.preference`: preference pairs (lengths from ranges or a long tail, a system block shared
   across pairs, several pairs per prompt) and one DPO run of stock's trainer or the plugin's;
@@ -103,6 +105,7 @@ from hf_dynbsz.testing.harness import (
     trainer_classes,
     training_mode_trainer,
 )
+from hf_dynbsz.testing.layouts import Segment, node_tree, row_nodes, segment_tree
 from hf_dynbsz.testing.mixes import (
     MIX_LABELS,
     MIXES,
@@ -169,6 +172,10 @@ __all__ = [
     "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
+    "Segment",
+    "node_tree",
+    "row_nodes",
+    "segment_tree",
     "DPO_COMPARISON_FIELDS",
     "DPO_PLUGIN_FIELDS",
     "dpo_config",

@@ -136,16 +136,16 @@ class StandInEngine:
                 cache = getattr(output, self._cache_argument)
                 logprobs = torch.log_softmax(output.logits[:, -1].float() / temperature, dim=-1)
                 cdf = logprobs.double().exp().cumsum(-1).cpu().numpy()
-                picks = [min(int(np.searchsorted(c, u * c[-1], side="right")), len(c) - 1) for c, u in
+                sampled = [min(int(np.searchsorted(c, u * c[-1], side="right")), len(c) - 1) for c, u in
                          zip(cdf, draws[:, step])]  # fmt: skip
-                for row, token in enumerate(picks):
+                for row, token in enumerate(sampled):
                     if not done[row]:
                         tokens[row].append(token)
                         logps[row].append(float(logprobs[row, token]))
                         done[row] = token in self.eos_token_ids
                 if all(done):
                     break
-                inputs = torch.tensor(picks, device=device).unsqueeze(1)
+                inputs = torch.tensor(sampled, device=device).unsqueeze(1)
         wanted = params.get("logprobs") is not None
         return [(ids, self._noisy(prompt, ids, lps) if wanted else None) for ids, lps in zip(tokens, logps)]
 

@@ -2,8 +2,9 @@
 
 A padding-free row holds its samples as the nodes of their prefix tree, each node attending to its root-to-node path
 and causally to itself (a plain sequence is a root alone; a prompt shared by its completions, ``[prefix | block_1 |
-... | block_k]``, a root with a child per completion): :mod:`~hf_dynbsz.execution.attention.layout` holds them and
-the index tensors the kernels read. :func:`segment_attention_forward` is registered in transformers'
+... | block_k]``, a root with a child per completion): :mod:`~hf_dynbsz.execution.attention.layout` holds the row's
+tree (planning's :class:`~hf_dynbsz.planning.prefix_tree.PrefixTree`, the one model of it) and the index tensors the
+kernels read. :func:`segment_attention_forward` is registered in transformers'
 ``AttentionInterface`` as :data:`ATTENTION_NAME`; :func:`segment_attention` switches a model to it, and
 :func:`use_segments` names the :class:`SegmentLayout` of the pass about to run. ``masking_utils`` builds no mask for
 an implementation it does not know, so this function owns masking. It is stateless and computes each span with **the
@@ -47,9 +48,7 @@ from hf_dynbsz.execution.attention.flex import (
 )
 from hf_dynbsz.execution.attention.layout import (
     _ACTIVE,
-    Node,
     Part,
-    Segment,
     SegmentLayout,
     active_segments,
     use_segments,
@@ -63,10 +62,8 @@ __all__ = [
     "FLEX_BLOCK_SIZE",
     "FLEX_FALLBACK_OPTIONS",
     "FLEX_KERNEL",
-    "Node",
     "Part",
     "SPAN_CALLS_PER_LAYER",
-    "Segment",
     "SegmentLayout",
     "SpanCall",
     "VARLEN_ATTN_KERNEL",

@@ -1,17 +1,16 @@
 """The layout of a padding-free row for segment attention: its prefix tree, parts and the kernels' index tensors.
 
-A padding-free row holds a pass's samples as a prefix tree (:mod:`hf_dynbsz.planning.prefix_tree`): each *node* is a
-run of positions that one or more samples share, laid out once, in depth-first order (every node after its parent).
-A node's queries attend to the keys of its root-to-node *path* (its ancestors, all before it in the row) and causally
-to its own; never to a sibling's. Position ids are depths (positions within the samples), so each sample computes
-exactly what it computes alone. Special cases:
+A padding-free row holds a pass's samples as their prefix tree, planning's :class:`~hf_dynbsz.planning.prefix_tree.
+PrefixTree` (the one model of the tree, from the planner's counts to the kernels' index tensors): each *node* is a
+run of positions that one or more samples share, laid out once, in the tree's row order (every node after its
+parent, nodes back to back). A node's queries attend to the keys of its root-to-node *path* (its ancestors, all before
+it in the row) and causally to its own; never to a sibling's. Position ids are depths (positions within the samples),
+so each sample computes exactly what it computes alone. A plain sequence (prompt + completion) is a root without
+children; a prompt shared by its completions (GRPO's ``num_generations`` samples) a root (the prompt without its last
+token) with a child per completion (the prompt's last token, then the completion); a row's trailing padding a root of
+its own (:meth:`~hf_dynbsz.planning.prefix_tree.PrefixTree.with_padding`).
 
-* a plain sequence (prompt + completion) is a root without children: causal attention over it;
-* a prompt shared by its completions (GRPO's ``num_generations`` samples) is a *segment*
-  ``[prefix | block_1 | ... | block_k]``: the prefix (the prompt without its last token) a root, each block (the
-  prompt's last token, then completion ``j``) a child of it. :class:`Segment` writes such a layout directly.
-
-:class:`SegmentLayout` holds the nodes with the index tensors each kernel reads (built once per pass on the host by
+:class:`SegmentLayout` holds the tree with the index tensors each kernel reads (built once per pass on the host by
 the kernel's own module, moved with the pass's inputs in one copy); :func:`use_segments` names the layout of the pass
 about to run (it travels beside the forward, not through its keyword arguments, so it reaches the attention of
 models whose layers do not pass keyword arguments on, and stays in place for gradient checkpointing's recomputation).
@@ -19,7 +18,6 @@ models whose layers do not pass keyword arguments on, and stays in place for gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -34,49 +32,9 @@ from hf_dynbsz.execution.attention.flex import (
 from hf_dynbsz.execution.attention.spans import SPAN_CALLS_PER_LAYER, SpanCall, build_span_calls
 from hf_dynbsz.execution.attention.varlen import build_varlen_spans
 from hf_dynbsz.planning.model_support import VARLEN_ATTENTION_PREFIXES, VARLEN_ATTN
+from hf_dynbsz.planning.prefix_tree import PrefixTree
 
-__all__ = ["Node", "Part", "Segment", "SegmentLayout", "active_segments", "use_segments"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A shared prompt's segment of a padding-free row: ``prefix`` shared tokens (0: every block a plain sequence),
-    then ``blocks``, each a child of the prefix."""
-
-    start: int
-    prefix: int
-    blocks: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + self.prefix + sum(self.blocks)
-
-    @property
-    def plain(self) -> bool:
-        return self.prefix == 0 and len(self.blocks) == 1
-
-    def nodes(self, first: int) -> list[Node]:
-        """Its nodes, numbered from ``first``: the prefix (a root), then each block (its child, or a root)."""
-        nodes = [Node(self.start, self.prefix)] if self.prefix else []
-        offset, parent = self.start + self.prefix, first if self.prefix else -1
-        for block in self.blocks:
-            nodes.append(Node(offset, block, parent))
-            offset += block
-        return nodes
-
-
-@dataclass(frozen=True)
-class Node:
-    """A node of a padding-free row's prefix tree: ``length`` row positions from ``start``, under the node numbered
-    ``parent`` (-1: a root). Nodes are listed in row order, every parent before its children."""
-
-    start: int
-    length: int
-    parent: int = -1
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+__all__ = ["Part", "SegmentLayout", "active_segments", "use_segments"]
 
 
 class Part(NamedTuple):
@@ -97,12 +55,12 @@ class Part(NamedTuple):
 class SegmentLayout:
     """The nodes of one padding-free row and the index tensors the kernels need, built once per pass.
 
-    ``segments``: the row's :class:`Node` list (row order), or its :class:`Segment` list. Every attention layer of the
-    pass (and the recomputation of gradient checkpointing) reuses them.
+    ``tree``: the row's prefix tree, its nodes laid out back to back in its row order (a trailing padding node
+    included). Every attention layer of the pass (and the recomputation of gradient checkpointing) reuses them.
     """
 
-    def __init__(self, segments: list[Segment] | list[Node], base_implementation: str) -> None:
-        self.segments = segments
+    def __init__(self, tree: PrefixTree, base_implementation: str) -> None:
+        self.tree = tree
         self.base_implementation = base_implementation
         self._cache: dict = {}
 
@@ -179,36 +137,19 @@ class SegmentLayout:
 
     @property
     def width(self) -> int:
-        return self.segments[-1].end if self.segments else 0
-
-    def nodes(self) -> list[Node]:
-        """The row's nodes in row order (a :class:`Segment` list expanded)."""
-        return self.cached("nodes", self._build_nodes)
-
-    def _build_nodes(self) -> list[Node]:
-        if not self.segments or isinstance(self.segments[0], Node):
-            return list(self.segments)
-        nodes: list[Node] = []
-        for segment in self.segments:
-            nodes += segment.nodes(len(nodes))
-        return nodes
+        """Positions in the row: every node's, back to back."""
+        return sum(self.tree.length)
 
     def parts(self) -> list[Part]:
-        """The row's nodes in order, each with its path (see :class:`Part`)."""
+        """The row's nodes in order, each with its row positions and its path (see :class:`Part`)."""
         return self.cached("parts", self._build_parts)
 
     def _build_parts(self) -> list[Part]:
-        nodes = self.nodes()
-        children = [0] * len(nodes)
-        for node in nodes:
-            if node.parent >= 0:
-                children[node.parent] += 1
-        parts: list[Part] = []
-        for number, node in enumerate(nodes):
-            if not -1 <= node.parent < number:
-                raise ValueError(f"node {number} of a padding-free row names parent {node.parent}: not before it")
-            path = () if node.parent < 0 else (*parts[node.parent].path, parts[node.parent].own)
-            parts.append(Part(range(node.start, node.end), path, number, node.parent, children[number]))
+        tree, parts, offset = self.tree, [], 0
+        for number, (above, length, children) in enumerate(zip(tree.parent, tree.length, tree.children())):
+            path = () if above < 0 else (*parts[above].path, parts[above].own)
+            parts.append(Part(range(offset, offset + length), path, number, above, len(children)))
+            offset += length
         return parts
 
     def subtree_ends(self) -> list[int]:
