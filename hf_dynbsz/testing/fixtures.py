@@ -28,6 +28,7 @@ __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
+    "build_tiny_rope_lm",
     "build_tiny_teacher",
     "load_tokenizer",
     "prompt_dataset",

@@ -17,6 +17,7 @@ __all__ = [
     "relative_difference",
     "segment_mask",
     "stock_logps",
+    "tree_mask",
     "update_difference",
 ]
 
