@@ -33,7 +33,6 @@ from hf_dynbsz.testing import (
     numbered_prompts,
     relative_difference,
     run_distillation,
-    save_tiny_model,
     update_difference,
 )
 
@@ -51,11 +50,6 @@ OURS = (
     "max_memory_per_device_mib",
     "self_check",
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def compare_with_stock(model_dir, tmp_path, make_rollout=None, **overrides):

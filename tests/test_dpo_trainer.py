@@ -45,11 +45,6 @@ PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-3
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def compare_with_stock(model_dir, tmp_path, dataset=None, *, trained=True, trainer_kwargs=None, **fields):
     """Stock DPOTrainer and ours on the same pairs: same parameters, updates and logged metrics; returns our logged
     steps (the entries with the plugin's figures) and our trainer."""

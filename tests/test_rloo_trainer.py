@@ -56,11 +56,6 @@ LOSS_METRICS = (
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def compare_with_stock(model_dir, tmp_path, trainer_kwargs=None, **overrides):
     """Stock RLOOTrainer and ours on the same run: same completions, parameters and logged loss metrics."""
     ours_only = {key: overrides.pop(key) for key in list(overrides) if key in OURS}

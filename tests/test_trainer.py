@@ -44,11 +44,6 @@ UPDATE_TOLERANCE = 1e-3
 METRIC_TOLERANCE = 1e-5  # relative, every logged metric (absolute: 1e-6)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def compare_with_stock(model_dir, tmp_path, repacked_steps=None, trainer_kwargs=lambda: None, **overrides):
     """Stock and ours from the same model; ours's parameters within the tolerances of stock's, every logged metric
     stock's (timings and the plugin's ``dynbsz/*`` aside). ``repacked_steps``: the steps ours repacks (default: all of
