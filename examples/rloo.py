@@ -31,8 +31,6 @@ import os
 import sys
 from pathlib import Path
 
-from trl import ModelConfig, TrlParser
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the two scripts
 import grpo  # noqa: E402
 
@@ -57,13 +55,8 @@ def tiny_reference(model, tokenizer, output_dir: str, is_main_process: bool) -> 
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    named = grpo.uses_named_model(argv)
-    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
-    parser = TrlParser((grpo.GRPOScriptArguments, DynamicBatchRLOOConfig, ModelConfig))
-    parser.set_defaults(**defaults)
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    grpo.setup_logging(training_args.process_index == 0)
+    types = (grpo.GRPOScriptArguments, DynamicBatchRLOOConfig)
+    script_args, training_args, model_args, named = grpo.parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
 
     from hf_dynbsz import DynamicBatchRLOOTrainer
 
@@ -71,13 +64,7 @@ def main(argv: list[str] | None = None):
         model, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
         reward_names = script_args.reward_funcs
     else:
-        if script_args.dataset_name:
-            raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
-        if "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
-        model, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+        model, tokenizer = grpo.start_offline_demo(script_args, training_args.seed)
         if training_args.beta != 0.0:
             tiny_reference(model, tokenizer, training_args.output_dir, training_args.process_index == 0)
         dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed)
