@@ -97,20 +97,24 @@ class ModelShape:
     intermediate_size: int | None = None
     vocab_size: int | None = None
 
-    def build(self, tokenizer, *, max_positions: int = 2048, attention: str = "sdpa", seed: int = 0):
-        """The model (fp32 random weights from ``seed``) with ``max_positions`` positions."""
+    def config_fields(self) -> dict:
+        """The shape as the fields of a Qwen2 config (the proportions above filled in; ``vocab_size`` None when the
+        tokenizer's)."""
         hidden = self.hidden_size
-        return build_tiny_causal_lm(
-            tokenizer,
+        return dict(
             hidden_size=hidden,
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads or max(2, hidden // 32),
             num_key_value_heads=self.num_kv_heads or max(1, hidden // 64),
             intermediate_size=self.intermediate_size or 3 * hidden,
             vocab_size=self.vocab_size,
-            max_position_embeddings=max_positions,
-            attn_implementation=attention,
-            seed=seed,
+        )
+
+    def build(self, tokenizer, *, max_positions: int = 2048, attention: str = "sdpa", seed: int = 0):
+        """The model (fp32 random weights from ``seed``) with ``max_positions`` positions."""
+        fields = self.config_fields()
+        return build_tiny_causal_lm(
+            tokenizer, **fields, max_position_embeddings=max_positions, attn_implementation=attention, seed=seed
         )
 
 
