@@ -31,8 +31,10 @@ from hf_dynbsz.testing import (
     distillation_config,
     distillation_trainer,
     numbered_prompts,
+    overridden_stock_methods,
     relative_difference,
     run_distillation,
+    signature_mismatches,
     update_difference,
 )
 
@@ -285,21 +287,10 @@ def test_plain_distillation_config_is_accepted_and_environment_overrides_apply(
 
 # ---- drop-in: stock's constructor, hooks and errors ------------------------------------------------------------------
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
-    plugin = [cls for cls in DynamicBatchDistillationTrainer.__mro__ if cls.__module__.startswith("hf_dynbsz")]
-    overridden = {name for cls in plugin for name, value in vars(cls).items() if callable(value)}
-    overridden &= {name for name in dir(DistillationTrainer)}
+    overridden = set(overridden_stock_methods(DynamicBatchDistillationTrainer, DistillationTrainer))
     assert {"__init__", "training_step", "_generate_single_turn", "store_flos"} <= overridden
     assert "_get_per_token_logps_and_entropies" not in dir(DynamicBatchDistillationTrainer)  # GRPO's, not stock's
-    assert inspect.signature(DynamicBatchDistillationTrainer) == inspect.signature(DistillationTrainer)
-    for name in overridden:
-        method = getattr(DynamicBatchDistillationTrainer, name)
-        evaluate = not hasattr(method, "__signature__")
-        try:
-            ours = inspect.signature(method, eval_str=evaluate)
-            stock = inspect.signature(getattr(DistillationTrainer, name), eval_str=evaluate)
-        except NameError:  # stock's own annotations name optional packages: compare as written
-            ours, stock = inspect.signature(method), inspect.signature(getattr(DistillationTrainer, name))
-        assert ours == stock, f"{name}: {ours} != stock {stock}"
+    assert not signature_mismatches(DynamicBatchDistillationTrainer, DistillationTrainer)
 
 
 def construction_error(name: str, tmp_path, model_dir: str, **kwargs) -> tuple[type, str]:
@@ -367,7 +358,6 @@ def test_the_budget_from_memory_and_out_of_memory_passes_match_stock(model_dir, 
     keeping room for the teacher's last hidden states its passes will hold (every completion token of the step, of
     the teacher's width, fp32); a teacher pass and a training pass that run out of memory are each re-planned (the
     training step runs again from no gradients)."""
-    import inspect
 
     from hf_dynbsz.execution.device_memory import inject_out_of_memory
     from hf_dynbsz.planning.memory import MemoryModel

@@ -13,7 +13,6 @@ sequence parallelism) are in ``tests/test_distributed_rloo.py``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import pytest
@@ -23,10 +22,12 @@ from hf_dynbsz import DynamicBatchRLOOConfig, DynamicBatchRLOOTrainer
 from hf_dynbsz.testing import (
     construction_arguments,
     construction_error,
+    overridden_stock_methods,
     positional_trainer,
     relative_difference,
     run_training,
     save_tiny_model,
+    signature_mismatches,
     update_difference,
 )
 
@@ -148,20 +149,9 @@ def test_plain_rloo_config_is_accepted_and_environment_overrides_apply(model_dir
 
 # ---- drop-in: stock's constructor and hook signatures ---------------------------------------------------------------
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
-    plugin = [cls for cls in DynamicBatchRLOOTrainer.__mro__ if cls.__module__.startswith("hf_dynbsz")]
-    overridden = {name for cls in plugin for name, value in vars(cls).items() if callable(value)}
-    overridden &= {name for name in dir(RLOOTrainer)}
+    overridden = set(overridden_stock_methods(DynamicBatchRLOOTrainer, RLOOTrainer))
     assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= overridden
-    assert inspect.signature(DynamicBatchRLOOTrainer) == inspect.signature(RLOOTrainer)
-    for name in overridden:
-        method = getattr(DynamicBatchRLOOTrainer, name)
-        evaluate = not hasattr(method, "__signature__")
-        try:
-            ours = inspect.signature(method, eval_str=evaluate)
-            stock = inspect.signature(getattr(RLOOTrainer, name), eval_str=evaluate)
-        except NameError:  # stock's own annotations name optional packages: compare as written
-            ours, stock = inspect.signature(method), inspect.signature(getattr(RLOOTrainer, name))
-        assert ours == stock, f"{name}: {ours} != stock {stock}"
+    assert not signature_mismatches(DynamicBatchRLOOTrainer, RLOOTrainer)
 
 
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])

@@ -26,10 +26,12 @@ from hf_dynbsz.testing import (
     construction_error,
     logged_metrics,
     metric_mismatches,
+    overridden_stock_methods,
     positional_trainer,
     relative_difference,
     run_training,
     save_tiny_model,
+    signature_mismatches,
     update_difference,
 )
 
@@ -390,35 +392,12 @@ def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- drop-in: stock's constructor and hook signatures
-def overridden_stock_methods(ours=DynamicBatchGRPOTrainer, stock=GRPOTrainer) -> list[str]:
-    """Stock's methods that ``ours`` or a class of the plugin it inherits from (the hooks both trainers share)
-    defines."""
-    plugin = [cls for cls in ours.__mro__ if cls.__module__.startswith("hf_dynbsz")]
-    return sorted(
-        {name for cls in plugin for name, value in vars(cls).items() if callable(value) and hasattr(stock, name)}
-    )
-
-
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
-    import inspect
-
-    overridden = overridden_stock_methods()
+    overridden = overridden_stock_methods(DynamicBatchGRPOTrainer, GRPOTrainer)
     assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= set(
         overridden
     )
-    assert inspect.signature(DynamicBatchGRPOTrainer) == inspect.signature(GRPOTrainer)
-    for name in overridden:
-        method = getattr(DynamicBatchGRPOTrainer, name)
-        # Compared as written where ours carries stock's own signature object (__init__): inspect does not evaluate a
-        # __signature__, and stock's string annotations evaluate or not depending on which optional packages load.
-        evaluate = not hasattr(method, "__signature__")
-        try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
-            ours = inspect.signature(method, eval_str=evaluate)
-            stock = inspect.signature(getattr(GRPOTrainer, name), eval_str=evaluate)
-        except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
-            ours = inspect.signature(method)
-            stock = inspect.signature(getattr(GRPOTrainer, name))
-        assert ours == stock, f"{name}: {ours} != stock {stock}"
+    assert not signature_mismatches(DynamicBatchGRPOTrainer, GRPOTrainer)
 
 
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])

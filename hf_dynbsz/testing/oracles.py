@@ -12,10 +12,12 @@ __all__ = [
     "logged_metrics",
     "logps_alone",
     "metric_mismatches",
+    "overridden_stock_methods",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",
     "segment_mask",
+    "signature_mismatches",
     "stock_logps",
     "tree_mask",
     "update_difference",
@@ -302,4 +304,36 @@ def metric_mismatches(ours: list[dict], stock: list[dict], rel: float = 1e-5, ab
             )
             if not same:
                 found.append(f"entry {i}: {name} {value!r} != stock {expected!r}")
+    return found
+
+
+def overridden_stock_methods(ours: type, stock: type) -> list[str]:
+    """Stock's methods that ``ours`` or a class of the plugin it inherits from (the hooks the trainers share)
+    defines, sorted."""
+    plugin = [cls for cls in ours.__mro__ if cls.__module__.startswith("hf_dynbsz")]
+    return sorted(
+        {name for cls in plugin for name, value in vars(cls).items() if callable(value) and hasattr(stock, name)}
+    )
+
+
+def signature_mismatches(ours: type, stock: type) -> list[str]:
+    """Where trainer class ``ours`` does not take stock's arguments: its constructor's signature, or that of one of
+    :func:`overridden_stock_methods`, each as ``"name: ours != stock"`` (empty: a drop-in)."""
+    import inspect
+
+    found = []
+    if inspect.signature(ours) != inspect.signature(stock):
+        found.append(f"constructor: {inspect.signature(ours)} != stock {inspect.signature(stock)}")
+    for name in overridden_stock_methods(ours, stock):
+        method, stock_method = getattr(ours, name), getattr(stock, name)
+        # Compared as written where ours carries stock's own signature object (__init__): inspect does not evaluate a
+        # __signature__, and stock's string annotations evaluate or not depending on which optional packages load.
+        evaluate = not hasattr(method, "__signature__")
+        try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
+            ours_signature = inspect.signature(method, eval_str=evaluate)
+            stock_signature = inspect.signature(stock_method, eval_str=evaluate)
+        except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
+            ours_signature, stock_signature = inspect.signature(method), inspect.signature(stock_method)
+        if ours_signature != stock_signature:
+            found.append(f"{name}: {ours_signature} != stock {stock_signature}")
     return found
