@@ -76,14 +76,10 @@ def load_named(script_args, training_args, model_args):
     if training_args.teacher_model_name_or_path is None:
         raise ValueError("--model_name_or_path needs --teacher_model_name_or_path (the teacher).")
     student, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
-    teacher_init_kwargs = dict(
-        revision=training_args.teacher_model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
+    # the trainer loads the teacher with these
+    training_args.teacher_model_init_kwargs = grpo.init_kwargs(
+        training_args.teacher_model_revision, training_args, model_args, training_args.teacher_model_init_kwargs
     )
-    teacher_init_kwargs.update(training_args.teacher_model_init_kwargs or {})
-    training_args.teacher_model_init_kwargs = teacher_init_kwargs  # the trainer loads the teacher with these
     return student, training_args.teacher_model_name_or_path, tokenizer, dataset, peft_config
 
 
@@ -104,15 +100,9 @@ def main(argv: list[str] | None = None):
     from hf_dynbsz import DynamicBatchDistillationTrainer
 
     student, teacher, tokenizer, dataset, peft_config = build(script_args, training_args, model_args, named)
-    trainer = DynamicBatchDistillationTrainer(
-        model=student,
-        teacher_model=teacher,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1])
+    metrics = COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1]
+    return grpo.train(DynamicBatchDistillationTrainer, script_args, training_args, tokenizer, dataset, peft_config,
+                      metrics, model=student, teacher_model=teacher)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -97,15 +97,9 @@ def main(argv: list[str] | None = None):
         import copy
 
         reference = copy.deepcopy(model)
-    trainer = DynamicBatchDPOTrainer(
-        model=model,
-        ref_model=reference,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1])
+    metrics = COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1]
+    return grpo.train(DynamicBatchDPOTrainer, script_args, training_args, tokenizer, dataset, peft_config, metrics,
+                      model=model, ref_model=reference)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -429,6 +429,15 @@ def resume_value(value):
     return value
 
 
+def init_kwargs(revision, training_args, model_args, given: dict | None) -> dict:
+    """The keyword arguments a trainer loads a model by name with (as TRL's scripts): ``revision``, the run's
+    ``--trust_remote_code``, ``--attn_implementation`` and ``--dtype``, then the config's own ``given`` ones over
+    them."""
+    fields = dict(revision=revision, trust_remote_code=training_args.trust_remote_code)
+    fields.update(attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    return {**fields, **(given or {})}
+
+
 def load_named(script_args, training_args, model_args):
     """Model name, tokenizer, train split and PEFT config of a ``--model_name_or_path`` run (as trl/scripts/grpo.py)."""
     from datasets import load_dataset
@@ -436,14 +445,10 @@ def load_named(script_args, training_args, model_args):
 
     if not script_args.dataset_name:
         raise ValueError("--model_name_or_path needs --dataset_name (a Hub dataset or a local path).")
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
+    # the trainer loads the model from its name with these
+    training_args.model_init_kwargs = init_kwargs(
+        model_args.model_revision, training_args, model_args, training_args.model_init_kwargs
     )
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = model_init_kwargs  # the trainer loads the model from its name with these
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path,
         revision=model_args.model_revision,
@@ -480,17 +485,28 @@ def main(argv: list[str] | None = None):
         peft_config = None
         reward_names = ["length_reward"]
 
+    rewards = script_reward_funcs(reward_names, script_args, training_args, tokenizer)
+    return train(DynamicBatchGRPOTrainer, script_args, training_args, tokenizer, dataset, peft_config, model=model,
+                 reward_funcs=rewards)  # fmt: skip
+
+
+def script_reward_funcs(names: list[str] | None, script_args, training_args, tokenizer) -> list:
+    """The rewards ``names`` (:func:`build_reward_funcs`) of a script's run: ``length_reward`` aims at
+    ``--target_length`` (default: half of ``max_completion_length``), completions ending at the tokenizer's eos."""
     eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
     target = script_args.target_length or max(1, training_args.max_completion_length // 2)
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=build_reward_funcs(reward_names, target, eos_ids),
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
+    return build_reward_funcs(names, target, eos_ids)
+
+
+def train(
+    trainer_class, script_args, training_args, tokenizer, dataset, peft_config, metrics=COMPACT_METRICS, **models
+):
+    """The scripts' trainer: ``trainer_class`` of ``models`` (its model arguments: the model and its rewards, teacher
+    or reference) on ``dataset`` with ``tokenizer`` and ``peft_config``, run by :func:`train_and_finish`."""
+    trainer = trainer_class(
+        **models, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
-    return train_and_finish(trainer, script_args, training_args)
+    return train_and_finish(trainer, script_args, training_args, metrics)
 
 
 def train_and_finish(trainer, script_args, training_args, metrics=COMPACT_METRICS):

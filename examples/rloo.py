@@ -70,17 +70,9 @@ def main(argv: list[str] | None = None):
         dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed)
         peft_config, reward_names = None, ["length_reward"]
 
-    eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
-    target = script_args.target_length or max(1, training_args.max_completion_length // 2)
-    trainer = DynamicBatchRLOOTrainer(
-        model=model,
-        reward_funcs=grpo.build_reward_funcs(reward_names, target, eos_ids),
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args)
+    rewards = grpo.script_reward_funcs(reward_names, script_args, training_args, tokenizer)
+    return grpo.train(DynamicBatchRLOOTrainer, script_args, training_args, tokenizer, dataset, peft_config,
+                      model=model, reward_funcs=rewards)  # fmt: skip
 
 
 if __name__ == "__main__":
