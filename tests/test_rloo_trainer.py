@@ -28,6 +28,7 @@ from hf_dynbsz.testing import (
     run_training,
     save_tiny_model,
     signature_mismatches,
+    switched_off_mismatches,
     update_difference,
 )
 
@@ -127,13 +128,7 @@ def test_shared_prompts_really_happen_in_both_layouts(model_dir, tmp_path):
 
 
 def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
-    _, stock, stock_completions, _ = run_training(RLOOTrainer, RLOOConfig, model_dir, str(tmp_path / "a"))
-    _, ours, completions, history = run_training(
-        DynamicBatchRLOOTrainer, DynamicBatchRLOOConfig, model_dir, str(tmp_path / "b"), dynamic_batching=False
-    )
-    assert completions == stock_completions
-    assert relative_difference(ours, stock) == 0.0
-    assert not any("dynbsz/microbatches" in entry for entry in history)
+    assert not switched_off_mismatches((RLOOTrainer, RLOOConfig), PLUGIN, model_dir, str(tmp_path))
 
 
 def test_plain_rloo_config_is_accepted_and_environment_overrides_apply(model_dir, tmp_path, monkeypatch, caplog):

@@ -13,12 +13,14 @@ __all__ = [
     "logps_alone",
     "metric_mismatches",
     "overridden_stock_methods",
+    "parameter_mismatches",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",
     "segment_mask",
     "signature_mismatches",
     "stock_logps",
+    "switched_off_mismatches",
     "tree_mask",
     "update_difference",
 ]
@@ -273,6 +275,49 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     num = torch.sqrt(sum(((ours[k] - stock[k]).double() ** 2).sum() for k in ours))
     den = torch.sqrt(sum(((stock[k] - initial[k]).double() ** 2).sum() for k in stock))
     return float(num / den)
+
+
+def parameter_mismatches(
+    initial: dict, ours: dict, stock: dict, *, trained_by: float | None, update_tolerance: float, param_tolerance: float
+) -> list[str]:
+    """Where our final parameters ``ours`` are not stock's ``stock``, both trained from ``initial`` (empty: the same
+    training). A LoRA run (stock has ``lora_`` parameters) compares the adapters' parameters only (the base ones do not
+    train) and needs stock's ``lora_B`` to have left 0; any other compares the updates (:func:`update_difference`, at
+    most ``update_tolerance``) and needs stock to have moved more than ``trained_by`` (relative; None: unchecked). Both
+    then compare the parameters (:func:`relative_difference`, at most ``param_tolerance``)."""
+    found = []
+    if any("lora_" in name for name in stock):
+        stock, ours = ({n: p for n, p in params.items() if "lora_" in n} for params in (stock, ours))
+        if not all(float(p.abs().max()) > 0 for n, p in stock.items() if "lora_B" in n):
+            found.append("stock's LoRA B matrices did not train (they start at 0)")
+    else:
+        if (update := update_difference(initial, ours, stock)) > update_tolerance:
+            found.append(f"updates differ by {update:.3g} > {update_tolerance}")
+        if trained_by is not None and (moved := relative_difference(stock, initial)) <= trained_by:
+            found.append(f"stock's parameters moved by {moved:.3g} <= {trained_by}: it did not train")
+    if (difference := relative_difference(ours, stock)) > param_tolerance:
+        found.append(f"parameters differ by {difference:.3g} > {param_tolerance}")
+    return found
+
+
+def switched_off_mismatches(stock: tuple, ours: tuple, model_dir: str, output_dir: str) -> list[str]:
+    """Where the plugin's trainer, switched off (``dynamic_batching=False``), is not stock's on the same run
+    (:func:`~hf_dynbsz.testing.run_training` from ``model_dir``; ``stock`` and ``ours``: a trainer class and its
+    config class): other completions, other final parameters (to the bit), or the plugin's metrics logged."""
+    from pathlib import Path
+
+    from hf_dynbsz.testing.fixtures import run_training
+
+    _, stock_params, stock_completions, _ = run_training(*stock, model_dir, str(Path(output_dir) / "stock"))
+    _, params, completions, history = run_training(
+        *ours, model_dir, str(Path(output_dir) / "ours"), dynamic_batching=False
+    )
+    found = [] if completions == stock_completions else ["other completions than stock's"]
+    if (difference := relative_difference(params, stock_params)) != 0.0:
+        found.append(f"parameters differ from stock's by {difference:.3g}")
+    if any("dynbsz/microbatches" in entry for entry in history):
+        found.append("the plugin's metrics logged")
+    return found
 
 
 def logged_metrics(history: list[dict], left_out: tuple[str, ...] = ()) -> list[dict]:
