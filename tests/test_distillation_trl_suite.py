@@ -93,13 +93,11 @@ def args(tmp_path, **overrides) -> DistillationConfig:
 
 def trainer(trainer_class, hub, tmp_path, dataset=None, trainer_kwargs=None, **overrides):
     """The trainer of TRL's tests: the student and the teacher by path, the zen prompts, :func:`args` with
-    ``overrides``; ``trainer_kwargs``: more of the trainer's arguments (an eval dataset, a tokenizer, ...)."""
+    ``overrides``; ``trainer_kwargs``: more of the trainer's arguments (an eval dataset, a tokenizer, another
+    student, ...)."""
+    models = {"model": hub["student"], "teacher_model": hub["teacher"], **(trainer_kwargs or {})}
     return trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path, **overrides),
-        train_dataset=zen() if dataset is None else dataset,
-        **(trainer_kwargs or {}),
+        **models, args=args(tmp_path, **overrides), train_dataset=zen() if dataset is None else dataset
     )
 
 
@@ -306,9 +304,9 @@ def test_peft_init_is_seeded(trainer_class, hub, tmp_path):
 @pytest.mark.parametrize("how", PEFT_CASES)
 def test_train_peft(trainer_class, hub, tmp_path, how):
     model, kwargs, overrides, rules = peft_case(hub["student"], how)
-    config = args(tmp_path, **overrides)
-    distilled = trainer_class(model=model, teacher_model=hub["teacher"], args=config, train_dataset=zen(), **kwargs)
-    train_and_check(distilled, **rules)
+    train_and_check(
+        trainer(trainer_class, hub, tmp_path, trainer_kwargs={"model": model, **kwargs}, **overrides), **rules
+    )
 
 
 @pytest.mark.parametrize(
