@@ -43,6 +43,7 @@ __all__ = [
     "run_distillation",
     "run_script_worker",
     "saved_model_trainer",
+    "scenario_worker_arguments",
     "scripted_run",
     "snapshot_parameters",
     "step_clock",
@@ -442,6 +443,21 @@ def flag_arguments(options: dict) -> list[str]:
     for key, value in options.items():
         arguments += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     return arguments
+
+
+def scenario_worker_arguments(trainers: list[str], scenario: str = "flag"):
+    """The command line of a worker that trains a model in turn per scenario (``tests/distributed_dpo.py``,
+    ``tests/distributed_async_grpo.py``): ``--trainer`` (one of ``trainers``), ``--model_dir``, ``--out`` and
+    ``--scenarios``, a JSON object of the scenarios' ``scenario`` values by name."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=trainers, required=True)
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    example = f'{{"name": {{"{scenario}": value}}}}'
+    parser.add_argument("--scenarios", required=True, help=f"JSON {example}: one run per name")
+    return parser.parse_args()
 
 
 def grpo_worker_command(
