@@ -31,12 +31,9 @@ keep the two files together).
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from trl import ModelConfig, ScriptArguments, TrlParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
 import grpo  # noqa: E402
@@ -45,41 +42,18 @@ from hf_dynbsz import DynamicBatchDistillationConfig  # noqa: E402
 
 MODEL_DEFAULTS = dict(output_dir="runs/distill")
 # The offline demo: 8 prompts per process per optimizer step, which stock runs as 2 passes of 4 padded rows.
-TINY_DEFAULTS = dict(
-    output_dir="runs/distill-tiny",
-    max_steps=60,
-    learning_rate=3e-3,
-    lr_scheduler_type="constant",
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
-    max_completion_length=64,
-    beta=0.5,
-    bf16=False,
-    save_strategy="no",
-    seed=0,
-    **{grpo._CHECKPOINTING: False},  # the tiny models do not need it
-)
+TINY_DEFAULTS = dict(grpo.SHORT_DEMO_DEFAULTS, output_dir="runs/distill-tiny", max_steps=60, learning_rate=3e-3)
+TINY_DEFAULTS.update(max_completion_length=64, beta=0.5)
 #: The teacher's scale of its LM head: a sharper next-token distribution than the student's near-uniform one.
 TEACHER_HEAD_SCALE = 4.0
 COMPACT_METRICS = (("loss", ".5f"), ("entropy", ".3f"))
 
 
 @dataclass
-class DistillationScriptArguments(ScriptArguments):
-    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
+class DistillationScriptArguments(grpo.DemoScriptArguments):
+    """The scripts' arguments (``examples/grpo.py``'s ``DemoScriptArguments``) plus the demo's prompts."""
 
-    prompt_column: str = field(
-        default="prompt", metadata={"help": "Dataset column holding the prompts (renamed to 'prompt')."}
-    )
     num_prompts: int = field(default=1024, metadata={"help": "Offline demo: number of synthetic prompts."})
-    log_style: str = field(
-        default="compact",
-        metadata={
-            "help": "compact: one line per logging step with the loss, entropy and dynbsz/ metrics; full: the "
-            "Trainer's dictionary of every metric.",
-            "choices": ["compact", "full"],
-        },
-    )
 
 
 def build_tiny_teacher(tokenizer, seed: int):
@@ -87,12 +61,10 @@ def build_tiny_teacher(tokenizer, seed: int):
     student's parameters), its LM head scaled by :data:`TEACHER_HEAD_SCALE`."""
     import torch
 
-    from hf_dynbsz.testing import build_tiny_causal_lm
+    from hf_dynbsz.testing import ModelShape
 
-    teacher = build_tiny_causal_lm(
-        tokenizer, hidden_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-        max_position_embeddings=256, seed=seed + 1,
-    )  # fmt: skip
+    shape = ModelShape(192, 3, num_heads=6, num_kv_heads=2, intermediate_size=384)
+    teacher = shape.build(tokenizer, max_positions=256, seed=seed + 1)
     with torch.no_grad():
         teacher.lm_head.weight.mul_(TEACHER_HEAD_SCALE)
     return teacher
@@ -104,14 +76,10 @@ def load_named(script_args, training_args, model_args):
     if training_args.teacher_model_name_or_path is None:
         raise ValueError("--model_name_or_path needs --teacher_model_name_or_path (the teacher).")
     student, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
-    teacher_init_kwargs = dict(
-        revision=training_args.teacher_model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
+    # the trainer loads the teacher with these
+    training_args.teacher_model_init_kwargs = grpo.init_kwargs(
+        training_args.teacher_model_revision, training_args, model_args, training_args.teacher_model_init_kwargs
     )
-    teacher_init_kwargs.update(training_args.teacher_model_init_kwargs or {})
-    training_args.teacher_model_init_kwargs = teacher_init_kwargs  # the trainer loads the teacher with these
     return student, training_args.teacher_model_name_or_path, tokenizer, dataset, peft_config
 
 
@@ -119,39 +87,22 @@ def build(script_args, training_args, model_args, named: bool):
     """``(student, teacher, tokenizer, dataset, peft_config)`` of the run: named models, or the offline demo's."""
     if named:
         return load_named(script_args, training_args, model_args)
-    if script_args.dataset_name:
-        raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
-    student, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+    student, tokenizer = grpo.start_offline_demo(script_args, training_args.seed)
     teacher = build_tiny_teacher(tokenizer, training_args.seed)
     dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed).remove_columns("target_length")
     return student, teacher, tokenizer, dataset, None
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    named = grpo.uses_named_model(argv)
-    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
-    parser = TrlParser((DistillationScriptArguments, DynamicBatchDistillationConfig, ModelConfig))
-    parser.set_defaults(**defaults)
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    grpo.setup_logging(training_args.process_index == 0)
+    types = (DistillationScriptArguments, DynamicBatchDistillationConfig)
+    script_args, training_args, model_args, named = grpo.parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
 
     from hf_dynbsz import DynamicBatchDistillationTrainer
 
     student, teacher, tokenizer, dataset, peft_config = build(script_args, training_args, model_args, named)
-    trainer = DynamicBatchDistillationTrainer(
-        model=student,
-        teacher_model=teacher,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1])
+    metrics = COMPACT_METRICS + grpo.COMPACT_METRICS[1:-1]
+    return grpo.train(DynamicBatchDistillationTrainer, script_args, training_args, tokenizer, dataset, peft_config,
+                      metrics, model=student, teacher_model=teacher)  # fmt: skip
 
 
 if __name__ == "__main__":

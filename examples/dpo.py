@@ -32,13 +32,10 @@ them from it: keep the two files together).
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from trl import ModelConfig, ScriptArguments, TrlParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
 import grpo  # noqa: E402
@@ -47,20 +44,8 @@ from hf_dynbsz import DynamicBatchDPOConfig  # noqa: E402
 
 MODEL_DEFAULTS = dict(output_dir="runs/dpo")
 # The offline demo: 8 pairs per process per optimizer step, which stock runs as 2 passes of 8 padded rows.
-TINY_DEFAULTS = dict(
-    output_dir="runs/dpo-tiny",
-    max_steps=40,
-    learning_rate=1e-2,
-    lr_scheduler_type="constant",
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
-    beta=0.1,
-    max_length=256,
-    bf16=False,
-    save_strategy="no",
-    seed=0,
-    **{grpo._CHECKPOINTING: False},  # the tiny model does not need it
-)
+TINY_DEFAULTS = dict(grpo.SHORT_DEMO_DEFAULTS, output_dir="runs/dpo-tiny", max_steps=40, learning_rate=1e-2)
+TINY_DEFAULTS.update(beta=0.1, max_length=256)
 COMPACT_METRICS = (("loss", ".4f"), ("rewards/accuracies", ".2f"), ("rewards/margins", ".3f"))
 #: The shared instruction block some demo prompts open with (the prefix tree computes it once per pass).
 INSTRUCTION = "answer in order: "
@@ -68,19 +53,10 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
 @dataclass
-class DPOScriptArguments(ScriptArguments):
-    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
+class DPOScriptArguments(grpo.DemoScriptArguments):
+    """The scripts' arguments (``examples/grpo.py``'s ``DemoScriptArguments``) plus the demo's pairs."""
 
     num_pairs: int = field(default=512, metadata={"help": "Offline demo: number of synthetic preference pairs."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompts."})
-    log_style: str = field(
-        default="compact",
-        metadata={
-            "help": "compact: one line per logging step with the loss, rewards and dynbsz/ metrics; full: the "
-            "Trainer's dictionary of every metric.",
-            "choices": ["compact", "full"],
-        },
-    )
 
 
 def build_tiny_pairs(num_pairs: int, seed: int):
@@ -105,24 +81,13 @@ def build(script_args, training_args, model_args, named: bool):
     """``(model, tokenizer, dataset, peft_config)`` of the run: a named model, or the offline demo's."""
     if named:  # (a preference dataset's columns stay as they are: --prompt_column is "prompt")
         return grpo.load_named(script_args, training_args, model_args)
-    if script_args.dataset_name:
-        raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
-    model, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+    model, tokenizer = grpo.start_offline_demo(script_args, training_args.seed)
     return model, tokenizer, build_tiny_pairs(script_args.num_pairs, training_args.seed), None
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    named = grpo.uses_named_model(argv)
-    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
-    parser = TrlParser((DPOScriptArguments, DynamicBatchDPOConfig, ModelConfig))
-    parser.set_defaults(**defaults)
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    grpo.setup_logging(training_args.process_index == 0)
+    types = (DPOScriptArguments, DynamicBatchDPOConfig)
+    script_args, training_args, model_args, named = grpo.parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
 
     from hf_dynbsz import DynamicBatchDPOTrainer
 
@@ -132,15 +97,9 @@ def main(argv: list[str] | None = None):
         import copy
 
         reference = copy.deepcopy(model)
-    trainer = DynamicBatchDPOTrainer(
-        model=model,
-        ref_model=reference,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args, COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1])
+    metrics = COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1]
+    return grpo.train(DynamicBatchDPOTrainer, script_args, training_args, tokenizer, dataset, peft_config, metrics,
+                      model=model, ref_model=reference)  # fmt: skip
 
 
 if __name__ == "__main__":

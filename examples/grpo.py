@@ -61,7 +61,15 @@ COMMON_DEFAULTS = dict(report_to="none", logging_steps=1)
 MODEL_DEFAULTS = dict(output_dir="runs/grpo")
 # The offline demo, tuned on 2 CPU cores: over seeds 0-5 the mean reward of the last 10 steps is 0.39 to 0.52 above
 # that of the first 10 (~0.28); about 70 s of training.
+# TRL turns gradient checkpointing on by default; the tiny models do not need it. (transformers 5.x renamed the
+# field to activation_checkpointing and warns about the old name.)
+_FIELDS = DynamicBatchGRPOConfig.__dataclass_fields__
+_CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in _FIELDS else "gradient_checkpointing"
+# Every offline demo (this script's and those that import it): fp32 (the tiny models are fast enough, and CPUs gain
+# nothing from bf16 autocast here), seed 0, no gradient checkpointing.
+DEMO_DEFAULTS = {"bf16": False, "seed": 0, _CHECKPOINTING: False}
 TINY_DEFAULTS = dict(
+    DEMO_DEFAULTS,
     output_dir="runs/grpo-tiny",
     max_steps=200,
     learning_rate=7e-4,
@@ -72,18 +80,14 @@ TINY_DEFAULTS = dict(
     gradient_accumulation_steps=4,
     num_generations=8,
     max_completion_length=64,
-    bf16=False,  # fp32: the tiny model is fast enough, and CPUs gain nothing from bf16 autocast here
     save_strategy="steps",
     save_steps=50,
     save_total_limit=2,
-    seed=0,
 )
-
-# TRL turns gradient checkpointing on by default; the tiny model does not need it. (transformers 5.x renamed the
-# field to activation_checkpointing and warns about the old name.)
-_FIELDS = DynamicBatchGRPOConfig.__dataclass_fields__
-_CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in _FIELDS else "gradient_checkpointing"
-TINY_DEFAULTS[_CHECKPOINTING] = False
+# The shorter demos of examples/distill.py and examples/dpo.py: 8 samples per process per optimizer step, which stock
+# runs as 2 passes of 4; a constant learning rate; no checkpoints.
+SHORT_DEMO_DEFAULTS = dict(DEMO_DEFAULTS, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+SHORT_DEMO_DEFAULTS.update(lr_scheduler_type="constant", save_strategy="no")
 
 TINY_TASKS = {"tiny": 4, "short": 10, "medium": 20, "long": 36, "huge": 60}  # prompt word -> target length
 TINY_ALPHABET = "abcdefghijklmnopqrstuvwxyz :"
@@ -91,8 +95,26 @@ LENGTH_REWARD_SHARPNESS = 4.0  # reward 0.5 when the length is off by 1/4 of the
 
 
 @dataclass
-class GRPOScriptArguments(ScriptArguments):
-    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus ours."""
+class DemoScriptArguments(ScriptArguments):
+    """TRL's script arguments (``--dataset_name``, ``--dataset_config``, ``--dataset_train_split``, ...) plus those of
+    every script here."""
+
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "Dataset column holding the prompts (renamed to 'prompt')."}
+    )
+    log_style: str = field(
+        default="compact",
+        metadata={
+            "help": "compact: one line per logging step with the algorithm's main metrics and the dynbsz/ ones; full: "
+            "the Trainer's dictionary of every metric.",
+            "choices": ["compact", "full"],
+        },
+    )
+
+
+@dataclass
+class GRPOScriptArguments(DemoScriptArguments):
+    """The scripts' arguments (:class:`DemoScriptArguments`) plus the rewards and the demo's prompts."""
 
     reward_funcs: list[str] | None = field(
         default=None,
@@ -109,18 +131,7 @@ class GRPOScriptArguments(ScriptArguments):
             "overrides it per prompt. Default: half of max_completion_length."
         },
     )
-    prompt_column: str = field(
-        default="prompt", metadata={"help": "Dataset column holding the prompts (renamed to 'prompt')."}
-    )
     num_prompts: int = field(default=2048, metadata={"help": "Offline demo: number of synthetic prompts."})
-    log_style: str = field(
-        default="compact",
-        metadata={
-            "help": "compact: one line per logging step with the main GRPO and dynbsz/ metrics; full: the "
-            "Trainer's dictionary of every metric.",
-            "choices": ["compact", "full"],
-        },
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -195,19 +206,12 @@ def build_tiny_model_and_tokenizer(seed: int):
     import torch
     from tokenizers import decoders
 
-    from hf_dynbsz.testing import build_char_tokenizer, build_tiny_causal_lm
+    from hf_dynbsz.testing import ModelShape, build_char_tokenizer
 
     tokenizer = build_char_tokenizer(TINY_ALPHABET)
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decode to "abc", not "a b c"
-    model = build_tiny_causal_lm(
-        tokenizer,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        seed=seed,
-    )
+    shape = ModelShape(128, 2, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    model = shape.build(tokenizer, max_positions=256, seed=seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.01)
     model.config._name_or_path = "hf-dynbsz-tiny"
@@ -364,10 +368,31 @@ def platform_defaults(environ=os.environ) -> dict:
     return {"use_cpu": True}
 
 
-def make_parser(defaults: dict) -> TrlParser:
-    parser = TrlParser((GRPOScriptArguments, DynamicBatchGRPOConfig, ModelConfig))
-    parser.set_defaults(**defaults)
-    return parser
+def parse_arguments(argv: list[str] | None, types: tuple, model_defaults: dict, tiny_defaults: dict) -> tuple:
+    """``(script_args, training_args, model_args, named)`` of a script's command line (``sys.argv`` by default):
+    ``types`` its script-arguments and config dataclasses, with defaults ``model_defaults`` for a run on a named
+    model, ``tiny_defaults`` for the offline demo; hf_dynbsz's messages shown from the main process."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = uses_named_model(argv)
+    parser = TrlParser((*types, ModelConfig))
+    parser.set_defaults(**COMMON_DEFAULTS, **platform_defaults(), **(model_defaults if named else tiny_defaults))
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    setup_logging(training_args.process_index == 0)
+    return script_args, training_args, model_args, named
+
+
+def start_offline_demo(script_args, seed: int):
+    """The tiny model and tokenizer of an offline demo (:func:`build_tiny_model_and_tokenizer`), after refusing a
+    ``--dataset_name`` without a model; one torch thread per process unless ``OMP_NUM_THREADS`` says otherwise."""
+    if script_args.dataset_name:
+        raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # The tiny model's matrices are far too small to share among threads: one thread per process is
+        # faster, and much faster on a busy machine (threads spin-waiting for each other).
+        torch.set_num_threads(1)
+    return build_tiny_model_and_tokenizer(seed)
 
 
 def uses_named_model(argv: list[str]) -> bool:
@@ -404,6 +429,15 @@ def resume_value(value):
     return value
 
 
+def init_kwargs(revision, training_args, model_args, given: dict | None) -> dict:
+    """The keyword arguments a trainer loads a model by name with (as TRL's scripts): ``revision``, the run's
+    ``--trust_remote_code``, ``--attn_implementation`` and ``--dtype``, then the config's own ``given`` ones over
+    them."""
+    fields = dict(revision=revision, trust_remote_code=training_args.trust_remote_code)
+    fields.update(attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    return {**fields, **(given or {})}
+
+
 def load_named(script_args, training_args, model_args):
     """Model name, tokenizer, train split and PEFT config of a ``--model_name_or_path`` run (as trl/scripts/grpo.py)."""
     from datasets import load_dataset
@@ -411,14 +445,10 @@ def load_named(script_args, training_args, model_args):
 
     if not script_args.dataset_name:
         raise ValueError("--model_name_or_path needs --dataset_name (a Hub dataset or a local path).")
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
+    # the trainer loads the model from its name with these
+    training_args.model_init_kwargs = init_kwargs(
+        model_args.model_revision, training_args, model_args, training_args.model_init_kwargs
     )
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = model_init_kwargs  # the trainer loads the model from its name with these
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path,
         revision=model_args.model_revision,
@@ -441,11 +471,8 @@ def load_named(script_args, training_args, model_args):
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    named = uses_named_model(argv)
-    parser = make_parser({**COMMON_DEFAULTS, **platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)})
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    setup_logging(training_args.process_index == 0)
+    types = (GRPOScriptArguments, DynamicBatchGRPOConfig)
+    script_args, training_args, model_args, named = parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
 
     from hf_dynbsz import DynamicBatchGRPOTrainer
 
@@ -453,30 +480,33 @@ def main(argv: list[str] | None = None):
         model, tokenizer, dataset, peft_config = load_named(script_args, training_args, model_args)
         reward_names = script_args.reward_funcs
     else:
-        if script_args.dataset_name:
-            raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
-        if "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            # The tiny model's matrices are far too small to share among threads: one thread per process is
-            # faster, and much faster on a busy machine (threads spin-waiting for each other).
-            torch.set_num_threads(1)
-        model, tokenizer = build_tiny_model_and_tokenizer(training_args.seed)
+        model, tokenizer = start_offline_demo(script_args, training_args.seed)
         dataset = build_tiny_dataset(script_args.num_prompts, training_args.seed)
         peft_config = None
         reward_names = ["length_reward"]
 
+    rewards = script_reward_funcs(reward_names, script_args, training_args, tokenizer)
+    return train(DynamicBatchGRPOTrainer, script_args, training_args, tokenizer, dataset, peft_config, model=model,
+                 reward_funcs=rewards)  # fmt: skip
+
+
+def script_reward_funcs(names: list[str] | None, script_args, training_args, tokenizer) -> list:
+    """The rewards ``names`` (:func:`build_reward_funcs`) of a script's run: ``length_reward`` aims at
+    ``--target_length`` (default: half of ``max_completion_length``), completions ending at the tokenizer's eos."""
     eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
     target = script_args.target_length or max(1, training_args.max_completion_length // 2)
-    trainer = DynamicBatchGRPOTrainer(
-        model=model,
-        reward_funcs=build_reward_funcs(reward_names, target, eos_ids),
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
+    return build_reward_funcs(names, target, eos_ids)
+
+
+def train(
+    trainer_class, script_args, training_args, tokenizer, dataset, peft_config, metrics=COMPACT_METRICS, **models
+):
+    """The scripts' trainer: ``trainer_class`` of ``models`` (its model arguments: the model and its rewards, teacher
+    or reference) on ``dataset`` with ``tokenizer`` and ``peft_config``, run by :func:`train_and_finish`."""
+    trainer = trainer_class(
+        **models, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
-    return train_and_finish(trainer, script_args, training_args)
+    return train_and_finish(trainer, script_args, training_args, metrics)
 
 
 def train_and_finish(trainer, script_args, training_args, metrics=COMPACT_METRICS):

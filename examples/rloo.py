@@ -31,8 +31,6 @@ import os
 import sys
 from pathlib import Path
 
-from trl import ModelConfig, TrlParser
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the two scripts
 import grpo  # noqa: E402
 
@@ -57,13 +55,8 @@ def tiny_reference(model, tokenizer, output_dir: str, is_main_process: bool) -> 
 
 
 def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    named = grpo.uses_named_model(argv)
-    defaults = {**grpo.COMMON_DEFAULTS, **grpo.platform_defaults(), **(MODEL_DEFAULTS if named else TINY_DEFAULTS)}
-    parser = TrlParser((grpo.GRPOScriptArguments, DynamicBatchRLOOConfig, ModelConfig))
-    parser.set_defaults(**defaults)
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    grpo.setup_logging(training_args.process_index == 0)
+    types = (grpo.GRPOScriptArguments, DynamicBatchRLOOConfig)
+    script_args, training_args, model_args, named = grpo.parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
 
     from hf_dynbsz import DynamicBatchRLOOTrainer
 
@@ -71,29 +64,15 @@ def main(argv: list[str] | None = None):
         model, tokenizer, dataset, peft_config = grpo.load_named(script_args, training_args, model_args)
         reward_names = script_args.reward_funcs
     else:
-        if script_args.dataset_name:
-            raise ValueError("--dataset_name needs --model_name_or_path (with neither, the offline demo runs).")
-        if "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            torch.set_num_threads(1)  # tiny matrices: one thread per process is faster (examples/grpo.py)
-        model, tokenizer = grpo.build_tiny_model_and_tokenizer(training_args.seed)
+        model, tokenizer = grpo.start_offline_demo(script_args, training_args.seed)
         if training_args.beta != 0.0:
             tiny_reference(model, tokenizer, training_args.output_dir, training_args.process_index == 0)
         dataset = grpo.build_tiny_dataset(script_args.num_prompts, training_args.seed)
         peft_config, reward_names = None, ["length_reward"]
 
-    eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
-    target = script_args.target_length or max(1, training_args.max_completion_length // 2)
-    trainer = DynamicBatchRLOOTrainer(
-        model=model,
-        reward_funcs=grpo.build_reward_funcs(reward_names, target, eos_ids),
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    return grpo.train_and_finish(trainer, script_args, training_args)
+    rewards = grpo.script_reward_funcs(reward_names, script_args, training_args, tokenizer)
+    return grpo.train(DynamicBatchRLOOTrainer, script_args, training_args, tokenizer, dataset, peft_config,
+                      model=model, reward_funcs=rewards)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -80,16 +80,40 @@ _LOGPS_PARAMETERS = (
     *_MULTIMODAL_PARAMETERS,
 )
 
-INTERNAL_NAMES: tuple[InternalName, ...] = (
-    # ---- GRPOTrainer hooks the trainer overrides
-    InternalName(
-        "trl.GRPOTrainer",
+#: The trainer state the plugin's step uses as stock's ``training_step`` does, on every trainer that has it: name ->
+#: (use, why).
+_STEP_STATE = {
+    "_metrics": ("writes", "logs the step's metrics where TRL logs its own"),
+    "_step": ("writes", "counts accumulation steps, as stock training_step does"),
+    "_current_train_step_time": ("writes", "the step_time metric, as stock training_step keeps it"),
+    "_tokenizer": ("reads", "the pad token id of packed rows"),
+    "aux_loss_enabled": (
+        "reads",
+        "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
+    ),
+}
+
+
+def _logps_hook(owner: str) -> InternalName:
+    """``owner``'s ``_get_per_token_logps_and_entropies``, which the GRPO and RLOO trainers override alike."""
+    return InternalName(
+        owner,
         "_get_per_token_logps_and_entropies",
         "overrides",
         "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
         _LOGPS_PARAMETERS,
         returns=3,  # (log-probs, entropies, aux loss) since TRL 1.7; (log-probs, entropies) before
-    ),
+    )
+
+
+def _step_state(owner: str, *names: str) -> tuple[InternalName, ...]:
+    """The entries of :data:`_STEP_STATE`'s ``names`` on ``owner``."""
+    return tuple(InternalName(owner, name, *_STEP_STATE[name]) for name in names)
+
+
+INTERNAL_NAMES: tuple[InternalName, ...] = (
+    # ---- GRPOTrainer hooks the trainer overrides
+    _logps_hook("trl.GRPOTrainer"),
     InternalName(
         "trl.GRPOTrainer",
         "_generate_single_turn",
@@ -106,14 +130,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "stock generation, scoring, shuffling and slicing of each accumulation step",
         ("generation_batch",),
     ),
-    InternalName("GRPOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
-    InternalName("GRPOTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"),
-    InternalName(
-        "GRPOTrainer instance",
-        "_current_train_step_time",
-        "writes",
-        "the step_time metric, as stock training_step keeps it",
-    ),
+    *_step_state("GRPOTrainer instance", "_metrics", "_step", "_current_train_step_time"),
     InternalName("GRPOTrainer instance", "_entropy_bonus_enabled", "reads", "whether stock adds the entropy bonus"),
     InternalName(
         "GRPOTrainer instance",
@@ -121,22 +138,9 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "writes",
         "the adaptive entropy controller's state, updated at the optimizer-step boundary as stock does",
     ),
-    InternalName("GRPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
-    InternalName(
-        "GRPOTrainer instance",
-        "aux_loss_enabled",
-        "reads",
-        "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
-    ),
+    *_step_state("GRPOTrainer instance", "_tokenizer", "aux_loss_enabled"),
     # ---- RLOOTrainer: the same hooks (DynamicBatchRLOOTrainer shares the GRPO trainer's), its own generation signature
-    InternalName(
-        "trl.RLOOTrainer",
-        "_get_per_token_logps_and_entropies",
-        "overrides",
-        "packs the no-grad log-prob passes (old policy, reference) by the log-prob token budget",
-        _LOGPS_PARAMETERS,
-        returns=3,
-    ),
+    _logps_hook("trl.RLOOTrainer"),
     InternalName(
         "trl.RLOOTrainer",
         "_generate_single_turn",
@@ -152,21 +156,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "stock generation, scoring (summed old log-probs), shuffling and slicing of each accumulation step",
         ("generation_batch",),
     ),
-    InternalName("RLOOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
-    InternalName("RLOOTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"),
-    InternalName(
-        "RLOOTrainer instance",
-        "_current_train_step_time",
-        "writes",
-        "the step_time metric, as stock training_step keeps it",
-    ),
-    InternalName("RLOOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
-    InternalName(
-        "RLOOTrainer instance",
-        "aux_loss_enabled",
-        "reads",
-        "whether TRL trains the MoE router aux loss, which the plugin then repacks per sample",
-    ),
+    *_step_state("RLOOTrainer instance", *_STEP_STATE),
     # ---- DistillationTrainer: the generation and step hooks; no log-prob passes (the teacher's are the plugin's)
     InternalName(
         "trl.DistillationTrainer",
@@ -191,19 +181,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "the student's passes (backbone and divergence) and the teacher's passes run inside their wrappers' forward, "
         "as stock's compute_loss runs them (DDP's prepare_for_backward, ZeRO-3's parameter gathers)",
     ),
-    InternalName(
-        "DistillationTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"
-    ),
-    InternalName(
-        "DistillationTrainer instance", "_step", "writes", "counts accumulation steps, as stock training_step does"
-    ),
-    InternalName(
-        "DistillationTrainer instance",
-        "_current_train_step_time",
-        "writes",
-        "the step_time metric, as stock training_step keeps it",
-    ),
-    InternalName("DistillationTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
+    *_step_state("DistillationTrainer instance", "_metrics", "_step", "_current_train_step_time", "_tokenizer"),
     InternalName(
         "trl.kernels.chunked_divergence",
         "ChunkedDivergenceFunction",
@@ -229,8 +207,7 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "calls",
         "each collated micro-batch moved to the device (transformers' Trainer's), as stock training_step does",
     ),
-    InternalName("trl.DPOTrainer instance", "_tokenizer", "reads", "the pad token id of packed rows"),
-    InternalName("trl.DPOTrainer instance", "_metrics", "writes", "logs the step's metrics where TRL logs its own"),
+    *_step_state("trl.DPOTrainer instance", "_tokenizer", "_metrics"),
     InternalName(
         "trl.DPOTrainer instance",
         "_total_train_tokens",

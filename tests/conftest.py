@@ -50,3 +50,12 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=skipped)
         left = set(map(id, skipped))
         items[:] = [item for item in items if id(item) not in left]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen2-style model and its tokenizer saved to a directory (:func:`hf_dynbsz.testing.save_tiny_model`), one
+    per test module: the model the trainer tests load by path."""
+    from hf_dynbsz.testing import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))

@@ -17,11 +17,8 @@ plugin's ``token_budget``; stock runs its fixed-count mode), ``balance`` ("on" o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-
-import torch
 
 from hf_dynbsz.testing import (
     ASYNC_UNCOMPARED,
@@ -33,6 +30,8 @@ from hf_dynbsz.testing import (
     logged_metrics,
     quiet_worker,
     save_tiny_model,
+    scenario_worker_arguments,
+    write_worker_results,
 )
 
 #: Each scenario's flags and their defaults (a step of 8 samples per process in one micro-batch).
@@ -90,20 +89,11 @@ def train(trainer: str, model_dir: str, out: str, flags: dict) -> None:
         "weight_syncs": run.transfer.syncs,
     }
     params = gathered_parameters(unwrapped)  # ZeRO-3 partitions, FSDP2 shards: every process takes part
-    with open(f"{out}.rank{accelerator.process_index}.json", "w") as handle:
-        json.dump(record, handle)
-    if accelerator.is_main_process:
-        torch.save(params, f"{out}.params.pt")
-    accelerator.wait_for_everyone()
+    write_worker_results(accelerator, out, record, params)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["async_grpo_stock", "async_grpo_dynamic"], required=True)
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", required=True, help='JSON {"name": {"flag": value}}: one run per name')
-    cli = parser.parse_args()
+    cli = scenario_worker_arguments(["async_grpo_stock", "async_grpo_dynamic"])
     fsdp_on_cpu()  # FSDP2 launches: accelerate's FSDP on CPU processes (before the trainer's Accelerator)
     quiet_worker()
     for name, flags in json.loads(cli.scenarios).items():

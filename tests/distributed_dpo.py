@@ -12,14 +12,20 @@ accelerate shard for real.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-import torch
-
-from hf_dynbsz.testing import dpo_config, fsdp_on_cpu, load_tokenizer, logged_metrics, preference_pairs
+from hf_dynbsz.testing import (
+    dpo_config,
+    fsdp_on_cpu,
+    gathered_parameters,
+    load_tokenizer,
+    logged_metrics,
+    preference_pairs,
+    scenario_worker_arguments,
+    write_worker_results,
+)
 
 #: Fields only DynamicBatchDPOConfig has (left out of a stock run's config).
 OURS_ONLY = ("max_tokens_per_microbatch", "max_tokens_per_microbatch_logprob", "balance_across_ranks")
@@ -83,39 +89,18 @@ def write_results(trainer, out: str) -> None:
     accelerator = trainer.accelerator
     unwrapped = accelerator.unwrap_model(trainer.model_wrapped)
     engine = engine_of(trainer)
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            params = {name: p.detach().clone().cpu() for name, p in unwrapped.named_parameters()}
-    else:
-        from torch.distributed.tensor import DTensor
-
-        params = {
-            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu()
-            for name, p in unwrapped.named_parameters()
-        }
+    params = gathered_parameters(unwrapped)  # ZeRO-3 partitions, FSDP2 shards: every process takes part
     record = {
         "rank": accelerator.process_index,
         "metrics": [entry for entry in trainer.state.log_history if "dynbsz/microbatches" in entry],
         "logged": logged_metrics(trainer.state.log_history),
         "engine": engine,
     }
-    with open(f"{out}.rank{accelerator.process_index}.json", "w") as handle:
-        json.dump(record, handle)
-    if accelerator.is_main_process:
-        torch.save(params, f"{out}.params.pt")
-    accelerator.wait_for_everyone()
+    write_worker_results(accelerator, out, record, params)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["stock", "dynamic"], required=True)
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", required=True, help='JSON {"name": {"field": value}}: one run per name')
-    cli = parser.parse_args()
+    cli = scenario_worker_arguments(["stock", "dynamic"], scenario="field")
     fsdp_on_cpu()  # a distributed_type: FSDP launch on CPU processes runs FSDP, as on GPUs (else plain DDP)
     trainer = None
     for name, fields in json.loads(cli.scenarios).items():

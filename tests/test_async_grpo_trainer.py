@@ -22,17 +22,11 @@ from hf_dynbsz.testing import (
     logged_metrics,
     metric_mismatches,
     relative_difference,
-    save_tiny_model,
     update_difference,
 )
 
 #: The plugin's and stock's parameters (relative) and updates (relative to stock's update) after 3 steps.
 PARAMETER_TOLERANCE, UPDATE_TOLERANCE = 1e-5, 1e-3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("async-model")))
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,8 @@ import zlib
 import pytest
 import torch
 from datasets import Dataset
+from test_rloo_trl_suite import TRL_CPU_FIELDS as CPU
+from test_rloo_trl_suite import train_and_check, trl_test_settings
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 from hf_dynbsz import DynamicBatchAsyncGRPOTrainer
@@ -39,7 +41,6 @@ from hf_dynbsz.testing import NoWeightTransfer, async_grpo_on_cpu, load_tokenize
 
 pytestmark = pytest.mark.trl_suite
 representative = pytest.mark.representative
-CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
 
 
 @pytest.fixture(params=[AsyncGRPOTrainer, DynamicBatchAsyncGRPOTrainer], ids=["stock", "dynamic"])
@@ -134,33 +135,32 @@ def worker(model_id, num_generations):
     return StubRolloutWorker(load_tokenizer(model_id), zen(), num_generations=num_generations)
 
 
-@representative
-def test_model_init_kwargs(trainer_class, model_id, tmp_path):
-    args = AsyncGRPOConfig(output_dir=str(tmp_path), model_init_kwargs={"dtype": "bfloat16"}, **CPU)
-    trainer = trainer_class(
+def trainer(trainer_class, model_id, args, num_generations: int = 8, **kwargs):
+    """The trainer of TRL's tests: the model by path and its tokenizer, the dummy reward, the zen dataset, the stub
+    worker of ``num_generations`` completions per prompt and the no-op weight transfer (without one, stock probes the
+    vLLM server for adapter sync); ``kwargs``: more of the trainer's arguments."""
+    return trainer_class(
         model=model_id,
         reward_funcs=dummy_reward_func,
         args=args,
         train_dataset=zen(),
         processing_class=load_tokenizer(model_id),
-        rollout_worker=worker(model_id, 8),
+        rollout_worker=worker(model_id, num_generations),
         weight_transfer=NoWeightTransfer(),
+        **kwargs,
     )
-    for param in trainer.model.parameters():
+
+
+@representative
+def test_model_init_kwargs(trainer_class, model_id, tmp_path):
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), model_init_kwargs={"dtype": "bfloat16"}, **CPU)
+    for param in trainer(trainer_class, model_id, args).model.parameters():
         assert param.dtype == torch.bfloat16, f"Expected bfloat16 but got {param.dtype}"
 
 
 @representative
 def test_init_minimal(trainer_class, model_id, tmp_path):
-    trainer_class(
-        model=model_id,
-        reward_funcs=dummy_reward_func,
-        args=AsyncGRPOConfig(output_dir=str(tmp_path), **CPU),  # (args=None asks for bf16: see the module)
-        train_dataset=zen(),
-        processing_class=load_tokenizer(model_id),
-        rollout_worker=worker(model_id, 3),
-        weight_transfer=NoWeightTransfer(),
-    )
+    trainer(trainer_class, model_id, AsyncGRPOConfig(output_dir=str(tmp_path), **CPU), 3)  # (args=None: see the module)
 
 
 @representative
@@ -176,21 +176,7 @@ def test_train(trainer_class, model_id, tmp_path):
         max_steps=6,  # (TRL trains an epoch of the zen prompts)
         **CPU,
     )
-    trainer = trainer_class(
-        model=model_id,
-        reward_funcs=dummy_reward_func,
-        args=training_args,
-        train_dataset=zen(),
-        processing_class=load_tokenizer(model_id),
-        rollout_worker=worker(model_id, 3),
-        weight_transfer=NoWeightTransfer(),
-    )
-    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
-    trainer.train()
-    assert trainer.state.log_history[-1]["train_loss"] is not None
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+    train_and_check(trainer(trainer_class, model_id, training_args, 3))  # a train loss, every parameter moved
 
 
 def test_train_peft_config(trainer_class, model_id, tmp_path):
@@ -198,54 +184,22 @@ def test_train_peft_config(trainer_class, model_id, tmp_path):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    training_args = AsyncGRPOConfig(
-        output_dir=str(tmp_path),
-        learning_rate=0.1,
-        per_device_train_batch_size=3,
-        num_generations=3,
-        max_completion_length=8,
-        token_budget=256,
-        max_steps=4,
-        **CPU,
-    )
-    trainer = trainer_class(
-        model=model_id,
-        reward_funcs=dummy_reward_func,
-        args=training_args,
-        train_dataset=zen(),
-        processing_class=load_tokenizer(model_id),
-        peft_config=LoraConfig(),
-        rollout_worker=worker(model_id, 3),
-        weight_transfer=NoWeightTransfer(),
-    )
-    assert is_peft_model(trainer.model)
-    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
-    trainer.train()
-    assert trainer.state.log_history[-1]["train_loss"] is not None
+    generation = dict(num_generations=3, max_completion_length=8, token_budget=256)
+    training_args = AsyncGRPOConfig(**trl_test_settings(tmp_path, **generation, max_steps=4))
+    peft_trainer = trainer(trainer_class, model_id, training_args, 3, peft_config=LoraConfig())
+    assert is_peft_model(peft_trainer.model)
     base_model = AutoModelForCausalLM.from_pretrained(model_id, dtype="float32")
     base_param_names = [f"base_model.model.{n}" for n, _ in base_model.named_parameters()]
-    for n, param in previous_trainable_params.items():
-        new_param = trainer.model.get_parameter(n)
-        if n in base_param_names:
-            torch.testing.assert_close(param, new_param, msg=f"Parameter {n} has changed.")
-        elif "base_layer" not in n:
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+    # A train loss; the base model's parameters stay, the adapter's move (the base layers are not checked).
+    train_and_check(peft_trainer, unchanged=lambda n: n in base_param_names, unchecked=lambda n: "base_layer" in n)
 
 
 def test_peft_streaming_iter_excludes_adapters_and_modules_to_save(trainer_class, model_id, tmp_path):
     from peft import LoraConfig
 
-    trainer = trainer_class(
-        model=model_id,
-        reward_funcs=dummy_reward_func,
-        args=AsyncGRPOConfig(output_dir=str(tmp_path), **CPU),
-        train_dataset=zen(),
-        processing_class=load_tokenizer(model_id),
-        peft_config=LoraConfig(target_modules="all-linear", modules_to_save=["embed_tokens", "lm_head"]),
-        rollout_worker=worker(model_id, 8),
-        weight_transfer=NoWeightTransfer(),  # (without one, stock probes the vLLM server for adapter sync)
-    )
-    weight_names = [name for name, _ in trainer._streaming_iter()]
+    lora = LoraConfig(target_modules="all-linear", modules_to_save=["embed_tokens", "lm_head"])
+    streaming = trainer(trainer_class, model_id, AsyncGRPOConfig(output_dir=str(tmp_path), **CPU), peft_config=lora)
+    weight_names = [name for name, _ in streaming._streaming_iter()]
     for name in weight_names:
         assert "lora" not in name, f"Adapter weight {name} leaked into streaming weights"
         assert "original_module" not in name, f"Original module weight {name} leaked into streaming weights"

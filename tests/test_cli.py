@@ -553,14 +553,10 @@ def test_plan_answers_what_budget_fits_in_a_memory_limit(tmp_path, plan_in_proce
 def memory_model_config(tmp_path):
     from transformers import Qwen2Config
 
-    Qwen2Config(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ).save_pretrained(tmp_path)
+    from hf_dynbsz.testing import ModelShape
+
+    shape = ModelShape(1024, 8, num_heads=16, num_kv_heads=4, intermediate_size=2816, vocab_size=32000)
+    Qwen2Config(**shape.config_fields()).save_pretrained(tmp_path)
     return tmp_path
 
 

@@ -22,7 +22,7 @@ from hf_dynbsz.execution.distillation_loss import (
     pass_divergence,
 )
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
-from hf_dynbsz.testing import distillation_trainer, save_tiny_model
+from hf_dynbsz.testing import distillation_trainer
 
 PROMPTS = [[3, 4, 5], [6, 5, 4, 3, 6, 5], [4], [5, 6, 3, 4]]
 COMPLETIONS = [[4, 4, 6, 1], [3], [5, 6, 4, 3, 5, 6, 1], []]
@@ -43,9 +43,8 @@ def padded_slice(num_items: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def trainer(model_dir, tmp_path_factory):
     """A stock DistillationTrainer (its ``beta`` and ``temperature`` set per test: ``_compute_loss`` reads them)."""
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
     return distillation_trainer("distillation_stock", str(tmp_path_factory.mktemp("out")), model_dir=model_dir)
 
 

@@ -38,10 +38,11 @@ import pytest
 import torch
 from test_rloo_trl_suite import (
     EVAL_DATASET_TYPES,
+    PEFT_CASES,
     check_eval_dataset,
     eval_dataset_of,
     image_dataset,
-    peft_rules,
+    peft_case,
     train_and_check,
     trl_test_settings,
     vision_model,
@@ -85,17 +86,18 @@ def hub(tmp_path_factory):
 
 
 def args(tmp_path, **overrides) -> DistillationConfig:
-    """TRL's test configuration (``tests/test_rloo_trl_suite.py``'s: this CPU machine, 2 optimizer steps)."""
-    return DistillationConfig(**trl_test_settings(tmp_path, **overrides))
+    """TRL's test configuration (``tests/test_rloo_trl_suite.py``'s: this CPU machine, 2 optimizer steps; completions
+    of up to 8 tokens)."""
+    return DistillationConfig(**trl_test_settings(tmp_path, **{"max_completion_length": 8, **overrides}))
 
 
-def trainer(trainer_class, hub, tmp_path, dataset=None, **overrides):
-    """The trainer of TRL's tests: the student and the teacher by path, the zen prompts, :func:`args`."""
+def trainer(trainer_class, hub, tmp_path, dataset=None, trainer_kwargs=None, **overrides):
+    """The trainer of TRL's tests: the student and the teacher by path, the zen prompts, :func:`args` with
+    ``overrides``; ``trainer_kwargs``: more of the trainer's arguments (an eval dataset, a tokenizer, another
+    student, ...)."""
+    models = {"model": hub["student"], "teacher_model": hub["teacher"], **(trainer_kwargs or {})}
     return trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path, **overrides),
-        train_dataset=zen() if dataset is None else dataset,
+        **models, args=args(tmp_path, **overrides), train_dataset=zen() if dataset is None else dataset
     )
 
 
@@ -188,27 +190,16 @@ def test_train_stops_on_every_eos_token_id(trainer_class, hub, tmp_path):
 
 
 def test_train_with_eval(trainer_class, hub, tmp_path):
-    distilled = trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path, per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2),
-        train_dataset=zen(),
-        eval_dataset=zen(split="test"),
-    )
+    evaluation = dict(per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2)
+    distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs={"eval_dataset": zen(split="test")}, **evaluation)
     distilled.train()
     assert distilled.state.log_history[-1]["train_loss"] is not None
     assert any("eval_loss" in entry for entry in distilled.state.log_history)
 
 
 def test_train_eval_on_start(trainer_class, hub, tmp_path):
-    config = args(tmp_path, per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2, eval_on_start=True)
-    distilled = trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=config,
-        train_dataset=zen(),
-        eval_dataset=zen(split="test"),
-    )
+    evaluation = dict(per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2, eval_on_start=True)
+    distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs={"eval_dataset": zen(split="test")}, **evaluation)
     distilled.train()
 
 
@@ -232,13 +223,9 @@ def test_iterable_dataset_requires_dispatch_batches_false_and_one_worker(trainer
 
 
 def test_iterable_eval_keeps_map_style_train_workers(trainer_class, hub, tmp_path):
-    distilled = trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path, per_device_eval_batch_size=3, dataloader_num_workers=4),
-        train_dataset=zen(),
-        eval_dataset=zen(split="test").to_iterable_dataset(),
-    )
+    evaluated = {"eval_dataset": zen(split="test").to_iterable_dataset()}
+    workers = dict(per_device_eval_batch_size=3, dataloader_num_workers=4)
+    distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs=evaluated, **workers)
     assert distilled.get_train_dataloader().num_workers == 4
     assert distilled.get_eval_dataloader().num_workers == 0
     assert distilled.args.dataloader_num_workers == 4
@@ -247,13 +234,7 @@ def test_iterable_eval_keeps_map_style_train_workers(trainer_class, hub, tmp_pat
 @pytest.mark.parametrize("eval_dataset_type", EVAL_DATASET_TYPES)
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = eval_dataset_of(eval_dataset_type)
-    distilled = trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path),
-        train_dataset=zen(),
-        eval_dataset=eval_dataset,
-    )
+    distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs={"eval_dataset": eval_dataset})
     check_eval_dataset(distilled, eval_dataset)
 
 
@@ -313,34 +294,19 @@ def test_peft_init_is_seeded(trainer_class, hub, tmp_path):
     adapters = []
     for global_seed in range(2):
         torch.manual_seed(global_seed)  # a different global RNG state, as in two separate runs
-        distilled = trainer_class(
-            model=hub["student"],
-            teacher_model=hub["teacher"],
-            args=args(tmp_path),
-            train_dataset=zen(),
-            peft_config=LoraConfig(),
-        )
+        distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs={"peft_config": LoraConfig()})
         adapters.append({n: p.clone() for n, p in distilled.model.named_parameters() if "lora_A" in n})
     assert adapters[0]
     for name, param in adapters[0].items():
         assert torch.equal(param, adapters[1][name]), f"Parameter {name} differs between the two trainers."
 
 
-@pytest.mark.parametrize(
-    "how", [pytest.param("peft_config", marks=representative), "peft_model", "peft_config_with_gradient_checkpointing"]
-)
+@pytest.mark.parametrize("how", PEFT_CASES)
 def test_train_peft(trainer_class, hub, tmp_path, how):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hub["student"], dtype="float32")
-    base_param_names = {f"base_model.model.{name}" for name, _ in model.named_parameters()}
-    kwargs = {"peft_config": LoraConfig()} if how != "peft_model" else {}
-    if how == "peft_model":
-        model = get_peft_model(model, LoraConfig())
-    config = args(tmp_path, gradient_checkpointing=True) if "checkpointing" in how else args(tmp_path)
-    distilled = trainer_class(model=model, teacher_model=hub["teacher"], args=config, train_dataset=zen(), **kwargs)
-    train_and_check(distilled, **peft_rules(base_param_names))
+    model, kwargs, overrides, rules = peft_case(hub["student"], how)
+    train_and_check(
+        trainer(trainer_class, hub, tmp_path, trainer_kwargs={"model": model, **kwargs}, **overrides), **rules
+    )
 
 
 @pytest.mark.parametrize(
@@ -437,13 +403,7 @@ def test_pad_token_id_synced_with_model_config(trainer_class, hub, tmp_path):
     """A tokenizer without a pad token: the trainer falls back to eos, and the model configs follow."""
     tokenizer = load_tokenizer(hub["student"])
     tokenizer.pad_token = None
-    distilled = trainer_class(
-        model=hub["student"],
-        teacher_model=hub["teacher"],
-        args=args(tmp_path),
-        train_dataset=zen(),
-        processing_class=tokenizer,
-    )
+    distilled = trainer(trainer_class, hub, tmp_path, trainer_kwargs={"processing_class": tokenizer})
     pad_token_id = distilled.processing_class.pad_token_id
     assert pad_token_id is not None
     assert distilled.model.config.pad_token_id == pad_token_id

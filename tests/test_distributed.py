@@ -50,11 +50,6 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def launch(config: str, out: Path, model_dir: str, trainer: str, **options) -> list[dict]:
     """Run tests/distributed_grpo.py on 2 processes; return each rank's record. Kills the group on timeout."""
     command = grpo_worker_command(config, out, model_dir, trainer, **options)

@@ -25,7 +25,6 @@ from hf_dynbsz.testing import (
     metric_mismatches,
     relative_difference,
     run_with_timeout,
-    save_tiny_model,
     snapshot_parameters,
     update_difference,
 )
@@ -55,11 +54,6 @@ REFERENCE = {
     "agentic_cut": ("agentic", "agentic_cut"),
     "moe": ("moe", "moe"),
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 class Launches:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_distributed import SharedLaunches, assert_parameters_match
 
-from hf_dynbsz.testing import metric_mismatches, relative_difference, save_tiny_model, save_tiny_teacher
+from hf_dynbsz.testing import metric_mismatches, relative_difference, save_tiny_teacher
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +47,6 @@ DISTILLATION_RUNS["cpu_zero3.yaml"]["prefix"] = dict(PREFIX, beta=1.0, temperatu
 #: FSDP2 (its own launch: -m long): the student sharded, the divergence reading its head's DTensor as stock does.
 DISTILLATION_RUNS["cpu_fsdp2.yaml"] = {"prefix": dict(PREFIX, beta=0.0, temperature=0.7)}
 BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")

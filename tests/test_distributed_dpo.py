@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dynbsz.testing import accelerate_command, relative_difference, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import accelerate_command, relative_difference, run_with_timeout
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,6 @@ RUNS = {
 }
 #: fields every run shares: 2 optimizer steps of 2 micro-batches of 4 pairs per process, a budget cutting them up
 COMMON = dict(max_tokens_per_microbatch=70, gradient_checkpointing=False)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")

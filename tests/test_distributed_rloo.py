@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from test_distributed import SharedLaunches, assert_parameters_match
 
-from hf_dynbsz.testing import metric_mismatches, save_tiny_model
+from hf_dynbsz.testing import metric_mismatches
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,6 @@ RLOO_RUNS = {
     "cpu_fsdp2.yaml": {"balanced": dict(LOPSIDED, beta=0.1, num_iterations=2)},
 }
 BACKENDS = {"ddp": "cpu_ddp.yaml", "zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")

@@ -30,14 +30,9 @@ from hf_dynbsz.execution.dpo_loss import (
 )
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.testing import dpo_config, load_tokenizer, preference_pairs, save_tiny_model
+from hf_dynbsz.testing import dpo_config, load_tokenizer, preference_pairs
 
 GA, PAIRS = 2, 4  # an optimizer step of 2 stock micro-batches of 4 pairs
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def stock_trainer(model_dir, tmp_path, **fields):

@@ -39,7 +39,7 @@ import pytest
 import test_rloo_trl_suite as rloo_suite
 import torch
 from datasets import Dataset, DatasetDict, IterableDatasetDict
-from test_rloo_trl_suite import peft_rules
+from test_rloo_trl_suite import PEFT_CASES, peft_rules
 from trl import DPOConfig, DPOTrainer
 
 from hf_dynbsz import DynamicBatchDPOTrainer
@@ -106,36 +106,15 @@ def zen(config: str = "standard_preference", split: str = "train") -> Dataset:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
-
     root = tmp_path_factory.mktemp("hub")
     tokenizer = build_chat_tokenizer()
-    paths = {"qwen2": save_tiny_model(str(root / "qwen2"), chat=True)}
-    for model_type in ZOO_MODELS:
-        model = build_tiny_causal_lm_of_type(
-            model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=1
-        )
-        model.save_pretrained(root / model_type)
-        tokenizer.save_pretrained(root / model_type)
-        paths[model_type] = str(root / model_type)
-    return paths
+    qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
+    return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, tokenizer, ZOO_MODELS)}
 
 
 def args(tmp_path, **overrides) -> DPOConfig:
-    """TRL's test configuration on this CPU machine, cut to 2 optimizer steps."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        learning_rate=0.1,  # TRL's: the gradients are tiny
-        per_device_train_batch_size=3,
-        max_steps=2,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return DPOConfig(**settings)
+    """TRL's test configuration on this CPU machine, cut to 2 optimizer steps (``tests/test_rloo_trl_suite.py``'s)."""
+    return DPOConfig(**rloo_suite.trl_test_settings(tmp_path, **overrides))
 
 
 def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False):
@@ -260,9 +239,7 @@ def test_train_model_dtype(trainer_class, hub, tmp_path):
 
 
 # ---- PEFT --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "how", [pytest.param("peft_config", marks=representative), "peft_model", "peft_config_with_gradient_checkpointing"]
-)
+@pytest.mark.parametrize("how", PEFT_CASES)
 def test_train_peft(trainer_class, hub, tmp_path, how):
     """TRL's ``test_train_dense_with_peft_config_lora``, ``test_train_peft_model`` (its existing adapter copied as a
     frozen ``ref`` adapter) and ``test_train_with_peft_config_and_gradient_checkpointing``."""

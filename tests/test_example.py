@@ -47,11 +47,37 @@ def summary_steps(output: str) -> int:
     return int(match.group(1))
 
 
+def run_demo(script: Path, tmp_path: Path, steps: int, metrics: str, *options: str) -> str:
+    """``script``'s offline demo for ``steps`` optimizer steps (``options``: more of its flags), its output in
+    ``tmp_path/out``; returns what it printed, having checked what every demo prints: the plan at train start, the
+    last step's line opening with ``metrics`` (a regular expression) and naming its micro-batches against stock's 2,
+    and the summary of ``steps`` steps."""
+    command = [sys.executable, str(script), "--max_steps", str(steps), "--output_dir", str(tmp_path / "out")]
+    output = run([*command, *options], cwd=tmp_path)
+    assert "hf_dynbsz batch-size plan" in output
+    step_line = rf"step +{steps} \| {metrics}.*dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)"
+    assert re.search(step_line, output), output[-3000:]
+    assert summary_steps(output) == steps
+    return output
+
+
+def write_dataset(directory: Path, rows: list[dict]) -> str:
+    """``rows`` as ``directory/train.jsonl``, a local dataset ``--dataset_name`` loads as it would a Hub one."""
+    directory.mkdir()
+    (directory / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(directory)
+
+
+def run_named_step(script: Path, tmp_path: Path, *options: str) -> None:
+    """``script`` on models and a dataset by name (``options``) for one fp32 step of 4 samples per device: TRL loads
+    them, the step trains and logs the plugin's metrics."""
+    fixed = ["--max_steps", "1", "--bf16", "false", "--output_dir", str(tmp_path / "named")]
+    output = run([sys.executable, str(script), *options, *fixed, "--per_device_train_batch_size", "4"], cwd=tmp_path)
+    assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output
+
+
 def test_example_short_single_process(tmp_path):
-    output = run(
-        [sys.executable, str(EXAMPLE), "--max_steps", "3", "--output_dir", str(tmp_path / "out"), *SHORT], cwd=tmp_path
-    )
-    assert "hf_dynbsz batch-size plan" in output  # the table at train start is visible
+    output = run_demo(EXAMPLE, tmp_path, 3, r"reward=", *SHORT)
     # Per step, the metrics under the names they are logged as.
     line = re.search(
         r"step +3 \| reward=[0-9.]+ \| completions/mean_length=[0-9.]+ \| "
@@ -64,7 +90,6 @@ def test_example_short_single_process(tmp_path):
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())  # saved for `hf-dynbsz report`
     logged = [entry for entry in state["log_history"] if entry.get("step") == 3 and "dynbsz/computed_tokens" in entry]
     assert f"dynbsz/computed_tokens={logged[0]['dynbsz/computed_tokens']:.0f}" in line.group(0)
-    assert summary_steps(output) == 3
     assert re.search(r"reward +first 1 logged steps [0-9.]+ -> last 1 [0-9.]+", output)
     assert re.search(r"micro-batches +\d+ run per process vs 6 with stock's fixed 2", output)
     assert re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
@@ -161,10 +186,8 @@ def test_stock_script_runs_with_the_class_swapped(tmp_path):
 def test_resume_from_mid_run_checkpoint(tmp_path):
     # The --model_name_or_path / --dataset_name path, on a saved tiny model and a local JSON-lines dataset.
     model_dir = save_tiny_model(str(tmp_path / "model"))
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
     rows = [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3), "target_length": 4 + 3 * (i % 5)} for i in range(32)]
-    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data_dir = write_dataset(tmp_path / "data", rows)
     out = tmp_path / "out"
     common = [
         sys.executable,
@@ -172,7 +195,7 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
         "--model_name_or_path",
         model_dir,
         "--dataset_name",
-        str(data_dir),
+        data_dir,
         "--reward_funcs",
         "length_reward",
         "--output_dir",
@@ -207,21 +230,7 @@ def test_resume_from_mid_run_checkpoint(tmp_path):
 def test_rloo_example_short_single_process(tmp_path):
     """examples/rloo.py: the same demo on DynamicBatchRLOOTrainer, with RLOO's reference model (beta 0.05) loaded
     from the initial tiny model it saves."""
-    output = run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "rloo.py"),
-            "--max_steps",
-            "2",
-            "--output_dir",
-            str(tmp_path / "out"),
-            *SHORT,
-        ],
-        cwd=tmp_path,
-    )
-    assert "hf_dynbsz batch-size plan" in output
-    assert re.search(r"step +2 \| reward=[0-9.]+ \| .*dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)", output)
-    assert summary_steps(output) == 2
+    run_demo(ROOT / "examples" / "rloo.py", tmp_path, 2, r"reward=[0-9.]+ \| ", *SHORT)
     assert (tmp_path / "out" / "initial-model" / "config.json").exists()  # the reference model's weights
 
 
@@ -230,26 +239,17 @@ def test_distill_example_short_single_process_and_its_hub_mode_on_local_models(t
     the teacher's budget, a line per step and the loss's summary; with ``--model_name_or_path`` and
     ``--teacher_model_name_or_path`` (here local directories, as TRL's script loads Hub ones) TRL loads both by
     name."""
-    script = str(ROOT / "examples" / "distill.py")
-    output = run([sys.executable, script, "--max_steps", "2", "--output_dir", str(tmp_path / "out")], cwd=tmp_path)
-    assert "hf_dynbsz batch-size plan" in output and "max_tokens_per_microbatch_teacher" in output
-    assert re.search(r"step +2 \| loss=[0-9.]+ \| entropy=[0-9.]+ \| .*dynbsz/microbatches_max_over_ranks=\d+ "
-                     r"\(stock 2\)", output), output[-3000:]  # fmt: skip
-    assert summary_steps(output) == 2 and re.search(r"loss +first 1 logged steps [0-9.e+-]+ -> last 1", output)
+    script = ROOT / "examples" / "distill.py"
+    output = run_demo(script, tmp_path, 2, r"loss=[0-9.]+ \| entropy=[0-9.]+ \| ")
+    assert "max_tokens_per_microbatch_teacher" in output  # the plan's teacher budget
+    assert re.search(r"loss +first 1 logged steps [0-9.e+-]+ -> last 1", output)
     student = save_tiny_model(str(tmp_path / "student"))
     from hf_dynbsz.testing import save_tiny_teacher
 
     teacher = save_tiny_teacher(str(tmp_path / "teacher"))
-    (tmp_path / "prompts").mkdir()  # a local JSON-lines dataset, as test_resume_from_mid_run_checkpoint's
-    rows = [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3)} for i in range(16)]
-    (tmp_path / "prompts" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    named = [
-        "--model_name_or_path", student, "--teacher_model_name_or_path", teacher, "--dataset_name",
-        str(tmp_path / "prompts"), "--max_steps", "1", "--max_completion_length", "16", "--bf16", "false",
-        "--output_dir", str(tmp_path / "named"), "--per_device_train_batch_size", "4",
-    ]  # fmt: skip
-    output = run([sys.executable, script, *named], cwd=tmp_path)
-    assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output
+    prompts = write_dataset(tmp_path / "prompts", [{"prompt": "abcd"[: 1 + i % 4] * (1 + i % 3)} for i in range(16)])
+    models = ["--model_name_or_path", student, "--teacher_model_name_or_path", teacher]
+    run_named_step(script, tmp_path, *models, "--dataset_name", prompts, "--max_completion_length", "16")
 
 
 def test_dpo_example_short_single_process_and_its_hub_mode_on_local_models(tmp_path):
@@ -257,21 +257,14 @@ def test_dpo_example_short_single_process_and_its_hub_mode_on_local_models(tmp_p
     prints the plan, a line per step with the rewards and the tokens computed against stock's, and the summary; with
     ``--model_name_or_path`` and ``--dataset_name`` (a local directory and a local JSON-lines preference dataset, as
     TRL's script loads Hub ones) TRL loads the model and its reference by name."""
-    script = str(ROOT / "examples" / "dpo.py")
-    output = run([sys.executable, script, "--max_steps", "3", "--output_dir", str(tmp_path / "out")], cwd=tmp_path)
-    assert "hf_dynbsz batch-size plan" in output and "pairs per optimizer step" in output
-    assert re.search(r"step +3 \| loss=[0-9.]+ \| rewards/accuracies=[0-9.]+ \| rewards/margins=-?[0-9.]+ \| "
-                     r"dynbsz/microbatches_max_over_ranks=\d+ \(stock 2\)", output), output[-3000:]  # fmt: skip
-    assert summary_steps(output) == 3 and re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
+    script = ROOT / "examples" / "dpo.py"
+    metrics = r"loss=[0-9.]+ \| rewards/accuracies=[0-9.]+ \| rewards/margins=-?[0-9.]+ \| "
+    output = run_demo(script, tmp_path, 3, metrics)
+    assert "pairs per optimizer step" in output  # the plan counts pairs
+    assert re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
     model = save_tiny_model(str(tmp_path / "model"))
-    (tmp_path / "pairs").mkdir()
     rows = [
         {"prompt": "ab"[: 1 + i % 2] * (1 + i % 3), "chosen": "abcd"[: 1 + i % 4], "rejected": "dc"} for i in range(16)
     ]
-    (tmp_path / "pairs" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    named = [
-        "--model_name_or_path", model, "--dataset_name", str(tmp_path / "pairs"), "--max_steps", "1",
-        "--bf16", "false", "--output_dir", str(tmp_path / "named"), "--per_device_train_batch_size", "4",
-    ]  # fmt: skip
-    output = run([sys.executable, script, *named], cwd=tmp_path)
-    assert summary_steps(output) == 1 and "dynbsz/computed_tokens=" in output
+    pairs = write_dataset(tmp_path / "pairs", rows)
+    run_named_step(script, tmp_path, "--model_name_or_path", model, "--dataset_name", pairs)

@@ -33,7 +33,7 @@ from hf_dynbsz.execution.loss import (
     sample_weights,
 )
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
+from hf_dynbsz.testing import base_config_kwargs, random_passes, training_mode_trainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"]
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
@@ -41,11 +41,6 @@ MAX_COMPLETION = 12
 #: The slices' step: GA slices of ROWS samples (2 completions per prompt) per optimizer step.
 STEP = dict(gradient_accumulation_steps=GA, steps_per_generation=GA, per_device_train_batch_size=ROWS)
 STEP.update(max_completion_length=MAX_COMPLETION, num_generations=2)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def stock_trainer(model_dir, tmp_path, **config) -> GRPOTrainer:

@@ -12,15 +12,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
 from hf_dynbsz.execution.device_memory import inject_out_of_memory
-from hf_dynbsz.testing import relative_difference, run_training, save_tiny_model, update_difference
+from hf_dynbsz.testing import relative_difference, run_training, update_difference
 
 PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")

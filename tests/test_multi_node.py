@@ -23,17 +23,12 @@ from test_distributed import (
     read_records,
 )
 
-from hf_dynbsz.testing import grpo_worker_command, run_together, save_tiny_model
+from hf_dynbsz.testing import grpo_worker_command, run_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 #: Every long completion on the process of the second machine (balancing moves samples over TCP), beta > 0.
 TWO_MACHINE_RUN = dict(LOPSIDED_ROLLOUT, **BALANCED["ddp"][1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def free_port() -> int:

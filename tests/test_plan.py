@@ -142,31 +142,39 @@ def test_recorded_default_cadence_rederives_global_batch():
 # ---- validation with the numbers and the nearest valid values ----------------------------------------------
 
 
-def test_generation_batch_not_divisible_by_num_generations_names_valid_values():
+@pytest.mark.parametrize(
+    "fields, num_processes, phrases",
+    [
+        pytest.param(
+            dict(generation_batch_size=12), 1,
+            ["generation_batch_size (12) must be divisible by num_generations (8): use 8 or 16"],
+            id="not divisible by num_generations",
+        ),
+        pytest.param(
+            dict(generation_batch_size=20), 2, ["generation_batch_size (20", "(4 x 2 = 8)", "use 16 or 24"],
+            id="not divisible by the global micro-batch",
+        ),
+        pytest.param(
+            dict(gradient_accumulation_steps=3), 1,
+            [
+                "generation_batch_size (12 = per_device_train_batch_size x num_processes x steps_per_generation",
+                "num_generations (8)",
+                "use steps_per_generation 2 or 4 (generation_batch_size 8 or 16)",
+                "gradient_accumulation_steps",
+            ],
+            id="derived from steps_per_generation",
+        ),
+    ],
+)  # fmt: skip
+def test_an_indivisible_generation_batch_names_its_numbers_and_the_valid_values(fields, num_processes, phrases):
+    """4 samples per device: the message opens with the setting at fault and names the numbers and the nearest valid
+    values."""
     with pytest.raises(ValueError) as raised:
-        BatchSizePlan.from_args(raw_args(per_device_train_batch_size=4, generation_batch_size=12), num_processes=1)
-    assert str(raised.value).startswith(
-        "generation_batch_size (12) must be divisible by num_generations (8): use 8 or 16"
-    )
-
-
-def test_generation_batch_not_divisible_by_global_micro_batch_names_valid_values():
-    with pytest.raises(ValueError) as raised:
-        BatchSizePlan.from_args(raw_args(per_device_train_batch_size=4, generation_batch_size=20), num_processes=2)
+        BatchSizePlan.from_args(raw_args(per_device_train_batch_size=4, **fields), num_processes=num_processes)
     message = str(raised.value)
-    assert "generation_batch_size (20" in message
-    assert "(4 x 2 = 8)" in message
-    assert "use 16 or 24" in message
-
-
-def test_derived_generation_batch_suggests_steps_per_generation():
-    with pytest.raises(ValueError) as raised:
-        BatchSizePlan.from_args(raw_args(per_device_train_batch_size=4, gradient_accumulation_steps=3), num_processes=1)
-    message = str(raised.value)
-    assert "generation_batch_size (12 = per_device_train_batch_size x num_processes x steps_per_generation" in message
-    assert "num_generations (8)" in message
-    assert "use steps_per_generation 2 or 4 (generation_batch_size 8 or 16)" in message
-    assert "gradient_accumulation_steps" in message
+    assert message.startswith(phrases[0]), message
+    for phrase in phrases[1:]:
+        assert phrase in message
 
 
 def test_both_round_settings_given_is_an_error():

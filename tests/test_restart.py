@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_distributed import BACKENDS, LAUNCH_TIMEOUT_S, ROOT, assert_parameters_match, read_records
 
-from hf_dynbsz.testing import grpo_worker_command, run_with_timeout, save_tiny_model
+from hf_dynbsz.testing import grpo_worker_command, run_with_timeout
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -27,11 +27,6 @@ RESTARTED_RUN = dict(max_steps=4, save_steps=2, beta=0.1, budget=24)
 KILL = "3:2:1"
 #: Samples per process per optimizer step (4 per device x 2 accumulation steps): the relaunch generates for 2 steps.
 SAMPLES_PER_STEP = 8
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def killed_and_restarted(config: str, out: Path, model_dir: str, trainer: str) -> list[dict]:

@@ -21,7 +21,7 @@ from hf_dynbsz.execution import rloo_loss as rloo_module
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.rloo_loss import METRIC_KEYS, RLOOSettings, rloo_pass_loss, rloo_sample_weights
-from hf_dynbsz.testing import base_config_kwargs, random_passes, save_tiny_model, training_mode_trainer
+from hf_dynbsz.testing import base_config_kwargs, random_passes, training_mode_trainer
 
 SLICES, ROWS, GA = 3, 4, 3  # an optimizer step of 3 stock slices of 4 samples
 MAX_COMPLETION = 12
@@ -29,11 +29,6 @@ MAX_COMPLETION = 12
 STEP = dict(gradient_accumulation_steps=GA, steps_per_generation=GA, per_device_train_batch_size=ROWS)
 STEP.update(max_completion_length=MAX_COMPLETION, num_generations=2)
 METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def stock_trainer(model_dir, tmp_path, **config) -> RLOOTrainer:

@@ -13,7 +13,6 @@ sequence parallelism) are in ``tests/test_distributed_rloo.py``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import pytest
@@ -23,10 +22,13 @@ from hf_dynbsz import DynamicBatchRLOOConfig, DynamicBatchRLOOTrainer
 from hf_dynbsz.testing import (
     construction_arguments,
     construction_error,
+    overridden_stock_methods,
     positional_trainer,
     relative_difference,
     run_training,
     save_tiny_model,
+    signature_mismatches,
+    switched_off_mismatches,
     update_difference,
 )
 
@@ -54,11 +56,6 @@ LOSS_METRICS = (
     "clip_ratio/high_max",
     "clip_ratio/region_mean",
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def compare_with_stock(model_dir, tmp_path, trainer_kwargs=None, **overrides):
@@ -131,13 +128,7 @@ def test_shared_prompts_really_happen_in_both_layouts(model_dir, tmp_path):
 
 
 def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
-    _, stock, stock_completions, _ = run_training(RLOOTrainer, RLOOConfig, model_dir, str(tmp_path / "a"))
-    _, ours, completions, history = run_training(
-        DynamicBatchRLOOTrainer, DynamicBatchRLOOConfig, model_dir, str(tmp_path / "b"), dynamic_batching=False
-    )
-    assert completions == stock_completions
-    assert relative_difference(ours, stock) == 0.0
-    assert not any("dynbsz/microbatches" in entry for entry in history)
+    assert not switched_off_mismatches((RLOOTrainer, RLOOConfig), PLUGIN, model_dir, str(tmp_path))
 
 
 def test_plain_rloo_config_is_accepted_and_environment_overrides_apply(model_dir, tmp_path, monkeypatch, caplog):
@@ -153,20 +144,9 @@ def test_plain_rloo_config_is_accepted_and_environment_overrides_apply(model_dir
 
 # ---- drop-in: stock's constructor and hook signatures ---------------------------------------------------------------
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
-    plugin = [cls for cls in DynamicBatchRLOOTrainer.__mro__ if cls.__module__.startswith("hf_dynbsz")]
-    overridden = {name for cls in plugin for name, value in vars(cls).items() if callable(value)}
-    overridden &= {name for name in dir(RLOOTrainer)}
+    overridden = set(overridden_stock_methods(DynamicBatchRLOOTrainer, RLOOTrainer))
     assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= overridden
-    assert inspect.signature(DynamicBatchRLOOTrainer) == inspect.signature(RLOOTrainer)
-    for name in overridden:
-        method = getattr(DynamicBatchRLOOTrainer, name)
-        evaluate = not hasattr(method, "__signature__")
-        try:
-            ours = inspect.signature(method, eval_str=evaluate)
-            stock = inspect.signature(getattr(RLOOTrainer, name), eval_str=evaluate)
-        except NameError:  # stock's own annotations name optional packages: compare as written
-            ours, stock = inspect.signature(method), inspect.signature(getattr(RLOOTrainer, name))
-        assert ours == stock, f"{name}: {ours} != stock {stock}"
+    assert not signature_mismatches(DynamicBatchRLOOTrainer, RLOOTrainer)
 
 
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])

@@ -36,7 +36,7 @@ from datasets import Dataset, DatasetDict
 from trl import RLOOConfig, RLOOTrainer
 
 from hf_dynbsz import DynamicBatchRLOOTrainer
-from hf_dynbsz.testing import build_chat_tokenizer, load_tokenizer, save_tiny_model
+from hf_dynbsz.testing import build_chat_tokenizer, build_tiny_reward_model, load_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.trl_suite
 representative = pytest.mark.representative
@@ -64,60 +64,45 @@ def zen(config: str = "standard_prompt_only", split: str = "train") -> Dataset:
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
-
     root = tmp_path_factory.mktemp("hub")
     tokenizer = build_chat_tokenizer()
-    paths = {"qwen2": save_tiny_model(str(root / "qwen2"), chat=True)}
-    for model_type in ZOO_MODELS:
+    paths = {"qwen2": save_tiny_model(str(root / "qwen2"), chat=True), **save_zoo_models(root, tokenizer, ZOO_MODELS)}
+    build_tiny_reward_model(tokenizer).save_pretrained(root / "reward")
+    tokenizer.save_pretrained(root / "reward")
+    paths["reward"] = str(root / "reward")
+    return paths
+
+
+def save_zoo_models(root, tokenizer, model_types) -> dict[str, str]:
+    """The tiny models of ``model_types`` (:mod:`hf_dynbsz.testing.zoo`, on ``tokenizer``'s vocabulary), each saved
+    with the tokenizer under ``root``, by type."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    paths = {}
+    for model_type in model_types:
         model = build_tiny_causal_lm_of_type(
             model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=1
         )
         model.save_pretrained(root / model_type)
         tokenizer.save_pretrained(root / model_type)
         paths[model_type] = str(root / model_type)
-    torch.manual_seed(0)
-    reward_model = Qwen2ForSequenceClassification(
-        Qwen2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            num_labels=1,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-    reward_model.save_pretrained(root / "reward")
-    tokenizer.save_pretrained(root / "reward")
-    paths["reward"] = str(root / "reward")
     return paths
 
 
+#: What TRL's tests need on this CPU machine, where their configuration leaves the rest at its defaults.
+TRL_CPU_FIELDS = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
+
+
 def trl_test_settings(tmp_path, **overrides) -> dict:
-    """TRL's test configuration, on this CPU machine and cut to 2 optimizer steps (the distillation suite's too)."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        learning_rate=0.1,  # TRL's: the gradients are tiny
-        per_device_train_batch_size=3,
-        max_completion_length=8,
-        max_steps=2,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return settings
+    """TRL's test configuration (learning rate 0.1: the gradients are tiny; 3 samples per device), on this CPU machine
+    and cut to 2 optimizer steps (the distillation, DPO and asynchronous GRPO suites' too)."""
+    settings = dict(output_dir=str(tmp_path / "out"), learning_rate=0.1, per_device_train_batch_size=3, max_steps=2)
+    return {**settings, **TRL_CPU_FIELDS, **overrides}
 
 
 def args(tmp_path, **overrides) -> RLOOConfig:
-    """TRL's RLOO test configuration (:func:`trl_test_settings`, 3 completions per prompt)."""
-    return RLOOConfig(**trl_test_settings(tmp_path, **{"num_generations": 3, **overrides}))
+    """TRL's RLOO test configuration (:func:`trl_test_settings`, 3 completions per prompt of up to 8 tokens)."""
+    return RLOOConfig(**trl_test_settings(tmp_path, **{"num_generations": 3, "max_completion_length": 8, **overrides}))
 
 
 def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False):
@@ -285,21 +270,36 @@ def peft_rules(base_param_names) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "how", [pytest.param("peft_config", marks=representative), "peft_model", "peft_config_with_gradient_checkpointing"]
-)
-def test_train_peft(trainer_class, hub, tmp_path, how):
+#: TRL's PEFT test cases (:func:`peft_case`).
+PEFT_CASES = [
+    pytest.param("peft_config", marks=representative),
+    "peft_model",
+    "peft_config_with_gradient_checkpointing",
+]
+
+
+def peft_case(path: str, how: str) -> tuple:
+    """TRL's PEFT test cases on the model at ``path`` (fp32): ``peft_config`` (a LoRA config to the trainer),
+    ``peft_model`` (the model wrapped in a LoRA adapter) and ``peft_config_with_gradient_checkpointing``. Returns the
+    model, the trainer's extra arguments, the config's overrides and the :func:`peft_rules` of the base model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hub["qwen2"], dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     base_param_names = {f"base_model.model.{name}" for name, _ in model.named_parameters()}
     kwargs = {"peft_config": LoraConfig()} if how != "peft_model" else {}
     if how == "peft_model":
         model = get_peft_model(model, LoraConfig())
-    config = args(tmp_path, gradient_checkpointing=True) if "checkpointing" in how else args(tmp_path)
+    overrides = {"gradient_checkpointing": True} if "checkpointing" in how else {}
+    return model, kwargs, overrides, peft_rules(base_param_names)
+
+
+@pytest.mark.parametrize("how", PEFT_CASES)
+def test_train_peft(trainer_class, hub, tmp_path, how):
+    model, kwargs, overrides, rules = peft_case(hub["qwen2"], how)
+    config = args(tmp_path, **overrides)
     trainer = trainer_class(model=model, reward_funcs=hub["reward"], args=config, train_dataset=zen(), **kwargs)
-    train_and_check(trainer, **peft_rules(base_param_names))
+    train_and_check(trainer, **rules)
 
 
 def test_train_moe_peft_model(trainer_class, hub, tmp_path):

@@ -30,11 +30,6 @@ def multi_turn_rollout():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
-@pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-chat-model")), chat=True)
 

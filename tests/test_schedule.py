@@ -682,16 +682,10 @@ def test_a_lopsided_tree_step_balances_as_an_even_one():
             tables.append(tree_table(block, prompts, completions, [j // 4 for j in range(8)]))
         return tables
 
-    workload = WorkloadModel.from_model_config(  # the benchmark's model
-        SimpleNamespace(
-            hidden_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=384,
-            vocab_size=4096,
-        )
-    )
+    from hf_dynbsz.testing import ModelShape
+
+    # the benchmark's model (benchmarks/balance.py): hidden 128, 3 layers of 4 heads on 2 key/value heads, MLP 384
+    workload = WorkloadModel.from_model_config(SimpleNamespace(**ModelShape(128, 3, vocab_size=4096).config_fields()))
     planner = dataclasses.replace(
         scheduler("padding_free", "varlen", balance_across_ranks=True),
         sharing=SharePrefix.TREE, workload=workload,

@@ -142,11 +142,6 @@ def test_one_process_cannot_form_a_group_of_two(tmp_path):
 
 
 # ---- multi-process ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def launch(script: str, config_file: str, out: Path, *arguments: str, processes: int = 2) -> list[dict]:
     command = accelerate_command(config_file, f"tests/{script}", "--out", out, *arguments, num_processes=processes)
     run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"{script} under {config_file}")

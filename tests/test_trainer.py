@@ -26,10 +26,13 @@ from hf_dynbsz.testing import (
     construction_error,
     logged_metrics,
     metric_mismatches,
+    overridden_stock_methods,
     positional_trainer,
     relative_difference,
     run_training,
     save_tiny_model,
+    signature_mismatches,
+    switched_off_mismatches,
     update_difference,
 )
 
@@ -42,11 +45,6 @@ PARAM_TOLERANCE = 1e-5
 CHECKPOINTING = checkpointing_field()  # transformers 5 renamed gradient_checkpointing to activation_checkpointing
 UPDATE_TOLERANCE = 1e-3
 METRIC_TOLERANCE = 1e-5  # relative, every logged metric (absolute: 1e-6)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def compare_with_stock(model_dir, tmp_path, repacked_steps=None, trainer_kwargs=lambda: None, **overrides):
@@ -265,13 +263,7 @@ def test_shared_prompts_really_happen_and_match_stock(model_dir, tmp_path):
 
 
 def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
-    init, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "a"))
-    _, ours, ours_completions, history = run_training(
-        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "b"), dynamic_batching=False
-    )
-    assert ours_completions == stock_completions
-    assert relative_difference(ours, stock) == 0.0
-    assert not any("dynbsz/microbatches" in entry for entry in history)
+    assert not switched_off_mismatches((GRPOTrainer, GRPOConfig), PLUGIN, model_dir, str(tmp_path))
 
 
 def test_plain_grpo_config_is_accepted(model_dir, tmp_path):
@@ -395,35 +387,12 @@ def test_matches_stock_with_adaptive_entropy_controller(model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- drop-in: stock's constructor and hook signatures
-def overridden_stock_methods(ours=DynamicBatchGRPOTrainer, stock=GRPOTrainer) -> list[str]:
-    """Stock's methods that ``ours`` or a class of the plugin it inherits from (the hooks both trainers share)
-    defines."""
-    plugin = [cls for cls in ours.__mro__ if cls.__module__.startswith("hf_dynbsz")]
-    return sorted(
-        {name for cls in plugin for name, value in vars(cls).items() if callable(value) and hasattr(stock, name)}
-    )
-
-
 def test_constructor_and_overridden_hooks_have_stocks_signatures():
-    import inspect
-
-    overridden = overridden_stock_methods()
+    overridden = overridden_stock_methods(DynamicBatchGRPOTrainer, GRPOTrainer)
     assert {"__init__", "training_step", "_get_per_token_logps_and_entropies", "_generate_single_turn"} <= set(
         overridden
     )
-    assert inspect.signature(DynamicBatchGRPOTrainer) == inspect.signature(GRPOTrainer)
-    for name in overridden:
-        method = getattr(DynamicBatchGRPOTrainer, name)
-        # Compared as written where ours carries stock's own signature object (__init__): inspect does not evaluate a
-        # __signature__, and stock's string annotations evaluate or not depending on which optional packages load.
-        evaluate = not hasattr(method, "__signature__")
-        try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
-            ours = inspect.signature(method, eval_str=evaluate)
-            stock = inspect.signature(getattr(GRPOTrainer, name), eval_str=evaluate)
-        except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
-            ours = inspect.signature(method)
-            stock = inspect.signature(getattr(GRPOTrainer, name))
-        assert ours == stock, f"{name}: {ours} != stock {stock}"
+    assert not signature_mismatches(DynamicBatchGRPOTrainer, GRPOTrainer)
 
 
 @pytest.mark.parametrize("missing", ["reward_funcs", "train_dataset", "args"])

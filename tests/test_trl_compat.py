@@ -26,7 +26,6 @@ from hf_dynbsz.testing import (
     distillation_trainer,
     load_tokenizer,
     prompt_dataset,
-    save_tiny_model,
 )
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dynbsz"
@@ -57,12 +56,11 @@ def trainer_pair(owner: str):
 
 
 @pytest.fixture(scope="module")
-def stock_trainers(tmp_path_factory):
+def stock_trainers(model_dir, tmp_path_factory):
     """A stock trainer of each kind, by the owner name of its instance attributes."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, RLOOConfig
 
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
     trainers = {}
     for owner, config in (("GRPOTrainer instance", GRPOConfig), ("RLOOTrainer instance", RLOOConfig)):
         stock, _ = trainer_pair(owner)

@@ -38,7 +38,6 @@ from hf_dynbsz.testing import (
     prompt_dataset,
     relative_difference,
     run_training,
-    save_tiny_model,
     saved_model_trainer,
     update_difference,
     vllm_standin,
@@ -67,11 +66,6 @@ IS_METRICS = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 def vllm_fields(vllm_mode: str, num_iterations: int = 1, **fields) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["engine_mismatches", "engine_record", "expected_engine", "gathered_parameters"]
+__all__ = ["engine_mismatches", "engine_record", "expected_engine", "gathered_parameters", "write_worker_results"]
 
 
 def gathered_parameters(model) -> dict:
@@ -27,6 +27,21 @@ def gathered_parameters(model) -> dict:
         with deepspeed.zero.GatheredParameters([p for _, p in named]):
             return {name: p.detach().clone().cpu() for name, p in named}
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu() for name, p in named}
+
+
+def write_worker_results(accelerator, out: str, record: dict, params: dict) -> None:
+    """A multi-process worker's results, as the tests read them back: each process's ``record`` as
+    ``<out>.rank<i>.json``, the main process's ``params`` (:func:`gathered_parameters`) as ``<out>.params.pt``; then
+    every process waits for the others."""
+    import json
+
+    import torch
+
+    with open(f"{out}.rank{accelerator.process_index}.json", "w") as handle:
+        json.dump(record, handle)
+    if accelerator.is_main_process:
+        torch.save(params, f"{out}.params.pt")
+    accelerator.wait_for_everyone()
 
 
 def engine_record(accelerator, model) -> dict:

@@ -28,6 +28,8 @@ __all__ = [
     "build_tiny_causal_lm",
     "build_tiny_hybrid_lm",
     "build_tiny_moe_lm",
+    "build_tiny_reward_model",
+    "build_tiny_rope_lm",
     "build_tiny_teacher",
     "load_tokenizer",
     "prompt_dataset",
@@ -151,6 +153,21 @@ def seeded_model(model_class, config, tokenizer, seed: int):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def build_tiny_reward_model(tokenizer, *, seed: int = 0):
+    """A Qwen2 sequence classifier of one label with random weights from ``seed`` (hidden 16, 1 layer of 2 heads on 1
+    key/value head) on ``tokenizer``'s vocabulary and pad id: a reward model of TRL's tests."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    sizes = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForSequenceClassification(
+        Qwen2Config(vocab_size=len(tokenizer), **sizes, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    )
 
 
 def _small_config_fields(tokenizer) -> dict:

@@ -43,6 +43,7 @@ __all__ = [
     "run_distillation",
     "run_script_worker",
     "saved_model_trainer",
+    "scenario_worker_arguments",
     "scripted_run",
     "snapshot_parameters",
     "step_clock",
@@ -97,20 +98,24 @@ class ModelShape:
     intermediate_size: int | None = None
     vocab_size: int | None = None
 
-    def build(self, tokenizer, *, max_positions: int = 2048, attention: str = "sdpa", seed: int = 0):
-        """The model (fp32 random weights from ``seed``) with ``max_positions`` positions."""
+    def config_fields(self) -> dict:
+        """The shape as the fields of a Qwen2 config (the proportions above filled in; ``vocab_size`` None when the
+        tokenizer's)."""
         hidden = self.hidden_size
-        return build_tiny_causal_lm(
-            tokenizer,
+        return dict(
             hidden_size=hidden,
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads or max(2, hidden // 32),
             num_key_value_heads=self.num_kv_heads or max(1, hidden // 64),
             intermediate_size=self.intermediate_size or 3 * hidden,
             vocab_size=self.vocab_size,
-            max_position_embeddings=max_positions,
-            attn_implementation=attention,
-            seed=seed,
+        )
+
+    def build(self, tokenizer, *, max_positions: int = 2048, attention: str = "sdpa", seed: int = 0):
+        """The model (fp32 random weights from ``seed``) with ``max_positions`` positions."""
+        fields = self.config_fields()
+        return build_tiny_causal_lm(
+            tokenizer, **fields, max_position_embeddings=max_positions, attn_implementation=attention, seed=seed
         )
 
 
@@ -438,6 +443,21 @@ def flag_arguments(options: dict) -> list[str]:
     for key, value in options.items():
         arguments += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     return arguments
+
+
+def scenario_worker_arguments(trainers: list[str], scenario: str = "flag"):
+    """The command line of a worker that trains a model in turn per scenario (``tests/distributed_dpo.py``,
+    ``tests/distributed_async_grpo.py``): ``--trainer`` (one of ``trainers``), ``--model_dir``, ``--out`` and
+    ``--scenarios``, a JSON object of the scenarios' ``scenario`` values by name."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=trainers, required=True)
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--out", required=True)
+    example = f'{{"name": {{"{scenario}": value}}}}'
+    parser.add_argument("--scenarios", required=True, help=f"JSON {example}: one run per name")
+    return parser.parse_args()
 
 
 def grpo_worker_command(

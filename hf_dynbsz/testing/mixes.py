@@ -28,6 +28,19 @@ from __future__ import annotations
 
 import math
 
+__all__ = [
+    "MIXES",
+    "MIX_LABELS",
+    "PREFIX_MIXES",
+    "PROMPT_HEAVY_RANGE",
+    "PROMPT_RANGE",
+    "UNIFORM_PROMPT",
+    "completion_lengths",
+    "longest_prompt",
+    "prompt_lengths",
+    "sequence_lengths",
+]
+
 MIXES = ("long_tailed", "bimodal", "uniform", "prompt_heavy")
 #: Prefix structure of the mixes that have more than prompt groups: the block every prompt begins with (``shared``
 #: tokens), each prompt's own tokens (``prompts``: a range), and the completions' ``trunk``, ``branches`` x ``branch``.

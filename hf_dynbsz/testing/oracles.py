@@ -12,11 +12,16 @@ __all__ = [
     "logged_metrics",
     "logps_alone",
     "metric_mismatches",
+    "overridden_stock_methods",
+    "parameter_mismatches",
     "reference_varlen_attention",
     "reference_varlen_attn",
     "relative_difference",
     "segment_mask",
+    "signature_mismatches",
     "stock_logps",
+    "switched_off_mismatches",
+    "tree_mask",
     "update_difference",
 ]
 
@@ -272,6 +277,49 @@ def update_difference(initial: dict, ours: dict, stock: dict) -> float:
     return float(num / den)
 
 
+def parameter_mismatches(
+    initial: dict, ours: dict, stock: dict, *, trained_by: float | None, update_tolerance: float, param_tolerance: float
+) -> list[str]:
+    """Where our final parameters ``ours`` are not stock's ``stock``, both trained from ``initial`` (empty: the same
+    training). A LoRA run (stock has ``lora_`` parameters) compares the adapters' parameters only (the base ones do not
+    train) and needs stock's ``lora_B`` to have left 0; any other compares the updates (:func:`update_difference`, at
+    most ``update_tolerance``) and needs stock to have moved more than ``trained_by`` (relative; None: unchecked). Both
+    then compare the parameters (:func:`relative_difference`, at most ``param_tolerance``)."""
+    found = []
+    if any("lora_" in name for name in stock):
+        stock, ours = ({n: p for n, p in params.items() if "lora_" in n} for params in (stock, ours))
+        if not all(float(p.abs().max()) > 0 for n, p in stock.items() if "lora_B" in n):
+            found.append("stock's LoRA B matrices did not train (they start at 0)")
+    else:
+        if (update := update_difference(initial, ours, stock)) > update_tolerance:
+            found.append(f"updates differ by {update:.3g} > {update_tolerance}")
+        if trained_by is not None and (moved := relative_difference(stock, initial)) <= trained_by:
+            found.append(f"stock's parameters moved by {moved:.3g} <= {trained_by}: it did not train")
+    if (difference := relative_difference(ours, stock)) > param_tolerance:
+        found.append(f"parameters differ by {difference:.3g} > {param_tolerance}")
+    return found
+
+
+def switched_off_mismatches(stock: tuple, ours: tuple, model_dir: str, output_dir: str) -> list[str]:
+    """Where the plugin's trainer, switched off (``dynamic_batching=False``), is not stock's on the same run
+    (:func:`~hf_dynbsz.testing.run_training` from ``model_dir``; ``stock`` and ``ours``: a trainer class and its
+    config class): other completions, other final parameters (to the bit), or the plugin's metrics logged."""
+    from pathlib import Path
+
+    from hf_dynbsz.testing.fixtures import run_training
+
+    _, stock_params, stock_completions, _ = run_training(*stock, model_dir, str(Path(output_dir) / "stock"))
+    _, params, completions, history = run_training(
+        *ours, model_dir, str(Path(output_dir) / "ours"), dynamic_batching=False
+    )
+    found = [] if completions == stock_completions else ["other completions than stock's"]
+    if (difference := relative_difference(params, stock_params)) != 0.0:
+        found.append(f"parameters differ from stock's by {difference:.3g}")
+    if any("dynbsz/microbatches" in entry for entry in history):
+        found.append("the plugin's metrics logged")
+    return found
+
+
 def logged_metrics(history: list[dict], left_out: tuple[str, ...] = ()) -> list[dict]:
     """Every value of a Trainer's ``log_history`` but the timings, the plugin's own ``dynbsz/*`` and the names that
     start with one of ``left_out``, entry by entry."""
@@ -301,4 +349,36 @@ def metric_mismatches(ours: list[dict], stock: list[dict], rel: float = 1e-5, ab
             )
             if not same:
                 found.append(f"entry {i}: {name} {value!r} != stock {expected!r}")
+    return found
+
+
+def overridden_stock_methods(ours: type, stock: type) -> list[str]:
+    """Stock's methods that ``ours`` or a class of the plugin it inherits from (the hooks the trainers share)
+    defines, sorted."""
+    plugin = [cls for cls in ours.__mro__ if cls.__module__.startswith("hf_dynbsz")]
+    return sorted(
+        {name for cls in plugin for name, value in vars(cls).items() if callable(value) and hasattr(stock, name)}
+    )
+
+
+def signature_mismatches(ours: type, stock: type) -> list[str]:
+    """Where trainer class ``ours`` does not take stock's arguments: its constructor's signature, or that of one of
+    :func:`overridden_stock_methods`, each as ``"name: ours != stock"`` (empty: a drop-in)."""
+    import inspect
+
+    found = []
+    if inspect.signature(ours) != inspect.signature(stock):
+        found.append(f"constructor: {inspect.signature(ours)} != stock {inspect.signature(stock)}")
+    for name in overridden_stock_methods(ours, stock):
+        method, stock_method = getattr(ours, name), getattr(stock, name)
+        # Compared as written where ours carries stock's own signature object (__init__): inspect does not evaluate a
+        # __signature__, and stock's string annotations evaluate or not depending on which optional packages load.
+        evaluate = not hasattr(method, "__signature__")
+        try:  # string annotations (ours use `from __future__ import annotations`) compared as objects
+            ours_signature = inspect.signature(method, eval_str=evaluate)
+            stock_signature = inspect.signature(stock_method, eval_str=evaluate)
+        except NameError:  # stock's own annotations name optional packages (PeftModel): compare as written
+            ours_signature, stock_signature = inspect.signature(method), inspect.signature(stock_method)
+        if ours_signature != stock_signature:
+            found.append(f"{name}: {ours_signature} != stock {stock_signature}")
     return found
