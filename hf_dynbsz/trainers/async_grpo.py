@@ -37,6 +37,7 @@ import dataclasses
 import inspect
 import logging
 import time
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -209,7 +210,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         self._step_microbatches += int(store["dynbsz/microbatches_max_over_ranks"][-1])
         self._dynbsz_flop_tokens = computed / self.accelerator.num_processes
 
-    def floating_point_ops(self, inputs) -> int:
+    def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
         # Override (transformers' Trainer): the tokens the step's passes computed, counted on the step's last call
         # (summed over processes by store_flos), not the sizes of the per-sample rows the processes receive.
         if not self._dynbsz_dynamic:

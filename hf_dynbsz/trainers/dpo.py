@@ -14,9 +14,11 @@ A DPO run generates nothing, so there is no generation to chunk. Evaluation (``p
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
+from transformers import Trainer
 from trl import DPOTrainer
 
 from hf_dynbsz.config import DynamicBatchDPOConfig
@@ -25,6 +27,8 @@ from hf_dynbsz.execution.step_loss import DPOLoss
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
 logger = logging.getLogger("hf_dynbsz")
+#: the arguments DPOTrainer.training_step(*args, **kwargs) passes on to transformers' Trainer
+TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
 
 
 class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer):
@@ -48,12 +52,15 @@ class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer):
             executor.enabled = False
             logger.warning("hf_dynbsz: dynamic batching is off, stock DPOTrainer math runs: %s.", executor.loss.blocker)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call.
+    def training_step(self, *args, **kwargs):
+        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call. Stock's
+        # signature (its arguments are transformers' Trainer.training_step's, read by name from that signature).
         executor = self._dynbsz
         if not executor.enabled:
             with executor.tiles():
-                return DPOTrainer.training_step(self, model, inputs, num_items_in_batch)
+                return DPOTrainer.training_step(self, *args, **kwargs)
+        arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
+        model, inputs = arguments["model"], arguments["inputs"]
         with self.maybe_activation_offload_context:
             model.train()
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
