@@ -168,7 +168,7 @@ def test_indexed_sparse_attention_runs_stock_math():
     support = support_of("deepseek_v32")
     assert "width it is padded to" in support.repacking_blocker
     layouts, notes = support.layouts()
-    assert layouts == [] and notes[0].startswith("dynamic batching is off, stock GRPOTrainer math runs")
+    assert layouts == [] and notes[0].startswith("dynamic batching is off, stock TRL math runs")
 
 
 def test_repacked_vision_language_models_share_image_prompts_in_padding_free_rows():

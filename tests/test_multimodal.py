@@ -621,7 +621,7 @@ def test_unrepacked_families_run_their_image_steps_with_stock_micro_batches(tmp_
     monkeypatch.setattr(model_support, "REPACKED_VISION_MODEL_TYPES", ())  # as for a family outside the list
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
         history = compare("qwen2_vl", tmp_path)
-    assert "image steps of this qwen2_vl model run stock GRPOTrainer micro-batches" in caplog.text
+    assert "image steps of this qwen2_vl model run stock TRL micro-batches" in caplog.text
     assert "image inputs" in caplog.text and "stock" in caplog.text
     # the 4 steps take 2 prompts each: prompts 1-4 have images (stock micro-batches), prompts 5-8 none (repacked)
     assert len(repacked_steps(history)) == 2

@@ -52,7 +52,7 @@ def test_longrope_is_read_from_the_config_and_dynamic_ntk_is_refused_at_start():
     dynamic = ModelSupport.of(model=build_tiny_rope_lm(tokenizer, rope_type="dynamic"))
     layouts, notes = dynamic.layouts()
     assert layouts == [] and dynamic.long_rope == ()
-    assert notes == [f"dynamic batching is off, stock GRPOTrainer math runs: {dynamic.repacking_blocker}"]
+    assert notes == [f"dynamic batching is off, stock TRL math runs: {dynamic.repacking_blocker}"]
     assert "dynamic NTK (rope_type='dynamic')" in notes[0]
     assert ModelSupport.of(build_tiny_rope_lm(tokenizer).config).long_rope == (64,)  # the planner, from the config
 

@@ -243,7 +243,7 @@ class MediaPolicy:
         self.note = None
         if vision_language == "repacked" and gathering is not None:
             self.note = (
-                f"image steps run stock GRPOTrainer micro-batches under {gathering} on several processes: it "
+                f"image steps run stock TRL micro-batches under {gathering} on several processes: it "
                 "gathers the vision tower's parameters in every forward that runs it, and repacked passes differ "
                 "between processes in how many run it. Text-only steps are repacked"
             )

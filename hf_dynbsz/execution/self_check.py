@@ -339,8 +339,8 @@ class CheckResult:
         why = "; ".join(self.reasons)
         if self.chosen == len(layouts):
             return (
-                f"self-check: no layout gives each sample's own log-probs and gradients on this model, stock "
-                f"GRPOTrainer math runs ({why})."
+                f"self-check: no layout gives each sample's own log-probs and gradients on this model, stock TRL "
+                f"math runs ({why})."
             )
         if self.chosen:
             return (

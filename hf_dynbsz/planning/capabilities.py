@@ -130,7 +130,7 @@ class Capabilities:
         if enabled and aux_loss and not router_aux:
             enabled = False
             notes.append(
-                f"dynamic batching is off, stock GRPOTrainer math runs: the MoE router aux loss cannot be "
+                f"dynamic batching is off, stock TRL math runs: the MoE router aux loss cannot be "
                 f"repacked ({support.router_aux_blocker})"
             )
         layouts, layout_notes = support.layouts(args.packing_layout, args.share_prompt_prefix, device_type)
@@ -141,7 +141,7 @@ class Capabilities:
         vision_language = support.vision_language
         if enabled and vision_language == "stock":
             notes.append(
-                f"image steps of this {model.config.model_type} model run stock GRPOTrainer micro-batches "
+                f"image steps of this {model.config.model_type} model run stock TRL micro-batches "
                 f"(image inputs are repacked for {', '.join(REPACKED_VISION_MODEL_TYPES)}); text-only steps "
                 "are repacked"
             )

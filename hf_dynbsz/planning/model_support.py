@@ -360,7 +360,7 @@ class ModelSupport:
             raise ValueError(f"packing_layout must be one of 'auto', 'padding_free', 'padded', got {packing_layout!r}.")
         sharing = SharePrefix.of(share_prompt_prefix)
         if self.repacking_blocker:
-            return [], [f"dynamic batching is off, stock GRPOTrainer math runs: {self.repacking_blocker}"]
+            return [], [f"dynamic batching is off, stock TRL math runs: {self.repacking_blocker}"]
         notes = []
         varlen = bool(self.attn_implementation) and self.attn_implementation.startswith(VARLEN_ATTENTION_PREFIXES)
         base, note = self._segment_base(packing_layout, DeviceFacts.of(device_type))

@@ -261,7 +261,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tolerance on every process (log-probs 1e-4 and gradients 1e-3 relative in fp32, 5e-2 and 0.25 in "
         "bf16/fp16: the check runs in the precision the forwards compute in), trying the next one only when it "
         "is not, and log why the faster ones were left (the parameter whose gradients differ most). When none "
-        "passes, stock GRPOTrainer math runs. Gradients are not compared under DeepSpeed ZeRO-3 (partitioned "
+        "passes, stock TRL math runs. Gradients are not compared under DeepSpeed ZeRO-3 (partitioned "
         "parameters) or reentrant gradient checkpointing, and the log says so. Costs five small forwards and two "
         "backwards of three short samples once per run when the fastest layout passes; False skips it and trusts "
         "the decision read off the model.",
