@@ -54,9 +54,9 @@ class StepPlanning:
     def _step_tree(self, table: SequenceTable):
         """The prefix tree the step's samples share positions by (None when they share nothing)."""
         sharing = self.scheduler.sharing
-        if sharing == "tree":
+        if sharing is SharePrefix.TREE:
             return table.prefix_tree(sharing)
-        if sharing == "groups":
+        if sharing is SharePrefix.GROUPS:
             prompts = table.prompt_lengths.tolist()
             completions = [n - p for n, p in zip(table.lengths.tolist(), prompts)]
             return PrefixTree.of_groups(prompts, completions, table.prompt_groups())
