@@ -27,6 +27,7 @@ from hf_dynbsz.testing import (
     engine_record,
     fsdp_on_cpu,
     gathered_parameters,
+    leave_worker,
     logged_metrics,
     quiet_worker,
     save_tiny_model,
@@ -53,8 +54,9 @@ def model_directory(model_dir: str, architecture: str | None, out: str) -> str:
     return directory
 
 
-def train(trainer: str, model_dir: str, out: str, flags: dict) -> None:
-    """One run with ``flags``; writes each rank's record and, from rank 0, the parameters, under ``out``."""
+def train(trainer: str, model_dir: str, out: str, flags: dict):
+    """One run with ``flags``; writes each rank's record and, from rank 0, the parameters, under ``out``. Returns the
+    trainer."""
     fields = dict(
         per_device_train_batch_size=flags["per_device"],
         gradient_accumulation_steps=flags["accumulation"],
@@ -90,6 +92,7 @@ def train(trainer: str, model_dir: str, out: str, flags: dict) -> None:
     }
     params = gathered_parameters(unwrapped)  # ZeRO-3 partitions, FSDP2 shards: every process takes part
     write_worker_results(accelerator, out, record, params)
+    return run.trainer
 
 
 def main() -> None:
@@ -100,7 +103,8 @@ def main() -> None:
         unknown = set(flags) - set(FLAGS)
         if unknown:
             raise SystemExit(f"--scenarios {name}: unknown flags {sorted(unknown)}")
-        train(cli.trainer, cli.model_dir, f"{cli.out}.{name}", {**FLAGS, **flags})
+        trainer = train(cli.trainer, cli.model_dir, f"{cli.out}.{name}", {**FLAGS, **flags})
+    leave_worker(trainer)
 
 
 if __name__ == "__main__":

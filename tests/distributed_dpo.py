@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from hf_dynbsz.testing import (
     dpo_config,
     fsdp_on_cpu,
     gathered_parameters,
+    leave_worker,
     load_tokenizer,
     logged_metrics,
     preference_pairs,
@@ -105,10 +105,7 @@ def main() -> None:
     trainer = None
     for name, fields in json.loads(cli.scenarios).items():
         trainer = train(cli, name, fields)
-    trainer.end()  # destroy the process group (see tests/distributed_grpo.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker(trainer)
 
 
 if __name__ == "__main__":

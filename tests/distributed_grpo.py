@@ -38,7 +38,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -60,6 +59,7 @@ from hf_dynbsz.testing import (
     fsdp_on_cpu,
     gathered_parameters,
     image_prompt_dataset,
+    leave_worker,
     load_tokenizer,
     logged_metrics,
     prompt_dataset,
@@ -190,12 +190,7 @@ def main() -> None:
             trainer = train(run, run.loss_type, cli.out + suffix)
     if cli.plain_exit:
         return
-    trainer.end()  # destroy the process group: gloo threads left at exit can abort a process after training
-    # ... and they still can, rarely, during interpreter finalization (a torch/gloo teardown race, pytorch#190489):
-    # every result is written and closed by now, so leave without finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker(trainer)  # every result is written and closed by now
 
 
 def add_restart_flags(parser) -> None:

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["engine_mismatches", "engine_record", "expected_engine", "gathered_parameters", "write_worker_results"]
+__all__ = [
+    "engine_mismatches",
+    "engine_record",
+    "expected_engine",
+    "gathered_parameters",
+    "leave_worker",
+    "write_worker_results",
+]
 
 
 def gathered_parameters(model) -> dict:
@@ -42,6 +49,20 @@ def write_worker_results(accelerator, out: str, record: dict, params: dict) -> N
     if accelerator.is_main_process:
         torch.save(params, f"{out}.params.pt")
     accelerator.wait_for_everyone()
+
+
+def leave_worker(trainer) -> None:
+    """The end of a multi-process worker whose results are written (:func:`write_worker_results`): ``trainer.end()``
+    (the process group destroyed: gloo threads left at exit can abort a process after training), then the process
+    leaves without interpreter finalization, where a torch/gloo teardown race (pytorch#190489) can still abort it,
+    rarely, with "terminate called without an active exception" (seen once under stock AsyncGRPOTrainer's DDP run)."""
+    import os
+    import sys
+
+    trainer.end()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def engine_record(accelerator, model) -> dict:
