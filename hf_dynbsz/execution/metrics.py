@@ -25,7 +25,6 @@ from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.cost import ModelFlops
-from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 from hf_dynbsz.planning.settings import SharePrefix
 
@@ -364,9 +363,7 @@ class StepMetrics:
 def _tree_tokens_saved(table: SequenceTable, schedule: StepSchedule, tree_tokens: int) -> int:
     """The tokens a prefix tree saved beyond prompt groups: what the passes of ``schedule`` (over ``table``'s samples)
     compute under the prompt-group rule, less ``tree_tokens``, what they computed as prefix trees."""
-    groups = PrefixTree.of_groups(  # from lengths: the prompt-group rule's counts, without keys or a trie
-        table.prompt_lengths.tolist(), table.completion_lengths.tolist(), table.prompt_groups()
-    )
+    groups = table.group_tree()
     return sum(groups.tokens(samples) for samples in schedule.microbatches if samples) - tree_tokens
 
 

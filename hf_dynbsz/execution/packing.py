@@ -255,6 +255,14 @@ class SequenceTable:
             self._sharing["tree", sharing] = PrefixTree.of_keys(self.prefix_keys(sharing))
         return self._sharing["tree", sharing]
 
+    def group_tree(self) -> PrefixTree:
+        """The trie of the prompt-group rule from the samples' lengths and prompt groups alone
+        (:meth:`PrefixTree.of_groups`: what the rule computes, without building keys), built once per table."""
+        if "group_tree" not in self._sharing:
+            prompts, completions = self.prompt_lengths.tolist(), self.completion_lengths.tolist()
+            self._sharing["group_tree"] = PrefixTree.of_groups(prompts, completions, self.prompt_groups())
+        return self._sharing["group_tree"]
+
     def moved(self, group: ProcessGroup, exchange: Exchange, media: bool = False) -> SequenceTable:
         """The samples (token ids; with ``media``, their image inputs and token fields too) of a no-grad pass this
         process runs under ``exchange``. ``media`` must be the same on every process (the model is

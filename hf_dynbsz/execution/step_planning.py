@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.planning.memory import FIT_REPLANS
-from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.planning.schedule import Scheduler
 from hf_dynbsz.planning.settings import SharePrefix
 
@@ -57,9 +56,7 @@ class StepPlanning:
         if sharing is SharePrefix.TREE:
             return table.prefix_tree(sharing)
         if sharing is SharePrefix.GROUPS:
-            prompts = table.prompt_lengths.tolist()
-            completions = [n - p for n, p in zip(table.lengths.tolist(), prompts)]
-            return PrefixTree.of_groups(prompts, completions, table.prompt_groups())
+            return table.group_tree()
         return None
 
     def _plan(self, table: SequenceTable, budget: int, kind: str):
