@@ -12,6 +12,7 @@ scores, its losses, its weight ``1 / (B GA)``, the SFT term's token weights.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
@@ -146,6 +147,36 @@ def our_step(trainer, window, seed):
     return total, gradients, dict(store)
 
 
+#: Metrics that are ``beta`` times a difference of sequence log-probs (stock's ``beta * (logps - ref_logps)``), with
+#: the sides each difference takes.
+REWARD_SIDES = {
+    "rewards/chosen": ("chosen",),
+    "rewards/rejected": ("rejected",),
+    "rewards/margins": ("chosen", "rejected"),
+}
+
+
+def reward_rounding(key: str, slice_index: int, stock_metrics: dict, beta: float, window: list[dict]) -> float:
+    """How far fp32 rounding alone can move a reward metric of slice ``slice_index`` (0 for other metrics).
+
+    A reward is ``beta`` times the difference of two sequence log-probs (the policy's and the reference's), each a
+    fp32 sum of up to ``n`` token log-probs that the packed pass adds in another order than stock's padded rows:
+    pairwise summation bounds each sum's rounding by ``ceil(log2 n)`` ulps of its magnitude, and the difference
+    cancels the magnitudes but not their rounding. The reference log-prob is not logged; it is ``logps - rewards /
+    beta``. (With beta 0.7 and sums near -19, one ulp of each already exceeds an absolute 1e-6.)"""
+    if key not in REWARD_SIDES:
+        return 0.0
+    longest = max(int(inputs["completion_mask"].sum(dim=1).max()) for inputs in window)
+    roundings = math.ceil(math.log2(max(longest, 2)))
+    eps = torch.finfo(torch.float32).eps
+    bound = 0.0
+    for side in REWARD_SIDES[key]:
+        policy = stock_metrics[f"logps/{side}"][slice_index]
+        reference = policy - stock_metrics[f"rewards/{side}"][slice_index] / beta
+        bound += beta * roundings * eps * (abs(policy) + abs(reference))
+    return bound
+
+
 def relative(ours: dict, stock: dict) -> float:
     num = sum(((ours[k] - stock[k]).double() ** 2).sum() for k in stock) ** 0.5
     den = sum((stock[k].double() ** 2).sum() for k in stock) ** 0.5
@@ -189,7 +220,9 @@ def test_whole_pair_passes_give_stocks_loss_gradients_and_metrics(model_dir, tmp
         assert loss == pytest.approx(stock_loss, rel=1e-5, abs=1e-7)
         assert relative(grads, stock_grads) <= 1e-5
         for key in ("entropy", *METRIC_KEYS):
-            assert metrics[key] == pytest.approx(stock_metrics[key], rel=1e-5, abs=1e-6), key
+            for k, (value, expected) in enumerate(zip(metrics[key], stock_metrics[key], strict=True)):
+                atol = max(1e-6, reward_rounding(key, k, stock_metrics, trainer.beta, window))
+                assert value == pytest.approx(expected, rel=1e-5, abs=atol), (key, k)
 
 
 def test_a_step_of_pairs_keeps_each_pair_adjacent_and_together(model_dir, tmp_path):
