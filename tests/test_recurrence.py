@@ -13,6 +13,7 @@ without their prefix start from a zero state; both differ by far more than the t
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -186,17 +187,24 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
     assert largest_error(model, order, shared=True) > LEAK
 
 
-def test_a_mixer_that_reads_its_states_from_the_cache_runs_each_prefix_once(model):
+#: The families of FAMILIES whose mixers read their states through transformers' cache (5.21 to 5.25 alike).
+READS_STATES_FROM_CACHE = {"qwen3_5_text": "cache", "mamba2": "cache", "lfm2": "cache"}
+
+
+def test_a_mixer_that_reads_its_states_from_the_cache_runs_each_prefix_once(model, caplog):
     """Qwen3.5's Gated DeltaNet, Mamba-2 and LFM2's convolution read their states through transformers' cache: their
     blocks start from the prefix's final states (after one check on the first shared row). RecurrentGemma's block and
-    MiniMax's lightning attention do not: their prefixes are recomputed in front of each block."""
-    largest_error(model, [4, 0, 5, 2, 3, 1], shared=True)
+    MiniMax's lightning attention do not: their prefixes are recomputed in front of each block, with the reason
+    logged."""
+    recurrence._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        largest_error(model, [4, 0, 5, 2, 3, 1], shared=True)
+    expected = READS_STATES_FROM_CACHE.get(model.config.model_type)
     for module in model.modules():
         if type(module).__name__ in mixers(model):
-            assert prefix_states(module) is (state_argument(module) is not None), type(module).__name__
-    assert (state_argument(next(m for m in model.modules() if type(m).__name__ in mixers(model))) is None) == (
-        model.config.model_type in ("recurrent_gemma", "minimax")
-    )
+            assert prefix_states(module) is (expected is not None), type(module).__name__
+            assert state_argument(module) == expected, type(module).__name__
+            assert (f"{type(module).__name__} recomputes each shared prefix" in caplog.text) is (expected is None)
 
 
 def test_gradients_equal_those_of_each_sample_alone():

@@ -10,7 +10,7 @@ sequence**, so every sequence starts from a zero state, exactly as it does alone
 * a plain sequence runs alone;
 * a shared prompt ``[prefix | block_1 | ... | block_k]``: each block starts from the state the prefix ends in, as
   generation's cache does. A mixer that reads its states through transformers' cache interface (Gated DeltaNet,
-  delta attention, the Mamba-2 mixers, LFM2's convolution: :func:`state_argument`) runs **each prefix once** and is
+  delta attention, the Mamba-2 mixers, LFM2's convolution: :func:`cache_arguments`) runs **each prefix once** and is
   handed, for its blocks, the prefix's final convolution inputs and recurrent state (:class:`RunStates`, which keeps
   the autograd graph), once its first row with shared prompts has shown that this gives the recomputed outputs
   (:func:`prefix_states`; checked once per module). Any other mixer (RecurrentGemma's block, MiniMax's lightning
@@ -46,7 +46,7 @@ import copy
 import dataclasses
 import functools
 import inspect
-import re
+import logging
 import weakref
 from collections import defaultdict
 
@@ -55,6 +55,8 @@ import torch
 from hf_dynbsz.execution.attention.layout import SegmentLayout, active_segments
 from hf_dynbsz.planning.prefix_tree import PrefixTree
 
+logger = logging.getLogger("hf_dynbsz")
+
 __all__ = [
     "RecurrenceCall",
     "RunStates",
@@ -62,6 +64,7 @@ __all__ = [
     "continuation_calls",
     "continuation_runs",
     "prefix_states",
+    "cache_arguments",
     "recurrence_calls",
     "segment_recurrence",
     "state_argument",
@@ -237,9 +240,12 @@ def _gathered(value, width: int, gather: torch.Tensor):
 class RunStates:
     """A sequence mixer's states for one batched call, behind the methods of transformers' cache that mixers call
     (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``,
-    ``is_recording_past``): empty for runs from a zero state, the prefixes' final states for blocks that continue
-    them. Unlike a generation cache it keeps the autograd graph (no in-place copy) and records the whole past of the
-    convolution's input (the mixer convolves ``[state ; new]`` and keeps the new part)."""
+    ``is_recording_past``, and since transformers 5.25 ``get_recurrent_states_to_keep`` and ``increase_count``):
+    empty for runs from a zero state, the prefixes' final states for blocks that continue them. Unlike a generation
+    cache it keeps the autograd graph (no in-place copy) and records the whole past of the convolution's input (the
+    mixer convolves ``[state ; new]`` and keeps the new part). It keeps no intermediate recurrent states (nothing is
+    cropped in training) and never takes a one-token decoding step (it records the past), so its token count is not
+    kept either."""
 
     def __init__(self, conv: dict | None = None, recurrent: dict | None = None) -> None:
         self.conv, self.recurrent = dict(conv or {}), dict(recurrent or {})
@@ -252,6 +258,12 @@ class RunStates:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
         previous = self.conv.get(state_idx)
@@ -267,24 +279,27 @@ class RunStates:
 CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
 
-def state_argument(module) -> str | None:
-    """The keyword under which ``module``'s forward takes transformers' cache and reads its conv / recurrent states
-    through it (``<argument>.get_conv_state(`` or ``.get_recurrent_state(`` in its source: a block can then start
-    from its prefix's final states), or None. Read once per class (segment recurrence wraps the mixers each pass)."""
-    return _state_argument_of(type(module))
+def cache_arguments(module) -> tuple[str, ...]:
+    """The keywords of ``module``'s forward under which it may take transformers' cache (:data:`CACHE_ARGUMENTS` its
+    signature names). Whether it reads its conv / recurrent states through one of them (a block can then start from
+    its prefix's final states) is decided by running it (:func:`_decided`), not by reading its source: transformers
+    5.25 moved the reads into module-level helpers. Read once per class."""
+    return _cache_arguments_of(type(module))
 
 
 @functools.cache
-def _state_argument_of(module_class) -> str | None:
+def _cache_arguments_of(module_class) -> tuple[str, ...]:
     try:
-        source = inspect.getsource(module_class.forward)
         names = inspect.signature(module_class.forward).parameters
-    except (OSError, TypeError, ValueError):
-        return None
-    for name in names:
-        if re.search(rf"\b{re.escape(name)}\.(get_conv_state|get_recurrent_state)\(", source):
-            return name
-    return None
+    except (TypeError, ValueError):  # no signature to read: the mixer keeps recomputing (_wrap logs it)
+        return ()
+    return tuple(name for name in names if name in CACHE_ARGUMENTS)
+
+
+def state_argument(module) -> str | None:
+    """The cache keyword through which ``module``'s blocks start from their prefix's final states, once decided on a
+    first row with shared prompts (:func:`prefix_states`); None before, and for a mixer that recomputes."""
+    return _STATE_ARGUMENT.get(module)
 
 
 def _call(forward, call: RecurrenceCall, width: int, args: tuple, kwargs: dict, **extra):
@@ -330,7 +345,7 @@ def _bank(states: list[dict], kernel: int) -> dict:
 def _continued(forward, argument: str, kernel: int, layout: SegmentLayout, args, kwargs, width: int, device):
     """``forward`` over a padding-free row, each inner node of its prefix tree run once and every node from its
     parent's final states (:func:`continuation_calls`; an inner node of one token below a root in front of each of its
-    children); ``argument``: the forward's cache keyword (:func:`state_argument`). A node's states are copied out of
+    children); ``argument``: the forward's cache keyword (:func:`cache_arguments`). A node's states are copied out of
     the bank for it (the bank is never updated in place: siblings each start from their own copy of their parent's)."""
     levels, calls, positions = continuation_calls(layout, device)
     outputs, extras, conv, recurrent = [], None, [], []
@@ -401,21 +416,35 @@ def _in_fp32(module, forward, device):
     return forward_fp32
 
 
-def _decided(module, forward, argument, kernel, layout, args, kwargs, width, device) -> tuple[bool, bool]:
-    """``(blocks, chains)``: whether ``module``'s nodes may start from their parent's final states, for roots' children
-    (``blocks``: its run with states handed on and its recomputed run of this row agree, :func:`_agree`) and down
-    chains of inner nodes (``chains``: also over this row with every node cut in two, :func:`_deepened`, so that inner
-    nodes that start from a state hand theirs on), both in fp32 whatever the run's precision (:func:`_in_fp32`). A
-    mixer that does not take these states keeps recomputing."""
-    try:
-        fp32 = _in_fp32(module, forward, device)
-        recomputed = _recomputed(fp32, layout, args, kwargs, width, device)
-        if not _agree(recomputed, _continued(fp32, argument, kernel, layout, args, kwargs, width, device)):
-            return False, False
-        deeper = _deepened(layout)
-        return True, _agree(recomputed, _continued(fp32, argument, kernel, deeper, args, kwargs, width, device))
-    except Exception:  # noqa: BLE001 - a mixer that does not take these states keeps recomputing
-        return False, False
+def _decided(module, forward, kernel, layout, args, kwargs, width, device) -> tuple[str | None, bool, str]:
+    """``(argument, chains, reason)``: the cache keyword (of :func:`cache_arguments`) under which ``module``'s nodes
+    may start from their parent's final states, for roots' children (its run with states handed on and its
+    recomputed run of this row agree, :func:`_agree`), or None; ``chains``: whether also down chains of inner nodes
+    (over this row with every node cut in two, :func:`_deepened`, so that inner nodes that start from a state hand
+    theirs on); ``reason``: why not, for the log. Both decided in fp32 whatever the run's precision
+    (:func:`_in_fp32`). A mixer that reads no state through its cache argument, or ignores what it reads, disagrees
+    (its blocks start from zero); one that fails under the states is decided against with the error as the reason."""
+    arguments = cache_arguments(module)
+    if not arguments:
+        return None, False, "its forward takes no cache argument"
+    fp32 = _in_fp32(module, forward, device)
+    recomputed = _recomputed(fp32, layout, args, kwargs, width, device)
+    reasons = []
+    for argument in arguments:
+        try:
+            if not _agree(recomputed, _continued(fp32, argument, kernel, layout, args, kwargs, width, device)):
+                reasons.append(
+                    f"blocks started from their prefix's states through `{argument}` differ from recomputing"
+                )
+                continue
+            deeper = _deepened(layout)
+            chains = _agree(recomputed, _continued(fp32, argument, kernel, deeper, args, kwargs, width, device))
+            return argument, chains, ""
+        except Exception as error:  # noqa: BLE001 - the mixer recomputes its prefixes; _wrap logs this reason
+            reasons.append(
+                f"its forward failed when handed states through `{argument}`: {type(error).__name__}: {error}"
+            )
+    return None, False, "; ".join(reasons)
 
 
 def _deepened(layout: SegmentLayout) -> SegmentLayout:
@@ -443,6 +472,10 @@ def _inner_levels(layout: SegmentLayout) -> int:
 #: Per mixer module: whether its blocks start from their prefix's final states (True), or its prefixes are
 #: recomputed (False); absent until its first row with shared prompts has been checked.
 _PREFIX_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per mixer module whose blocks start from their prefix's final states: the cache keyword it takes them under.
+_STATE_ARGUMENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Mixer classes whose recomputed prefixes have been logged (once per class and process).
+_LOGGED: set[str] = set()
 #: Per mixer module whose blocks start from their prefix's final states: whether inner nodes below a root do too
 #: (hand on the states they started from and ran on), so deeper trees continue rather than recompute.
 _CHAINED_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -460,16 +493,27 @@ def chained_states(module) -> bool:
     return bool(_CHAINED_STATES.get(module))
 
 
+def _decide(module, forward, kernel, layout, args, kwargs, width, device) -> None:
+    """Record :func:`_decided` for ``module``; a mixer that takes a cache argument and still recomputes its prefixes
+    is logged once per class with the reason (a capability lost to a library change says so)."""
+    argument, chains, reason = _decided(module, forward, kernel, layout, args, kwargs, width, device)
+    _PREFIX_STATES[module], _CHAINED_STATES[module] = argument is not None, chains
+    if argument is not None:
+        _STATE_ARGUMENT[module] = argument
+    name = type(module).__name__
+    if argument is None and name not in _LOGGED:
+        _LOGGED.add(name)
+        log = logger.warning if cache_arguments(module) else logger.info
+        log("Segment recurrence: %s recomputes each shared prefix in front of its blocks (%s).", name, reason)
+
+
 def _wrap(module):
     """``module``'s forward, run per node of the active layout. A mixer that reads its states through transformers'
-    cache (:func:`state_argument`) runs each inner node once and starts every node from its parent's final states,
-    once a first no-grad row with shared prompts showed that this gives the recomputed outputs (checked once per
-    module, for roots' children and for chains of inner nodes; else the paths stay recomputed in it)."""
+    cache runs each inner node once and starts every node from its parent's final states, once a first no-grad row
+    with shared prompts showed that this gives the recomputed outputs (checked once per module, for roots' children
+    and for chains of inner nodes: :func:`_decide`; else the paths stay recomputed in it)."""
     forward = module.forward
-    argument = state_argument(module)
     kernel = max((m.kernel_size[0] for m in module.modules() if isinstance(m, torch.nn.Conv1d)), default=0)
-    if argument is None:
-        _PREFIX_STATES[module] = False
 
     def segmented_forward(*args, **kwargs):
         layout = active_segments()
@@ -482,12 +526,11 @@ def _wrap(module):
             return _recomputed(forward, layout, args, kwargs, width, device)
         if decided is None:  # decided in a no-grad pass (the self-check's): a training pass and gradient
             if not torch.is_grad_enabled():  # checkpointing's recomputation of it must take the same path
-                blocks, chains = _decided(module, forward, argument, kernel, layout, args, kwargs, width, device)
-                _PREFIX_STATES[module], _CHAINED_STATES[module] = blocks, chains
+                _decide(module, forward, kernel, layout, args, kwargs, width, device)
             return _recomputed(forward, layout, args, kwargs, width, device)
         if not chained_states(module) and layout.cached("inner levels", lambda: _inner_levels(layout)) > 1:
             return _recomputed(forward, layout, args, kwargs, width, device)
-        return _continued(forward, argument, kernel, layout, args, kwargs, width, device)
+        return _continued(forward, _STATE_ARGUMENT[module], kernel, layout, args, kwargs, width, device)
 
     return segmented_forward
 
