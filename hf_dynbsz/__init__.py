@@ -17,14 +17,20 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
   oracles and process tools shared by tests, benchmarks and examples).
 
-Heavy imports (torch, TRL) happen lazily, so ``import hf_dynbsz`` for the planning core stays cheap.
+Heavy imports (torch, TRL) happen lazily, so ``import hf_dynbsz`` for the planning core stays cheap. The one thing
+``import hf_dynbsz`` checks first is the installed TRL's version (its metadata; TRL is not imported): outside
+``TESTED_TRL_RANGE`` it raises ``UntestedTRLVersionError`` (an ``ImportError``) unless
+``HF_DYNBSZ_ALLOW_UNTESTED_TRL=1`` is set, which turns it into one warning
+(:func:`hf_dynbsz._trl_compat.check_trl_version`).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from hf_dynbsz._trl_compat import TESTED_TRL_RANGE, check_trl_version
+from hf_dynbsz._trl_compat import TESTED_TRL_RANGE, UntestedTRLVersionError, check_trl_version
+
+check_trl_version()  # before anything else: an untested TRL stops here, with one message
 
 __version__ = "0.1.0"
 
@@ -50,13 +56,10 @@ _LAZY = {
     "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
 }
 
-__all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "__version__"]
+__all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "UntestedTRLVersionError", "__version__"]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
-        if name.endswith("Trainer"):
-            check_trl_version()
-        return getattr(module, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_dynbsz' has no attribute {name!r}")

@@ -9,24 +9,34 @@ the hooks the plugin overrides, :func:`override_drift` and :func:`unpacked_lengt
 signature and with the tuple stock's callers unpack, the two ways these hooks changed between TRL releases
 (``docs/trl-compatibility.md``).
 
-:data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against; :func:`check_trl_version` warns once,
-at import of the trainer, outside it. Pure Python: importing this module imports neither torch nor TRL.
+:data:`TESTED_TRL_RANGE` is the TRL range the test suite runs against. ``import hf_dynbsz`` calls
+:func:`check_trl_version`, which raises :class:`UntestedTRLVersionError` when the installed TRL is outside it, unless
+the environment variable ``HF_DYNBSZ_ALLOW_UNTESTED_TRL=1`` (:data:`ALLOW_UNTESTED_TRL_ENV`) is set: then it warns
+once and goes on. :func:`trl_version_decision` is that decision, a pure function of the version string and the
+environment. Pure Python: importing this module imports neither torch nor TRL (the installed TRL's version is read
+from its distribution's metadata).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "ALLOW_UNTESTED_TRL_ENV",
     "INTERNAL_NAMES",
     "InternalName",
     "TESTED_TRL_RANGE",
+    "UntestedTRLVersionError",
     "check_trl_version",
     "override_drift",
+    "trl_version_decision",
     "unpacked_lengths",
+    "untested_trl_message",
 ]
 
 #: TRL versions the test suite runs against: [lower, upper) (``tests/trl_range.sh VERSION ...`` runs the
@@ -502,29 +512,92 @@ def unpacked_lengths(source: str, method: str) -> set[int]:
     return lengths
 
 
-_checked = False
+#: The environment variable that lets ``import hf_dynbsz`` go on with a TRL outside :data:`TESTED_TRL_RANGE`: ``1``
+#: (or ``true``, ``yes``, ``on``) turns the :class:`UntestedTRLVersionError` into one ``RuntimeWarning``.
+ALLOW_UNTESTED_TRL_ENV = "HF_DYNBSZ_ALLOW_UNTESTED_TRL"
+
+_ALLOW_VALUES = ("1", "true", "yes", "on")
 
 
-def check_trl_version(version: str | None = None) -> bool:
-    """Warn (once) when the installed TRL is outside :data:`TESTED_TRL_RANGE`; returns whether it is inside."""
-    global _checked
-    from packaging.version import Version
+class UntestedTRLVersionError(ImportError):
+    """The installed TRL is outside :data:`TESTED_TRL_RANGE` and ``HF_DYNBSZ_ALLOW_UNTESTED_TRL`` is not set."""
 
+
+def _tested_specifier() -> str:
+    """:data:`TESTED_TRL_RANGE` as a requirement specifier: ``">=1.16.0,<1.17.0"``."""
+    lower, upper = TESTED_TRL_RANGE
+    return f">={lower},<{upper}"
+
+
+def _inside_tested_range(version: str) -> bool:
+    """Whether ``version`` satisfies :data:`TESTED_TRL_RANGE` as pip reads the same specifier: a pre-release of the
+    upper bound (``1.17.0.dev0``, TRL's main branch after 1.16) is outside, as is a string that is no version."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return SpecifierSet(_tested_specifier()).contains(parsed, prereleases=True)
+
+
+def trl_version_decision(version: str, environ: Mapping[str, str] | None = None) -> str:
+    """What ``import hf_dynbsz`` does with TRL ``version``: ``"ok"`` inside :data:`TESTED_TRL_RANGE`; outside it,
+    ``"warn"`` where ``environ`` (default ``os.environ``) sets :data:`ALLOW_UNTESTED_TRL_ENV` to ``1`` (or ``true``,
+    ``yes``, ``on``), else ``"stop"``."""
+    if _inside_tested_range(version):
+        return "ok"
+    environ = os.environ if environ is None else environ
+    allowed = environ.get(ALLOW_UNTESTED_TRL_ENV, "").strip().lower() in _ALLOW_VALUES
+    return "warn" if allowed else "stop"
+
+
+def untested_trl_message(version: str, allowed: bool) -> str:
+    """The one message of an untested TRL: the installed version, the tested range, the fix and the variable."""
+    lower, upper = TESTED_TRL_RANGE
+    stem = (
+        f"hf_dynbsz was tested with trl{_tested_specifier()} but trl {version} is installed. "
+        "DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer, DynamicBatchDistillationTrainer, DynamicBatchDPOTrainer and "
+        "DynamicBatchAsyncGRPOTrainer override private GRPOTrainer hooks, RLOOTrainer hooks and DistillationTrainer "
+        "hooks (and use DPOTrainer's and AsyncGRPOTrainer's internals) that change between TRL releases, listed in "
+        "hf_dynbsz._trl_compat.INTERNAL_NAMES and docs/trl-compatibility.md."
+    )
+    if allowed:
+        return (
+            f"{stem} Going on because {ALLOW_UNTESTED_TRL_ENV} is set: run the test suite (tests/trl_range.sh "
+            f"{version}) or compare against stock TRL before trusting results."
+        )
+    return (
+        f"{stem} Fix: pip install 'trl>={lower},<{upper}'. To go on at your own risk with trl {version}, set "
+        f"{ALLOW_UNTESTED_TRL_ENV}=1 (one warning instead of this error)."
+    )
+
+
+_warned = False
+
+
+def check_trl_version(version: str | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Stop, or warn once, when TRL is outside :data:`TESTED_TRL_RANGE`; return whether it is inside.
+
+    ``version`` defaults to the installed TRL's, read from its distribution metadata (TRL is not imported); where TRL
+    is not installed there is nothing to check (False, no error: the trainers then fail at their own ``import trl``).
+    Raises :class:`UntestedTRLVersionError` where :func:`trl_version_decision` says ``"stop"``; warns
+    (``RuntimeWarning``, once per process) where it says ``"warn"``.
+    """
+    global _warned
     if version is None:
+        from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as dist_version
 
-        version = dist_version("trl")
-    lower, upper = (Version(v) for v in TESTED_TRL_RANGE)
-    inside = lower <= Version(version) < upper
-    if not inside and not _checked:
-        warnings.warn(
-            f"hf_dynbsz was tested with trl>={lower},<{upper} but trl {version} is installed. "
-            "DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer and DynamicBatchDistillationTrainer override private "
-            "GRPOTrainer hooks, RLOOTrainer hooks and DistillationTrainer hooks that change between TRL releases "
-            "(listed in hf_dynbsz._trl_compat): run the test suite (or compare against stock GRPOTrainer) before "
-            f"trusting results, or install 'trl>={lower},<{upper}'.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    _checked = True
-    return inside
+        try:
+            version = dist_version("trl")
+        except PackageNotFoundError:
+            return False
+    decision = trl_version_decision(version, environ)
+    if decision == "stop":
+        raise UntestedTRLVersionError(untested_trl_message(version, allowed=False))
+    if decision == "warn" and not _warned:
+        _warned = True
+        warnings.warn(untested_trl_message(version, allowed=True), RuntimeWarning, stacklevel=2)
+    return decision == "ok"

@@ -33,7 +33,6 @@ import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
 
-from hf_dynbsz._trl_compat import check_trl_version
 from hf_dynbsz.config import trainer_config
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
@@ -41,8 +40,6 @@ from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
-
-check_trl_version()
 
 
 def stock_constructor(stock_class: type):
