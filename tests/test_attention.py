@@ -709,6 +709,17 @@ def test_varlen_attn_refuses_what_it_cannot_compute(varlen_attn_kernel):
     assert not varlen_attn_kernel
 
 
+def test_the_installed_varlen_attn_takes_every_keyword_a_call_passes():
+    """torch 2.12 to 2.15 (checked: 2.13.0+cpu and 2.15.0) take ``scale``, ``window_size`` and ``enable_gqa``: the call
+    passes all three and makes up none. A release that renames one fails here, not in a GPU run."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from hf_dynbsz.execution.attention.varlen import varlen_attn_keywords
+
+    assert {"scale", "window_size", "enable_gqa"} <= varlen_attn_keywords(varlen_attn)
+    assert {"cu_seq_q", "cu_seq_k", "max_q", "max_k"} <= varlen_attn_keywords(varlen_attn)
+
+
 def test_device_facts_read_this_machine():
     facts = device_facts("cpu", "no", torch.float32)
     assert (facts.type, facts.capability, facts.compute_dtype) == ("cpu", None, "float32")
