@@ -263,9 +263,10 @@ def _scores(settings: DPOSettings, logratios: torch.Tensor) -> torch.Tensor:
         alpha = settings.f_alpha_divergence_coef
         if abs(alpha - 1.0) < 1e-6:
             return logratios
+        coefficient = 1.0 / (alpha - 1.0)  # stock multiplies by it (dividing by alpha - 1 rounds differently)
         scaled = (alpha - 1.0) * logratios
         cap = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0}[scaled.dtype]
-        return (torch.exp(torch.clamp(scaled.float(), max=cap)) - 1.0).to(scaled.dtype) / (alpha - 1.0)
+        return (torch.exp(torch.clamp(scaled.float(), max=cap)) - 1.0).to(scaled.dtype) * coefficient
     raise ValueError(f"Unknown f_divergence_type: {kind}")
 
 
