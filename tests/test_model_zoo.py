@@ -141,7 +141,7 @@ ARCHITECTURES: dict[str, Expect] = {
     "exaone": Expect(SHARED),
     "exaone4": Expect(SHARED),
     "exaone_moe": Expect(SHARED),
-    "falcon": Expect(PADDED, _NO_BACKEND),
+    "falcon": Expect(SHARED),
     "falcon_h1": Expect(SHARED_RECURRENT),
     "falcon_mamba": Expect(SHARED_RECURRENT_EAGER),
     "flex_olmo": Expect(SHARED),
@@ -272,6 +272,8 @@ EARLIER: dict[str, tuple[tuple[int, int], Expect]] = {
     # transformers 5.24 moved CodeGen's and GPT-J's attention onto the AttentionInterface
     "codegen": ((5, 24), Expect(PADDED, _NO_BACKEND)),
     "gptj": ((5, 24), Expect(PADDED, _NO_BACKEND)),
+    # transformers 5.25 moved Falcon's attention onto the AttentionInterface
+    "falcon": ((5, 25), Expect(PADDED, _NO_BACKEND)),
 }
 
 #: Architectures that a transformers release added after the oldest one this package supports (major, minor): with an
