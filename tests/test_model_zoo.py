@@ -83,6 +83,10 @@ _BIDIRECTIONAL = "attention looks in both directions: padding needs a mask"
 _BLT = "self-check: byte n-gram hashes and entropy patches cross sequences in a padding-free row"
 _NONE_EXACT = "self-check: no layout gives each sample's own log-probs"
 _INDEXED = "indexed sparse attention: a sample's log-probs depend on its padded width, in stock too"
+_INDEXED_ANY = (
+    "indexed sparse attention, which the plugin leaves to stock math by its layer type; this one counts sinks, local "
+    "keys and pool blocks from each query's first visible key, so stock's log-probs do not depend on the padded width"
+)
 # Why an architecture is not trained by the test
 _MULTIMODAL = "multimodal: a vision / audio model (the vision-language tests cover Qwen2-VL, Qwen2.5-VL, LLaVA)"
 _DRAFTER = "speculative-decoding drafter: its forward needs the target model's embeddings and key/value states"
@@ -130,13 +134,14 @@ ARCHITECTURES: dict[str, Expect] = {
     "dots1": Expect(SHARED),
     "dots3_note_text": Expect(STOCK, _INDEXED),
     "electra": Expect(SHARED),
+    "ergo": Expect(SHARED),
     "ernie": Expect(SHARED),
     "ernie4_5": Expect(SHARED),
     "ernie4_5_moe": Expect(SHARED),
     "exaone": Expect(SHARED),
     "exaone4": Expect(SHARED),
     "exaone_moe": Expect(SHARED),
-    "falcon": Expect(PADDED, _NO_BACKEND),
+    "falcon": Expect(SHARED),
     "falcon_h1": Expect(SHARED_RECURRENT),
     "falcon_mamba": Expect(SHARED_RECURRENT_EAGER),
     "flex_olmo": Expect(SHARED),
@@ -179,6 +184,7 @@ ARCHITECTURES: dict[str, Expect] = {
     "jetmoe": Expect(SHARED),
     "kimi_linear": Expect(SHARED_RECURRENT),
     "kolibri1": Expect(SHARED),
+    "kolibri1_1": Expect(STOCK, _INDEXED_ANY),
     "laguna": Expect(SHARED),
     "lara_mini": Expect(SHARED_RECURRENT),
     "lfm2": Expect(SHARED_RECURRENT),
@@ -194,6 +200,7 @@ ARCHITECTURES: dict[str, Expect] = {
     "mellum": Expect(SHARED),
     "mimo_v2_flash": Expect(SHARED_EAGER),
     "minicpm3": Expect(SHARED),
+    "minicpm5_moe": Expect(SHARED),
     "minimax": Expect(SHARED_RECURRENT),
     "minimax_m2": Expect(SHARED),
     "minimax_m3_vl_text": Expect(PADDED, _STATE),
@@ -215,6 +222,7 @@ ARCHITECTURES: dict[str, Expect] = {
     "olmoe": Expect(SHARED),
     "openai-gpt": Expect(PADDED, _NO_BACKEND),
     "opt": Expect(SHARED),
+    "param2moe": Expect(SHARED),
     "pegasus": Expect(PADDED, _NO_POSITIONS),
     "persimmon": Expect(SHARED),
     "phi": Expect(SHARED),
@@ -264,13 +272,18 @@ EARLIER: dict[str, tuple[tuple[int, int], Expect]] = {
     # transformers 5.24 moved CodeGen's and GPT-J's attention onto the AttentionInterface
     "codegen": ((5, 24), Expect(PADDED, _NO_BACKEND)),
     "gptj": ((5, 24), Expect(PADDED, _NO_BACKEND)),
+    # transformers 5.25 moved Falcon's attention onto the AttentionInterface
+    "falcon": ((5, 25), Expect(PADDED, _NO_BACKEND)),
 }
 
 #: Architectures that a transformers release added after the oldest one this package supports (major, minor): with an
 #: older release installed they are not run, and their entries are not stale.
-SINCE: dict[str, tuple[int, int]] = dict.fromkeys(
-    ("apertus1p5_text", "dory", "exaone", "inkling2_loop_text", "lara_mini", "sarvam_mla", "sarvam_moe"), (5, 24)
-)
+SINCE: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(
+        ("apertus1p5_text", "dory", "exaone", "inkling2_loop_text", "lara_mini", "sarvam_mla", "sarvam_moe"), (5, 24)
+    ),
+    **dict.fromkeys(("ergo", "kolibri1_1", "minicpm5_moe", "param2moe"), (5, 25)),
+}
 
 
 def expected(model_type: str) -> Expect:
@@ -531,6 +544,25 @@ def test_excluded_architectures_cannot_be_built_or_trained_by_stock():
         if reason.startswith("multimodal") or reason.startswith("speculative"):
             with pytest.raises(TinyConfigUnavailable):
                 tiny_causal_lm_config(model_type)
+
+
+def test_layer_selection_keeps_the_layers_read_and_renumbers_them():
+    """A layer reading another layer's keys and values (``kv_source_layers``, Kolibri-1.1's layout: indexed layers every
+    5th, indexers among them, two leading dense-MLP layers) keeps its source when the zoo cuts the layers, and every
+    index list names the new layer numbers."""
+    from hf_dynbsz.testing.zoo import _select_layers
+
+    layer_types = ["indexed_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(20)]
+    sources = [4 if i in (9, 14) else i for i in range(20)]
+    fields = dict(layer_types=layer_types, index_layers=[4, 14], kv_source_layers=sources, mlp_only_layers=[0, 1])
+    chosen, lists = _select_layers(fields, 20)
+    assert chosen == [0, 4, 14]  # 14 covers "reads another layer", and brings 4, the layer it reads
+    assert lists == {
+        "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention"],
+        "index_layers": [1, 2],
+        "mlp_only_layers": [0],
+        "kv_source_layers": [0, 1, 1],
+    }
 
 
 def _params():

@@ -111,6 +111,8 @@ SIZES = {
             "feed_forward_size",
             "intermediate_size_mlp",
             "dense_intermediate_size",
+            "first_dense_intermediate_size",  # Ergo's leading dense layers
+            "mlp_only_intermediate_size",  # Kolibri-1.1's dense-MLP layers
         ],
         FF,
     ),
@@ -149,7 +151,7 @@ SIZES = {
     "o_lora_rank": 16,
     # DeepSeek-V3.2-style indexer (sparse attention over the top-k keys)
     "index_topk": 4,
-    "index_n_heads": 2,
+    **dict.fromkeys(["index_n_heads", "index_num_heads"], 2),
     "index_head_dim": 8,
     # local attention windows
     **dict.fromkeys(
@@ -205,7 +207,17 @@ POSITIVE_ONLY = {
 NONE_OK = ("head_dim", "num_experts_per_tok", "n_routed_experts", "intermediate_size", "n_inner")
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_blocks")
 # per-layer lists holding layer *indices* (not one entry per layer)
-INDEX_LISTS = ("moe_layers", "full_attn_idxs", "mlp_only_layers", "hybrid_layer_ids", "attn_layer_indices")
+INDEX_LISTS = (
+    "moe_layers",
+    "full_attn_idxs",
+    "mlp_only_layers",
+    "hybrid_layer_ids",
+    "attn_layer_indices",
+    "index_layers",
+)
+# one entry per layer holding the index of the layer it reads (its own index: none), e.g. the layer whose keys and
+# values it attends to: a selection of layers keeps the layers read by those chosen and renumbers the entries
+REFERENCE_LISTS = ("kv_source_layers",)
 
 
 def _is_dropout(name: str) -> bool:
@@ -242,13 +254,28 @@ def _layer_count(fields: dict):
     return None, None
 
 
+def _reference_lists(fields: dict, n_layers: int) -> dict:
+    """The :data:`REFERENCE_LISTS` of a config with ``n_layers`` layers, by name."""
+    return {
+        k: list(v)
+        for k, v in fields.items()
+        if k in REFERENCE_LISTS
+        and isinstance(v, (list, tuple))
+        and len(v) == n_layers
+        and all(isinstance(i, int) and 0 <= i < n_layers for i in v)
+    }
+
+
 def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
     """Pick the fewest layer indices of the default config such that every value of every per-layer list
-    (layer_types, mlp_layer_types, no-rope flags, index lists, ...) still occurs; returns (indices, lists)."""
+    (layer_types, mlp_layer_types, no-rope flags, index lists, ...) still occurs, and every kind of entry of a
+    reference list (a layer reading its own or another layer's); the layers read by those picked are kept too, and
+    index and reference lists renumbered. Returns (indices, lists)."""
+    references = _reference_lists(fields, n_layers)
     per_layer = {
         k: list(v)
         for k, v in fields.items()
-        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS
+        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS and k not in references
     }
     index_lists = {
         k: list(v)
@@ -258,6 +285,8 @@ def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
     columns = dict(per_layer)
     for k, v in index_lists.items():
         columns[k] = [i in v for i in range(n_layers)]
+    for k, v in references.items():
+        columns[k] = [v[i] == i for i in range(n_layers)]
     need = {(k, repr(v)) for k, col in columns.items() for v in col}
     chosen: list[int] = []
     while need:
@@ -269,10 +298,16 @@ def _select_layers(fields: dict, n_layers: int, min_layers: int = LAYERS):
             break
         if i not in chosen:
             chosen.append(i)
-    chosen = sorted(chosen)[: max(len(chosen), min_layers)]
+    read = {v[i] for v in references.values() for i in chosen} - set(chosen)
+    while read:  # the layers those chosen read (and those they read)
+        chosen.extend(read)
+        read = {v[i] for v in references.values() for i in chosen} - set(chosen)
+    chosen = sorted(chosen)
     new = {k: [v[i] for i in chosen] for k, v in per_layer.items()}
     for k, v in index_lists.items():
         new[k] = [j for j, i in enumerate(chosen) if i in v]
+    for k, v in references.items():
+        new[k] = [chosen.index(v[i]) for i in chosen]
     return chosen, new
 
 
@@ -390,6 +425,25 @@ OVERRIDES: dict = {
         n_input_layers=1,
         n_recurrent_layers=1,
         n_output_layers=1,
+    ),
+    # Kolibri-1.1: indexed attention rounds keys and values to NVFP4 in blocks of 16 (head_dim a multiple of 16); an
+    # indexer's pool of index_pool_size keys (blocks of index_compression) and the index_topk keys chosen from it
+    # besides sink and local tokens are made small enough to select among 20-60 tokens (defaults 16384 / 8 / 128).
+    # Layers: the generic selection gives a sliding layer, an indexer and an indexer reading its keys and values, but
+    # no reindexer (an indexed layer rescoring the pool of the indexer before it), which most of the default's indexed
+    # layers are: a sliding dense-MLP layer, an indexer with its own keys and values, a reindexer and an indexer that
+    # both read them (the default's layers 4, 9 and 14)
+    "kolibri1_1": _set(
+        head_dim=16,
+        index_pool_size=8,
+        index_compression=2,
+        index_num_sink_tokens=2,
+        index_num_local_tokens=4,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention"] + ["indexed_attention"] * 3,
+        index_layers=[1, 3],
+        kv_source_layers=[0, 1, 1, 1],
+        mlp_only_layers=[0],
     ),
     # Jamba: default periods (attention every 8th layer from 4, MoE every 2nd from 1) leave 2 layers all-mamba;
     # layer 0 = mamba + MoE, layer 1 = attention + dense MLP
@@ -649,11 +703,13 @@ def _default_pattern_prefix(default, fields: dict, kwargs: dict) -> None:
     layer_name, n_layers = _layer_count(fields)
     if not n_layers:
         return
+    references = _reference_lists(fields, n_layers)
     patterns = [
         list(v)
         for k, v in fields.items()
-        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS
+        if isinstance(v, (list, tuple)) and len(v) == n_layers and k not in INDEX_LISTS and k not in references
     ]
+    patterns += [[v[i] == i for i in range(n_layers)] for v in references.values()]  # reads its own or another's
     for name in ("layers_block_type", "layer_types"):  # derived patterns (properties)
         derived = getattr(default, name, None)
         if isinstance(derived, (list, tuple)) and len(derived) == n_layers:
