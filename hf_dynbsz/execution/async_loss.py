@@ -57,16 +57,20 @@ def async_loss_settings(trainer) -> LossSettings:
     )
 
 
-def async_sample_weights(settings: LossSettings, batch: StepBatch, num_processes: int) -> torch.Tensor:
-    """``(samples,)`` float64: every sample's weight, ``processes / N`` with ``N`` the step's trained tokens over all
-    processes (``batch.num_items``), whatever slice the sample arrived in."""
+def async_sample_weights(
+    settings: LossSettings, batch: StepBatch, num_processes: int, gradient_accumulation_steps: int = 1
+) -> torch.Tensor:
+    """``(samples,)`` float64: every sample's weight, ``processes / N / gradient_accumulation_steps`` with ``N`` the
+    trained tokens over all processes of its stock slice (``batch.num_items``: its micro-batch's for stock's step,
+    the step's for the samples-defined step, with ``gradient_accumulation_steps`` 1), whatever pass or process it
+    trains in."""
     policy, _ = sample_weights(
         settings,
         batch.loss_tokens,
         batch.slice_ids,
         batch.slice_rows,
         batch.num_items,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=gradient_accumulation_steps,
         steps_per_generation=1,
         num_processes=num_processes,
     )
@@ -85,9 +89,26 @@ def async_pass_loss(
     return loss, metrics
 
 
-def position_shares(table: SequenceTable) -> list[torch.Tensor]:
-    """Per sample of ``table``, each position's share of its node in the samples' prefix trie (keyed as stock's
-    ``TreeRow``: a token and the next): 1 / the samples holding it (float64, one per token)."""
+def position_shares(table: SequenceTable, slice_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per sample of ``table``, each position's share of its node in the prefix trie (keyed as stock's ``TreeRow``:
+    a token and the next) of the samples of its stock slice (``slice_ids``; None: all of ``table``'s samples are one
+    slice): 1 / the samples holding it (float64, one per token)."""
+    if slice_ids is None:
+        return _trie_shares(table)
+    shares: list[torch.Tensor | None] = [None] * len(table)
+    for slice_id in slice_ids.unique().tolist():
+        members = (slice_ids == slice_id).nonzero().flatten().tolist()
+        part = SequenceTable(
+            tokens=[table.tokens[i] for i in members],
+            prompt_lengths=table.prompt_lengths[members],
+            completion_lengths=table.completion_lengths[members],
+        )
+        for i, share in zip(members, _trie_shares(part)):
+            shares[i] = share
+    return shares
+
+
+def _trie_shares(table: SequenceTable) -> list[torch.Tensor]:
     tree = table.prefix_tree("tree")
     paths = tree.paths()
     holders = [0] * tree.nodes

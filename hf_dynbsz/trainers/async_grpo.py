@@ -46,9 +46,10 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     DataCollatorForRollout,
     FixedCountBatcher,
     RolloutQueueDataset,
+    TokenBudgetBatcher,
 )
 
-from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config
+from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
 from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
 from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
 from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker
@@ -115,6 +116,8 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "stock fallback on the plugin's kernels: set dynamic_batching=False for stock AsyncGRPOTrainer "
                 "(FlashAttention-3 tree attention)."
             )
+        if samples_step(self.args):
+            self._dynbsz_say_samples_step()
         self._dynbsz_stock_throughput = stock_throughput_blocker(self.model.config.get_text_config())
         if self._dynbsz_stock_throughput is not None:
             logger.warning(
@@ -122,6 +125,20 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "compute_flops_per_token cannot read its config (%s); dynbsz/tokens_per_second is.",
                 self._dynbsz_stock_throughput,
             )
+
+    def _dynbsz_say_samples_step(self) -> None:
+        """Once, at start: what the opt-in samples-defined step (``async_step="samples"``) changes from stock."""
+        args = self.args
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        logger.warning(
+            "hf_dynbsz: async_step='samples': each optimizer step trains per_device_train_batch_size x "
+            "gradient_accumulation_steps x processes = %d samples normalised by the step's trained tokens, which "
+            "differs from stock AsyncGRPOTrainer at this config (token_budget=%s; stock normalises each micro-batch "
+            "by its own tokens, and with token_budget > 0 its budget decides the samples and drops longer ones); "
+            "token_budget is the plugin's tokens per pass here. async_step='stock' (the default) trains stock's step.",
+            samples,
+            args.token_budget,
+        )
 
     def _dynbsz_keep_samples_home(self) -> None:
         """An MoE model's router aux loss over an asynchronous step counts a position the process's samples share
@@ -138,8 +155,9 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ the samples of a step
     def get_train_dataloader(self) -> DataLoader:
-        # Override: stock's queue and fixed-count batcher (per_device_train_batch_size x processes samples per
-        # micro-batch), each micro-batch sent to the processes as per-sample rows (the plugin packs them).
+        # Override: stock's queue and batchers, each micro-batch sent to the processes as per-sample rows (the plugin
+        # packs them): stock's step (async_step="stock") through the batcher stock picks at this config, the plugin's
+        # samples-defined step through stock's fixed-count batcher.
         if not self._dynbsz_dynamic:
             return super().get_train_dataloader()
         processes = self.accelerator.num_processes
@@ -155,14 +173,34 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 report_to=self.args.report_to,
             )
             self._rollout_dataset = source  # (stock's _log_step_metrics flushes its queue wait)
-            dataset = FixedCountBatcher(source, processes, self.args.per_device_train_batch_size * processes)
+            dataset = self._batcher(source, processes)
         collator = _RolloutSliceCollator(
             self.processing_class.pad_token_id,
             processes,
             groups_trained=self._trained_groups,
             metrics=self._metrics["train"],
+            token_budget=self._stock_token_budget(),
         )
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
+
+    def _batcher(self, source: RolloutQueueDataset, processes: int) -> IterableDataset:
+        """Stock's planner over the queue: its ``TokenBudgetBatcher`` for stock's step with ``token_budget > 0`` (an
+        unset budget asks the vLLM server for ``max_model_len``, as stock does), else its ``FixedCountBatcher``."""
+        if not samples_step(self.args) and self.args.token_budget is None:
+            self.vllm_client.wait_for_server_ready()
+            self.args.token_budget = self.vllm_client.get_max_model_len()
+            logger.info("token_budget unset; defaulting to vLLM max_model_len=%d", self.args.token_budget)
+        budget = self._stock_token_budget()
+        if budget:
+            return TokenBudgetBatcher(source, processes, budget, self._metrics["train"])
+        return FixedCountBatcher(source, processes, self.args.per_device_train_batch_size * processes)
+
+    def _stock_token_budget(self) -> int:
+        """The budget of stock's ``TokenBudgetBatcher`` that decides the step's samples, 0 for a fixed count (always for
+        the samples-defined step, where ``token_budget`` is the plugin's pass budget)."""
+        if samples_step(self.args):
+            return 0
+        return max(self.args.token_budget or 0, 0)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch):
@@ -182,7 +220,9 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
     def _train_rollouts(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its slices: the step's samples through the pass executor."""
         executor, accelerator = self._dynbsz, self.accelerator
-        batch = rollout_step_batch(window, accelerator.process_index, accelerator.num_processes)
+        batch = rollout_step_batch(
+            window, accelerator.process_index, accelerator.num_processes, stock_slices=not samples_step(self.args)
+        )
         if not executor.self_check(model, batch.table):
             raise RuntimeError(
                 "DynamicBatchAsyncGRPOTrainer: no layout passed the self-check on this model (the log above says "
