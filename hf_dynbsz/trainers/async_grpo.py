@@ -1,20 +1,25 @@
-"""``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with an optimizer
-step defined by samples, packed into token-budget passes by the plugin's planner, with the math of stock's fixed-count
-mode whatever the budget.
+"""``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with its optimizer
+step packed into token-budget passes by the plugin's planner: stock's step at the user's config by default, or
+(opt-in) a step defined by samples.
 
 Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and metrics stay stock's. What changes:
 
-* the step: ``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples of the rollout queue,
-  taken as stock's fixed-count mode takes them (its ``FixedCountBatcher``: ``per_device_train_batch_size x
-  processes`` samples per micro-batch, each process's row balanced by attention cost, groups kept together), collected
-  over the step's accumulation steps into one :class:`~hf_dynbsz.execution.batch.StepBatch`
-  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes, the prefix tree (a group's
-  prompt, a tool block common to every prompt, a forked conversation's shared history), cross-rank balancing,
-  lockstep pass counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager,
-  flex, flash, torch's ``varlen_attn``) instead of FlashAttention-3 only;
-* the loss: stock's clipped token loss normalised by the step's trained tokens over all processes
-  (:mod:`hf_dynbsz.execution.async_loss`): stock's fixed-count mode with the step in one micro-batch, whatever the
-  budget and however the step is written (``16 x 1`` or ``8 x 2`` samples per process);
+* the step (``async_step``): ``"stock"`` (the default) is stock's own, its ``TokenBudgetBatcher`` (``token_budget > 0``:
+  the samples that fit the budget, longer ones dropped with stock's warning and counter) or ``FixedCountBatcher``
+  (``per_device_train_batch_size x processes`` samples per micro-batch) run over the queue,
+  ``gradient_accumulation_steps`` micro-batches per step; ``"samples"`` is ``per_device_train_batch_size x
+  gradient_accumulation_steps x processes`` samples taken as stock's fixed-count mode takes them. Either way the step's
+  micro-batches (each process's row of each) are collected into one :class:`~hf_dynbsz.execution.batch.StepBatch`
+  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes sized by
+  ``max_tokens_per_microbatch`` or memory (``token_budget`` for the samples step), the prefix tree (a group's prompt, a
+  tool block common to every prompt, a forked conversation's shared history), cross-rank balancing, lockstep pass
+  counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager, flex, flash,
+  torch's ``varlen_attn``) instead of FlashAttention-3 only;
+* the loss: stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`), each token weighted
+  ``1 / (its micro-batch's trained tokens over all processes) / gradient_accumulation_steps`` as stock weighs it
+  (a weight of the micro-batch, not of the process: samples move between processes freely); the samples step
+  normalises by the step's trained tokens (stock's fixed-count mode with the step in one micro-batch, however the
+  step is written: ``16 x 1`` or ``8 x 2``);
 * the model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
   default when unset), not stock's FA3 tree kernel, and stock's refusals of state-carrying layers and attention sinks
   do not apply: segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
@@ -22,12 +27,13 @@ Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and met
 With ``dynamic_batching=False`` the trainer is stock's: FA3 tree attention, stock's batchers and ``compute_loss``.
 
 TRL names this module touches (all in :mod:`hf_dynbsz._trl_compat`): ``__init__`` through
-:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module
-replaced while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
+:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module replaced
+while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
 ``add_fused_lm_head``, ``get_peak_flops_per_device``); ``get_train_dataloader`` and ``training_step`` (overridden);
-stock's ``RolloutQueueDataset``, ``FixedCountBatcher`` and ``DataCollatorForRollout`` (its ``_log_metrics``: stock's
-sample and packing metrics of each micro-batch); the trainer's ``_metrics``, ``_trained_groups``,
-``_rollout_dataset`` and the step accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
+stock's ``RolloutQueueDataset``, ``FixedCountBatcher``, ``TokenBudgetBatcher`` and ``DataCollatorForRollout`` (its
+``_log_metrics``: stock's sample and packing metrics of each micro-batch); the trainer's ``_metrics``,
+``_trained_groups``, ``_rollout_dataset``, ``vllm_client`` (an unset ``token_budget``, as stock asks it) and the step
+accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
 """
 
 from __future__ import annotations
@@ -61,8 +67,8 @@ logger = logging.getLogger("hf_dynbsz")
 
 
 class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
-    """Drop-in replacement for TRL's ``AsyncGRPOTrainer`` with an optimizer step defined by samples and token-budget
-    passes.
+    """Drop-in replacement for TRL's ``AsyncGRPOTrainer``: stock's optimizer step (``async_step="stock"``, the default)
+    or one defined by samples (``"samples"``), in token-budget passes.
 
     Takes exactly stock's constructor arguments (``rollout_worker`` and ``weight_transfer`` included). Accepts a
     :class:`~hf_dynbsz.DynamicBatchAsyncGRPOConfig` or a plain ``AsyncGRPOConfig`` (the plugin's fields then take
