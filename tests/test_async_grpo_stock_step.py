@@ -101,7 +101,8 @@ def test_the_samples_step_is_opt_in_and_equals_stock_16x1(model_dir, stock_cut, 
     assert_equals_stock(ours, stock, stock_cut)
     assert update_difference(stock.initial, stock_cut.final, stock.final) > 20 * UPDATE_TOLERANCE
     assert relative_difference(ours.final, stock.final) < PARAMETER_TOLERANCE
-    said = [record.getMessage() for record in caplog.records if "async_step='samples'" in record.getMessage()]
+    said = [record.getMessage() for record in caplog.records]
+    said = [message for message in said if message.startswith("hf_dynbsz: async_step='samples'")]
     assert len(said) == 1 and "differs from stock" in said[0]
 
 
@@ -125,3 +126,25 @@ def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, step):
     stock_aux = [entry["aux_loss"] for entry in stock.history if "aux_loss" in entry]
     assert len(stock_aux) == 3
     assert [entry["aux_loss"] for entry in ours.history if "aux_loss" in entry] == pytest.approx(stock_aux, rel=1e-5)
+
+
+def test_each_sample_weighs_as_stock_weighs_its_micro_batch():
+    """A sample's weight is processes / (its micro-batch's trained tokens over all processes) / GA, the micro-batch's
+    tokens per process counted as at least 1 (stock's clamp), whatever process it runs on."""
+    import types
+
+    import torch
+
+    from hf_dynbsz.execution.async_loss import async_loss_settings, async_sample_weights
+
+    trainer = types.SimpleNamespace(
+        epsilon_low=0.2, epsilon_high=0.2, args=types.SimpleNamespace(max_completion_length=8)
+    )
+    batch = types.SimpleNamespace(
+        loss_tokens=torch.tensor([3, 5, 1, 0]),
+        slice_ids=torch.tensor([0, 0, 1, 3]),  # micro-batches 0 and 1 of process 0, micro-batch 1 of process 1
+        slice_rows=torch.tensor([2, 1, 0, 1]),
+        num_items=torch.tensor([20.0, 20.0, 1.0, 1.0], dtype=torch.float64),
+    )
+    weights = async_sample_weights(async_loss_settings(trainer), batch, num_processes=2, gradient_accumulation_steps=2)
+    assert weights.tolist() == pytest.approx([2 / 20 / 2, 2 / 20 / 2, 1 / 2, 1 / 2])

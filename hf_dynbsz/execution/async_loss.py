@@ -64,13 +64,13 @@ def async_sample_weights(
     """``(samples,)`` float64: every sample's weight, ``processes / N / gradient_accumulation_steps`` with ``N`` the
     trained tokens over all processes of its stock slice (``batch.num_items``: its micro-batch's for stock's step,
     the step's for the samples-defined step, with ``gradient_accumulation_steps`` 1), whatever pass or process it
-    trains in."""
+    trains in. As stock, ``N / processes`` counts as at least 1 (its ``tokens_per_rank.clamp(min=1.0)``)."""
     policy, _ = sample_weights(
         settings,
         batch.loss_tokens,
         batch.slice_ids,
         batch.slice_rows,
-        batch.num_items,
+        batch.num_items.double().clamp(min=float(num_processes)),
         gradient_accumulation_steps=gradient_accumulation_steps,
         steps_per_generation=1,
         num_processes=num_processes,
