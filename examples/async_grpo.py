@@ -1,4 +1,4 @@
-"""Asynchronous GRPO with an optimizer step defined by samples: ``DynamicBatchAsyncGRPOTrainer``.
+"""Asynchronous GRPO with stock's optimizer step in the plugin's passes: ``DynamicBatchAsyncGRPOTrainer``.
 
 **No arguments: an offline demo** (nothing is downloaded, no vLLM server; under a minute on 2 CPU cores)::
 
@@ -9,9 +9,12 @@ A tiny Qwen2-style model (random weights) trains on scripted rollouts of the lon
 32-96 tokens, completions up to ``--max_completion_length``, groups of ``--num_generations``), produced by the
 stand-in rollout worker of ``hf_dynbsz.testing`` (TRL's ``RolloutWorkerProtocol``) at ``--generation_seconds`` per
 sample on a thread of its own, while the trainer trains; the weight syncs go to a no-op weight transfer (TRL's
-``WeightTransferProtocol``). Each optimizer step takes ``per_device_train_batch_size x gradient_accumulation_steps x
-processes`` samples of the queue and trains them in passes of at most ``--token_budget`` tokens per device (unset:
-the plugin's automatic budget). The run prints the batch-size table, one line per optimizer step and a summary.
+``WeightTransferProtocol``). Each optimizer step is stock's at this config; the demo sets stock's fixed-count mode
+(``--token_budget 0``: ``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples of the queue,
+each micro-batch normalised by its own tokens; stock's default asks a vLLM server for ``max_model_len``) and trains
+them in passes of at most ``--max_tokens_per_microbatch`` tokens per device (unset: the plugin's automatic budget).
+``--async_step samples`` trains the plugin's own step instead. The run prints the batch-size table, one line per
+optimizer step and a summary.
 
 **With a vLLM server**, as TRL's own asynchronous GRPO::
 
@@ -20,9 +23,10 @@ the plugin's automatic budget). The run prints the batch-size table, one line pe
         --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/DeepMath-103K \\
         --reward_funcs accuracy_reward --max_completion_length 1024 --output_dir runs/async-grpo-qwen3
 
-Then stock's rollout worker generates on the server and stock's weight transfer streams the weights to it; the
-plugin trains. Every ``DynamicBatchAsyncGRPOConfig`` option is a flag (``--token_budget 8192``, ``--dynamic_batching
-false`` for stock ``AsyncGRPOTrainer``, ``--max_memory_per_device_mib 70000`` for the budget from memory, ...).
+Then stock's rollout worker generates on the server and stock's weight transfer streams the weights to it; the plugin
+trains. Every ``DynamicBatchAsyncGRPOConfig`` option is a flag (``--token_budget 8192`` for stock's step's samples,
+``--max_tokens_per_microbatch 4096`` for the passes, ``--dynamic_batching false`` for stock ``AsyncGRPOTrainer``,
+``--max_memory_per_device_mib 70000`` for the budget from memory, ...).
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from trl import TrlParser
 
 from hf_dynbsz import DynamicBatchAsyncGRPOConfig
 
-#: The offline demo's run: 16 samples per optimizer step, groups of 4, 8 steps, a visible learning rate.
+#: The offline demo's run: 16 samples per optimizer step (stock's fixed count), groups of 4, 8 steps, a visible learning
+#: rate.
 TINY_DEFAULTS = dict(
     output_dir="runs/async-grpo-tiny",
     per_device_train_batch_size=16,
+    token_budget=0,  # stock's fixed-count step (stock's default budget asks the vLLM server for max_model_len)
     num_generations=4,
     max_completion_length=256,
     max_steps=8,

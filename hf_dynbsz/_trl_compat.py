@@ -273,6 +273,15 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         ("dataset", "num_processes", "microbatch_size"),
     ),
     InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
+        "TokenBudgetBatcher",
+        "calls",
+        "stock's token-budget planner, which decides the samples of stock's step (async_step='stock', token_budget > "
+        "0): as many samples per micro-batch as fit one row per process, longer ones dropped with its warning and "
+        "counter",
+        ("dataset", "num_processes", "token_budget", "metrics"),
+    ),
+    InternalName(
         "trl.experimental.async_grpo.async_grpo_trainer.DataCollatorForRollout",
         "_log_metrics",
         "calls",
@@ -296,6 +305,13 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "_rollout_dataset",
         "writes",
         "the queue whose wait stock's _log_step_metrics flushes at each optimizer step",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "vllm_client",
+        "reads",
+        "asked for the server's max_model_len when token_budget is unset (stock's step), as stock's "
+        "get_train_dataloader asks it",
     ),
     InternalName(
         "trl.experimental.async_grpo.AsyncGRPOTrainer instance",

@@ -1,17 +1,20 @@
 """``DynamicBatchAsyncGRPOConfig``: TRL's ``AsyncGRPOConfig`` (``trl.experimental.async_grpo``) plus the plugin's
-settings (the fields of :class:`~hf_dynbsz.config.DynamicBatchFields`).
+settings (the fields of :class:`~hf_dynbsz.config.DynamicBatchFields`, and ``async_step``).
 
 A module of its own: importing TRL's experimental package costs seconds and warns, which the synchronous trainers'
 configs (:mod:`hf_dynbsz.config`) do not pay.
 
-The optimizer step is defined by samples: ``per_device_train_batch_size x gradient_accumulation_steps x processes``
-samples from the rollout queue, what stock's fixed-count mode (``token_budget <= 0``) trains per optimizer step.
-Stock's ``token_budget`` keeps its meaning, the tokens one device forwards at once, as the plugin's training budget
-per pass: ``token_budget > 0`` sets ``max_tokens_per_microbatch`` (:func:`take_token_budget`); unset (or ``<= 0``),
-the budget is the plugin's automatic one: from memory with ``max_memory_per_device_mib`` (or
-``max_memory_fraction_per_device``), else what stock's fixed-count mode forwards per device for the same samples.
-The vLLM server is never asked for its ``max_model_len`` (stock's default budget), and no sample is dropped for its
-length: one longer than the budget gets a pass of its own.
+``async_step`` picks the optimizer step:
+
+* ``"stock"`` (the default): stock's step at the user's config. ``token_budget > 0`` (stock's default, the vLLM
+  server's ``max_model_len`` when unset) keeps stock's meaning for which samples a step holds (its
+  ``TokenBudgetBatcher``'s ``gradient_accumulation_steps`` micro-batches) and does not size the plugin's passes:
+  ``max_tokens_per_microbatch`` or the memory budget does (unset: the tokens stock's row of the micro-batch forwards).
+* ``"samples"``: the plugin's own step, ``per_device_train_batch_size x gradient_accumulation_steps x processes``
+  samples from the rollout queue normalised by the step's tokens. Stock's ``token_budget`` is then the plugin's
+  training budget per pass: ``token_budget > 0`` sets ``max_tokens_per_microbatch`` (:func:`take_token_budget`);
+  unset (or ``<= 0``) the budget is the plugin's automatic one. The vLLM server is never asked for its
+  ``max_model_len``, and no sample is dropped for its length: one longer than the budget gets a pass of its own.
 """
 
 from __future__ import annotations
@@ -21,21 +24,32 @@ from dataclasses import dataclass
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from hf_dynbsz.config import DynamicBatchFields, default_ddp_backend, refuse_sequence_parallelism
+from hf_dynbsz.config import DynamicBatchFields, _field, default_ddp_backend, refuse_sequence_parallelism
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.settings import config_docstring, defaults_of
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
-__all__ = ["AsyncFields", "DynamicBatchAsyncGRPOConfig", "async_trainer_config", "take_token_budget"]
+__all__ = [
+    "AsyncFields",
+    "DynamicBatchAsyncGRPOConfig",
+    "async_trainer_config",
+    "samples_step",
+    "take_token_budget",
+]
 
 #: The trainer name of the plugin's settings and plan (``hf-dynbsz plan --trainer async_grpo``).
 TRAINER = "async_grpo"
 
 
+def samples_step(args) -> bool:
+    """Whether ``args`` trains the plugin's samples-defined step (``async_step="samples"``), not stock's."""
+    return getattr(args, "async_step", "stock") == "samples"
+
+
 def take_token_budget(args) -> None:
-    """Stock's ``token_budget`` as the plugin's training budget, in place: ``> 0`` sets ``max_tokens_per_microbatch``
-    (tokens per device per pass); a different ``max_tokens_per_microbatch`` beside it is refused; ``None`` or
-    ``<= 0`` leaves the budget to the plugin (from memory, else stock's fixed-count row)."""
+    """Stock's ``token_budget`` as the plugin's training budget (``async_step="samples"``), in place: ``> 0`` sets
+    ``max_tokens_per_microbatch`` (tokens per device per pass); a different ``max_tokens_per_microbatch`` beside it is
+    refused; ``None`` or ``<= 0`` leaves the budget to the plugin (from memory, else stock's fixed-count row)."""
     budget = getattr(args, "token_budget", None)
     if budget is None or int(budget) <= 0:
         return
@@ -54,15 +68,20 @@ def _check_async_fields(args) -> None:
         "DynamicBatchAsyncGRPOTrainer",
         "stock AsyncGRPOTrainer refuses it too; a sample longer than the token budget trains in a pass of its own",
     )
-    take_token_budget(args)
     validate_dynamic_batch_fields(args)
+    if samples_step(args):
+        take_token_budget(args)
+        validate_dynamic_batch_fields(args)
 
 
 @dataclass
 class AsyncFields(DynamicBatchFields):
     """The plugin's fields on TRL's ``AsyncGRPOConfig`` and their checks: after the environment, TRL's own
     ``AsyncGRPOConfig.__post_init__`` (no generation round to derive: the rollout worker generates continuously),
-    then stock's ``token_budget`` taken as the training budget and the plugin's fields checked."""
+    then the plugin's fields checked and, for the samples-defined step, stock's ``token_budget`` taken as the
+    training budget."""
+
+    async_step: str = _field("async_step")
 
     def _dynbsz_check_and_derive(self) -> None:
         super(DynamicBatchFields, self).__post_init__()  # TRL's AsyncGRPOConfig.__post_init__
@@ -77,12 +96,13 @@ class DynamicBatchAsyncGRPOConfig(AsyncFields, AsyncGRPOConfig):
 DynamicBatchAsyncGRPOConfig.__doc__ = f"""
     Configuration of [`~hf_dynbsz.DynamicBatchAsyncGRPOTrainer`]: every
     [`~trl.experimental.async_grpo.AsyncGRPOConfig`] parameter plus the ones below (written once, in
-    `hf_dynbsz.planning.settings`). An optimizer step trains `per_device_train_batch_size x
-    gradient_accumulation_steps x processes` samples of the rollout queue, as stock's fixed-count mode; `token_budget >
-    0` is the tokens one device forwards at once (`max_tokens_per_microbatch`); unset, the budget comes from memory
-    (`max_memory_per_device_mib`) or is what stock's fixed-count mode forwards. With `dynamic_batching=False` the
-    trainer behaves exactly like TRL's `AsyncGRPOTrainer`. Precedence: `DIFFU_*` environment variables over arguments
-    over defaults.
+    `hf_dynbsz.planning.settings`). By default (`async_step="stock"`) an optimizer step is stock's at this config
+    (`token_budget` decides its samples as stock's batchers do, each micro-batch normalised by its own tokens) and the
+    passes' size comes from `max_tokens_per_microbatch` or memory (`max_memory_per_device_mib`); with
+    `async_step="samples"` it trains `per_device_train_batch_size x gradient_accumulation_steps x processes` samples
+    normalised by the step's tokens, `token_budget > 0` the tokens one device forwards at once. With
+    `dynamic_batching=False` the trainer behaves exactly like TRL's `AsyncGRPOTrainer`. Precedence: `DIFFU_*`
+    environment variables over arguments over defaults.
 
     Parameters:
 {config_docstring(TRAINER)}

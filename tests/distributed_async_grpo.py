@@ -9,8 +9,10 @@ parameters: :func:`~hf_dynbsz.testing.engine_record`) and, from rank 0, the fina
 
 ``--scenarios`` (JSON, ``{"name": {"flag": value, ...}, ...}``) trains once per named set of flags in the same launch
 (files suffixed ``.name``): a launch's start-up costs more than a tiny run. The flags (:data:`FLAGS`): ``per_device``
-and ``accumulation`` (the step's ``per_device_train_batch_size`` and ``gradient_accumulation_steps``), ``budget`` (the
-plugin's ``token_budget``; stock runs its fixed-count mode), ``balance`` ("on" or "off"), ``script``
+and ``accumulation`` (the step's ``per_device_train_batch_size`` and ``gradient_accumulation_steps``), ``step`` (the
+plugin's ``async_step``), ``budget`` (the plugin's ``token_budget`` for the samples step; stock runs its fixed-count
+mode), ``stock_budget`` (``token_budget`` of both trainers for stock's step: stock's token-budget mode), ``passes``
+(the plugin's ``max_tokens_per_microbatch``), ``balance`` ("on" or "off"), ``script``
 (:class:`~hf_dynbsz.testing.RolloutScript` fields), ``architecture`` (a model of
 :func:`~hf_dynbsz.testing.save_tiny_model`, saved here by the main process first), ``max_memory_mib``, ``steps``.
 """
@@ -39,6 +41,7 @@ from hf_dynbsz.testing import (
 FLAGS = dict(
     per_device=8, accumulation=1, budget=0, balance="on", script={}, architecture=None, max_memory_mib=None, steps=3
 )
+FLAGS.update(step="samples", stock_budget=0, passes=None)
 
 
 def model_directory(model_dir: str, architecture: str | None, out: str) -> str:
@@ -62,10 +65,13 @@ def train(trainer: str, model_dir: str, out: str, flags: dict):
         gradient_accumulation_steps=flags["accumulation"],
         max_steps=flags["steps"],
         ddp_backend="gloo",
+        token_budget=flags["stock_budget"],
     )
     if trainer.endswith("dynamic"):
         fields.update(
-            token_budget=flags["budget"],
+            async_step=flags["step"],
+            max_tokens_per_microbatch=flags["passes"],
+            token_budget=flags["budget"] if flags["step"] == "samples" else flags["stock_budget"],
             balance_across_ranks=flags["balance"] == "on",
             max_memory_per_device_mib=flags["max_memory_mib"],
         )

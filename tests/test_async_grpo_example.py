@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_offline_demo_trains_steps_of_samples(tmp_path):
     command = [sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--max_steps", "3"]
-    command += ["--max_completion_length", "64", "--output_dir", str(tmp_path / "out"), "--token_budget", "200"]
+    command += ["--max_completion_length", "64", "--output_dir", str(tmp_path / "out")]
+    command += ["--max_tokens_per_microbatch", "200"]
     output = run_with_timeout(command, tmp_path, 600, "examples/async_grpo.py")
     assert "hf_dynbsz batch-size plan" in output
     assert re.search(r"step +3 \| loss=\S+ \| ratio=\S+ .*batch/samples_per_step=16 \| dynbsz/microbatches=\d+", output)

@@ -22,8 +22,9 @@ from hf_dynbsz.testing import (
     update_difference,
 )
 
-#: The plugin's step as 8 x 2 samples cut by a 64-token budget; the reference's (and stock's) as 16 in one.
-STEP = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, token_budget=64)
+#: The plugin's samples-defined step as 8 x 2 samples cut by a 64-token budget; the reference's (and stock's) as 16 in
+#: one.
+STEP = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, token_budget=64, async_step="samples")
 SCRIPT = RolloutScript(seed=5, shared_prefix=6, tool_turns=1, forks=0.3, completion_lengths=(4, 30))
 
 
@@ -112,7 +113,8 @@ def test_a_model_stock_refuses_trains_as_the_reference(tmp_path, model_type, ref
 )
 def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, per_device, accumulation, budget):
     """Stock adds its MoE router aux loss over each packed row, a shared position counted once: the plugin weighs each
-    position by its share of the trie node (and the reference written out agrees)."""
+    position by its share of the trie node (and the reference written out agrees). The samples-defined step; stock's
+    step at other configs: ``tests/test_async_grpo_stock_step.py``."""
     model_dir = save_tiny_model(str(tmp_path / "model"), architecture="qwen3_moe")
     stock, ours = stock_and_ours(
         tmp_path,
@@ -120,6 +122,7 @@ def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, per_device, accumu
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         token_budget=budget,
+        async_step="samples",
     )
     assert stock.trainer.aux_loss_enabled and ours.trainer._dynbsz.capabilities.router_aux
     assert_equals(ours, stock.final)

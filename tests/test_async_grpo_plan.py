@@ -17,7 +17,21 @@ def test_the_async_plan_shows_the_queue_and_no_generation_round():
     rows = {row[0]: row for row in plan.rows()}
     assert rows["rollout queue"][1:3] == ("16", "32")
     assert "generation_batch_size" not in rows and "per_device_generation_batch_size" not in rows
-    assert "stock's fixed-count row" in rows["max_tokens_per_microbatch"][3]
+    assert "stock's row of 8 samples per micro-batch" in rows["max_tokens_per_microbatch"][3]
+    assert "async_step='samples'" in rows["rollout queue"][3]
+
+
+def test_the_plan_of_stocks_step_says_what_decides_its_samples():
+    class Options:  # the trainer's config: stock's step (the default) with stock's token budget
+        per_device_train_batch_size, gradient_accumulation_steps, num_generations = 8, 2, 4
+        async_step, token_budget = "stock", 400
+
+    rows = {row[0]: row for row in BatchSizePlan.from_args(Options(), num_processes=2, trainer="async_grpo").rows()}
+    assert rows["rollout queue"][1:3] == ("-", "-") and "token_budget=400 tokens per row" in rows["rollout queue"][3]
+    assert "stock's row of token_budget=400" in rows["max_tokens_per_microbatch"][3]
+    Options.token_budget = 0  # stock's fixed count: 8 x 2 per process, each micro-batch normalised by its own tokens
+    rows = {row[0]: row for row in BatchSizePlan.from_args(Options(), num_processes=2, trainer="async_grpo").rows()}
+    assert rows["rollout queue"][1:3] == ("16", "32") and "each normalised by its own" in rows["rollout queue"][3]
 
 
 def test_plan_async_grpo_takes_stocks_options_and_token_budget(capsys):

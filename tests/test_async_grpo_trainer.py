@@ -4,9 +4,11 @@ Stock runs here through its own extension points (:mod:`hf_dynbsz.testing.async_
 over scripted samples, a no-op weight transfer, its FA3 tree kernel in plain torch. The reference is stock's
 fixed-count mode with the whole optimizer step in one micro-batch per process (``token_budget=0``,
 ``per_device_train_batch_size`` the step's samples, ``gradient_accumulation_steps=1``), where stock's loss is the
-step's token mean. The plugin trains the same samples whatever its budget and however its step is written (``16 x 1``
-or ``8 x 2``): the parameters (SGD at a large rate: the update shows every sample's weight), and every metric stock
-logs, equal stock's.
+step's token mean: the default step (``async_step="stock"``) at ``16 x 1`` is that step whatever the plugin's pass
+budget (``max_tokens_per_microbatch``, memory), and the samples-defined step (``async_step="samples"``) is it however
+the step is written (``16 x 1`` or ``8 x 2``) and whatever its budget (``token_budget``): the parameters (SGD at a
+large rate: the update shows every sample's weight), and every metric stock logs, equal stock's. Stock's step at
+other configs (its token budget, ``8 x 2``): ``tests/test_async_grpo_stock_step.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hf_dynbsz.testing import (
 
 #: The plugin's and stock's parameters (relative) and updates (relative to stock's update) after 3 steps.
 PARAMETER_TOLERANCE, UPDATE_TOLERANCE = 1e-5, 1e-3
+#: The plugin's own step, defined by samples (opt-in).
+SAMPLES = dict(async_step="samples")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,7 @@ def assert_equals_stock(ours, stock, same_cut=None) -> None:
     [(16, 1, 0), (16, 1, 64), (8, 2, 0), (8, 2, 100)],
     ids=["16x1-auto", "16x1-64", "8x2-auto", "8x2-100"],
 )
-def test_the_step_equals_stock_fixed_count_whatever_the_budget(
+def test_the_samples_step_equals_stock_fixed_count_whatever_the_budget(
     model_dir, stock_step, stock_cut, tmp_path, per_device, accumulation, budget
 ):
     ours = async_grpo_run(
@@ -84,6 +88,7 @@ def test_the_step_equals_stock_fixed_count_whatever_the_budget(
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         token_budget=budget,
+        **SAMPLES,
     )
     assert_equals_stock(ours, stock_step, stock_cut if accumulation > 1 else stock_step)
     if not budget and accumulation == 1:  # the same tokens as stock's one row per step: the same FLOP count
@@ -116,7 +121,7 @@ def test_multi_turn_forks_and_a_shared_tool_block_equal_stock(model_dir, tmp_pat
         str(tmp_path / "ours"),
         script,
         per_device_train_batch_size=16,
-        token_budget=120,
+        max_tokens_per_microbatch=120,
     )
     assert_equals_stock(ours, stock)
     entries = [entry for entry in ours.history if "loss" in entry]
@@ -124,11 +129,14 @@ def test_multi_turn_forks_and_a_shared_tool_block_equal_stock(model_dir, tmp_pat
     assert all(entry["dynbsz/prompt_tokens_saved"] > 0 for entry in entries)
 
 
-def test_a_sample_longer_than_the_budget_is_trained_not_dropped(model_dir, stock_step, tmp_path):
-    """Stock's token-budget mode drops a sample longer than its budget; the plugin gives it a pass of its own."""
+@pytest.mark.parametrize("step", ["stock", "samples"])
+def test_a_sample_longer_than_the_pass_budget_is_trained_not_dropped(model_dir, stock_step, tmp_path, step):
+    """A sample longer than the plugin's pass budget gets a pass of its own (stock's step: stock's fixed count decided
+    the samples; the samples step: token_budget is the pass budget and drops nothing)."""
+    budget = dict(max_tokens_per_microbatch=24) if step == "stock" else dict(token_budget=24)
     with pytest.warns(UserWarning, match="longer than"):
         ours = async_grpo_run(
-            "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, token_budget=24
+            "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, async_step=step, **budget
         )
     assert_equals_stock(ours, stock_step)
 
@@ -144,7 +152,8 @@ def test_the_constructor_is_stocks():
 
 
 def test_the_budget_from_memory_equals_stock(model_dir, stock_step, tmp_path):
-    """token_budget unset with a memory limit: each step's budget is the largest whose predicted peak fits."""
+    """No pass budget, a memory limit: each step's budget is the largest whose predicted peak fits (the samples step
+    with token_budget unset: the server is not asked for max_model_len)."""
     ours = async_grpo_run(
         "async_grpo_dynamic",
         model_dir,
@@ -152,6 +161,7 @@ def test_the_budget_from_memory_equals_stock(model_dir, stock_step, tmp_path):
         per_device_train_batch_size=16,
         token_budget=None,
         max_memory_per_device_mib=100_000,
+        **SAMPLES,
     )
     assert_equals_stock(ours, stock_step)
     steps = [entry for entry in ours.history if "dynbsz/microbatches" in entry]
@@ -163,7 +173,7 @@ def test_an_out_of_memory_pass_is_replanned_and_equals_stock(model_dir, stock_st
 
     inject_out_of_memory("training", "backward", 2)
     ours = async_grpo_run(
-        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, token_budget=96
+        "async_grpo_dynamic", model_dir, str(tmp_path), per_device_train_batch_size=16, max_tokens_per_microbatch=96
     )
     assert_equals_stock(ours, stock_step)
     assert sum(entry.get("dynbsz/oom_retries", 0) for entry in ours.history) == 1
@@ -184,14 +194,21 @@ def test_dynamic_batching_off_is_stock(model_dir, stock_step, tmp_path):
 # ---- the config ------------------------------------------------------------------------------------------------
 
 
-def test_token_budget_is_the_training_budget_and_a_second_one_is_refused(tmp_path):
+def test_token_budget_is_stocks_by_default_and_the_samples_steps_training_budget(tmp_path):
     from hf_dynbsz import DynamicBatchAsyncGRPOConfig
 
-    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, use_cpu=True)
+    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, max_tokens_per_microbatch=256, use_cpu=True)
+    assert (config.async_step, config.token_budget, config.max_tokens_per_microbatch) == ("stock", 512, 256)
+    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, use_cpu=True, **SAMPLES)
     assert config.max_tokens_per_microbatch == 512
-    assert DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=0, use_cpu=True).max_tokens_per_microbatch is None
+    config = DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=0, use_cpu=True, **SAMPLES)
+    assert config.max_tokens_per_microbatch is None
     with pytest.raises(ValueError, match="token_budget=512 and max_tokens_per_microbatch=256 disagree"):
-        DynamicBatchAsyncGRPOConfig(str(tmp_path), token_budget=512, max_tokens_per_microbatch=256, use_cpu=True)
+        DynamicBatchAsyncGRPOConfig(
+            str(tmp_path), token_budget=512, max_tokens_per_microbatch=256, use_cpu=True, **SAMPLES
+        )
+    with pytest.raises(ValueError, match="async_step must be one of 'stock', 'samples', got 'steps'"):
+        DynamicBatchAsyncGRPOConfig(str(tmp_path), async_step="steps", use_cpu=True)
     with pytest.raises(ValueError, match="sequence_parallel_size=2: DynamicBatchAsyncGRPOTrainer does not run"):
         DynamicBatchAsyncGRPOConfig(str(tmp_path), sequence_parallel_size=2, use_cpu=True)
 
@@ -203,4 +220,9 @@ def test_a_plain_async_config_gains_the_plugins_fields_and_the_environment(model
 
     monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "256")
     config = async_trainer_config(AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True), model_dir)
-    assert (config.max_tokens_per_microbatch, config.tensor_batch_size, config.dynamic_batching) == (300, 256, True)
+    assert (config.async_step, config.tensor_batch_size, config.dynamic_batching) == ("stock", 256, True)
+    assert (config.token_budget, config.max_tokens_per_microbatch) == (300, None)
+    monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "256")
+    plain = AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True)
+    plain.async_step = "samples"
+    assert async_trainer_config(plain, model_dir).max_tokens_per_microbatch == 300

@@ -1,13 +1,15 @@
 """DynamicBatchAsyncGRPOTrainer against stock AsyncGRPOTrainer on 2 processes, for real: `accelerate launch`, gloo,
 DDP, DeepSpeed ZeRO-3 and FSDP2 (behind ``-m long``).
 
-Stock's reference is its fixed-count mode with the step in one micro-batch per process (8 samples per process, 16 per
-step); the plugin trains the same samples with the step written 8 x 1 or 4 x 2 and cut by a token budget, its samples
-balanced across the processes, every pass in lockstep. Parameters within 1e-5 of stock's (updates within 1e-3), the
-step's loss metrics stock's (reduced over both processes), stock's per-micro-batch metrics those of stock written the
-same way, and the engine asserted (:func:`~hf_dynbsz.testing.engine_mismatches`: the parameters whole under DDP,
-sharded under FSDP2 and ZeRO-3). The runs of a backend
-share one launch per trainer (``--scenarios``, :class:`~test_distributed.SharedLaunches`'s pattern).
+Stock's reference for the samples-defined step (``async_step="samples"``) is its fixed-count mode with the step in one
+micro-batch per process (8 samples per process, 16 per step); the plugin trains the same samples with the step written 8
+x 1 or 4 x 2 and cut by a token budget, its samples balanced across the processes, every pass in lockstep. Stock's own
+step (the default, ``async_step="stock"``) is compared with stock at the same config: its token-budget mode (300 tokens,
+2 micro-batches per step) and its fixed-count 4 x 2, cut into 48-token passes. Parameters within 1e-5 of stock's
+(updates within 1e-3), the step's loss metrics stock's (reduced over both processes), stock's per-micro-batch metrics
+those of stock written the same way, and the engine asserted (:func:`~hf_dynbsz.testing.engine_mismatches`: the
+parameters whole under DDP, sharded under FSDP2 and ZeRO-3). The runs of a backend share one launch per trainer
+(``--scenarios``, :class:`~test_distributed.SharedLaunches`'s pattern).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ RUNS = {
         "agentic_cut": dict(per_device=4, accumulation=2, script=AGENTIC),
         # the router aux loss over each process's step as one packed row (each sample on its dispatched process)
         "moe": dict(per_device=8, budget=48, architecture="qwen3_moe"),
+        # stock's step at the same config: its token budget (ours: 48-token passes), its fixed count at 4 x 2
+        "stock_budget": dict(per_device=16, accumulation=2, stock_budget=300, step="stock", passes=48),
+        "stock_cut": dict(per_device=4, accumulation=2, step="stock", passes=48),
+        "moe_stock": dict(
+            per_device=16, accumulation=2, stock_budget=300, step="stock", passes=48, architecture="qwen3_moe"
+        ),
     },
     "cpu_zero3.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
     "cpu_fsdp2.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
@@ -53,6 +61,9 @@ REFERENCE = {
     "agentic": ("agentic", "agentic"),
     "agentic_cut": ("agentic", "agentic_cut"),
     "moe": ("moe", "moe"),
+    "stock_budget": ("stock_budget", "stock_budget"),
+    "stock_cut": ("stock_cut", "stock_cut"),
+    "moe_stock": ("moe_stock", "moe_stock"),
 }
 
 
@@ -134,12 +145,22 @@ def test_agentic_samples_share_their_prefixes_across_two_processes(scenario, mod
         assert all(step["dynbsz/tree_tokens_saved"] > 0 for step in ours[rank]["metrics"])
 
 
-def test_an_moe_models_router_aux_loss_equals_stock_across_two_processes(launches):
-    """Balancing is off for the router aux loss (each process's step is stock's packed row): the aux loss, reduced
-    over both processes as stock reduces it, and the parameters stock's."""
-    ours = compare("cpu_ddp.yaml", "moe", launches.model_dir, launches)
+@pytest.mark.parametrize("scenario", ["moe", "moe_stock"])
+def test_an_moe_models_router_aux_loss_equals_stock_across_two_processes(launches, scenario):
+    """Balancing is off for the router aux loss (each process's rows are stock's packed rows: its step for the samples
+    step, each micro-batch's row for stock's step at a 300-token budget): the aux loss, reduced over both processes as
+    stock reduces it, and the parameters stock's."""
+    ours = compare("cpu_ddp.yaml", scenario, launches.model_dir, launches)
     for rank in range(2):
         assert all("aux_loss" in entry for entry in step_metrics(ours[rank]["logged"])[:3])
         assert all(
             step["dynbsz/samples_moved"] == 0 for step in ours[rank]["metrics"] if "dynbsz/samples_moved" in step
         )
+
+
+@pytest.mark.parametrize("scenario", ["stock_budget", "stock_cut"])
+def test_stocks_step_equals_stock_at_the_same_config_across_two_processes(scenario, model_dir, launches):
+    """The default step: stock's micro-batches at the same config (its token budget, or 4 x 2), each normalised by
+    its own tokens, in the plugin's 48-token passes balanced across the processes."""
+    ours = compare("cpu_ddp.yaml", scenario, model_dir, launches)
+    assert all(step["dynbsz/microbatches_max_over_ranks"] > 2 for step in ours[0]["metrics"])

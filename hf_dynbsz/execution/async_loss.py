@@ -1,20 +1,21 @@
-"""``AsyncGRPOTrainer``'s loss, per sample, over an optimizer step defined by samples (torch layer).
+"""``AsyncGRPOTrainer``'s loss, per sample, over an optimizer step's stock slices (torch layer).
 
 TRL 1.16's ``AsyncGRPOTrainer.compute_loss`` takes, per trained token, the clipped PPO term
 ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`` with ``r = exp(log p - log p_old)`` (the generator's log-probs;
 no KL term, no reference model), sums it over a micro-batch and divides by the micro-batch's global trained tokens per
-process and by the accumulation steps. With a whole optimizer step in one micro-batch per process (stock's fixed-count
-mode, ``token_budget <= 0``, ``gradient_accumulation_steps=1``) that is the step's token mean: each process's loss is
-its tokens' sum times ``processes / N`` (``N`` the step's trained tokens over all processes), which the data-parallel
-gradient average turns into ``sum / N``. That is GRPO's ``dapo`` normalisation with ``N`` as
-``num_items_in_batch`` and one accumulation step per generation round, so the per-token loss and each sample's weight
-are GRPO's (:func:`~hf_dynbsz.execution.loss.per_token_policy_loss`,
+process and by the accumulation steps: each process's loss is its tokens' sum times ``processes / N_m / GA``
+(``N_m`` the micro-batch's trained tokens over all processes), which the data-parallel gradient average turns into
+``sum / N_m / GA``. A token's weight depends only on its micro-batch (its stock *slice*), not on the process. That is
+GRPO's ``dapo`` normalisation with ``N_m`` as ``num_items_in_batch`` and one accumulation step per generation round,
+so the per-token loss and each sample's weight are GRPO's (:func:`~hf_dynbsz.execution.loss.per_token_policy_loss`,
 :func:`~hf_dynbsz.execution.loss.sample_weights`): the sum over any partition of the step's samples into passes, on
-any processes, is that loss, whatever the budget and however the step's samples arrived (``16 x 1`` or ``8 x 2``).
+any processes, is stock's loss. Stock's step (``async_step="stock"``): each micro-batch a slice. The samples-defined
+step (``"samples"``): the whole optimizer step one slice, ``GA`` 1 (stock's fixed-count mode with the step in one
+micro-batch per process, whatever the budget and however the step is written: ``16 x 1`` or ``8 x 2``).
 
-Stock's metrics of that micro-batch (``ratio``, ``kl``: the ``(r - 1) - log r`` estimate, ``entropy``, the clip
-ratios' means, ``clip_ratio/low_min`` and ``clip_ratio/high_max`` over the samples) are the step's token means and
-sample extremes: :class:`~hf_dynbsz.execution.metrics.StepMetrics` with the step as one slice.
+Stock's metrics of each micro-batch (``ratio``, ``kl``: the ``(r - 1) - log r`` estimate, ``entropy``, the clip
+ratios' means, ``clip_ratio/low_min`` and ``clip_ratio/high_max`` over the samples) are each slice's token means and
+sample extremes: :class:`~hf_dynbsz.execution.metrics.StepMetrics` over the step's slices.
 
 An MoE model's router aux loss is stock's over its packed row, where a position its samples share (a prompt, a tool
 block, a forked history) routes once: over the step's samples on a process, each position weighs its share of the
@@ -57,16 +58,20 @@ def async_loss_settings(trainer) -> LossSettings:
     )
 
 
-def async_sample_weights(settings: LossSettings, batch: StepBatch, num_processes: int) -> torch.Tensor:
-    """``(samples,)`` float64: every sample's weight, ``processes / N`` with ``N`` the step's trained tokens over all
-    processes (``batch.num_items``), whatever slice the sample arrived in."""
+def async_sample_weights(
+    settings: LossSettings, batch: StepBatch, num_processes: int, gradient_accumulation_steps: int = 1
+) -> torch.Tensor:
+    """``(samples,)`` float64: every sample's weight, ``processes / N / gradient_accumulation_steps`` with ``N`` the
+    trained tokens over all processes of its stock slice (``batch.num_items``: its micro-batch's for stock's step,
+    the step's for the samples-defined step, with ``gradient_accumulation_steps`` 1), whatever pass or process it
+    trains in. As stock, ``N / processes`` counts as at least 1 (its ``tokens_per_rank.clamp(min=1.0)``)."""
     policy, _ = sample_weights(
         settings,
         batch.loss_tokens,
         batch.slice_ids,
         batch.slice_rows,
-        batch.num_items,
-        gradient_accumulation_steps=1,
+        batch.num_items.double().clamp(min=float(num_processes)),
+        gradient_accumulation_steps=gradient_accumulation_steps,
         steps_per_generation=1,
         num_processes=num_processes,
     )
@@ -85,9 +90,26 @@ def async_pass_loss(
     return loss, metrics
 
 
-def position_shares(table: SequenceTable) -> list[torch.Tensor]:
-    """Per sample of ``table``, each position's share of its node in the samples' prefix trie (keyed as stock's
-    ``TreeRow``: a token and the next): 1 / the samples holding it (float64, one per token)."""
+def position_shares(table: SequenceTable, slice_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per sample of ``table``, each position's share of its node in the prefix trie (keyed as stock's ``TreeRow``:
+    a token and the next) of the samples of its stock slice (``slice_ids``; None: all of ``table``'s samples are one
+    slice): 1 / the samples holding it (float64, one per token)."""
+    if slice_ids is None:
+        return _trie_shares(table)
+    shares: list[torch.Tensor | None] = [None] * len(table)
+    for slice_id in slice_ids.unique().tolist():
+        members = (slice_ids == slice_id).nonzero().flatten().tolist()
+        part = SequenceTable(
+            tokens=[table.tokens[i] for i in members],
+            prompt_lengths=table.prompt_lengths[members],
+            completion_lengths=table.completion_lengths[members],
+        )
+        for i, share in zip(members, _trie_shares(part)):
+            shares[i] = share
+    return shares
+
+
+def _trie_shares(table: SequenceTable) -> list[torch.Tensor]:
     tree = table.prefix_tree("tree")
     paths = tree.paths()
     holders = [0] * tree.nodes

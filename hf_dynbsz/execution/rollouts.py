@@ -12,8 +12,9 @@ loss then apply unchanged.
 
 The trainer's collator sends each process, per stock micro-batch (a *slice*), the rows of its samples as
 :data:`SLICE_KEYS` tensors (padding rows have length 0); :func:`rollout_step_batch` joins an optimizer step's slices
-into one :class:`~hf_dynbsz.execution.batch.StepBatch`, the whole step being one stock slice per process (stock's
-fixed-count mode with the step in one micro-batch, :mod:`hf_dynbsz.execution.async_loss`).
+into one :class:`~hf_dynbsz.execution.batch.StepBatch`: for stock's step each micro-batch a stock slice, for the
+samples-defined step the whole step one stock slice per process (stock's fixed-count mode with the step in one
+micro-batch, :mod:`hf_dynbsz.execution.async_loss`).
 """
 
 from __future__ import annotations
@@ -92,17 +93,24 @@ def _split(ids: torch.Tensor, mask: torch.Tensor) -> int:
     return 1 + int(trained[0]) if trained.numel() else int(ids.numel())
 
 
-def rollout_step_batch(window: list[dict], rank: int, num_processes: int) -> StepBatch:
+def rollout_step_batch(window: list[dict], rank: int, num_processes: int, stock_slices: bool = False) -> StepBatch:
     """The optimizer step's samples on process ``rank``: the rows of its slices (``window``: each slice's
-    :data:`SLICE_KEYS` tensors as this process received them), one stock slice per process (slice ``rank``),
-    ``num_items`` the step's trained tokens over all processes."""
-    tokens, prompts, masks, old, advantages, stock_rows = [], [], [], [], [], []
-    step_tokens = 0.0
-    for inputs in window:
-        lengths = inputs["lengths"].tolist()
-        step_tokens += float(inputs["global_trained_tokens"][0])
+    :data:`SLICE_KEYS` tensors as this process received them).
+
+    ``stock_slices`` False (the samples-defined step): the whole step is one stock slice per process (slice ``rank``),
+    ``num_items`` the step's trained tokens over all processes. True (stock's step): each micro-batch of ``window`` is
+    a stock slice (micro-batch ``s`` of process ``p`` is slice ``p x len(window) + s``, as
+    :class:`~hf_dynbsz.execution.batch.StepBatch` numbers them), ``num_items`` its trained tokens over all
+    processes."""
+    tokens, prompts, masks, old, advantages, stock_rows, slice_ids, num_items = [], [], [], [], [], [], [], []
+    slices = len(window) if stock_slices else 1
+    slice_rows = torch.zeros(num_processes * slices, dtype=torch.long)
+    step_tokens = sum(float(inputs["global_trained_tokens"][0]) for inputs in window)
+    for index, inputs in enumerate(window):
+        slice_id = rank * slices + (index if stock_slices else 0)
+        slice_tokens = float(inputs["global_trained_tokens"][0]) if stock_slices else step_tokens
         stock_rows.append(int(inputs["stock_row_tokens"][0]))
-        for row, length in enumerate(lengths):
+        for row, length in enumerate(inputs["lengths"].tolist()):
             if not length:
                 continue
             ids, mask = inputs["input_ids"][row, :length], inputs["completion_mask"][row, :length]
@@ -112,14 +120,14 @@ def rollout_step_batch(window: list[dict], rank: int, num_processes: int) -> Ste
             masks.append(mask[prompt:])
             old.append(inputs["old_log_probs"][row, prompt:length])
             advantages.append(inputs["advantages"][row])
+            slice_ids.append(slice_id)
+            num_items.append(slice_tokens)
+            slice_rows[slice_id] += 1
     width = max([mask.numel() for mask in masks] + [1])
 
     def padded(rows: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
 
-    samples = len(tokens)
-    slice_rows = torch.zeros(num_processes, dtype=torch.long)
-    slice_rows[rank] = samples
     table = SequenceTable(
         tokens=tokens,
         prompt_lengths=torch.tensor(prompts, dtype=torch.long),
@@ -130,9 +138,9 @@ def rollout_step_batch(window: list[dict], rank: int, num_processes: int) -> Ste
         loss_mask=padded(masks),
         advantages=torch.stack(advantages),
         per_token={"old_per_token_logps": padded(old)},
-        slice_ids=torch.full((samples,), rank, dtype=torch.long),
+        slice_ids=torch.tensor(slice_ids, dtype=torch.long),
         slice_rows=slice_rows,
-        num_items=torch.full((samples,), step_tokens),
+        num_items=torch.tensor(num_items, dtype=torch.float64),
         stock_microbatch_tokens=max(stock_rows),
         stock_computed_tokens=sum(stock_rows),
     )

@@ -9,8 +9,8 @@ logs. :class:`StepLoss` is that part, and the executor holds one:
   (:mod:`hf_dynbsz.execution.loss`);
 * :class:`RLOOLoss`: ``RLOOTrainer``'s sequence-level clipped ratio of summed log-probs
   (:mod:`hf_dynbsz.execution.rloo_loss`);
-* :class:`AsyncGRPOLoss`: ``AsyncGRPOTrainer``'s clipped token loss over an optimizer step defined by samples,
-  normalised by the step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`);
+* :class:`AsyncGRPOLoss`: ``AsyncGRPOTrainer``'s clipped token loss, each stock micro-batch normalised by its own
+  trained tokens (or the samples-defined step by the step's) (:mod:`hf_dynbsz.execution.async_loss`);
 * :class:`DistillationLoss`: ``DistillationTrainer``'s generalized Jensen-Shannon divergence against a teacher, whose
   hidden states its own passes compute before the step's training passes (:mod:`hf_dynbsz.execution.teacher`,
   :mod:`hf_dynbsz.execution.distillation_loss`);
@@ -244,9 +244,10 @@ class RLOOLoss(_LogProbLoss):
 
 class AsyncGRPOLoss(_LogProbLoss):
     """``AsyncGRPOTrainer``'s loss: the clipped token loss against the generator's log-probs, every sample weighted
-    ``processes / N`` with ``N`` the optimizer step's trained tokens (:mod:`hf_dynbsz.execution.async_loss`); its
-    metrics (ratio, kl, entropy, clip ratios) logged once per optimizer step, the step being one stock slice. No
-    entropy term, no reference model."""
+    ``processes / N / GA`` with ``N`` the trained tokens of its stock slice (:mod:`hf_dynbsz.execution.async_loss`):
+    for stock's step (``async_step="stock"``) each micro-batch is a slice, normalised by its own tokens and ``GA``, as
+    stock; for the samples-defined step the optimizer step is one slice (``GA`` 1). Its metrics (ratio, kl, entropy,
+    clip ratios) logged once per slice, as stock logs them per micro-batch. No entropy term, no reference model."""
 
     entropy_bonus = False
     needs_step_entropies = False
@@ -256,16 +257,21 @@ class AsyncGRPOLoss(_LogProbLoss):
         self.settings = async_loss_settings(trainer)
         self.device = trainer.accelerator.device
         self.num_processes = trainer.accelerator.num_processes
+        self.stock_slices = getattr(trainer.args, "async_step", "stock") != "samples"
+
+    def _accumulation(self, gradient_accumulation_steps: int) -> int:
+        return gradient_accumulation_steps if self.stock_slices else 1
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
-        batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes)
+        ga = self._accumulation(gradient_accumulation_steps)
+        batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes, ga)
         batch.entropy_weights = torch.zeros_like(batch.policy_weights)
 
     def attempt(self, batch: StepBatch) -> None:
         return None
 
     def metrics(self, batch: StepBatch) -> StepMetrics:
-        return StepMetrics(1, self.device, ASYNC_METRIC_KEYS)
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, ASYNC_METRIC_KEYS)
 
     def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
         return async_pass_loss(self.settings, per_token_logps, entropies, rows)
@@ -277,7 +283,9 @@ class AsyncGRPOLoss(_LogProbLoss):
         return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
 
     def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
-        return 1, position_shares(batch.table)  # the step is one micro-batch of packed rows: a shared position once
+        # each slice is one packed row per process (stock's TreeRow): a position its samples share counts once
+        slices = batch.slice_ids if self.stock_slices else None
+        return self._accumulation(gradient_accumulation_steps), position_shares(batch.table, slices)
 
 
 class DistillationLoss:

@@ -159,10 +159,17 @@ def _distillation_settings(args: Any, num_processes: Any) -> dict[str, Any]:
 def _async_settings(args: Any, num_processes: Any) -> dict[str, Any]:
     """An asynchronous GRPO run's batch sizes (:func:`_batch_settings`): the rollout worker generates continuously,
     and an optimizer step takes ``per_device_train_batch_size x processes x gradient_accumulation_steps`` samples of
-    its queue (stock's fixed-count mode); that is the "round" the table shows."""
+    its queue (stock's fixed-count mode); that is the "round" the table shows. ``async_step`` (absent: the samples
+    step, as ``hf-dynbsz plan`` plans it) and, for stock's step, stock's ``token_budget`` (0: fixed count; None: the
+    server's ``max_model_len``), which then decides the step's samples."""
     settings = _step_settings(args, num_processes)
     steps = settings["gradient_accumulation_steps"]
+    step = getattr(args, "async_step", "samples")
+    budget = getattr(args, "token_budget", None)
+    stock_budget = 0 if step == "samples" else None if budget is None else max(int(budget), 0)
     return settings | {
+        "async_step": step,
+        "stock_token_budget": stock_budget,
         "num_generations": coerce_int(
             "num_generations", getattr(args, "num_generations", 8), "a positive integer number of completions"
         ),
@@ -272,6 +279,11 @@ class BatchSizePlan:
     max_tokens_per_microbatch_teacher: int | None = None
     #: the trainer planned, a key of :data:`STOCK_TRAINERS`
     trainer: str = "grpo"
+    #: asynchronous GRPO's ``async_step`` ("stock" or "samples")
+    async_step: str = "samples"
+    #: stock's ``token_budget`` that decides an asynchronous step's samples (``async_step="stock"``): 0 = fixed count,
+    #: None = the vLLM server's ``max_model_len``
+    stock_token_budget: int | None = 0
 
     # ---- construction ----------------------------------------------------------------------------------------
 

@@ -96,14 +96,53 @@ def _budget_all(name: str) -> Callable[[Plan], str]:
     return lambda plan: "-" if getattr(plan, name) is None else str(getattr(plan, name) * plan.num_processes)
 
 
+def _budget_decides_samples(plan: Plan) -> bool:
+    """An asynchronous run of stock's step with ``token_budget > 0``: stock's token-budget batcher decides the
+    samples of a step (not a fixed count)."""
+    return plan.trainer == "async_grpo" and plan.async_step == "stock" and plan.stock_token_budget != 0
+
+
+def _stock_budget_text(plan: Plan) -> str:
+    budget = plan.stock_token_budget
+    return "the server's max_model_len" if budget is None else str(budget)
+
+
+def _samples_cell(name: str) -> Callable[[Plan], str]:
+    """``name``'s value, or "-" where stock's token budget decides the step's samples."""
+    value = _attr(name)
+    return lambda plan: "-" if _budget_decides_samples(plan) else value(plan)
+
+
+def _queue_meaning(plan: Plan) -> str:
+    if _budget_decides_samples(plan):
+        return (
+            f"stock's step: gradient_accumulation_steps micro-batches of as many samples as fit token_budget="
+            f"{_stock_budget_text(plan)} tokens per row and process (longer ones dropped), each normalised by its own "
+            "trained tokens; the passes are sized apart"
+        )
+    if plan.async_step == "stock":
+        return (
+            "samples each optimizer step takes from the rollout queue (stock's fixed-count micro-batches, each "
+            "normalised by its own trained tokens, as stock); the budget only cuts them into passes"
+        )
+    return (
+        "samples each optimizer step takes from the rollout queue, as stock's fixed-count mode (token_budget <= 0), "
+        "normalised by the step's trained tokens (async_step='samples'); the token budget cuts them into passes and "
+        "never changes what the step computes"
+    )
+
+
 def _train_budget_meaning(plan: Plan) -> str:
     if plan.max_tokens_per_microbatch is not None:
         return setting("max_tokens_per_microbatch").summary
     if plan.trainer == "async_grpo":
-        return (
-            "tokens per training pass (token_budget); auto = the prefix trie of stock's fixed-count row of "
-            f"{plan.per_device_train_batch_size} samples per micro-batch"
+        row = (
+            f"token_budget={_stock_budget_text(plan)}"
+            if _budget_decides_samples(plan)
+            else f"{plan.per_device_train_batch_size} samples per micro-batch"
         )
+        source = "token_budget" if plan.async_step == "samples" else "max_tokens_per_microbatch or memory"
+        return f"tokens per training pass ({source}); auto = the prefix trie of stock's row of {row}"
     if plan.trainer == "dpo":  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
         return (
             f"tokens per training micro-batch; auto = 2 x {plan.per_device_train_batch_size} rows x the longest "
@@ -238,9 +277,13 @@ PLAN_ROWS: tuple[Row, ...] = (
     Row("gradient_accumulation_steps", _attr("gradient_accumulation_steps"), "-", "training steps per optimizer step"),
     Row(
         "samples per optimizer step",
-        _attr("per_device_samples_per_optimizer_step"),
-        _attr("global_samples_per_optimizer_step"),
-        "per_device_train_batch_size x gradient_accumulation_steps (x processes)",
+        _samples_cell("per_device_samples_per_optimizer_step"),
+        _samples_cell("global_samples_per_optimizer_step"),
+        lambda plan: (
+            f"as many as stock's token budget fits (token_budget={_stock_budget_text(plan)})"
+            if _budget_decides_samples(plan)
+            else "per_device_train_batch_size x gradient_accumulation_steps (x processes)"
+        ),
         when=_generates,
     ),
     Row(
@@ -305,16 +348,15 @@ PLAN_ROWS: tuple[Row, ...] = (
     Row(
         "prompts per optimizer step",
         "-",
-        _attr("prompts_per_optimizer_step"),
+        _samples_cell("prompts_per_optimizer_step"),
         "global samples per optimizer step / num_generations (whole groups when it divides)",
         when=_asynchronous,
     ),
     Row(
         "rollout queue",
-        _attr("per_device_samples_per_optimizer_step"),
-        _attr("global_samples_per_optimizer_step"),
-        "samples each optimizer step takes from the rollout queue, as stock's fixed-count mode (token_budget <= 0); "
-        "the token budget cuts them into passes and never changes what the step computes",
+        _samples_cell("per_device_samples_per_optimizer_step"),
+        _samples_cell("global_samples_per_optimizer_step"),
+        _queue_meaning,
         when=_asynchronous,
     ),
     Row(

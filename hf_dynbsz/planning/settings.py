@@ -141,6 +141,29 @@ SETTINGS: tuple[Setting, ...] = (
         trainers=("distillation",),
     ),
     Setting(
+        name="async_step",
+        type="str",
+        default="stock",
+        kind="choice",
+        choices=("stock", "samples"),
+        unit="-",
+        summary="asynchronous GRPO's optimizer step: stock's (default) or samples-defined",
+        help="DynamicBatchAsyncGRPOConfig only. Which optimizer step the asynchronous trainer trains. 'stock' "
+        "(default): stock AsyncGRPOTrainer's step at this config: with token_budget > 0 the samples its "
+        "TokenBudgetBatcher puts in gradient_accumulation_steps micro-batches (samples longer than token_budget "
+        "dropped, as stock drops them), with token_budget <= 0 gradient_accumulation_steps micro-batches of "
+        "per_device_train_batch_size x processes samples; each micro-batch normalised by its own trained tokens, "
+        "as stock; token_budget only decides the step's samples, the passes' size comes from "
+        "max_tokens_per_microbatch or the memory budget. 'samples': the plugin's own step, "
+        "per_device_train_batch_size x gradient_accumulation_steps x processes samples normalised by the step's "
+        "trained tokens (stock's fixed-count step with the whole step in one micro-batch: 8 x 2 trains what stock's "
+        "16 x 1 does), token_budget the tokens per pass, no sample dropped.",
+        expected="'stock' or 'samples'",
+        fix="'stock' trains stock AsyncGRPOTrainer's step at your config, 'samples' the plugin's step of "
+        "per_device_train_batch_size x gradient_accumulation_steps x processes samples.",
+        trainers=("async_grpo",),
+    ),
+    Setting(
         name="per_device_generation_batch_size",
         type="int | None",
         default=None,

@@ -63,8 +63,10 @@ class RolloutScript:
     trained as a second row, as stock's reconciler forks a rewritten history: the first answer's opening, then
     ``fork_context`` rewritten tokens (context), then a further answer; both rows carry the conversation's group id
     and advantage. Old log-probs are ``old_log_prob`` plus Gaussian noise of ``noise`` on trained tokens, 0 elsewhere
-    (as TRL zero-fills context); advantages are each group's rewards normalised. Token ids are drawn from
-    ``token_range`` (the test tokenizer's characters by default). Everything is drawn from ``seed``.
+    (as TRL zero-fills context); advantages are each group's rewards normalised. A fraction ``untrained`` of the rows
+    trains no token (its completion mask all 0, as a truncated or tool-only turn). Token ids are drawn from
+    ``token_range`` (the test tokenizer's characters by default). Everything is drawn from ``seed`` (``untrained``
+    0 draws nothing more).
     """
 
     num_generations: int = 4
@@ -81,6 +83,7 @@ class RolloutScript:
     old_log_prob: float = -1.95
     noise: float = 0.2
     seed: int = 0
+    untrained: float = 0.0
 
     def samples(self) -> Iterator:
         """``RolloutSample`` s forever, group after group (group ids 0, 1, ...), ``model_version`` 0."""
@@ -116,6 +119,8 @@ class RolloutScript:
         samples = []
         for (conversation_rows, reward), advantage in zip(zip(rows, rewards), advantages):
             for ids, mask in conversation_rows:
+                if self.untrained and rng.random() < self.untrained:
+                    mask = [0] * len(mask)
                 metrics = {"reward": float(reward), "reward_std": float(rewards.std())}
                 samples.append(self._sample(rng, ids, mask, float(advantage), group_id, metrics))
         return samples

@@ -1,20 +1,25 @@
-"""``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with an optimizer
-step defined by samples, packed into token-budget passes by the plugin's planner, with the math of stock's fixed-count
-mode whatever the budget.
+"""``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with its optimizer
+step packed into token-budget passes by the plugin's planner: stock's step at the user's config by default, or
+(opt-in) a step defined by samples.
 
 Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and metrics stay stock's. What changes:
 
-* the step: ``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples of the rollout queue,
-  taken as stock's fixed-count mode takes them (its ``FixedCountBatcher``: ``per_device_train_batch_size x
-  processes`` samples per micro-batch, each process's row balanced by attention cost, groups kept together), collected
-  over the step's accumulation steps into one :class:`~hf_dynbsz.execution.batch.StepBatch`
-  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes, the prefix tree (a group's
-  prompt, a tool block common to every prompt, a forked conversation's shared history), cross-rank balancing,
-  lockstep pass counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager,
-  flex, flash, torch's ``varlen_attn``) instead of FlashAttention-3 only;
-* the loss: stock's clipped token loss normalised by the step's trained tokens over all processes
-  (:mod:`hf_dynbsz.execution.async_loss`): stock's fixed-count mode with the step in one micro-batch, whatever the
-  budget and however the step is written (``16 x 1`` or ``8 x 2`` samples per process);
+* the step (``async_step``): ``"stock"`` (the default) is stock's own, its ``TokenBudgetBatcher`` (``token_budget > 0``:
+  the samples that fit the budget, longer ones dropped with stock's warning and counter) or ``FixedCountBatcher``
+  (``per_device_train_batch_size x processes`` samples per micro-batch) run over the queue,
+  ``gradient_accumulation_steps`` micro-batches per step; ``"samples"`` is ``per_device_train_batch_size x
+  gradient_accumulation_steps x processes`` samples taken as stock's fixed-count mode takes them. Either way the step's
+  micro-batches (each process's row of each) are collected into one :class:`~hf_dynbsz.execution.batch.StepBatch`
+  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes sized by
+  ``max_tokens_per_microbatch`` or memory (``token_budget`` for the samples step), the prefix tree (a group's prompt, a
+  tool block common to every prompt, a forked conversation's shared history), cross-rank balancing, lockstep pass
+  counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager, flex, flash,
+  torch's ``varlen_attn``) instead of FlashAttention-3 only;
+* the loss: stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`), each token weighted
+  ``1 / (its micro-batch's trained tokens over all processes) / gradient_accumulation_steps`` as stock weighs it
+  (a weight of the micro-batch, not of the process: samples move between processes freely); the samples step
+  normalises by the step's trained tokens (stock's fixed-count mode with the step in one micro-batch, however the
+  step is written: ``16 x 1`` or ``8 x 2``);
 * the model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
   default when unset), not stock's FA3 tree kernel, and stock's refusals of state-carrying layers and attention sinks
   do not apply: segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
@@ -22,12 +27,13 @@ Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and met
 With ``dynamic_batching=False`` the trainer is stock's: FA3 tree attention, stock's batchers and ``compute_loss``.
 
 TRL names this module touches (all in :mod:`hf_dynbsz._trl_compat`): ``__init__`` through
-:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module
-replaced while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
+:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module replaced
+while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
 ``add_fused_lm_head``, ``get_peak_flops_per_device``); ``get_train_dataloader`` and ``training_step`` (overridden);
-stock's ``RolloutQueueDataset``, ``FixedCountBatcher`` and ``DataCollatorForRollout`` (its ``_log_metrics``: stock's
-sample and packing metrics of each micro-batch); the trainer's ``_metrics``, ``_trained_groups``,
-``_rollout_dataset`` and the step accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
+stock's ``RolloutQueueDataset``, ``FixedCountBatcher``, ``TokenBudgetBatcher`` and ``DataCollatorForRollout`` (its
+``_log_metrics``: stock's sample and packing metrics of each micro-batch); the trainer's ``_metrics``,
+``_trained_groups``, ``_rollout_dataset``, ``vllm_client`` (an unset ``token_budget``, as stock asks it) and the step
+accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     DataCollatorForRollout,
     FixedCountBatcher,
     RolloutQueueDataset,
+    TokenBudgetBatcher,
 )
 
-from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config
+from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
 from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
 from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
 from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker
@@ -60,8 +67,8 @@ logger = logging.getLogger("hf_dynbsz")
 
 
 class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
-    """Drop-in replacement for TRL's ``AsyncGRPOTrainer`` with an optimizer step defined by samples and token-budget
-    passes.
+    """Drop-in replacement for TRL's ``AsyncGRPOTrainer``: stock's optimizer step (``async_step="stock"``, the default)
+    or one defined by samples (``"samples"``), in token-budget passes.
 
     Takes exactly stock's constructor arguments (``rollout_worker`` and ``weight_transfer`` included). Accepts a
     :class:`~hf_dynbsz.DynamicBatchAsyncGRPOConfig` or a plain ``AsyncGRPOConfig`` (the plugin's fields then take
@@ -115,6 +122,8 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "stock fallback on the plugin's kernels: set dynamic_batching=False for stock AsyncGRPOTrainer "
                 "(FlashAttention-3 tree attention)."
             )
+        if samples_step(self.args):
+            self._dynbsz_say_samples_step()
         self._dynbsz_stock_throughput = stock_throughput_blocker(self.model.config.get_text_config())
         if self._dynbsz_stock_throughput is not None:
             logger.warning(
@@ -122,6 +131,20 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "compute_flops_per_token cannot read its config (%s); dynbsz/tokens_per_second is.",
                 self._dynbsz_stock_throughput,
             )
+
+    def _dynbsz_say_samples_step(self) -> None:
+        """Once, at start: what the opt-in samples-defined step (``async_step="samples"``) changes from stock."""
+        args = self.args
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        logger.warning(
+            "hf_dynbsz: async_step='samples': each optimizer step trains per_device_train_batch_size x "
+            "gradient_accumulation_steps x processes = %d samples normalised by the step's trained tokens, which "
+            "differs from stock AsyncGRPOTrainer at this config (token_budget=%s; stock normalises each micro-batch "
+            "by its own tokens, and with token_budget > 0 its budget decides the samples and drops longer ones); "
+            "token_budget is the plugin's tokens per pass here. async_step='stock' (the default) trains stock's step.",
+            samples,
+            args.token_budget,
+        )
 
     def _dynbsz_keep_samples_home(self) -> None:
         """An MoE model's router aux loss over an asynchronous step counts a position the process's samples share
@@ -138,8 +161,9 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
 
     # ------------------------------------------------------------------ the samples of a step
     def get_train_dataloader(self) -> DataLoader:
-        # Override: stock's queue and fixed-count batcher (per_device_train_batch_size x processes samples per
-        # micro-batch), each micro-batch sent to the processes as per-sample rows (the plugin packs them).
+        # Override: stock's queue and batchers, each micro-batch sent to the processes as per-sample rows (the plugin
+        # packs them): stock's step (async_step="stock") through the batcher stock picks at this config, the plugin's
+        # samples-defined step through stock's fixed-count batcher.
         if not self._dynbsz_dynamic:
             return super().get_train_dataloader()
         processes = self.accelerator.num_processes
@@ -155,14 +179,34 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 report_to=self.args.report_to,
             )
             self._rollout_dataset = source  # (stock's _log_step_metrics flushes its queue wait)
-            dataset = FixedCountBatcher(source, processes, self.args.per_device_train_batch_size * processes)
+            dataset = self._batcher(source, processes)
         collator = _RolloutSliceCollator(
             self.processing_class.pad_token_id,
             processes,
             groups_trained=self._trained_groups,
             metrics=self._metrics["train"],
+            token_budget=self._stock_token_budget(),
         )
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
+
+    def _batcher(self, source: RolloutQueueDataset, processes: int) -> IterableDataset:
+        """Stock's planner over the queue: its ``TokenBudgetBatcher`` for stock's step with ``token_budget > 0`` (an
+        unset budget asks the vLLM server for ``max_model_len``, as stock does), else its ``FixedCountBatcher``."""
+        if not samples_step(self.args) and self.args.token_budget is None:
+            self.vllm_client.wait_for_server_ready()
+            self.args.token_budget = self.vllm_client.get_max_model_len()
+            logger.info("token_budget unset; defaulting to vLLM max_model_len=%d", self.args.token_budget)
+        budget = self._stock_token_budget()
+        if budget:
+            return TokenBudgetBatcher(source, processes, budget, self._metrics["train"])
+        return FixedCountBatcher(source, processes, self.args.per_device_train_batch_size * processes)
+
+    def _stock_token_budget(self) -> int:
+        """The budget of stock's ``TokenBudgetBatcher`` that decides the step's samples, 0 for a fixed count (always for
+        the samples-defined step, where ``token_budget`` is the plugin's pass budget)."""
+        if samples_step(self.args):
+            return 0
+        return max(self.args.token_budget or 0, 0)
 
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch):
@@ -182,7 +226,9 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
     def _train_rollouts(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its slices: the step's samples through the pass executor."""
         executor, accelerator = self._dynbsz, self.accelerator
-        batch = rollout_step_batch(window, accelerator.process_index, accelerator.num_processes)
+        batch = rollout_step_batch(
+            window, accelerator.process_index, accelerator.num_processes, stock_slices=not samples_step(self.args)
+        )
         if not executor.self_check(model, batch.table):
             raise RuntimeError(
                 "DynamicBatchAsyncGRPOTrainer: no layout passed the self-check on this model (the log above says "
