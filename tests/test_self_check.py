@@ -607,3 +607,26 @@ def test_a_difference_between_fp32s_and_bf16s_tolerance_fails_only_in_fp32(token
                 gradient_limit=gradient_tolerance(dtype),
             )
         assert result.chosen == (1 if dtype == torch.float32 else 0), (shift, result.reasons)
+
+
+def test_stock_math_chosen_in_the_first_steps_reference_pass_trains_every_slice_as_stock(
+    model_dir, tmp_path, monkeypatch
+):
+    """With ``beta > 0`` the check runs in the reference pass of an optimizer step's first training call, when that
+    call has already begun collecting the step's slices; a check that keeps no layout ends that step on stock's slices
+    (before, the step's next call saw stock math and ran stock's ``training_step`` on its own slice alone: the first
+    slice was never trained) and the run equals stock."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.execution import check_passes
+    from hf_dynbsz.testing import relative_difference, run_training
+
+    monkeypatch.setattr(check_passes, "tolerance", lambda dtype: -1.0)  # no layout passes
+    settings = dict(beta=0.1, max_steps=2)
+    _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "s"), **settings)
+    _, params, completions, _ = run_training(
+        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "o"), **settings
+    )
+    assert completions == stock_completions
+    assert relative_difference(params, stock) <= 1e-5

@@ -99,8 +99,8 @@ class TokenBudgetHooks:
     def training_step(self, model, inputs, num_items_in_batch):
         # Override: collect the optimizer step's stock slices; run the step's passes on its last call.
         executor = self._dynbsz
-        if not executor.enabled:
-            with executor.tiles():
+        if not executor.enabled and not self._dynbsz_window:  # (a window begun before the run turned to stock math
+            with executor.tiles():  # ends on this path: _train_window runs its slices as stock's)
                 return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
         self._dynbsz_training_call(model)
