@@ -44,6 +44,9 @@ from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 check_trl_version()
 
+#: Why an image step trains stock's micro-batches (logged once).
+IMAGE_STEPS = "image inputs of a model family not repacked: its image steps use stock micro-batches"
+
 
 def stock_constructor(stock_class: type):
     """The ``__init__`` of a trainer over TRL's ``stock_class``: stock's signature (``inspect`` reports it), the
@@ -129,12 +132,13 @@ class TokenBudgetHooks:
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
         executor, accelerator = self._dynbsz, self.accelerator
-        if not executor.media.stock(*window):
-            long_rope = executor.capabilities.support.long_rope
-            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
-            if executor.self_check(model, batch.table):
-                return executor.train_step(model, batch)
-        return executor.train_step_stock(model, window)
+        if executor.media.stock(*window):
+            return executor.train_step_stock(model, window, IMAGE_STEPS)
+        long_rope = executor.capabilities.support.long_rope
+        batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
+        if executor.self_check(model, batch.table):
+            return executor.train_step(model, batch)
+        return executor.train_step_stock(model, window)  # (the self-check's log line says why)
 
     def store_flos(self) -> None:
         # Override: transformers' sum of every process's FLOP count (distributed_broadcast_scalars: an all-gather of
