@@ -476,6 +476,7 @@ def write_results(trainer, reward, cli, out: str, engines: list) -> None:
         "logged": logged,
         "sampling": sampling,
         "vllm_engines": engines,
+        "self_check": getattr(getattr(trainer, "_dynbsz", None), "self_check_summary", None),
     }
     with open(f"{out}.rank{accelerator.process_index}.json", "w") as f:
         json.dump(rank_record, f)

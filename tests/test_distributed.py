@@ -270,6 +270,9 @@ PREFIX_RUNS = {
 #: others' completed passes did (``OutOfMemoryRecovery.settle``), or it broadcast alone in its next forward and hung.
 OOM_INJECTIONS = ("training:backward:1:1", "training:forward:1:1", "logprob:forward:1:0")
 OOM_RUN = dict(LOPSIDED_ROLLOUT, loss_type="grpo", beta=0.1, num_iterations=2, max_memory_mib=200_000, budget=0)
+#: An out-of-memory error in process 1's self-check at start, in its sixth pass (a sample alone with gradients):
+#: test_an_out_of_memory_error_in_one_process_self_check_...
+CHECK_OOM_RUN = dict(OOM_RUN, inject_oom="check:forward:5:1")
 #: Sequence parallelism over both processes under FSDP2 (test_under_fsdp2_sequence_parallelism_...): a budget of 24
 #: tokens per process, 48 per pass of the group.
 FSDP2_SEQUENCE_PARALLEL_RUN = dict(sequence_parallel=2, budget=24, beta=0.1)
@@ -301,6 +304,7 @@ SHARED_RUNS["cpu_ddp.yaml"].update(
     | {f"metrics_{loss}": dict(METRIC_RUN, loss_type=loss) for loss in METRIC_RUNS}
     | {f"vllm_{mode}": flags for mode, flags in VLLM_RUNS.items()}
     | {f"oom_{'_'.join(injection.split(':')[:2])}": dict(OOM_RUN, inject_oom=injection) for injection in OOM_INJECTIONS}
+    | {"oom_check": CHECK_OOM_RUN}
 )
 SHARED_RUNS["cpu_zero2.yaml"]["moe"] = MOE_RUNS["zero2"]
 SHARED_RUNS["cpu_ddp.yaml"]["prefix"] = PREFIX_RUNS["ddp"]
@@ -599,6 +603,22 @@ def test_an_out_of_memory_pass_on_one_process_is_replanned_by_all_and_matches_st
         assert [step["dynbsz/budget_tokens"] for step in steps] == [
             s["dynbsz/budget_tokens"] for s in ours[0]["metrics"]
         ]
+
+
+def test_an_out_of_memory_error_in_one_process_self_check_is_recovered_by_all_and_matches_stock(
+    model_dir, shared_launches
+):
+    """DDP: process 1's self-check runs out of memory; its vote stops the check on both processes, both check again
+    on smaller probes and keep the same layout (the run repacks on both and does not hang), and the update is
+    stock's."""
+    ours = compare("cpu_ddp.yaml", model_dir, shared_launches, **CHECK_OOM_RUN)
+    summaries = [record["self_check"] for record in ours]
+    assert (
+        "ran out of memory (_InjectedOutOfMemory: injected out-of-memory error (check forward, process 1)"
+        in (summaries[1])
+    )
+    assert "a pass of another process's self-check ran out of memory" in summaries[0]
+    assert all("check ran again on smaller probes" in summary for summary in summaries), summaries
 
 
 #: Why an out-of-memory error is not recovered, per engine that gathers parameters at module calls.

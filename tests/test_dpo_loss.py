@@ -248,13 +248,29 @@ def test_a_step_of_pairs_keeps_each_pair_adjacent_and_together(model_dir, tmp_pa
     assert batch.stock_microbatch_tokens == max(inputs["input_ids"].numel() for inputs in window)
 
 
-def test_hinge_with_weighting_fails_in_stock_and_trains_here(model_dir, tmp_path):
+def test_hinge_with_weighting_fails_in_stock_and_is_refused_here_before_any_work(model_dir, tmp_path):
     """TRL 1.16 scales the per-pair loss by the WPO weights in place (``per_sequence_loss *= ...``): on hinge's relu
-    output, which its backward needs, stock's first backward fails; the passes compute the same formula without
-    writing over it. (If stock ever trains it, compare the two here.)"""
+    output, which its backward needs, stock's first backward fails. The plugin's passes would train it (they compute
+    the same formula without writing over it), so drop-in means refusing it, at start: its config refuses it, and so
+    does its trainer given stock's config, before any forward. (If stock ever trains it, compare the two here.)"""
+    from trl import DPOConfig
+
+    from hf_dynbsz import DynamicBatchDPOConfig, DynamicBatchDPOTrainer
+    from hf_dynbsz.testing import CPU_RUN_FIELDS
+
     trainer = stock_trainer(model_dir, tmp_path, loss_type=["hinge"], use_weighting=True)
     window = micro_batches(trainer)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stock_step(trainer, window)
-    loss, grads, _ = our_step(trainer, window, 0)
-    assert loss > 0 and all(torch.isfinite(g).all() for g in grads.values())
+    refused = r"loss_type=\['sigmoid', 'hinge'\] with use_weighting=True: stock DPOTrainer .* Set use_weighting=False"
+    fields = dict(output_dir=str(tmp_path), loss_type=["sigmoid", "hinge"], use_weighting=True, **CPU_RUN_FIELDS)
+    with pytest.raises(ValueError, match=refused):
+        DynamicBatchDPOConfig(**fields)
+    forwards = []
+    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=refused):
+        DynamicBatchDPOTrainer(
+            model=trainer.model, ref_model=trainer.ref_model, args=DPOConfig(**fields),
+            train_dataset=preference_pairs(), processing_class=load_tokenizer(model_dir),
+        )  # fmt: skip
+    assert not forwards

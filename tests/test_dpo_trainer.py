@@ -278,6 +278,125 @@ def test_sft_with_weighting_runs_stocks_micro_batches_with_one_logged_reason(mod
     assert len(reasons) == 1 and "use_weighting" in reasons[0]
 
 
+# ---- what stock accepts and the plugin does not reproduce: refused before any work, or stock's micro-batches --------
+@pytest.mark.parametrize(
+    "fields, refused",
+    [
+        (dict(parallelism_config=dict(tp_size=2)), "parallelism_config with tp_size=2: "),
+        (dict(parallelism_config=dict(cp_size=2)), "parallelism_config with cp_size=2: "),
+        (dict(parallelism_config=dict(sp_size=2, sp_backend="deepspeed")), "parallelism_config with sp_size=2: "),
+        (dict(loss_type=["hinge"], use_weighting=True), "loss_type=['hinge'] with use_weighting=True: "),
+    ],
+    ids=["tensor_parallel", "context_parallel", "sequence_parallel", "hinge_weighting"],
+)
+def test_settings_the_passes_do_not_reproduce_are_refused_before_any_work(model_dir, tmp_path, fields, refused):
+    """The plugin's config refuses them, and its trainer given stock's config (stock accepts each), before any
+    forward; the message names the setting, its value and the fix."""
+    import re
+
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    from hf_dynbsz.testing import CPU_RUN_FIELDS, load_tokenizer
+
+    if "parallelism_config" in fields:
+        fields = dict(fields, parallelism_config=ParallelismConfig(**fields["parallelism_config"]))
+    fix = "Set cp_size, sp_size and tp_size to 1" if "parallelism_config" in fields else "Set use_weighting=False"
+    fields = dict(output_dir=str(tmp_path), **CPU_RUN_FIELDS, **fields)
+    with pytest.raises(ValueError, match=re.escape(refused)) as raised:
+        DynamicBatchDPOConfig(**fields)
+    assert fix in str(raised.value)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        DynamicBatchDPOTrainer(
+            model=model, ref_model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+            args=DPOConfig(**fields), train_dataset=preference_pairs(), processing_class=load_tokenizer(model_dir),
+        )  # fmt: skip
+    assert not forwards
+
+
+def dropout_model(kind: str, vocab_size: int):
+    """A tiny model that drops out in training: GPT-2 with dropout modules (``resid_pdrop`` and kin), or Qwen2 with
+    ``attention_dropout`` (applied in the attention function)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+
+    small = dict(vocab_size=vocab_size, num_hidden_layers=2, num_attention_heads=2)
+    if kind == "modules":
+        config = GPT2Config(n_embd=32, n_positions=256, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, **small)
+    else:
+        config = Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_key_value_heads=2, attention_dropout=0.1, **small
+        )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "kind, disable_dropout, refused",
+    [
+        ("modules", False, "loss_type=['aot'] with disable_dropout=False: "),
+        ("modules", True, None),  # TRL zeroes the dropout modules
+        ("attention", True, "loss_type=['aot'] with attention_dropout=0.1 in the model's config: "),
+    ],
+    ids=["dropout_modules_kept", "dropout_modules_disabled", "attention_dropout"],
+)
+def test_a_sorted_loss_on_a_model_that_drops_out_is_refused_before_any_work(
+    model_dir, tmp_path, kind, disable_dropout, refused
+):
+    """``aot`` sorts a micro-batch's pairs by log-ratios from a no-grad pass before the training passes: exact only
+    when that pass repeats the training forward, which dropout breaks. Refused at construction, naming the setting,
+    its value and the fix; with the dropout modules disabled (stock's default) the trainer is built."""
+    import re
+
+    from hf_dynbsz.testing import dpo_config, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model, reference = (dropout_model(kind, len(tokenizer)) for _ in range(2))
+    args = dpo_config(str(tmp_path), plugin=True, loss_type=["aot"], disable_dropout=disable_dropout)
+    build = dict(
+        model=model, ref_model=reference, args=args, train_dataset=preference_pairs(), processing_class=tokenizer
+    )
+    if refused is None:
+        assert DynamicBatchDPOTrainer(**build)._dynbsz.enabled
+        return
+    fix = "Set disable_dropout=True" if kind == "modules" else "Set the model config's attention_dropout=0"
+    with pytest.raises(ValueError, match=re.escape(refused)) as raised:
+        DynamicBatchDPOTrainer(**build)
+    assert fix in str(raised.value)
+
+
+def test_a_collator_that_adds_model_inputs_runs_stocks_micro_batches_with_one_logged_reason(
+    model_dir, tmp_path, caplog
+):
+    """A subclass of ``DataCollatorForPreference`` that adds a model input (position ids spread out, which stock's
+    forward receives and which change its log-probs): the passes would drop it, so the run trains stock's
+    micro-batches from its first step, says so once, and equals stock."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from hf_dynbsz.testing import load_tokenizer
+
+    class SpreadPositions(DataCollatorForPreference):
+        def torch_call(self, examples):
+            output = super().torch_call(examples)
+            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
+            return output
+
+    def collator():
+        return dict(data_collator=SpreadPositions(pad_token_id=load_tokenizer(model_dir).pad_token_id))
+
+    _, stock, stock_history, _ = dpo_run(False, model_dir, str(tmp_path / "stock"), trainer_kwargs=collator())
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, ours, history, _ = dpo_run(
+            True, model_dir, str(tmp_path / "ours"), trainer_kwargs=collator(), max_tokens_per_microbatch=SMALL_BUDGET
+        )
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+    assert not logged_mismatches(history, stock_history)
+    reasons = [r.getMessage() for r in caplog.records if "stock DPOTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and "SpreadPositions" in reasons[0] and "(position_ids)" in reasons[0], reasons
+
+
 def test_pairs_stay_together_in_every_training_pass(model_dir, tmp_path, monkeypatch):
     """Every training pass holds whole pairs, each chosen row followed by its rejected row (what the loss reads)."""
     from hf_dynbsz.execution import executor as executor_module

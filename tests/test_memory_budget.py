@@ -60,6 +60,38 @@ def test_an_out_of_memory_pass_is_replanned_and_matches_stock(model_dir, stock_r
     assert sum(entry["dynbsz/oom_retries"] for entry in steps) == 1
 
 
+@pytest.mark.parametrize(
+    "faults, outcome",
+    [
+        ([7], "ran again on smaller probes"),  # the 4th sample alone with gradients (the tree probe's)
+        ([9], "ran again on smaller probes"),  # the fastest layout's pass with gradients
+        ([0, 0], "stock TRL math runs"),  # the first probe of each try
+    ],
+    ids=["reference-backward-pass", "layout-pass", "both-tries"],
+)
+def test_a_self_check_pass_out_of_memory_is_recovered_and_matches_stock(
+    model_dir, stock_run, tmp_path, caplog, faults, outcome
+):
+    """A ``torch.OutOfMemoryError`` raised from inside the model (the middle decoder layer's forward hook) in the
+    self-check at start: the check runs again on smaller probes, or where that runs out of memory too, stock math
+    runs; never a crash, one log line on it, and the parameters equal stock's."""
+    import logging
+
+    from hf_dynbsz.execution import device_memory
+
+    for after in faults:
+        inject_out_of_memory("check", "forward", after)
+    with caplog.at_level(logging.INFO, logger="hf_dynbsz"):
+        run = ours(model_dir, tmp_path)
+    assert not device_memory._FAULTS  # every fault fired
+    assert_matches(stock_run, run)
+    lines = [record.getMessage() for record in caplog.records if "self-check" in record.getMessage()]
+    assert (
+        len(lines) == 1 and "ran out of memory (_InjectedOutOfMemory: injected out-of-memory error (check" in lines[0]
+    )
+    assert outcome in lines[0], lines[0]
+
+
 def capped_run(limit, tmp_path) -> dict:
     import json
     import sys

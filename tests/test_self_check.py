@@ -13,6 +13,9 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_dynbsz.execution.check_passes import compute_dtype
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.self_check import (
+    FAILED,
+    OUT_OF_MEMORY,
+    PASSED,
     Probe,
     checked_parameters,
     gradient_error,
@@ -306,6 +309,43 @@ def test_a_layout_whose_pass_raises_is_left_not_raised(tokenizer):
     ]
 
 
+def test_a_pass_out_of_memory_stops_the_check_on_every_process_with_no_verdict(tokenizer):
+    """A sample alone running out of memory (raised inside the model) leaves no layout judged: this process votes
+    out-of-memory at the first layout without running it, and the result says so; another process's out-of-memory
+    vote stops this one at the layout it is on. Any other error of a sample alone is raised."""
+    model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
+    table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
+    run_layout, run_alone = runners(model, table)
+    run_layout, ran = counting(run_layout)
+    votes = []
+
+    def alone_out_of_memory(index, gradients):
+        if gradients:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return run_alone(index, gradients)
+
+    def agree(vote):
+        votes.append(vote)
+        return vote
+
+    with torch.no_grad():
+        result = run_self_check([SHARED, PADDED], table, run_layout, alone_out_of_memory, 1e-4, agree)
+    assert votes == [OUT_OF_MEMORY] and ran == [] and result.chosen == 2
+    assert result.out_of_memory == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    with torch.no_grad():
+        result = run_self_check(
+            [SHARED, PADDED], table, run_layout, run_alone, 1e-4, agree=lambda vote: max(vote, OUT_OF_MEMORY)
+        )
+    assert result.chosen == 2 and result.out_of_memory == "a pass of another process's self-check ran out of memory"
+    assert [layout for layout, gradients in ran] == [SHARED, SHARED]  # it ran the first layout only
+
+    def alone_broken(index, gradients):
+        raise ValueError("not a memory error")
+
+    with pytest.raises(ValueError, match="not a memory error"), torch.no_grad():
+        run_self_check([SHARED], table, run_layout, alone_broken, 1e-4)
+
+
 def test_every_process_takes_the_first_layout_every_process_passed(tokenizer):
     model = with_fused_head(build_tiny_causal_lm(tokenizer, hidden_size=32))
     table = table_of([6, 3], [4, 11, 2, 7], [2, 2])
@@ -313,9 +353,9 @@ def test_every_process_takes_the_first_layout_every_process_passed(tokenizer):
     run_layout, ran = counting(run_layout)
     passed_here = []
 
-    def another_process_needs_padded_rows(passed):  # the all-reduce: the other process fails the first two
-        passed_here.append(passed)
-        return passed and len(passed_here) > 2
+    def another_process_needs_padded_rows(vote):  # the all-reduce: the other process fails the first two
+        passed_here.append(vote == PASSED)
+        return PASSED if vote == PASSED and len(passed_here) > 2 else FAILED
 
     with torch.no_grad():
         result = run_self_check(
@@ -341,8 +381,8 @@ def test_a_layout_is_kept_only_when_this_process_passed_it_too(tokenizer):
 
     tried = iter([SHARED, PLAIN, PADDED])
 
-    def agree(passed):  # the all-reduce, with the other process passing the plain and padded rows only
-        return passed & (next(tried) in (PLAIN, PADDED))
+    def agree(vote):  # the all-reduce, with the other process passing the plain and padded rows only
+        return max(vote, PASSED if next(tried) in (PLAIN, PADDED) else FAILED)
 
     with torch.no_grad():
         result = run_self_check([SHARED, PLAIN, PADDED], table, plain_rows_wrong_here, run_alone, 1e-4, agree)
@@ -607,3 +647,26 @@ def test_a_difference_between_fp32s_and_bf16s_tolerance_fails_only_in_fp32(token
                 gradient_limit=gradient_tolerance(dtype),
             )
         assert result.chosen == (1 if dtype == torch.float32 else 0), (shift, result.reasons)
+
+
+def test_stock_math_chosen_in_the_first_steps_reference_pass_trains_every_slice_as_stock(
+    model_dir, tmp_path, monkeypatch
+):
+    """With ``beta > 0`` the check runs in the reference pass of an optimizer step's first training call, when that
+    call has already begun collecting the step's slices; a check that keeps no layout ends that step on stock's slices
+    (before, the step's next call saw stock math and ran stock's ``training_step`` on its own slice alone: the first
+    slice was never trained) and the run equals stock."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
+    from hf_dynbsz.execution import check_passes
+    from hf_dynbsz.testing import relative_difference, run_training
+
+    monkeypatch.setattr(check_passes, "tolerance", lambda dtype: -1.0)  # no layout passes
+    settings = dict(beta=0.1, max_steps=2)
+    _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "s"), **settings)
+    _, params, completions, _ = run_training(
+        DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig, model_dir, str(tmp_path / "o"), **settings
+    )
+    assert completions == stock_completions
+    assert relative_difference(params, stock) <= 1e-5

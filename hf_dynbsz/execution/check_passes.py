@@ -20,6 +20,7 @@ import torch
 from accelerate.utils import DistributedType
 from torch.profiler import record_function
 
+from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
 from hf_dynbsz.execution.layout_timing import (
     MEASURED_DEVICE_TYPES,
     NO_LAYOUT_TIMING,
@@ -31,6 +32,7 @@ from hf_dynbsz.execution.layout_timing import (
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.rope import stock_rope
 from hf_dynbsz.execution.self_check import (
+    GRADIENT_COMPLETION,
     CheckResult,
     Probe,
     alone_microbatch,
@@ -64,9 +66,14 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
     gradients equal each sample's own, on every model the loss checks (a distillation's teacher too, log-probs only);
     when none does, stock math runs (``executor.enabled`` False). The check's passes are unsharded, whatever the run's
     sequence parallelism; a prefix tree is probed on three levels (:func:`~hf_dynbsz.execution.self_check.tree_probe`,
-    which may add cut copies of a sample, or say that it could not); the run's layout timing follows from its result."""
+    which may add cut copies of a sample, or say that it could not); the run's layout timing follows from its result.
+
+    A pass of the check that runs out of memory (here or on another process) is recovered as a training pass's is
+    (:meth:`~hf_dynbsz.execution.recovery.OutOfMemoryRecovery.recovers_in_check`): the cached memory is freed and the
+    check runs again on smaller probes, every completion cut to its first
+    :data:`~hf_dynbsz.execution.self_check.GRADIENT_COMPLETION` tokens; when that runs out of memory too, stock math
+    runs. Either way the log's one line says so."""
     layouts = executor.capabilities.layouts
-    table, probe_note = tree_probe(table, layouts)
     schedulers = {
         layout: dataclasses.replace(
             Scheduler.from_args(executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout),
@@ -74,25 +81,18 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
         )
         for layout in layouts
     }
-    checked = executor.loss.checked_models(model)
-    no_gradients = CheckPasses.gradients_skipped(executor, model)
-    passes = [
-        CheckPasses(executor, one, table, schedulers, NoSequenceParallel(), gradients=grad and no_gradients is None)
-        for one, grad in checked
-    ]
-    dtype = compute_dtype(executor.accelerator, model)
+    memory: list[str] = []  # each try's out-of-memory error
     started = time.perf_counter()
-    with executor.tiles(), record_function("dynbsz/self_check"):
-        if len(passes) == 1:
-            result, note = _check(executor, layouts, table, passes[0], passes[0].alone, dtype), ""
-        else:
-            result, note = _check_models(executor, layouts, table, passes, dtype)
+    for probe in (table, gradient_table(table)):  # after running out of memory: smaller probes
+        result, summary, passes, probe = _attempt(executor, model, probe, layouts, schedulers)
+        if not result.out_of_memory:
+            break
+        memory.append(result.out_of_memory)
+        release_cached_memory(executor.accelerator.device)
     executor.self_check_seconds = time.perf_counter() - started
-    executor.self_check_summary = result.summary(layouts) + note + probe_note
-    if no_gradients is not None:
-        executor.self_check_summary += f" Gradients not compared: {no_gradients}."
+    executor.self_check_summary = _with_memory(summary, memory, result)
     logger.log(
-        logging.WARNING if result.chosen else logging.INFO,
+        logging.WARNING if result.chosen or memory else logging.INFO,
         "hf_dynbsz: %s It took %.2f s.",
         executor.self_check_summary,
         executor.self_check_seconds,
@@ -103,7 +103,44 @@ def check_layouts(executor, model, table: SequenceTable) -> None:
     if executor.enabled and result.chosen:
         executor.scheduler = schedulers[layouts[result.chosen]]
     if len(passes) == 1:  # a distillation's passes keep the pair's layout (both models' passes are not timed)
-        executor.layout_timing = layout_timing(executor, model, table, layouts, schedulers, result.chosen, passes[0])
+        executor.layout_timing = layout_timing(executor, model, probe, layouts, schedulers, result.chosen, passes[0])
+
+
+def _attempt(executor, model, table: SequenceTable, layouts, schedulers):
+    """One try of the check on ``table``'s samples: ``(result, its summary, the passes, the samples probed)``."""
+    table, probe_note = tree_probe(table, layouts)
+    checked = executor.loss.checked_models(model)
+    no_gradients = CheckPasses.gradients_skipped(executor, model)
+    passes = [
+        CheckPasses(executor, one, table, schedulers, NoSequenceParallel(), gradients=grad and no_gradients is None)
+        for one, grad in checked
+    ]
+    dtype = compute_dtype(executor.accelerator, model)
+    with executor.tiles(), record_function("dynbsz/self_check"):
+        if len(passes) == 1:
+            result, note = _check(executor, layouts, table, passes[0], passes[0].alone, dtype), ""
+        else:
+            result, note = _check_models(executor, layouts, table, passes, dtype)
+    summary = result.summary(layouts) + note + probe_note
+    if no_gradients is not None:
+        summary += f" Gradients not compared: {no_gradients}."
+    return result, summary, passes, table
+
+
+def _with_memory(summary: str, memory: list[str], result: CheckResult) -> str:
+    """The check's summary, with what ran out of memory (``memory``: each try's error) and what followed."""
+    if not memory:
+        return summary
+    cut = f"every completion cut to its first {GRADIENT_COMPLETION} tokens"
+    if result.out_of_memory:
+        return (
+            f"self-check: its passes ran out of memory ({memory[0]}), and again on smaller probes ({cut}: "
+            f"{memory[-1]}): no layout was checked, stock TRL math runs (stock's micro-batches)."
+        )
+    return (
+        f"{summary} Its first try ran out of memory ({memory[0]}): the cached memory was freed and the check ran "
+        f"again on smaller probes ({cut}; log-probs beyond them not compared)."
+    )
 
 
 def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPasses], dtype) -> tuple[CheckResult, str]:
@@ -118,6 +155,8 @@ def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPas
         index = min(set(range(len(passes))) - passed)
         result = _check(executor, layouts[start:], table, passes[index], alone[index], dtype)
         reasons += [f"{f'{other}: ' if index else ''}{reason}" for reason in result.reasons]
+        if result.out_of_memory:  # every process stopped: the caller tries again smaller
+            return result, ""
         passed = {index} if result.chosen else passed | {index}
         start += result.chosen
         results[index] = result
@@ -131,11 +170,13 @@ def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPas
 def _check(executor, layouts, table: SequenceTable, passes: CheckPasses, alone, dtype: torch.dtype):
     """:func:`~hf_dynbsz.execution.self_check.run_self_check` of ``layouts`` through ``passes`` (``alone``: its
     samples alone, cached or not), at ``dtype``'s tolerances, every process agreeing through one all-reduce per layout
-    tried; gradients where ``passes`` computes them."""
+    tried (a pass out of memory on any process stops it everywhere: the result's ``out_of_memory``); gradients where
+    ``passes`` computes them."""
     return run_self_check(
         layouts, table, passes.layout, alone, tolerance(dtype),
-        agree=lambda passed: executor.world.all_reduce_max([int(not passed)])[0] == 0,
+        agree=lambda vote: int(executor.world.all_reduce_max([vote])[0]),
         gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
+        recovers=executor.recovery.recovers_in_check,
     )  # fmt: skip
 
 
@@ -224,7 +265,8 @@ class CheckPasses:
             return self._probe(mb, table, indices, gradients)
 
     def _forward(self, mb) -> torch.Tensor:
-        return self.executor.forward(self.model, mb, False, autocast=False, parallel=self.unsharded)[0]
+        with injected_fault(self.model, "check", self.executor.accelerator.process_index):  # (tests)
+            return self.executor.forward(self.model, mb, False, autocast=False, parallel=self.unsharded)[0]
 
     def _probe(self, mb, table: SequenceTable, indices: list[int], gradients: bool) -> Probe:
         if not (gradients and self.parameters):

@@ -13,10 +13,11 @@ The torch side of :mod:`hf_dynbsz.planning.memory` (which models and decides, wi
   4). Mapping costs CPU time: about 20% of a forward and backward's there.
 * :func:`is_out_of_memory` recognises an allocator's out-of-memory error: ``torch.OutOfMemoryError`` (CUDA, and
   the injected ones), the CPU allocator's ``RuntimeError`` ("can't allocate memory"), ``MemoryError``.
-* :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, or
-  a no-grad log-prob pass), raised from inside the model (the middle decoder layer) so that the pass fails with a
-  partial graph and, in backward, with some gradients already accumulated. ``HF_DYNBSZ_INJECT_OOM`` arms one in a
-  launched process: ``kind:phase:pass[:rank]`` (e.g. ``training:backward:2:1``).
+* :func:`inject_out_of_memory` arms one ``torch.OutOfMemoryError`` in a later pass (training forward or backward, a
+  no-grad log-prob or teacher pass, or a forward of the self-check at start), raised from inside the model (the
+  middle decoder layer) so that the pass fails with a partial graph and, in backward, with some gradients already
+  accumulated. ``HF_DYNBSZ_INJECT_OOM`` arms one in a launched process: ``kind:phase:pass[:rank]`` (e.g.
+  ``training:backward:2:1``).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def pending_gradient_mib(model: torch.nn.Module) -> float:
 # ---------------------------------------------------------------------- injected faults (tests)
 @dataclass
 class _Fault:
-    kind: str  # "training" or "logprob"
+    kind: str  # "training", "logprob", "teacher" or "check" (the self-check's passes)
     phase: str  # "forward" or "backward" ("forward" only for "logprob")
     remaining: int  # passes of this kind to let through first
     rank: int | None = None
@@ -136,13 +137,13 @@ def inject_out_of_memory(
     """Arm one ``torch.OutOfMemoryError`` in the pass of ``kind`` after ``after`` passes of that kind, in its
     ``phase``, on process ``rank`` (None: any). For tests of the recovery; fires once."""
     if (
-        kind not in ("training", "logprob", "teacher")
+        kind not in ("training", "logprob", "teacher", "check")
         or phase not in ("forward", "backward")
         or (kind != "training" and phase == "backward")
     ):
         raise ValueError(
-            "an injected fault is training:forward, training:backward, logprob:forward or teacher:forward, got "
-            f"{kind}:{phase}"
+            "an injected fault is training:forward, training:backward, logprob:forward, teacher:forward or "
+            f"check:forward, got {kind}:{phase}"
         )
     _FAULTS.append(_Fault(kind, phase, int(after), rank))
 

@@ -357,14 +357,12 @@ class PassExecutor(StepPlanning, DevicePass):
             state.statistics.index_copy_(0, index, statistics)
 
     # ------------------------------------------------------------------ stock's path, and the self-check
-    def train_step_stock(self, model, window: list[dict]) -> torch.Tensor:
-        """Stock math for a step that cannot be repacked (images of a family not repacked): one pass per stock
-        slice."""
-        if "multimodal" not in self.warned:
-            self.warned.add("multimodal")
-            logger.warning(
-                "hf_dynbsz: image inputs of a model family not repacked: its image steps use stock micro-batches."
-            )
+    def train_step_stock(self, model, window: list[dict], reason: str | None = None) -> torch.Tensor:
+        """Stock math for a step that cannot be repacked: one pass per stock slice. ``reason``: why, logged once per
+        reason (None: said elsewhere, as the self-check's log line says why it kept no layout)."""
+        if reason is not None and reason not in self.warned:
+            self.warned.add(reason)
+            logger.warning("hf_dynbsz: %s.", reason)
         total = torch.zeros((), device=self.accelerator.device)
         for position, inputs in enumerate(window):
             last = position == len(window) - 1

@@ -11,7 +11,8 @@ pass after the agreement), and not under DeepSpeed, whose engine keeps a step's 
 ZeRO-3, the other processes' parameter gathers) where they cannot be discarded, nor under FSDP on several processes
 (each layer's forward and backward gather its parameters with the others: a pass that fails part way leaves them
 waiting), nor under sequence parallelism.
-Elsewhere the error is raised with why and what to set.
+Elsewhere the error is raised with why and what to set. The self-check's passes at start recover more widely
+(:meth:`OutOfMemoryRecovery.recovers_in_check`; :func:`~hf_dynbsz.execution.check_passes.check_layouts`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,25 @@ class OutOfMemoryRecovery:
             failure.explain(self.memory),
             self.meters.oom_retries,
         )
+
+    def recovers_in_check(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a pass of the self-check at start, is an out-of-memory error recovered there
+        (:func:`~hf_dynbsz.execution.self_check.run_self_check`'s ``recovers``); raises it where it cannot be, with
+        why. The check's passes run the unwrapped model and take their gradients with ``torch.autograd.grad``:
+        nothing accumulates and no gradient synchronises, and the processes agree in the check's own all-reduce, so
+        it is recovered wherever no forward gathers parameters with the other processes."""
+        if not is_out_of_memory(error):
+            return False
+        gathering = parameter_gathering(self.accelerator)
+        if gathering is not None:
+            error.add_note(
+                f"hf_dynbsz: this out-of-memory error in the self-check at start is not recovered under {gathering} "
+                "on several processes, where every forward gathers each layer's parameters with the other processes: "
+                "a pass that fails part way leaves the others waiting in a gather. Set self_check=False, or free "
+                "memory for the check's few short passes."
+            )
+            raise error
+        return True
 
     def unrecovered_reason(self) -> str:
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:

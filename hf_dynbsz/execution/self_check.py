@@ -7,7 +7,9 @@ log-probs with the *per-sample reference*: each sample alone, as one unpadded ro
 with no position ids given (what the model computes for that sequence by itself, as generation did). The first
 layout within :func:`tolerance` on every process is kept, and the slower ones are not run; when none passes, stock
 math runs. A layout whose pass raises is treated as failing, so a model the decision module misjudged steps down
-instead of crashing mid-step.
+instead of crashing mid-step. A pass that runs out of memory (the samples alone too) is no verdict on a layout: the
+check stops on every process (the processes' votes say so) and reports it (:attr:`CheckResult.out_of_memory`), for
+the caller to check again on smaller probes (:func:`~hf_dynbsz.execution.check_passes.check_layouts`).
 
 Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each): the
 same count of references, then layout by layout with one all-reduce after each (did every process pass it?), so
@@ -28,11 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_dynbsz.execution.device_memory import is_out_of_memory
 from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
 from hf_dynbsz.planning.model_support import Layout
 from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
+    "FAILED",
+    "OUT_OF_MEMORY",
+    "PASSED",
     "CheckResult",
     "Probe",
     "alone_microbatch",
@@ -52,6 +58,10 @@ __all__ = [
 
 #: Samples per check (and per-sample reference forwards on every process).
 SAMPLES = 4
+
+#: A process's vote on a layout in :func:`run_self_check` (the processes agree on the largest): it passed, it did
+#: not, or a pass of the check ran out of memory (no verdict: the check stops everywhere).
+PASSED, FAILED, OUT_OF_MEMORY = 0, 1, 2
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -324,7 +334,9 @@ class CheckResult:
     chosen one and those before it), the largest log-prob difference from the reference on this process (``inf``
     when its pass raised, or its gradients differed); ``reasons``: one line per layout left, for the log;
     ``gradient_errors``: per layout whose gradients were compared, :func:`gradient_error`; ``gradients_checked``:
-    whether the probes carried gradients; ``limit``, ``gradient_limit``: the tolerances the check applied."""
+    whether the probes carried gradients; ``limit``, ``gradient_limit``: the tolerances the check applied;
+    ``out_of_memory``: where a pass of the check ran out of memory (on this process, or another's), the error's first
+    line, and nothing was decided (``chosen`` is ``len(layouts)``); empty otherwise."""
 
     chosen: int
     errors: list[float]
@@ -333,6 +345,7 @@ class CheckResult:
     gradients_checked: bool = False
     limit: float = math.nan
     gradient_limit: float = math.nan
+    out_of_memory: str = ""
 
     def summary(self, layouts: Sequence[Layout]) -> str:
         """What the run trains with and why, for the log."""
@@ -362,9 +375,10 @@ def run_self_check(
     run_layout: Callable[[Layout, list[int], bool], Probe],
     run_alone: Callable[[int, bool], Probe],
     limit: float,
-    agree: Callable[[bool], bool] = lambda passed: passed,
+    agree: Callable[[int], int] = lambda vote: vote,
     gradient_limit: float = math.inf,
     gradients: bool = True,
+    recovers: Callable[[BaseException], bool] = is_out_of_memory,
 ) -> CheckResult:
     """Check ``layouts`` (fastest first) on a few samples of ``table``, up to the first that every process passes.
 
@@ -373,47 +387,94 @@ def run_self_check(
     over the samples of :func:`gradient_table` and with the gradients of :func:`check_loss`. The log-probs of
     :func:`pick_samples` (its repeats keep the forward count equal on every process) are compared in one pass without
     gradients; where they pass, the gradients of :func:`gradient_samples` in a second pass. ``limit`` is the log-prob
-    tolerance, ``gradient_limit`` the gradient tolerance (:func:`gradient_error`); ``agree(passed)`` whether every
-    process passed the layout this one ``passed`` or not (an all-reduce; every process calls it once per layout
-    tried). ``gradients=False``, or probes that carry none, compare log-probs only (``gradients=False`` where the
-    gradient passes' count may not differ between processes: under ZeRO-3 every forward gathers parameters).
+    tolerance, ``gradient_limit`` the gradient tolerance (:func:`gradient_error`); ``agree(vote)`` the largest vote
+    of every process on the layout tried (:data:`PASSED`, :data:`FAILED` or :data:`OUT_OF_MEMORY`: an all-reduce
+    every process calls once per layout tried). ``gradients=False``, or probes that carry none, compare log-probs only
+    (``gradients=False`` where the gradient passes' count may not differ between processes: under ZeRO-3 every
+    forward gathers parameters). ``recovers(error)``: whether an error a pass raised is an out-of-memory error the
+    caller recovers from (or it raises it, saying why not): then no layout is judged, every process stops at the
+    layout it is on (its vote is :data:`OUT_OF_MEMORY`) and the result says so (:attr:`CheckResult.out_of_memory`).
+    Any other error of a sample alone is raised; of a layout's pass, leaves that layout.
     """
     tree = any(layout.sharing is SharePrefix.TREE for layout in layouts)
     samples = pick_samples(table, tree=tree)
     distinct = sorted(set(samples))
-    completions = table.completion_lengths.tolist()
-    reference, reference_gradients = {}, None
-    for index in samples:  # the same number of forwards on every process
-        reference.setdefault(index, run_alone(index, False).logps[0])
     graded = gradient_samples(table, distinct, tree=tree) if gradients else []
-    for index in graded:
-        reference_gradients = _summed(reference_gradients, run_alone(index, True).gradients)
+    memory, reference, reference_gradients = "", {}, None
+    try:
+        for index in samples:  # the same number of forwards on every process
+            reference.setdefault(index, run_alone(index, False).logps[0])
+        for index in graded:
+            reference_gradients = _summed(reference_gradients, run_alone(index, True).gradients)
+    except Exception as failure:  # noqa: BLE001 - raised again unless an out-of-memory error recovered
+        if not recovers(failure):
+            raise
+        memory = _first_line(failure)
+    judge = _Judge(distinct, table.completion_lengths.tolist(), run_layout, recovers, limit, gradient_limit)
     errors, gradient_errors, reasons = [], [], []
     for layout in layouts:
-        error, reason = _layout_error(layout, distinct, completions, run_layout, reference, limit)
-        if error <= limit and reference_gradients is not None:
-            gradient, reason = _gradient_error(layout, graded, run_layout, reference_gradients, gradient_limit)
-            gradient_errors.append(gradient)
-            error = error if gradient <= gradient_limit else math.inf  # a wrong backward trains wrong all the same
+        error, reason = math.inf, ""
+        if not memory:
+            try:
+                error, reason = judge(layout, reference, graded, reference_gradients, gradient_errors)
+            except _RanOutOfMemory as failure:
+                memory = str(failure)
+        vote = agree(OUT_OF_MEMORY if memory else PASSED if error <= limit else FAILED)
+        if vote == OUT_OF_MEMORY:
+            memory = memory or "a pass of another process's self-check ran out of memory"
+            break
         errors.append(error)
-        if agree(error <= limit):
+        if vote == PASSED:
             break
         reasons.append(reason if error > limit else f"{layout.describe()}: another process found it inexact")
-    chosen = len(reasons)
+    chosen = len(layouts) if memory else len(reasons)
     checked = reference_gradients is not None
-    return CheckResult(chosen, errors, reasons, gradient_errors, checked, limit, gradient_limit)
+    return CheckResult(chosen, errors, reasons, gradient_errors, checked, limit, gradient_limit, memory)
 
 
-def _gradient_error(layout, graded, run_layout, reference, gradient_limit) -> tuple[float, str]:
+class _RanOutOfMemory(Exception):
+    """A pass of the check ran out of memory (its message: the error's first line)."""
+
+
+def _first_line(failure: BaseException) -> str:
+    return f"{type(failure).__name__}: {(str(failure).splitlines() or [''])[0][:300]}"
+
+
+@dataclass(frozen=True)
+class _Judge:
+    """One layout's verdict in :func:`run_self_check`: its log-probs, and where they pass and there are reference
+    gradients, its gradients (appended to ``gradient_errors``). Returns ``(error, reason)`` (``inf`` where the
+    gradients differ); raises :class:`_RanOutOfMemory` where a pass ran out of memory (``recovers``)."""
+
+    distinct: list[int]
+    completions: list[int]
+    run_layout: Callable
+    recovers: Callable[[BaseException], bool]
+    limit: float
+    gradient_limit: float
+
+    def __call__(self, layout, reference, graded, reference_gradients, gradient_errors) -> tuple[float, str]:
+        error, reason = _layout_error(
+            layout, self.distinct, self.completions, self.run_layout, reference, self.limit, self.recovers
+        )
+        if error <= self.limit and reference_gradients is not None:
+            gradient, reason = _gradient_error(
+                layout, graded, self.run_layout, reference_gradients, self.gradient_limit, self.recovers
+            )
+            gradient_errors.append(gradient)
+            error = error if gradient <= self.gradient_limit else math.inf  # a wrong backward trains wrong all the same
+        return error, reason
+
+
+def _gradient_error(layout, graded, run_layout, reference, gradient_limit, recovers) -> tuple[float, str]:
     """:func:`gradient_error` of one pass in ``layout`` with gradients (``inf`` when it raised), and the line that
-    says so."""
+    says so; :class:`_RanOutOfMemory` where it ran out of memory (``recovers``)."""
     try:
         error, name = gradient_error(run_layout(layout, graded, True).gradients, reference)
     except Exception as failure:  # noqa: BLE001 - a layout the model cannot train is a layout not to use
-        return (
-            math.inf,
-            f"{layout.describe()}: backward: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}",
-        )
+        if recovers(failure):
+            raise _RanOutOfMemory(_first_line(failure)) from None
+        return math.inf, f"{layout.describe()}: backward: {_first_line(failure)}"
     return error, (
         f"{layout.describe()}: gradients differ from each sample's own by {error:.2e} at {name} "
         f"(tolerance {gradient_limit:g})"
@@ -428,9 +489,10 @@ def _summed(total: dict | None, gradients: dict | None) -> dict | None:
     return {name: total[name] + gradient for name, gradient in gradients.items()}
 
 
-def _layout_error(layout, distinct, completions, run_layout, reference, limit) -> tuple[float, str]:
+def _layout_error(layout, distinct, completions, run_layout, reference, limit, recovers) -> tuple[float, str]:
     """The largest completion log-prob difference of one pass in ``layout`` from the references (``inf`` when the
-    pass raised or gave NaN), and the line that says so."""
+    pass raised or gave NaN), and the line that says so; :class:`_RanOutOfMemory` where it ran out of memory
+    (``recovers``)."""
     try:
         logps = run_layout(layout, distinct, False).logps
         error = max(
@@ -442,6 +504,8 @@ def _layout_error(layout, distinct, completions, run_layout, reference, limit) -
             default=0.0,
         )
     except Exception as failure:  # noqa: BLE001 - a layout the model cannot run is a layout not to use
-        return math.inf, f"{layout.describe()}: {type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+        if recovers(failure):
+            raise _RanOutOfMemory(_first_line(failure)) from None
+        return math.inf, f"{layout.describe()}: {_first_line(failure)}"
     error = math.inf if math.isnan(error) else error
     return error, f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"

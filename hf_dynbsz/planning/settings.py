@@ -285,7 +285,10 @@ SETTINGS: tuple[Setting, ...] = (
         "bf16/fp16: the check runs in the precision the forwards compute in), trying the next one only when it "
         "is not, and log why the faster ones were left (the parameter whose gradients differ most). When none "
         "passes, stock TRL math runs. Gradients are not compared under DeepSpeed ZeRO-3 (partitioned "
-        "parameters) or reentrant gradient checkpointing, and the log says so. Costs five small forwards and two "
+        "parameters) or reentrant gradient checkpointing, and the log says so. A check pass that runs out of "
+        "memory is recovered (not under ZeRO-3, nor FSDP on several processes): the check runs again with every "
+        "completion cut to its first 16 tokens, and where that runs out of memory too, stock math runs; the log "
+        "line says which. Costs five small forwards and two "
         "backwards of three short samples once per run when the fastest layout passes; False skips it and trusts "
         "the decision read off the model.",
         expected="true or false",

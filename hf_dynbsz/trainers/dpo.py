@@ -4,6 +4,8 @@ a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution
 
 Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
 
+* ``__init__``: refuses, before any work, ``aot`` / ``aot_unpaired`` on a model that drops out
+  (:func:`refuse_sorted_loss_with_dropout`; the config's refusals are :func:`hf_dynbsz.config.refuse_dpo_settings`).
 * ``training_step``: collect the optimizer step's micro-batches (stock's collated ``[chosen ; rejected]`` rows, moved to
   the device by the Trainer's ``_prepare_inputs``) inside stock's activation-offloading context; run the step's
   passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
@@ -48,9 +50,12 @@ class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer):
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
         executor = self._dynbsz
+        self._dynbsz_inputs_checked = False  # the collated inputs, read at the first step (_train_window)
         if executor.enabled and executor.loss.blocker is not None:
             executor.enabled = False
             logger.warning("hf_dynbsz: dynamic batching is off, stock DPOTrainer math runs: %s.", executor.loss.blocker)
+        if executor.enabled and executor.loss.settings.coupled:
+            refuse_sorted_loss_with_dropout(self.model, self.args)
 
     def training_step(self, *args, **kwargs):
         # Override: collect the optimizer step's micro-batches; run the step's passes on its last call. Stock's
@@ -75,10 +80,74 @@ class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer):
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its micro-batches: the pairs repacked (stock's slices if the self-check keeps no
-        layout)."""
+        layout). At the first step, a collator that adds model inputs (:func:`extra_model_inputs`, on any process)
+        turns the run to stock's micro-batches, from this step on, with one logged reason."""
         executor, accelerator = self._dynbsz, self.accelerator
+        if not self._dynbsz_inputs_checked:
+            self._dynbsz_inputs_checked = True
+            extra = extra_model_inputs(window)
+            if executor.world.all_reduce_max([int(bool(extra))])[0]:  # every process decides alike
+                executor.enabled = False  # the next steps: stock's training_step
+                collator = type(self.data_collator).__name__
+                return executor.train_step_stock(model, window, (
+                    f"dynamic batching is off, stock DPOTrainer math runs: the data collator ({collator}) adds model "
+                    f"inputs the passes do not read ({', '.join(extra) or 'on another process'}), which stock passes "
+                    "to the model"
+                ))  # fmt: skip
         long_rope = executor.capabilities.support.long_rope
         batch = dpo_step_batch(window, accelerator.process_index, accelerator.num_processes, long_rope)
         if executor.self_check(model, batch.table):
             return executor.train_step(model, batch)
         return executor.train_step_stock(model, window)
+
+
+#: The keys of ``DataCollatorForPreference``'s micro-batches, all read by the passes (every other key stock passes to
+#: the model as an input).
+COLLATED_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
+
+
+def extra_model_inputs(window: list[dict]) -> list[str]:
+    """The keys of ``window``'s micro-batches beyond :data:`COLLATED_KEYS`: model inputs a collator added (a subclass
+    of ``DataCollatorForPreference``), which stock's forward receives and the passes would drop."""
+    return sorted({key for inputs in window for key in inputs} - COLLATED_KEYS)
+
+
+#: torch's dropout modules (``p``: the probability of dropping an element), the ones TRL's ``disable_dropout`` zeroes
+#: among them (``torch.nn.Dropout``).
+DROPOUT_MODULES = (
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)  # fmt: skip
+
+
+def refuse_sorted_loss_with_dropout(model, args) -> None:
+    """``aot`` / ``aot_unpaired`` on a model that drops out in training: refused before any work. The plugin sorts a
+    micro-batch's pairs by log-ratios from a no-grad policy pass before the training passes, exact only when that pass
+    repeats the training forward; dropout draws other masks in each. Dropout modules with ``p > 0`` (left by
+    ``disable_dropout=False``) and attention dropout in the text config (``attention_dropout``, which transformers
+    applies in the attention function and ``disable_dropout`` does not zero)."""
+    loss_types = list(args.loss_type)
+    modules = [
+        f"{name} (p={module.p})"
+        for name, module in model.named_modules()
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0
+    ]
+    if modules:
+        fix = "Set disable_dropout=True" if not args.disable_dropout else "Set those modules' p to 0"  # (Dropout2d)
+        raise ValueError(
+            f"loss_type={loss_types} with disable_dropout={args.disable_dropout}: DynamicBatchDPOTrainer sorts a "
+            "micro-batch's pairs by log-ratios from a separate no-grad pass, exact only when that pass repeats the "
+            f"training forward, and this model drops out ({', '.join(modules[:3])}"
+            f"{f' and {len(modules) - 3} more' if len(modules) > 3 else ''}). {fix}, or dynamic_batching=False for "
+            "stock's passes."
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    dropout = getattr(config, "attention_dropout", 0.0)
+    if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0:
+        raise ValueError(
+            f"loss_type={loss_types} with attention_dropout={dropout} in the model's config: DynamicBatchDPOTrainer "
+            "sorts a micro-batch's pairs by log-ratios from a separate no-grad pass, exact only when that pass repeats "
+            "the training forward, and this model's attention drops out in training (disable_dropout does not zero "
+            "attention_dropout). Set the model config's attention_dropout=0, or dynamic_batching=False for stock's "
+            "passes."
+        )

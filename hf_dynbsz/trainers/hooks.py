@@ -41,6 +41,9 @@ from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
 
+#: Why an image step trains stock's micro-batches (logged once).
+IMAGE_STEPS = "image inputs of a model family not repacked: its image steps use stock micro-batches"
+
 
 def stock_constructor(stock_class: type):
     """The ``__init__`` of a trainer over TRL's ``stock_class``: stock's signature (``inspect`` reports it), the
@@ -96,8 +99,8 @@ class TokenBudgetHooks:
     def training_step(self, model, inputs, num_items_in_batch):
         # Override: collect the optimizer step's stock slices; run the step's passes on its last call.
         executor = self._dynbsz
-        if not executor.enabled:
-            with executor.tiles():
+        if not executor.enabled and not self._dynbsz_window:  # (a window begun before the run turned to stock math
+            with executor.tiles():  # ends on this path: _train_window runs its slices as stock's)
                 return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
         self._dynbsz_training_call(model)
@@ -126,12 +129,13 @@ class TokenBudgetHooks:
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
         executor, accelerator = self._dynbsz, self.accelerator
-        if not executor.media.stock(*window):
-            long_rope = executor.capabilities.support.long_rope
-            batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
-            if executor.self_check(model, batch.table):
-                return executor.train_step(model, batch)
-        return executor.train_step_stock(model, window)
+        if executor.media.stock(*window):
+            return executor.train_step_stock(model, window, IMAGE_STEPS)
+        long_rope = executor.capabilities.support.long_rope
+        batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
+        if executor.self_check(model, batch.table):
+            return executor.train_step(model, batch)
+        return executor.train_step_stock(model, window)  # (the self-check's log line says why)
 
     def store_flos(self) -> None:
         # Override: transformers' sum of every process's FLOP count (distributed_broadcast_scalars: an all-gather of
