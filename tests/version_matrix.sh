@@ -17,8 +17,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 OLDEST="torch==${OLDEST_TORCH:-2.13.0} transformers==${OLDEST_TRANSFORMERS:-5.21.0} \
 accelerate==${OLDEST_ACCELERATE:-1.10.1} deepspeed==${OLDEST_DEEPSPEED:-0.19.8} peft==${OLDEST_PEFT:-0.18.0}"
-NEWEST="torch==${NEWEST_TORCH:-2.14.1} transformers==${NEWEST_TRANSFORMERS:-5.24.0} \
-accelerate==${NEWEST_ACCELERATE:-1.15.0} deepspeed==${NEWEST_DEEPSPEED:-0.19.8} peft==${NEWEST_PEFT:-0.21.2}"
+NEWEST="torch==${NEWEST_TORCH:-2.14.1} transformers==${NEWEST_TRANSFORMERS:-5.25.0} \
+accelerate==${NEWEST_ACCELERATE:-1.16.0} deepspeed==${NEWEST_DEEPSPEED:-0.19.8} peft==${NEWEST_PEFT:-0.21.2}"
 TESTS=(tests/test_trl_compat.py tests/test_init.py tests/test_trainer.py tests/test_self_check.py)
 [ "$#" -gt 0 ] || set -- oldest newest
 venvs="${MATRIX_VENVS:-.}"
