@@ -286,7 +286,7 @@ def flex_backward_on_cpu() -> str | None:
 def test_flex_attention_equals_stock(model_dir, tmp_path, stock_cut, monkeypatch):
     why = flex_backward_on_cpu()
     if why is not None:
-        pytest.skip(f"flex_attention has no backward on CPU in this torch ({why}); the GPU check trains it")
+        pytest.skip(f"flex_attention has no backward on CPU in this torch ({why}); these runs are on CPU")
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torch's reference flex: no C++ build of each kernel on a CPU
     ours = async_grpo_run(
         "async_grpo_dynamic",
