@@ -146,10 +146,12 @@ def adapters(run: AsyncRun) -> AsyncRun:
 
 
 def test_lora_adapters_and_their_update_equal_stocks(model_dir, tmp_path):
+    """LoRA with gradient checkpointing on (stock's default: stock then makes the inputs require gradients)."""
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"])
-    stock, ours = run_pair(tmp_path, model_dir, trainer_kwargs=dict(peft_config=lora))
+    stock, ours = run_pair(tmp_path, model_dir, gradient_checkpointing=True, trainer_kwargs=dict(peft_config=lora))
+    assert stock.trainer.model.is_gradient_checkpointing and ours.trainer.model.is_gradient_checkpointing
     stock_adapters, our_adapters = adapters(stock), adapters(ours)
     assert len(stock_adapters.final) > 0 and stock_adapters.final.keys() == our_adapters.final.keys()
     trained_b = [name for name in stock_adapters.final if "lora_B" in name]
