@@ -430,6 +430,7 @@ def async_grpo_run(
     queue_steps: int = 2,
     stock_kernel: str = "reference",
     trainer_kwargs: dict | None = None,
+    worker_kwargs: dict | None = None,
     **fields,
 ) -> AsyncRun:
     """Build (and with ``train``, train) ``trainer`` ("async_grpo_stock" or "async_grpo_dynamic", see
@@ -440,18 +441,22 @@ def async_grpo_run(
     processes of the launch, for the samples a step takes; ``generation_seconds``: the worker's thread produces one
     sample every that many seconds (a queue of at most ``queue_steps`` steps' samples) instead of filling the queue at
     each sync. ``stock_kernel``: "reference" (stock's tree attention in plain torch, :func:`async_grpo_on_cpu`) or
-    "fa3" (stock's own FlashAttention-3 Hub kernel, on a Hopper GPU with the ``kernels`` package)."""
+    "fa3" (stock's own FlashAttention-3 Hub kernel, on a Hopper GPU with the ``kernels`` package). ``worker_kwargs``
+    override the worker's (``samples_per_sync``, ``prefill``: more samples than a step takes, for runs that drop stale
+    samples or sync less often)."""
     from hf_dynbsz.testing.fixtures import load_tokenizer, prompt_dataset
     from hf_dynbsz.testing.harness import snapshot_parameters, trainer_classes
 
     trainer_class, config_class = trainer_classes(trainer)
     config = config_class(output_dir=output_dir, **{**ASYNC_COMPARISON_FIELDS, **fields})
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
-    worker = StandInRolloutWorker(
-        (script or RolloutScript(seed=1)).samples(),
+    worker_settings = dict(
         samples_per_sync=per_step,
         generation_seconds=generation_seconds,
         queue_maxsize=queue_steps * per_step if generation_seconds else 0,
+    )
+    worker = StandInRolloutWorker(
+        (script or RolloutScript(seed=1)).samples(), **{**worker_settings, **(worker_kwargs or {})}
     )
     transfer = NoWeightTransfer()
     with async_grpo_on_cpu() if stock_kernel == "reference" else contextlib.nullcontext():
