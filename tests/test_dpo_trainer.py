@@ -483,3 +483,18 @@ def test_longrope_pairs_take_the_factors_of_their_micro_batch(tmp_path, monkeypa
     steps, trainer = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=120)
     assert trainer._dynbsz.capabilities.support.long_rope == (48,)
     assert widths == {0, 49}  # short factors (under 48 tokens wide) and long ones
+
+
+# ---- a memory cap that binds ---------------------------------------------------------------------------------------
+def test_a_memory_cap_under_the_steps_one_pass_peak_cuts_more_passes_and_matches_stock(model_dir, tmp_path):
+    """The cap is set 20 MiB under the peak a roomy cap's run predicted for its passes (the whole step in one pass,
+    this process's held memory included; on CPU the held memory is most of it, and may move by a few MiB between
+    runs): the budget from memory shrinks to pairs alone, the step runs in more passes, and the run still equals
+    stock. (A cap of 100,000 MiB, as in ``budget_from_memory``,
+    never binds.)"""
+    roomy = dict(max_memory_per_device_mib=100_000, max_tokens_per_microbatch=None)
+    _, _, history, _ = dpo_run(True, model_dir, str(tmp_path / "roomy"), **roomy)
+    roomy_steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    cap = int(min(entry["dynbsz/predicted_peak_memory_mib"] for entry in roomy_steps)) - 20
+    steps, _ = compare_with_stock(model_dir, tmp_path, max_memory_per_device_mib=cap, max_tokens_per_microbatch=None)
+    assert min(step["dynbsz/microbatches"] for step in steps) > max(step["dynbsz/microbatches"] for step in roomy_steps)
