@@ -226,3 +226,19 @@ def test_a_plain_async_config_gains_the_plugins_fields_and_the_environment(model
     plain = AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True)
     plain.async_step = "samples"
     assert async_trainer_config(plain, model_dir).max_tokens_per_microbatch == 300
+
+
+def test_a_memory_cap_under_the_steps_one_pass_peak_cuts_more_passes_and_equals_stock(model_dir, stock_step, tmp_path):
+    """The cap 20 MiB under the peak a roomy cap's run predicted (on CPU this process's held memory is most of it, and
+    may move by a few MiB between runs): the budget from memory shrinks, the step runs in more passes, and it still
+    equals stock. (A cap of 100,000 MiB never binds.)"""
+    fields = dict(per_device_train_batch_size=16, token_budget=None, **SAMPLES)
+    roomy = async_grpo_run("async_grpo_dynamic", model_dir, str(tmp_path / "roomy"), max_memory_per_device_mib=100_000,
+                           **fields)  # fmt: skip
+    roomy_steps = [entry for entry in roomy.history if "dynbsz/microbatches" in entry]
+    cap = int(min(entry["dynbsz/predicted_peak_memory_mib"] for entry in roomy_steps)) - 20
+    ours = async_grpo_run("async_grpo_dynamic", model_dir, str(tmp_path / "capped"), max_memory_per_device_mib=cap,
+                          **fields)  # fmt: skip
+    assert_equals_stock(ours, stock_step)
+    steps = [entry for entry in ours.history if "dynbsz/microbatches" in entry]
+    assert min(step["dynbsz/microbatches"] for step in steps) > max(step["dynbsz/microbatches"] for step in roomy_steps)
