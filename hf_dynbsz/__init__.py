@@ -40,6 +40,7 @@ _LAZY = {
     "DynamicBatchDistillationConfig": "hf_dynbsz.config",
     "DynamicBatchDPOConfig": "hf_dynbsz.config",
     "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.async_config",
+    "DynamicBatchRewardConfig": "hf_dynbsz.reward_config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -54,6 +55,7 @@ _LAZY = {
     "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchRewardTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "UntestedTRLVersionError", "__version__"]

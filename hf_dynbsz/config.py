@@ -266,7 +266,7 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
         if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
-        elif trainer == "dpo":  # no generation round, no GRPO settings (see DPOFields)
+        elif trainer in ("dpo", "reward"):  # no generation round, no GRPO settings (see DPOFields, RewardFields)
             refuse_dpo_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
         else:
