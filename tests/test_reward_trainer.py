@@ -1,0 +1,195 @@
+"""DynamicBatchRewardTrainer equals stock TRL RewardTrainer, single process.
+
+Each comparison trains stock ``trl.RewardTrainer`` and ``DynamicBatchRewardTrainer`` on the same preference pairs from
+the same tiny model (a saved causal LM loaded as a sequence classifier of one label, its score head from a fixed seed),
+with a token budget small enough that every optimizer step (2 micro-batches of 4 pairs) is cut into passes unlike
+stock's, and checks: the same parameters afterwards (relative difference <= 1e-5), the same *updates* (relative
+difference <= 1e-3, which is what exposes a mis-weighted pair), and every metric stock logs (``loss``, ``num_tokens``,
+``min_reward``, ``mean_reward``, ``max_reward``, ``accuracy``, ``margin``, ``grad_norm``) equal, entry by entry.
+
+Runs: the default Bradley-Terry loss (with stock's default gradient checkpointing), a ``margin`` column,
+``center_rewards_coefficient``, gradient accumulation of 4 micro-batches cut into other passes, a system block common
+to every prompt (the prefix tree computes it once per pass), the padded layout, Llama and Mistral sequence classifiers,
+and what runs stock's micro-batches (dynamic batching off; a custom collator; a model whose classifier is not the
+generic last-token one).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from trl import RewardConfig, RewardTrainer
+
+from hf_dynbsz import DynamicBatchRewardConfig, DynamicBatchRewardTrainer
+from hf_dynbsz.testing import (
+    logged_metrics,
+    metric_mismatches,
+    parameter_mismatches,
+    preference_pairs,
+    relative_difference,
+    signature_mismatches,
+)
+from hf_dynbsz.testing.reward import REWARD_PLUGIN_FIELDS, reward_run
+
+#: Pairs of 3-20 prompt tokens and 1-25 response tokens: a pair is 5-70 unique tokens, so passes of 80 hold one to a few
+#: pairs, where stock's micro-batches hold 4 (8 rows padded to the longest).
+SMALL_BUDGET = 80
+PARAM_TOLERANCE = 1e-5
+UPDATE_TOLERANCE = 1e-3
+
+
+def compare_with_stock(model_dir, tmp_path, dataset=None, *, trainer_kwargs=None, **fields):
+    """Stock RewardTrainer and ours on the same pairs: same parameters, updates and logged metrics; returns our logged
+    steps (the entries with the plugin's figures) and our trainer."""
+    dataset = dataset if dataset is not None else preference_pairs(16)
+    ours_only = {name: fields.pop(name) for name in list(fields) if name in REWARD_PLUGIN_FIELDS}
+    ours_only.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
+    kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
+    init, stock, stock_history, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
+    init2, ours, history, trainer = reward_run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
+    assert relative_difference(init2, init) == 0.0
+    tolerances = dict(update_tolerance=UPDATE_TOLERANCE, param_tolerance=PARAM_TOLERANCE)
+    assert not parameter_mismatches(init, ours, stock, trained_by=1e-6, **tolerances)
+    assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history))
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert len(steps) == fields.get("max_steps", 2)
+    return steps, trainer
+
+
+def with_margins(dataset, seed: int = 0):
+    import numpy as np
+
+    margins = np.random.default_rng(seed).uniform(-1.0, 2.0, len(dataset)).tolist()
+    return dataset.add_column("margin", margins)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bradley_terry", "margin", "center_rewards", "margin_and_center_rewards"],
+)
+def test_losses_match_stock(model_dir, tmp_path, case):
+    dataset = preference_pairs(16)
+    if "margin" in case:
+        dataset = with_margins(dataset)
+    fields = dict(center_rewards_coefficient=0.05) if "center" in case else {}
+    steps, trainer = compare_with_stock(model_dir, tmp_path, dataset, **fields)
+    assert trainer._dynbsz.enabled
+    for step in steps:
+        assert step["dynbsz/microbatches"] > 2  # cut unlike stock's two micro-batches
+        assert step["dynbsz/prompt_tokens_saved"] > 0  # each pair's prompt once
+        assert step["dynbsz/padding_fraction"] == 0
+        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
+
+
+def test_gradient_accumulation_cut_into_other_passes(model_dir, tmp_path):
+    """4 micro-batches of 3 pairs (the last of a step's 11 pairs smaller at the end of the data), cut into passes of
+    up to 100 tokens: pair weights 1 / (B GA) with each pair's own micro-batch's B."""
+    dataset = preference_pairs(22, seed=4)
+    fields = dict(per_device_train_batch_size=3, gradient_accumulation_steps=4, gradient_checkpointing=False)
+    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=100, **fields)
+    for step in steps:
+        assert step["dynbsz/microbatches"] >= 2 and step["dynbsz/microbatches"] != 4
+        assert step["dynbsz/prompt_tokens_saved"] > 0
+
+
+def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
+    """A 40-token block opens every prompt: the prefix tree computes it once per pass across pairs, and each pair's
+    prompt once for its two sequences."""
+    dataset = preference_pairs(16, system=40, prompt=(3, 12), response=(1, 12), seed=5)
+    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
+    for step in steps:
+        assert step["dynbsz/tree_tokens_saved"] >= 39
+        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 3
+
+
+def test_padded_layout(model_dir, tmp_path):
+    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
+    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
+
+
+# ---- model families -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    from hf_dynbsz.testing import TEST_ALPHABET, build_char_tokenizer
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    tokenizer = build_char_tokenizer(TEST_ALPHABET)
+    paths = {}
+    for family in ("llama", "mistral"):
+        model = build_tiny_causal_lm_of_type(family, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[family] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_other_model_families(family_dirs, tmp_path, family):
+    steps, trainer = compare_with_stock(family_dirs[family], tmp_path, with_margins(preference_pairs(16, seed=2)))
+    assert type(trainer.model).__name__.lower().startswith(family)
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+
+
+# ---- drop-in and stock's micro-batches ---------------------------------------------------------------------------
+def test_constructor_and_config_are_stocks():
+    assert not signature_mismatches(DynamicBatchRewardTrainer, RewardTrainer)  # the constructor and every override
+    assert issubclass(DynamicBatchRewardTrainer, RewardTrainer) and issubclass(DynamicBatchRewardConfig, RewardConfig)
+    assert set(RewardConfig.__dataclass_fields__) <= set(DynamicBatchRewardConfig.__dataclass_fields__)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
+        DynamicBatchRewardConfig(output_dir="unused", sequence_parallel_size=2, use_cpu=True, report_to="none")
+
+
+def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
+    dataset = preference_pairs(16)
+    _, stock, stock_history, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset)
+    _, ours, history, _ = reward_run(True, model_dir, str(tmp_path / "ours"), dataset, dynamic_batching=False)
+    assert relative_difference(ours, stock) == 0.0
+    assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history), rel=0, abs=0)
+
+
+class _OwnCollator:
+    """A collator that is not DataCollatorForPreference (it delegates to one)."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        from trl.trainer.reward_trainer import DataCollatorForPreference
+
+        self.inner = DataCollatorForPreference(pad_token_id=pad_token_id)
+
+    def __call__(self, examples):
+        return self.inner(examples)
+
+
+def test_a_custom_collator_runs_stocks_micro_batches_with_one_logged_reason(model_dir, tmp_path, caplog):
+    dataset = preference_pairs(16)
+    kwargs = dict(trainer_kwargs=dict(data_collator=_OwnCollator(0)))
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, stock, _, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
+        _, ours, history, _ = reward_run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs)
+    assert relative_difference(ours, stock) == 0.0
+    reasons = [r.getMessage() for r in caplog.records if "stock RewardTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and "_OwnCollator" in reasons[0]
+    assert not any("dynbsz/microbatches" in entry for entry in history)
+
+
+def test_a_classifier_that_is_not_the_generic_one_runs_stocks_micro_batches(tmp_path, caplog):
+    """GPT-2's sequence classifier has its own forward: stock's micro-batches, with one logged reason."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from hf_dynbsz.testing import TEST_ALPHABET, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(TEST_ALPHABET)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, num_labels=1, pad_token_id=0)
+    path = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    dataset = preference_pairs(16)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, stock, _, _ = reward_run(False, str(path), str(tmp_path / "stock"), dataset)
+        _, ours, _, _ = reward_run(True, str(path), str(tmp_path / "ours"), dataset)
+    assert relative_difference(ours, stock) == 0.0
+    reasons = [r.getMessage() for r in caplog.records if "stock RewardTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and "GPT2ForSequenceClassification" in reasons[0]
