@@ -193,3 +193,11 @@ def test_a_classifier_that_is_not_the_generic_one_runs_stocks_micro_batches(tmp_
     assert relative_difference(ours, stock) == 0.0
     reasons = [r.getMessage() for r in caplog.records if "stock RewardTrainer math runs" in r.getMessage()]
     assert len(reasons) == 1 and "GPT2ForSequenceClassification" in reasons[0]
+
+
+def test_padding_with_the_eos_token_reads_each_reward_before_it(model_dir, tmp_path):
+    """``pad_token`` the EOS token (stock's fallback for a tokenizer without one): every sequence ends with a token
+    equal to ``pad_token_id``, so stock's classifier reads each reward at the token before it; ours too."""
+    steps, trainer = compare_with_stock(model_dir, tmp_path, pad_token="<eos>")
+    assert trainer.processing_class.pad_token_id == trainer.processing_class.eos_token_id
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
