@@ -201,3 +201,26 @@ def test_padding_with_the_eos_token_reads_each_reward_before_it(model_dir, tmp_p
     steps, trainer = compare_with_stock(model_dir, tmp_path, pad_token="<eos>")
     assert trainer.processing_class.pad_token_id == trainer.processing_class.eos_token_id
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+
+
+def test_a_layout_the_self_check_fails_runs_stocks_micro_batches_with_one_logged_reason(
+    model_dir, tmp_path, caplog, monkeypatch
+):
+    """Passes without segment attention (packed sequences then see each other): the first step's self-check compares a
+    few pairs' rewards with each sequence alone, finds them off, and stock's micro-batches run, with one logged
+    reason."""
+    import contextlib
+
+    from hf_dynbsz.execution.device_pass import DevicePass
+
+    monkeypatch.setattr(DevicePass, "segments", lambda self, model, *args: contextlib.nullcontext())
+    dataset = preference_pairs(16)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, stock, stock_history, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset)
+        _, ours, history, trainer = reward_run(True, model_dir, str(tmp_path / "ours"), dataset)
+    assert relative_difference(ours, stock) <= 1e-6 and not trainer._dynbsz.enabled
+    assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history))
+    messages = [r.getMessage() for r in caplog.records if r.name == "hf_dynbsz"]
+    reasons = [m for m in messages if "stock RewardTrainer math runs" in m]
+    assert len(reasons) == 1 and "self-check" in reasons[0]
+    assert not any("image inputs" in m for m in messages)

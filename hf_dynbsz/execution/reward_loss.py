@@ -49,7 +49,10 @@ __all__ = [
     "RewardLoss",
     "RewardMetrics",
     "RewardSettings",
+    "captured_scores",
+    "check_rewards",
     "pass_rewards",
+    "read_position",
     "read_positions",
     "reward_blocker",
     "reward_pass_loss",
@@ -252,6 +255,44 @@ class RewardMetrics(StepMetrics):
             store["max_reward"].append(high)
             store["accuracy"].append(means["accuracy"])
             store["margin"].append(means["margin"])
+
+
+# ---------------------------------------------------------------------------------------------------- the self-check
+#: Pairs the self-check compares (the step's first, repeated where it has fewer: the same forwards on every process).
+CHECKED_PAIRS = 2
+
+
+@torch.no_grad()
+def check_rewards(executor, model, batch: StepBatch) -> str | None:
+    """The run's self-check for a reward model (the log-prob check does not apply): the rewards of the step's first
+    :data:`CHECKED_PAIRS` pairs from one pass in the run's layout against each sequence alone through the model's own
+    forward (one unpadded row, the reward at its last token, as stock reads it), within the self-check's tolerance of
+    the compute dtype (relative to the largest reward, at least 1), every process agreeing. Returns why the layout
+    fails (stock's micro-batches then run), or None. Gradients are not compared."""
+    from hf_dynbsz.execution.check_passes import compute_dtype
+    from hf_dynbsz.execution.self_check import tolerance
+
+    pairs = len(batch) // 2
+    group = sorted({i for k in range(CHECKED_PAIRS) for i in (2 * (k % pairs), 2 * (k % pairs) + 1)})
+    unwrapped = executor.unwrap(model)
+    mb = executor.microbatch(batch.table, group)
+    with executor.segments(model), executor.accelerator.autocast():
+        packed = pass_rewards(executor, unwrapped, mb).float()
+    alone = []
+    for i in group:  # the sequence alone: one row of its tokens, no segment layout (stock's forward)
+        with executor.accelerator.autocast(), captured_scores(unwrapped) as captured:
+            unwrapped(input_ids=batch.table.tokens[i].unsqueeze(0), use_cache=False)
+        alone.append(captured[-1].reshape(-1)[-1].float())
+    alone = torch.stack(alone)
+    error = float((packed - alone).abs().max() / alone.abs().max().clamp(min=1.0))
+    limit = tolerance(compute_dtype(executor.accelerator, model))
+    failed = executor.world.all_reduce_max([int(error > limit)])[0]
+    if not failed:
+        return None
+    return (
+        f"the self-check's rewards in the {executor.scheduler.layout} layout differ from each sequence's own by "
+        f"{error:.1e} (> {limit:.0e}) on this or another process"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- the loss

@@ -10,8 +10,10 @@ Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__`
   passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
   ``training_step`` runs.
 
-The run's self-check (which compares a causal LM's log-probs) does not apply to a reward model: the layout is the
-model's first (:mod:`hf_dynbsz.planning.model_support`), logged at start. Evaluation (``prediction_step``) is stock's.
+The run's self-check is the reward model's own (the log-prob check does not apply): at the first step, a few pairs'
+rewards from a pass in the run's layout against each sequence alone
+(:func:`~hf_dynbsz.execution.reward_loss.check_rewards`); where they differ stock's micro-batches run, with one logged
+reason. Evaluation (``prediction_step``) is stock's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from transformers import Trainer
 from trl import RewardTrainer
 
-from hf_dynbsz.execution.reward_loss import RewardLoss, reward_step_batch
+from hf_dynbsz.execution.reward_loss import RewardLoss, check_rewards, reward_step_batch
 from hf_dynbsz.reward_config import DynamicBatchRewardConfig
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
@@ -42,7 +44,6 @@ class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
     _dynbsz_config_class = DynamicBatchRewardConfig
     _dynbsz_loss_class = RewardLoss
     _dynbsz_algorithm = "Reward"
-    _dynbsz_trainer_name = "dpo"  # the plan's batch algebra: pairs from the dataset, 2 x B padded rows a micro-batch
     _dynbsz_refuses_small_datasets = False  # stock trains a dataset of any size (its last micro-batch smaller)
 
     __init__ = stock_constructor(RewardTrainer)
@@ -50,7 +51,7 @@ class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
         executor = self._dynbsz
-        executor.checked = True  # the self-check compares log-probs: a reward model has none
+        executor.checked = not self.args.self_check  # the check is the reward model's own (check_rewards)
         if executor.enabled and executor.loss.blocker is not None:
             executor.enabled = False
             logger.warning(
@@ -78,9 +79,19 @@ class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
             return self._train_window(model, window)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
-        """One optimizer step from its micro-batches: the pairs repacked."""
+        """One optimizer step from its micro-batches: the pairs repacked (stock's micro-batches if the self-check of
+        the first step fails)."""
         executor, accelerator = self._dynbsz, self.accelerator
         long_rope = executor.capabilities.support.long_rope
         pad_token_id = self.processing_class.pad_token_id
         rank, processes = accelerator.process_index, accelerator.num_processes
-        return executor.train_step(model, reward_step_batch(window, pad_token_id, rank, processes, long_rope))
+        batch = reward_step_batch(window, pad_token_id, rank, processes, long_rope)
+        if not executor.checked:
+            executor.checked = True
+            failure = check_rewards(executor, model, batch)
+            if failure is not None:
+                executor.enabled = False
+                logger.warning("hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", failure)
+                executor.warned.add("multimodal")  # (train_step_stock's own reason is about images)
+                return executor.train_step_stock(model, window)
+        return executor.train_step(model, batch)
