@@ -369,7 +369,7 @@ def check_as_training(
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer not in ("distillation", "dpo", "async_grpo"):  # a distillation's round is its step; DPO, async: none
+    if trainer not in ("distillation", "dpo", "reward", "async_grpo"):  # a distillation's round: its step; others none
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

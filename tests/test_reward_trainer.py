@@ -224,3 +224,28 @@ def test_a_layout_the_self_check_fails_runs_stocks_micro_batches_with_one_logged
     reasons = [m for m in messages if "stock RewardTrainer math runs" in m]
     assert len(reasons) == 1 and "self-check" in reasons[0]
     assert not any("image inputs" in m for m in messages)
+
+
+def test_hf_dynbsz_plan_trainer_reward(tmp_path, capsys):
+    """``hf-dynbsz plan --trainer reward`` takes RewardConfig's options: pairs per optimizer step, no generation or
+    reference rows; ``--lengths`` of ``PROMPT CHOSEN REJECTED`` simulates each pair's two sequences in one pass; a
+    value stock's config refuses exits 2."""
+    import json
+
+    from hf_dynbsz.cli import main
+
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("20 30 50\n400 10 900\n12 300 20\n600 40 35\n30 30 30\n80 200 400\n15 15 15\n900 60 50\n")
+    common = ["plan", "--trainer", "reward", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    assert main([*common, "--max_tokens_per_microbatch", "2500", "--lengths", str(pairs), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"]["trainer"] == "reward"
+    assert [len(step["lengths"]) for step in document["steps"]] == [8, 8]
+    assert all(index ^ 1 in group for step in document["steps"] for group in step["microbatches"] for index in group)
+    assert main(common) == 0
+    table = capsys.readouterr().out
+    assert "pairs per optimizer step" in table
+    assert "max_tokens_per_microbatch_logprob" not in table and "num_generations" not in table
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--center_rewards_coefficient", "not-a-number"])
+    assert refused.value.code == 2
