@@ -367,13 +367,12 @@ class RewardLoss:
 
 
 def reward_blocker(trainer) -> str | None:
-    """Why a reward model's run trains stock's micro-batches, or None: what the passes do not repack exactly."""
+    """Why a reward model's run trains stock's micro-batches, or None: what the passes do not repack exactly. (TRL
+    1.16's RewardTrainer has no vision-language path: its pairs are token ids alone.)"""
     from transformers.modeling_layers import GenericForSequenceClassification
     from trl.trainer.reward_trainer import DataCollatorForPreference
 
     model = base_model(trainer.accelerator.unwrap_model(trainer.model))
-    if getattr(trainer, "_is_vision_dataset", False):
-        return "vision-language pairs (their image inputs are not repacked for reward models)"
     if not isinstance(trainer.data_collator, DataCollatorForPreference):
         name = type(trainer.data_collator).__name__
         return f"a custom data collator ({name}): the passes read DataCollatorForPreference's rows"
