@@ -249,3 +249,26 @@ def test_hf_dynbsz_plan_trainer_reward(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main([*common, "--center_rewards_coefficient", "not-a-number"])
     assert refused.value.code == 2
+
+
+def test_lora_with_a_trained_score_head(model_dir, tmp_path):
+    """LoRA (``task_type="SEQ_CLS"``: PEFT trains a copy of the score head beside the adapters): the rewards read off
+    the head PEFT runs, the adapters and the head's copy trained as stock trains them."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    dataset = with_margins(preference_pairs(16, seed=6))
+    _, stock, stock_history, _ = reward_run(
+        False, model_dir, str(tmp_path / "stock"), dataset, trainer_kwargs=dict(peft_config=lora)
+    )
+    _, ours, history, trainer = reward_run(
+        True, model_dir, str(tmp_path / "ours"), dataset, trainer_kwargs=dict(peft_config=lora),
+        max_tokens_per_microbatch=SMALL_BUDGET,
+    )  # fmt: skip
+    assert trainer._dynbsz.enabled
+    trained = [name for name in stock if "lora_B" in name or "modules_to_save" in name]
+    assert trained and relative_difference({n: ours[n] for n in trained}, {n: stock[n] for n in trained}) <= 1e-5
+    assert any("score" in n for n in trained)  # PEFT's copy of the score head
+    assert all(float(stock[n].abs().max()) > 0 for n in trained if "lora_B" in n)  # (they start at 0)
+    assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history))
+    assert all(entry["dynbsz/microbatches"] > 2 for entry in history if "dynbsz/microbatches" in entry)
