@@ -272,3 +272,20 @@ def test_lora_with_a_trained_score_head(model_dir, tmp_path):
     assert all(float(stock[n].abs().max()) > 0 for n in trained if "lora_B" in n)  # (they start at 0)
     assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history))
     assert all(entry["dynbsz/microbatches"] > 2 for entry in history if "dynbsz/microbatches" in entry)
+
+
+@pytest.mark.parametrize("sharing", ["tree", "groups", False])
+def test_a_sequence_that_is_a_prefix_of_its_pair_s_other(model_dir, tmp_path, sharing):
+    """With the pad token the EOS token each reward is read before the EOS: where one response extends the other (or
+    equals it), one sequence is a prefix of the other, all of it "prompt"; under every sharing rule its reward is read
+    at its own last token."""
+    from datasets import Dataset
+
+    base = preference_pairs(16, seed=9)
+    rows = {"prompt": base["prompt"], "chosen": [], "rejected": []}
+    for k, (chosen, rejected) in enumerate(zip(base["chosen"], base["rejected"])):
+        rows["chosen"].append(chosen)
+        rows["rejected"].append([chosen + rejected, chosen, rejected][k % 3])  # extends, equals, differs
+    steps, _ = compare_with_stock(model_dir, tmp_path, Dataset.from_dict(rows), pad_token="<eos>",
+                                  share_prompt_prefix=sharing)  # fmt: skip
+    assert all(step["dynbsz/microbatches"] > 2 for step in steps)
