@@ -315,3 +315,23 @@ def test_a_float16_model_trains_in_float16(model_dir, tmp_path, monkeypatch):
     as_float = [{name: value.float() for name, value in params.items()} for params in (init, stock, ours)]
     moved = relative_difference(as_float[1], as_float[0])
     assert moved > 1e-3 and relative_difference(as_float[2], as_float[1]) < 0.05 * moved
+
+
+def test_conversational_pairs(tmp_path):
+    """Chat messages (TRL's ``conversational_preference``): stock applies the chat template to the prompt with each
+    response; the pair's common prefix (the templated prompt) is shared, each reward read at its own last token."""
+    from datasets import Dataset
+
+    from hf_dynbsz.testing import save_tiny_model
+
+    chat_dir = save_tiny_model(str(tmp_path / "chat"), chat=True)
+    pairs = preference_pairs(16, seed=12)
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": text}] for text in pairs["prompt"]],
+            "chosen": [[{"role": "assistant", "content": text}] for text in pairs["chosen"]],
+            "rejected": [[{"role": "assistant", "content": text}] for text in pairs["rejected"]],
+        }
+    )
+    steps, _ = compare_with_stock(chat_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
+    assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
