@@ -335,3 +335,18 @@ def test_conversational_pairs(tmp_path):
     )
     steps, _ = compare_with_stock(chat_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
+
+
+def test_evaluation_is_stocks(model_dir, tmp_path):
+    """``evaluate`` after training (stock's ``prediction_step``, on a raw dataset as TRL's own test passes it): the
+    same metrics as stock's, from the same trained parameters."""
+    dataset = preference_pairs(16)
+    results = []
+    for plugin in (False, True):
+        fields = dict(max_tokens_per_microbatch=SMALL_BUDGET) if plugin else {}
+        *_, trainer = reward_run(plugin, model_dir, str(tmp_path / str(plugin)), dataset, **fields)
+        results.append(trainer.evaluate(eval_dataset=preference_pairs(6, seed=13)))
+    timings = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    stock, ours = ({k: v for k, v in metrics.items() if k not in timings} for metrics in results)
+    assert sorted(stock) == sorted(ours) and "eval_loss" in stock
+    assert all(ours[name] == pytest.approx(value, rel=1e-5, abs=1e-6) for name, value in stock.items())
