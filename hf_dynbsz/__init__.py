@@ -1,5 +1,5 @@
-"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer, DPOTrainer and
-AsyncGRPOTrainer, with exactly stock TRL's training math.
+"""hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer, DPOTrainer,
+RewardTrainer and AsyncGRPOTrainer, with exactly stock TRL's training math.
 
 Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
@@ -9,9 +9,10 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
 * :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
-  ``DynamicBatchDPOConfig``), :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``) and
-  :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
-  ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
+  ``DynamicBatchDPOConfig``), :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``),
+  :mod:`hf_dynbsz.reward_config` (``DynamicBatchRewardConfig``) and :mod:`hf_dynbsz.trainers`
+  (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``, ``DynamicBatchDistillationTrainer``,
+  ``DynamicBatchDPOTrainer``, ``DynamicBatchRewardTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
   TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
@@ -40,6 +41,7 @@ _LAZY = {
     "DynamicBatchDistillationConfig": "hf_dynbsz.config",
     "DynamicBatchDPOConfig": "hf_dynbsz.config",
     "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.async_config",
+    "DynamicBatchRewardConfig": "hf_dynbsz.reward_config",
     "ensure_dynamic_batch_fields": "hf_dynbsz.config",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -54,6 +56,7 @@ _LAZY = {
     "DynamicBatchDistillationTrainer": "hf_dynbsz.trainers",
     "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchRewardTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "UntestedTRLVersionError", "__version__"]

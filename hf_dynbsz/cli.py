@@ -62,7 +62,9 @@ _EXIT_USAGE = 2
 
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
-PLANNED_TRAINERS = {"grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "async_grpo": "AsyncGRPO"}
+PLANNED_TRAINERS = {
+    "grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "reward": "Reward", "async_grpo": "AsyncGRPO"
+}  # fmt: skip
 
 
 def _planned_trainer(argv: list[str]) -> str:
@@ -98,6 +100,10 @@ def _config_class(trainer: str) -> type:
         from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig
 
         return DynamicBatchAsyncGRPOConfig
+    if trainer == "reward":
+        from hf_dynbsz.reward_config import DynamicBatchRewardConfig
+
+        return DynamicBatchRewardConfig
     from hf_dynbsz import config
 
     return getattr(config, f"DynamicBatch{PLANNED_TRAINERS[trainer]}Config")
@@ -112,7 +118,8 @@ def _add_planning_arguments(group) -> None:
         help="The trainer of the run: grpo (DynamicBatchGRPOTrainer, also right for DynamicBatchRLOOTrainer's batch "
         "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
         "optimizer step, and the teacher's budget), dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
-        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair) or async_grpo "
+        "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair), reward "
+        "(DynamicBatchRewardTrainer: the same pairs, no reference) or async_grpo "
         "(DynamicBatchAsyncGRPOTrainer: a vLLM server generates continuously; an optimizer step takes "
         "per_device_train_batch_size x gradient_accumulation_steps x processes samples of its queue, token_budget the "
         "tokens per pass). Default: grpo.",
@@ -258,7 +265,7 @@ def _lengths(namespace: argparse.Namespace):
     """The samples of ``--lengths`` (a DPO run's: two per pair), or None."""
     if not namespace.lengths:
         return None
-    return (read_pair_lengths if namespace.trainer == "dpo" else read_lengths)(namespace.lengths)
+    return (read_pair_lengths if namespace.trainer in ("dpo", "reward") else read_lengths)(namespace.lengths)
 
 
 def _check_settings(namespace) -> None:
@@ -318,7 +325,7 @@ def _plan(namespace: argparse.Namespace) -> _Planned:
         namespace.pad_to_multiple_of = plan.pad_to_multiple_of  # "auto" and strings resolved as TRL does
         planned.scheduler = Scheduler.from_args(namespace, support, layout=layouts[0])
         shared = checked_shared_prefix(namespace, lengths)
-        planned.steps = simulate(plan, planned.scheduler, lengths, shared, pairs=namespace.trainer == "dpo")
+        planned.steps = simulate(plan, planned.scheduler, lengths, shared, pairs=namespace.trainer in ("dpo", "reward"))
         planned.totals_only = lengths[0][1] is None
         if namespace.packing_layout == "auto":
             implementation = attn_implementation or "sdpa (default)"

@@ -39,6 +39,8 @@ __all__ = [
     "check_as_training",
     "default_ddp_backend",
     "ensure_dynamic_batch_fields",
+    "refuse_model_parallelism",
+    "refuse_reward_settings",
     "refuse_sequence_parallelism",
     "take_sequence_parallelism",
     "trainer_config",
@@ -176,24 +178,37 @@ def refuse_dpo_sequence_parallelism(args) -> None:
     refuse_sequence_parallelism(args, "DynamicBatchDPOTrainer", "a pair's loss is computed from whole rows in one pass")
 
 
-def refuse_dpo_settings(args) -> None:
-    """What ``DynamicBatchDPOTrainer`` does not reproduce of the settings stock accepts, refused before any work:
-    ``sequence_parallel_size`` > 1; a ``parallelism_config`` with context, sequence or tensor parallelism (the plugin
-    trains as if every process were a data-parallel replica, holding whole rows and whole parameters); ``hinge`` among
-    the loss types with ``use_weighting`` (stock TRL 1.16 fails in its first backward: it scales hinge's relu output in
-    place, which the relu's backward needs; stock's error, raised at start)."""
-    refuse_dpo_sequence_parallelism(args)
+def refuse_model_parallelism(args, trainer: str) -> None:
+    """A ``parallelism_config`` with context, sequence or tensor parallelism on a trainer (``trainer``, its class name)
+    that trains as if every process were a data-parallel replica, holding whole rows and whole parameters: refused
+    before any work."""
     parallelism = getattr(args, "parallelism_config", None)
     sizes = {name: getattr(parallelism, name, None) or 1 for name in ("cp_size", "sp_size", "tp_size")}
     split = {name: size for name, size in sizes.items() if size > 1}
     if split:
         named = ", ".join(f"{name}={size}" for name, size in split.items())
+        stock = {"DynamicBatchDPOTrainer": "trl.DPOTrainer", "DynamicBatchRewardTrainer": "trl.RewardTrainer"}[trainer]
         raise ValueError(
-            f"parallelism_config with {named}: DynamicBatchDPOTrainer trains as if every process were a data-parallel "
+            f"parallelism_config with {named}: {trainer} trains as if every process were a data-parallel "
             "replica holding whole rows and whole parameters, and does not run context, sequence or tensor "
             "parallelism. Set cp_size, sp_size and tp_size to 1 (data parallelism and sharding stay: "
-            "dp_replicate_size, dp_shard_size, DeepSpeed, FSDP), or train with stock trl.DPOTrainer."
+            f"dp_replicate_size, dp_shard_size, DeepSpeed, FSDP), or train with stock {stock}."
         )
+
+
+def refuse_preference_settings(args, trainer: str) -> None:
+    """The refusals of a preference trainer's config (``trainer``: ``"dpo"`` or ``"reward"``), before any work."""
+    (refuse_dpo_settings if trainer == "dpo" else refuse_reward_settings)(args)
+
+
+def refuse_dpo_settings(args) -> None:
+    """What ``DynamicBatchDPOTrainer`` does not reproduce of the settings stock accepts, refused before any work:
+    ``sequence_parallel_size`` > 1; a ``parallelism_config`` with context, sequence or tensor parallelism
+    (:func:`refuse_model_parallelism`); ``hinge`` among the loss types with ``use_weighting`` (stock TRL 1.16 fails in
+    its first backward: it scales hinge's relu output in place, which the relu's backward needs; stock's error, raised
+    at start)."""
+    refuse_dpo_sequence_parallelism(args)
+    refuse_model_parallelism(args, "DynamicBatchDPOTrainer")
     loss_types = getattr(args, "loss_type", None) or []
     loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
     if "hinge" in loss_types and getattr(args, "use_weighting", False):
@@ -203,6 +218,16 @@ def refuse_dpo_settings(args) -> None:
             "so DynamicBatchDPOTrainer refuses it before any work. Set use_weighting=False, or take 'hinge' out of "
             "loss_type."
         )
+
+
+def refuse_reward_settings(args) -> None:
+    """What ``DynamicBatchRewardTrainer`` does not run, refused before any work: ``sequence_parallel_size`` > 1 (a
+    pair's loss is computed in one pass of whole rows) and a ``parallelism_config`` with context, sequence or tensor
+    parallelism."""
+    refuse_sequence_parallelism(
+        args, "DynamicBatchRewardTrainer", "a pair's loss is computed from whole rows in one pass"
+    )
+    refuse_model_parallelism(args, "DynamicBatchRewardTrainer")
 
 
 def refuse_distillation_sequence_parallelism(args) -> None:
@@ -295,8 +320,8 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
         if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
-        elif trainer == "dpo":  # no generation round, no GRPO settings (see DPOFields)
-            refuse_dpo_settings(args)
+        elif trainer in ("dpo", "reward"):  # no generation round, no GRPO settings (see DPOFields, RewardFields)
+            refuse_preference_settings(args, trainer)
             validate_dynamic_batch_fields(args)
         else:
             _rederive_and_validate(args, previous)
@@ -398,7 +423,7 @@ def check_as_training(
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer not in ("distillation", "dpo", "async_grpo"):  # a distillation's round is its step; DPO, async: none
+    if trainer not in ("distillation", "dpo", "reward", "async_grpo"):  # a distillation's round: its step; others none
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

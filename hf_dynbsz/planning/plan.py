@@ -77,6 +77,7 @@ STOCK_TRAINERS = {
     "rloo": "RLOOTrainer",
     "distillation": "DistillationTrainer",
     "dpo": "DPOTrainer",
+    "reward": "RewardTrainer",
     "async_grpo": "AsyncGRPOTrainer",
 }
 
@@ -85,7 +86,7 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     """The batch sizes of ``args`` on ``num_processes`` processes, converted and checked, with the generation round
     derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`). A distillation
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
-    if trainer in ("distillation", "dpo"):  # (a DPO step's pairs come from the dataset, no generation)
+    if trainer in ("distillation", "dpo", "reward"):  # (a DPO or reward step's pairs: from the dataset)
         return _distillation_settings(args, num_processes)
     if trainer == "async_grpo":
         return _async_settings(args, num_processes)

@@ -143,7 +143,7 @@ def _train_budget_meaning(plan: Plan) -> str:
         )
         source = "token_budget" if plan.async_step == "samples" else "max_tokens_per_microbatch or memory"
         return f"tokens per training pass ({source}); auto = the prefix trie of stock's row of {row}"
-    if plan.trainer == "dpo":  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
+    if _pairs(plan):  # DataCollatorForPreference pads a micro-batch's 2 x B rows to its longest
         return (
             f"tokens per training micro-batch; auto = 2 x {plan.per_device_train_batch_size} rows x the longest "
             "prompt + response of stock's micro-batch"
@@ -194,7 +194,7 @@ def _router_meaning(plan: Plan) -> str:
 def _grpo_round(plan: Plan) -> bool:
     """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; a DPO run
     generates nothing; an asynchronous GRPO run's rollout worker generates continuously)."""
-    return plan.trainer not in ("distillation", "dpo", "async_grpo")
+    return plan.trainer not in ("distillation", "dpo", "reward", "async_grpo")
 
 
 def _asynchronous(plan: Plan) -> bool:
@@ -203,16 +203,21 @@ def _asynchronous(plan: Plan) -> bool:
 
 def _generates_in_trainer(plan: Plan) -> bool:
     """Rows of the trainer's own generation (a DPO run generates nothing, an asynchronous run's server generates)."""
-    return plan.trainer not in ("dpo", "async_grpo")
+    return plan.trainer not in ("dpo", "reward", "async_grpo")
 
 
 def _generates(plan: Plan) -> bool:
     """Rows of generation (a DPO run's pairs come from its dataset)."""
-    return plan.trainer != "dpo"
+    return not _pairs(plan)
 
 
 def _dpo(plan: Plan) -> bool:
     return plan.trainer == "dpo"
+
+
+def _pairs(plan: Plan) -> bool:
+    """Rows of preference pairs (a DPO run's, a reward model's)."""
+    return plan.trainer in ("dpo", "reward")
 
 
 def _logprob_rows(plan: Plan) -> bool:
@@ -292,7 +297,7 @@ PLAN_ROWS: tuple[Row, ...] = (
         _attr("global_samples_per_optimizer_step"),
         "preference pairs: per_device_train_batch_size x gradient_accumulation_steps (x processes); a pair's chosen "
         "and rejected sequences run in one pass under one copy of their prompt",
-        when=_dpo,
+        when=_pairs,
     ),
     Row(
         "prompts per optimizer step",

@@ -1,0 +1,68 @@
+"""Reward-model runs for the tests: stock ``RewardTrainer`` or ``DynamicBatchRewardTrainer`` on preference pairs, from a
+saved tiny causal LM loaded as a sequence classifier of one label (its score head drawn from a fixed seed), offline.
+
+Imported by its module's name (``hf_dynbsz.testing.reward``). Nothing here downloads anything; torch, transformers and
+TRL are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS
+
+__all__ = ["REWARD_COMPARISON_FIELDS", "REWARD_PLUGIN_FIELDS", "reward_config", "reward_model", "reward_run"]
+
+#: The comparison runs' schedule (2 optimizer steps of 2 micro-batches of 4 pairs) and optimizer: SGD at a constant,
+#: large rate, no gradient clipping (DPO's).
+REWARD_COMPARISON_FIELDS = dict(DPO_COMPARISON_FIELDS)
+#: Settings only ``DynamicBatchRewardConfig`` has (a stock run leaves them out).
+REWARD_PLUGIN_FIELDS = DPO_PLUGIN_FIELDS
+
+
+def reward_model(model_dir: str, seed: int = 0):
+    """The causal LM saved at ``model_dir`` as ``AutoModelForSequenceClassification`` with one label, fp32, its score
+    head drawn after ``torch.manual_seed(seed)`` (the same model on every call)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    from trl.trainer.reward_trainer import suppress_seqcls_warning
+
+    torch.manual_seed(seed)
+    with suppress_seqcls_warning():
+        return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+
+
+def reward_config(output_dir: str, *, plugin: bool, **fields):
+    """The comparison runs' config (:data:`REWARD_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
+    ``DynamicBatchRewardConfig`` with ``plugin``, else TRL's ``RewardConfig`` (the plugin's fields left out)."""
+    from trl import RewardConfig
+
+    from hf_dynbsz.reward_config import DynamicBatchRewardConfig
+
+    values = {"output_dir": output_dir, **REWARD_COMPARISON_FIELDS, **CPU_RUN_FIELDS, **fields}
+    if not plugin:
+        values = {name: value for name, value in values.items() if name not in REWARD_PLUGIN_FIELDS}
+    return (DynamicBatchRewardConfig if plugin else RewardConfig)(**values)
+
+
+def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, trainer_kwargs: dict | None = None, **fields):
+    """Train stock ``RewardTrainer`` (``plugin`` False) or ``DynamicBatchRewardTrainer`` from :func:`reward_model` of
+    ``model_dir`` on ``dataset``; returns ``(initial parameters, final parameters, log history, trainer)``."""
+    from trl import RewardTrainer
+
+    from hf_dynbsz.testing.fixtures import load_tokenizer
+    from hf_dynbsz.trainers import DynamicBatchRewardTrainer
+
+    args = reward_config(output_dir, plugin=plugin, **fields)
+    model = reward_model(model_dir)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer_class = DynamicBatchRewardTrainer if plugin else RewardTrainer
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=load_tokenizer(model_dir),
+        **(trainer_kwargs or {}),
+    )
+    trainer.train()
+    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return initial, final, trainer.state.log_history, trainer

@@ -1,0 +1,97 @@
+"""``DynamicBatchRewardTrainer``: TRL's ``RewardTrainer`` with token-budget passes over each optimizer step's preference
+pairs (a pair's chosen and rejected in one padding-free pass under one copy of their prompt, each sequence's reward
+read at its own last token) and stock's Bradley-Terry loss per pair (:class:`~hf_dynbsz.execution.reward_loss.
+RewardLoss`).
+
+Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
+
+* ``training_step``: collect the optimizer step's micro-batches (stock's collated ``[chosen ; rejected]`` rows, moved to
+  the device by the Trainer's ``_prepare_inputs``) inside stock's activation-offloading context; run the step's
+  passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
+  ``training_step`` runs.
+
+The run's self-check is the reward model's own (the log-prob check does not apply): at the first step, a few pairs'
+rewards from a pass in the run's layout against each sequence alone
+(:func:`~hf_dynbsz.execution.reward_loss.check_rewards`); where they differ stock's micro-batches run, with one logged
+reason. Evaluation (``prediction_step``) is stock's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from transformers import Trainer
+from trl import RewardTrainer
+
+from hf_dynbsz.execution.reward_loss import RewardLoss, check_rewards, reward_step_batch
+from hf_dynbsz.reward_config import DynamicBatchRewardConfig
+from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
+
+logger = logging.getLogger("hf_dynbsz")
+#: the arguments RewardTrainer.training_step(*args, **kwargs) passes on to transformers' Trainer
+TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
+
+
+class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
+    """Drop-in replacement for :class:`trl.RewardTrainer` with token-budget passes over each optimizer step's pairs.
+
+    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRewardConfig` or a plain
+    ``RewardConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
+    """
+
+    _dynbsz_config_class = DynamicBatchRewardConfig
+    _dynbsz_loss_class = RewardLoss
+    _dynbsz_algorithm = "Reward"
+    _dynbsz_refuses_small_datasets = False  # stock trains a dataset of any size (its last micro-batch smaller)
+
+    __init__ = stock_constructor(RewardTrainer)
+
+    def _dynbsz_start(self) -> None:
+        super()._dynbsz_start()
+        executor = self._dynbsz
+        executor.checked = not self.args.self_check  # the check is the reward model's own (check_rewards)
+        if executor.enabled and executor.loss.blocker is not None:
+            executor.enabled = False
+            logger.warning(
+                "hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", executor.loss.blocker
+            )
+
+    def training_step(self, *args, **kwargs):
+        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call. Stock's
+        # signature (its arguments are transformers' Trainer.training_step's, read by name from that signature).
+        executor = self._dynbsz
+        if not executor.enabled:
+            return RewardTrainer.training_step(self, *args, **kwargs)
+        arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
+        model, inputs = arguments["model"], arguments["inputs"]
+        with self.maybe_activation_offload_context:
+            model.train()
+            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+                self.optimizer.train()
+            if not self._dynbsz_window:
+                executor.meters.start()
+            self._dynbsz_window.append(self._prepare_inputs(inputs))
+            if not self.accelerator.sync_gradients:
+                return torch.zeros((), device=self.accelerator.device)
+            window, self._dynbsz_window = self._dynbsz_window, []
+            return self._train_window(model, window)
+
+    def _train_window(self, model, window: list[dict]) -> torch.Tensor:
+        """One optimizer step from its micro-batches: the pairs repacked (stock's micro-batches if the self-check of
+        the first step fails)."""
+        executor, accelerator = self._dynbsz, self.accelerator
+        long_rope = executor.capabilities.support.long_rope
+        pad_token_id = self.processing_class.pad_token_id
+        rank, processes = accelerator.process_index, accelerator.num_processes
+        batch = reward_step_batch(window, pad_token_id, rank, processes, long_rope)
+        if not executor.checked:
+            executor.checked = True
+            failure = check_rewards(executor, model, batch)
+            if failure is not None:
+                executor.enabled = False
+                logger.warning("hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", failure)
+                executor.warned.add("multimodal")  # (train_step_stock's own reason is about images)
+                return executor.train_step_stock(model, window)
+        return executor.train_step(model, batch)
