@@ -209,7 +209,8 @@ class PassExecutor(StepPlanning, DevicePass):
             ga = trainer.current_gradient_accumulation_steps
             aux, entropies = self._step_statistics(model, batch, ga)
             self.loss.weigh(batch, entropies, gradient_accumulation_steps=ga)
-            self.loss.prepare(self, model, batch)  # what the passes read that other passes compute (a teacher's)
+            # what the passes read that other passes compute (a teacher's hidden states, a DPO reference's log-probs)
+            self.loss.prepare(self, model, batch, gradient_accumulation_steps=ga)
             pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
             start, run_pass = partial(self._start_training, pooled, aux), partial(self._train, model, aux)
             schedule, state = self.run(

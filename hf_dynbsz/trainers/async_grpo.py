@@ -56,8 +56,8 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 
 from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
+from hf_dynbsz.execution.async_loss import AsyncGRPOLoss
 from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
-from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
 from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 

@@ -1,5 +1,5 @@
 """``DynamicBatchDistillationTrainer``: TRL's ``DistillationTrainer`` with token-budget passes for the student and
-no-grad passes with a budget of their own for the teacher (its loss, :class:`~hf_dynbsz.execution.step_loss.
+no-grad passes with a budget of their own for the teacher (its loss, :class:`~hf_dynbsz.execution.distillation_loss.
 DistillationLoss`, holds the teacher), stock's divergence and normalisation.
 
 Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``training_step``,
@@ -12,7 +12,7 @@ from __future__ import annotations
 from trl import DistillationTrainer
 
 from hf_dynbsz.config import DynamicBatchDistillationConfig
-from hf_dynbsz.execution.step_loss import DistillationLoss
+from hf_dynbsz.execution.distillation_loss import DistillationLoss
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
 

@@ -1,6 +1,6 @@
 """``DynamicBatchDPOTrainer``: TRL's ``DPOTrainer`` with token-budget passes over each optimizer step's preference
 pairs (a pair's chosen and rejected in one pass under one copy of their prompt), the reference's no-grad passes with
-a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution.step_loss.DPOLoss`).
+a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution.dpo_loss.DPOLoss`).
 
 Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
 
@@ -24,8 +24,7 @@ from transformers import Trainer
 from trl import DPOTrainer
 
 from hf_dynbsz.config import DynamicBatchDPOConfig
-from hf_dynbsz.execution.dpo_loss import dpo_step_batch
-from hf_dynbsz.execution.step_loss import DPOLoss
+from hf_dynbsz.execution.dpo_loss import DPOLoss, dpo_step_batch
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 
 logger = logging.getLogger("hf_dynbsz")
