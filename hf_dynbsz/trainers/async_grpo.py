@@ -55,7 +55,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     TokenBudgetBatcher,
 )
 
-from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
+from hf_dynbsz.configs.async_grpo import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
 from hf_dynbsz.execution.async_loss import AsyncGRPOLoss
 from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
 from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker

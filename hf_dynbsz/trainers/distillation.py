@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from trl import DistillationTrainer
 
-from hf_dynbsz.config import DynamicBatchDistillationConfig
+from hf_dynbsz.configs.distillation import DynamicBatchDistillationConfig
 from hf_dynbsz.execution.distillation_loss import DistillationLoss
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 

@@ -5,7 +5,7 @@ a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution
 Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
 
 * ``__init__``: refuses, before any work, ``aot`` / ``aot_unpaired`` on a model that drops out
-  (:func:`refuse_sorted_loss_with_dropout`; the config's refusals are :func:`hf_dynbsz.config.refuse_dpo_settings`).
+  (:func:`refuse_sorted_loss_with_dropout`; the config's refusals: :func:`hf_dynbsz.configs.dpo.refuse_dpo_settings`).
 * ``training_step``: collect the optimizer step's micro-batches (stock's collated ``[chosen ; rejected]`` rows, moved to
   the device by the Trainer's ``_prepare_inputs``) inside stock's activation-offloading context; run the step's
   passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer
 from trl import DPOTrainer
 
-from hf_dynbsz.config import DynamicBatchDPOConfig
+from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
 from hf_dynbsz.execution.dpo_loss import DPOLoss, dpo_step_batch
 from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
 

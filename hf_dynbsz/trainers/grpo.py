@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from trl import GRPOTrainer
 
-from hf_dynbsz.config import DynamicBatchGRPOConfig
+from hf_dynbsz.configs.grpo import DynamicBatchGRPOConfig
 from hf_dynbsz.execution.loss import GRPOLoss
 from hf_dynbsz.trainers.hooks import LogProbHooks, stock_constructor
 

@@ -33,7 +33,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
 
-from hf_dynbsz.config import trainer_config
+from hf_dynbsz.configs.build import trainer_config
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.multimodal import split_media
 from hf_dynbsz.execution.packing import SequenceTable

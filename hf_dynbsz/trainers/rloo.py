@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from trl import RLOOTrainer
 
-from hf_dynbsz.config import DynamicBatchRLOOConfig
+from hf_dynbsz.configs.rloo import DynamicBatchRLOOConfig
 from hf_dynbsz.execution.rloo_loss import RLOOLoss
 from hf_dynbsz.trainers.hooks import LogProbHooks, stock_constructor
 

@@ -1,8 +1,8 @@
 """``DynamicBatchAsyncGRPOConfig``: TRL's ``AsyncGRPOConfig`` (``trl.experimental.async_grpo``) plus the plugin's
-settings (the fields of :class:`~hf_dynbsz.config.DynamicBatchFields`, and ``async_step``).
+settings (the fields of :class:`~hf_dynbsz.configs.shared.DynamicBatchFields`, and ``async_step``).
 
 A module of its own: importing TRL's experimental package costs seconds and warns, which the synchronous trainers'
-configs (:mod:`hf_dynbsz.config`) do not pay.
+configs do not pay (:mod:`hf_dynbsz.configs` imports it on first use).
 
 ``async_step`` picks the optimizer step:
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from hf_dynbsz.config import DynamicBatchFields, _field, default_ddp_backend, refuse_sequence_parallelism
+from hf_dynbsz.configs.shared import DynamicBatchFields, default_ddp_backend, plugin_field, refuse_sequence_parallelism
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.settings import config_docstring, defaults_of
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
@@ -81,10 +81,9 @@ class AsyncFields(DynamicBatchFields):
     then the plugin's fields checked and, for the samples-defined step, stock's ``token_budget`` taken as the
     training budget."""
 
-    async_step: str = _field("async_step")
+    async_step: str = plugin_field("async_step")
 
-    def _dynbsz_check_and_derive(self) -> None:
-        super(DynamicBatchFields, self).__post_init__()  # TRL's AsyncGRPOConfig.__post_init__
+    def _dynbsz_after_stock(self) -> None:
         _check_async_fields(self)
 
 
@@ -113,7 +112,7 @@ def async_trainer_config(args, model):
     """The trainer's config: stock's default when ``args`` is None (:class:`DynamicBatchAsyncGRPOConfig` with stock's
     output directory, ``<model>-AsyncGRPO``); a plain ``AsyncGRPOConfig`` gains the plugin's fields (defaults, then the
     ``DIFFU_*`` overrides) and their checks. Raises before any work when DeepSpeed runs without a GPU and
-    ``ddp_backend`` is unset (:func:`~hf_dynbsz.config.default_ddp_backend`)."""
+    ``ddp_backend`` is unset (:func:`~hf_dynbsz.configs.shared.default_ddp_backend`)."""
     if args is None:
         name = model if isinstance(model, str) else model.config.name_or_path
         return DynamicBatchAsyncGRPOConfig(output_dir=f"{str(name).split('/')[-1]}-AsyncGRPO")
