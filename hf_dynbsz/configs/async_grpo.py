@@ -1,20 +1,21 @@
 """``DynamicBatchAsyncGRPOConfig``: TRL's ``AsyncGRPOConfig`` (``trl.experimental.async_grpo``) plus the plugin's
-settings (the fields of :class:`~hf_dynbsz.configs.shared.DynamicBatchFields`, and ``async_step``).
+settings, which are the fields of :class:`~hf_dynbsz.configs.shared.DynamicBatchFields` and ``async_step``.
 
-A module of its own: importing TRL's experimental package costs seconds and warns, which the synchronous trainers'
-configs do not pay (:mod:`hf_dynbsz.configs` imports it on first use).
+It is a module of its own because importing TRL's experimental package takes seconds and warns. The other configs do
+not pay for it, since :mod:`hf_dynbsz.configs` imports each module on first use.
 
-``async_step`` picks the optimizer step:
+``async_step`` picks the optimizer step. With ``"stock"`` (the default) the step is stock's at the user's config.
+Then ``token_budget > 0`` keeps stock's meaning: its ``TokenBudgetBatcher`` decides which samples a step holds. An
+unset ``token_budget`` is the vLLM server's ``max_model_len``, as in stock. The size of the plugin's passes comes from
+``max_tokens_per_microbatch`` or the memory budget, and when neither is set from the tokens stock's row of the
+micro-batch forwards.
 
-* ``"stock"`` (the default): stock's step at the user's config. ``token_budget > 0`` (stock's default, the vLLM
-  server's ``max_model_len`` when unset) keeps stock's meaning for which samples a step holds (its
-  ``TokenBudgetBatcher``'s ``gradient_accumulation_steps`` micro-batches) and does not size the plugin's passes:
-  ``max_tokens_per_microbatch`` or the memory budget does (unset: the tokens stock's row of the micro-batch forwards).
-* ``"samples"``: the plugin's own step, ``per_device_train_batch_size x gradient_accumulation_steps x processes``
-  samples from the rollout queue normalised by the step's tokens. Stock's ``token_budget`` is then the plugin's
-  training budget per pass: ``token_budget > 0`` sets ``max_tokens_per_microbatch`` (:func:`take_token_budget`);
-  unset (or ``<= 0``) the budget is the plugin's automatic one. The vLLM server is never asked for its
-  ``max_model_len``, and no sample is dropped for its length: one longer than the budget gets a pass of its own.
+With ``"samples"`` the step is the plugin's own: ``per_device_train_batch_size x gradient_accumulation_steps x
+processes`` samples from the rollout queue, normalised by the step's tokens. Stock's ``token_budget`` is then the
+plugin's training budget per pass, so ``token_budget > 0`` sets ``max_tokens_per_microbatch``
+(:func:`take_token_budget`). When it is unset or not positive the plugin sets the budget itself. The vLLM server is
+never asked for its ``max_model_len``, and no sample is dropped for its length: a sample longer than the budget gets a
+pass of its own.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def _check_async_fields(args) -> None:
 
 @dataclass
 class AsyncFields(DynamicBatchFields):
-    """The plugin's fields on TRL's ``AsyncGRPOConfig`` and their checks: after the environment, TRL's own
-    ``AsyncGRPOConfig.__post_init__`` (no generation round to derive: the rollout worker generates continuously),
-    then the plugin's fields checked and, for the samples-defined step, stock's ``token_budget`` taken as the
-    training budget."""
+    """The plugin's fields on TRL's ``AsyncGRPOConfig`` and their checks. There is no generation round to derive,
+    because the rollout worker generates continuously. After the environment and TRL's own
+    ``AsyncGRPOConfig.__post_init__``, the plugin's fields are checked. For the samples-defined step, stock's
+    ``token_budget`` is then taken as the training budget."""
 
     async_step: str = plugin_field("async_step")
 

@@ -36,10 +36,10 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
     previous = args.per_device_train_batch_size
     apply_env_overrides(args)
     try:
-        if trainer == "distillation":  # no generation round, no GRPO settings (see DistillationFields)
+        if trainer == "distillation":  # no generation round, no GRPO settings (see DynamicBatchDistillationConfig)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
-        elif trainer == "dpo":  # no generation round, no GRPO settings (see DPOFields)
+        elif trainer == "dpo":  # no generation round, no GRPO settings (see DynamicBatchDPOConfig)
             refuse_dpo_settings(args)
             validate_dynamic_batch_fields(args)
         else:

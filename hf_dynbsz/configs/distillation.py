@@ -1,5 +1,5 @@
 """``DynamicBatchDistillationConfig``: TRL's ``DistillationConfig`` plus the plugin's settings and the teacher's
-budget (:class:`DistillationFields`)."""
+budget (``max_tokens_per_microbatch_teacher``)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,19 @@ from trl import DistillationConfig
 
 from hf_dynbsz.configs.shared import DynamicBatchFields, config_doc, plugin_field, refuse_sequence_parallelism
 
-__all__ = ["DistillationFields", "DynamicBatchDistillationConfig", "refuse_distillation_sequence_parallelism"]
+__all__ = ["DynamicBatchDistillationConfig", "refuse_distillation_sequence_parallelism"]
 
 
 @dataclass
-class DistillationFields(DynamicBatchFields):
-    """The plugin's fields of a distillation (:class:`~hf_dynbsz.configs.shared.DynamicBatchFields` and the teacher's
-    budget) and their checks: a distillation has no generation round to derive (one completion per prompt, generated
-    once per optimizer step) and no GRPO settings, so after the environment only TRL's own
-    ``DistillationConfig.__post_init__`` and the plugin's fields apply."""
+class DynamicBatchDistillationConfig(DynamicBatchFields, DistillationConfig):
+    __doc__ = config_doc("Distillation")
 
     max_tokens_per_microbatch_teacher: int | None = plugin_field("max_tokens_per_microbatch_teacher")
 
     def _dynbsz_before_stock(self) -> None:
+        # No generation round to derive (one completion per prompt, generated once per optimizer step) and no GRPO
+        # settings: after the environment only TRL's own DistillationConfig.__post_init__ and the plugin's fields.
         refuse_distillation_sequence_parallelism(self)
-
-
-@dataclass
-class DynamicBatchDistillationConfig(DistillationFields, DistillationConfig):
-    pass
-
-
-DynamicBatchDistillationConfig.__doc__ = config_doc("Distillation")
 
 
 def refuse_distillation_sequence_parallelism(args) -> None:

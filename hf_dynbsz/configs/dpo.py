@@ -1,4 +1,4 @@
-"""``DynamicBatchDPOConfig``: TRL's ``DPOConfig`` plus the plugin's settings (:class:`DPOFields`), and what a DPO run
+"""``DynamicBatchDPOConfig``: TRL's ``DPOConfig`` plus the plugin's settings, and what a DPO run
 refuses of the settings stock accepts (:func:`refuse_dpo_settings`)."""
 
 from __future__ import annotations
@@ -9,25 +9,17 @@ from trl import DPOConfig
 
 from hf_dynbsz.configs.shared import DynamicBatchFields, config_doc, refuse_sequence_parallelism
 
-__all__ = ["DPOFields", "DynamicBatchDPOConfig", "refuse_dpo_sequence_parallelism", "refuse_dpo_settings"]
+__all__ = ["DynamicBatchDPOConfig", "refuse_dpo_sequence_parallelism", "refuse_dpo_settings"]
 
 
 @dataclass
-class DPOFields(DynamicBatchFields):
-    """The plugin's fields of a DPO run (:class:`~hf_dynbsz.configs.shared.DynamicBatchFields`) and their checks: no
-    generation round and no GRPO settings, so after the environment only TRL's own ``DPOConfig.__post_init__`` and the
-    plugin's fields apply; ``max_tokens_per_microbatch_logprob`` is the reference's budget."""
+class DynamicBatchDPOConfig(DynamicBatchFields, DPOConfig):
+    __doc__ = config_doc("DPO")
 
     def _dynbsz_before_stock(self) -> None:
+        # No generation round and no GRPO settings: after the environment, the refusals, then only TRL's own
+        # DPOConfig.__post_init__ and the plugin's fields (max_tokens_per_microbatch_logprob: the reference's budget).
         refuse_dpo_settings(self)
-
-
-@dataclass
-class DynamicBatchDPOConfig(DPOFields, DPOConfig):
-    pass
-
-
-DynamicBatchDPOConfig.__doc__ = config_doc("DPO")
 
 
 def refuse_dpo_sequence_parallelism(args) -> None:

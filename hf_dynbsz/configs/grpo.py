@@ -48,10 +48,7 @@ class GenerationRoundFields(DynamicBatchFields):
 
 @dataclass
 class DynamicBatchGRPOConfig(GenerationRoundFields, GRPOConfig):
-    pass
-
-
-DynamicBatchGRPOConfig.__doc__ = config_doc("GRPO")
+    __doc__ = config_doc("GRPO")
 
 
 def take_sequence_parallelism(args) -> None:

@@ -15,7 +15,4 @@ __all__ = ["DynamicBatchRLOOConfig"]
 
 @dataclass
 class DynamicBatchRLOOConfig(GenerationRoundFields, RLOOConfig):
-    pass
-
-
-DynamicBatchRLOOConfig.__doc__ = config_doc("RLOO")
+    __doc__ = config_doc("RLOO")

@@ -30,7 +30,6 @@ import torch
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.loss import LossSettings, microbatch_loss, sample_weights
-from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.step_loss import LogProbLoss
 
@@ -138,14 +137,12 @@ class AsyncGRPOLoss(LogProbLoss):
     stock; for the samples-defined step the optimizer step is one slice (``GA`` 1). Its metrics (ratio, kl, entropy,
     clip ratios) logged once per slice, as stock logs them per micro-batch. No entropy term, no reference model."""
 
-    entropy_bonus = False
-    needs_step_entropies = False
     phases = ("train", "logprob", "generation")  # generation: waiting for the rollout queue
+    metric_keys = METRIC_KEYS
 
     def __init__(self, trainer) -> None:
+        super().__init__(trainer)
         self.settings = async_loss_settings(trainer)
-        self.device = trainer.accelerator.device
-        self.num_processes = trainer.accelerator.num_processes
         self.stock_slices = getattr(trainer.args, "async_step", "stock") != "samples"
 
     def _accumulation(self, gradient_accumulation_steps: int) -> int:
@@ -156,17 +153,8 @@ class AsyncGRPOLoss(LogProbLoss):
         batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes, ga)
         batch.entropy_weights = torch.zeros_like(batch.policy_weights)
 
-    def attempt(self, batch: StepBatch) -> None:
-        return None
-
-    def metrics(self, batch: StepBatch) -> StepMetrics:
-        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, METRIC_KEYS)
-
     def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
         return async_pass_loss(self.settings, per_token_logps, entropies, rows)
-
-    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
-        return None
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)

@@ -351,6 +351,7 @@ class GRPOLoss(LogProbLoss):
     (:class:`~hf_dynbsz.execution.loss.EntropyBonus`) and ``top_entropy_quantile``'s per-slice mask."""
 
     def __init__(self, trainer) -> None:
+        super().__init__(trainer)
         self.trainer = trainer
         self.settings = LossSettings.from_trainer(trainer)
         self.entropy_bonus = bool(trainer._entropy_bonus_enabled)

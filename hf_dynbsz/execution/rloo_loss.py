@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
-from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.step_loss import LogProbLoss
 
 __all__ = ["METRIC_KEYS", "RLOOLoss", "RLOOSettings", "rloo_pass_loss", "rloo_sample_weights"]
@@ -84,13 +83,11 @@ class RLOOLoss(LogProbLoss):
     (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice, as GRPO's loss
     metrics (:class:`~hf_dynbsz.execution.metrics.StepMetrics`). No entropy term."""
 
-    entropy_bonus = False
-    needs_step_entropies = False
+    metric_keys = METRIC_KEYS
 
     def __init__(self, trainer) -> None:
+        super().__init__(trainer)
         self.settings = RLOOSettings.from_trainer(trainer)
-        self.device = trainer.accelerator.device
-        self.num_processes = trainer.accelerator.num_processes
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
         batch.policy_weights = rloo_sample_weights(
@@ -98,17 +95,8 @@ class RLOOLoss(LogProbLoss):
         )
         batch.entropy_weights = torch.zeros_like(batch.policy_weights)
 
-    def attempt(self, batch: StepBatch) -> None:
-        return None
-
-    def metrics(self, batch: StepBatch) -> StepMetrics:
-        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, METRIC_KEYS)
-
     def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
         return rloo_pass_loss(self.settings, per_token_logps, rows)
-
-    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
-        return None
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)

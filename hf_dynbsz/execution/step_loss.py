@@ -92,10 +92,28 @@ class StepLoss(Protocol):
 
 
 class LogProbLoss:
-    """A loss over the policy's completion log-probs (GRPO's and RLOO's): a training pass is the model's fused LM
-    head over the pass's row, nothing precedes the passes, the self-check checks the policy."""
+    """A loss over the policy's completion log-probs (GRPO's, RLOO's, async GRPO's): a training pass is the model's
+    fused LM head over the pass's row, nothing precedes the passes, the self-check checks the policy; by default no
+    entropy term, no state from pass to pass and stock's metrics of :attr:`metric_keys` per stock slice."""
 
     phases = ("train", "logprob", "generation")
+    entropy_bonus = False
+    needs_step_entropies = False
+    #: the per-token tensors of a pass that stock's logged metrics read, besides the entropy
+    metric_keys: tuple[str, ...] = ()
+
+    def __init__(self, trainer) -> None:
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+
+    def attempt(self, batch: StepBatch):
+        return None  # no state carried from pass to pass
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, self.metric_keys)
+
+    def finish(self, state, gradient_accumulation_steps: int) -> None:
+        return None  # no bookkeeping at the optimizer-step boundary
 
     def prepare(self, executor, model, batch: StepBatch, *, gradient_accumulation_steps: int) -> None:
         return None
