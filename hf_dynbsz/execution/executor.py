@@ -36,7 +36,7 @@ from hf_dynbsz.execution.check_passes import check_layouts
 from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
 from hf_dynbsz.execution.device_pass import DevicePass
 from hf_dynbsz.execution.layout_timing import NO_LAYOUT_TIMING
-from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.metrics import StepMetrics, StepResult
 from hf_dynbsz.execution.multimodal import MediaPolicy
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
@@ -202,8 +202,9 @@ class PassExecutor(StepPlanning, DevicePass):
         return failure
 
     # ------------------------------------------------------------------ training passes
-    def train_step(self, model, batch: StepBatch) -> torch.Tensor:
-        """The optimizer step's passes: statistics, stock loss weights, then forward/backward each pass, log once."""
+    def train_step(self, model, batch: StepBatch) -> StepResult:
+        """The optimizer step's passes: statistics, stock loss weights, then forward/backward each pass, log once; the
+        step's loss and figures (:class:`~hf_dynbsz.execution.metrics.StepResult`)."""
         trainer, device = self.trainer, self.accelerator.device
         with self.meters.clock.phase("train"):
             ga = trainer.current_gradient_accumulation_steps
@@ -225,7 +226,7 @@ class PassExecutor(StepPlanning, DevicePass):
             self.loss.finish(state.loss_state, ga)
             if aux is not None:
                 aux.publish(trainer._metrics["train"], self.accelerator)
-        state.metrics.publish(
+        result = state.metrics.publish(
             trainer._metrics["train"],
             self.accelerator,
             schedule=schedule,
@@ -237,7 +238,7 @@ class PassExecutor(StepPlanning, DevicePass):
             sharing=self.scheduler.sharing,
         )
         self.layout_timing.publish(trainer._metrics["train"])
-        return total
+        return dataclasses.replace(result, loss=total)
 
     def _finish_layout_timing(self, batch: StepBatch, schedule) -> None:
         """After a training step's passes: once the layout timing has chosen, the run keeps the chosen layout
