@@ -31,14 +31,11 @@ keep the two files together).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
-import grpo  # noqa: E402
+import grpo  # examples/grpo.py, the shared parts of the scripts (a script's folder is first on sys.path)
 
-from hf_dynbsz import DynamicBatchDistillationConfig  # noqa: E402
+from hf_dynbsz import DynamicBatchDistillationConfig
 
 MODEL_DEFAULTS = dict(output_dir="runs/distill")
 # The offline demo: 8 prompts per process per optimizer step, which stock runs as 2 passes of 4 padded rows.

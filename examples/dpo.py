@@ -33,14 +33,11 @@ them from it: keep the two files together).
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the scripts
-import grpo  # noqa: E402
+import grpo  # examples/grpo.py, the shared parts of the scripts (a script's folder is first on sys.path)
 
-from hf_dynbsz import DynamicBatchDPOConfig  # noqa: E402
+from hf_dynbsz import DynamicBatchDPOConfig
 
 MODEL_DEFAULTS = dict(output_dir="runs/dpo")
 # The offline demo: 8 pairs per process per optimizer step, which stock runs as 2 passes of 8 padded rows.

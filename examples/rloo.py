@@ -28,13 +28,10 @@ it: keep the two files together).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the shared parts of the two scripts
-import grpo  # noqa: E402
+import grpo  # examples/grpo.py, the shared parts of the scripts (a script's folder is first on sys.path)
 
-from hf_dynbsz import DynamicBatchRLOOConfig  # noqa: E402
+from hf_dynbsz import DynamicBatchRLOOConfig
 
 MODEL_DEFAULTS = dict(output_dir="runs/rloo")
 # The offline demo: examples/grpo.py's settings (RLOO's own defaults otherwise, beta 0.05 included).

@@ -8,11 +8,11 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
 * :mod:`hf_dynbsz.execution`: the torch layer (step batch, packing, segment attention, tiling, loss weights, router
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
-* :mod:`hf_dynbsz.config` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
-  ``DynamicBatchDPOConfig``), :mod:`hf_dynbsz.async_config` (``DynamicBatchAsyncGRPOConfig``),
-  :mod:`hf_dynbsz.reward_config` (``DynamicBatchRewardConfig``) and :mod:`hf_dynbsz.trainers`
-  (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``, ``DynamicBatchDistillationTrainer``,
-  ``DynamicBatchDPOTrainer``, ``DynamicBatchRewardTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
+* :mod:`hf_dynbsz.configs` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
+  ``DynamicBatchDPOConfig``, ``DynamicBatchRewardConfig``, ``DynamicBatchAsyncGRPOConfig``, one module each) and
+  :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
+  ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, ``DynamicBatchRewardTrainer``,
+  ``DynamicBatchAsyncGRPOTrainer``, one module each):
   TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
@@ -36,13 +36,13 @@ check_trl_version()  # before anything else: an untested TRL stops here, with on
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DynamicBatchGRPOConfig": "hf_dynbsz.config",
-    "DynamicBatchRLOOConfig": "hf_dynbsz.config",
-    "DynamicBatchDistillationConfig": "hf_dynbsz.config",
-    "DynamicBatchDPOConfig": "hf_dynbsz.config",
-    "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.async_config",
-    "DynamicBatchRewardConfig": "hf_dynbsz.reward_config",
-    "ensure_dynamic_batch_fields": "hf_dynbsz.config",
+    "DynamicBatchGRPOConfig": "hf_dynbsz.configs",
+    "DynamicBatchRLOOConfig": "hf_dynbsz.configs",
+    "DynamicBatchDistillationConfig": "hf_dynbsz.configs",
+    "DynamicBatchDPOConfig": "hf_dynbsz.configs",
+    "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.configs",
+    "DynamicBatchRewardConfig": "hf_dynbsz.configs",
+    "ensure_dynamic_batch_fields": "hf_dynbsz.configs",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
     "Scheduler": "hf_dynbsz.planning.schedule",

@@ -281,6 +281,13 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
     ),
     InternalName(
         "trl.experimental.async_grpo.async_grpo_trainer",
+        "_EmptyIterableDataset",
+        "calls",
+        "stock's dataset of the processes other than the main one (accelerate's dispatcher sends them the main "
+        "process's micro-batches, so it is never read), used as stock uses it",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.async_grpo_trainer",
         "FixedCountBatcher",
         "calls",
         "stock's fixed-count planner: per_device_train_batch_size x processes samples per micro-batch, one row per "

@@ -13,7 +13,7 @@ micro-batches.
 How the world size is handled: the options are parsed into a namespace of the user's *raw* values (no
 ``GRPOConfig.__post_init__``, which would derive ``generation_batch_size`` for the world size of this machine and
 check that bf16 is supported here). ``BatchSizePlan.from_args`` then derives the generation round exactly like
-TRL does, for ``--num_processes`` processes, and :func:`~hf_dynbsz.config.check_as_training` builds the config
+TRL does, for ``--num_processes`` processes, and :func:`~hf_dynbsz.configs.build.check_as_training` builds the config
 training would build (with that generation round, and what belongs to this machine neutralised), so that every
 other check is training's own. The simulation of ``--lengths`` and its tables are planning
 (:mod:`hf_dynbsz.planning.simulation`, :mod:`hf_dynbsz.planning.simulation_table`).
@@ -94,19 +94,11 @@ def _plan_parser(trainer: str = "grpo"):
 
 
 def _config_class(trainer: str) -> type:
-    """The plugin's config class of ``trainer`` (the asynchronous trainer's in a module of its own: it imports TRL's
+    """The plugin's config class of ``trainer`` (each imported on first use: the asynchronous trainer's imports TRL's
     experimental package)."""
-    if trainer == "async_grpo":
-        from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig
+    from hf_dynbsz import configs
 
-        return DynamicBatchAsyncGRPOConfig
-    if trainer == "reward":
-        from hf_dynbsz.reward_config import DynamicBatchRewardConfig
-
-        return DynamicBatchRewardConfig
-    from hf_dynbsz import config
-
-    return getattr(config, f"DynamicBatch{PLANNED_TRAINERS[trainer]}Config")
+    return getattr(configs, f"DynamicBatch{PLANNED_TRAINERS[trainer]}Config")
 
 
 def _add_planning_arguments(group) -> None:
@@ -277,7 +269,7 @@ def _check_settings(namespace) -> None:
     for message in apply_env_overrides(namespace):
         print(f"# {message}", file=sys.stderr if namespace.json else sys.stdout)
     if namespace.trainer == "async_grpo":
-        from hf_dynbsz.async_config import take_token_budget
+        from hf_dynbsz.configs.async_grpo import take_token_budget
 
         take_token_budget(namespace)
     validate_dynamic_batch_fields(namespace)
@@ -285,7 +277,7 @@ def _check_settings(namespace) -> None:
 
 def _plan(namespace: argparse.Namespace) -> _Planned:
     """The plan of ``namespace`` (the user's raw values), checked as training checks it, and the simulated steps."""
-    from hf_dynbsz.config import check_as_training
+    from hf_dynbsz.configs.build import check_as_training
     from hf_dynbsz.planning.env import with_env_sources
     from hf_dynbsz.planning.plan import BatchSizePlan
 

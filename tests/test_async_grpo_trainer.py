@@ -216,7 +216,7 @@ def test_token_budget_is_stocks_by_default_and_the_samples_steps_training_budget
 def test_a_plain_async_config_gains_the_plugins_fields_and_the_environment(model_dir, tmp_path, monkeypatch):
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    from hf_dynbsz.async_config import async_trainer_config
+    from hf_dynbsz.configs.async_grpo import async_trainer_config
 
     monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "256")
     config = async_trainer_config(AsyncGRPOConfig(str(tmp_path), token_budget=300, use_cpu=True), model_dir)

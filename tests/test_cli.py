@@ -389,7 +389,7 @@ def test_accelerate_yaml_process_counts_are_checked(tmp_path, plan_in_process, y
 
 def _training_error(**settings) -> str:
     """The message training gives for ``settings`` (the config is where training validates them)."""
-    from hf_dynbsz.config import DynamicBatchGRPOConfig
+    from hf_dynbsz.configs.grpo import DynamicBatchGRPOConfig
 
     with pytest.raises(ValueError) as raised:
         DynamicBatchGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", **settings)

@@ -1,4 +1,4 @@
-"""Specification of hf_dynbsz.config: DynamicBatchGRPOConfig and ensure_dynamic_batch_fields."""
+"""Specification of hf_dynbsz.configs: DynamicBatchGRPOConfig and ensure_dynamic_batch_fields."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 from trl import GRPOConfig
 
-from hf_dynbsz.config import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
+from hf_dynbsz.configs import DynamicBatchGRPOConfig, default_ddp_backend, ensure_dynamic_batch_fields
 from hf_dynbsz.planning import env
 from hf_dynbsz.planning.plan import BatchSizePlan
 from hf_dynbsz.planning.settings import defaults_of

@@ -41,7 +41,7 @@ CONFIG_CLASSES = {
 @pytest.mark.parametrize("trainer", list(CONFIG_CLASSES))
 def test_config_fields_come_from_the_table(trainer):
     """Each trainer's config has the settings that apply to it (a distillation's teacher budget only there)."""
-    from hf_dynbsz import config as configs
+    from hf_dynbsz import configs
 
     config_class = getattr(configs, CONFIG_CLASSES[trainer])
     fields = {f.name: f for f in dataclasses.fields(config_class)}

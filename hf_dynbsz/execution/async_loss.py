@@ -31,8 +31,16 @@ import torch
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.loss import LossSettings, microbatch_loss, sample_weights
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.step_loss import LogProbLoss
 
-__all__ = ["METRIC_KEYS", "async_loss_settings", "async_pass_loss", "async_sample_weights", "position_shares"]
+__all__ = [
+    "AsyncGRPOLoss",
+    "METRIC_KEYS",
+    "async_loss_settings",
+    "async_pass_loss",
+    "async_sample_weights",
+    "position_shares",
+]
 
 #: The per-token tensors of a pass that stock's logged metrics read, besides the entropy (see the module).
 METRIC_KEYS = ("ratio", "kl", "clip_ratio/low", "clip_ratio/high")
@@ -120,3 +128,38 @@ def _trie_shares(table: SequenceTable) -> list[torch.Tensor]:
         torch.cat([torch.full((tree.length[node],), 1.0 / holders[node], dtype=torch.float64) for node in path])
         for path in paths
     ]
+
+
+class AsyncGRPOLoss(LogProbLoss):
+    """``AsyncGRPOTrainer``'s loss: the clipped token loss against the generator's log-probs, every sample weighted
+    ``processes / N / GA`` with ``N`` the trained tokens of its stock slice (:mod:`hf_dynbsz.execution.async_loss`):
+    for stock's step (``async_step="stock"``) each micro-batch is a slice, normalised by its own tokens and ``GA``, as
+    stock; for the samples-defined step the optimizer step is one slice (``GA`` 1). Its metrics (ratio, kl, entropy,
+    clip ratios) logged once per slice, as stock logs them per micro-batch. No entropy term, no reference model."""
+
+    phases = ("train", "logprob", "generation")  # generation: waiting for the rollout queue
+    metric_keys = METRIC_KEYS
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        self.settings = async_loss_settings(trainer)
+        self.stock_slices = getattr(trainer.args, "async_step", "stock") != "samples"
+
+    def _accumulation(self, gradient_accumulation_steps: int) -> int:
+        return gradient_accumulation_steps if self.stock_slices else 1
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        ga = self._accumulation(gradient_accumulation_steps)
+        batch.policy_weights = async_sample_weights(self.settings, batch, self.num_processes, ga)
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
+        return async_pass_loss(self.settings, per_token_logps, entropies, rows)
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # AsyncGRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        # each slice is one packed row per process (stock's TreeRow): a position its samples share counts once
+        slices = batch.slice_ids if self.stock_slices else None
+        return self._accumulation(gradient_accumulation_steps), position_shares(batch.table, slices)

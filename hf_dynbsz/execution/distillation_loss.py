@@ -35,12 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
 
-from hf_dynbsz.execution.batch import SampleRows
+from hf_dynbsz.execution.attention import use_segments
+from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.rope import use_rope_widths
+from hf_dynbsz.execution.teacher import Teacher, backbone_hidden_states
 from hf_dynbsz.planning.cost import text_config_of
+from hf_dynbsz.planning.memory import held_states_mib
 
 __all__ = [
+    "DistillationLoss",
     "DivergenceSettings",
     "backbone_hidden_states",
     "distillation_pass_loss",
@@ -92,14 +97,6 @@ def distillation_sample_weights(num_items: torch.Tensor, num_processes: int) -> 
     """``(N,)`` float64 weights ``P / max(N, 1)`` of each sample's loss tokens: ``num_items`` (N,) the
     ``num_items_in_batch`` of each sample's generation batch."""
     return float(num_processes) / num_items.double().clamp(min=1.0)
-
-
-def backbone_hidden_states(unwrapped, model_inputs: dict) -> torch.Tensor:
-    """The last hidden states of ``unwrapped`` (a model, or a PEFT model) over one pass's rows, as stock's
-    ``_get_last_hidden_state`` runs it: the backbone under the LM head (``base_model``), no KV cache."""
-    if is_peft_model(unwrapped):
-        unwrapped = unwrapped.base_model.model
-    return unwrapped.base_model(**model_inputs, use_cache=False).last_hidden_state
 
 
 def _full(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -154,3 +151,109 @@ def distillation_pass_loss(per_token_divergence: torch.Tensor, rows: SampleRows)
     weights = rows.policy_weights.to(per_token_divergence.dtype).unsqueeze(1)
     loss = (per_token_divergence * rows.mask.to(per_token_divergence.dtype) * weights).sum()
     return loss, {}
+
+
+class DistillationLoss:
+    """``DistillationTrainer``'s loss: each loss token's divergence from the teacher (its hidden states from the
+    teacher's passes before the step, :class:`~hf_dynbsz.execution.teacher.Teacher`) weighted ``P / N``
+    (:mod:`hf_dynbsz.execution.distillation_loss`); ``entropy`` logged per stock slice
+    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`). No entropy term, no router aux loss (stock runs
+    the backbones alone).
+
+    With dynamic batching on, the student and the teacher get TRL's fused LM head (``add_fused_lm_head``, as
+    ``GRPOTrainer`` gives its models; a forward without ``fused_lm_head=True`` is the model's own, so generation and
+    stock's backbone calls are unchanged): the self-check compares each layout's completion log-probs with each
+    sample alone on both models, and a student's lockstep pass runs through it."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob", "generation", "teacher")
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.teacher = Teacher(trainer)
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        self.settings = DivergenceSettings.of(
+            trainer.beta, trainer.temperature, student.config, self.teacher.unwrapped.config
+        )
+        self.num_processes = trainer.accelerator.num_processes
+        self.device = trainer.accelerator.device
+        if trainer.args.dynamic_batching:
+            for model in (student, self.teacher.unwrapped):
+                _add_fused_lm_head(model, trainer.temperature)
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = distillation_sample_weights(batch.num_items, self.num_processes)
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def prepare(self, executor, model, batch: StepBatch, *, gradient_accumulation_steps: int) -> None:
+        self.teacher.hidden_states(executor, batch)
+
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        """The teacher hidden states that arrive with samples other processes send here (held during the passes
+        beside this process's own, which the process holds when they are planned)."""
+        exchange = None if schedule is None else schedule.exchange
+        bytes_per_value = torch.empty((), dtype=batch.teacher_hidden_dtype).element_size()
+        tokens = batch.arriving_hidden_tokens(exchange, rank)
+        return held_states_mib(tokens, batch.teacher_hidden_size, bytes_per_value)
+
+    def attempt(self, batch: StepBatch) -> None:
+        return None
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device)
+
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        """The pass's per-token divergence and entropy, ``(rows, width)``, 0 off the loss tokens: the student's
+        backbone and the divergence inside the student's wrapper (``_forward_redirection``, as stock)."""
+        valid = rows.mask.bool() & mb.completion_mask.bool()
+        completion = mb.completion_mask.bool()
+        teacher = torch.cat([batch.teacher_hidden[i] for i in mb.indices])[valid[completion]]
+        unwrapped = executor.unwrap(model)
+        use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
+        divergence, entropy = self.trainer._forward_redirection(
+            model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
+            mb.gather_index[valid], teacher,
+        )  # fmt: skip
+        zeros = torch.zeros(valid.shape, dtype=divergence.dtype, device=divergence.device)
+        return zeros.masked_scatter(valid, divergence), zeros.masked_scatter(valid, entropy.detach()), None
+
+    def pass_loss(self, state: None, per_token_divergence, entropies, rows: SampleRows):
+        return distillation_pass_loss(per_token_divergence, rows)
+
+    def finish(self, state: None, gradient_accumulation_steps: int) -> None:
+        return None
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # DistillationTrainer's loss is normalised by num_items_in_batch (loss_is_scaled_for_ga)
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        return [(model, True), (self.teacher.model, False)]
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        """A real pass's work without a loss token: the student's backbone over a tiny row and the divergence of no
+        token, which still gathers both LM heads under ZeRO-3 (forward and backward), as every real pass does."""
+        mb = executor.lockstep_microbatch()
+        none = mb.gather_index.new_zeros(0)
+        teacher = torch.zeros(0, self.teacher.hidden_size, device=executor.accelerator.device)
+        unwrapped = executor.unwrap(model)
+        use_segments(mb.segments)
+        use_rope_widths(mb.rope_widths)
+        with executor.no_sync(model, bool(last)):  # (DevicePass.dummy_pass: why not synchronised without last)
+            divergence, _ = self.trainer._forward_redirection(
+                model, unwrapped, pass_divergence, self.settings, unwrapped, self.teacher.unwrapped, mb.model_inputs,
+                none, teacher,
+            )  # fmt: skip
+            if last is not None:
+                executor.backward(model, divergence.sum() * 0.0, last)
+
+
+def _add_fused_lm_head(model, temperature: float) -> None:
+    """TRL's fused LM head on ``model`` (the base model under PEFT, as ``GRPOTrainer`` adds it), once."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not getattr(base, "_dynbsz_fused_lm_head", False):
+        add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+        base._dynbsz_fused_lm_head = True

@@ -47,12 +47,16 @@ import torch.nn.functional as F
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch
 from hf_dynbsz.execution.device_pass import named_pass
+from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.reference import Reference, sequence_logps
 from hf_dynbsz.execution.router_loss import captured_router_logits
+from hf_dynbsz.parallel.collectives import reduce_sum
 from hf_dynbsz.planning.model_support import rope_width
 
 __all__ = [
     "COUPLED_LOSS_TYPES",
+    "DPOLoss",
     "DPOSettings",
     "METRIC_KEYS",
     "PAIR_FIELDS",
@@ -237,17 +241,6 @@ def pass_outputs(executor, model, mb, outputs: tuple[str, ...], router: bool = F
         value = executor.parallel.gather(getattr(result, name))
         fields[name] = mb.to_completion_layout(value.float() if name == "is_top1" else value)
     return fields, router_logits[-1] if router else None
-
-
-def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor, shared: torch.Tensor, ld_alpha: float | None):
-    """``(rows,)`` sequence log-probs ``sum_t w_t logp_t`` of completion-aligned ``per_token`` over ``mask``: ``w_t`` 1,
-    or with ``ld_alpha`` 1 over the first ``shared`` (rows, 1) tokens and ``ld_alpha`` after."""
-    masked = per_token * mask.to(per_token.dtype)
-    if ld_alpha is None:
-        return masked.sum(1)
-    positions = torch.arange(per_token.size(1), device=per_token.device).unsqueeze(0)
-    inside = positions < shared.to(positions.dtype)
-    return (masked * inside).sum(1) + ld_alpha * (masked * ~inside).sum(1)
 
 
 def _scores(settings: DPOSettings, logratios: torch.Tensor) -> torch.Tensor:
@@ -450,3 +443,110 @@ def pass_metrics(beta: float, values: dict, mask: torch.Tensor, seq: torch.Tenso
         "logits/rejected": (logits * rejected, tokens * rejected),
         "mean_token_accuracy": ((values["is_top1"] * mask).sum(1) * chosen, tokens * chosen),
     }
+
+
+class DPOLoss:
+    """``DPOTrainer``'s loss: each pair's losses from its chosen and rejected sequence log-probs (one pass holds both),
+    weight ``1 / (B GA)``; the sorted losses (``aot``, ``aot_unpaired``) through coefficients from a no-grad policy
+    pass, ``sft`` through its token weights (:mod:`hf_dynbsz.execution.dpo_loss`); the reference's log-probs from its
+    own passes before the step (:class:`~hf_dynbsz.execution.reference.Reference`). Stock's metrics per stock slice
+    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`), ``num_tokens`` summed over processes once per step.
+
+    ``blocker``: why this run cannot repack its steps (the trainer then runs stock's), or None."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob")
+    checked_model_name = "reference"  # the self-check's log names the second model it checks
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.settings = DPOSettings.from_trainer(trainer)
+        self.reference = Reference(trainer)
+        self.sft = "sft" in self.settings.loss_types
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+        self.blocker = _dpo_blocker(trainer, self.settings)
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        pairs = batch.slice_rows.double()[batch.slice_ids] / 2
+        batch.policy_weights = 1.0 / (pairs * float(gradient_accumulation_steps))
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+        if self.sft:
+            batch.per_token["sft"] = sft_coefficients(self.settings, batch, gradient_accumulation_steps).unsqueeze(1)
+
+    def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:
+        return 0.0  # the reference's log-probs and a sorted loss's coefficients are a few values per sample
+
+    def prepare(self, executor, model, batch: StepBatch, *, gradient_accumulation_steps: int) -> None:
+        """The reference's log-probs, then for a sorted loss each sample's coefficient from a no-grad policy pass."""
+        self.reference.logps(executor, model, batch, self.settings.ld_alpha)
+        if not self.settings.coupled:
+            return
+        with torch.no_grad():
+            per_token, _, _ = executor.no_grad_passes(
+                model, batch.table, batch.width, False, batch.stock_microbatch_tokens
+            )
+            mask = batch.loss_mask.to(per_token.device)
+            seq = sequence_logps(
+                per_token, mask, batch.per_token["shared"].to(per_token.device), self.settings.ld_alpha
+            )
+        ref = batch.per_token["ref_logps"].squeeze(1).to(seq)
+        coefficient, offset = coupled_coefficients(
+            self.settings, seq, ref, batch.slice_ids, gradient_accumulation_steps
+        )
+        device = batch.per_token["coefficient"].device
+        batch.per_token["coefficient"] = coefficient.unsqueeze(1).float().to(device)
+        batch.per_token["offset"] = offset.unsqueeze(1).float().to(device)
+
+    def attempt(self, batch: StepBatch) -> int:
+        return int(batch.table.lengths.sum())  # the real tokens this process runs (stock's attention mask's sum)
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        return StepMetrics(len(batch.slice_rows) // self.num_processes, self.device, METRIC_KEYS)
+
+    def forward(self, executor, model, mb, rows: SampleRows, batch: StepBatch, router: bool):
+        values, router_logits = pass_outputs(executor, model, mb, self.settings.outputs, router)
+        return values, values["entropy"], router_logits
+
+    def pass_loss(self, state, values, entropies, rows: SampleRows):
+        return dpo_pass_loss(self.settings, values, rows, self.sft)
+
+    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
+        """Stock's ``num_tokens``: every process's real tokens of the step (each pair's prompt twice), added up."""
+        trainer = self.trainer
+        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
+        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
+        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss / gradient_accumulation_steps  # the Trainer divides DPO's loss (loss_is_scaled_for_ga False)
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        reference = self.reference.model
+        return [(model, True)] + (
+            [(reference, False)] if reference is not None and not self.reference.precomputed else []
+        )
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)
+
+
+def _dpo_blocker(trainer, settings: DPOSettings) -> str | None:
+    """Why a DPO run trains stock's micro-batches, or None: what the passes do not repack exactly."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    if getattr(trainer, "_is_vision_dataset", False):
+        return "vision-language pairs (their image inputs are not repacked for DPO)"
+    if not isinstance(trainer.data_collator, DataCollatorForPreference):
+        name = type(trainer.data_collator).__name__
+        return f"a custom data collator ({name}): the passes read DataCollatorForPreference's rows"
+    if settings.use_weighting and "sft" in settings.loss_types:
+        return (
+            "loss_type 'sft' with use_weighting=True: the WPO weights of a micro-batch's pairs scale its SFT token "
+            "mean, which couples its pairs"
+        )
+    return None

@@ -36,7 +36,7 @@ from hf_dynbsz.execution.check_passes import check_layouts
 from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
 from hf_dynbsz.execution.device_pass import DevicePass
 from hf_dynbsz.execution.layout_timing import NO_LAYOUT_TIMING
-from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.metrics import StepMetrics, StepResult
 from hf_dynbsz.execution.multimodal import MediaPolicy
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
@@ -202,14 +202,16 @@ class PassExecutor(StepPlanning, DevicePass):
         return failure
 
     # ------------------------------------------------------------------ training passes
-    def train_step(self, model, batch: StepBatch) -> torch.Tensor:
-        """The optimizer step's passes: statistics, stock loss weights, then forward/backward each pass, log once."""
+    def train_step(self, model, batch: StepBatch) -> StepResult:
+        """The optimizer step's passes: statistics, stock loss weights, then forward/backward each pass, log once; the
+        step's loss and figures (:class:`~hf_dynbsz.execution.metrics.StepResult`)."""
         trainer, device = self.trainer, self.accelerator.device
         with self.meters.clock.phase("train"):
             ga = trainer.current_gradient_accumulation_steps
             aux, entropies = self._step_statistics(model, batch, ga)
             self.loss.weigh(batch, entropies, gradient_accumulation_steps=ga)
-            self.loss.prepare(self, model, batch)  # what the passes read that other passes compute (a teacher's)
+            # what the passes read that other passes compute (a teacher's hidden states, a DPO reference's log-probs)
+            self.loss.prepare(self, model, batch, gradient_accumulation_steps=ga)
             pooled = self.parallel.pool_batch(batch)  # sequence parallelism: the group's samples, each with its weights
             start, run_pass = partial(self._start_training, pooled, aux), partial(self._train, model, aux)
             schedule, state = self.run(
@@ -224,7 +226,7 @@ class PassExecutor(StepPlanning, DevicePass):
             self.loss.finish(state.loss_state, ga)
             if aux is not None:
                 aux.publish(trainer._metrics["train"], self.accelerator)
-        state.metrics.publish(
+        result = state.metrics.publish(
             trainer._metrics["train"],
             self.accelerator,
             schedule=schedule,
@@ -236,7 +238,7 @@ class PassExecutor(StepPlanning, DevicePass):
             sharing=self.scheduler.sharing,
         )
         self.layout_timing.publish(trainer._metrics["train"])
-        return total
+        return dataclasses.replace(result, loss=total)
 
     def _finish_layout_timing(self, batch: StepBatch, schedule) -> None:
         """After a training step's passes: once the layout timing has chosen, the run keeps the chosen layout

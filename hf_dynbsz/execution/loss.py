@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOTrainer
 
-from hf_dynbsz.execution.batch import SampleRows
+from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.metrics import StepMetrics
+from hf_dynbsz.execution.step_loss import LogProbLoss
 from hf_dynbsz.parallel.collectives import reduce_sum
 
 SEQUENCE_MEAN_LOSSES = ("grpo", "sapo")
@@ -342,3 +344,65 @@ class EntropyBonus:
                 trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
             trainer._last_world_entropy = world_entropy
         metrics["entropy_coef"].append(trainer.entropy_coef)
+
+
+class GRPOLoss(LogProbLoss):
+    """``GRPOTrainer``'s loss: :func:`~hf_dynbsz.execution.loss.sample_weights` for every loss type, the entropy bonus
+    (:class:`~hf_dynbsz.execution.loss.EntropyBonus`) and ``top_entropy_quantile``'s per-slice mask."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        self.trainer = trainer
+        self.settings = LossSettings.from_trainer(trainer)
+        self.entropy_bonus = bool(trainer._entropy_bonus_enabled)
+        self.needs_step_entropies = trainer.top_entropy_quantile < 1.0
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        if self.needs_step_entropies:
+            batch.high_entropy = self._high_entropy_mask(batch, entropies)
+        batch.policy_weights, batch.entropy_weights = sample_weights(
+            self.settings,
+            batch.loss_tokens,
+            batch.slice_ids,
+            batch.slice_rows,
+            batch.num_items,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            steps_per_generation=self.trainer.args.steps_per_generation,
+            num_processes=self.trainer.accelerator.num_processes,
+            entropy_tokens=batch.bonus_mask.sum(dim=1).cpu(),
+        )
+
+    def _high_entropy_mask(self, batch: StepBatch, entropies: torch.Tensor) -> torch.Tensor:
+        """``top_entropy_quantile``: stock's per-slice high-entropy mask, from the entropies of one no-grad pass.
+
+        Stock takes the entropy quantile over each fixed slice (gathered across ranks) before its backward, so the
+        mask must be known before the first pass: TRL's own ``get_high_entropy_mask`` is applied slice by slice to
+        the entropies of a no-grad pass over the step (the same gathers on every rank: one per slice).
+        """
+        high_entropy = torch.zeros_like(batch.loss_mask)
+        slice_ids = batch.slice_ids.to(batch.loss_mask.device)
+        quantile = 1 - self.trainer.top_entropy_quantile
+        for slice_id in batch.slice_rows.nonzero().flatten().tolist():  # this process's slices
+            rows = (slice_ids == slice_id).nonzero().flatten()
+            selected = self.trainer.get_high_entropy_mask(entropies[rows], batch.loss_mask[rows], quantile)
+            high_entropy[rows] = selected.to(batch.loss_mask.dtype)
+        return high_entropy
+
+    def attempt(self, batch: StepBatch) -> EntropyBonus | None:
+        if not self.entropy_bonus:
+            return None
+        return EntropyBonus(self.trainer, len(batch.slice_rows), self.trainer.accelerator.device)
+
+    def metrics(self, batch: StepBatch) -> StepMetrics:
+        slices = len(batch.slice_rows) // self.trainer.accelerator.num_processes
+        return StepMetrics(slices, self.trainer.accelerator.device, metric_keys(self.settings))
+
+    def pass_loss(self, state: EntropyBonus | None, per_token_logps, entropies, rows: SampleRows):
+        return microbatch_loss(self.settings, per_token_logps, entropies, rows, state)
+
+    def finish(self, state: EntropyBonus | None, gradient_accumulation_steps: int) -> None:
+        if state is not None:
+            state.finish(self.trainer, gradient_accumulation_steps)
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss  # GRPOTrainer scales its loss for gradient accumulation itself (loss_is_scaled_for_ga)

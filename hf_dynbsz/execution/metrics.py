@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,7 @@ from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 from hf_dynbsz.planning.settings import SharePrefix
 
 __all__ = [
+    "StepResult",
     "DEPRECATED_SHARED_TOKENS_SAVED",
     "PeakMemory",
     "StepClock",
@@ -136,6 +138,25 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         reset_peak_rss()  # (not Linux, or not allowed: the peak then counts from process start)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step's passes did, as the executor hands it to the trainer: the figures the step's
+    ``dynbsz/*`` metrics log, over every process, and the step's loss."""
+
+    #: passes every process ran (the schedule's count, lockstep dummy passes included)
+    passes: int
+    #: token positions the passes computed over all processes, padding included
+    computed_tokens: float
+    #: the training phase's time of the slowest process
+    train_seconds: float
+    #: the highest peak memory over processes
+    peak_memory_mib: float
+    #: re-plans after running out of memory, the most any process made
+    oom_retries: int
+    #: the step's loss as the Trainer logs it (None until the executor sets it)
+    loss: torch.Tensor | None = None
 
 
 class StepMeters:
@@ -272,8 +293,8 @@ class StepMetrics:
         table: SequenceTable,
         replicas: int = 1,
         sharing: SharePrefix = SharePrefix.NONE,
-    ) -> None:
-        """Reduce over processes (one gather) and append to ``store``.
+    ) -> StepResult:
+        """Reduce over processes (one gather) and append to ``store``; the step's figures, returned.
 
         ``store`` is TRL's ``trainer._metrics["train"]`` (name -> values, averaged by TRL at logging time). The loss
         metrics: one value per stock slice, in slice order (see the class). ``dynbsz/*`` figures: ``microbatches``
@@ -315,7 +336,9 @@ class StepMetrics:
         maxima = gathered[:, summed.numel() :].amax(0).view_as(self.maxima)
         self.publish_slices(store, totals[: self.sums.numel()].view_as(self.sums), maxima)
         real_all, computed_all, stock_all, saved_all, tree_all, flops_all = totals[-6:].tolist()
-        _publish_time_and_memory(store, accelerator, group, meters, trained=real_all + saved_all, flops=flops_all)
+        seconds, peak_mib, retries = _publish_time_and_memory(
+            store, accelerator, group, meters, trained=real_all + saved_all, flops=flops_all
+        )
         self._publish_passes(store, schedule)
         store["dynbsz/padding_fraction"].append((computed_all - real_all) / max(computed_all, 1.0))
         store["dynbsz/computed_tokens"].append(computed_all)
@@ -329,6 +352,7 @@ class StepMetrics:
             store["dynbsz/rank_imbalance_after"].append(schedule.balance.imbalance_after)
             store["dynbsz/samples_moved"].append(float(schedule.samples_moved))
             store["dynbsz/units_split"].append(float(len(schedule.balance.shares)))
+        return StepResult(schedule.passes, computed_all, seconds, peak_mib, retries)
 
     def publish_slices(
         self, store: dict[str, list], sums: torch.Tensor | None = None, maxima: torch.Tensor | None = None
@@ -369,9 +393,10 @@ def _tree_tokens_saved(table: SequenceTable, schedule: StepSchedule, tree_tokens
 
 def _publish_time_and_memory(
     store: dict[str, list], accelerator, group: RankGroup, meters: StepMeters, *, trained: float, flops: float
-) -> None:
+) -> tuple[float, float, int]:
     """The step's time, memory and throughput figures, the maximum over processes (one all-reduce): ``trained`` is
-    the samples' tokens over all processes, ``flops`` the model FLOPs of their passes."""
+    the samples' tokens over all processes, ``flops`` the model FLOPs of their passes. Returns the training seconds,
+    the peak memory (MiB) and the out-of-memory retries."""
     phases = meters.phases
     *microseconds, peak_kib, predicted_kib, retries = group.all_reduce_max(
         [round(max(meters.clock.seconds[p], 0.0) * 1e6) for p in phases]
@@ -389,3 +414,4 @@ def _publish_time_and_memory(
     if meters.peak_tflops and meters.flops is not None and seconds["train"]:
         devices = accelerator.num_processes  # every device (a sequence-parallel group's too)
         store["dynbsz/mfu"].append(flops / (seconds["train"] * devices * meters.peak_tflops * 1e12))
+    return seconds["train"], peak_kib / 1024, int(retries)

@@ -25,9 +25,8 @@ import torch
 from accelerate.utils import is_peft_model
 
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.dpo_loss import sequence_logps
 
-__all__ = ["Reference"]
+__all__ = ["Reference", "sequence_logps"]
 
 
 class Reference:
@@ -69,3 +68,14 @@ class Reference:
         mask = batch.loss_mask.to(per_token.device)
         seq = sequence_logps(per_token, mask, batch.per_token["shared"].to(per_token.device), ld_alpha)
         batch.per_token["ref_logps"] = seq.float().unsqueeze(1).to(batch.per_token["ref_logps"].device)
+
+
+def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor, shared: torch.Tensor, ld_alpha: float | None):
+    """``(rows,)`` sequence log-probs ``sum_t w_t logp_t`` of completion-aligned ``per_token`` over ``mask``: ``w_t`` 1,
+    or with ``ld_alpha`` 1 over the first ``shared`` (rows, 1) tokens and ``ld_alpha`` after."""
+    masked = per_token * mask.to(per_token.dtype)
+    if ld_alpha is None:
+        return masked.sum(1)
+    positions = torch.arange(per_token.size(1), device=per_token.device).unsqueeze(0)
+    inside = positions < shared.to(positions.dtype)
+    return (masked * inside).sum(1) + ld_alpha * (masked * ~inside).sum(1)

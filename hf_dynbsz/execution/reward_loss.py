@@ -320,7 +320,7 @@ class RewardLoss:
         batch.policy_weights = 1.0 / (pairs * float(gradient_accumulation_steps))
         batch.entropy_weights = torch.zeros_like(batch.policy_weights)
 
-    def prepare(self, executor, model, batch: StepBatch) -> None:
+    def prepare(self, executor, model, batch: StepBatch, *, gradient_accumulation_steps: int) -> None:
         return None
 
     def reserved_mib(self, batch: StepBatch, rank: int, schedule) -> float:

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_dynbsz.execution.batch import SampleRows
+from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.step_loss import LogProbLoss
 
-__all__ = ["METRIC_KEYS", "RLOOSettings", "rloo_pass_loss", "rloo_sample_weights"]
+__all__ = ["METRIC_KEYS", "RLOOLoss", "RLOOSettings", "rloo_pass_loss", "rloo_sample_weights"]
 
 #: The tensors :func:`rloo_pass_loss` gives for stock's logged metrics, besides the entropy: each sequence's clip flags.
 METRIC_KEYS = ("clip_ratio/low", "clip_ratio/high")
@@ -75,3 +76,27 @@ def rloo_pass_loss(
         "clip_ratio/high": ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).float(),
     }
     return loss, metrics
+
+
+class RLOOLoss(LogProbLoss):
+    """``RLOOTrainer``'s loss: each sequence's clipped ratio of summed log-probs, weight ``1 / (B GA)``
+    (:mod:`hf_dynbsz.execution.rloo_loss`); its entropy and clip ratios logged per stock slice, as GRPO's loss
+    metrics (:class:`~hf_dynbsz.execution.metrics.StepMetrics`). No entropy term."""
+
+    metric_keys = METRIC_KEYS
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        self.settings = RLOOSettings.from_trainer(trainer)
+
+    def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
+        batch.policy_weights = rloo_sample_weights(
+            batch.slice_ids, batch.slice_rows, gradient_accumulation_steps=gradient_accumulation_steps
+        )
+        batch.entropy_weights = torch.zeros_like(batch.policy_weights)
+
+    def pass_loss(self, state: None, per_token_logps, entropies, rows: SampleRows):
+        return rloo_pass_loss(self.settings, per_token_logps, rows)
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        return loss / gradient_accumulation_steps  # the Trainer divides RLOO's loss (loss_is_scaled_for_ga False)

@@ -3,31 +3,35 @@ layer).
 
 TRL's rollout worker hands the trainer whole sequences: ``input_ids`` (prompt, model turns, tool results, a forked
 row's rewritten history), ``completion_mask`` (1 on the tokens the loss trains) and ``old_log_probs`` (the
-generator's log-probability of each token, 0 off the trained ones), one advantage and group id per sample. Stock
+generator's log-probability of each token, 0 off the trained ones), one advantage and group id per sample (the group
+id stays with stock's bookkeeping of the groups trained, in the collator). Stock
 trains token ``p`` of a sample when ``completion_mask[p]`` is 1 and ``p >= 1`` (its log-probability is read off
 position ``p - 1``). Here a sample's *prompt* is everything before its first trained token (at least its first token)
 and its *completion* the rest, with the completion mask as the loss mask: tool results and rewritten history inside
 the completion are context (loss mask 0), as GRPO's ``tool_mask`` makes them. The plugin's packing, prefix tree and
 loss then apply unchanged.
 
-The trainer's collator sends each process, per stock micro-batch (a *slice*), the rows of its samples as
-:data:`SLICE_KEYS` tensors (padding rows have length 0); :func:`rollout_step_batch` joins an optimizer step's slices
-into one :class:`~hf_dynbsz.execution.batch.StepBatch`: for stock's step each micro-batch a stock slice, for the
-samples-defined step the whole step one stock slice per process (stock's fixed-count mode with the step in one
-micro-batch, :mod:`hf_dynbsz.execution.async_loss`).
+The trainer's collator (:class:`RolloutSliceCollator`) sends each process, per stock micro-batch (a *slice*), the
+rows of its samples as :data:`SLICE_KEYS` tensors (padding rows have length 0); :func:`rollout_step_batch` joins an
+optimizer step's slices into one :class:`~hf_dynbsz.execution.batch.StepBatch`: for stock's step each micro-batch a
+stock slice, for the samples-defined step the whole step one stock slice per process (stock's fixed-count mode with
+the step in one micro-batch, :mod:`hf_dynbsz.execution.async_loss`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
 
 from hf_dynbsz.execution.batch import StepBatch
 from hf_dynbsz.execution.packing import SequenceTable
 
-__all__ = ["SLICE_KEYS", "rollout_step_batch", "slice_tensors"]
+__all__ = ["SLICE_KEYS", "RolloutSliceCollator", "rollout_step_batch", "slice_tensors"]
 
 #: Per sample row of a slice: its tokens, completion mask and old log-probs right-padded to the slice's longest
-#: sample, its length (0: a padding row), advantage, group id; and per row (the same value on each) the slice's trained
+#: sample, its length (0: a padding row), advantage; and per row (the same value on each) the slice's trained
 #: tokens, samples and sequence tokens over all processes, and the tokens stock's fixed-count row of this process
 #: forwards (its prefix trie).
 SLICE_KEYS = (
@@ -36,7 +40,6 @@ SLICE_KEYS = (
     "old_log_probs",
     "lengths",
     "advantages",
-    "group_ids",
     "global_trained_tokens",
     "global_samples",
     "global_sequence_tokens",
@@ -61,7 +64,6 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
     completion_mask = torch.zeros(size, width, dtype=torch.long)
     old_log_probs = torch.zeros(size, width, dtype=torch.float32)
     lengths, advantages = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.float32)
-    group_ids = torch.full((size,), -1, dtype=torch.long)
     total = sequence_tokens = samples_all = 0
     for process, samples in enumerate(rows):
         for position, sample in enumerate(samples):
@@ -69,7 +71,7 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
             input_ids[row, :length] = torch.as_tensor(sample["input_ids"])
             completion_mask[row, :length] = torch.as_tensor(sample["completion_mask"])
             old_log_probs[row, :length] = torch.as_tensor(sample["old_log_probs"], dtype=torch.float32)
-            lengths[row], advantages[row], group_ids[row] = length, float(sample["advantage"]), sample["group_id"]
+            lengths[row], advantages[row] = length, float(sample["advantage"])
             total += trained_tokens(completion_mask[row, :length])
             sequence_tokens, samples_all = sequence_tokens + length, samples_all + 1
     stock = torch.tensor(stock_row_tokens, dtype=torch.float64).repeat_interleave(per_process)
@@ -79,7 +81,6 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
         "old_log_probs": old_log_probs,
         "lengths": lengths,
         "advantages": advantages,
-        "group_ids": group_ids,
         "global_trained_tokens": torch.full((size,), float(total), dtype=torch.float64),
         "global_samples": torch.full((size,), float(samples_all), dtype=torch.float64),
         "global_sequence_tokens": torch.full((size,), float(sequence_tokens), dtype=torch.float64),
@@ -144,3 +145,22 @@ def rollout_step_batch(window: list[dict], rank: int, num_processes: int, stock_
         stock_microbatch_tokens=max(stock_rows),
         stock_computed_tokens=sum(stock_rows),
     )
+
+
+@dataclasses.dataclass
+class RolloutSliceCollator(DataCollatorForRollout):
+    """Stock's collator with the plugin's output: a micro-batch of stock's fixed-count batcher (one row of samples per
+    process) as per-sample rows (:func:`slice_tensors`) with the micro-batch's sample
+    count and tokens over all processes; stock's bookkeeping kept (the prompt groups trained, for the epoch stop, and
+    the micro-batch's sample and packing metrics, ``_log_metrics``)."""
+
+    def torch_call(self, examples):
+        (rows,) = examples
+        samples = [row.samples for row in rows]
+        tensors = slice_tensors(samples, self.pad_token_id, [len(row.tokens) for row in rows])
+        every = [sample for row in samples for sample in row]
+        self.groups_trained.update(sample["group_id"] for sample in every)
+        width = tensors["input_ids"].size(1)
+        padded = (torch.arange(width).unsqueeze(0) < tensors["lengths"].unsqueeze(1)).long()
+        self._log_metrics(rows=rows, all_examples=every, padded=padded)
+        return tensors

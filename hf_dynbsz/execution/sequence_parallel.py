@@ -1,7 +1,7 @@
 """Sequence parallelism for packed rows: DeepSpeed Ulysses around segment attention (torch layer).
 
 With ``sequence_parallel_size`` N (or accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``, see
-:mod:`hf_dynbsz.config`) the processes form groups of N consecutive ranks (DeepSpeed's ``parallel_state_sp``):
+:mod:`hf_dynbsz.configs`) the processes form groups of N consecutive ranks (DeepSpeed's ``parallel_state_sp``):
 
 * **pool**: the processes of a group pool their samples (the step's :class:`~hf_dynbsz.execution.batch.StepBatch`, each
   sample with its stock loss weights, or a no-grad pass's table), so every process of a group holds the same samples

@@ -1,8 +1,9 @@
 """Start-up of a run (torch layer): what the trainer holds after TRL's constructor, and the plan it logs.
 
-:func:`build_executor` builds the trainer's loss (:mod:`hf_dynbsz.execution.step_loss`: GRPO's or RLOO's), reads the
-run's capabilities off the model and settings (:class:`~hf_dynbsz.planning.capabilities.Capabilities`), refuses a
-sequence parallelism the run cannot use before any work, forms its groups, builds the memory model and returns the
+:func:`build_executor` builds the trainer's loss (a :class:`~hf_dynbsz.execution.step_loss.StepLoss`, the class the
+trainer names), reads the run's capabilities off the model and settings
+(:class:`~hf_dynbsz.planning.capabilities.Capabilities`), refuses a sequence parallelism the run cannot use before
+any work, forms its groups, builds the memory model and returns the
 :class:`~hf_dynbsz.execution.executor.PassExecutor`.
 :func:`log_batch_size_plan` writes the start-up plan table (:mod:`hf_dynbsz.planning.plan`) from the main process.
 """
@@ -18,9 +19,10 @@ from accelerate.utils import DistributedType
 from hf_dynbsz.execution.attention import device_facts
 from hf_dynbsz.execution.device_memory import MAPPED_BLOCK_BYTES, map_large_blocks, pending_gradient_mib
 from hf_dynbsz.execution.executor import PassExecutor
+from hf_dynbsz.execution.loss import GRPOLoss
 from hf_dynbsz.execution.metrics import StepMeters
 from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel, SequenceParallel, sequence_parallel_blocker
-from hf_dynbsz.execution.step_loss import GRPOLoss, StepLoss
+from hf_dynbsz.execution.step_loss import StepLoss
 from hf_dynbsz.parallel.distributed import ProcessGroup, gathered_calls
 from hf_dynbsz.planning.capabilities import Capabilities, support_under
 from hf_dynbsz.planning.cost import text_config_of

@@ -32,17 +32,17 @@ import dataclasses
 from functools import partial
 
 import torch
+from accelerate.utils import is_peft_model
 from torch.profiler import record_function
 
 from hf_dynbsz.execution.attention import use_segments
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.distillation_loss import backbone_hidden_states
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.rope import use_rope_widths
 from hf_dynbsz.planning.cost import config_value, text_config_of
 from hf_dynbsz.planning.memory import held_states_mib
 
-__all__ = ["Teacher"]
+__all__ = ["Teacher", "backbone_hidden_states"]
 
 #: The dtypes a teacher's hidden states can have (their index is what the processes agree on).
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -142,3 +142,11 @@ class Teacher:
         """A lockstep pass: the teacher's backbone over a tiny row, as a real pass runs it (under ZeRO-3 the same
         parameter gathers)."""
         self._forward(executor.lockstep_microbatch())
+
+
+def backbone_hidden_states(unwrapped, model_inputs: dict) -> torch.Tensor:
+    """The last hidden states of ``unwrapped`` (a model, or a PEFT model) over one pass's rows, as stock's
+    ``_get_last_hidden_state`` runs it: the backbone under the LM head (``base_model``), no KV cache."""
+    if is_peft_model(unwrapped):
+        unwrapped = unwrapped.base_model.model
+    return unwrapped.base_model(**model_inputs, use_cache=False).last_hidden_state

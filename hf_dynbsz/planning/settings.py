@@ -1,7 +1,7 @@
 """The plugin's settings, each written once: name, type, default, unit, ``DIFFU_*`` variable and help.
 
 Everything that describes a setting is derived from :data:`SETTINGS`: the fields and docstring of
-:class:`~hf_dynbsz.config.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
+:class:`~hf_dynbsz.configs.grpo.DynamicBatchGRPOConfig` (and so ``hf-dynbsz plan --help`` and
 ``examples/grpo.py --help``, which read the fields' ``metadata["help"]``), the ``DIFFU_*`` overrides of
 :mod:`hf_dynbsz.planning.env`, the validation of :func:`hf_dynbsz.planning.validation.validate_dynamic_batch_fields`
 (with the value checks of :mod:`hf_dynbsz.planning.coerce`), the meaning column of the plan table and the

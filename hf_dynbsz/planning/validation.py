@@ -103,7 +103,7 @@ def validate_dynamic_batch_fields(args: Any) -> None:
     """Coerce and check the fields that dynamic batching adds, in place.
 
     Works on a ``DynamicBatchGRPOConfig``, on a plain ``GRPOConfig`` after
-    :func:`~hf_dynbsz.config.ensure_dynamic_batch_fields`, and on an ``argparse.Namespace``. Missing fields are
+    :func:`~hf_dynbsz.configs.build.ensure_dynamic_batch_fields`, and on an ``argparse.Namespace``. Missing fields are
     read as their defaults (and not set). String values (command line, YAML) are converted to ``int``/``bool``.
     Raises :class:`ValueError` naming the setting, the value and a fix (the texts of
     :mod:`hf_dynbsz.planning.settings`).

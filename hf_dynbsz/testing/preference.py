@@ -82,7 +82,7 @@ def dpo_config(output_dir: str, *, plugin: bool, **fields):
     ``DynamicBatchDPOConfig`` with ``plugin``, else TRL's ``DPOConfig`` (the plugin's fields left out)."""
     from trl import DPOConfig
 
-    from hf_dynbsz.config import DynamicBatchDPOConfig
+    from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
 
     values = {"output_dir": output_dir, **DPO_COMPARISON_FIELDS, **CPU_RUN_FIELDS, **fields}
     if not plugin:

@@ -36,7 +36,7 @@ def reward_config(output_dir: str, *, plugin: bool, **fields):
     ``DynamicBatchRewardConfig`` with ``plugin``, else TRL's ``RewardConfig`` (the plugin's fields left out)."""
     from trl import RewardConfig
 
-    from hf_dynbsz.reward_config import DynamicBatchRewardConfig
+    from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
 
     values = {"output_dir": output_dir, **REWARD_COMPARISON_FIELDS, **CPU_RUN_FIELDS, **fields}
     if not plugin:

@@ -1,46 +1,32 @@
 """``DynamicBatchAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) with its optimizer
-step packed into token-budget passes by the plugin's planner: stock's step at the user's config by default, or
-(opt-in) a step defined by samples.
+step packed into token-budget passes by the plugin's planner.
 
-Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and metrics stay stock's. What changes:
+Stock's rollout worker, queue, staleness filter, weight sync, epoch stop and metrics stay stock's. Three things change.
 
-* the step (``async_step``): ``"stock"`` (the default) is stock's own, its ``TokenBudgetBatcher`` (``token_budget > 0``:
-  the samples that fit the budget, longer ones dropped with stock's warning and counter) or ``FixedCountBatcher``
-  (``per_device_train_batch_size x processes`` samples per micro-batch) run over the queue,
-  ``gradient_accumulation_steps`` micro-batches per step; ``"samples"`` is ``per_device_train_batch_size x
-  gradient_accumulation_steps x processes`` samples taken as stock's fixed-count mode takes them. Either way the step's
-  micro-batches (each process's row of each) are collected into one :class:`~hf_dynbsz.execution.batch.StepBatch`
-  (:mod:`hf_dynbsz.execution.rollouts`) and run by the pass executor: token-budget passes sized by
-  ``max_tokens_per_microbatch`` or memory (``token_budget`` for the samples step), the prefix tree (a group's prompt, a
-  tool block common to every prompt, a forked conversation's shared history), cross-rank balancing, lockstep pass
-  counts, memory budgets and out-of-memory recovery, on the model's own attention kernel (sdpa, eager, flex, flash,
-  torch's ``varlen_attn``) instead of FlashAttention-3 only;
-* the loss: stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`), each token weighted
-  ``1 / (its micro-batch's trained tokens over all processes) / gradient_accumulation_steps`` as stock weighs it
-  (a weight of the micro-batch, not of the process: samples move between processes freely); the samples step
-  normalises by the step's trained tokens (stock's fixed-count mode with the step in one micro-batch, however the
-  step is written: ``16 x 1`` or ``8 x 2``);
-* the model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
-  default when unset), not stock's FA3 tree kernel, and stock's refusals of state-carrying layers and attention sinks
-  do not apply: segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
+The step is set by ``async_step``. With ``"stock"`` (the default) it is stock's own step: stock's ``TokenBudgetBatcher``
+(when ``token_budget > 0``) or ``FixedCountBatcher`` runs over the queue, and ``gradient_accumulation_steps``
+micro-batches make a step. With ``"samples"`` a step is ``per_device_train_batch_size x gradient_accumulation_steps x
+processes`` samples, taken as stock's fixed-count mode takes them. Either way the step's micro-batches are joined into
+one :class:`~hf_dynbsz.execution.batch.StepBatch` (:mod:`hf_dynbsz.execution.rollouts`), and the pass executor runs it
+with everything it runs for the other trainers: token-budget passes, the prefix tree, cross-rank balancing, memory
+budgets and out-of-memory recovery, on the model's own attention kernel instead of FlashAttention-3 only.
 
-With ``dynamic_batching=False`` the trainer is stock's: FA3 tree attention, stock's batchers and ``compute_loss``.
+The loss is stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`). Each token is weighted by one over its
+micro-batch's trained tokens over all processes and over ``gradient_accumulation_steps``, as stock weighs it. The
+samples step normalises by the whole step's trained tokens instead.
 
-TRL names this module touches (all in :mod:`hf_dynbsz._trl_compat`): ``__init__`` through
-:func:`~hf_dynbsz.trainers.hooks.stock_constructor` (stock's signature), with three functions of stock's module replaced
-while stock's constructor runs (:mod:`hf_dynbsz.trainers.async_stock_patches`: ``create_model_from_path``,
-``add_fused_lm_head``, ``get_peak_flops_per_device``); ``get_train_dataloader`` and ``training_step`` (overridden);
-stock's ``RolloutQueueDataset``, ``FixedCountBatcher``, ``TokenBudgetBatcher`` and ``DataCollatorForRollout`` (its
-``_log_metrics``: stock's sample and packing metrics of each micro-batch); the trainer's ``_metrics``,
-``_trained_groups``, ``_rollout_dataset``, ``vllm_client`` (an unset ``token_budget``, as stock asks it) and the step
-accounting ``_log_step_metrics`` reads (``_step_forward_tokens`` and its kin).
+The model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
+default when unset), not stock's FA3 tree kernel. Stock's refusals of state-carrying layers and attention sinks do not
+apply, because segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
+
+With ``dynamic_batching=False`` the trainer is stock's. Every TRL name this module touches is listed in
+:mod:`hf_dynbsz._trl_compat`; the functions of stock's module replaced while its constructor runs are in
+:mod:`hf_dynbsz.trainers.async_stock_patches`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
 import logging
 import time
 from typing import Any
@@ -49,59 +35,49 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import (
-    DataCollatorForRollout,
     FixedCountBatcher,
     RolloutQueueDataset,
     TokenBudgetBatcher,
+    _EmptyIterableDataset,
 )
 
-from hf_dynbsz.async_config import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
-from hf_dynbsz.execution.rollouts import rollout_step_batch, slice_tensors
-from hf_dynbsz.execution.step_loss import AsyncGRPOLoss
+from hf_dynbsz.configs.async_grpo import DynamicBatchAsyncGRPOConfig, async_trainer_config, samples_step
+from hf_dynbsz.execution.async_loss import AsyncGRPOLoss
+from hf_dynbsz.execution.metrics import StepResult
+from hf_dynbsz.execution.rollouts import RolloutSliceCollator, rollout_step_batch
 from hf_dynbsz.trainers.async_stock_patches import stock_construction, stock_throughput_blocker
-from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
+from hf_dynbsz.trainers.hooks import TokenBudgetHooks
 
 __all__ = ["DynamicBatchAsyncGRPOTrainer"]
 
 logger = logging.getLogger("hf_dynbsz")
 
 
-class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
+class DynamicBatchAsyncGRPOTrainer(
+    TokenBudgetHooks, AsyncGRPOTrainer, config=DynamicBatchAsyncGRPOConfig, loss=AsyncGRPOLoss, algorithm="AsyncGRPO"
+):
     """Drop-in replacement for TRL's ``AsyncGRPOTrainer``: stock's optimizer step (``async_step="stock"``, the default)
-    or one defined by samples (``"samples"``), in token-budget passes.
+    or one defined by samples (``"samples"``), in token-budget passes (``rollout_worker`` and ``weight_transfer``
+    taken as stock takes them)."""
 
-    Takes exactly stock's constructor arguments (``rollout_worker`` and ``weight_transfer`` included). Accepts a
-    :class:`~hf_dynbsz.DynamicBatchAsyncGRPOConfig` or a plain ``AsyncGRPOConfig`` (the plugin's fields then take
-    their defaults and ``DIFFU_*`` environment overrides still apply).
-    """
-
-    _dynbsz_config_class = DynamicBatchAsyncGRPOConfig
-    _dynbsz_loss_class = AsyncGRPOLoss
-    _dynbsz_algorithm = "AsyncGRPO"
+    _dynbsz_refuses_small_datasets = False  # the rollout worker generates from the dataset continuously
     _dynbsz_trainer_name = "async_grpo"  # the plan's trainer (hf-dynbsz plan --trainer async_grpo)
     _dynbsz_dynamic = False  # dynamic_batching of the run (set from the config before stock's constructor)
     _dynbsz_attention: str | None = None  # the attention implementation the model loads with (None: transformers')
     _dynbsz_flop_tokens = 0.0  # tokens of the last step's passes, per process, for the Trainer's FLOP count
     _dynbsz_stock_throughput: str | None = None  # why stock's throughput figures cannot be computed (None: they can)
 
-    __init__ = stock_constructor(AsyncGRPOTrainer)
-
     # ------------------------------------------------------------------ construction
-    def _dynbsz_arguments(self, stock_init: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Stock's constructor arguments with the plugin's config; the attention implementation the model loads with
-        taken out of ``model_init_kwargs`` (stock passes its own beside them)."""
-        try:
-            bound = stock_init.bind(self, *args, **kwargs)
-        except TypeError:
-            return args, kwargs  # a call stock does not accept: stock's own __init__ raises its TypeError
-        config = async_trainer_config(bound.arguments.get("args"), bound.arguments["model"])
-        bound.arguments["args"] = config
+    def _dynbsz_config(self, args, model):
+        """The run's config; the attention implementation the model loads with taken out of ``model_init_kwargs``
+        (stock passes its own beside them)."""
+        config = async_trainer_config(args, model)
         init_kwargs = config.model_init_kwargs if isinstance(config.model_init_kwargs, dict) else {}
         if config.dynamic_batching and "attn_implementation" in init_kwargs:
             config._dynbsz_attn_implementation = init_kwargs.pop("attn_implementation")
         self._dynbsz_dynamic = bool(config.dynamic_batching)
         self._dynbsz_attention = getattr(config, "_dynbsz_attn_implementation", None)
-        return bound.args[1:], bound.kwargs
+        return config
 
     def _dynbsz_construction(self):
         """The context stock's constructor runs in (:func:`~hf_dynbsz.trainers.async_stock_patches.stock_construction`:
@@ -167,7 +143,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not self._dynbsz_dynamic:
             return super().get_train_dataloader()
         processes = self.accelerator.num_processes
-        dataset: IterableDataset = _NoSamples()
+        dataset: IterableDataset = _EmptyIterableDataset()  # (never read: the dispatcher sends the main's)
         if self.accelerator.is_main_process:
             source = RolloutQueueDataset(
                 rollout_queue=self.rollout_queue,
@@ -180,7 +156,7 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
             )
             self._rollout_dataset = source  # (stock's _log_step_metrics flushes its queue wait)
             dataset = self._batcher(source, processes)
-        collator = _RolloutSliceCollator(
+        collator = RolloutSliceCollator(
             self.processing_class.pad_token_id,
             processes,
             groups_trained=self._trained_groups,
@@ -214,16 +190,14 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not self._dynbsz_dynamic:
             return super().training_step(model, inputs, num_items_in_batch)
         started = time.perf_counter()
-        self._dynbsz_training_call(model)
-        self._dynbsz_window.append(inputs)
-        loss = torch.zeros((), device=self.accelerator.device)
-        if self.accelerator.sync_gradients:
-            window, self._dynbsz_window = self._dynbsz_window, []
-            loss = self._train_rollouts(model, window)
+        loss = self._dynbsz_window_call(model, inputs)
         self._current_train_step_time += time.perf_counter() - started
         return loss
 
-    def _train_rollouts(self, model, window: list[dict]) -> torch.Tensor:
+    def _dynbsz_collect(self, inputs) -> dict:
+        return inputs  # per-sample rows, already on the device (the queue waits in the dataloader)
+
+    def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its slices: the step's samples through the pass executor."""
         executor, accelerator = self._dynbsz, self.accelerator
         batch = rollout_step_batch(
@@ -235,16 +209,15 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
                 "why), and the asynchronous trainer has no stock fallback on the plugin's kernels: set "
                 "dynamic_batching=False for stock AsyncGRPOTrainer (FlashAttention-3 tree attention)."
             )
-        loss = executor.train_step(model, batch)
-        self._account_step(window)
-        return loss
+        result = executor.train_step(model, batch)
+        self._account_step(window, result)
+        return result.loss
 
-    def _account_step(self, window: list[dict]) -> None:
+    def _account_step(self, window: list[dict], result: StepResult) -> None:
         """Stock's step accounting, which its ``_log_step_metrics`` turns into ``perf/*`` and ``batch/*`` figures,
-        for the step the passes ran: tokens computed (over all processes), trained tokens, samples, passes, and the
-        passes' time as the forward time."""
-        store = self._metrics["train"]
-        computed = float(store["dynbsz/computed_tokens"][-1])
+        for the step the passes ran (``result``): tokens computed over all processes, trained tokens, samples,
+        passes, and the passes' time as the forward time."""
+        computed = result.computed_tokens
         samples = sum(float(inputs["global_samples"][0]) for inputs in window)
         sequence_tokens = sum(float(inputs["global_sequence_tokens"][0]) for inputs in window)
         if self._dynbsz_stock_throughput is None:  # (stock's step metrics read the model's FLOPs per token off it)
@@ -252,8 +225,8 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         self._step_trained_tokens += sum(float(inputs["global_trained_tokens"][0]) for inputs in window)
         self._step_samples += samples
         self._step_seq_len_weighted += sequence_tokens / max(samples, 1.0) * computed
-        self._step_forward_s += float(store["dynbsz/train_seconds"][-1])
-        self._step_microbatches += int(store["dynbsz/microbatches_max_over_ranks"][-1])
+        self._step_forward_s += result.train_seconds
+        self._step_microbatches += result.passes
         self._dynbsz_flop_tokens = computed / self.accelerator.num_processes
 
     def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
@@ -265,30 +238,3 @@ class DynamicBatchAsyncGRPOTrainer(TokenBudgetHooks, AsyncGRPOTrainer):
         if not tokens:
             return 0
         return super().floating_point_ops({self.model.main_input_name: torch.empty(tokens, dtype=torch.bool)})
-
-
-class _NoSamples(IterableDataset):
-    """The dataset of the processes other than the main one: accelerate's dispatcher sends them the main process's
-    micro-batches, so it is never read."""
-
-    def __iter__(self):
-        return iter(())
-
-
-@dataclasses.dataclass
-class _RolloutSliceCollator(DataCollatorForRollout):
-    """Stock's collator with the plugin's output: a micro-batch of stock's fixed-count batcher (one row of samples per
-    process) as per-sample rows (:func:`~hf_dynbsz.execution.rollouts.slice_tensors`) with the micro-batch's sample
-    count and tokens over all processes; stock's bookkeeping kept (the prompt groups trained, for the epoch stop, and
-    the micro-batch's sample and packing metrics, ``_log_metrics``)."""
-
-    def torch_call(self, examples):
-        (rows,) = examples
-        samples = [row.samples for row in rows]
-        tensors = slice_tensors(samples, self.pad_token_id, [len(row.tokens) for row in rows])
-        every = [sample for row in samples for sample in row]
-        self.groups_trained.update(sample["group_id"] for sample in every)
-        width = tensors["input_ids"].size(1)
-        padded = (torch.arange(width).unsqueeze(0) < tensors["lengths"].unsqueeze(1)).long()
-        self._log_metrics(rows=rows, all_examples=every, padded=padded)
-        return tensors

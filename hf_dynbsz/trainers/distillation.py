@@ -1,5 +1,5 @@
 """``DynamicBatchDistillationTrainer``: TRL's ``DistillationTrainer`` with token-budget passes for the student and
-no-grad passes with a budget of their own for the teacher (its loss, :class:`~hf_dynbsz.execution.step_loss.
+no-grad passes with a budget of their own for the teacher (its loss, :class:`~hf_dynbsz.execution.distillation_loss.
 DistillationLoss`, holds the teacher), stock's divergence and normalisation.
 
 Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``training_step``,
@@ -11,25 +11,19 @@ from __future__ import annotations
 
 from trl import DistillationTrainer
 
-from hf_dynbsz.config import DynamicBatchDistillationConfig
-from hf_dynbsz.execution.step_loss import DistillationLoss
-from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
+from hf_dynbsz.configs.distillation import DynamicBatchDistillationConfig
+from hf_dynbsz.execution.distillation_loss import DistillationLoss
+from hf_dynbsz.trainers.hooks import TokenBudgetHooks
 
 
-class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer):
-    """Drop-in replacement for :class:`trl.DistillationTrainer` with token-budget micro-batches: the student's passes
-    and the teacher's no-grad passes (with a budget of their own) repack each optimizer step's samples.
-
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchDistillationConfig` or a
-    plain ``DistillationConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still
-    apply).
-    """
-
-    _dynbsz_config_class = DynamicBatchDistillationConfig
-    _dynbsz_loss_class = DistillationLoss
-    _dynbsz_algorithm = "Distillation"
-
-    __init__ = stock_constructor(DistillationTrainer)
+class DynamicBatchDistillationTrainer(
+    TokenBudgetHooks,
+    DistillationTrainer,
+    config=DynamicBatchDistillationConfig,
+    loss=DistillationLoss,
+    algorithm="Distillation",
+):
+    """Drop-in replacement for TRL's ``DistillationTrainer``: the student's and the teacher's passes by budgets."""
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         # Override: bound generation memory by generating this device's samples in chunks.

@@ -1,7 +1,7 @@
 """``DynamicBatchGRPOTrainer``: TRL's ``GRPOTrainer`` with token-budget micro-batches and the same math.
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.LogProbHooks` (``__init__``, ``training_step``, the no-grad log-prob
-passes, ``store_flos``) and ``_generate_single_turn``, to generate a device's samples in chunks of
+Hooks: those of :class:`~hf_dynbsz.trainers.logprob_hooks.LogProbHooks` (``__init__``, ``training_step``, the no-grad
+log-prob passes, ``store_flos``) and ``_generate_single_turn``, to generate a device's samples in chunks of
 ``per_device_generation_batch_size``.
 """
 
@@ -9,23 +9,15 @@ from __future__ import annotations
 
 from trl import GRPOTrainer
 
-from hf_dynbsz.config import DynamicBatchGRPOConfig
-from hf_dynbsz.execution.step_loss import GRPOLoss
-from hf_dynbsz.trainers.hooks import LogProbHooks, stock_constructor
+from hf_dynbsz.configs.grpo import DynamicBatchGRPOConfig
+from hf_dynbsz.execution.loss import GRPOLoss
+from hf_dynbsz.trainers.logprob_hooks import LogProbHooks
 
 
-class DynamicBatchGRPOTrainer(LogProbHooks, GRPOTrainer):
-    """Drop-in replacement for :class:`trl.GRPOTrainer` with token-budget micro-batches.
-
-    Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchGRPOConfig` or a plain
-    ``GRPOConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
-    """
-
-    _dynbsz_config_class = DynamicBatchGRPOConfig
-    _dynbsz_loss_class = GRPOLoss
-    _dynbsz_algorithm = "GRPO"
-
-    __init__ = stock_constructor(GRPOTrainer)
+class DynamicBatchGRPOTrainer(
+    LogProbHooks, GRPOTrainer, config=DynamicBatchGRPOConfig, loss=GRPOLoss, algorithm="GRPO"
+):
+    """Drop-in replacement for :class:`trl.GRPOTrainer`: token-budget micro-batches, stock's loss for each loss type."""
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Override: bound generation memory by generating this device's samples in chunks.

@@ -1,7 +1,7 @@
 """TRL's hooks over the pass executor, shared by every trainer of the plugin (one module per trainer beside this one).
 
-A trainer is TRL's class with these hooks placed before it (``class DynamicBatchGRPOTrainer(LogProbHooks,
-GRPOTrainer)``), naming its config class, its loss (:mod:`hf_dynbsz.execution.step_loss`) and its algorithm, with its
+A trainer is TRL's class with these hooks placed before it (``class DynamicBatchDPOTrainer(TokenBudgetHooks,
+DPOTrainer)``), naming its config class, its loss (:mod:`hf_dynbsz.execution.step_loss`) and its algorithm, with its
 constructor from :func:`stock_constructor`. An optimizer step consumes exactly stock's samples (stock's
 ``_prepare_inputs`` still generates, scores, shuffles and slices them). Instead of one forward/backward per fixed slice,
 the hooks collect the step's slices into a :class:`~hf_dynbsz.execution.batch.StepBatch` and hand it to the pass
@@ -12,9 +12,11 @@ TRL hooks overridden here, and why (a trainer's module lists its own):
 
 * ``__init__`` (:func:`stock_constructor`): stock's signature; the config gains the plugin's fields, and a dataset too
   small is refused early.
-* ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call.
-* ``_get_per_token_logps_and_entropies`` (:class:`LogProbHooks`: GRPO, RLOO): run no-grad log-prob passes by the
-  schedule (grad calls go to stock).
+* ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call. The window
+  loop is :meth:`TokenBudgetHooks._dynbsz_window_call`, every trainer's: a trainer supplies what it keeps of a call's
+  inputs (``_dynbsz_collect``) and how a step's window trains (``_train_window``).
+* ``_get_per_token_logps_and_entropies`` (:class:`~hf_dynbsz.trainers.logprob_hooks.LogProbHooks`: GRPO, RLOO): run
+  no-grad log-prob passes by the schedule (grad calls go to stock).
 * ``store_flos`` (transformers' ``Trainer``): the FLOP count's gather, the last collective of ``train()``, through the
   plugin's collectives (:mod:`hf_dynbsz.parallel.collectives`). transformers' drops the gathered tensors at once, and a
   gloo worker thread freeing them while a script that returned after ``train()`` finalized aborted the process.
@@ -33,10 +35,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.training_args import ParallelMode
 
-from hf_dynbsz.config import trainer_config
+from hf_dynbsz.configs.build import trainer_config
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.multimodal import split_media
-from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.setup import build_executor, log_batch_size_plan
 from hf_dynbsz.parallel.collectives import destroy_process_group_at_exit, gather_values
 from hf_dynbsz.planning.validation import validate_train_dataset_size
@@ -62,13 +62,28 @@ def stock_constructor(stock_class: type):
 
 
 class TokenBudgetHooks:
-    """TRL's hooks over the pass executor, shared by the trainers (placed before TRL's trainer class:
-    ``class DynamicBatchDistillationTrainer(TokenBudgetHooks, DistillationTrainer)``). A trainer class names its config
-    class, loss and algorithm, and takes its constructor from :func:`stock_constructor`."""
+    """TRL's hooks over the pass executor, shared by the trainers, placed before TRL's trainer class. A trainer class
+    names its config class, loss and algorithm as keywords of its bases (:meth:`__init_subclass__`):
+    ``class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer, config=DynamicBatchDPOConfig, loss=DPOLoss,
+    algorithm="DPO")``. Each trainer takes exactly stock's constructor arguments and accepts its plugin config or a
+    plain TRL config (the plugin's fields then take their defaults and ``DIFFU_*`` environment overrides still
+    apply)."""
 
     _dynbsz_config_class: type
     _dynbsz_loss_class: type
     _dynbsz_algorithm: str  # stock's default output directory is <model>-<algorithm>
+
+    def __init_subclass__(cls, *, config: type | None = None, loss: type | None = None, algorithm: str = "", **kwargs):
+        """A trainer's parts, from its bases' keywords: its config class, its loss (a
+        :class:`~hf_dynbsz.execution.step_loss.StepLoss`) and its algorithm, and stock's constructor signature
+        (:func:`stock_constructor`) over the first of its bases that is TRL's. A subclass without them inherits
+        its parent's."""
+        super().__init_subclass__(**kwargs)
+        if config is None:
+            return
+        cls._dynbsz_config_class, cls._dynbsz_loss_class, cls._dynbsz_algorithm = config, loss, algorithm
+        cls.__init__ = stock_constructor(next(base for base in cls.__mro__ if not issubclass(base, TokenBudgetHooks)))
+
     #: whether a dataset too small for one generation round is refused (a DPO run has none: stock trains any size)
     _dynbsz_refuses_small_datasets = True
 
@@ -78,12 +93,14 @@ class TokenBudgetHooks:
             bound = stock_init.bind(self, *args, **kwargs)
         except TypeError:
             return args, kwargs  # a call stock does not accept: stock's own __init__ raises its TypeError
-        bound.arguments["args"] = trainer_config(
-            bound.arguments.get("args"), bound.arguments["model"], self._dynbsz_config_class, self._dynbsz_algorithm
-        )
+        bound.arguments["args"] = self._dynbsz_config(bound.arguments.get("args"), bound.arguments["model"])
         if self._dynbsz_refuses_small_datasets and hasattr(bound.arguments.get("train_dataset"), "__len__"):
             validate_train_dataset_size(len(bound.arguments["train_dataset"]), bound.arguments["args"])
         return bound.args[1:], bound.kwargs
+
+    def _dynbsz_config(self, args, model):
+        """The run's config: ``args`` (None: stock's default) with the plugin's fields in place."""
+        return trainer_config(args, model, self._dynbsz_config_class, self._dynbsz_algorithm)
 
     def _dynbsz_construction(self):
         """Around TRL's constructor (a trainer's own: the asynchronous trainer loads its model there); nothing here."""
@@ -103,13 +120,7 @@ class TokenBudgetHooks:
             with executor.tiles():  # ends on this path: _train_window runs its slices as stock's)
                 return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
-        self._dynbsz_training_call(model)
-        with executor.meters.clock.phase("generation"):  # TRL's rollout (generation every steps_per_generation)
-            self._dynbsz_window.append(self._prepare_inputs(inputs))
-        loss = torch.zeros((), device=self.accelerator.device)
-        if self.accelerator.sync_gradients:
-            window, self._dynbsz_window = self._dynbsz_window, []
-            loss = self._train_window(model, window)
+        loss = self._dynbsz_window_call(model, inputs)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -117,14 +128,27 @@ class TokenBudgetHooks:
             self._current_train_step_time = 0.0
         return loss
 
-    def _dynbsz_training_call(self, model) -> None:
-        """The start of each training call, as stock's ``training_step`` starts (the model and a schedule-free
-        optimizer in training mode), and of each optimizer step, the step's meters."""
+    def _dynbsz_window_call(self, model, inputs) -> torch.Tensor:
+        """One training call of an optimizer step, the window loop every trainer runs: the model and a schedule-free
+        optimizer in training mode (as stock's ``training_step`` starts), the step's meters started at its first call,
+        the call's inputs kept (:meth:`_dynbsz_collect`), and at the step's last call its passes
+        (:meth:`_train_window`). Before the last call the loss is zero."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if not self._dynbsz_window:
             self._dynbsz.meters.start()
+        self._dynbsz_window.append(self._dynbsz_collect(inputs))
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.accelerator.device)
+        window, self._dynbsz_window = self._dynbsz_window, []
+        return self._train_window(model, window)
+
+    def _dynbsz_collect(self, inputs) -> dict:
+        """A training call's inputs as the window keeps them: TRL's rollout (generation every ``steps_per_generation``
+        calls), timed as the step's generation."""
+        with self._dynbsz.meters.clock.phase("generation"):
+            return self._prepare_inputs(inputs)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its stock slices: repacked, or stock's slices where the run cannot repack them."""
@@ -134,7 +158,7 @@ class TokenBudgetHooks:
         long_rope = executor.capabilities.support.long_rope
         batch = StepBatch.from_slices(window, accelerator.process_index, accelerator.num_processes, long_rope)
         if executor.self_check(model, batch.table):
-            return executor.train_step(model, batch)
+            return executor.train_step(model, batch).loss
         return executor.train_step_stock(model, window)  # (the self-check's log line says why)
 
     def store_flos(self) -> None:
@@ -161,83 +185,6 @@ class TokenBudgetHooks:
         ):
             return None
         return [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
-
-
-class LogProbHooks(TokenBudgetHooks):
-    """:class:`TokenBudgetHooks` and the no-grad log-prob passes of GRPO and RLOO (old policy, reference), which a
-    distillation does not have."""
-
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        pixel_values=None,
-        image_grid_thw=None,
-        num_images=None,
-        pixel_attention_mask=None,
-        spatial_shapes=None,
-        num_tiles=None,
-        image_sizes=None,
-        token_type_ids=None,
-        mm_token_type_ids=None,
-        image_position_ids=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        # Override: run the no-grad log-prob passes (old policy, reference) by the schedule.
-        media = dict(
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            num_images=num_images,
-            pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes,
-            num_tiles=num_tiles,
-            image_sizes=image_sizes,
-            image_position_ids=image_position_ids,
-        )
-        token_fields = {
-            name: value
-            for name, value in (("token_type_ids", token_type_ids), ("mm_token_type_ids", mm_token_type_ids))
-            if value is not None
-        }
-        table = self._no_grad_table(
-            model, input_ids, attention_mask, logits_to_keep, media, token_fields, compute_aux_loss
-        )
-        if table is None:
-            with self._dynbsz.tiles():
-                return super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **media, **token_fields,
-                )  # fmt: skip
-        stock_tokens = (batch_size or input_ids.size(0)) * input_ids.size(1)
-        logps, entropies, _ = self._dynbsz.no_grad_passes(model, table, logits_to_keep, compute_entropy, stock_tokens)
-        return logps, entropies, None
-
-    def _no_grad_table(self, model, input_ids, attention_mask, logits_to_keep, media, token_fields, compute_aux_loss):
-        """The samples of a no-grad call as a table for the executor, or None where the call runs stock's."""
-        executor = self._dynbsz
-        stock = (
-            not executor.enabled
-            or torch.is_grad_enabled()
-            or compute_aux_loss
-            or executor.media.stock({**media, **token_fields})  # (the same answer on every process)
-        )
-        if stock:
-            return None
-        prompt_width = input_ids.size(1) - logits_to_keep
-        table = SequenceTable.from_padded(
-            input_ids[:, :prompt_width],
-            attention_mask[:, :prompt_width],
-            input_ids[:, prompt_width:],
-            attention_mask[:, prompt_width:],
-            media=split_media(media, input_ids.size(0)),
-            token_fields=token_fields,
-            long_rope=executor.capabilities.support.long_rope,  # stock's chunks are the call's width: its rope width
-        )
-        return table if executor.self_check(model, table) else None
 
 
 class _LogPlanAtTrainBegin(TrainerCallback):

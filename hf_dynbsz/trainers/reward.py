@@ -25,28 +25,25 @@ import torch
 from transformers import Trainer
 from trl import RewardTrainer
 
+from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
 from hf_dynbsz.execution.reward_loss import RewardLoss, check_rewards, reward_step_batch
-from hf_dynbsz.reward_config import DynamicBatchRewardConfig
-from hf_dynbsz.trainers.hooks import TokenBudgetHooks, stock_constructor
+from hf_dynbsz.trainers.hooks import TokenBudgetHooks
 
 logger = logging.getLogger("hf_dynbsz")
 #: the arguments RewardTrainer.training_step(*args, **kwargs) passes on to transformers' Trainer
 TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
 
 
-class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
+class DynamicBatchRewardTrainer(
+    TokenBudgetHooks, RewardTrainer, config=DynamicBatchRewardConfig, loss=RewardLoss, algorithm="Reward"
+):
     """Drop-in replacement for :class:`trl.RewardTrainer` with token-budget passes over each optimizer step's pairs.
 
     Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRewardConfig` or a plain
     ``RewardConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
     """
 
-    _dynbsz_config_class = DynamicBatchRewardConfig
-    _dynbsz_loss_class = RewardLoss
-    _dynbsz_algorithm = "Reward"
     _dynbsz_refuses_small_datasets = False  # stock trains a dataset of any size (its last micro-batch smaller)
-
-    __init__ = stock_constructor(RewardTrainer)
 
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
@@ -67,16 +64,10 @@ class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
         arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
         model, inputs = arguments["model"], arguments["inputs"]
         with self.maybe_activation_offload_context:
-            model.train()
-            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-                self.optimizer.train()
-            if not self._dynbsz_window:
-                executor.meters.start()
-            self._dynbsz_window.append(self._prepare_inputs(inputs))
-            if not self.accelerator.sync_gradients:
-                return torch.zeros((), device=self.accelerator.device)
-            window, self._dynbsz_window = self._dynbsz_window, []
-            return self._train_window(model, window)
+            return self._dynbsz_window_call(model, inputs)
+
+    def _dynbsz_collect(self, inputs) -> dict:
+        return self._prepare_inputs(inputs)  # stock's collated micro-batch, on the device (nothing is generated)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its micro-batches: the pairs repacked (stock's micro-batches if the self-check of
@@ -91,7 +82,6 @@ class DynamicBatchRewardTrainer(TokenBudgetHooks, RewardTrainer):
             failure = check_rewards(executor, model, batch)
             if failure is not None:
                 executor.enabled = False
-                logger.warning("hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", failure)
-                executor.warned.add("multimodal")  # (train_step_stock's own reason is about images)
-                return executor.train_step_stock(model, window)
-        return executor.train_step(model, batch)
+                reason = f"dynamic batching is off, stock RewardTrainer math runs: {failure}"
+                return executor.train_step_stock(model, window, reason)
+        return executor.train_step(model, batch).loss

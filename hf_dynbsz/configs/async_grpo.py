@@ -1,20 +1,21 @@
 """``DynamicBatchAsyncGRPOConfig``: TRL's ``AsyncGRPOConfig`` (``trl.experimental.async_grpo``) plus the plugin's
-settings (the fields of :class:`~hf_dynbsz.config.DynamicBatchFields`, and ``async_step``).
+settings, which are the fields of :class:`~hf_dynbsz.configs.shared.DynamicBatchFields` and ``async_step``.
 
-A module of its own: importing TRL's experimental package costs seconds and warns, which the synchronous trainers'
-configs (:mod:`hf_dynbsz.config`) do not pay.
+It is a module of its own because importing TRL's experimental package takes seconds and warns. The other configs do
+not pay for it, since :mod:`hf_dynbsz.configs` imports each module on first use.
 
-``async_step`` picks the optimizer step:
+``async_step`` picks the optimizer step. With ``"stock"`` (the default) the step is stock's at the user's config.
+Then ``token_budget > 0`` keeps stock's meaning: its ``TokenBudgetBatcher`` decides which samples a step holds. An
+unset ``token_budget`` is the vLLM server's ``max_model_len``, as in stock. The size of the plugin's passes comes from
+``max_tokens_per_microbatch`` or the memory budget, and when neither is set from the tokens stock's row of the
+micro-batch forwards.
 
-* ``"stock"`` (the default): stock's step at the user's config. ``token_budget > 0`` (stock's default, the vLLM
-  server's ``max_model_len`` when unset) keeps stock's meaning for which samples a step holds (its
-  ``TokenBudgetBatcher``'s ``gradient_accumulation_steps`` micro-batches) and does not size the plugin's passes:
-  ``max_tokens_per_microbatch`` or the memory budget does (unset: the tokens stock's row of the micro-batch forwards).
-* ``"samples"``: the plugin's own step, ``per_device_train_batch_size x gradient_accumulation_steps x processes``
-  samples from the rollout queue normalised by the step's tokens. Stock's ``token_budget`` is then the plugin's
-  training budget per pass: ``token_budget > 0`` sets ``max_tokens_per_microbatch`` (:func:`take_token_budget`);
-  unset (or ``<= 0``) the budget is the plugin's automatic one. The vLLM server is never asked for its
-  ``max_model_len``, and no sample is dropped for its length: one longer than the budget gets a pass of its own.
+With ``"samples"`` the step is the plugin's own: ``per_device_train_batch_size x gradient_accumulation_steps x
+processes`` samples from the rollout queue, normalised by the step's tokens. Stock's ``token_budget`` is then the
+plugin's training budget per pass, so ``token_budget > 0`` sets ``max_tokens_per_microbatch``
+(:func:`take_token_budget`). When it is unset or not positive the plugin sets the budget itself. The vLLM server is
+never asked for its ``max_model_len``, and no sample is dropped for its length: a sample longer than the budget gets a
+pass of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from hf_dynbsz.config import DynamicBatchFields, _field, default_ddp_backend, refuse_sequence_parallelism
+from hf_dynbsz.configs.shared import DynamicBatchFields, default_ddp_backend, plugin_field, refuse_sequence_parallelism
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
 from hf_dynbsz.planning.settings import config_docstring, defaults_of
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
@@ -76,15 +77,14 @@ def _check_async_fields(args) -> None:
 
 @dataclass
 class AsyncFields(DynamicBatchFields):
-    """The plugin's fields on TRL's ``AsyncGRPOConfig`` and their checks: after the environment, TRL's own
-    ``AsyncGRPOConfig.__post_init__`` (no generation round to derive: the rollout worker generates continuously),
-    then the plugin's fields checked and, for the samples-defined step, stock's ``token_budget`` taken as the
-    training budget."""
+    """The plugin's fields on TRL's ``AsyncGRPOConfig`` and their checks. There is no generation round to derive,
+    because the rollout worker generates continuously. After the environment and TRL's own
+    ``AsyncGRPOConfig.__post_init__``, the plugin's fields are checked. For the samples-defined step, stock's
+    ``token_budget`` is then taken as the training budget."""
 
-    async_step: str = _field("async_step")
+    async_step: str = plugin_field("async_step")
 
-    def _dynbsz_check_and_derive(self) -> None:
-        super(DynamicBatchFields, self).__post_init__()  # TRL's AsyncGRPOConfig.__post_init__
+    def _dynbsz_after_stock(self) -> None:
         _check_async_fields(self)
 
 
@@ -113,7 +113,7 @@ def async_trainer_config(args, model):
     """The trainer's config: stock's default when ``args`` is None (:class:`DynamicBatchAsyncGRPOConfig` with stock's
     output directory, ``<model>-AsyncGRPO``); a plain ``AsyncGRPOConfig`` gains the plugin's fields (defaults, then the
     ``DIFFU_*`` overrides) and their checks. Raises before any work when DeepSpeed runs without a GPU and
-    ``ddp_backend`` is unset (:func:`~hf_dynbsz.config.default_ddp_backend`)."""
+    ``ddp_backend`` is unset (:func:`~hf_dynbsz.configs.shared.default_ddp_backend`)."""
     if args is None:
         name = model if isinstance(model, str) else model.config.name_or_path
         return DynamicBatchAsyncGRPOConfig(output_dir=f"{str(name).split('/')[-1]}-AsyncGRPO")
