@@ -23,7 +23,7 @@ from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.parallel.distributed import ProcessGroup
 from hf_dynbsz.planning.schedule import Exchange
 
-__all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch"]
+__all__ = ["PER_TOKEN_KEYS", "SampleRows", "StepBatch", "pair_step_batch"]
 
 #: Per-sample fields of TRL's generation output with one value per completion token (or one per sequence), and
 #: the value that pads a row past its completion: neutral where TRL sums over all columns (vespo sums the log of
@@ -346,3 +346,35 @@ class StepBatch:
             teacher_hidden=None if self.teacher_hidden is None else list(hidden),
             teacher_hidden_size=self.teacher_hidden_size,
         )
+
+
+def pair_step_batch(window, tokens, prompts, completions, fields, slice_ids, slice_tokens, together, widths, rank,
+                    processes, long_rope) -> StepBatch:  # fmt: skip
+    """A preference step's :class:`StepBatch` from its rows read off stock's collated micro-batches (``window``: this
+    process's, numbered from ``rank * len(window)`` over ``processes``): each row's ``tokens``, prompt and completion
+    lengths (tokens), its per-row ``fields`` (one value each), stock slice, pair (``together``) and rope width;
+    ``slice_tokens``: each micro-batch's padded positions (rows x width), what stock computes. Every row's loss mask
+    covers its completion; DPO's and the reward model's steps are built by it."""
+    device = window[0]["input_ids"].device
+    loss_mask = torch.zeros(len(tokens), max(completions + [1]), dtype=torch.long, device=device)
+    for i, completion in enumerate(completions):
+        loss_mask[i, :completion] = 1
+    slice_rows = torch.zeros(processes * len(window), dtype=torch.long)
+    counts = torch.bincount(torch.tensor(slice_ids, dtype=torch.long) - rank * len(window), minlength=len(window))
+    slice_rows[rank * len(window) : (rank + 1) * len(window)] = counts
+    table = SequenceTable(tokens, torch.tensor(prompts), torch.tensor(completions), together=together)
+    table.rope_widths = torch.tensor(widths, dtype=torch.long) if long_rope else None
+    return StepBatch(
+        table=table,
+        loss_mask=loss_mask,
+        advantages=torch.zeros(len(tokens), device=device),
+        per_token={
+            name: torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+            for name, values in fields.items()
+        },
+        slice_ids=torch.tensor(slice_ids, dtype=torch.long),
+        slice_rows=slice_rows,
+        num_items=torch.zeros(len(tokens)),
+        stock_microbatch_tokens=max(slice_tokens),
+        stock_computed_tokens=sum(slice_tokens),
+    )

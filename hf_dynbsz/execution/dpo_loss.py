@@ -45,10 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_dynbsz.execution.batch import SampleRows, StepBatch
+from hf_dynbsz.execution.batch import SampleRows, StepBatch, pair_step_batch
 from hf_dynbsz.execution.device_pass import named_pass
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.reference import Reference, sequence_logps
 from hf_dynbsz.execution.router_loss import captured_router_logits
 from hf_dynbsz.parallel.collectives import reduce_sum
@@ -175,30 +174,8 @@ def dpo_step_batch(
                 together.append(len(together) // 2)
                 widths.append(rope_width(inputs["input_ids"].size(1), tuple(long_rope)))
         slice_tokens.append(rows * inputs["input_ids"].size(1))
-    width = max(completions + [1])
-    device = window[0]["input_ids"].device
-    loss_mask = torch.zeros(len(tokens), width, dtype=torch.long, device=device)
-    for i, completion in enumerate(completions):
-        loss_mask[i, :completion] = 1
-    slice_rows = torch.zeros(num_processes * len(window), dtype=torch.long)
-    counts = torch.bincount(torch.tensor(slice_ids, dtype=torch.long) - rank * len(window), minlength=len(window))
-    slice_rows[rank * len(window) : (rank + 1) * len(window)] = counts
-    table = SequenceTable(tokens, torch.tensor(prompts), torch.tensor(completions), together=together)
-    table.rope_widths = torch.tensor(widths, dtype=torch.long) if long_rope else None
-    return StepBatch(
-        table=table,
-        loss_mask=loss_mask,
-        advantages=torch.zeros(len(tokens), device=device),
-        per_token={
-            name: torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-            for name, values in fields.items()
-        },
-        slice_ids=torch.tensor(slice_ids, dtype=torch.long),
-        slice_rows=slice_rows,
-        num_items=torch.zeros(len(tokens)),
-        stock_microbatch_tokens=max(slice_tokens),
-        stock_computed_tokens=sum(slice_tokens),
-    )
+    return pair_step_batch(window, tokens, prompts, completions, fields, slice_ids, slice_tokens, together, widths,
+                           rank, num_processes, long_rope)  # fmt: skip
 
 
 def _row_shape(mask: torch.Tensor, real: int) -> tuple[int, int, int] | None:

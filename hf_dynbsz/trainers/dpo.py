@@ -2,40 +2,32 @@
 pairs (a pair's chosen and rejected in one pass under one copy of their prompt), the reference's no-grad passes with
 a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution.dpo_loss.DPOLoss`).
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
+Hooks: those of :class:`~hf_dynbsz.trainers.hooks.PreferenceHooks` (``__init__``, ``store_flos``, ``training_step``:
+the window loop over stock's collated micro-batches, stock's ``training_step`` with dynamic batching off) and:
 
 * ``__init__``: refuses, before any work, ``aot`` / ``aot_unpaired`` on a model that drops out
   (:func:`refuse_sorted_loss_with_dropout`; the config's refusals: :func:`hf_dynbsz.configs.dpo.refuse_dpo_settings`).
-* ``training_step``: collect the optimizer step's micro-batches (stock's collated ``[chosen ; rejected]`` rows, moved to
-  the device by the Trainer's ``_prepare_inputs``) inside stock's activation-offloading context; run the step's
-  passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
-  ``training_step`` runs.
+* ``_train_window``: the pairs, or stock's micro-batches for a collator that adds model inputs.
 
 A DPO run generates nothing, so there is no generation to chunk. Evaluation (``prediction_step``) is stock's.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
-from transformers import Trainer
 from trl import DPOTrainer
 
 from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
 from hf_dynbsz.execution.dpo_loss import DPOLoss, dpo_step_batch
-from hf_dynbsz.trainers.hooks import TokenBudgetHooks
+from hf_dynbsz.trainers.hooks import PreferenceHooks
 
 logger = logging.getLogger("hf_dynbsz")
-#: the arguments DPOTrainer.training_step(*args, **kwargs) passes on to transformers' Trainer
-TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
 
 
-class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer, config=DynamicBatchDPOConfig, loss=DPOLoss, algorithm="DPO"):
+class DynamicBatchDPOTrainer(PreferenceHooks, DPOTrainer, config=DynamicBatchDPOConfig, loss=DPOLoss, algorithm="DPO"):
     """Drop-in replacement for :class:`trl.DPOTrainer` with token-budget passes over each optimizer step's pairs."""
-
-    _dynbsz_refuses_small_datasets = False  # stock trains a dataset of any size (its last micro-batch smaller)
 
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
@@ -46,21 +38,6 @@ class DynamicBatchDPOTrainer(TokenBudgetHooks, DPOTrainer, config=DynamicBatchDP
             logger.warning("hf_dynbsz: dynamic batching is off, stock DPOTrainer math runs: %s.", executor.loss.blocker)
         if executor.enabled and executor.loss.settings.coupled:
             refuse_sorted_loss_with_dropout(self.model, self.args)
-
-    def training_step(self, *args, **kwargs):
-        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call. Stock's
-        # signature (its arguments are transformers' Trainer.training_step's, read by name from that signature).
-        executor = self._dynbsz
-        if not executor.enabled:
-            with executor.tiles():
-                return DPOTrainer.training_step(self, *args, **kwargs)
-        arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
-        model, inputs = arguments["model"], arguments["inputs"]
-        with self.maybe_activation_offload_context:
-            return self._dynbsz_window_call(model, inputs)
-
-    def _dynbsz_collect(self, inputs) -> dict:
-        return self._prepare_inputs(inputs)  # stock's collated micro-batch, on the device (nothing is generated)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its micro-batches: the pairs repacked (stock's slices if the self-check keeps no

@@ -32,7 +32,7 @@ import inspect
 import time
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 from hf_dynbsz.configs.build import trainer_config
@@ -43,6 +43,9 @@ from hf_dynbsz.planning.validation import validate_train_dataset_size
 
 #: Why an image step trains stock's micro-batches (logged once).
 IMAGE_STEPS = "image inputs of a model family not repacked: its image steps use stock micro-batches"
+
+#: the arguments a preference trainer's training_step(*args, **kwargs) passes on to transformers' Trainer
+TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
 
 
 def stock_constructor(stock_class: type):
@@ -185,6 +188,27 @@ class TokenBudgetHooks:
         ):
             return None
         return [prompt_ids[start : start + chunk] for start in range(0, len(prompt_ids), chunk)]
+
+
+class PreferenceHooks(TokenBudgetHooks):
+    """The hooks of a trainer whose micro-batches arrive collated (DPO, reward models: nothing is generated, a
+    dataset of any size trains): ``training_step`` takes stock's ``(*args, **kwargs)`` (the arguments of transformers'
+    ``Trainer.training_step``, read by name) and runs the window loop inside stock's activation-offloading context;
+    a call's inputs are stock's collated micro-batch, on the device."""
+
+    _dynbsz_refuses_small_datasets = False
+
+    def training_step(self, *args, **kwargs):
+        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call.
+        if not self._dynbsz.enabled:
+            with self._dynbsz.tiles():
+                return super(TokenBudgetHooks, self).training_step(*args, **kwargs)  # TRL's trainer's
+        arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
+        with self.maybe_activation_offload_context:
+            return self._dynbsz_window_call(arguments["model"], arguments["inputs"])
+
+    def _dynbsz_collect(self, inputs) -> dict:
+        return self._prepare_inputs(inputs)
 
 
 class _LogPlanAtTrainBegin(TrainerCallback):

@@ -3,12 +3,9 @@ pairs (a pair's chosen and rejected in one padding-free pass under one copy of t
 read at its own last token) and stock's Bradley-Terry loss per pair (:class:`~hf_dynbsz.execution.reward_loss.
 RewardLoss`).
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.TokenBudgetHooks` (``__init__``, ``store_flos``) and:
-
-* ``training_step``: collect the optimizer step's micro-batches (stock's collated ``[chosen ; rejected]`` rows, moved to
-  the device by the Trainer's ``_prepare_inputs``) inside stock's activation-offloading context; run the step's
-  passes on its last call. With dynamic batching off (or a run the passes do not repack, logged once at start) stock's
-  ``training_step`` runs.
+Hooks: those of :class:`~hf_dynbsz.trainers.hooks.PreferenceHooks` (``__init__``, ``store_flos``, ``training_step``:
+the window loop over stock's collated micro-batches, stock's ``training_step`` with dynamic batching off) and
+``_train_window``.
 
 The run's self-check is the reward model's own (the log-prob check does not apply): at the first step, a few pairs'
 rewards from a pass in the run's layout against each sequence alone
@@ -18,32 +15,26 @@ reason. Evaluation (``prediction_step``) is stock's.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
-from transformers import Trainer
 from trl import RewardTrainer
 
 from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
 from hf_dynbsz.execution.reward_loss import RewardLoss, check_rewards, reward_step_batch
-from hf_dynbsz.trainers.hooks import TokenBudgetHooks
+from hf_dynbsz.trainers.hooks import PreferenceHooks
 
 logger = logging.getLogger("hf_dynbsz")
-#: the arguments RewardTrainer.training_step(*args, **kwargs) passes on to transformers' Trainer
-TRAINER_TRAINING_STEP = inspect.signature(Trainer.training_step)
 
 
 class DynamicBatchRewardTrainer(
-    TokenBudgetHooks, RewardTrainer, config=DynamicBatchRewardConfig, loss=RewardLoss, algorithm="Reward"
+    PreferenceHooks, RewardTrainer, config=DynamicBatchRewardConfig, loss=RewardLoss, algorithm="Reward"
 ):
     """Drop-in replacement for :class:`trl.RewardTrainer` with token-budget passes over each optimizer step's pairs.
 
     Takes exactly stock's constructor arguments. Accepts a :class:`~hf_dynbsz.DynamicBatchRewardConfig` or a plain
     ``RewardConfig`` (the new fields then take their defaults and ``DIFFU_*`` environment overrides still apply).
     """
-
-    _dynbsz_refuses_small_datasets = False  # stock trains a dataset of any size (its last micro-batch smaller)
 
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
@@ -54,20 +45,6 @@ class DynamicBatchRewardTrainer(
             logger.warning(
                 "hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", executor.loss.blocker
             )
-
-    def training_step(self, *args, **kwargs):
-        # Override: collect the optimizer step's micro-batches; run the step's passes on its last call. Stock's
-        # signature (its arguments are transformers' Trainer.training_step's, read by name from that signature).
-        executor = self._dynbsz
-        if not executor.enabled:
-            return RewardTrainer.training_step(self, *args, **kwargs)
-        arguments = TRAINER_TRAINING_STEP.bind(self, *args, **kwargs).arguments
-        model, inputs = arguments["model"], arguments["inputs"]
-        with self.maybe_activation_offload_context:
-            return self._dynbsz_window_call(model, inputs)
-
-    def _dynbsz_collect(self, inputs) -> dict:
-        return self._prepare_inputs(inputs)  # stock's collated micro-batch, on the device (nothing is generated)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its micro-batches: the pairs repacked (stock's micro-batches if the self-check of
