@@ -5,7 +5,8 @@
   system prompt), and optionally several pairs per prompt (datasets with several ranked responses per prompt);
 * :func:`dpo_run`: one training run of stock ``DPOTrainer`` or ``DynamicBatchDPOTrainer`` on such pairs, with the
   comparison runs' schedule and optimizer (:data:`DPO_COMPARISON_FIELDS`): initial and final parameters and the log;
-  :func:`comparison_config`, the config of such a run (DPO's or the reward model's);
+  :func:`comparison_config`, the config of such a run (DPO's or the reward model's); :func:`runs_against_stock`,
+  stock's run and the plugin's on the same pairs, their initial and final parameters compared;
 * the loss tests' steps of pairs: stock's micro-batches (:func:`stock_micro_batches`) and step
   (:func:`stock_pair_step`), the step's pairs cut at random into passes of whole pairs (:func:`whole_pair_passes`),
   a step's outcome (:func:`pair_step_outcome`), gradients' relative difference (:func:`gradient_difference`), our
@@ -30,6 +31,7 @@ __all__ = [
     "pair_step_outcome",
     "pair_steps_against_stock",
     "preference_pairs",
+    "runs_against_stock",
     "stock_micro_batches",
     "stock_pair_step",
     "whole_pair_passes",
@@ -156,6 +158,28 @@ def dpo_run(
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, trainer.state.log_history, trainer
+
+
+def runs_against_stock(
+    run: Callable, model_dir: str, tmp_path, dataset, fields: dict, *, plugin_fields: tuple[str, ...], budget: int,
+    trainer_kwargs: dict | None, param_tolerance: float, update_tolerance: float, trained_by: float | None = 1e-6,
+):  # fmt: skip
+    """Stock's run (``run(False, ...)``: :func:`dpo_run`, ``reward_run``) and the plugin's on the same ``dataset``
+    from ``model_dir``, ``fields`` their config's (the plugin's own, ``plugin_fields``, popped from ``fields`` and
+    given to the plugin's run only, ``max_tokens_per_microbatch`` ``budget`` unless given): the same initial
+    parameters, the final parameters and updates within the tolerances (:func:`~hf_dynbsz.testing.parameter_mismatches`,
+    ``trained_by``). Returns ``(our log history, stock's log history, our trainer)``."""
+    from hf_dynbsz.testing.oracles import parameter_mismatches, relative_difference
+
+    ours_only = {name: fields.pop(name) for name in list(fields) if name in plugin_fields}
+    ours_only.setdefault("max_tokens_per_microbatch", budget)
+    kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
+    init, stock, stock_history, _ = run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
+    init2, ours, history, trainer = run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
+    assert relative_difference(init2, init) == 0.0
+    tolerances = dict(update_tolerance=update_tolerance, param_tolerance=param_tolerance)
+    assert not parameter_mismatches(init, ours, stock, trained_by=trained_by, **tolerances)
+    return history, stock_history, trainer
 
 
 # ---- the loss tests' steps of pairs -------------------------------------------------------------------------------
