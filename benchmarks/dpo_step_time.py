@@ -49,6 +49,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 from step_time import _mean, _per_index, code_fingerprint, git_state  # noqa: E402
 
@@ -241,12 +242,8 @@ def summarise(results: list[dict], configs: dict = CONFIGS) -> list[dict]:
         stock, ours = mix_rows["stock"], mix_rows["dynamic"]
         assert stock["tokens"] == ours["tokens"], f"{mix}: the trainers saw different pairs"
         limit = ours["stock_computed"] / ours["computed"]
+        common.add_speedups(mix_rows.values(), stock, limit)
         for row in mix_rows.values():
-            row["speedup"] = stock["train_s"] / row["train_s"]
-            row["speedup_cpu"] = stock["train_cpu_s"] / row["train_cpu_s"]
-            row["token_limit"] = limit
-            row["of_limit"] = row["speedup"] / limit
-            row["memory_ratio"] = row["peak_mb"] / stock["peak_mb"]
             row["parameter_difference"] = parameter_difference(results, mix, configs)
         rows += list(mix_rows.values())
     return rows
@@ -260,11 +257,7 @@ def render_table(rows: list[dict], configs: dict = CONFIGS) -> str:
             row["mix"],
             configs[row["config"]],
             row["layout"],
-            f"{row['train_s']:.2f}",
-            f"{row['speedup']:.2f}x",
-            f"{row['token_limit']:.2f}x",
-            f"{row['of_limit']:.0%}",
-            f"{row['train_cpu_s']:.2f} ({row['speedup_cpu']:.2f}x)",
+            *common.speed_cells(row),
             f"{row['computed']:.0f} ({row['stock_computed']:.0f})" if row["config"] == "dynamic" else "-",
             f"{row['passes']:.1f}",
             f"{row['peak_mb']:.0f} ({row['memory_ratio']:.2f}x)",
