@@ -64,3 +64,26 @@ def load_average() -> str:
         return " ".join(open("/proc/loadavg").read().split()[:3])
     except OSError:
         return "n/a"
+
+
+def add_speedups(rows, stock: dict, limit: float) -> None:
+    """Each row's ratios to ``stock``'s row of the same run: ``speedup`` (wall), ``speedup_cpu``, ``token_limit``
+    (``limit``), ``of_limit`` (the speed-up over the limit), ``memory_ratio`` (peak memory)."""
+    for row in rows:
+        row["speedup"] = stock["train_s"] / row["train_s"]
+        row["speedup_cpu"] = stock["train_cpu_s"] / row["train_cpu_s"]
+        row["token_limit"] = limit
+        row["of_limit"] = row["speedup"] / limit
+        row["memory_ratio"] = row["peak_mb"] / stock["peak_mb"]
+
+
+def speed_cells(row: dict) -> list[str]:
+    """A table row's time cells (:func:`add_speedups`' ratios): step seconds, speed-up, token limit, the share of the
+    limit, CPU seconds (their speed-up)."""
+    return [
+        f"{row['train_s']:.2f}",
+        f"{row['speedup']:.2f}x",
+        f"{row['token_limit']:.2f}x",
+        f"{row['of_limit']:.0%}",
+        f"{row['train_cpu_s']:.2f} ({row['speedup_cpu']:.2f}x)",
+    ]

@@ -46,6 +46,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 from rloo_step_time import check_same_inputs  # noqa: E402
 from step_time import Probe, _mean, _per_index, code_fingerprint, git_state  # noqa: E402
@@ -145,12 +146,7 @@ def summarise(results: list[dict]) -> list[dict]:
         }
     stock = rows["distillation_stock"]
     limit = stock["train_tokens"] / stock["real_tokens"]
-    for row in rows.values():
-        row["speedup"] = stock["train_s"] / row["train_s"]
-        row["speedup_cpu"] = stock["train_cpu_s"] / row["train_cpu_s"]
-        row["token_limit"] = limit
-        row["of_limit"] = row["speedup"] / limit
-        row["memory_ratio"] = row["peak_mb"] / stock["peak_mb"]
+    common.add_speedups(rows.values(), stock, limit)
     return list(rows.values())
 
 
@@ -162,11 +158,7 @@ def render_table(rows: list[dict]) -> str:
         [
             CONFIGS[row["config"]],
             row["layout"],
-            f"{row['train_s']:.2f}",
-            f"{row['speedup']:.2f}x",
-            f"{row['token_limit']:.2f}x",
-            f"{row['of_limit']:.0%}",
-            f"{row['train_cpu_s']:.2f} ({row['speedup_cpu']:.2f}x)",
+            *common.speed_cells(row),
             f"{row['train_tokens']:.0f} ({row['real_tokens']:.0f})",
             f"{row['passes']:.1f}",
             f"{row['peak_mb']:.0f} ({row['memory_ratio']:.2f}x)",

@@ -49,6 +49,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
 from step_time import _mean, _per_index, code_fingerprint, git_state  # noqa: E402
 
@@ -101,33 +102,40 @@ def pairs(mix: str, count: int, scale: float, seed: int):
 
 
 # --------------------------------------------------------------------------------------------------- worker
-def run_worker(spec: dict) -> dict:
-    import copy
-
+def worker_run(spec: dict, schedule: dict, config):
+    """A worker's start (one torch thread, the character tokenizer), its pairs (``spec``'s mix, enough for its steps at
+    ``schedule``'s batch) and its run's config (``config``: ``dpo_config``, ``reward_config``; AdamW at 1e-5,
+    ``max_length`` unset); returns ``(tokenizer, dataset, plugin, args)``."""
     import torch
-    from transformers import TrainerCallback
 
-    from hf_dynbsz.execution.device_memory import reset_peak_rss, status_mib
-    from hf_dynbsz.testing import ModelShape, build_char_tokenizer, dpo_config, quiet_worker
+    from hf_dynbsz.testing import build_char_tokenizer, quiet_worker
 
     quiet_worker(threads=1)
     torch.set_num_interop_threads(1)
     tokenizer = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz")
-    samples = SCHEDULE["per_device_train_batch_size"] * SCHEDULE["gradient_accumulation_steps"]
+    samples = schedule["per_device_train_batch_size"] * schedule["gradient_accumulation_steps"]
     dataset = pairs(spec["mix"], samples * spec["steps"], spec["scale"], spec["seed"])
-    model = ModelShape(**MODEL).build(tokenizer, max_positions=8192)
     plugin = spec["config"] == "dynamic"
-    args = dpo_config(
-        spec["output_dir"], plugin=plugin, **SCHEDULE, max_steps=spec["steps"], learning_rate=1e-5, optim="adamw_torch",
+    args = config(
+        spec["output_dir"], plugin=plugin, **schedule, max_steps=spec["steps"], learning_rate=1e-5, optim="adamw_torch",
         max_grad_norm=1.0, max_length=None, seed=spec["seed"],
     )  # fmt: skip
-    from trl import DPOTrainer
+    return tokenizer, dataset, plugin, args
 
-    from hf_dynbsz import DynamicBatchDPOTrainer
 
-    trainer = (DynamicBatchDPOTrainer if plugin else DPOTrainer)(
-        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=dataset, processing_class=tokenizer
-    )
+#: What a worker reads of the plugin's log per step (step key -> logged name), besides ``num_tokens`` and the passes.
+FIGURES = {"computed": "dynbsz/computed_tokens", "stock_computed": "dynbsz/stock_computed_tokens"}
+
+
+def timed_training(trainer, spec: dict, figures: dict, accumulation: int) -> dict:
+    """Train ``trainer``, timing each optimizer step (wall, CPU, peak resident set) and reading what the plugin logged
+    of it (``figures``: step key -> logged name, besides ``num_tokens`` and the passes, ``accumulation`` for stock);
+    saves the final parameters; returns the worker's result."""
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_dynbsz.execution.device_memory import reset_peak_rss, status_mib
+
     steps: list[dict] = []
 
     class Clock(TrainerCallback):
@@ -150,10 +158,9 @@ def run_worker(spec: dict) -> dict:
     logged = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
     for step, entry in zip(steps, logged):
         step["num_tokens"] = entry["num_tokens"]
-        step["computed"] = entry.get("dynbsz/computed_tokens")
-        step["stock_computed"] = entry.get("dynbsz/stock_computed_tokens")
-        step["tree_saved"] = entry.get("dynbsz/tree_tokens_saved")
-        step["passes"] = entry.get("dynbsz/microbatches", float(SCHEDULE["gradient_accumulation_steps"]))
+        for key, name in figures.items():
+            step[key] = entry.get(name)
+        step["passes"] = entry.get("dynbsz/microbatches", float(accumulation))
     torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, spec["output_dir"] + ".params.pt")
     executor = getattr(trainer, "_dynbsz", None)
     return {
@@ -167,16 +174,34 @@ def run_worker(spec: dict) -> dict:
     }
 
 
+def run_worker(spec: dict) -> dict:
+    import copy
+
+    from hf_dynbsz.testing import ModelShape, dpo_config
+
+    tokenizer, dataset, plugin, args = worker_run(spec, SCHEDULE, dpo_config)
+    model = ModelShape(**MODEL).build(tokenizer, max_positions=8192)
+    from trl import DPOTrainer
+
+    from hf_dynbsz import DynamicBatchDPOTrainer
+
+    trainer = (DynamicBatchDPOTrainer if plugin else DPOTrainer)(
+        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    figures = dict(FIGURES, tree_saved="dynbsz/tree_tokens_saved")
+    return timed_training(trainer, spec, figures, SCHEDULE["gradient_accumulation_steps"])
+
+
 # --------------------------------------------------------------------------------------------------- driver
-def run_one(spec: dict, timeout: float, keep: Path) -> dict:
+def run_one(spec: dict, timeout: float, keep: Path, script: str = __file__, prefix: str = "dynbsz-dpo-bench-") -> dict:
+    """One worker of ``script`` (this one, or a benchmark built on it) on ``spec``, in a fresh process."""
     from hf_dynbsz.testing import run_script_worker
 
     label = f"worker for {spec['config']} on {spec['mix']}"
-    result = run_script_worker(__file__, dict(spec, keep=str(keep)), timeout, label, prefix="dynbsz-dpo-bench-")
-    return result
+    return run_script_worker(script, dict(spec, keep=str(keep)), timeout, label, prefix=prefix)
 
 
-def parameter_difference(results: list[dict], mix: str) -> float:
+def parameter_difference(results: list[dict], mix: str, configs: dict = CONFIGS) -> float:
     """Relative difference of the final parameters, ours against stock, on ``mix`` (first repeat of each)."""
     import torch
 
@@ -184,16 +209,16 @@ def parameter_difference(results: list[dict], mix: str) -> float:
 
     paths = {
         config: next(r["params_path"] for r in results if r["spec"]["mix"] == mix and r["spec"]["config"] == config)
-        for config in CONFIGS
+        for config in configs
     }
     return relative_difference(torch.load(paths["dynamic"]), torch.load(paths["stock"]))
 
 
-def summarise(results: list[dict]) -> list[dict]:
+def summarise(results: list[dict], configs: dict = CONFIGS) -> list[dict]:
     rows = []
     for mix in MIXES:
         mix_rows = {}
-        for config in CONFIGS:
+        for config in configs:
             runs = [r for r in results if r["spec"]["mix"] == mix and r["spec"]["config"] == config]
             if not runs:
                 continue
@@ -217,30 +242,22 @@ def summarise(results: list[dict]) -> list[dict]:
         stock, ours = mix_rows["stock"], mix_rows["dynamic"]
         assert stock["tokens"] == ours["tokens"], f"{mix}: the trainers saw different pairs"
         limit = ours["stock_computed"] / ours["computed"]
+        common.add_speedups(mix_rows.values(), stock, limit)
         for row in mix_rows.values():
-            row["speedup"] = stock["train_s"] / row["train_s"]
-            row["speedup_cpu"] = stock["train_cpu_s"] / row["train_cpu_s"]
-            row["token_limit"] = limit
-            row["of_limit"] = row["speedup"] / limit
-            row["memory_ratio"] = row["peak_mb"] / stock["peak_mb"]
-            row["parameter_difference"] = parameter_difference(results, mix)
+            row["parameter_difference"] = parameter_difference(results, mix, configs)
         rows += list(mix_rows.values())
     return rows
 
 
-def render_table(rows: list[dict]) -> str:
+def render_table(rows: list[dict], configs: dict = CONFIGS) -> str:
     header = ["mix", "trainer", "layout", "step s", "speed-up", "token limit", "of the limit", "CPU s (speed-up)"]
     header += ["computed positions/step (stock's)", "passes/step", "peak memory MiB (vs stock)", "parameters vs stock"]
     body = [
         [
             row["mix"],
-            CONFIGS[row["config"]],
+            configs[row["config"]],
             row["layout"],
-            f"{row['train_s']:.2f}",
-            f"{row['speedup']:.2f}x",
-            f"{row['token_limit']:.2f}x",
-            f"{row['of_limit']:.0%}",
-            f"{row['train_cpu_s']:.2f} ({row['speedup_cpu']:.2f}x)",
+            *common.speed_cells(row),
             f"{row['computed']:.0f} ({row['stock_computed']:.0f})" if row["config"] == "dynamic" else "-",
             f"{row['passes']:.1f}",
             f"{row['peak_mb']:.0f} ({row['memory_ratio']:.2f}x)",
@@ -268,20 +285,34 @@ def goals(rows: list[dict]) -> str:
     return "Goals (issue 61):\n\n" + "\n".join(f"- {line}" for line in lines)
 
 
+def report_opening(title: str, script: str, args, minutes: float) -> list[str]:
+    """A report's title and how it was generated (``script``'s command line, ``minutes`` it took)."""
+    return [f"# {title}", f"Generated by `python {script}{' --quick' if args.quick else ''}` in {minutes:.1f} min."]
+
+
+def report_machine(loads: list[str], results: list[dict], noise: str) -> list[str]:
+    """A report's machine (its load averages ``loads``, what makes the times ``noise``-prone) and code."""
+    return [
+        f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
+        f"{' | '.join(loads)} ({noise}).",
+        f"Code: {git_state()}; hf_dynbsz source hash {results[0]['code']}.",
+    ]
+
+
 def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[str], minutes: float) -> str:
+    title = "Training-step time and memory, DPO: stock DPOTrainer vs DynamicBatchDPOTrainer"
+    noise = (
+        "a machine shared with other agents' jobs during the measurement: the times are noisy; the medians over "
+        "repeats and the ratios within one run are the figures to read"
+    )
     return "\n\n".join(
         [
-            "# Training-step time and memory, DPO: stock DPOTrainer vs DynamicBatchDPOTrainer",
-            f"Generated by `python benchmarks/dpo_step_time.py{' --quick' if args.quick else ''}` in "
-            f"{minutes:.1f} min.",
+            *report_opening(title, "benchmarks/dpo_step_time.py", args, minutes),
             f"Workload: {json.dumps(MIXES)} (tokens, times {spec['scale']}), settings {json.dumps(SCHEDULE)}, "
             f"model {json.dumps(MODEL)} ({results[0]['parameters'] / 1e6:.2f} M parameters), its reference a copy; "
             f"every other setting TRL's or the plugin's default. {args.repeats} fresh process(es) per trainer and "
             f"mix, {rows[0]['steps']} measured optimizer steps each (the first left out).",
-            f"Machine: {machine_description()}. Load average (1/5/15 min) before and after each repeat: "
-            f"{' | '.join(loads)} (a machine shared with other agents' jobs during the measurement: the times are "
-            "noisy; the medians over repeats and the ratios within one run are the figures to read).",
-            f"Code: {git_state()}; hf_dynbsz source hash {results[0]['code']}.",
+            *report_machine(loads, results, noise),
             render_table(rows),
             "*step s*: wall time of an optimizer step (the reference's forwards, the policy's forwards and backwards, "
             "the optimizer), per step the median over repeats, then the mean over the measured steps; *speed-up*: "
@@ -295,8 +326,15 @@ def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(
+    name: str = "dpo_step_time", doc: str = __doc__, configs: dict = CONFIGS, worker=None, one=run_one, describe=None,
+    after=None,
+) -> None:  # fmt: skip
+    """The benchmark's command line (DPO's, or one built on it: its ``name``, docstring, trainers' ``configs``,
+    ``worker(spec)``, ``one(spec, timeout, keep)``, ``describe(args, spec, results, rows, loads, minutes)`` of the
+    report, ``after(rows)``: what it prints after the table)."""
+    worker, describe = worker or run_worker, describe or report
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter pairs, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--mixes", default=",".join(MIXES), help="comma-separated mixes to run")
@@ -308,30 +346,30 @@ def main() -> None:
         spec = json.loads(args.worker)
         spec["output_dir"] = str(Path(spec["keep"]) / f"{spec['mix']}-{spec['config']}-{spec['repeat']}")
         with open(args.worker_out, "w") as handle:
-            json.dump(run_worker(spec), handle)
+            json.dump(worker(spec), handle)
         return
     preset = dict(PRESETS["quick" if args.quick else "default"])
     args.repeats = args.repeats or preset["repeats"]
     spec = dict(steps=preset["steps"], scale=preset["scale"], seed=0)
     import tempfile
 
-    keep = Path(tempfile.mkdtemp(prefix="dynbsz-dpo-bench-params-"))
+    keep = Path(tempfile.mkdtemp(prefix=f"dynbsz-{name.split('_')[0]}-bench-params-"))
     started, results, loads = time.perf_counter(), [], [load_average()]
     for repeat in range(args.repeats):
         for mix in args.mixes.split(","):
-            for config in list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS)):
+            for config in list(configs) if repeat % 2 == 0 else list(reversed(configs)):
                 print(f"repeat {repeat + 1}/{args.repeats}: {config} on {mix}", flush=True)
-                results.append(run_one(dict(spec, mix=mix, config=config, repeat=repeat), 3600, keep))
+                results.append(one(dict(spec, mix=mix, config=config, repeat=repeat), 3600, keep))
         loads.append(load_average())
-    rows = summarise(results)
-    text = report(args, spec, results, rows, loads, (time.perf_counter() - started) / 60)
+    rows = summarise(results, configs)
+    text = describe(args, spec, results, rows, loads, (time.perf_counter() - started) / 60)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = "dpo_step_time_quick" if args.quick else "dpo_step_time"
+    name = f"{name}_quick" if args.quick else name
     (args.out_dir / f"{name}.md").write_text(text + "\n")
     raw = {"rows": rows, "runs": [{"spec": r["spec"], "layout": r["layout"], "steps": r["steps"]} for r in results]}
     (args.out_dir / f"{name}.json").write_text(json.dumps(raw) + "\n")
-    print(render_table(rows))
-    print(goals(rows))
+    print(render_table(rows, configs))
+    (after or (lambda rows: print(goals(rows))))(rows)
 
 
 if __name__ == "__main__":

@@ -250,23 +250,9 @@ def test_a_micro_batch_that_trains_no_token_trains_stocks_parameters(model_dir, 
 def test_varlen_attn_rows_equal_stock(model_dir, tmp_path, stock_cut, monkeypatch):
     """The run a capable GPU gets on sdpa (torch's varlen_attn, one call per layer), on this CPU with the reference
     kernel of varlen_attn's contract standing in for torch's."""
-    import functools
+    from hf_dynbsz.testing import varlen_attn_standin
 
-    from hf_dynbsz.execution import attention, setup
-    from hf_dynbsz.planning.model_support import DeviceFacts
-    from hf_dynbsz.testing import reference_varlen_attn
-
-    capable = DeviceFacts("cuda", (9, 0), (2, 13), varlen_attn=True, varlen_window=True, compute_dtype="bfloat16")
-    monkeypatch.setattr(setup, "device_facts", lambda *args: capable)
-    calls = []
-
-    @functools.wraps(reference_varlen_attn)  # its signature is what the caller reads
-    def kernel(*args, **kwargs):
-        calls.append(kwargs)
-        return reference_varlen_attn(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
-    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
+    calls = varlen_attn_standin(monkeypatch)
     ours = async_grpo_run("async_grpo_dynamic", model_dir, str(tmp_path), SCRIPT, **CUT)
     assert_equals_stock(ours, stock_cut)
     assert calls and all(call["enable_gqa"] and call["window_size"] == (-1, 0) for call in calls)

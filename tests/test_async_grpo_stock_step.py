@@ -14,7 +14,13 @@ from __future__ import annotations
 import pytest
 from test_async_grpo_trainer import PARAMETER_TOLERANCE, UPDATE_TOLERANCE, assert_equals_stock
 
-from hf_dynbsz.testing import RolloutScript, async_grpo_run, relative_difference, update_difference
+from hf_dynbsz.testing import (
+    RolloutScript,
+    async_grpo_run,
+    async_grpo_stock_cut,
+    relative_difference,
+    update_difference,
+)
 
 #: Rows of which a tenth trains no token (a truncated or tool-only turn).
 SCRIPT = RolloutScript(seed=1, untrained=0.1)
@@ -60,14 +66,7 @@ def test_samples_over_the_budget_are_dropped_as_stock_drops_them(model_dir, tmp_
 @pytest.fixture(scope="module")
 def stock_cut(model_dir, tmp_path_factory):
     """Stock's fixed-count mode at 8 x 2."""
-    return async_grpo_run(
-        "async_grpo_stock",
-        model_dir,
-        str(tmp_path_factory.mktemp("stock-cut")),
-        SCRIPT,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-    )
+    return async_grpo_stock_cut(model_dir, str(tmp_path_factory.mktemp("stock-cut")), SCRIPT)
 
 
 @pytest.mark.parametrize("passes", [None, 100], ids=["stock-rows", "100-token-passes"])

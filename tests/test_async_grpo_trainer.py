@@ -19,6 +19,7 @@ from hf_dynbsz.testing import (
     ASYNC_UNCOMPARED,
     RolloutScript,
     async_grpo_run,
+    async_grpo_stock_cut,
     logged_metrics,
     metric_mismatches,
     relative_difference,
@@ -42,13 +43,7 @@ def stock_step(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stock_cut(model_dir, tmp_path_factory):
     """Stock's fixed-count mode with the same samples per step cut 8 x 2."""
-    return async_grpo_run(
-        "async_grpo_stock",
-        model_dir,
-        str(tmp_path_factory.mktemp("stock-cut")),
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-    )
+    return async_grpo_stock_cut(model_dir, str(tmp_path_factory.mktemp("stock-cut")))
 
 
 #: What the optimizer step computed (its loss, gradient and stock's loss metrics), compared with stock's step in one

@@ -14,17 +14,12 @@ on the reference (under ZeRO-3 they gather what a real pass gathers). Each backe
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
-from hf_dynbsz.testing import accelerate_command, relative_difference, run_with_timeout
+from hf_dynbsz.testing import assert_lockstep, compare_scenario, scenario_launches
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 420
 #: per backend: the accelerate config and the named runs one launch trains (config fields; ``lora``, ``pairs`` and
 #: ``system`` are the worker's)
@@ -49,26 +44,8 @@ COMMON = dict(max_tokens_per_microbatch=70, gradient_checkpointing=False)
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, model_dir):
     """Each backend's launch per trainer, run once and shared: ``{(backend, trainer): output prefix}``."""
-    directory, done = tmp_path_factory.mktemp("dpo-launches"), {}
-
-    def get(backend: str, trainer: str) -> Path:
-        if (backend, trainer) not in done:
-            config, runs = RUNS[backend]
-            scenarios = json.dumps({name: {**COMMON, **fields} for name, fields in runs.items()})
-            out = directory / f"{trainer}-{backend}"
-            arguments = ["--trainer", trainer, "--model_dir", model_dir, "--out", str(out), "--scenarios", scenarios]
-            command = accelerate_command(config, "tests/distributed_dpo.py", *arguments)
-            run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"DPO {trainer} runs under {config}")
-            done[backend, trainer] = out
-        return done[backend, trainer]
-
-    return get
-
-
-def records(out: Path, name: str) -> list[dict]:
-    paths = [Path(f"{out}.{name}.rank{rank}.json") for rank in range(2)]
-    assert all(path.exists() for path in paths), f"a rank did not finish {name}"
-    return [json.loads(path.read_text()) for path in paths]
+    directory = tmp_path_factory.mktemp("dpo-launches")
+    return scenario_launches(directory, model_dir, RUNS, COMMON, "tests/distributed_dpo.py", "DPO", LAUNCH_TIMEOUT_S)
 
 
 def compare(backend: str, name: str, launches) -> list[dict]:
@@ -77,41 +54,25 @@ def compare(backend: str, name: str, launches) -> list[dict]:
     within 1e-5; returns each rank's record of ours."""
     from test_dpo_trainer import logged_mismatches
 
-    stock_out, our_out = launches(backend, "stock"), launches(backend, "dynamic")
-    stock, ours = records(stock_out, name), records(our_out, name)
-    for rank in range(2):
-        assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
-        logged = [dict(entry) for entry in ours[rank]["logged"]], [dict(entry) for entry in stock[rank]["logged"]]
+    def mismatches(ours_logged: list[dict], stock_logged: list[dict]) -> list[str]:
+        logged = [dict(entry) for entry in ours_logged], [dict(entry) for entry in stock_logged]
         if backend == "zero3":  # the Trainer's FLOP estimate counts the parameters ZeRO-3 holds gathered at the
             for entry in (*logged[0], *logged[1]):  # moment (Trainer.floating_point_ops): not a training figure
                 entry.pop("total_flos", None)
-        mismatches = logged_mismatches(*logged)
-        assert not mismatches, f"rank {rank}: {mismatches}"
-        assert ours[rank]["engine"] == stock[rank]["engine"]
-    ours_params = torch.load(f"{our_out}.{name}.params.pt")
-    stock_params = torch.load(f"{stock_out}.{name}.params.pt")
-    difference = relative_difference(ours_params, stock_params)
-    assert difference <= 1e-5, difference
-    return ours
+        return logged_mismatches(*logged)
 
-
-def lockstep(ours: list[dict]) -> None:
-    for rank in range(2):
-        for step in ours[rank]["metrics"]:
-            assert (
-                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
-            )
+    return compare_scenario(launches(backend, "stock"), launches(backend, "dynamic"), name, mismatches)
 
 
 def test_ddp_moves_whole_pairs_and_matches_stock(launches):
     ours = compare("ddp", "sigmoid", launches)
-    lockstep(ours)
+    assert_lockstep(ours)
     assert max(step["dynbsz/samples_moved"] for record in ours for step in record["metrics"]) > 0
 
 
 @pytest.mark.long
 def test_ddp_a_sorted_loss_with_ld_alpha_matches_stock(launches):
-    lockstep(compare("ddp_more", "aot_ld_alpha", launches))
+    assert_lockstep(compare("ddp_more", "aot_ld_alpha", launches))
 
 
 @pytest.mark.long
@@ -122,7 +83,7 @@ def test_ddp_a_system_block_with_lora_matches_stock(launches):
 
 def test_zero3_partitions_both_models_and_matches_stock(launches):
     ours = compare("zero3", "ipo_sft", launches)
-    lockstep(ours)
+    assert_lockstep(ours)
     for record in ours:
         assert record["engine"]["zero3_partitioned"], record["engine"]
         assert record["engine"]["reference"] == "DeepSpeedEngine"
@@ -131,6 +92,6 @@ def test_zero3_partitions_both_models_and_matches_stock(launches):
 @pytest.mark.long
 def test_fsdp2_shards_both_models_and_matches_stock(launches):
     ours = compare("fsdp2", "sigmoid", launches)
-    lockstep(ours)
+    assert_lockstep(ours)
     for record in ours:
         assert record["engine"]["fsdp_dtensor"], record["engine"]

@@ -11,23 +11,12 @@ stock logs (``min_reward`` / ``mean_reward`` / ``max_reward`` over both processe
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
-from hf_dynbsz.testing import (
-    accelerate_command,
-    logged_metrics,
-    metric_mismatches,
-    relative_difference,
-    run_with_timeout,
-)
+from hf_dynbsz.testing import assert_lockstep, compare_scenario, logged_metrics, metric_mismatches, scenario_launches
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 420
 #: per backend: the accelerate config and the named runs one launch trains (config fields; ``pairs``, ``system`` and
 #: ``margins`` are the worker's)
@@ -42,48 +31,20 @@ COMMON = dict(max_tokens_per_microbatch=70, gradient_checkpointing=False)
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, model_dir):
     """Each backend's launch per trainer, run once and shared: ``{(backend, trainer): output prefix}``."""
-    directory, done = tmp_path_factory.mktemp("reward-launches"), {}
-
-    def get(backend: str, trainer: str) -> Path:
-        if (backend, trainer) not in done:
-            config, runs = RUNS[backend]
-            scenarios = json.dumps({name: {**COMMON, **fields} for name, fields in runs.items()})
-            out = directory / f"{trainer}-{backend}"
-            arguments = ["--trainer", trainer, "--model_dir", model_dir, "--out", str(out), "--scenarios", scenarios]
-            command = accelerate_command(config, "tests/distributed_reward.py", *arguments)
-            run_with_timeout(command, ROOT, LAUNCH_TIMEOUT_S, f"reward {trainer} runs under {config}")
-            done[backend, trainer] = out
-        return done[backend, trainer]
-
-    return get
+    directory = tmp_path_factory.mktemp("reward-launches")
+    script = "tests/distributed_reward.py"
+    return scenario_launches(directory, model_dir, RUNS, COMMON, script, "reward", LAUNCH_TIMEOUT_S)
 
 
-def records(out: Path, name: str) -> list[dict]:
-    paths = [Path(f"{out}.{name}.rank{rank}.json") for rank in range(2)]
-    assert all(path.exists() for path in paths), f"a rank did not finish {name}"
-    return [json.loads(path.read_text()) for path in paths]
+def logged_mismatches(ours: list[dict], stock: list[dict]) -> list[str]:
+    return metric_mismatches(*(logged_metrics(logged, ("total_flos",)) for logged in (ours, stock)))
 
 
 def compare(backend: str, name: str, launches) -> list[dict]:
-    """Ours against stock: every logged metric on every rank, parameters within 1e-5; returns each rank's record of
-    ours."""
-    stock_out, our_out = launches(backend, "stock"), launches(backend, "dynamic")
-    stock, ours = records(stock_out, name), records(our_out, name)
-    for rank in range(2):
-        assert ours[rank]["metrics"], f"rank {rank} logged no dynbsz metrics"
-        logged = [logged_metrics(record[rank]["logged"], ("total_flos",)) for record in (ours, stock)]
-        mismatches = metric_mismatches(*logged)
-        assert not mismatches, f"rank {rank}: {mismatches}"
-        assert ours[rank]["engine"] == stock[rank]["engine"]
-    ours_params = torch.load(f"{our_out}.{name}.params.pt")
-    stock_params = torch.load(f"{stock_out}.{name}.params.pt")
-    difference = relative_difference(ours_params, stock_params)
-    assert difference <= 1e-5, difference
-    for rank in range(2):
-        for step in ours[rank]["metrics"]:  # lockstep
-            assert (
-                step["dynbsz/microbatches"] + step["dynbsz/dummy_passes"] == step["dynbsz/microbatches_max_over_ranks"]
-            )
+    """Ours against stock: every logged metric on every rank, parameters within 1e-5, lockstep; returns each rank's
+    record of ours."""
+    ours = compare_scenario(launches(backend, "stock"), launches(backend, "dynamic"), name, logged_mismatches)
+    assert_lockstep(ours)
     return ours
 
 

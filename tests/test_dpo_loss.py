@@ -13,8 +13,6 @@ scores, its losses, its weight ``1 / (B GA)``, the SFT term's token weights.
 from __future__ import annotations
 
 import math
-import random
-from collections import defaultdict
 
 import pytest
 import torch
@@ -31,7 +29,16 @@ from hf_dynbsz.execution.dpo_loss import (
 )
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import build_microbatch
-from hf_dynbsz.testing import dpo_config, load_tokenizer, preference_pairs
+from hf_dynbsz.testing import (
+    dpo_config,
+    load_tokenizer,
+    pair_step_outcome,
+    pair_steps_against_stock,
+    preference_pairs,
+    stock_micro_batches,
+    stock_pair_step,
+    whole_pair_passes,
+)
 
 GA, PAIRS = 2, 4  # an optimizer step of 2 stock micro-batches of 4 pairs
 
@@ -60,32 +67,12 @@ def stock_trainer(model_dir, tmp_path, **fields):
 
 
 def micro_batches(trainer) -> list[dict]:
-    rows = [trainer.train_dataset[i] for i in range(GA * PAIRS)]
-    return [trainer.data_collator(rows[k * PAIRS : (k + 1) * PAIRS]) for k in range(GA)]
+    return stock_micro_batches(trainer, GA, PAIRS)
 
 
 def stock_step(trainer, window):
     """Stock's loss of the step (each micro-batch's ``_compute_loss`` / GA), its gradients and its logged metrics."""
-    trainer.model.zero_grad()
-    trainer._metrics["train"].clear()
-    total = 0.0
-    for inputs in window:
-        loss = trainer._compute_loss(trainer.model, inputs, False) / GA
-        loss.backward()
-        total += loss.item()
-    gradients = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    metrics = {key: list(values) for key, values in trainer._metrics["train"].items()}
-    return total, gradients, metrics
-
-
-def whole_pair_passes(count: int, seed: int, passes: int = 3) -> list[list[int]]:
-    """The step's pairs (samples 2k, 2k + 1) cut at random into ``passes`` passes of whole pairs."""
-    pairs = list(range(count // 2))
-    random.Random(seed).shuffle(pairs)
-    cuts = sorted(random.Random(seed + 1).sample(range(1, len(pairs)), passes - 1))
-    return [
-        sorted(i for k in pairs[start:end] for i in (2 * k, 2 * k + 1)) for start, end in zip([0, *cuts], [*cuts, None])
-    ]
+    return stock_pair_step(trainer, window, lambda inputs: trainer._compute_loss(trainer.model, inputs, False) / GA)
 
 
 def packed_outputs(model, table, indices, names):
@@ -141,10 +128,7 @@ def our_step(trainer, window, seed):
         loss.backward()
         total += loss.item()
         metrics.add_pass(0, 0, pass_metrics, values["entropy"].detach(), rows.mask, rows.slice_ids)
-    gradients = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    store = defaultdict(list)
-    metrics.publish_slices(store)
-    return total, gradients, dict(store)
+    return pair_step_outcome(trainer.model, total, metrics)
 
 
 #: Metrics that are ``beta`` times a difference of sequence log-probs (stock's ``beta * (logps - ref_logps)``), with
@@ -175,12 +159,6 @@ def reward_rounding(key: str, slice_index: int, stock_metrics: dict, beta: float
         reference = policy - stock_metrics[f"rewards/{side}"][slice_index] / beta
         bound += beta * roundings * eps * (abs(policy) + abs(reference))
     return bound
-
-
-def relative(ours: dict, stock: dict) -> float:
-    num = sum(((ours[k] - stock[k]).double() ** 2).sum() for k in stock) ** 0.5
-    den = sum((stock[k].double() ** 2).sum() for k in stock) ** 0.5
-    return float(num / den)
 
 
 #: Every loss type (with what it needs) and the settings that change the pair arithmetic.
@@ -214,11 +192,7 @@ CASES = {
 def test_whole_pair_passes_give_stocks_loss_gradients_and_metrics(model_dir, tmp_path, case):
     trainer = stock_trainer(model_dir, tmp_path, **CASES[case])
     window = micro_batches(trainer)
-    stock_loss, stock_grads, stock_metrics = stock_step(trainer, window)
-    for seed in (0, 1):  # two different cuts of the same pairs
-        loss, grads, metrics = our_step(trainer, window, seed)
-        assert loss == pytest.approx(stock_loss, rel=1e-5, abs=1e-7)
-        assert relative(grads, stock_grads) <= 1e-5
+    for metrics, stock_metrics in pair_steps_against_stock(trainer, window, stock_step, our_step):
         for key in ("entropy", *METRIC_KEYS):
             for k, (value, expected) in enumerate(zip(metrics[key], stock_metrics[key], strict=True)):
                 atol = max(1e-6, reward_rounding(key, k, stock_metrics, trainer.beta, window))

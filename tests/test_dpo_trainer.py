@@ -31,9 +31,9 @@ from hf_dynbsz.testing import (
     dpo_run,
     logged_metrics,
     metric_mismatches,
-    parameter_mismatches,
     preference_pairs,
     relative_difference,
+    runs_against_stock,
     save_tiny_model,
     signature_mismatches,
 )
@@ -48,14 +48,11 @@ UPDATE_TOLERANCE = 1e-3
 def compare_with_stock(model_dir, tmp_path, dataset=None, *, trained=True, trainer_kwargs=None, **fields):
     """Stock DPOTrainer and ours on the same pairs: same parameters, updates and logged metrics; returns our logged
     steps (the entries with the plugin's figures) and our trainer."""
-    ours_only = {name: fields.pop(name) for name in list(fields) if name in DPO_PLUGIN_FIELDS}
-    ours_only.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
-    kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
-    init, stock, stock_history, _ = dpo_run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
-    init2, ours, history, trainer = dpo_run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
-    assert relative_difference(init2, init) == 0.0
-    tolerances = dict(update_tolerance=UPDATE_TOLERANCE, param_tolerance=PARAM_TOLERANCE)
-    assert not parameter_mismatches(init, ours, stock, trained_by=1e-6 if trained else None, **tolerances)
+    history, stock_history, trainer = runs_against_stock(
+        dpo_run, model_dir, tmp_path, dataset, fields, plugin_fields=DPO_PLUGIN_FIELDS, budget=SMALL_BUDGET,
+        trainer_kwargs=trainer_kwargs, param_tolerance=PARAM_TOLERANCE, update_tolerance=UPDATE_TOLERANCE,
+        trained_by=1e-6 if trained else None,
+    )  # fmt: skip
     assert not logged_mismatches(history, stock_history)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert len(steps) == fields.get("max_steps", 2)
@@ -432,18 +429,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    from hf_dynbsz.testing import TEST_ALPHABET, build_char_tokenizer
-    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+    from hf_dynbsz.testing.zoo import save_tiny_families
 
-    tokenizer = build_char_tokenizer(TEST_ALPHABET)
-    paths = {}
-    for family in FAMILIES:
-        model = build_tiny_causal_lm_of_type(family, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        paths[family] = str(path)
-    return paths
+    return save_tiny_families(tmp_path_factory, FAMILIES)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

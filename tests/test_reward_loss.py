@@ -11,9 +11,6 @@ metrics, with and without margins and the centering term.
 
 from __future__ import annotations
 
-import random
-from collections import defaultdict
-
 import pytest
 import torch
 
@@ -28,7 +25,7 @@ from hf_dynbsz.execution.reward_loss import (
     reward_pass_loss,
     reward_step_batch,
 )
-from hf_dynbsz.testing import load_tokenizer, preference_pairs
+from hf_dynbsz.testing import load_tokenizer, preference, preference_pairs
 from hf_dynbsz.testing.reward import reward_config, reward_model
 
 GA, PAIRS = 2, 4  # an optimizer step of 2 stock micro-batches of 4 pairs
@@ -53,32 +50,14 @@ def stock_trainer(model_dir, tmp_path, margins: bool, **fields):
 
 
 def micro_batches(trainer) -> list[dict]:
-    rows = [trainer.train_dataset[i] for i in range(GA * PAIRS)]
-    return [trainer.data_collator(rows[k * PAIRS : (k + 1) * PAIRS]) for k in range(GA)]
+    return preference.stock_micro_batches(trainer, GA, PAIRS)
 
 
 def stock_step(trainer, window):
     """Stock's loss of the step (each micro-batch's ``compute_loss`` / GA), its gradients and its logged metrics."""
-    trainer.model.zero_grad()
-    trainer._metrics["train"].clear()
-    total = 0.0
-    for inputs in window:
-        loss = trainer.compute_loss(trainer.model, dict(inputs)) / GA
-        loss.backward()
-        total += loss.item()
-    gradients = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    metrics = {key: list(values) for key, values in trainer._metrics["train"].items()}
-    return total, gradients, metrics
-
-
-def whole_pair_passes(count: int, seed: int, passes: int = 3) -> list[list[int]]:
-    """The step's pairs (samples 2k, 2k + 1) cut at random into ``passes`` passes of whole pairs."""
-    pairs = list(range(count // 2))
-    random.Random(seed).shuffle(pairs)
-    cuts = sorted(random.Random(seed + 1).sample(range(1, len(pairs)), passes - 1))
-    return [
-        sorted(i for k in pairs[start:end] for i in (2 * k, 2 * k + 1)) for start, end in zip([0, *cuts], [*cuts, None])
-    ]
+    return preference.stock_pair_step(
+        trainer, window, lambda inputs: trainer.compute_loss(trainer.model, dict(inputs)) / GA
+    )
 
 
 def our_step(trainer, window, seed: int):
@@ -90,7 +69,7 @@ def our_step(trainer, window, seed: int):
     model = trainer.model
     model.zero_grad()
     metrics, total = RewardMetrics(GA, "cpu"), 0.0
-    for group in whole_pair_passes(len(batch), seed):
+    for group in preference.whole_pair_passes(len(batch), seed):
         mb = build_microbatch(batch.table, group, layout="padding_free", pad_token_id=0, attention="sdpa",
                               keys=batch.table.prefix_keys("tree"))  # fmt: skip
         with segment_attention(model, True), captured_scores(model) as captured:
@@ -102,16 +81,7 @@ def our_step(trainer, window, seed: int):
             loss.backward()
         total += loss.item()
         metrics.add_pass(0, 0, pass_metrics, None, rows.mask, rows.slice_ids)
-    gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    store = defaultdict(list)
-    metrics.publish_slices(store)
-    return total, gradients, dict(store)
-
-
-def relative(ours: dict, stock: dict) -> float:
-    num = sum(((ours[k] - stock[k]).double() ** 2).sum() for k in stock) ** 0.5
-    den = sum((stock[k].double() ** 2).sum() for k in stock) ** 0.5
-    return float(num / den)
+    return preference.pair_step_outcome(model, total, metrics)
 
 
 CASES = {
@@ -126,11 +96,7 @@ CASES = {
 def test_whole_pair_passes_give_stocks_loss_gradients_and_metrics(model_dir, tmp_path, case):
     trainer = stock_trainer(model_dir, tmp_path, **CASES[case])
     window = micro_batches(trainer)
-    stock_loss, stock_grads, stock_metrics = stock_step(trainer, window)
-    for seed in (0, 1):  # two different cuts of the same pairs
-        loss, grads, metrics = our_step(trainer, window, seed)
-        assert loss == pytest.approx(stock_loss, rel=1e-5, abs=1e-7)
-        assert relative(grads, stock_grads) <= 1e-5
+    for metrics, stock_metrics in preference.pair_steps_against_stock(trainer, window, stock_step, our_step):
         for key in ("min_reward", "mean_reward", "max_reward", "accuracy", "margin"):
             assert metrics[key] == pytest.approx(stock_metrics[key], rel=1e-5, abs=1e-6), key
 

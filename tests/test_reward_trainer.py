@@ -25,9 +25,9 @@ from hf_dynbsz import DynamicBatchRewardConfig, DynamicBatchRewardTrainer
 from hf_dynbsz.testing import (
     logged_metrics,
     metric_mismatches,
-    parameter_mismatches,
     preference_pairs,
     relative_difference,
+    runs_against_stock,
     signature_mismatches,
 )
 from hf_dynbsz.testing.reward import REWARD_PLUGIN_FIELDS, reward_run
@@ -43,14 +43,10 @@ def compare_with_stock(model_dir, tmp_path, dataset=None, *, trainer_kwargs=None
     """Stock RewardTrainer and ours on the same pairs: same parameters, updates and logged metrics; returns our logged
     steps (the entries with the plugin's figures) and our trainer."""
     dataset = dataset if dataset is not None else preference_pairs(16)
-    ours_only = {name: fields.pop(name) for name in list(fields) if name in REWARD_PLUGIN_FIELDS}
-    ours_only.setdefault("max_tokens_per_microbatch", SMALL_BUDGET)
-    kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
-    init, stock, stock_history, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
-    init2, ours, history, trainer = reward_run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
-    assert relative_difference(init2, init) == 0.0
-    tolerances = dict(update_tolerance=UPDATE_TOLERANCE, param_tolerance=PARAM_TOLERANCE)
-    assert not parameter_mismatches(init, ours, stock, trained_by=1e-6, **tolerances)
+    history, stock_history, trainer = runs_against_stock(
+        reward_run, model_dir, tmp_path, dataset, fields, plugin_fields=REWARD_PLUGIN_FIELDS, budget=SMALL_BUDGET,
+        trainer_kwargs=trainer_kwargs, param_tolerance=PARAM_TOLERANCE, update_tolerance=UPDATE_TOLERANCE,
+    )  # fmt: skip
     assert not metric_mismatches(logged_metrics(history), logged_metrics(stock_history))
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert len(steps) == fields.get("max_steps", 2)
@@ -116,18 +112,9 @@ FAMILIES = ("llama", "mistral", "qwen3_moe")
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    from hf_dynbsz.testing import TEST_ALPHABET, build_char_tokenizer
-    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+    from hf_dynbsz.testing.zoo import save_tiny_families
 
-    tokenizer = build_char_tokenizer(TEST_ALPHABET)
-    paths = {}
-    for family in FAMILIES:
-        model = build_tiny_causal_lm_of_type(family, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        paths[family] = str(path)
-    return paths
+    return save_tiny_families(tmp_path_factory, FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

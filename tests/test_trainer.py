@@ -11,8 +11,6 @@ which stock computes per fixed slice) is logged with stock's value within 1e-5 (
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -556,21 +554,9 @@ def test_varlen_attn_rows_match_stock(model_dir, tmp_path, monkeypatch, loss_typ
     """The run a capable GPU gets on sdpa (torch's varlen_attn, one call per layer; shared prompts gathered in front
     of each completion), on this CPU with the reference kernel of varlen_attn's contract standing in for torch's:
     shared prompts, old-policy and reference passes, parameters after training equal stock's."""
-    from hf_dynbsz.execution import attention, setup
-    from hf_dynbsz.planning.model_support import DeviceFacts
-    from hf_dynbsz.testing import reference_varlen_attn
+    from hf_dynbsz.testing import varlen_attn_standin
 
-    capable = DeviceFacts("cuda", (9, 0), (2, 13), varlen_attn=True, varlen_window=True, compute_dtype="bfloat16")
-    monkeypatch.setattr(setup, "device_facts", lambda *args: capable)
-    calls = []
-
-    @functools.wraps(reference_varlen_attn)  # its signature is what the caller reads
-    def kernel(*args, **kwargs):
-        calls.append(kwargs)
-        return reference_varlen_attn(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
-    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
+    calls = varlen_attn_standin(monkeypatch)
     history = compare_with_stock(model_dir, tmp_path, loss_type=loss_type, beta=0.05, num_iterations=2)
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert all(step["dynbsz/shared_tokens_saved"] > 0 for step in steps)  # the self-check kept shared prompts

@@ -23,6 +23,8 @@ imported inside the functions). The modules:
   across pairs, several pairs per prompt) and one DPO run of stock's trainer or the plugin's;
 * :mod:`~hf_dynbsz.testing.prefixes`: samples with prefix structure beyond prompt groups (a block every prompt
   begins with, tree-search rollouts' trunks and branches);
+* :mod:`~hf_dynbsz.testing.scenarios`: the multi-process preference tests' runs by named scenario (the worker's
+  fields and results, the test's launches, each rank's record, the comparison with stock, lockstep);
 * :mod:`~hf_dynbsz.testing.harness`: one builder of a run (model shape, scripted rollout of a mix, stock's or the
   plugin's config with the CPU run's fields, the trainer, a step clock) and the commands that launch workers;
 * :mod:`~hf_dynbsz.testing.async_grpo`: TRL's ``AsyncGRPOTrainer`` offline: a rollout worker and a weight transfer
@@ -50,6 +52,7 @@ from hf_dynbsz.testing.passes import *  # noqa: F403
 from hf_dynbsz.testing.preference import *  # noqa: F403
 from hf_dynbsz.testing.prefixes import *  # noqa: F403
 from hf_dynbsz.testing.processes import *  # noqa: F403
+from hf_dynbsz.testing.scenarios import *  # noqa: F403
 from hf_dynbsz.testing.vision import *  # noqa: F403
 from hf_dynbsz.testing.vllm_standin import *  # noqa: F403
 
@@ -57,7 +60,7 @@ from hf_dynbsz.testing.vllm_standin import *  # noqa: F403
 #: process exits and host reads, which are imported by their module's name.
 REEXPORTED = (
     "async_grpo", "engines", "fixtures", "fsdp", "harness", "layouts", "mixes", "oracles", "passes", "preference",
-    "prefixes", "processes", "vision", "vllm_standin",
+    "prefixes", "processes", "scenarios", "vision", "vllm_standin",
 )  # fmt: skip
 # (by sys.modules: the attribute ``vllm_standin`` of this package is the function, not the module)
 __all__ = list(dict.fromkeys(name for module in REEXPORTED for name in sys.modules[f"{__name__}.{module}"].__all__))

@@ -40,6 +40,7 @@ __all__ = [
     "StandInRolloutWorker",
     "async_grpo_on_cpu",
     "async_grpo_run",
+    "async_grpo_stock_cut",
     "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
@@ -549,3 +550,10 @@ def _packed_row_load_balancing(config, samples: list, routed: list):
     probabilities = torch.softmax(gates.float(), dim=-1)
     chosen = torch.nn.functional.one_hot(torch.topk(probabilities, top_k, dim=-1).indices, experts).float()
     return experts * (chosen.mean(dim=0) * probabilities.mean(dim=0).unsqueeze(0)).sum()
+
+
+def async_grpo_stock_cut(model_dir: str, output_dir: str, script: RolloutScript | None = None) -> AsyncRun:
+    """Stock's fixed-count mode at a cut of 8 samples x 2 accumulation steps (:func:`async_grpo_run`)."""
+    return async_grpo_run(
+        "async_grpo_stock", model_dir, output_dir, script, per_device_train_batch_size=8, gradient_accumulation_steps=2
+    )

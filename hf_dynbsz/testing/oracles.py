@@ -23,6 +23,7 @@ __all__ = [
     "switched_off_mismatches",
     "tree_mask",
     "update_difference",
+    "varlen_attn_standin",
 ]
 
 #: Logged keys that measure time, not training.
@@ -382,3 +383,27 @@ def signature_mismatches(ours: type, stock: type) -> list[str]:
         if ours_signature != stock_signature:
             found.append(f"{name}: {ours_signature} != stock {stock_signature}")
     return found
+
+
+def varlen_attn_standin(monkeypatch) -> list[dict]:
+    """The run a capable GPU gets on sdpa (torch's varlen_attn, one call per layer), on this CPU: the device facts of
+    a capable CUDA device, :func:`reference_varlen_attn` standing in for torch's kernel (its signature, the caller
+    reads it), no sdpa span ever run; ``monkeypatch`` undoes it. Returns the list each kernel call's keyword arguments
+    are appended to."""
+    import functools
+
+    from hf_dynbsz.execution import attention, setup
+    from hf_dynbsz.planning.model_support import DeviceFacts
+
+    capable = DeviceFacts("cuda", (9, 0), (2, 13), varlen_attn=True, varlen_window=True, compute_dtype="bfloat16")
+    monkeypatch.setattr(setup, "device_facts", lambda *args: capable)
+    calls = []
+
+    @functools.wraps(reference_varlen_attn)  # its signature is what the caller reads
+    def kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return reference_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "VARLEN_ATTN_KERNEL", kernel)
+    monkeypatch.setattr(attention.SegmentLayout, "_build_span_calls", None)  # no sdpa span ever runs
+    return calls

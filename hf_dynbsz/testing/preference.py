@@ -4,7 +4,13 @@
   lengths drawn from given ranges (or a long-tailed draw), optionally every prompt opening with one shared block (a
   system prompt), and optionally several pairs per prompt (datasets with several ranked responses per prompt);
 * :func:`dpo_run`: one training run of stock ``DPOTrainer`` or ``DynamicBatchDPOTrainer`` on such pairs, with the
-  comparison runs' schedule and optimizer (:data:`DPO_COMPARISON_FIELDS`): initial and final parameters and the log.
+  comparison runs' schedule and optimizer (:data:`DPO_COMPARISON_FIELDS`): initial and final parameters and the log;
+  :func:`comparison_config`, the config of such a run (DPO's or the reward model's); :func:`runs_against_stock`,
+  stock's run and the plugin's on the same pairs, their initial and final parameters compared;
+* the loss tests' steps of pairs: stock's micro-batches (:func:`stock_micro_batches`) and step
+  (:func:`stock_pair_step`), the step's pairs cut at random into passes of whole pairs (:func:`whole_pair_passes`),
+  a step's outcome (:func:`pair_step_outcome`), gradients' relative difference (:func:`gradient_difference`), our
+  steps of two cuts against stock's (:func:`pair_steps_against_stock`).
 
 Nothing here downloads anything; torch, transformers, TRL and datasets are imported inside the functions.
 """
@@ -15,7 +21,21 @@ from collections.abc import Callable
 
 from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS, TEST_ALPHABET
 
-__all__ = ["DPO_COMPARISON_FIELDS", "DPO_PLUGIN_FIELDS", "dpo_config", "dpo_run", "preference_pairs"]
+__all__ = [
+    "DPO_COMPARISON_FIELDS",
+    "DPO_PLUGIN_FIELDS",
+    "comparison_config",
+    "dpo_config",
+    "dpo_run",
+    "gradient_difference",
+    "pair_step_outcome",
+    "pair_steps_against_stock",
+    "preference_pairs",
+    "runs_against_stock",
+    "stock_micro_batches",
+    "stock_pair_step",
+    "whole_pair_passes",
+]
 
 #: The DPO comparison runs' schedule (2 optimizer steps of 2 micro-batches of 4 pairs) and optimizer: SGD at a constant,
 #: large rate, so that a mis-weighted pair shows; no gradient clipping.
@@ -77,6 +97,18 @@ def preference_pairs(
     )
 
 
+def comparison_config(
+    stock_class: type, plugin_class: type, output_dir: str, plugin: bool, fields: dict, *,
+    defaults: dict = DPO_COMPARISON_FIELDS, plugin_fields: tuple[str, ...] = DPO_PLUGIN_FIELDS,
+):  # fmt: skip
+    """A comparison run's config (``defaults`` on a CPU run, ``fields`` on top): ``plugin_class`` with ``plugin``,
+    else ``stock_class`` (the plugin's fields, ``plugin_fields``, left out)."""
+    values = {"output_dir": output_dir, **defaults, **CPU_RUN_FIELDS, **fields}
+    if not plugin:
+        values = {name: value for name, value in values.items() if name not in plugin_fields}
+    return (plugin_class if plugin else stock_class)(**values)
+
+
 def dpo_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`DPO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchDPOConfig`` with ``plugin``, else TRL's ``DPOConfig`` (the plugin's fields left out)."""
@@ -84,10 +116,7 @@ def dpo_config(output_dir: str, *, plugin: bool, **fields):
 
     from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
 
-    values = {"output_dir": output_dir, **DPO_COMPARISON_FIELDS, **CPU_RUN_FIELDS, **fields}
-    if not plugin:
-        values = {name: value for name, value in values.items() if name not in DPO_PLUGIN_FIELDS}
-    return (DynamicBatchDPOConfig if plugin else DPOConfig)(**values)
+    return comparison_config(DPOConfig, DynamicBatchDPOConfig, output_dir, plugin, fields)
 
 
 def dpo_run(
@@ -129,3 +158,92 @@ def dpo_run(
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, trainer.state.log_history, trainer
+
+
+def runs_against_stock(
+    run: Callable, model_dir: str, tmp_path, dataset, fields: dict, *, plugin_fields: tuple[str, ...], budget: int,
+    trainer_kwargs: dict | None, param_tolerance: float, update_tolerance: float, trained_by: float | None = 1e-6,
+):  # fmt: skip
+    """Stock's run (``run(False, ...)``: :func:`dpo_run`, ``reward_run``) and the plugin's on the same ``dataset``
+    from ``model_dir``, ``fields`` their config's (the plugin's own, ``plugin_fields``, popped from ``fields`` and
+    given to the plugin's run only, ``max_tokens_per_microbatch`` ``budget`` unless given): the same initial
+    parameters, the final parameters and updates within the tolerances (:func:`~hf_dynbsz.testing.parameter_mismatches`,
+    ``trained_by``). Returns ``(our log history, stock's log history, our trainer)``."""
+    from hf_dynbsz.testing.oracles import parameter_mismatches, relative_difference
+
+    ours_only = {name: fields.pop(name) for name in list(fields) if name in plugin_fields}
+    ours_only.setdefault("max_tokens_per_microbatch", budget)
+    kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
+    init, stock, stock_history, _ = run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
+    init2, ours, history, trainer = run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
+    assert relative_difference(init2, init) == 0.0
+    tolerances = dict(update_tolerance=update_tolerance, param_tolerance=param_tolerance)
+    assert not parameter_mismatches(init, ours, stock, trained_by=trained_by, **tolerances)
+    return history, stock_history, trainer
+
+
+# ---- the loss tests' steps of pairs -------------------------------------------------------------------------------
+def stock_micro_batches(trainer, accumulation: int, pairs: int) -> list[dict]:
+    """Stock's ``accumulation`` micro-batches of ``pairs`` pairs each: the trainer's first rows, its collator's."""
+    rows = [trainer.train_dataset[i] for i in range(accumulation * pairs)]
+    return [trainer.data_collator(rows[k * pairs : (k + 1) * pairs]) for k in range(accumulation)]
+
+
+def stock_pair_step(trainer, window: list[dict], micro_batch_loss: Callable):
+    """Stock's step over ``window``: the sum of ``micro_batch_loss(inputs)`` (each backpropagated), its gradients and
+    its logged metrics (the trainer's ``_metrics["train"]``, cleared first)."""
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    total = 0.0
+    for inputs in window:
+        loss = micro_batch_loss(inputs)
+        loss.backward()
+        total += loss.item()
+    gradients = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {key: list(values) for key, values in trainer._metrics["train"].items()}
+    return total, gradients, metrics
+
+
+def whole_pair_passes(count: int, seed: int, passes: int = 3) -> list[list[int]]:
+    """The step's pairs (samples 2k, 2k + 1) cut at random into ``passes`` passes of whole pairs."""
+    import random
+
+    pairs = list(range(count // 2))
+    random.Random(seed).shuffle(pairs)
+    cuts = sorted(random.Random(seed + 1).sample(range(1, len(pairs)), passes - 1))
+    return [
+        sorted(i for k in pairs[start:end] for i in (2 * k, 2 * k + 1)) for start, end in zip([0, *cuts], [*cuts, None])
+    ]
+
+
+def pair_step_outcome(model, total: float, metrics):
+    """Our step's outcome as :func:`stock_pair_step` gives stock's: ``total``, ``model``'s gradients and the metrics'
+    per-slice values (``metrics.publish_slices``)."""
+    from collections import defaultdict
+
+    gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    store = defaultdict(list)
+    metrics.publish_slices(store)
+    return total, gradients, dict(store)
+
+
+def gradient_difference(ours: dict, stock: dict) -> float:
+    """||ours - stock|| / ||stock|| over ``stock``'s names."""
+    num = sum(((ours[k] - stock[k]).double() ** 2).sum() for k in stock) ** 0.5
+    den = sum((stock[k].double() ** 2).sum() for k in stock) ** 0.5
+    return float(num / den)
+
+
+def pair_steps_against_stock(trainer, window: list[dict], stock_step: Callable, our_step: Callable):
+    """Stock's step over ``window`` (``stock_step(trainer, window)``) against ours of two different cuts of the same
+    pairs (``our_step(trainer, window, seed)``, seeds 0 and 1): each cut's loss within ``rel=1e-5, abs=1e-7`` of
+    stock's and its gradients within 1e-5 (:func:`gradient_difference`) asserted; yields ``(our metrics, stock's
+    metrics)`` per cut, for the test's own comparison. (Run by pytest: pytest is imported here.)"""
+    import pytest
+
+    stock_loss, stock_grads, stock_metrics = stock_step(trainer, window)
+    for seed in (0, 1):  # two different cuts of the same pairs
+        loss, grads, metrics = our_step(trainer, window, seed)
+        assert loss == pytest.approx(stock_loss, rel=1e-5, abs=1e-7)
+        assert gradient_difference(grads, stock_grads) <= 1e-5
+        yield metrics, stock_metrics

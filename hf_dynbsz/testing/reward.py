@@ -7,8 +7,7 @@ TRL are imported inside the functions.
 
 from __future__ import annotations
 
-from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS
-from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
 
 __all__ = ["REWARD_COMPARISON_FIELDS", "REWARD_PLUGIN_FIELDS", "reward_config", "reward_model", "reward_run"]
 
@@ -38,10 +37,10 @@ def reward_config(output_dir: str, *, plugin: bool, **fields):
 
     from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
 
-    values = {"output_dir": output_dir, **REWARD_COMPARISON_FIELDS, **CPU_RUN_FIELDS, **fields}
-    if not plugin:
-        values = {name: value for name, value in values.items() if name not in REWARD_PLUGIN_FIELDS}
-    return (DynamicBatchRewardConfig if plugin else RewardConfig)(**values)
+    return comparison_config(
+        RewardConfig, DynamicBatchRewardConfig, output_dir, plugin, fields,
+        defaults=REWARD_COMPARISON_FIELDS, plugin_fields=REWARD_PLUGIN_FIELDS,
+    )  # fmt: skip
 
 
 def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, trainer_kwargs: dict | None = None, **fields):

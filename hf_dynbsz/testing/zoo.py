@@ -26,6 +26,7 @@ __all__ = [
     "TinyConfigUnavailable",
     "build_tiny_causal_lm_of_type",
     "causal_lm_types",
+    "save_tiny_families",
     "tiny_causal_lm_config",
 ]
 
@@ -790,3 +791,19 @@ def build_tiny_causal_lm_of_type(
 def causal_lm_types() -> list[str]:
     """Every model type transformers maps to a causal LM (multimodal ones included: they raise when built)."""
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def save_tiny_families(tmp_path_factory, families) -> dict[str, str]:
+    """Each of ``families``' tiny model (:func:`build_tiny_causal_lm_of_type` over the test alphabet's character
+    tokenizer: pad 0, eos 1) saved with the tokenizer in a fresh folder of ``tmp_path_factory``: ``{family: path}``."""
+    from hf_dynbsz.testing.fixtures import TEST_ALPHABET, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(TEST_ALPHABET)
+    paths = {}
+    for family in families:
+        model = build_tiny_causal_lm_of_type(family, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[family] = str(path)
+    return paths
