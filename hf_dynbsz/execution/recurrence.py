@@ -291,7 +291,7 @@ def cache_arguments(module) -> tuple[str, ...]:
 def _cache_arguments_of(module_class) -> tuple[str, ...]:
     try:
         names = inspect.signature(module_class.forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the mixer keeps recomputing (_wrap logs it)
+    except (TypeError, ValueError):  # no signature to read: the mixer keeps recomputing (_decide logs it)
         return ()
     return tuple(name for name in names if name in CACHE_ARGUMENTS)
 
@@ -440,7 +440,7 @@ def _decided(module, forward, kernel, layout, args, kwargs, width, device) -> tu
             deeper = _deepened(layout)
             chains = _agree(recomputed, _continued(fp32, argument, kernel, deeper, args, kwargs, width, device))
             return argument, chains, ""
-        except Exception as error:  # noqa: BLE001 - the mixer recomputes its prefixes; _wrap logs this reason
+        except Exception as error:  # noqa: BLE001 - the mixer recomputes its prefixes; _decide logs this reason
             reasons.append(
                 f"its forward failed when handed states through `{argument}`: {type(error).__name__}: {error}"
             )
