@@ -187,8 +187,15 @@ def test_a_block_starts_from_its_prefixs_state(model, monkeypatch):
     assert largest_error(model, order, shared=True) > LEAK
 
 
-#: The families of FAMILIES whose mixers read their states through transformers' cache (5.21 to 5.25 alike).
-READS_STATES_FROM_CACHE = {"qwen3_5_text": "cache", "mamba2": "cache", "lfm2": "cache"}
+#: The families whose mixers recompute each shared prefix (their blocks cannot start from the prefix's final states:
+#: Mamba's and Jamba's full-sequence scans start from zero whatever the cache holds, Falcon-Mamba's likewise,
+#: RecurrentGemma's block reads no cache, MiniMax's lightning attention reads one with methods of its own).
+#: Every other family of SEGMENT_RECURRENCE_FAMILIES hands states on, and down chains of inner nodes, as it did
+#: under transformers 5.24: a release that loses that fails here, per family.
+RECOMPUTES_PREFIXES = frozenset({"falcon_mamba", "jamba", "mamba", "minimax", "recurrent_gemma"})
+#: The families of FAMILIES whose mixers read their states through transformers' cache (5.21 to 5.25 alike), and the
+#: keyword they take it under: all but those of RECOMPUTES_PREFIXES (above).
+READS_STATES_FROM_CACHE = {family: "cache" for family in FAMILIES if family not in RECOMPUTES_PREFIXES}
 
 
 def test_a_mixer_that_reads_its_states_from_the_cache_runs_each_prefix_once(model, caplog):
@@ -322,14 +329,6 @@ PASSES = (
 )
 #: The passes of :data:`PASSES` the default run takes for :data:`DEFAULT_PATTERN_SUBSET`.
 DEFAULT_PASSES = {("groups", False), ("groups", True), ("tree-across-equal", True), ("tree-within-equal", False)}
-
-
-#: The families whose mixers recompute each shared prefix (their blocks cannot start from the prefix's final states:
-#: Mamba's and Jamba's full-sequence scans start from zero whatever the cache holds, Falcon-Mamba's likewise,
-#: RecurrentGemma's block and MiniMax's lightning attention read no state through transformers' cache interface).
-#: Every other family of SEGMENT_RECURRENCE_FAMILIES hands states on, and down chains of inner nodes, as it did
-#: under transformers 5.24: a release that loses that fails here, per family.
-RECOMPUTES_PREFIXES = frozenset({"falcon_mamba", "jamba", "mamba", "minimax", "recurrent_gemma"})
 
 
 def _default_pattern_params():

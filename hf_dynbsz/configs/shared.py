@@ -102,12 +102,12 @@ def refuse_model_parallelism(args, trainer: str) -> None:
     split = {name: size for name, size in sizes.items() if size > 1}
     if split:
         named = ", ".join(f"{name}={size}" for name, size in split.items())
-        stock = {"DynamicBatchDPOTrainer": "trl.DPOTrainer", "DynamicBatchRewardTrainer": "trl.RewardTrainer"}[trainer]
+        stock = trainer.removeprefix("DynamicBatch")  # DynamicBatchDPOTrainer: stock's DPOTrainer
         raise ValueError(
             f"parallelism_config with {named}: {trainer} trains as if every process were a data-parallel "
             "replica holding whole rows and whole parameters, and does not run context, sequence or tensor "
             "parallelism. Set cp_size, sp_size and tp_size to 1 (data parallelism and sharding stay: "
-            f"dp_replicate_size, dp_shard_size, DeepSpeed, FSDP), or train with stock {stock}."
+            f"dp_replicate_size, dp_shard_size, DeepSpeed, FSDP), or train with stock trl.{stock}."
         )
 
 
