@@ -1,5 +1,5 @@
 """hf-dynbsz: token-budget micro-batches for TRL's GRPOTrainer, RLOOTrainer, DistillationTrainer, DPOTrainer,
-RewardTrainer and AsyncGRPOTrainer, with exactly stock TRL's training math.
+RewardTrainer, KTOTrainer and AsyncGRPOTrainer, with exactly stock TRL's training math.
 
 Layers, as folders, bottom up (docs/architecture.md says what each module decides and may import):
 
@@ -9,10 +9,11 @@ Layers, as folders, bottom up (docs/architecture.md says what each module decide
   loss, vision inputs, self-check, metrics, device memory, the pass executor and out-of-memory recovery);
 * :mod:`hf_dynbsz.parallel`: across processes (the schedule's collectives, sequence parallelism);
 * :mod:`hf_dynbsz.configs` (``DynamicBatchGRPOConfig``, ``DynamicBatchRLOOConfig``, ``DynamicBatchDistillationConfig``,
-  ``DynamicBatchDPOConfig``, ``DynamicBatchRewardConfig``, ``DynamicBatchAsyncGRPOConfig``, one module each) and
+  ``DynamicBatchDPOConfig``, ``DynamicBatchRewardConfig``, ``DynamicBatchKTOConfig``, ``DynamicBatchAsyncGRPOConfig``,
+  one module each) and
   :mod:`hf_dynbsz.trainers` (``DynamicBatchGRPOTrainer``, ``DynamicBatchRLOOTrainer``,
   ``DynamicBatchDistillationTrainer``, ``DynamicBatchDPOTrainer``, ``DynamicBatchRewardTrainer``,
-  ``DynamicBatchAsyncGRPOTrainer``, one module each):
+  ``DynamicBatchKTOTrainer``, ``DynamicBatchAsyncGRPOTrainer``, one module each):
   TRL's hooks over the executor;
   :mod:`hf_dynbsz._trl_compat` lists every private name of TRL and its kin touched;
 * tools: :mod:`hf_dynbsz.cli` (``hf-dynbsz plan``, ``report``), :mod:`hf_dynbsz.testing` (fixtures, the model zoo,
@@ -42,6 +43,7 @@ _LAZY = {
     "DynamicBatchDPOConfig": "hf_dynbsz.configs",
     "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.configs",
     "DynamicBatchRewardConfig": "hf_dynbsz.configs",
+    "DynamicBatchKTOConfig": "hf_dynbsz.configs",
     "ensure_dynamic_batch_fields": "hf_dynbsz.configs",
     "apply_env_overrides": "hf_dynbsz.planning.env",
     "BatchSizePlan": "hf_dynbsz.planning.plan",
@@ -57,6 +59,7 @@ _LAZY = {
     "DynamicBatchDPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchAsyncGRPOTrainer": "hf_dynbsz.trainers",
     "DynamicBatchRewardTrainer": "hf_dynbsz.trainers",
+    "DynamicBatchKTOTrainer": "hf_dynbsz.trainers",
 }
 
 __all__ = [*_LAZY, "check_trl_version", "TESTED_TRL_RANGE", "UntestedTRLVersionError", "__version__"]

@@ -15,6 +15,7 @@ _LAZY = {
     "DynamicBatchDistillationConfig": "hf_dynbsz.configs.distillation",
     "DynamicBatchDPOConfig": "hf_dynbsz.configs.dpo",
     "DynamicBatchRewardConfig": "hf_dynbsz.configs.reward",
+    "DynamicBatchKTOConfig": "hf_dynbsz.configs.kto",
     "DynamicBatchAsyncGRPOConfig": "hf_dynbsz.configs.async_grpo",
     "check_as_training": "hf_dynbsz.configs.build",
     "ensure_dynamic_batch_fields": "hf_dynbsz.configs.build",

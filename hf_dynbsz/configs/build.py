@@ -12,6 +12,7 @@ from typing import Any
 from hf_dynbsz.configs.distillation import DynamicBatchDistillationConfig, refuse_distillation_sequence_parallelism
 from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig, refuse_dpo_settings
 from hf_dynbsz.configs.grpo import DynamicBatchGRPOConfig, rederive_and_validate
+from hf_dynbsz.configs.kto import refuse_kto_settings
 from hf_dynbsz.configs.reward import refuse_reward_settings
 from hf_dynbsz.configs.shared import default_ddp_backend
 from hf_dynbsz.planning.env import apply_env_overrides, with_env_sources
@@ -19,6 +20,10 @@ from hf_dynbsz.planning.settings import defaults_of
 from hf_dynbsz.planning.validation import validate_dynamic_batch_fields
 
 __all__ = ["check_as_training", "ensure_dynamic_batch_fields", "trainer_config"]
+
+#: The trainers whose steps come from their dataset (no generation round, no GRPO settings), each with what its run
+#: refuses of the settings stock accepts (``DynamicBatch{DPO,Reward,KTO}Config``).
+DATASET_TRAINER_REFUSALS = {"dpo": refuse_dpo_settings, "reward": refuse_reward_settings, "kto": refuse_kto_settings}
 
 
 def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
@@ -40,8 +45,8 @@ def ensure_dynamic_batch_fields(args, trainer: str = "grpo"):
         if trainer == "distillation":  # no generation round, no GRPO settings (see DynamicBatchDistillationConfig)
             refuse_distillation_sequence_parallelism(args)
             validate_dynamic_batch_fields(args)
-        elif trainer in ("dpo", "reward"):  # no generation round, no GRPO settings (DynamicBatch{DPO,Reward}Config)
-            (refuse_dpo_settings if trainer == "dpo" else refuse_reward_settings)(args)
+        elif trainer in DATASET_TRAINER_REFUSALS:
+            DATASET_TRAINER_REFUSALS[trainer](args)
             validate_dynamic_batch_fields(args)
         else:
             rederive_and_validate(args, previous)
@@ -102,7 +107,7 @@ def check_as_training(
     values.update(
         bf16=False, fp16=False, use_cpu=True, deepspeed=None, report_to="none", do_eval=False, eval_strategy="no"
     )
-    if trainer not in ("distillation", "dpo", "reward", "async_grpo"):  # a distillation's round: its step; others none
+    if trainer not in ("distillation", "async_grpo", *DATASET_TRAINER_REFUSALS):  # (a distillation's round: its step)
         values.update(generation_batch_size=generation_batch_size, steps_per_generation=None)
     with warnings.catch_warnings():  # TRL/transformers deprecation notices are training's business, not the plan's
         warnings.simplefilter("ignore", FutureWarning)

@@ -59,6 +59,7 @@ __all__ = [
     "DPOSettings",
     "METRIC_KEYS",
     "PAIR_FIELDS",
+    "completion_row_shape",
     "coupled_coefficients",
     "dpo_pass_loss",
     "dpo_step_batch",
@@ -155,7 +156,7 @@ def dpo_step_batch(
         for j in range(pairs):
             shapes = []
             for row in (j, pairs + j):
-                shape = _row_shape(masks[row], int(real[row]))
+                shape = completion_row_shape(masks[row], int(real[row]))
                 if shape is None:
                     raise ValueError(
                         f"micro-batch {slice_index}, row {row}: its completion_mask is not one run of response tokens "
@@ -178,7 +179,7 @@ def dpo_step_batch(
                            rank, num_processes, long_rope)  # fmt: skip
 
 
-def _row_shape(mask: torch.Tensor, real: int) -> tuple[int, int, int] | None:
+def completion_row_shape(mask: torch.Tensor, real: int) -> tuple[int, int, int] | None:
     """``(prompt, completion, response)`` of a row with ``real`` tokens and completion ``mask``: the tokens before the
     first scored response token, the scored ones (every real token from there), and stock's completion-mask count
     (which counts a response token at position 0, never scored); None when the mask is not one run to the end."""

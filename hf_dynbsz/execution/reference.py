@@ -1,5 +1,5 @@
-"""A DPO run's reference: each sample's reference sequence log-prob, from no-grad passes with a budget of their own
-(torch layer).
+"""A DPO or KTO run's reference: each sample's reference sequence log-prob, from no-grad passes with a budget of their
+own (torch layer).
 
 Stock ``DPOTrainer`` runs the reference inside each training micro-batch, over the same padded ``[chosen ; rejected]``
 rows (each pair's prompt twice), under no grad: the ``ref_model`` it holds (a DeepSpeed engine under ZeRO, FSDP's
@@ -53,18 +53,24 @@ class Reference:
                 yield
 
     @torch.no_grad()
+    def per_token(self, executor, policy, table, width: int, stock_tokens: int) -> torch.Tensor:
+        """``(samples, width)``: the reference's completion log-probs of every sample of ``table`` (a
+        :class:`~hf_dynbsz.execution.packing.SequenceTable` of this process's samples), from its no-grad passes
+        (``stock_tokens``: the padded tokens of stock's largest micro-batch over them)."""
+        model = policy if self.adapter else self.model
+        context = self._as_reference(policy) if self.adapter else contextlib.nullcontext()
+        with context:
+            per_token, _, _ = executor.no_grad_passes(model, table, width, False, stock_tokens)
+        return per_token
+
+    @torch.no_grad()
     def logps(self, executor, policy, batch: StepBatch, ld_alpha: float | None) -> None:
         """Fill ``batch.per_token["ref_logps"]`` (samples, 1): each sample's reference sequence log-prob, from the
         reference's no-grad passes over ``batch``'s samples (this process's), or left as the dataset's precomputed
         values."""
         if self.precomputed:
             return
-        model = policy if self.adapter else self.model
-        context = self._as_reference(policy) if self.adapter else contextlib.nullcontext()
-        with context:
-            per_token, _, _ = executor.no_grad_passes(
-                model, batch.table, batch.width, False, batch.stock_microbatch_tokens
-            )
+        per_token = self.per_token(executor, policy, batch.table, batch.width, batch.stock_microbatch_tokens)
         mask = batch.loss_mask.to(per_token.device)
         seq = sequence_logps(per_token, mask, batch.per_token["shared"].to(per_token.device), ld_alpha)
         batch.per_token["ref_logps"] = seq.float().unsqueeze(1).to(batch.per_token["ref_logps"].device)

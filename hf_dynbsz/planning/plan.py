@@ -28,7 +28,7 @@ from typing import Any
 from hf_dynbsz.planning.coerce import coerce_int, coerce_optional_int, coerce_pad_to_multiple_of
 from hf_dynbsz.planning.env import env_sources
 from hf_dynbsz.planning.generation_round import resolve_generation_round, user_generation_settings
-from hf_dynbsz.planning.plan_table import plan_rows, text_table
+from hf_dynbsz.planning.plan_table import DATASET_TRAINERS, plan_rows, text_table
 from hf_dynbsz.planning.settings import TRL_TENSOR_TILE_TOKENS, SharePrefix, setting
 from hf_dynbsz.planning.tokens import ceil_div
 from hf_dynbsz.planning.validation import validated_fields
@@ -78,6 +78,7 @@ STOCK_TRAINERS = {
     "distillation": "DistillationTrainer",
     "dpo": "DPOTrainer",
     "reward": "RewardTrainer",
+    "kto": "KTOTrainer",
     "async_grpo": "AsyncGRPOTrainer",
 }
 
@@ -86,7 +87,7 @@ def _batch_settings(args: Any, num_processes: Any, trainer: str = "grpo") -> dic
     """The batch sizes of ``args`` on ``num_processes`` processes, converted and checked, with the generation round
     derived as TRL derives it (:func:`~hf_dynbsz.planning.generation_round.resolve_generation_round`). A distillation
     generates one completion per prompt, once per optimizer step, for one pass: its round is the optimizer step."""
-    if trainer in ("distillation", "dpo", "reward"):  # (a DPO or reward step's pairs: from the dataset)
+    if trainer in ("distillation", *DATASET_TRAINERS):  # (a DPO, reward or KTO step's samples: from the dataset)
         return _distillation_settings(args, num_processes)
     if trainer == "async_grpo":
         return _async_settings(args, num_processes)

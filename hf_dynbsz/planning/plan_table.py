@@ -18,6 +18,9 @@ from typing import Any
 from hf_dynbsz.planning.model_support import images_stay_on_their_process
 from hf_dynbsz.planning.settings import SharePrefix, setting
 
+#: The trainers whose steps come from their dataset (nothing generated): a step's samples are its micro-batches'.
+DATASET_TRAINERS = ("dpo", "reward", "kto")
+
 __all__ = ["PLAN_ROWS", "Row", "fraction_text", "plan_rows", "text_table"]
 
 #: A :class:`~hf_dynbsz.planning.plan.BatchSizePlan`, read by attribute (that module imports this one, not the
@@ -158,6 +161,8 @@ def _logprob_budget_meaning(plan: Plan) -> str:
     default = "; default 2 x training budget" if plan.max_tokens_per_microbatch_logprob is None else ""
     if plan.trainer == "dpo":
         return "tokens per no-grad reference micro-batch (the reference model's log-probs)" + default
+    if plan.trainer == "kto":
+        return "tokens per no-grad micro-batch (the KL sequences' policy log-probs, the reference's)" + default
     return setting("max_tokens_per_microbatch_logprob").summary + default
 
 
@@ -194,7 +199,7 @@ def _router_meaning(plan: Plan) -> str:
 def _grpo_round(plan: Plan) -> bool:
     """Rows of GRPO's and RLOO's generation round (a distillation's round is its optimizer step, n = 1; a DPO run
     generates nothing; an asynchronous GRPO run's rollout worker generates continuously)."""
-    return plan.trainer not in ("distillation", "dpo", "reward", "async_grpo")
+    return plan.trainer not in ("distillation", "async_grpo", *DATASET_TRAINERS)
 
 
 def _asynchronous(plan: Plan) -> bool:
@@ -203,12 +208,12 @@ def _asynchronous(plan: Plan) -> bool:
 
 def _generates_in_trainer(plan: Plan) -> bool:
     """Rows of the trainer's own generation (a DPO run generates nothing, an asynchronous run's server generates)."""
-    return plan.trainer not in ("dpo", "reward", "async_grpo")
+    return plan.trainer not in ("async_grpo", *DATASET_TRAINERS)
 
 
 def _generates(plan: Plan) -> bool:
-    """Rows of generation (a DPO run's pairs come from its dataset)."""
-    return not _pairs(plan)
+    """Rows of generation (a DPO run's pairs and a KTO run's samples come from its dataset)."""
+    return plan.trainer not in DATASET_TRAINERS
 
 
 def _dpo(plan: Plan) -> bool:
@@ -221,8 +226,9 @@ def _pairs(plan: Plan) -> bool:
 
 
 def _logprob_rows(plan: Plan) -> bool:
-    """The log-prob budget's row: GRPO's and RLOO's no-grad passes, a DPO run's reference passes."""
-    return _grpo_round(plan) or _dpo(plan)
+    """The log-prob budget's row: GRPO's and RLOO's no-grad passes, a DPO run's reference passes, a KTO run's KL and
+    reference passes."""
+    return _grpo_round(plan) or plan.trainer in ("dpo", "kto")
 
 
 def _distillation(plan: Plan) -> bool:

@@ -5,6 +5,7 @@ package it subclasses takes seconds to import and warns."""
 from hf_dynbsz.trainers.distillation import DynamicBatchDistillationTrainer
 from hf_dynbsz.trainers.dpo import DynamicBatchDPOTrainer
 from hf_dynbsz.trainers.grpo import DynamicBatchGRPOTrainer
+from hf_dynbsz.trainers.kto import DynamicBatchKTOTrainer
 from hf_dynbsz.trainers.reward import DynamicBatchRewardTrainer
 from hf_dynbsz.trainers.rloo import DynamicBatchRLOOTrainer
 
@@ -13,6 +14,7 @@ __all__ = [
     "DynamicBatchDPOTrainer",
     "DynamicBatchDistillationTrainer",
     "DynamicBatchGRPOTrainer",
+    "DynamicBatchKTOTrainer",
     "DynamicBatchRLOOTrainer",
     "DynamicBatchRewardTrainer",
 ]

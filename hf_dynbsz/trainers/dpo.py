@@ -26,51 +26,33 @@ from hf_dynbsz.trainers.hooks import PreferenceHooks
 logger = logging.getLogger("hf_dynbsz")
 
 
-class DynamicBatchDPOTrainer(PreferenceHooks, DPOTrainer, config=DynamicBatchDPOConfig, loss=DPOLoss, algorithm="DPO"):
-    """Drop-in replacement for :class:`trl.DPOTrainer` with token-budget passes over each optimizer step's pairs."""
-
-    def _dynbsz_start(self) -> None:
-        super()._dynbsz_start()
-        executor = self._dynbsz
-        self._dynbsz_inputs_checked = False  # the collated inputs, read at the first step (_train_window)
-        if executor.enabled and executor.loss.blocker is not None:
-            executor.enabled = False
-            logger.warning("hf_dynbsz: dynamic batching is off, stock DPOTrainer math runs: %s.", executor.loss.blocker)
-        if executor.enabled and executor.loss.settings.coupled:
-            refuse_sorted_loss_with_dropout(self.model, self.args)
-
-    def _train_window(self, model, window: list[dict]) -> torch.Tensor:
-        """One optimizer step from its micro-batches: the pairs repacked (stock's slices if the self-check keeps no
-        layout). At the first step, a collator that adds model inputs (:func:`extra_model_inputs`, on any process)
-        turns the run to stock's micro-batches, from this step on, with one logged reason."""
-        executor, accelerator = self._dynbsz, self.accelerator
-        if not self._dynbsz_inputs_checked:
-            self._dynbsz_inputs_checked = True
-            extra = extra_model_inputs(window)
-            if executor.world.all_reduce_max([int(bool(extra))])[0]:  # every process decides alike
-                executor.enabled = False  # the next steps: stock's training_step
-                collator = type(self.data_collator).__name__
-                return executor.train_step_stock(model, window, (
-                    f"dynamic batching is off, stock DPOTrainer math runs: the data collator ({collator}) adds model "
-                    f"inputs the passes do not read ({', '.join(extra) or 'on another process'}), which stock passes "
-                    "to the model"
-                ))  # fmt: skip
-        long_rope = executor.capabilities.support.long_rope
-        batch = dpo_step_batch(window, accelerator.process_index, accelerator.num_processes, long_rope)
-        if executor.self_check(model, batch.table):
-            return executor.train_step(model, batch).loss
-        return executor.train_step_stock(model, window)
-
-
 #: The keys of ``DataCollatorForPreference``'s micro-batches, all read by the passes (every other key stock passes to
 #: the model as an input).
 COLLATED_KEYS = frozenset({"input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
 
 
-def extra_model_inputs(window: list[dict]) -> list[str]:
-    """The keys of ``window``'s micro-batches beyond :data:`COLLATED_KEYS`: model inputs a collator added (a subclass
-    of ``DataCollatorForPreference``), which stock's forward receives and the passes would drop."""
-    return sorted({key for inputs in window for key in inputs} - COLLATED_KEYS)
+class DynamicBatchDPOTrainer(PreferenceHooks, DPOTrainer, config=DynamicBatchDPOConfig, loss=DPOLoss, algorithm="DPO"):
+    """Drop-in replacement for :class:`trl.DPOTrainer` with token-budget passes over each optimizer step's pairs."""
+
+    _dynbsz_collated_keys = COLLATED_KEYS
+
+    def _dynbsz_start(self) -> None:
+        super()._dynbsz_start()
+        if self._dynbsz.enabled and self._dynbsz.loss.settings.coupled:
+            refuse_sorted_loss_with_dropout(self.model, self.args)
+
+    def _train_window(self, model, window: list[dict]) -> torch.Tensor:
+        """One optimizer step from its micro-batches: the pairs repacked (stock's slices if the self-check keeps no
+        layout, or at the first step for a collator that adds model inputs)."""
+        executor, accelerator = self._dynbsz, self.accelerator
+        stock_loss = self._dynbsz_added_inputs(model, window)
+        if stock_loss is not None:
+            return stock_loss
+        long_rope = executor.capabilities.support.long_rope
+        batch = dpo_step_batch(window, accelerator.process_index, accelerator.num_processes, long_rope)
+        if executor.self_check(model, batch.table):
+            return executor.train_step(model, batch).loss
+        return executor.train_step_stock(model, window)
 
 
 #: torch's dropout modules (``p``: the probability of dropping an element), the ones TRL's ``disable_dropout`` zeroes

@@ -38,13 +38,7 @@ class DynamicBatchRewardTrainer(
 
     def _dynbsz_start(self) -> None:
         super()._dynbsz_start()
-        executor = self._dynbsz
-        executor.checked = not self.args.self_check  # the check is the reward model's own (check_rewards)
-        if executor.enabled and executor.loss.blocker is not None:
-            executor.enabled = False
-            logger.warning(
-                "hf_dynbsz: dynamic batching is off, stock RewardTrainer math runs: %s.", executor.loss.blocker
-            )
+        self._dynbsz.checked = not self.args.self_check  # the check is the reward model's own (check_rewards)
 
     def _train_window(self, model, window: list[dict]) -> torch.Tensor:
         """One optimizer step from its micro-batches: the pairs repacked (stock's micro-batches if the self-check of
@@ -59,6 +53,6 @@ class DynamicBatchRewardTrainer(
             failure = check_rewards(executor, model, batch)
             if failure is not None:
                 executor.enabled = False
-                reason = f"dynamic batching is off, stock RewardTrainer math runs: {failure}"
+                reason = f"{self._dynbsz_stock_math}: {failure}"
                 return executor.train_step_stock(model, window, reason)
         return executor.train_step(model, batch).loss

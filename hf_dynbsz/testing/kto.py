@@ -1,0 +1,177 @@
+"""KTO runs for the tests, the benchmark and the example: unpaired preference samples (``prompt``, ``completion``,
+``label``) and one training run of stock ``KTOTrainer`` or ``DynamicBatchKTOTrainer``, offline, from a saved tiny
+causal LM.
+
+Imported by its module's name (``hf_dynbsz.testing.kto``). Nothing here downloads anything; torch, transformers, TRL
+and datasets are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hf_dynbsz.testing.fixtures import TEST_ALPHABET
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
+
+__all__ = [
+    "KTO_COMPARISON_FIELDS",
+    "KTO_PLUGIN_FIELDS",
+    "kto_config",
+    "kto_metric_mismatches",
+    "kto_run",
+    "sharpened_reference",
+    "unpaired_samples",
+]
+
+#: The comparison runs' schedule (2 optimizer steps of 2 micro-batches of 4 samples) and optimizer: SGD at a constant,
+#: large rate, no gradient clipping (DPO's).
+KTO_COMPARISON_FIELDS = dict(DPO_COMPARISON_FIELDS)
+#: Settings only ``DynamicBatchKTOConfig`` has (a stock run leaves them out).
+KTO_PLUGIN_FIELDS = DPO_PLUGIN_FIELDS
+
+
+def unpaired_samples(
+    count: int = 16,
+    *,
+    seed: int = 0,
+    prompt: tuple[int, int] | Callable = (3, 20),
+    completion: tuple[int, int] | Callable = (1, 25),
+    system: int = 0,
+    desirable: float = 0.5,
+    alphabet: str = TEST_ALPHABET,
+):
+    """``count`` unpaired preference samples (a ``datasets.Dataset`` of ``prompt`` and ``completion`` strings and a
+    boolean ``label``).
+
+    ``prompt`` / ``completion``: lengths in characters (one token each with the test tokenizer), uniform in ``[low,
+    high)``, or a function ``(rng, n) -> lengths``; ``system``: every prompt opens with the same block of this many
+    characters; ``desirable``: the chance of a sample being desirable (``label`` True)."""
+    import numpy as np
+    from datasets import Dataset
+
+    rng = np.random.default_rng(seed)
+    letters = list(alphabet)
+
+    def lengths(spec, n: int):
+        values = spec(rng, n) if callable(spec) else rng.integers(spec[0], spec[1], n)
+        return [max(int(v), 1) for v in values]
+
+    def text(length: int) -> str:
+        return "".join(rng.choice(letters, length))
+
+    block = text(system) if system else ""
+    return Dataset.from_dict(
+        {
+            "prompt": [block + text(length) for length in lengths(prompt, count)],
+            "completion": [text(length) for length in lengths(completion, count)],
+            "label": [bool(value) for value in rng.random(count) < desirable],
+        }
+    )
+
+
+def sharpened_reference(model_dir: str, factor: float = 4.0):
+    """The causal LM saved at ``model_dir`` (fp32) with its final norm's weight times ``factor``: its logits ``factor``
+    times the model's, so it gives text of the test alphabet lower log-probs than the model does and KTO's KL estimate
+    (the policy's log-probs over the reference's, clamped at 0) is positive from the first step. A reference the same
+    as the policy estimates 0 there, where a wrong micro-batch would not show."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.base_model.norm.weight.mul_(factor)
+    return model
+
+
+def kto_config(output_dir: str, *, plugin: bool, **fields):
+    """The comparison runs' config (:data:`KTO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
+    ``DynamicBatchKTOConfig`` with ``plugin``, else TRL's ``KTOConfig`` (the plugin's fields left out)."""
+    from trl import KTOConfig
+
+    from hf_dynbsz.configs.kto import DynamicBatchKTOConfig
+
+    return comparison_config(
+        KTOConfig, DynamicBatchKTOConfig, output_dir, plugin, fields,
+        defaults=KTO_COMPARISON_FIELDS, plugin_fields=KTO_PLUGIN_FIELDS,
+    )  # fmt: skip
+
+
+def kto_run(
+    plugin: bool,
+    model_dir: str,
+    output_dir: str,
+    dataset=None,
+    *,
+    model=None,
+    ref_model=None,
+    trainer_kwargs: dict | None = None,
+    **fields,
+):
+    """Train stock ``KTOTrainer`` (``plugin`` False) or ``DynamicBatchKTOTrainer`` from ``model_dir`` on ``dataset``
+    (default :func:`unpaired_samples`); returns ``(initial parameters, final parameters, log history, trainer)``.
+
+    ``model``: a model instance to train (default: the path, which stock loads, with the reference from the same path
+    as stock's default ``ref_model=None`` does); ``ref_model``: an explicit reference; ``trainer_kwargs``: more
+    constructor arguments (``peft_config``, ...)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import KTOTrainer
+
+    from hf_dynbsz.testing.fixtures import load_tokenizer
+    from hf_dynbsz.trainers import DynamicBatchKTOTrainer
+
+    args = kto_config(output_dir, plugin=plugin, **fields)
+    initial_model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    initial = {name: p.detach().clone() for name, p in initial_model.named_parameters()}
+    trainer_class = DynamicBatchKTOTrainer if plugin else KTOTrainer
+    trainer = trainer_class(
+        model=model if model is not None else model_dir,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=dataset if dataset is not None else unpaired_samples(),
+        processing_class=load_tokenizer(model_dir),
+        **(trainer_kwargs or {}),
+    )
+    trainer.train()
+    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return initial, final, trainer.state.log_history, trainer
+
+
+#: The logged rewards and the sides whose sequence log-probs make each (``rewards/margins``: both).
+REWARD_SIDES = {
+    "rewards/chosen": ("chosen",),
+    "rewards/rejected": ("rejected",),
+    "rewards/margins": ("chosen", "rejected"),
+}
+
+
+def kto_metric_mismatches(ours: list[dict], stock: list[dict], beta: float, longest: int) -> list[str]:
+    """Where two runs' :func:`~hf_dynbsz.testing.logged_metrics` differ (:func:`~hf_dynbsz.testing.metric_mismatches`),
+    the rewards within what fp32 rounding alone moves them: a reward is ``beta`` times the difference of two sequence
+    log-probs (the policy's and the reference's), each a fp32 sum of up to ``longest`` token log-probs that a packed
+    pass adds in another order than stock's padded rows, so each sum's rounding is bounded by ``ceil(log2 longest)``
+    ulps of its magnitude and the difference cancels the magnitudes, not their rounding (the reference's sum is
+    ``logps - rewards / beta``)."""
+    import math
+
+    from hf_dynbsz.testing.oracles import metric_mismatches
+
+    eps = 2.0**-23
+    roundings = math.ceil(math.log2(max(longest, 2)))
+    found = metric_mismatches(
+        *([{k: v for k, v in e.items() if k not in REWARD_SIDES} for e in log] for log in (ours, stock))
+    )
+    for i, (our_entry, stock_entry) in enumerate(zip(ours, stock)):
+        for name in set(REWARD_SIDES) & set(stock_entry):
+            bound = 0.0
+            for side in REWARD_SIDES[name]:
+                policy = stock_entry[f"logps/{side}"]
+                reference = policy - stock_entry[f"rewards/{side}"] / beta
+                bound += beta * roundings * eps * (abs(policy) + abs(reference))
+            if not math.isclose(
+                our_entry.get(name, math.nan), stock_entry[name], rel_tol=1e-5, abs_tol=max(bound, 1e-6)
+            ):
+                found.append(
+                    f"entry {i}: {name} {our_entry.get(name)!r} != stock {stock_entry[name]!r} (bound {bound:.1e})"
+                )
+    return found

@@ -1,0 +1,243 @@
+"""DynamicBatchKTOTrainer equals stock TRL KTOTrainer, single process.
+
+Each comparison trains stock ``trl.KTOTrainer`` and ``DynamicBatchKTOTrainer`` on the same unpaired samples from the
+same tiny model, with a token budget small enough that every optimizer step (2 micro-batches of 4 samples) is cut into
+passes unlike stock's, and checks: the same parameters afterwards (relative difference <= 1e-5), the same *updates*
+(relative difference <= 1e-5: KTO's KL estimate is a micro-batch mean, and stock's own steps cut ``2 x 4`` instead of
+``4 x 2`` already move the update by more, :func:`test_a_wrong_micro_batch_shows`), and every metric stock logs
+(``loss``, ``kl``, ``entropy``, ``num_tokens``, ``logits/*``, ``rewards/*``, ``logps/*``, ``grad_norm``) equal, entry by
+entry.
+
+Most runs take a reference sharper than the policy (:func:`~hf_dynbsz.testing.kto.sharpened_reference`) and
+``beta=1``, so that the KL estimate is positive and weighs in the loss (with the policy as its own reference it is
+clamped to 0 at the first step, where a wrong estimate would not show); one run is stock's defaults (``beta=0.1``, the
+reference loaded from the model's path).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from trl import KTOConfig, KTOTrainer
+
+from hf_dynbsz import DynamicBatchKTOConfig, DynamicBatchKTOTrainer
+from hf_dynbsz.testing import (
+    load_tokenizer,
+    logged_metrics,
+    relative_difference,
+    runs_against_stock,
+    signature_mismatches,
+)
+from hf_dynbsz.testing.kto import (
+    KTO_PLUGIN_FIELDS,
+    kto_metric_mismatches,
+    kto_run,
+    sharpened_reference,
+    unpaired_samples,
+)
+
+#: Samples of 3-20 prompt tokens and 1-25 completion tokens: passes of 80 tokens hold one to a few samples, where
+#: stock's micro-batches hold 4 (4 rows and 4 KL rows, each padded to the longest).
+SMALL_BUDGET = 80
+PARAM_TOLERANCE = 1e-5
+UPDATE_TOLERANCE = 1e-5
+#: The runs' KL setting: a reference 10x sharper than the policy, beta 1.
+SHARP = 10.0
+BETA = 1.0
+#: The longest completion of the runs' samples (tokens, with its EOS): how many token log-probs a sequence sums.
+LONGEST = 64
+
+
+def compare_with_stock(
+    model_dir, tmp_path, dataset=None, *, sharp: float | None = SHARP, trainer_kwargs=None, **fields
+):
+    """Stock KTOTrainer and ours on the same samples (a reference ``sharp`` times sharper than the policy, or stock's
+    default reference for None): same parameters, updates and logged metrics; returns our logged steps (the entries
+    with the plugin's figures) and our trainer."""
+    dataset = dataset if dataset is not None else unpaired_samples(16)
+    kwargs = dict(trainer_kwargs or {})
+
+    def run(plugin, model_path, output_dir, data, trainer_kwargs=None, **config):
+        reference = sharpened_reference(model_path, sharp) if sharp is not None else None
+        return kto_run(plugin, model_path, output_dir, data, ref_model=reference, trainer_kwargs=trainer_kwargs,
+                       **config)  # fmt: skip
+
+    fields = {"beta": BETA, **fields} if sharp is not None else fields
+    history, stock_history, trainer = runs_against_stock(
+        run, model_dir, tmp_path, dataset, fields, plugin_fields=KTO_PLUGIN_FIELDS, budget=SMALL_BUDGET,
+        trainer_kwargs=kwargs, param_tolerance=PARAM_TOLERANCE, update_tolerance=UPDATE_TOLERANCE,
+    )  # fmt: skip
+    beta = fields.get("beta", 0.1)
+    assert not kto_metric_mismatches(logged_metrics(history), logged_metrics(stock_history), beta, LONGEST)
+    steps = [entry for entry in history if "dynbsz/microbatches" in entry]
+    assert len(steps) == fields.get("max_steps", 2)
+    return steps, trainer
+
+
+# ---- the losses -----------------------------------------------------------------------------------------------------
+LOSSES = {
+    "kto": dict(loss_type="kto"),
+    "kto_unequal_weights": dict(loss_type="kto", desirable_weight=1.5, undesirable_weight=0.7),
+    "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_losses_match_stock(model_dir, tmp_path, case):
+    dataset = unpaired_samples(16, desirable=0.3 if "unequal" in case else 0.5)
+    steps, trainer = compare_with_stock(model_dir, tmp_path, dataset, **LOSSES[case])
+    assert trainer._dynbsz.enabled
+    if LOSSES[case]["loss_type"] == "kto":
+        assert steps[0]["kl"] > 0.01  # the estimate weighs in the loss
+    for step in steps:
+        assert step["dynbsz/microbatches"] > 2  # cut unlike stock's two micro-batches
+        assert step["dynbsz/padding_fraction"] == 0
+        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"]
+
+
+def test_stock_defaults(model_dir, tmp_path):
+    """Stock's default KTO run (``beta=0.1``, the reference loaded from the model's path, gradient checkpointing)."""
+    steps, trainer = compare_with_stock(model_dir, tmp_path, sharp=None)
+    assert trainer._dynbsz.enabled and trainer.args.gradient_checkpointing
+
+
+def test_a_wrong_micro_batch_shows(model_dir, tmp_path):
+    """What the comparisons' update tolerance sees: stock's own run cut ``2 x 4`` instead of ``4 x 2`` (other KL
+    estimates) moves the update by far more than it."""
+    dataset = unpaired_samples(16)
+    fields = dict(beta=BETA)
+    init, stock, _, _ = kto_run(False, model_dir, str(tmp_path / "a"), dataset,
+                                ref_model=sharpened_reference(model_dir, SHARP), **fields)  # fmt: skip
+    _, other, _, _ = kto_run(
+        False, model_dir, str(tmp_path / "b"), dataset, ref_model=sharpened_reference(model_dir, SHARP),
+        per_device_train_batch_size=2, gradient_accumulation_steps=4, **fields,
+    )  # fmt: skip
+    update = {name: stock[name] - init[name] for name in init}
+    other_update = {name: other[name] - init[name] for name in init}
+    assert relative_difference(other_update, update) > 100 * UPDATE_TOLERANCE
+
+
+def test_gradient_accumulation_cut_into_other_passes(model_dir, tmp_path):
+    """4 micro-batches of 3 samples (the data's last micro-batch smaller), cut into passes of up to 60 tokens: each
+    sample's weight 1 / (B GA) with its own micro-batch's B, each micro-batch's own KL estimate."""
+    fields = dict(per_device_train_batch_size=3, gradient_accumulation_steps=4, gradient_checkpointing=False)
+    steps, _ = compare_with_stock(model_dir, tmp_path, unpaired_samples(22, seed=4), max_tokens_per_microbatch=60,
+                                  **fields)  # fmt: skip
+    assert all(step["dynbsz/microbatches"] > 4 for step in steps)
+
+
+def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
+    """A 40-token block opens every prompt: the prefix tree computes it once per pass (training and no-grad)."""
+    dataset = unpaired_samples(16, system=40, prompt=(3, 12), completion=(1, 12), seed=5)
+    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=200)
+    for step in steps:
+        assert step["dynbsz/tree_tokens_saved"] >= 39
+        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 2
+
+
+def test_precomputed_reference_log_probs(model_dir, tmp_path):
+    """``precompute_ref_log_probs``: stock computes both columns at start; no reference runs during training."""
+    steps, trainer = compare_with_stock(model_dir, tmp_path, precompute_ref_log_probs=True)
+    assert trainer._dynbsz.loss.reference.precomputed
+
+
+def test_lora_reference_is_the_adapter_disabled_policy(model_dir, tmp_path):
+    """LoRA without a reference: the reference (of the samples and of the KL sequences) is the policy with its adapter
+    disabled; the adapter's parameters and update equal stock's."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    steps, trainer = compare_with_stock(
+        model_dir, tmp_path, sharp=None, trainer_kwargs=dict(peft_config=lora), beta=BETA
+    )
+    assert trainer._dynbsz.loss.reference.adapter
+
+
+def test_padded_layout(model_dir, tmp_path):
+    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
+    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
+
+
+# ---- model families -------------------------------------------------------------------------------------------------
+#: Other families from their default configs made tiny: Llama, Mistral (sliding windows), Qwen3-MoE (its router aux
+#: loss, which stock's KTOTrainer adds).
+FAMILIES = ("llama", "mistral", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    from hf_dynbsz.testing.zoo import save_tiny_families
+
+    return save_tiny_families(tmp_path_factory, FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_model_families(family_dirs, tmp_path, family):
+    steps, trainer = compare_with_stock(family_dirs[family], tmp_path, unpaired_samples(16, seed=2))
+    if family == "qwen3_moe":
+        assert trainer.aux_loss_enabled and all("aux_loss" in step for step in steps)
+
+
+# ---- drop-in and stock's micro-batches ---------------------------------------------------------------------------
+def test_constructor_and_config_are_stocks():
+    assert not signature_mismatches(DynamicBatchKTOTrainer, KTOTrainer)  # the constructor and every override
+    assert issubclass(DynamicBatchKTOTrainer, KTOTrainer) and issubclass(DynamicBatchKTOConfig, KTOConfig)
+    assert set(KTOConfig.__dataclass_fields__) <= set(DynamicBatchKTOConfig.__dataclass_fields__)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
+        DynamicBatchKTOConfig(output_dir="unused", sequence_parallel_size=2, use_cpu=True, report_to="none")
+
+
+def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
+    dataset = unpaired_samples(16)
+    _, stock, _, _ = kto_run(False, model_dir, str(tmp_path / "stock"), dataset)
+    _, ours, _, _ = kto_run(True, model_dir, str(tmp_path / "ours"), dataset, dynamic_batching=False)
+    assert relative_difference(ours, stock) == 0.0
+
+
+def test_a_collator_that_adds_model_inputs_runs_stocks_micro_batches_with_one_logged_reason(
+    model_dir, tmp_path, caplog
+):
+    """A subclass of ``DataCollatorForUnpairedPreference`` that adds a model input (position ids spread out, which
+    stock's forward receives): the run trains stock's micro-batches from its first step, says so once, equals stock.
+    (``apo_zero_unpaired``: with ``kto`` stock passes the input to its KL sequences' forward too, whose rows have
+    another width, and fails.)"""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    class SpreadPositions(DataCollatorForUnpairedPreference):
+        def torch_call(self, examples):
+            output = super().torch_call(examples)
+            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
+            return output
+
+    def collator():
+        return dict(data_collator=SpreadPositions(pad_token_id=load_tokenizer(model_dir).pad_token_id))
+
+    dataset, apo = unpaired_samples(16), dict(loss_type="apo_zero_unpaired")
+    _, stock, stock_history, _ = kto_run(False, model_dir, str(tmp_path / "stock"), dataset,
+                                         trainer_kwargs=collator(), **apo)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, ours, history, _ = kto_run(True, model_dir, str(tmp_path / "ours"), dataset, trainer_kwargs=collator(),
+                                      max_tokens_per_microbatch=SMALL_BUDGET, **apo)  # fmt: skip
+    assert relative_difference(ours, stock) <= PARAM_TOLERANCE
+    assert not kto_metric_mismatches(logged_metrics(history), logged_metrics(stock_history), 0.1, LONGEST)
+    reasons = [r.getMessage() for r in caplog.records if "stock KTOTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and "SpreadPositions" in reasons[0] and "(position_ids)" in reasons[0], reasons
+
+
+def test_a_custom_collator_runs_stocks_micro_batches_with_one_logged_reason(model_dir, tmp_path, caplog):
+    """A collator that is not stock's (its rows are not read by the passes): stock's micro-batches, one reason."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    pad = load_tokenizer(model_dir).pad_token_id
+
+    def collate(examples):
+        return DataCollatorForUnpairedPreference(pad_token_id=pad)(examples)
+
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, _, _, trainer = kto_run(True, model_dir, str(tmp_path / "ours"), trainer_kwargs=dict(data_collator=collate),
+                                   max_steps=1)  # fmt: skip
+    assert not trainer._dynbsz.enabled
+    reasons = [r.getMessage() for r in caplog.records if "stock KTOTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and "custom data collator (function)" in reasons[0], reasons
