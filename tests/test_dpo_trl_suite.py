@@ -127,9 +127,9 @@ def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name
     return trainer
 
 
-def eval_split(kind: str):
-    """The zen test split as each kind of eval dataset of TRL's eval tests."""
-    split = zen(split="test")
+def eval_split(kind: str, config: str = "standard_preference"):
+    """The zen test split (of ``config``) as each kind of eval dataset of TRL's eval tests (the reward suite's too)."""
+    split = zen(config, split="test")
     streaming = "iterable" in kind
     one = split.to_iterable_dataset() if streaming else split
     if kind in ("dataset", "iterable_dataset"):
