@@ -246,6 +246,27 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
         "the num_tokens metric: every process's attention-mask tokens of the step added once per step",
     ),
     InternalName("trl.RewardTrainer instance", "_tp_size", "reads", "num_tokens counts a token once per TP group"),
+    # ---- KTOTrainer: the step hook (training_step, public) and what its loss and metrics read and write
+    InternalName(
+        "trl.KTOTrainer",
+        "_prepare_inputs",
+        "calls",
+        "each collated micro-batch moved to the device (transformers' Trainer's), as stock training_step does",
+    ),
+    *_step_state("trl.KTOTrainer instance", "_metrics"),
+    InternalName(
+        "trl.KTOTrainer instance",
+        "_total_train_tokens",
+        "writes",
+        "the num_tokens metric: the tokens of the step's samples stock counts, added once per step",
+    ),
+    InternalName("trl.KTOTrainer instance", "_tp_size", "reads", "num_tokens counts a token once per TP group"),
+    InternalName(
+        "trl.KTOTrainer instance",
+        "_is_vision_dataset",
+        "reads",
+        "vision-language samples train stock's micro-batches (their image inputs are not repacked for KTO)",
+    ),
     # ---- AsyncGRPOTrainer (trl.experimental.async_grpo): hf_dynbsz/trainers/async_grpo.py and, for the three
     # functions replaced while stock's constructor runs, hf_dynbsz/trainers/async_stock_patches.py
     InternalName(

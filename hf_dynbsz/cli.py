@@ -63,7 +63,8 @@ _EXIT_USAGE = 2
 
 #: The trainers ``hf-dynbsz plan --trainer`` plans, and their configs' names (options are taken by config name).
 PLANNED_TRAINERS = {
-    "grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "reward": "Reward", "async_grpo": "AsyncGRPO"
+    "grpo": "GRPO", "distillation": "Distillation", "dpo": "DPO", "reward": "Reward", "kto": "KTO",
+    "async_grpo": "AsyncGRPO",
 }  # fmt: skip
 
 
@@ -111,7 +112,9 @@ def _add_planning_arguments(group) -> None:
         "sizes), distillation (DynamicBatchDistillationTrainer: one completion per prompt, generated once per "
         "optimizer step, and the teacher's budget), dpo (DynamicBatchDPOTrainer: per_device_train_batch_size "
         "preference pairs per micro-batch; --lengths gives PROMPT CHOSEN REJECTED per pair), reward "
-        "(DynamicBatchRewardTrainer: the same pairs, no reference) or async_grpo "
+        "(DynamicBatchRewardTrainer: the same pairs, no reference), kto (DynamicBatchKTOTrainer: "
+        "per_device_train_batch_size unpaired samples per micro-batch, the KL sequences' and the reference's no-grad "
+        "budget; --lengths gives PROMPT COMPLETION per sample) or async_grpo "
         "(DynamicBatchAsyncGRPOTrainer: a vLLM server generates continuously; an optimizer step takes "
         "per_device_train_batch_size x gradient_accumulation_steps x processes samples of its queue, token_budget the "
         "tokens per pass). Default: grpo.",

@@ -241,3 +241,26 @@ def test_a_custom_collator_runs_stocks_micro_batches_with_one_logged_reason(mode
     assert not trainer._dynbsz.enabled
     reasons = [r.getMessage() for r in caplog.records if "stock KTOTrainer math runs" in r.getMessage()]
     assert len(reasons) == 1 and "custom data collator (function)" in reasons[0], reasons
+
+
+def test_hf_dynbsz_plan_trainer_kto(tmp_path, capsys):
+    """``hf-dynbsz plan --trainer kto`` takes KTOConfig's options: samples per optimizer step, no generation rows, the
+    no-grad budget of the KL sequences and the reference; ``--lengths`` of ``PROMPT COMPLETION`` simulates the
+    samples; a value stock's config refuses exits 2."""
+    import json
+
+    from hf_dynbsz.cli import main
+
+    samples = tmp_path / "samples.txt"
+    samples.write_text("20 30\n400 10\n12 300\n600 40\n30 30\n80 200\n15 15\n900 60\n")
+    common = ["plan", "--trainer", "kto", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    assert main([*common, "--max_tokens_per_microbatch", "1000", "--lengths", str(samples), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"]["trainer"] == "kto"
+    assert [len(step["lengths"]) for step in document["steps"]] == [4, 4]
+    assert main(common) == 0
+    table = capsys.readouterr().out
+    assert "the KL sequences' policy log-probs" in table and "num_generations" not in table
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--desirable_weight", "not-a-number"])
+    assert refused.value.code == 2

@@ -62,8 +62,10 @@ __all__ = [
 ]
 
 #: The per-sample values that travel with a sample: ``label`` 1 for a desirable completion, 0 for an undesirable one;
-#: ``ref_logps`` the reference's sequence log-prob; ``kl`` its stock micro-batch's KL estimate (set before the passes).
-SAMPLE_FIELDS = ("label", "ref_logps", "kl")
+#: ``ref_logps`` the reference's sequence log-prob; ``kl`` its stock micro-batch's KL estimate (set before the passes);
+#: ``counted`` 1 where stock's metrics count the sample, 0 where its ``gather_for_metrics`` drops the values of the
+#: sample's process (at the end of the data, processes from ``remainder`` on).
+SAMPLE_FIELDS = ("label", "ref_logps", "kl", "counted")
 #: The metrics stock logs per micro-batch besides ``entropy``, ``num_tokens``, ``rewards/margins`` and ``aux_loss``.
 METRIC_KEYS = (
     "kl", "logits/chosen", "logits/rejected", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected",
@@ -175,7 +177,8 @@ def kto_step_batch(
     its first scored completion token); no sample depends on another once the KL estimates are known, so the planner
     may cut the step anywhere. ``long_rope``: the run's LongRoPE models' ``original_max_position_embeddings`` (each
     sample takes the rope width of its micro-batch's padded width); ``kept_processes``: per micro-batch, the processes'
-    estimates stock's gather keeps (default: all)."""
+    estimates stock's gather keeps (default: all; stock's metrics count those processes' samples alone)."""
+    kept_processes = kept_processes or [num_processes] * len(window)
     tokens, prompts, completions, fields = [], [], [], {name: [] for name in SAMPLE_FIELDS}
     slice_ids, slice_tokens, widths = [], [], []
     for k, inputs in enumerate(window):
@@ -185,7 +188,7 @@ def kto_step_batch(
             tokens.append(sequence)
             prompts.append(prompt)
             completions.append(completion)
-            for name, value in zip(SAMPLE_FIELDS, (labels[row], ref[row], 0.0)):
+            for name, value in zip(SAMPLE_FIELDS, (labels[row], ref[row], 0.0, float(rank < kept_processes[k]))):
                 fields[name].append(value)
             slice_ids.append(rank * len(window) + k)
             widths.append(rope_width(inputs["input_ids"].size(1), tuple(long_rope)))
@@ -194,7 +197,7 @@ def kto_step_batch(
                             rank, num_processes, bool(long_rope))  # fmt: skip
     kl = None
     if all("KL_input_ids" in inputs for inputs in window):
-        kl = _kl_sequences(window, long_rope, kept_processes or [num_processes] * len(window))
+        kl = _kl_sequences(window, long_rope, kept_processes)
     return KTOStepBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(StepBatch)}, kl_sequences=kl)
 
 
@@ -226,7 +229,7 @@ def kto_pass_loss(settings: KTOSettings, values: dict, rows: SampleRows):
     tensors) with stock's weights, and the per-row ``(sums, counts)`` its metrics read (:class:`KTOMetrics`)."""
     per_token, mask = values["log_probs"], rows.mask.to(values["log_probs"].dtype)
     seq = (per_token * mask).sum(1)
-    label, ref, kl = (rows.per_token[name].squeeze(1).to(seq.dtype) for name in SAMPLE_FIELDS)
+    label, ref, kl, counted = (rows.per_token[name].squeeze(1).to(seq.dtype) for name in SAMPLE_FIELDS)
     logratios = seq - ref
     beta = settings.beta
     if settings.loss_type == "kto":
@@ -236,14 +239,16 @@ def kto_pass_loss(settings: KTOSettings, values: dict, rows: SampleRows):
     chosen = label > 0.5
     losses = torch.where(chosen, settings.desirable_weight * desirable, settings.undesirable_weight * undesirable)
     loss = (losses * rows.policy_weights.to(losses.dtype)).sum()
-    return loss, pass_metrics(beta, values, mask, seq.detach(), ref, kl, chosen.to(seq.dtype))
+    return loss, pass_metrics(beta, values, mask, seq.detach(), ref, kl, chosen.to(seq.dtype), counted)
 
 
-def pass_metrics(beta: float, values: dict, mask, seq, ref, kl, chosen) -> dict:
+def pass_metrics(beta: float, values: dict, mask, seq, ref, kl, chosen, counted) -> dict:
     """Per row ``(sums, counts)`` of stock's metrics (:data:`METRIC_KEYS`): the KL estimate (its micro-batch's, on
     every row), each side's rewards and sequence log-probs (counted per row of the side), and its mean logits over
-    the completion tokens (counted per token)."""
-    rejected = 1 - chosen
+    the completion tokens (counted per token); rows stock does not count (``counted`` 0) add nothing. ``counted`` is
+    passed on for the entropy (:class:`KTOMetrics`)."""
+    chosen, rejected = chosen * counted, (1 - chosen) * counted
+    mask = mask * counted.unsqueeze(1)
     rewards = beta * (seq - ref)
     tokens = mask.sum(1)
     logits = (values["mean_logits"].detach() * mask).sum(1)
@@ -255,6 +260,7 @@ def pass_metrics(beta: float, values: dict, mask, seq, ref, kl, chosen) -> dict:
         "logps/chosen": (seq * chosen, chosen),
         "rewards/rejected": (rewards * rejected, rejected),
         "logps/rejected": (seq * rejected, rejected),
+        "counted": counted,
     }
 
 
@@ -266,6 +272,12 @@ class KTOMetrics(StepMetrics):
 
     def __init__(self, slices: int, device) -> None:
         super().__init__(slices, device, METRIC_KEYS)
+
+    def add_pass(self, real_tokens, computed_tokens, loss_metrics, entropies, mask, slice_ids) -> None:
+        """The base class's, the entropy over the completion tokens of the rows stock counts alone."""
+        metrics = dict(loss_metrics)
+        counted = metrics.pop("counted")
+        super().add_pass(real_tokens, computed_tokens, metrics, entropies, mask * counted.unsqueeze(1), slice_ids)
 
     def publish_slices(self, store: dict[str, list], sums=None, maxima=None) -> None:
         sums = self.sums if sums is None else sums
@@ -351,7 +363,10 @@ class KTOLoss:
         return sums
 
     def attempt(self, batch: StepBatch) -> int:
-        return int(batch.table.lengths.sum())  # the real tokens this process runs (stock's attention mask's sum)
+        """The real tokens of the samples this process runs that stock's ``num_tokens`` counts (its attention mask's
+        sum, but for the processes its end-of-data gather drops)."""
+        counted = batch.per_token["counted"].squeeze(1).cpu().double()
+        return int((batch.table.lengths.double() * counted).sum())
 
     def metrics(self, batch: StepBatch) -> StepMetrics:
         return KTOMetrics(len(batch.slice_rows) // self.num_processes, self.device)
@@ -364,8 +379,8 @@ class KTOLoss:
         return kto_pass_loss(self.settings, values, rows)
 
     def finish(self, state: int, gradient_accumulation_steps: int) -> None:
-        """Stock's ``num_tokens``: every process's real tokens of the step's samples (not the KL sequences), added
-        up."""
+        """Stock's ``num_tokens``: every process's real tokens of the step's samples (not the KL sequences) that stock
+        counts, added up."""
         trainer = self.trainer
         tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
         trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
