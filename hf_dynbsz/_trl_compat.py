@@ -367,8 +367,8 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
             "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
             name,
             "writes",
-            "the step accounting stock's compute_loss keeps and _log_step_metrics logs (perf/*, batch/*), for the "
-            "plugin's passes",
+            "the step accounting stock's compute_loss and training_step keep and _log_step_metrics logs (perf/*, "
+            "batch/*_per_step), added up as stock adds it for the same micro-batches",
         )
         for name in (
             "_step_forward_tokens",
@@ -378,6 +378,21 @@ INTERNAL_NAMES: tuple[InternalName, ...] = (
             "_step_forward_s",
             "_step_microbatches",
         )
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer",
+        "_log_step_metrics",
+        "overrides",
+        "stock's per-step flush of that accounting, called as stock calls it; perf/fwd_s (forward-only time, which "
+        "the passes do not measure) taken back out, batch/forwarded_tokens_per_step kept where stock's FLOPs reader "
+        "fails",
+    ),
+    InternalName(
+        "trl.experimental.async_grpo.AsyncGRPOTrainer instance",
+        "_peak_flops_per_device",
+        "writes",
+        "hf_dynbsz.testing.async_grpo_run (tests only): a peak set on CPU so stock's MFU figures are logged and "
+        "compared",
     ),
     InternalName(
         "trl.experimental.async_grpo.packing",

@@ -18,6 +18,7 @@ from hf_dynbsz.testing import (
     RolloutScript,
     async_grpo_run,
     async_grpo_stock_cut,
+    perf_token_counts,
     relative_difference,
     update_difference,
 )
@@ -29,23 +30,67 @@ SCRIPT = RolloutScript(seed=1, untrained=0.1)
 BUDGET_STEP = dict(token_budget=400, per_device_train_batch_size=16, gradient_accumulation_steps=2)
 
 
+#: A device peak for stock's MFU figures (none is known on CPU), the same in both runs.
+PEAK_FLOPS = 1e12
+#: The plugin's own figures of its passes, logged beside stock's names each step (docs/async-grpo.md, Metrics).
+PASS_FIGURES = (
+    "dynbsz/microbatches",
+    "dynbsz/tokens_per_microbatch_mean",
+    "dynbsz/tokens_per_microbatch_max",
+    "dynbsz/computed_tokens",
+    "dynbsz/padding_fraction",
+    "dynbsz/budget_utilization",
+    "dynbsz/train_seconds",
+    "dynbsz/tokens_per_second",
+)
+
+
 @pytest.fixture(scope="module")
 def stock_budget(model_dir, tmp_path_factory):
     return async_grpo_run(
-        "async_grpo_stock", model_dir, str(tmp_path_factory.mktemp("stock-budget")), SCRIPT, **BUDGET_STEP
+        "async_grpo_stock",
+        model_dir,
+        str(tmp_path_factory.mktemp("stock-budget")),
+        SCRIPT,
+        peak_flops=PEAK_FLOPS,
+        **BUDGET_STEP,
     )
+
+
+def assert_stock_names_mean_stocks(ours, stock) -> None:
+    """Beyond :func:`assert_equals_stock` (every ``batch/*`` name, ``batch/pad_frac``, ``batch/row_*``,
+    ``batch/packing_ratio``, ``batch/forwarded_tokens_per_step`` and ``batch/microbatches_per_step`` included, equals
+    stock's): stock's ``perf/*`` throughput figures count stock's forwarded tokens and its FLOPs per token (at its
+    unique-token sequence length), ``perf/fwd_s`` (a forward-only time the passes do not have) is not logged, and the
+    plugin's figures of its passes are logged under ``dynbsz/*``."""
+    stock_counts = perf_token_counts(stock.history, PEAK_FLOPS)
+    for counts in stock_counts:
+        counts["names"] -= {"perf/fwd_s"}
+    assert perf_token_counts(ours.history, PEAK_FLOPS) == stock_counts and len(stock_counts) == 3
+    assert all("perf/fwd_s" in entry for entry in stock.history if "perf/fwd_bwd_s" in entry)
+    assert not any("perf/fwd_s" in entry for entry in ours.history)
+    assert all(entry["batch/packing_ratio"] > 1 for entry in stock.history if "loss" in entry)  # unique < raw tokens
+    steps = [entry for entry in ours.history if "loss" in entry]
+    assert all(name in entry for entry in steps for name in PASS_FIGURES)
 
 
 @pytest.mark.parametrize("passes", [None, 64], ids=["stock-rows", "64-token-passes"])
 def test_token_budget_step_equals_stock(model_dir, stock_budget, tmp_path, passes):
     ours = async_grpo_run(
-        "async_grpo_dynamic", model_dir, str(tmp_path), SCRIPT, max_tokens_per_microbatch=passes, **BUDGET_STEP
+        "async_grpo_dynamic",
+        model_dir,
+        str(tmp_path),
+        SCRIPT,
+        max_tokens_per_microbatch=passes,
+        peak_flops=PEAK_FLOPS,
+        **BUDGET_STEP,
     )
     assert_equals_stock(ours, stock_budget)
+    assert_stock_names_mean_stocks(ours, stock_budget)
     steps = [entry for entry in ours.history if "loss" in entry]
     assert len(steps) == 3
     stock_samples = [e["batch/samples_per_step"] for e in stock_budget.history if "loss" in e]
-    assert [e["batch/samples_per_step"] for e in steps] == pytest.approx(stock_samples)
+    assert [e["batch/samples_per_step"] for e in steps] == stock_samples
     assert all(round(count) != 32 for count in stock_samples)  # the budget, not 16 x 2, decided the step
     if passes:
         assert max(e["dynbsz/tokens_per_microbatch_max"] for e in steps) <= passes

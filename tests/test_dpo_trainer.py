@@ -276,6 +276,15 @@ def test_sft_with_weighting_runs_stocks_micro_batches_with_one_logged_reason(mod
 
 
 # ---- what stock accepts and the plugin does not reproduce: refused before any work, or stock's micro-batches --------
+#: The fix each refusal below names, by the setting refused. A LOMO optimizer updates the parameters in each backward
+#: (transformers' Trainer passes it the learning rate), so its update depends on how a step is cut into backwards.
+REFUSAL_FIXES = {
+    "parallelism_config": "Set cp_size, sp_size and tp_size to 1",
+    "use_weighting": "Set use_weighting=False",
+    "optim": "Choose another optimizer (e.g. optim='adamw_torch'), or set dynamic_batching=False",
+}
+
+
 @pytest.mark.parametrize(
     "fields, refused",
     [
@@ -283,8 +292,10 @@ def test_sft_with_weighting_runs_stocks_micro_batches_with_one_logged_reason(mod
         (dict(parallelism_config=dict(cp_size=2)), "parallelism_config with cp_size=2: "),
         (dict(parallelism_config=dict(sp_size=2, sp_backend="deepspeed")), "parallelism_config with sp_size=2: "),
         (dict(loss_type=["hinge"], use_weighting=True), "loss_type=['hinge'] with use_weighting=True: "),
+        (dict(optim="lomo"), "optim='lomo' with dynamic_batching=True: "),
+        (dict(optim="adalomo"), "optim='adalomo' with dynamic_batching=True: "),
     ],
-    ids=["tensor_parallel", "context_parallel", "sequence_parallel", "hinge_weighting"],
+    ids=["tensor_parallel", "context_parallel", "sequence_parallel", "hinge_weighting", "lomo", "adalomo"],
 )
 def test_settings_the_passes_do_not_reproduce_are_refused_before_any_work(model_dir, tmp_path, fields, refused):
     """The plugin's config refuses them, and its trainer given stock's config (stock accepts each), before any
@@ -298,7 +309,7 @@ def test_settings_the_passes_do_not_reproduce_are_refused_before_any_work(model_
 
     if "parallelism_config" in fields:
         fields = dict(fields, parallelism_config=ParallelismConfig(**fields["parallelism_config"]))
-    fix = "Set cp_size, sp_size and tp_size to 1" if "parallelism_config" in fields else "Set use_weighting=False"
+    fix = next(text for name, text in REFUSAL_FIXES.items() if name in fields)
     fields = dict(output_dir=str(tmp_path), **CPU_RUN_FIELDS, **fields)
     with pytest.raises(ValueError, match=re.escape(refused)) as raised:
         DynamicBatchDPOConfig(**fields)
@@ -312,6 +323,51 @@ def test_settings_the_passes_do_not_reproduce_are_refused_before_any_work(model_
             args=DPOConfig(**fields), train_dataset=preference_pairs(), processing_class=load_tokenizer(model_dir),
         )  # fmt: skip
     assert not forwards
+
+
+def test_a_lomo_optimizer_with_dynamic_batching_off_is_stocks_to_run(tmp_path):
+    """The refusal above is the plugin's: with ``dynamic_batching=False`` (stock's trainer, which passes LOMO its
+    learning rate in each backward) the config takes a LOMO optimizer."""
+    from hf_dynbsz.testing import CPU_RUN_FIELDS
+
+    config = DynamicBatchDPOConfig(output_dir=str(tmp_path), **CPU_RUN_FIELDS, optim="lomo", dynamic_batching=False)
+    assert config.optim == "lomo"
+
+
+def cache_clearings(train) -> list[str]:
+    """The calls of accelerate's ``clear_device_cache`` (what transformers' ``Trainer.training_step`` empties the
+    device cache with) while ``train()`` runs, each as ``file:function`` of its caller: seen by a profiler hook on the
+    function's code, nothing replaced (on CPU the function itself does nothing)."""
+    import sys
+    from pathlib import Path
+
+    from accelerate.utils.memory import clear_device_cache
+
+    calls = []
+
+    def observe(frame, event, arg):
+        if event == "call" and frame.f_code is clear_device_cache.__code__:
+            caller = frame.f_back.f_code
+            calls.append(f"{Path(caller.co_filename).name}:{caller.co_name}")
+
+    sys.setprofile(observe)
+    try:
+        train()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_torch_empty_cache_steps_empties_the_cache_as_stock(model_dir, tmp_path):
+    """``torch_empty_cache_steps=2`` over 3 steps of 2 micro-batches: stock's ``Trainer.training_step`` empties the
+    cache after each micro-batch of the steps numbered 0 and 2 (4 calls), the plugin's step after each training call
+    of the same steps."""
+    fields = dict(max_steps=3, torch_empty_cache_steps=2, max_tokens_per_microbatch=SMALL_BUDGET)
+    stock = cache_clearings(lambda: dpo_run(False, model_dir, str(tmp_path / "stock"), **fields))
+    ours = cache_clearings(lambda: dpo_run(True, model_dir, str(tmp_path / "ours"), **fields))
+    released = ["memory.py:release_memory"]  # accelerate's free_memory as training starts, with or without it
+    assert stock == released + ["trainer.py:training_step"] * 4
+    assert ours == released + ["hooks.py:empty_cache_as_trainer"] * 4
 
 
 def dropout_model(kind: str, vocab_size: int):

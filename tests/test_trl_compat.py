@@ -43,11 +43,17 @@ def resolve(path: str):
 
 def trainer_pair(owner: str):
     """``(stock class, ours)`` of an owner ``"trl.GRPOTrainer"`` / ``"trl.RLOOTrainer"`` /
-    ``"trl.DistillationTrainer"`` (or its instance)."""
+    ``"trl.DistillationTrainer"`` / ``"trl.experimental.async_grpo.AsyncGRPOTrainer"`` (or its instance)."""
     from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
     from hf_dynbsz import DynamicBatchDistillationTrainer, DynamicBatchGRPOTrainer, DynamicBatchRLOOTrainer
 
+    if "AsyncGRPOTrainer" in owner:
+        from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+        from hf_dynbsz import DynamicBatchAsyncGRPOTrainer
+
+        return AsyncGRPOTrainer, DynamicBatchAsyncGRPOTrainer
     if "RLOOTrainer" in owner:
         return RLOOTrainer, DynamicBatchRLOOTrainer
     if "DistillationTrainer" in owner:

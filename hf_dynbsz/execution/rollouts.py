@@ -32,8 +32,9 @@ __all__ = ["SLICE_KEYS", "RolloutSliceCollator", "rollout_step_batch", "slice_te
 
 #: Per sample row of a slice: its tokens, completion mask and old log-probs right-padded to the slice's longest
 #: sample, its length (0: a padding row), advantage; and per row (the same value on each) the slice's trained
-#: tokens, samples and sequence tokens over all processes, and the tokens stock's fixed-count row of this process
-#: forwards (its prefix trie).
+#: tokens over all processes, what stock's packed rows of the slice forward over all processes (their prefix tries'
+#: unique tokens) and stock's ``mean_seq_len`` (those tokens per sample, as stock's collator computes it), and the
+#: tokens stock's row of this process forwards.
 SLICE_KEYS = (
     "input_ids",
     "completion_mask",
@@ -41,8 +42,8 @@ SLICE_KEYS = (
     "lengths",
     "advantages",
     "global_trained_tokens",
-    "global_samples",
-    "global_sequence_tokens",
+    "global_forwarded_tokens",
+    "mean_seq_len",
     "stock_row_tokens",
 )
 
@@ -56,7 +57,9 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
     """A micro-batch's samples (``rows``: one list of TRL rollout-sample dicts per process, as stock's planner
     partitions them) as :data:`SLICE_KEYS` tensors of ``processes x k`` rows, process ``p``'s samples in rows
     ``p k`` to ``p k + k - 1`` (``k`` the most any process holds; accelerate's dispatcher gives process ``p`` its
-    ``k`` rows). ``stock_row_tokens``: per process, the tokens stock's row forwards (its prefix trie)."""
+    ``k`` rows). ``stock_row_tokens``: per process, the tokens stock's row forwards (its prefix trie); their sum and
+    ``mean_seq_len`` are stock's ``global_n_forward_tokens`` and ``mean_seq_len`` of the micro-batch (its collator's,
+    in the default dtype as there), which its step accounting reads."""
     per_process = max(len(samples) for samples in rows)
     width = max(len(sample["input_ids"]) for samples in rows for sample in samples)
     size = per_process * len(rows)
@@ -64,7 +67,7 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
     completion_mask = torch.zeros(size, width, dtype=torch.long)
     old_log_probs = torch.zeros(size, width, dtype=torch.float32)
     lengths, advantages = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.float32)
-    total = sequence_tokens = samples_all = 0
+    total = samples_all = 0
     for process, samples in enumerate(rows):
         for position, sample in enumerate(samples):
             row, length = process * per_process + position, len(sample["input_ids"])
@@ -73,8 +76,9 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
             old_log_probs[row, :length] = torch.as_tensor(sample["old_log_probs"], dtype=torch.float32)
             lengths[row], advantages[row] = length, float(sample["advantage"])
             total += trained_tokens(completion_mask[row, :length])
-            sequence_tokens, samples_all = sequence_tokens + length, samples_all + 1
+            samples_all += 1
     stock = torch.tensor(stock_row_tokens, dtype=torch.float64).repeat_interleave(per_process)
+    forwarded = float(sum(stock_row_tokens))
     return {
         "input_ids": input_ids,
         "completion_mask": completion_mask,
@@ -82,8 +86,8 @@ def slice_tensors(rows: list[list[dict]], pad_token_id: int, stock_row_tokens: l
         "lengths": lengths,
         "advantages": advantages,
         "global_trained_tokens": torch.full((size,), float(total), dtype=torch.float64),
-        "global_samples": torch.full((size,), float(samples_all), dtype=torch.float64),
-        "global_sequence_tokens": torch.full((size,), float(sequence_tokens), dtype=torch.float64),
+        "global_forwarded_tokens": torch.full((size,), forwarded, dtype=torch.float64),
+        "mean_seq_len": torch.full((size,), forwarded / samples_all),  # (the default dtype, as stock's collator)
         "stock_row_tokens": stock,
     }
 
@@ -149,18 +153,19 @@ def rollout_step_batch(window: list[dict], rank: int, num_processes: int, stock_
 
 @dataclasses.dataclass
 class RolloutSliceCollator(DataCollatorForRollout):
-    """Stock's collator with the plugin's output: a micro-batch of stock's fixed-count batcher (one row of samples per
-    process) as per-sample rows (:func:`slice_tensors`) with the micro-batch's sample
-    count and tokens over all processes; stock's bookkeeping kept (the prompt groups trained, for the epoch stop, and
-    the micro-batch's sample and packing metrics, ``_log_metrics``)."""
+    """Stock's collator with the plugin's output: a micro-batch of stock's planner (one row of samples per process) as
+    per-sample rows (:func:`slice_tensors`) with stock's token counts of the micro-batch; stock's bookkeeping kept (the
+    prompt groups trained, for the epoch stop, and the micro-batch's sample and packing metrics, ``_log_metrics``, from
+    stock's rows: ``batch/pad_frac`` is the padding of stock's packed rows to the longest, as stock logs it)."""
 
     def torch_call(self, examples):
         (rows,) = examples
         samples = [row.samples for row in rows]
-        tensors = slice_tensors(samples, self.pad_token_id, [len(row.tokens) for row in rows])
+        row_tokens = [len(row.tokens) for row in rows]
+        tensors = slice_tensors(samples, self.pad_token_id, row_tokens)
         every = [sample for row in samples for sample in row]
         self.groups_trained.update(sample["group_id"] for sample in every)
-        width = tensors["input_ids"].size(1)
-        padded = (torch.arange(width).unsqueeze(0) < tensors["lengths"].unsqueeze(1)).long()
+        # stock's attention mask of its packed rows, one per process padded to the longest (batch/pad_frac's)
+        padded = (torch.arange(max(row_tokens)).unsqueeze(0) < torch.tensor(row_tokens).unsqueeze(1)).long()
         self._log_metrics(rows=rows, all_examples=every, padded=padded)
         return tensors

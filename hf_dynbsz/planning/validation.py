@@ -2,7 +2,8 @@
 share: one function per check, so that the planner rejects exactly what training rejects, with the same message.
 
 * :func:`validate_dynamic_batch_fields`: the fields dynamic batching adds (the texts of
-  :mod:`hf_dynbsz.planning.settings`), converted in place;
+  :mod:`hf_dynbsz.planning.settings`), converted in place, and a LOMO optimizer refused
+  (:func:`refuse_fused_update_optimizers`);
 * :func:`validate_grpo_fields`: GRPOConfig settings that TRL only rejects deep inside training (or not at all);
 * :func:`validate_train_dataset_size`: a dataset too small for one generation round.
 
@@ -17,8 +18,10 @@ from hf_dynbsz.planning.coerce import coerce_pad_to_multiple_of, coerce_setting,
 from hf_dynbsz.planning.settings import DEFAULTS, SETTINGS, setting
 
 __all__ = [
+    "FUSED_UPDATE_OPTIMIZERS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
+    "refuse_fused_update_optimizers",
     "validate_dynamic_batch_fields",
     "validate_grpo_fields",
     "validate_train_dataset_size",
@@ -120,6 +123,7 @@ def validate_dynamic_batch_fields(args: Any) -> None:
             f"max_memory_fraction_per_device must be {setting('max_memory_fraction_per_device').expected},"
             f" got {fraction!r}: {setting('max_memory_fraction_per_device').fix}"
         )
+    refuse_fused_update_optimizers(args)
     budget = getattr(args, "max_tokens_per_microbatch", None)
     multiple = coerce_pad_to_multiple_of(getattr(args, "pad_to_multiple_of", None))
     if budget is not None and multiple is not None and int(budget) < multiple:
@@ -127,6 +131,27 @@ def validate_dynamic_batch_fields(args: Any) -> None:
             f"max_tokens_per_microbatch={budget} is smaller than one row of pad_to_multiple_of={multiple} tokens: "
             f"every sequence would run alone, over the budget. Raise max_tokens_per_microbatch to at least {multiple} "
             "(a multiple of pad_to_multiple_of wastes nothing), or lower pad_to_multiple_of."
+        )
+
+
+#: transformers' optimizers that update the parameters inside the backward (``Trainer.training_step`` passes them the
+#: learning rate through ``accelerator.backward``).
+FUSED_UPDATE_OPTIMIZERS = ("lomo", "adalomo")
+
+
+def refuse_fused_update_optimizers(args: Any) -> None:
+    """A LOMO optimizer (``optim`` "lomo" or "adalomo") with dynamic batching: refused before any work. It updates the
+    parameters in each backward, so a step's update depends on how the step is cut into backwards, and the plugin
+    cuts it into its own passes (stock runs one backward per micro-batch)."""
+    optim = getattr(args, "optim", None)
+    optim = getattr(optim, "value", optim)  # (transformers' OptimizerNames)
+    if optim in FUSED_UPDATE_OPTIMIZERS and getattr(args, "dynamic_batching", DEFAULTS["dynamic_batching"]):
+        raise ValueError(
+            f"optim={optim!r} with dynamic_batching=True: LOMO optimizers update the parameters inside each backward "
+            "(transformers' Trainer passes them the learning rate through accelerator.backward), so the update "
+            "depends on how a step is cut into backwards, and the plugin runs a step in passes of its own, not "
+            "stock's micro-batches. Choose another optimizer (e.g. optim='adamw_torch'), or set "
+            "dynamic_batching=False for stock's trainer."
         )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "async_grpo_on_cpu",
     "async_grpo_run",
     "async_grpo_stock_cut",
+    "perf_token_counts",
     "reference_async_grpo_steps",
     "reference_flash_attn_varlen_func",
     "reference_tree_attention",
@@ -392,18 +393,10 @@ ASYNC_COMPARISON_FIELDS.update(
 )
 
 #: Logged names left out of the comparisons of logged metrics (with :data:`hf_dynbsz.testing.oracles.TIMINGS`): timing
-#: and the queue's state at a moment, not what a step trained, and the work of the passes (tokens forwarded, passes,
-#: FLOPs: the plugin's passes compute what its budget cuts, stock's its packed rows; the plugin's figures are its
-#: ``dynbsz/*``).
-ASYNC_UNCOMPARED = (
-    "perf/",
-    "sample/time_in_queue_s",
-    "sample/rollout_queue_size",
-    "batch/pad_frac",
-    "batch/forwarded_tokens_per_step",
-    "batch/microbatches_per_step",
-    "total_flos",
-)
+#: (``perf/*``: their token counts are compared apart, :func:`perf_token_counts`) and the queue's state at a moment,
+#: not what a step trained, and the Trainer's FLOP count (of the tokens the plugin's passes computed; its other
+#: figures of the passes are its ``dynbsz/*``).
+ASYNC_UNCOMPARED = ("perf/", "sample/time_in_queue_s", "sample/rollout_queue_size", "total_flos")
 
 
 @dataclasses.dataclass
@@ -432,6 +425,7 @@ def async_grpo_run(
     stock_kernel: str = "reference",
     trainer_kwargs: dict | None = None,
     worker_kwargs: dict | None = None,
+    peak_flops: float | None = None,
     **fields,
 ) -> AsyncRun:
     """Build (and with ``train``, train) ``trainer`` ("async_grpo_stock" or "async_grpo_dynamic", see
@@ -444,7 +438,8 @@ def async_grpo_run(
     each sync. ``stock_kernel``: "reference" (stock's tree attention in plain torch, :func:`async_grpo_on_cpu`) or
     "fa3" (stock's own FlashAttention-3 Hub kernel, on a Hopper GPU with the ``kernels`` package). ``worker_kwargs``
     override the worker's (``samples_per_sync``, ``prefill``: more samples than a step takes, for runs that drop stale
-    samples or sync less often)."""
+    samples or sync less often). ``peak_flops``: the device's peak FLOP/s stock's MFU figures divide by (stock asks
+    CUDA for it; on CPU none, and no MFU is logged)."""
     from hf_dynbsz.testing.fixtures import load_tokenizer, prompt_dataset
     from hf_dynbsz.testing.harness import snapshot_parameters, trainer_classes
 
@@ -471,9 +466,30 @@ def async_grpo_run(
             **(trainer_kwargs or {}),
         )
         initial = snapshot_parameters(built.model)
+        if peak_flops is not None:
+            built._peak_flops_per_device = peak_flops
         if train:
             built.train()
     return AsyncRun(initial, snapshot_parameters(built.model), built.state.log_history, built, worker, transfer)
+
+
+def perf_token_counts(history: list[dict], peak_flops: float | None = None, processes: int = 1) -> list[dict]:
+    """What stock's ``perf/*`` throughput figures count, apart from time, per logged step (one step a log): the
+    ``perf/*`` names logged, the forwarded tokens (``perf/forwarded_tok_s_fwd_bwd`` x ``perf/fwd_bwd_s``) and, with
+    the ``peak_flops`` the run was given (:func:`async_grpo_run`), the FLOPs per token its MFU counted
+    (``perf/mfu_fwd_bwd`` over that throughput: TRL's ``compute_flops_per_token`` at the step's mean sequence
+    length)."""
+    counts = []
+    for entry in history:
+        if "perf/fwd_bwd_s" not in entry:
+            continue
+        throughput = entry["perf/forwarded_tok_s_fwd_bwd"]
+        found = {"names": {name for name in entry if name.startswith("perf/")}}
+        found["forwarded"] = round(throughput * entry["perf/fwd_bwd_s"])
+        if peak_flops is not None:
+            found["flops_per_token"] = round(entry["perf/mfu_fwd_bwd"] / 100 / throughput * peak_flops * processes)
+        counts.append(found)
+    return counts
 
 
 def reference_async_grpo_steps(

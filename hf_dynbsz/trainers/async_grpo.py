@@ -214,20 +214,35 @@ class DynamicBatchAsyncGRPOTrainer(
         return result.loss
 
     def _account_step(self, window: list[dict], result: StepResult) -> None:
-        """Stock's step accounting, which its ``_log_step_metrics`` turns into ``perf/*`` and ``batch/*`` figures,
-        for the step the passes ran (``result``): tokens computed over all processes, trained tokens, samples,
-        passes, and the passes' time as the forward time."""
-        computed = result.computed_tokens
-        samples = sum(float(inputs["global_samples"][0]) for inputs in window)
-        sequence_tokens = sum(float(inputs["global_sequence_tokens"][0]) for inputs in window)
-        if self._dynbsz_stock_throughput is None:  # (stock's step metrics read the model's FLOPs per token off it)
-            self._step_forward_tokens += computed
-        self._step_trained_tokens += sum(float(inputs["global_trained_tokens"][0]) for inputs in window)
-        self._step_samples += samples
-        self._step_seq_len_weighted += sequence_tokens / max(samples, 1.0) * computed
-        self._step_forward_s += result.train_seconds
-        self._step_microbatches += result.passes
-        self._dynbsz_flop_tokens = computed / self.accelerator.num_processes
+        """Stock's step accounting, which its ``_log_step_metrics`` turns into ``batch/*_per_step`` and ``perf/*``
+        figures, as stock's ``compute_loss`` and ``training_step`` add it up for the same micro-batches (``window``):
+        the tokens stock's packed rows forward and train over all processes, its mean sequence length (unique tokens
+        per sample) and samples, one micro-batch per stock micro-batch. No forward time: the passes run forward and
+        backward together (``dynbsz/train_seconds``; ``perf/fwd_s`` is not logged, :meth:`_log_step_metrics`). What
+        the passes did (``result``) is the ``dynbsz/*`` figures, and the Trainer's FLOP count."""
+        for inputs in window:
+            forwarded, mean_seq_len = float(inputs["global_forwarded_tokens"][0]), float(inputs["mean_seq_len"][0])
+            self._step_forward_tokens += forwarded
+            self._step_trained_tokens += float(inputs["global_trained_tokens"][0])
+            self._step_seq_len_weighted += mean_seq_len * forwarded
+            self._step_samples += forwarded / mean_seq_len
+        self._step_microbatches += len(window)
+        self._dynbsz_flop_tokens = result.computed_tokens / self.accelerator.num_processes
+
+    def _log_step_metrics(self) -> None:
+        # Override (stock's per-step flush, from the accounting of _account_step): stock's figures, less perf/fwd_s
+        # (stock's forward-only time; the passes' forward and backward time is dynbsz/train_seconds), and without its
+        # throughput and MFU figures where TRL cannot read the model's FLOPs per token.
+        if not self._dynbsz_dynamic:
+            return super()._log_step_metrics()
+        metrics, forwarded = self._metrics["train"], self._step_forward_tokens
+        if self._dynbsz_stock_throughput is not None:
+            self._step_forward_tokens = 0.0  # (stock derives those figures when it counted forwarded tokens)
+        super()._log_step_metrics()
+        metrics["batch/forwarded_tokens_per_step"][-1] = forwarded
+        del metrics["perf/fwd_s"][-1]
+        if not metrics["perf/fwd_s"]:
+            del metrics["perf/fwd_s"]  # (an empty list would be logged as None)
 
     def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
         # Override (transformers' Trainer): the tokens the step's passes computed, counted on the step's last call

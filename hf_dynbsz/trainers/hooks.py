@@ -13,8 +13,9 @@ TRL hooks overridden here, and why (a trainer's module lists its own):
 * ``__init__`` (:func:`stock_constructor`): stock's signature; the config gains the plugin's fields, and a dataset too
   small is refused early.
 * ``training_step``: collect the optimizer step's stock slices; run the step's passes on its last call. The window
-  loop is :meth:`TokenBudgetHooks._dynbsz_window_call`, every trainer's: a trainer supplies what it keeps of a call's
-  inputs (``_dynbsz_collect``) and how a step's window trains (``_train_window``).
+  loop is :meth:`TokenBudgetHooks._dynbsz_window_call`, every trainer's, inside the pieces of transformers'
+  ``Trainer.training_step`` (training mode first, ``torch_empty_cache_steps`` last): a trainer supplies what it keeps
+  of a call's inputs (``_dynbsz_collect``) and how a step's window trains (``_train_window``).
 * ``_get_per_token_logps_and_entropies`` (:class:`~hf_dynbsz.trainers.logprob_hooks.LogProbHooks`: GRPO, RLOO): run
   no-grad log-prob passes by the schedule (grad calls go to stock).
 * ``store_flos`` (transformers' ``Trainer``): the FLOP count's gather, the last collective of ``train()``, through the
@@ -33,6 +34,7 @@ import logging
 import time
 
 import torch
+from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
@@ -65,6 +67,18 @@ def stock_constructor(stock_class: type):
 
     __init__.__signature__ = stock_init
     return __init__
+
+
+def empty_cache_as_trainer(args, global_step: int) -> None:
+    """What transformers' ``Trainer.training_step`` does after each training call's loss: with
+    ``torch_empty_cache_steps`` set, at every call of an optimizer step whose number (``global_step``, the steps done)
+    is a multiple of it, the device's cache emptied (accelerate's ``clear_device_cache``, as the Trainer calls it,
+    and MPS's graph cache)."""
+    every = args.torch_empty_cache_steps
+    if every is not None and global_step % every == 0:
+        clear_device_cache()
+        if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+            torch.mps.clear_graph_cache()
 
 
 class TokenBudgetHooks:
@@ -135,20 +149,26 @@ class TokenBudgetHooks:
         return loss
 
     def _dynbsz_window_call(self, model, inputs) -> torch.Tensor:
-        """One training call of an optimizer step, the window loop every trainer runs: the model and a schedule-free
-        optimizer in training mode (as stock's ``training_step`` starts), the step's meters started at its first call,
-        the call's inputs kept (:meth:`_dynbsz_collect`), and at the step's last call its passes
-        (:meth:`_train_window`). Before the last call the loss is zero."""
+        """One training call of an optimizer step, the window loop every trainer runs, inside the pieces of
+        transformers' ``Trainer.training_step``: first the model and a schedule-free optimizer in training mode, last
+        the device cache emptied every ``torch_empty_cache_steps`` steps (:func:`empty_cache_as_trainer`). In
+        between, the step's meters started at its first call, the call's inputs kept (:meth:`_dynbsz_collect`), and
+        at the step's last call its passes (:meth:`_train_window`); before the last call the loss is zero. Stock's
+        other pieces are refused at config time: context parallelism (its input sharding) and a LOMO optimizer (the
+        learning rate it takes in each backward: :mod:`hf_dynbsz.planning.validation`)."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if not self._dynbsz_window:
             self._dynbsz.meters.start()
         self._dynbsz_window.append(self._dynbsz_collect(inputs))
-        if not self.accelerator.sync_gradients:
-            return torch.zeros((), device=self.accelerator.device)
-        window, self._dynbsz_window = self._dynbsz_window, []
-        return self._train_window(model, window)
+        if self.accelerator.sync_gradients:
+            window, self._dynbsz_window = self._dynbsz_window, []
+            loss = self._train_window(model, window)
+        else:
+            loss = torch.zeros((), device=self.accelerator.device)
+        empty_cache_as_trainer(self.args, self.state.global_step)
+        return loss
 
     def _dynbsz_collect(self, inputs) -> dict:
         """A training call's inputs as the window keeps them: TRL's rollout (generation every ``steps_per_generation``
