@@ -21,6 +21,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from hf_dynbsz.execution import recurrence
 from hf_dynbsz.execution.attention import SegmentLayout, use_segments
+from hf_dynbsz.execution.check_passes import gradient_table
 from hf_dynbsz.execution.packing import SequenceTable, build_microbatch
 from hf_dynbsz.execution.recurrence import (
     SHORTEST_BUCKET,
@@ -33,7 +34,7 @@ from hf_dynbsz.execution.recurrence import (
     segment_recurrence,
     state_argument,
 )
-from hf_dynbsz.execution.self_check import gradient_error, gradient_table
+from hf_dynbsz.execution.self_check import gradient_error
 from hf_dynbsz.planning.model_support import ModelSupport
 from hf_dynbsz.planning.prefix_tree import PrefixTree
 from hf_dynbsz.testing import (

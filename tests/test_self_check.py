@@ -10,17 +10,15 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_dynbsz.execution.check_passes import compute_dtype
+from hf_dynbsz.execution.check_passes import Probe, checked_parameters, gradient_table
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.self_check import (
     FAILED,
     OUT_OF_MEMORY,
     PASSED,
-    Probe,
-    checked_parameters,
+    compute_dtype,
     gradient_error,
     gradient_samples,
-    gradient_table,
     gradient_tolerance,
     pick_samples,
     run_self_check,
@@ -459,7 +457,7 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     same forward (the log-probs agree) and lose the blocks' gradients through the prefix: the self-check's gradients
     refuse the layout, the run trains the next (padding-free rows without shared prompts) and equals stock. The
     control: with gradients not compared, the same run keeps the layout and leaves stock."""
-    from hf_dynbsz.execution import check_passes, recurrence
+    from hf_dynbsz.execution import recurrence, self_check
 
     def detached_bank(states, kernel):
         return {index: bank.detach() for index, bank in bank_of(states, kernel).items()}
@@ -473,7 +471,7 @@ def test_a_detached_prefix_state_is_caught_at_start(tmp_path, monkeypatch, caplo
     assert scheduler.layout == "padding_free" and not scheduler.sharing and scheduler.segment_recurrence
     assert "gradients differ from each sample's own" in caplog.text and "linear_attn" in caplog.text
     assert _difference(checked, stock) <= 1e-5
-    monkeypatch.setattr(check_passes, "gradient_tolerance", lambda dtype: math.inf)
+    monkeypatch.setattr(self_check, "gradient_tolerance", lambda dtype: math.inf)
     unchecked = _train_hybrid(tmp_path / "unchecked")
     assert unchecked._dynbsz.scheduler.sharing  # the forward alone cannot tell
     assert _difference(unchecked, stock) > 1e-4
@@ -659,10 +657,10 @@ def test_stock_math_chosen_in_the_first_steps_reference_pass_trains_every_slice_
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.execution import check_passes
+    from hf_dynbsz.execution import self_check
     from hf_dynbsz.testing import relative_difference, run_training
 
-    monkeypatch.setattr(check_passes, "tolerance", lambda dtype: -1.0)  # no layout passes
+    monkeypatch.setattr(self_check, "tolerance", lambda dtype: -1.0)  # no layout passes
     settings = dict(beta=0.1, max_steps=2)
     _, stock, stock_completions, _ = run_training(GRPOTrainer, GRPOConfig, model_dir, str(tmp_path / "s"), **settings)
     _, params, completions, _ = run_training(

@@ -586,12 +586,12 @@ def test_the_measured_layout_choice_matches_stock(model_dir, tmp_path, monkeypat
     from the second step some passes run padded, the others padding-free, and after the choice
     the run keeps padded rows (or, when stock's slices are predicted fastest, turns dynamic batching off); the
     parameters after training equal stock's either way."""
-    from hf_dynbsz.execution import check_passes, device_pass, executor, layout_timing
+    from hf_dynbsz.execution import device_pass, executor, layout_timing, self_check
 
     monkeypatch.setattr(layout_timing, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
-    monkeypatch.setattr(check_passes, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
+    monkeypatch.setattr(self_check, "MEASURED_DEVICE_TYPES", ["cuda", "cpu"])
     clock = _LabelClock({"spans": 1.0, "padded": 0.01})
-    monkeypatch.setattr(check_passes, "pass_clock", lambda device: clock)
+    monkeypatch.setattr(self_check, "pass_clock", lambda device: clock)
     built_layouts, build, finish = [], device_pass.build_microbatch, executor.PassExecutor._finish_layout_timing
 
     def recording(*args, **kwargs):  # the layout of every training pass (with gradients), and where the choice is

@@ -32,7 +32,6 @@ import torch
 from torch.profiler import record_function
 
 from hf_dynbsz.execution.batch import StepBatch
-from hf_dynbsz.execution.check_passes import check_layouts
 from hf_dynbsz.execution.device_memory import injected_fault, release_cached_memory
 from hf_dynbsz.execution.device_pass import DevicePass
 from hf_dynbsz.execution.layout_timing import NO_LAYOUT_TIMING
@@ -41,6 +40,7 @@ from hf_dynbsz.execution.multimodal import MediaPolicy
 from hf_dynbsz.execution.packing import SequenceTable
 from hf_dynbsz.execution.recovery import OutOfMemoryRecovery
 from hf_dynbsz.execution.router_loss import RouterAuxLoss
+from hf_dynbsz.execution.self_check import check_layouts
 from hf_dynbsz.execution.step_planning import StepPlanning
 from hf_dynbsz.planning.memory import FailedPass
 
@@ -379,7 +379,7 @@ class PassExecutor(StepPlanning, DevicePass):
     @torch.no_grad()
     def self_check(self, model, table: SequenceTable) -> bool:
         """Once per run, before its first pass: keep the fastest layout whose log-probs and gradients equal each
-        sample's own (:func:`~hf_dynbsz.execution.check_passes.check_layouts`); when none does, stock math runs.
+        sample's own (:func:`~hf_dynbsz.execution.self_check.check_layouts`); when none does, stock math runs.
         Returns whether dynamic batching stays on."""
         if not self.checked:
             self.checked = True

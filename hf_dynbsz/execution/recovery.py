@@ -12,7 +12,7 @@ ZeRO-3, the other processes' parameter gathers) where they cannot be discarded, 
 (each layer's forward and backward gather its parameters with the others: a pass that fails part way leaves them
 waiting), nor under sequence parallelism.
 Elsewhere the error is raised with why and what to set. The self-check's passes at start recover more widely
-(:meth:`OutOfMemoryRecovery.recovers_in_check`; :func:`~hf_dynbsz.execution.check_passes.check_layouts`).
+(:meth:`OutOfMemoryRecovery.recovers_in_check`; :func:`~hf_dynbsz.execution.self_check.check_layouts`).
 """
 
 from __future__ import annotations

@@ -241,8 +241,7 @@ def check_rewards(executor, model, batch: StepBatch) -> str | None:
     forward (one unpadded row, the reward at its last token, as stock reads it), within the self-check's tolerance of
     the compute dtype (relative to the largest reward, at least 1), every process agreeing. Returns why the layout
     fails (stock's micro-batches then run), or None. Gradients are not compared."""
-    from hf_dynbsz.execution.check_passes import compute_dtype
-    from hf_dynbsz.execution.self_check import tolerance
+    from hf_dynbsz.execution.self_check import compute_dtype, tolerance
 
     pairs = len(batch) // 2
     group = sorted({i for k in range(CHECKED_PAIRS) for i in (2 * (k % pairs), 2 * (k % pairs) + 1)})

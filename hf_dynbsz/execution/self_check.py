@@ -9,7 +9,7 @@ layout within :func:`tolerance` on every process is kept, and the slower ones ar
 math runs. A layout whose pass raises is treated as failing, so a model the decision module misjudged steps down
 instead of crashing mid-step. A pass that runs out of memory (the samples alone too) is no verdict on a layout: the
 check stops on every process (the processes' votes say so) and reports it (:attr:`CheckResult.out_of_memory`), for
-the caller to check again on smaller probes (:func:`~hf_dynbsz.execution.check_passes.check_layouts`).
+the caller to check again on smaller probes (:func:`check_layouts`).
 
 Every process checks its own samples with the same number of forwards (ZeRO-3 gathers parameters in each): the
 same count of references, then layout by layout with one all-reduce after each (did every process pass it?), so
@@ -19,36 +19,59 @@ A prefix tree is checked on a tree of at least three levels (:func:`tree_samples
 tree samples, one below it shared by two, and where they part), from the step's own samples when they hold one,
 else from two copies of one of them cut short inside its completion (:func:`tree_probe`); when no sample has the
 completion tokens for that, the log says that the tree was not probed.
+
+This module decides, :mod:`hf_dynbsz.execution.check_passes` measures, and calls go one way, from here down to there.
+:func:`check_layouts` (once per run, from the executor's :meth:`~hf_dynbsz.execution.executor.PassExecutor.self_check`)
+chooses what to check: the layouts, the samples, the tolerances of the compute dtype, every model the loss checks;
+:func:`run_self_check` concludes from the :class:`~hf_dynbsz.execution.check_passes.Probe` of each pass (log-probs and
+gradients, no verdict) that the :class:`~hf_dynbsz.execution.check_passes.CheckPasses` it is given measure; the
+processes agree here, an out-of-memory error is judged here (and the check tried again on smaller probes), and here
+the run's outcome is logged and set on the executor: its layout or stock math, and the layout timing
+(:func:`layout_timing`). The passes call nothing of this module back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import math
-import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
-from hf_dynbsz.execution.device_memory import is_out_of_memory
-from hf_dynbsz.execution.packing import MicroBatch, SequenceTable, build_microbatch
+from hf_dynbsz.execution.check_passes import GRADIENT_COMPLETION, CheckPasses, Probe, gradient_table
+from hf_dynbsz.execution.device_memory import is_out_of_memory, release_cached_memory
+from hf_dynbsz.execution.layout_timing import (
+    MEASURED_DEVICE_TYPES,
+    NO_LAYOUT_TIMING,
+    Candidate,
+    LayoutTiming,
+    family,
+    pass_clock,
+)
+from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.sequence_parallel import NoSequenceParallel
 from hf_dynbsz.planning.model_support import Layout
+from hf_dynbsz.planning.schedule import Scheduler
 from hf_dynbsz.planning.settings import SharePrefix
+
+logger = logging.getLogger("hf_dynbsz")
 
 __all__ = [
     "FAILED",
     "OUT_OF_MEMORY",
     "PASSED",
     "CheckResult",
-    "Probe",
-    "alone_microbatch",
-    "check_loss",
-    "checked_parameters",
+    "check_layouts",
+    "compute_dtype",
     "gradient_error",
     "gradient_samples",
-    "gradient_table",
     "gradient_tolerance",
-    "gradients_of",
+    "layout_timing",
     "pick_samples",
     "run_self_check",
     "tolerance",
@@ -117,43 +140,11 @@ def gradient_error(candidate: dict[str, torch.Tensor], reference: dict[str, torc
     return worst, where
 
 
-def checked_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trainable parameters whose gradients the check compares: every kind of parameter (its name with layer
-    numbers taken out: ``model.layers.*.mamba.A_log``) in the first and the last layer that has it, so attention,
-    sequence mixers, MLPs, experts, routers, norms, embeddings and head are all covered at a cost that does not grow
-    with depth."""
-    first: dict[str, str] = {}
-    last: dict[str, str] = {}
-    parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    for name, _ in parameters:
-        kind = re.sub(r"\.\d+\.", ".*.", name)
-        first.setdefault(kind, name)
-        last[kind] = name
-    kept = set(first.values()) | set(last.values())
-    return [(name, p) for name, p in parameters if name in kept]
-
-
-def gradients_of(loss: torch.Tensor, parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    """The gradients of ``loss`` with respect to ``parameters`` (name to tensor; zeros where ``loss`` does not depend
-    on one), through ``torch.autograd.grad``: nothing accumulates into ``.grad`` and no gradient hook of DDP or
-    DeepSpeed runs."""
-    found = [None] * len(parameters)
-    if loss.requires_grad:
-        found = torch.autograd.grad(loss, [p for _, p in parameters], allow_unused=True)
-    return {name: (g if g is not None else torch.zeros_like(p)).detach() for (name, p), g in zip(parameters, found)}
-
-
-def check_loss(logps: torch.Tensor, indices: Sequence[int], completions: Sequence[int]) -> torch.Tensor:
-    """The scalar whose gradients the check compares: each completion token's log-prob times a fixed weight in
-    [-1, 1) drawn for its sample and position (the same for a sample alone and in a pass), summed. ``logps``
-    ``(rows, width)`` holds the samples ``indices`` row by row."""
-    total = logps.new_zeros(())
-    for row, index in enumerate(indices):
-        length = completions[index]
-        if length:
-            weights = torch.rand(length, generator=torch.Generator().manual_seed(index)) * 2 - 1
-            total = total + (logps[row, :length] * weights.to(logps.device, logps.dtype)).sum()
-    return total
+def compute_dtype(accelerator, model) -> torch.dtype:
+    """The precision the self-check's forwards compute in: the weights', or the autocast dtype of mixed precision
+    (accelerate runs a prepared model's forward under autocast whatever the caller's context)."""
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+    return mixed or next(accelerator.unwrap_model(model).parameters()).dtype
 
 
 def pick_samples(table: SequenceTable, count: int = SAMPLES, tree: bool = False) -> list[int]:
@@ -215,10 +206,10 @@ def tree_probe(table: SequenceTable, layouts: Sequence[Layout]) -> tuple[Sequenc
 
     Without a prefix tree among ``layouts``, or when ``table``'s samples hold a three-level tree
     (:func:`tree_samples`): ``table``. Otherwise ``table`` with two copies of its shortest sample of at least 3
-    completion tokens, cut inside its completion at a third and two thirds of its first :data:`GRADIENT_COMPLETION`
-    tokens: the three share the prompt and the first tokens, the longer two the next ones, and all three part (in the
-    gradient passes too, whose completions are cut at :data:`GRADIENT_COMPLETION`). When no sample can give that
-    tree, ``table`` and the sentence that the tree was not probed."""
+    completion tokens, cut inside its completion at a third and two thirds of its first
+    :data:`~hf_dynbsz.execution.check_passes.GRADIENT_COMPLETION` tokens: the three share the prompt and the first
+    tokens, the longer two the next ones, and all three part (in the gradient passes too, whose completions are cut
+    there). When no sample can give that tree, ``table`` and the sentence that the tree was not probed."""
     if not any(layout.sharing is SharePrefix.TREE for layout in layouts) or tree_samples(table) is not None:
         return table, ""
     completions, lengths = table.completion_lengths.tolist(), table.lengths.tolist()
@@ -284,49 +275,6 @@ def _siblings(table: SequenceTable) -> list[int]:
 #: The fewest completion tokens a sibling of :func:`pick_samples` has, where its group has them.
 SIBLING_COMPLETION = 4
 
-#: Completion tokens per sample that the gradient comparison keeps (:func:`gradient_table`).
-GRADIENT_COMPLETION = 16
-
-
-def gradient_table(table: SequenceTable, completion_tokens: int = GRADIENT_COMPLETION) -> SequenceTable:
-    """``table`` with every completion cut to its first ``completion_tokens`` tokens (prompts, their images, token
-    fields and positions kept alike): the samples of the check's passes with gradients. A block of a few tokens
-    already takes its prefix's state or keys, and hands gradients back through them; a backward's cost grows with
-    the tokens (a step of 512-token completions checked whole took 3.4 times the check of log-probs alone)."""
-    completions = table.completion_lengths.clamp(max=completion_tokens)
-    lengths = (table.prompt_lengths + completions).tolist()
-    fields = table.token_fields
-    return SequenceTable(
-        tokens=[tokens[:length] for tokens, length in zip(table.tokens, lengths)],
-        prompt_lengths=table.prompt_lengths,
-        completion_lengths=completions,
-        media=table.media,
-        token_fields={name: [v[:n] for v, n in zip(values, lengths)] for name, values in fields.items()}
-        if fields
-        else fields,
-        positions=None if table.positions is None else [p[:, :n] for p, n in zip(table.positions, lengths)],
-        rope_widths=table.rope_widths,
-    )
-
-
-def alone_microbatch(table: SequenceTable, index: int, pad_token_id: int, device) -> MicroBatch:
-    """The per-sample reference's input: sample ``index`` as one unpadded row with an all-ones attention mask and no
-    position ids (the model positions it as it does any single sequence, as generation did)."""
-    mb = build_microbatch(
-        table, [index], layout="padded", pad_token_id=pad_token_id, device=device, attention_mask=True
-    )
-    mb.model_inputs.pop("position_ids", None)
-    return mb
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One pass of the check: completion log-probs ``(rows, width)``, and the gradients of :func:`check_loss` with
-    respect to the checked parameters (name to tensor; None where the pass computed none)."""
-
-    logps: torch.Tensor
-    gradients: dict[str, torch.Tensor] | None = None
-
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -384,9 +332,10 @@ def run_self_check(
 
     ``run_layout(layout, indices, gradients)`` returns the :class:`Probe` of one pass over those samples in that
     layout, ``run_alone(index, gradients)`` that of the sample alone (``(1, width)`` log-probs); with ``gradients``,
-    over the samples of :func:`gradient_table` and with the gradients of :func:`check_loss`. The log-probs of
-    :func:`pick_samples` (its repeats keep the forward count equal on every process) are compared in one pass without
-    gradients; where they pass, the gradients of :func:`gradient_samples` in a second pass. ``limit`` is the log-prob
+    over the samples of :func:`~hf_dynbsz.execution.check_passes.gradient_table` and with the gradients of
+    :func:`~hf_dynbsz.execution.check_passes.check_loss`. The log-probs of :func:`pick_samples` (its repeats keep the
+    forward count equal on every process) are compared in one pass without gradients; where they pass, the gradients
+    of :func:`gradient_samples` in a second pass. ``limit`` is the log-prob
     tolerance, ``gradient_limit`` the gradient tolerance (:func:`gradient_error`); ``agree(vote)`` the largest vote
     of every process on the layout tried (:data:`PASSED`, :data:`FAILED` or :data:`OUT_OF_MEMORY`: an all-reduce
     every process calls once per layout tried). ``gradients=False``, or probes that carry none, compare log-probs only
@@ -509,3 +458,153 @@ def _layout_error(layout, distinct, completions, run_layout, reference, limit, r
         return math.inf, f"{layout.describe()}: {_first_line(failure)}"
     error = math.inf if math.isnan(error) else error
     return error, f"{layout.describe()}: log-probs differ from each sample's own by {error:.2e} (tolerance {limit:g})"
+
+
+def check_layouts(executor, model, table: SequenceTable) -> None:
+    """The self-check of ``executor``'s run on ``table``'s samples: keep the fastest layout whose log-probs and
+    gradients equal each sample's own, on every model the loss checks (a distillation's teacher too, log-probs only);
+    when none does, stock math runs (``executor.enabled`` False). The check's passes are unsharded, whatever the run's
+    sequence parallelism; a prefix tree is probed on three levels (:func:`tree_probe`, which may add cut copies of a
+    sample, or say that it could not); the run's layout timing follows from its result.
+
+    A pass of the check that runs out of memory (here or on another process) is recovered as a training pass's is
+    (:meth:`~hf_dynbsz.execution.recovery.OutOfMemoryRecovery.recovers_in_check`): the cached memory is freed and the
+    check runs again on smaller probes, every completion cut to its first
+    :data:`~hf_dynbsz.execution.check_passes.GRADIENT_COMPLETION` tokens; when that runs out of memory too, stock math
+    runs. Either way the log's one line says so."""
+    layouts = executor.capabilities.layouts
+    schedulers = {
+        layout: dataclasses.replace(
+            Scheduler.from_args(executor.args, executor.capabilities.support, executor.scheduler.group, layout=layout),
+            teacher_scale=executor.scheduler.teacher_scale,
+        )
+        for layout in layouts
+    }
+    memory: list[str] = []  # each try's out-of-memory error
+    started = time.perf_counter()
+    for probe in (table, gradient_table(table)):  # after running out of memory: smaller probes
+        result, summary, passes, probe = _attempt(executor, model, probe, layouts, schedulers)
+        if not result.out_of_memory:
+            break
+        memory.append(result.out_of_memory)
+        release_cached_memory(executor.accelerator.device)
+    executor.self_check_seconds = time.perf_counter() - started
+    executor.self_check_summary = _with_memory(summary, memory, result)
+    logger.log(
+        logging.WARNING if result.chosen or memory else logging.INFO,
+        "hf_dynbsz: %s It took %.2f s.",
+        executor.self_check_summary,
+        executor.self_check_seconds,
+    )
+    if result.chosen:
+        executor.parallel.refuse_inexact(executor.self_check_summary)
+    executor.enabled = result.chosen < len(layouts)
+    if executor.enabled and result.chosen:
+        executor.scheduler = schedulers[layouts[result.chosen]]
+    if len(passes) == 1:  # a distillation's passes keep the pair's layout (both models' passes are not timed)
+        executor.layout_timing = layout_timing(executor, model, probe, layouts, schedulers, result.chosen, passes[0])
+
+
+def _attempt(executor, model, table: SequenceTable, layouts, schedulers):
+    """One try of the check on ``table``'s samples: ``(result, its summary, the passes, the samples probed)``."""
+    table, probe_note = tree_probe(table, layouts)
+    checked = executor.loss.checked_models(model)
+    no_gradients = CheckPasses.gradients_skipped(executor, model)
+    passes = [
+        CheckPasses(executor, one, table, schedulers, NoSequenceParallel(), gradients=grad and no_gradients is None)
+        for one, grad in checked
+    ]
+    dtype = compute_dtype(executor.accelerator, model)
+    with executor.tiles(), record_function("dynbsz/self_check"):
+        if len(passes) == 1:
+            result, note = _check(executor, layouts, table, passes[0], passes[0].alone, dtype), ""
+        else:
+            result, note = _check_models(executor, layouts, table, passes, dtype)
+    summary = result.summary(layouts) + note + probe_note
+    if no_gradients is not None:
+        summary += f" Gradients not compared: {no_gradients}."
+    return result, summary, passes, table
+
+
+def _with_memory(summary: str, memory: list[str], result: CheckResult) -> str:
+    """The check's summary, with what ran out of memory (``memory``: each try's error) and what followed."""
+    if not memory:
+        return summary
+    cut = f"every completion cut to its first {GRADIENT_COMPLETION} tokens"
+    if result.out_of_memory:
+        return (
+            f"self-check: its passes ran out of memory ({memory[0]}), and again on smaller probes ({cut}: "
+            f"{memory[-1]}): no layout was checked, stock TRL math runs (stock's micro-batches)."
+        )
+    return (
+        f"{summary} Its first try ran out of memory ({memory[0]}): the cached memory was freed and the check ran "
+        f"again on smaller probes ({cut}; log-probs beyond them not compared)."
+    )
+
+
+def _check_models(executor, layouts, table: SequenceTable, passes: list[CheckPasses], dtype) -> tuple[CheckResult, str]:
+    """:func:`_check` of several models (a distillation's student, then its teacher): the fastest layout every model
+    passes. Each model is checked from the layout the others reached, until all pass the same one (every process
+    makes the same checks: each step of each is agreed); the result is the first model's, with every model's reasons
+    and the layout they all passed, and a sentence on the others' log-probs for the log."""
+    alone = [functools.cache(one.alone) for one in passes]
+    other = getattr(executor.loss, "checked_model_name", "teacher")  # the second model's name in the log
+    start, passed, reasons, results = 0, set(), [], {}
+    while start < len(layouts) and len(passed) < len(passes):
+        index = min(set(range(len(passes))) - passed)
+        result = _check(executor, layouts[start:], table, passes[index], alone[index], dtype)
+        reasons += [f"{f'{other}: ' if index else ''}{reason}" for reason in result.reasons]
+        if result.out_of_memory:  # every process stopped: the caller tries again smaller
+            return result, ""
+        passed = {index} if result.chosen else passed | {index}
+        start += result.chosen
+        results[index] = result
+    if start >= len(layouts):
+        return CheckResult(len(layouts), [], reasons), ""
+    others = max(result.errors[-1] for index, result in results.items() if index)
+    note = f" The {other}'s log-probs in that layout differ from each sample's own by {others:.1e} at most."
+    return dataclasses.replace(results[0], chosen=start, reasons=reasons), note
+
+
+def _check(executor, layouts, table: SequenceTable, passes: CheckPasses, alone, dtype: torch.dtype):
+    """:func:`run_self_check` of ``layouts`` through ``passes`` (``alone``: its samples alone, cached or not), at
+    ``dtype``'s tolerances, every process agreeing through one all-reduce per layout tried (a pass out of memory on
+    any process stops it everywhere: the result's ``out_of_memory``); gradients where ``passes`` computes them."""
+    return run_self_check(
+        layouts, table, passes.layout, alone, tolerance(dtype),
+        agree=lambda vote: int(executor.world.all_reduce_max([vote])[0]),
+        gradient_limit=gradient_tolerance(dtype), gradients=bool(passes.parameters),
+        recovers=executor.recovery.recovers_in_check,
+    )  # fmt: skip
+
+
+def layout_timing(executor, model, table, layouts, schedulers, chosen: int, passes: CheckPasses):
+    """The run's layout timing (:mod:`hf_dynbsz.execution.layout_timing`), from the self-check's result: on a
+    device of :data:`~hf_dynbsz.execution.layout_timing.MEASURED_DEVICE_TYPES` with ``packing_layout="auto"``
+    (no sequence parallelism, no memory limit: the memory model learns each pass's peak in the run's layout), the
+    ``chosen`` layout (its index in ``layouts``) and the first layout of each other family below it that the
+    self-check passes too (the same check through ``passes``, log-probs and gradients, the samples alone computed
+    once, one all-reduce per layout tried); :data:`NO_LAYOUT_TIMING` (nothing measured) otherwise. ``schedulers``:
+    one per layout."""
+    device = executor.accelerator.device.type
+    if not executor.enabled or executor.args.packing_layout != "auto" or executor.parallel.size > 1:
+        return NO_LAYOUT_TIMING
+    if executor.memory.limit_mib is not None:  # the memory model learns each pass's peak in the run's own layout
+        return NO_LAYOUT_TIMING
+    if device not in MEASURED_DEVICE_TYPES:
+        return NO_LAYOUT_TIMING
+    candidates = [Candidate(family(layouts[chosen]), schedulers[layouts[chosen]])]
+    alone = functools.cache(passes.alone)
+    dtype = compute_dtype(executor.accelerator, model)
+    for index in range(chosen + 1, len(layouts)):
+        name = family(layouts[index])
+        if name in {candidate.name for candidate in candidates}:
+            continue
+        with executor.tiles():
+            result = _check(executor, [layouts[index]], table, passes, alone, dtype)
+        if result.chosen == 0:
+            candidates.append(Candidate(name, schedulers[layouts[index]]))
+    if len(candidates) == 1:
+        return NO_LAYOUT_TIMING
+    logger.info("hf_dynbsz: layout timing: %s pass the self-check.", ", ".join(c.name for c in candidates))
+    return LayoutTiming(candidates, pass_clock(device), executor.world.all_gather)

@@ -82,14 +82,14 @@ def bare_check_passes(model, table, gradients: bool = True):
     """The self-check's two callables for a bare ``model`` (TRL's fused LM head) and ``table``, as
     :class:`~hf_dynbsz.execution.check_passes.CheckPasses` gives them for a run: ``run_layout(layout, indices,
     gradients=True)`` and ``run_alone(index, gradients=True)``, each returning a
-    :class:`~hf_dynbsz.execution.self_check.Probe` with the gradients of
-    :func:`~hf_dynbsz.execution.self_check.check_loss` (when ``gradients``, and ``gradients`` was given here), over
-    the samples of :func:`~hf_dynbsz.execution.self_check.gradient_table` as in a run. As in a
+    :class:`~hf_dynbsz.execution.check_passes.Probe` with the gradients of
+    :func:`~hf_dynbsz.execution.check_passes.check_loss` (when ``gradients``, and ``gradients`` was given here), over
+    the samples of :func:`~hf_dynbsz.execution.check_passes.gradient_table` as in a run. As in a
     run, sequence mixers decide on prefix states in the first pass of a layout with shared prompts: make it one
     without gradients."""
     import torch
 
-    from hf_dynbsz.execution.self_check import Probe, check_loss, checked_parameters, gradient_table, gradients_of
+    from hf_dynbsz.execution.check_passes import Probe, check_loss, checked_parameters, gradient_table, gradients_of
     from hf_dynbsz.planning.model_support import ModelSupport
     from hf_dynbsz.testing.oracles import logps_alone
 
