@@ -21,6 +21,7 @@ LOSSES = {
     "DistillationLoss": "hf_dynbsz.execution.distillation_loss",
     "DPOLoss": "hf_dynbsz.execution.dpo_loss",
     "RewardLoss": "hf_dynbsz.execution.reward_loss",
+    "KTOLoss": "hf_dynbsz.execution.kto_loss",
 }
 
 PROTOCOL_METHODS = sorted(

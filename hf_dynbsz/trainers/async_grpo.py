@@ -11,13 +11,12 @@ one :class:`~hf_dynbsz.execution.batch.StepBatch` (:mod:`hf_dynbsz.execution.rol
 with everything it runs for the other trainers: token-budget passes, the prefix tree, cross-rank balancing, memory
 budgets and out-of-memory recovery, on the model's own attention kernel instead of FlashAttention-3 only.
 
-The loss is stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`). Each token is weighted by one over its
-micro-batch's trained tokens over all processes and over ``gradient_accumulation_steps``, as stock weighs it. The
-samples step normalises by the whole step's trained tokens instead.
+The loss is stock's clipped token loss (:mod:`hf_dynbsz.execution.async_loss`), each token weighted as stock weighs it
+(the samples step: by the whole step's trained tokens).
 
-The model loads with the attention implementation of ``model_init_kwargs["attn_implementation"]`` (transformers'
-default when unset), not stock's FA3 tree kernel. Stock's refusals of state-carrying layers and attention sinks do not
-apply, because segment recurrence and the kernels' sinks run them exactly (:mod:`hf_dynbsz.planning.model_support`).
+The model loads with ``model_init_kwargs["attn_implementation"]`` (transformers' default when unset), not stock's FA3
+tree kernel; stock's refusals of state-carrying layers and attention sinks do not apply (segment recurrence and sinks
+run them exactly).
 
 With ``dynamic_batching=False`` the trainer is stock's. Every TRL name this module touches is listed in
 :mod:`hf_dynbsz._trl_compat`; the functions of stock's module replaced while its constructor runs are in
@@ -214,12 +213,9 @@ class DynamicBatchAsyncGRPOTrainer(
         return result.loss
 
     def _account_step(self, window: list[dict], result: StepResult) -> None:
-        """Stock's step accounting, which its ``_log_step_metrics`` turns into ``batch/*_per_step`` and ``perf/*``
-        figures, as stock's ``compute_loss`` and ``training_step`` add it up for the same micro-batches (``window``):
-        the tokens stock's packed rows forward and train over all processes, its mean sequence length (unique tokens
-        per sample) and samples, one micro-batch per stock micro-batch. No forward time: the passes run forward and
-        backward together (``dynbsz/train_seconds``; ``perf/fwd_s`` is not logged, :meth:`_log_step_metrics`). What
-        the passes did (``result``) is the ``dynbsz/*`` figures, and the Trainer's FLOP count."""
+        """Stock's step accounting (its ``batch/*_per_step`` and ``perf/*`` figures) as stock adds it up for the same
+        micro-batches (``window``): forwarded and trained tokens, mean sequence length, samples, micro-batches; no
+        forward time (``perf/fwd_s`` is not logged). ``result``: the Trainer's FLOP count."""
         for inputs in window:
             forwarded, mean_seq_len = float(inputs["global_forwarded_tokens"][0]), float(inputs["mean_seq_len"][0])
             self._step_forward_tokens += forwarded
@@ -230,9 +226,8 @@ class DynamicBatchAsyncGRPOTrainer(
         self._dynbsz_flop_tokens = result.computed_tokens / self.accelerator.num_processes
 
     def _log_step_metrics(self) -> None:
-        # Override (stock's per-step flush, from the accounting of _account_step): stock's figures, less perf/fwd_s
-        # (stock's forward-only time; the passes' forward and backward time is dynbsz/train_seconds), and without its
-        # throughput and MFU figures where TRL cannot read the model's FLOPs per token.
+        # Override (stock's per-step flush of _account_step's figures): less perf/fwd_s (forward-only time; the passes'
+        # is dynbsz/train_seconds), no throughput or MFU figures where TRL cannot read the model's FLOPs per token.
         if not self._dynbsz_dynamic:
             return super()._log_step_metrics()
         metrics, forwarded = self._metrics["train"], self._step_forward_tokens

@@ -2,7 +2,8 @@
 pairs (a pair's chosen and rejected in one pass under one copy of their prompt), the reference's no-grad passes with
 a budget of their own, and stock's losses per pair (:class:`~hf_dynbsz.execution.dpo_loss.DPOLoss`).
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.PreferenceHooks` (``__init__``, ``store_flos``, ``training_step``:
+Hooks: those of :class:`~hf_dynbsz.trainers.preference_hooks.PreferenceHooks`
+(``__init__``, ``store_flos``, ``training_step``:
 the window loop over stock's collated micro-batches, stock's ``training_step`` with dynamic batching off) and:
 
 * ``__init__``: refuses, before any work, ``aot`` / ``aot_unpaired`` on a model that drops out
@@ -21,7 +22,7 @@ from trl import DPOTrainer
 
 from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
 from hf_dynbsz.execution.dpo_loss import DPOLoss, dpo_step_batch
-from hf_dynbsz.trainers.hooks import PreferenceHooks
+from hf_dynbsz.trainers.preference_hooks import PreferenceHooks
 
 logger = logging.getLogger("hf_dynbsz")
 

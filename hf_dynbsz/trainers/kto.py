@@ -2,7 +2,8 @@
 samples, the KL sequences and the reference in no-grad passes with a budget of their own, each stock micro-batch's KL
 estimate computed as stock computes it, and stock's loss per sample (:class:`~hf_dynbsz.execution.kto_loss.KTOLoss`).
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.PreferenceHooks` (``__init__``, ``store_flos``, ``training_step``:
+Hooks: those of :class:`~hf_dynbsz.trainers.preference_hooks.PreferenceHooks`
+(``__init__``, ``store_flos``, ``training_step``:
 the window loop over stock's collated micro-batches, stock's ``training_step`` with dynamic batching off; a custom
 collator or vision-language samples train stock's micro-batches, with one logged reason) and ``_train_window``.
 
@@ -16,7 +17,7 @@ from trl import KTOTrainer
 
 from hf_dynbsz.configs.kto import DynamicBatchKTOConfig
 from hf_dynbsz.execution.kto_loss import COLLATED_KEYS, KTOLoss, kto_step_batch
-from hf_dynbsz.trainers.hooks import PreferenceHooks
+from hf_dynbsz.trainers.preference_hooks import PreferenceHooks
 
 
 class DynamicBatchKTOTrainer(PreferenceHooks, KTOTrainer, config=DynamicBatchKTOConfig, loss=KTOLoss, algorithm="KTO"):

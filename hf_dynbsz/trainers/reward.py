@@ -3,7 +3,8 @@ pairs (a pair's chosen and rejected in one padding-free pass under one copy of t
 read at its own last token) and stock's Bradley-Terry loss per pair (:class:`~hf_dynbsz.execution.reward_loss.
 RewardLoss`).
 
-Hooks: those of :class:`~hf_dynbsz.trainers.hooks.PreferenceHooks` (``__init__``, ``store_flos``, ``training_step``:
+Hooks: those of :class:`~hf_dynbsz.trainers.preference_hooks.PreferenceHooks`
+(``__init__``, ``store_flos``, ``training_step``:
 the window loop over stock's collated micro-batches, stock's ``training_step`` with dynamic batching off) and
 ``_train_window``.
 
@@ -22,7 +23,7 @@ from trl import RewardTrainer
 
 from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
 from hf_dynbsz.execution.reward_loss import RewardLoss, check_rewards, reward_step_batch
-from hf_dynbsz.trainers.hooks import PreferenceHooks
+from hf_dynbsz.trainers.preference_hooks import PreferenceHooks
 
 logger = logging.getLogger("hf_dynbsz")
 
