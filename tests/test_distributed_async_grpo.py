@@ -56,6 +56,9 @@ RUNS = {
     "cpu_zero3.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
     "cpu_fsdp2.yaml": {"step": dict(per_device=8), "cut": dict(per_device=4, accumulation=2, budget=48)},
 }
+#: stock's step at the same config under every backend (the default async_step="stock")
+for _engine in ("cpu_zero3.yaml", "cpu_fsdp2.yaml"):
+    RUNS[_engine].update({name: RUNS["cpu_ddp.yaml"][name] for name in ("stock_budget", "stock_cut")})
 #: stock's run each of ours compares its step with (the step in one micro-batch), and the one written the same way
 REFERENCE = {
     "agentic": ("agentic", "agentic"),
@@ -158,9 +161,10 @@ def test_an_moe_models_router_aux_loss_equals_stock_across_two_processes(launche
         )
 
 
+@pytest.mark.parametrize("config", list(RUNS), ids=lambda config: Path(config).stem.removeprefix("cpu_"))
 @pytest.mark.parametrize("scenario", ["stock_budget", "stock_cut"])
-def test_stocks_step_equals_stock_at_the_same_config_across_two_processes(scenario, model_dir, launches):
+def test_stocks_step_equals_stock_at_the_same_config_across_two_processes(config, scenario, model_dir, launches):
     """The default step: stock's micro-batches at the same config (its token budget, or 4 x 2), each normalised by
-    its own tokens, in the plugin's 48-token passes balanced across the processes."""
-    ours = compare("cpu_ddp.yaml", scenario, model_dir, launches)
+    its own tokens, in the plugin's 48-token passes balanced across the processes, under DDP, ZeRO-3 and FSDP2."""
+    ours = compare(config, scenario, model_dir, launches)
     assert all(step["dynbsz/microbatches_max_over_ranks"] > 2 for step in ours[0]["metrics"])
