@@ -173,7 +173,9 @@ def async_grpo_rows(model_dir: str, work: Path, quick: bool, split: bool) -> lis
     budget, cut_fields = "`token_budget=400`, GA 2", dict(per_device_train_batch_size=8, gradient_accumulation_steps=2)
     stock = run("async_grpo_stock", "stock-budget", **STOCK_BUDGET_STEP)
     ours = run("async_grpo_dynamic", "budget", **STOCK_BUDGET_STEP)
-    rows = [async_row(f'`"stock"`, {budget}, passes of stock\'s row size', ours, stock)]
+    samples_per_step = sorted({round(e["batch/samples_per_step"]) for e in stock.history if "loss" in e})
+    note = f"stock's samples per step {', '.join(map(str, samples_per_step))}"
+    rows = [async_row(f'`"stock"`, {budget}, passes of stock\'s row size', ours, stock, note=note)]
     if quick:
         return rows
     ours = run("async_grpo_dynamic", "budget-64", max_tokens_per_microbatch=64, **STOCK_BUDGET_STEP)
