@@ -15,7 +15,8 @@ import pytest
 from test_async_grpo_trainer import PARAMETER_TOLERANCE, UPDATE_TOLERANCE, assert_equals_stock
 
 from hf_dynbsz.testing import (
-    RolloutScript,
+    STOCK_BUDGET_STEP,
+    STOCK_STEP_SCRIPT,
     async_grpo_run,
     async_grpo_stock_cut,
     perf_token_counts,
@@ -23,11 +24,8 @@ from hf_dynbsz.testing import (
     update_difference,
 )
 
-#: Rows of which a tenth trains no token (a truncated or tool-only turn).
-SCRIPT = RolloutScript(seed=1, untrained=0.1)
-#: Stock's token-budget mode: a budget of 400 tokens per row, two micro-batches per optimizer step (16 samples per
-#: device only sizes the stand-in worker's refills: stock's budget decides the samples).
-BUDGET_STEP = dict(token_budget=400, per_device_train_batch_size=16, gradient_accumulation_steps=2)
+#: Rows of which a tenth trains no token; stock's token-budget mode at 400 tokens per row, GA 2.
+SCRIPT, BUDGET_STEP = STOCK_STEP_SCRIPT, STOCK_BUDGET_STEP
 
 
 #: A device peak for stock's MFU figures (none is known on CPU), the same in both runs.

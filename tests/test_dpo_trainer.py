@@ -27,6 +27,7 @@ from trl import DPOConfig, DPOTrainer
 
 from hf_dynbsz import DynamicBatchDPOConfig, DynamicBatchDPOTrainer
 from hf_dynbsz.testing import (
+    DPO_LOSS_SETTINGS,
     DPO_PLUGIN_FIELDS,
     dpo_run,
     logged_metrics,
@@ -112,18 +113,10 @@ def test_every_loss_type_matches_stock(model_dir, tmp_path, loss_type):
         assert step["dynbsz/padding_fraction"] == 0
 
 
-#: Stock's other loss settings, each a run: loss lists with weights (a coupled and a per-token term among them),
-#: LD-DPO, WPO weighting, the f-divergences, and label smoothing of the sorted loss.
+#: Stock's other loss settings, each a run (:data:`~hf_dynbsz.testing.DPO_LOSS_SETTINGS`: loss lists with weights,
+#: LD-DPO, WPO weighting, the f-divergences, a small beta), and the plugin's own.
 LOSS_SETTINGS = {
-    "list_with_weights": dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
-    "list_with_aot_unpaired": dict(loss_type=["aot_unpaired", "hinge"], loss_weights=[1.0, 0.5]),
-    "ld_alpha": dict(ld_alpha=0.3),
-    "ld_alpha_aot": dict(loss_type=["aot"], ld_alpha=0.5),
-    "use_weighting": dict(use_weighting=True, loss_type=["sigmoid", "ipo"], learning_rate=0.05),
-    "forward_kl": dict(f_divergence_type="forward_kl"),
-    "js_divergence": dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "hinge"]),
-    "alpha_divergence": dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
-    "beta_small": dict(beta=0.01, loss_type=["sigmoid", "apo_zero"]),
+    **DPO_LOSS_SETTINGS,
     # (the plugin's) budgets from a memory limit: the training and the reference's passes sized by the memory model
     "budget_from_memory": dict(max_memory_per_device_mib=100_000, max_tokens_per_microbatch=None),
     # (the plugin's) the other sharing rules: each prompt in its group; nothing shared (a pair's two rows side by side)

@@ -31,7 +31,10 @@ from hf_dynbsz.testing import (
     signature_mismatches,
 )
 from hf_dynbsz.testing.kto import (
+    KTO_BETA,
+    KTO_LOSSES,
     KTO_PLUGIN_FIELDS,
+    KTO_SHARPNESS,
     kto_metric_mismatches,
     kto_run,
     sharpened_reference,
@@ -44,8 +47,7 @@ SMALL_BUDGET = 80
 PARAM_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-5
 #: The runs' KL setting: a reference 10x sharper than the policy, beta 1.
-SHARP = 10.0
-BETA = 1.0
+SHARP, BETA = KTO_SHARPNESS, KTO_BETA
 #: The longest completion of the runs' samples (tokens, with its EOS): how many token log-probs a sequence sums.
 LONGEST = 64
 
@@ -77,11 +79,7 @@ def compare_with_stock(
 
 
 # ---- the losses -----------------------------------------------------------------------------------------------------
-LOSSES = {
-    "kto": dict(loss_type="kto"),
-    "kto_unequal_weights": dict(loss_type="kto", desirable_weight=1.5, undesirable_weight=0.7),
-    "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired"),
-}
+LOSSES = KTO_LOSSES
 
 
 @pytest.mark.parametrize("case", list(LOSSES))

@@ -30,7 +30,7 @@ from hf_dynbsz.testing import (
     runs_against_stock,
     signature_mismatches,
 )
-from hf_dynbsz.testing.reward import REWARD_PLUGIN_FIELDS, reward_run
+from hf_dynbsz.testing.reward import REWARD_PLUGIN_FIELDS, reward_run, with_margins
 
 #: Pairs of 3-20 prompt tokens and 1-25 response tokens: a pair is 5-70 unique tokens, so passes of 80 hold one to a few
 #: pairs, where stock's micro-batches hold 4 (8 rows padded to the longest).
@@ -51,13 +51,6 @@ def compare_with_stock(model_dir, tmp_path, dataset=None, *, trainer_kwargs=None
     steps = [entry for entry in history if "dynbsz/microbatches" in entry]
     assert len(steps) == fields.get("max_steps", 2)
     return steps, trainer
-
-
-def with_margins(dataset, seed: int = 0):
-    import numpy as np
-
-    margins = np.random.default_rng(seed).uniform(-1.0, 2.0, len(dataset)).tolist()
-    return dataset.add_column("margin", margins)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,8 @@ __all__ = [
     "AsyncRun",
     "NoWeightTransfer",
     "RolloutScript",
+    "STOCK_BUDGET_STEP",
+    "STOCK_STEP_SCRIPT",
     "ScriptRolloutFunc",
     "StandInRolloutWorker",
     "async_grpo_on_cpu",
@@ -391,6 +393,13 @@ ASYNC_COMPARISON_FIELDS.update(learning_rate=0.5, optim="sgd", lr_scheduler_type
 ASYNC_COMPARISON_FIELDS.update(
     report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False
 )
+
+#: The default step's comparisons with stock at the same config (``tests/test_async_grpo_stock_step.py``,
+#: ``benchmarks/exactness.py``): scripted samples of which a tenth train no token (a truncated or tool-only turn), and
+#: stock's token-budget mode at 400 tokens per row, two micro-batches per optimizer step (16 samples per device only
+#: sizes the stand-in worker's refills: stock's budget decides the samples).
+STOCK_STEP_SCRIPT = RolloutScript(seed=1, untrained=0.1)
+STOCK_BUDGET_STEP = dict(token_budget=400, per_device_train_batch_size=16, gradient_accumulation_steps=2)
 
 #: Logged names left out of the comparisons of logged metrics (with :data:`hf_dynbsz.testing.oracles.TIMINGS`): timing
 #: (``perf/*``: their token counts are compared apart, :func:`perf_token_counts`) and the queue's state at a moment,

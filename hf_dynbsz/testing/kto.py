@@ -14,8 +14,11 @@ from hf_dynbsz.testing.fixtures import TEST_ALPHABET
 from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
 
 __all__ = [
+    "KTO_BETA",
     "KTO_COMPARISON_FIELDS",
+    "KTO_LOSSES",
     "KTO_PLUGIN_FIELDS",
+    "KTO_SHARPNESS",
     "kto_config",
     "kto_metric_mismatches",
     "kto_run",
@@ -26,6 +29,16 @@ __all__ = [
 #: The comparison runs' schedule (2 optimizer steps of 2 micro-batches of 4 samples) and optimizer: SGD at a constant,
 #: large rate, no gradient clipping (DPO's).
 KTO_COMPARISON_FIELDS = dict(DPO_COMPARISON_FIELDS)
+#: The loss settings the comparisons with stock train (``tests/test_kto_trainer.py``, ``benchmarks/exactness.py``; the
+#: unequal weights on samples 30% desirable), with a reference :data:`KTO_SHARPNESS` times sharper than the policy
+#: (:func:`sharpened_reference`) and ``beta`` :data:`KTO_BETA`, so that the KL estimate weighs in the loss.
+KTO_LOSSES = {
+    "kto": dict(loss_type="kto"),
+    "kto_unequal_weights": dict(loss_type="kto", desirable_weight=1.5, undesirable_weight=0.7),
+    "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired"),
+}
+KTO_SHARPNESS = 10.0
+KTO_BETA = 1.0
 #: Settings only ``DynamicBatchKTOConfig`` has (a stock run leaves them out).
 KTO_PLUGIN_FIELDS = DPO_PLUGIN_FIELDS
 

@@ -5,8 +5,10 @@
   system prompt), and optionally several pairs per prompt (datasets with several ranked responses per prompt);
 * :func:`dpo_run`: one training run of stock ``DPOTrainer`` or ``DynamicBatchDPOTrainer`` on such pairs, with the
   comparison runs' schedule and optimizer (:data:`DPO_COMPARISON_FIELDS`): initial and final parameters and the log;
-  :func:`comparison_config`, the config of such a run (DPO's or the reward model's); :func:`runs_against_stock`,
-  stock's run and the plugin's on the same pairs, their initial and final parameters compared;
+  :func:`comparison_config`, the config of such a run (DPO's or the reward model's); :func:`paired_runs`, stock's
+  run and the plugin's on the same pairs (:class:`PairedRuns`: their parameters' and updates' differences), and
+  :func:`runs_against_stock`, the same with the differences asserted within tolerances; :data:`DPO_LOSS_SETTINGS`, the
+  stock loss settings the comparisons train (the tests and ``benchmarks/exactness.py``);
 * the loss tests' steps of pairs: stock's micro-batches (:func:`stock_micro_batches`) and step
   (:func:`stock_pair_step`), the step's pairs cut at random into passes of whole pairs (:func:`whole_pair_passes`),
   a step's outcome (:func:`pair_step_outcome`), gradients' relative difference (:func:`gradient_difference`), our
@@ -17,19 +19,24 @@ Nothing here downloads anything; torch, transformers, TRL and datasets are impor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from hf_dynbsz.testing.fixtures import CPU_RUN_FIELDS, TEST_ALPHABET
 
 __all__ = [
     "DPO_COMPARISON_FIELDS",
+    "DPO_LOSS_SETTINGS",
     "DPO_PLUGIN_FIELDS",
+    "PairedRuns",
     "comparison_config",
     "dpo_config",
     "dpo_run",
     "gradient_difference",
     "pair_step_outcome",
     "pair_steps_against_stock",
+    "paired_runs",
     "preference_pairs",
     "runs_against_stock",
     "stock_micro_batches",
@@ -41,6 +48,20 @@ __all__ = [
 #: large rate, so that a mis-weighted pair shows; no gradient clipping.
 DPO_COMPARISON_FIELDS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2, seed=0)
 DPO_COMPARISON_FIELDS.update(learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=1e9)
+#: Stock's loss settings beyond the default ``sigmoid``, each a comparison run (``tests/test_dpo_trainer.py``,
+#: ``benchmarks/exactness.py``): loss lists with weights (a coupled and a per-token term among them), LD-DPO, WPO
+#: weighting, the f-divergences, and a small ``beta``.
+DPO_LOSS_SETTINGS = {
+    "list_with_weights": dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
+    "list_with_aot_unpaired": dict(loss_type=["aot_unpaired", "hinge"], loss_weights=[1.0, 0.5]),
+    "ld_alpha": dict(ld_alpha=0.3),
+    "ld_alpha_aot": dict(loss_type=["aot"], ld_alpha=0.5),
+    "use_weighting": dict(use_weighting=True, loss_type=["sigmoid", "ipo"], learning_rate=0.05),
+    "forward_kl": dict(f_divergence_type="forward_kl"),
+    "js_divergence": dict(f_divergence_type="js_divergence", loss_type=["sigmoid", "hinge"]),
+    "alpha_divergence": dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
+    "beta_small": dict(beta=0.01, loss_type=["sigmoid", "apo_zero"]),
+}
 #: Settings only ``DynamicBatchDPOConfig`` has (a stock run leaves them out).
 DPO_PLUGIN_FIELDS = (
     "dynamic_batching",
@@ -160,26 +181,67 @@ def dpo_run(
     return initial, final, trainer.state.log_history, trainer
 
 
-def runs_against_stock(
+@dataclasses.dataclass
+class PairedRuns:
+    """Stock's run and the plugin's from the same initial parameters (:func:`paired_runs`)."""
+
+    initial: dict
+    stock: dict
+    ours: dict
+    stock_history: list[dict]
+    history: list[dict]
+    trainer: object
+
+    @property
+    def parameters(self) -> float:
+        """The final parameters' relative difference from stock's."""
+        from hf_dynbsz.testing.oracles import relative_difference
+
+        return relative_difference(self.ours, self.stock)
+
+    @property
+    def update(self) -> float:
+        """The update's relative difference from stock's."""
+        from hf_dynbsz.testing.oracles import update_difference
+
+        return update_difference(self.initial, self.ours, self.stock)
+
+
+def paired_runs(
     run: Callable, model_dir: str, tmp_path, dataset, fields: dict, *, plugin_fields: tuple[str, ...], budget: int,
-    trainer_kwargs: dict | None, param_tolerance: float, update_tolerance: float, trained_by: float | None = 1e-6,
-):  # fmt: skip
-    """Stock's run (``run(False, ...)``: :func:`dpo_run`, ``reward_run``) and the plugin's on the same ``dataset``
-    from ``model_dir``, ``fields`` their config's (the plugin's own, ``plugin_fields``, popped from ``fields`` and
-    given to the plugin's run only, ``max_tokens_per_microbatch`` ``budget`` unless given): the same initial
-    parameters, the final parameters and updates within the tolerances (:func:`~hf_dynbsz.testing.parameter_mismatches`,
-    ``trained_by``). Returns ``(our log history, stock's log history, our trainer)``."""
-    from hf_dynbsz.testing.oracles import parameter_mismatches, relative_difference
+    trainer_kwargs: dict | None,
+) -> PairedRuns:  # fmt: skip
+    """Stock's run (``run(False, ...)``: :func:`dpo_run`, ``reward_run``, ``kto_run``) and the plugin's on the same
+    ``dataset`` from ``model_dir``, ``fields`` their config's (the plugin's own, ``plugin_fields``, popped from
+    ``fields`` and given to the plugin's run only, ``max_tokens_per_microbatch`` ``budget`` unless given); the same
+    initial parameters asserted."""
+    from hf_dynbsz.testing.oracles import relative_difference
 
     ours_only = {name: fields.pop(name) for name in list(fields) if name in plugin_fields}
     ours_only.setdefault("max_tokens_per_microbatch", budget)
     kwargs = dict(trainer_kwargs=trainer_kwargs, **fields)
-    init, stock, stock_history, _ = run(False, model_dir, str(tmp_path / "stock"), dataset, **kwargs)
-    init2, ours, history, trainer = run(True, model_dir, str(tmp_path / "ours"), dataset, **kwargs, **ours_only)
+    init, stock, stock_history, _ = run(False, model_dir, str(Path(tmp_path) / "stock"), dataset, **kwargs)
+    init2, ours, history, trainer = run(True, model_dir, str(Path(tmp_path) / "ours"), dataset, **kwargs, **ours_only)
     assert relative_difference(init2, init) == 0.0
+    return PairedRuns(init, stock, ours, stock_history, history, trainer)
+
+
+def runs_against_stock(
+    run: Callable, model_dir: str, tmp_path, dataset, fields: dict, *, plugin_fields: tuple[str, ...], budget: int,
+    trainer_kwargs: dict | None, param_tolerance: float, update_tolerance: float, trained_by: float | None = 1e-6,
+):  # fmt: skip
+    """:func:`paired_runs`, the final parameters and updates within the tolerances
+    (:func:`~hf_dynbsz.testing.parameter_mismatches`, ``trained_by``). Returns ``(our log history, stock's log history,
+    our trainer)``."""
+    from hf_dynbsz.testing.oracles import parameter_mismatches
+
+    runs = paired_runs(
+        run, model_dir, tmp_path, dataset, fields, plugin_fields=plugin_fields, budget=budget,
+        trainer_kwargs=trainer_kwargs,
+    )  # fmt: skip
     tolerances = dict(update_tolerance=update_tolerance, param_tolerance=param_tolerance)
-    assert not parameter_mismatches(init, ours, stock, trained_by=trained_by, **tolerances)
-    return history, stock_history, trainer
+    assert not parameter_mismatches(runs.initial, runs.ours, runs.stock, trained_by=trained_by, **tolerances)
+    return runs.history, runs.stock_history, runs.trainer
 
 
 # ---- the loss tests' steps of pairs -------------------------------------------------------------------------------

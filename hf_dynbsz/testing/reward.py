@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
 
-__all__ = ["REWARD_COMPARISON_FIELDS", "REWARD_PLUGIN_FIELDS", "reward_config", "reward_model", "reward_run"]
+__all__ = [
+    "REWARD_COMPARISON_FIELDS",
+    "REWARD_PLUGIN_FIELDS",
+    "reward_config",
+    "reward_model",
+    "reward_run",
+    "with_margins",
+]
 
 #: The comparison runs' schedule (2 optimizer steps of 2 micro-batches of 4 pairs) and optimizer: SGD at a constant,
 #: large rate, no gradient clipping (DPO's).
@@ -65,3 +72,11 @@ def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, traine
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, trainer.state.log_history, trainer
+
+
+def with_margins(dataset, seed: int = 0):
+    """``dataset`` with a ``margin`` column (stock's margin loss), uniform in ``[-1, 2)`` from ``seed``."""
+    import numpy as np
+
+    margins = np.random.default_rng(seed).uniform(-1.0, 2.0, len(dataset)).tolist()
+    return dataset.add_column("margin", margins)
