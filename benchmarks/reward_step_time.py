@@ -62,8 +62,6 @@ def run_one(spec: dict, timeout: float, keep: Path) -> dict:
 
 def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[str], minutes: float) -> str:
     title = "Training-step time and memory, reward models: stock RewardTrainer vs DynamicBatchRewardTrainer"
-    noise = "a machine shared with other agents' jobs: the times are noisy; the ratios within one run are the figures"
-    noise += " to read"
     return "\n\n".join(
         [
             *dpo.report_opening(title, "benchmarks/reward_step_time.py", args, minutes),
@@ -72,7 +70,7 @@ def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[
             f"({results[0]['parameters'] / 1e6:.2f} M parameters); every other setting TRL's or the plugin's default. "
             f"{args.repeats} fresh process(es) per trainer and mix, {rows[0]['steps']} measured optimizer steps each "
             "(the first left out).",
-            *dpo.report_machine(loads, results, noise),
+            *dpo.report_machine(loads, results, dpo.SHARED_MACHINE),
             dpo.render_table(rows, CONFIGS),
             "*step s*: wall time of an optimizer step (forwards, backwards, the optimizer), per step the median over "
             "repeats, then the mean over the measured steps; *speed-up*: stock / this, in the same run; *token "

@@ -82,6 +82,16 @@ def build(script_args, training_args, model_args, named: bool):
     return model, tokenizer, build_tiny_pairs(script_args.num_pairs, training_args.seed), None
 
 
+def demo_reference(model, named: bool):
+    """The run's ``ref_model``: None for a named model (stock loads the reference by the same name, or with PEFT
+    disables the adapter); the demo's model lives in memory, so its reference is a copy of it."""
+    if named:
+        return None
+    import copy
+
+    return copy.deepcopy(model)
+
+
 def main(argv: list[str] | None = None):
     types = (DPOScriptArguments, DynamicBatchDPOConfig)
     script_args, training_args, model_args, named = grpo.parse_arguments(argv, types, MODEL_DEFAULTS, TINY_DEFAULTS)
@@ -89,14 +99,9 @@ def main(argv: list[str] | None = None):
     from hf_dynbsz import DynamicBatchDPOTrainer
 
     model, tokenizer, dataset, peft_config = build(script_args, training_args, model_args, named)
-    reference = None
-    if not named:  # the demo's model lives in memory: its reference is a copy (stock would load one by name)
-        import copy
-
-        reference = copy.deepcopy(model)
     metrics = COMPACT_METRICS + grpo.COMPACT_METRICS[2:-1]
     return grpo.train(DynamicBatchDPOTrainer, script_args, training_args, tokenizer, dataset, peft_config, metrics,
-                      model=model, ref_model=reference)  # fmt: skip
+                      model=model, ref_model=demo_reference(model, named))  # fmt: skip
 
 
 if __name__ == "__main__":

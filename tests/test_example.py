@@ -263,8 +263,42 @@ def test_dpo_example_short_single_process_and_its_hub_mode_on_local_models(tmp_p
     assert "pairs per optimizer step" in output  # the plan counts pairs
     assert re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
     model = save_tiny_model(str(tmp_path / "model"))
-    rows = [
-        {"prompt": "ab"[: 1 + i % 2] * (1 + i % 3), "chosen": "abcd"[: 1 + i % 4], "rejected": "dc"} for i in range(16)
+    pairs = write_dataset(tmp_path / "pairs", preference_rows())
+    run_named_step(script, tmp_path, "--model_name_or_path", model, "--dataset_name", pairs)
+
+
+def preference_rows(count: int = 16) -> list[dict]:
+    """A local preference dataset's rows (``prompt`` / ``chosen`` / ``rejected``) for a script's named mode."""
+    return [
+        {"prompt": "ab"[: 1 + i % 2] * (1 + i % 3), "chosen": "abcd"[: 1 + i % 4], "rejected": "dc"}
+        for i in range(count)
     ]
-    pairs = write_dataset(tmp_path / "pairs", rows)
+
+
+def test_kto_example_short_single_process_and_its_hub_mode_on_local_models(tmp_path):
+    """examples/kto.py: the offline demo (examples/dpo.py's pairs unpaired: the alphabet in order desirable, random
+    letters not) prints the plan, a line per step with the loss, the KL estimate and the rewards, and the summary;
+    with ``--model_name_or_path`` and ``--dataset_name`` (a local directory and a local JSON-lines unpaired dataset)
+    TRL loads the model and its reference by name."""
+    script = ROOT / "examples" / "kto.py"
+    metrics = r"loss=[0-9.]+ \| kl=[0-9.]+ \| rewards/chosen=-?[0-9.]+ \| rewards/rejected=-?[0-9.]+ \| "
+    output = run_demo(script, tmp_path, 3, metrics)
+    assert re.search(r"tokens computed +[\d,]+ vs [\d,]+ with stock batching", output)
+    model = save_tiny_model(str(tmp_path / "model"))
+    rows = [{"prompt": "ab"[: 1 + i % 2] * (1 + i % 3), "completion": "abcd"[: 1 + i % 4], "label": i % 3 > 0}
+            for i in range(16)]  # fmt: skip
+    samples = write_dataset(tmp_path / "samples", rows)
+    run_named_step(script, tmp_path, "--model_name_or_path", model, "--dataset_name", samples)
+
+
+def test_reward_example_short_single_process_and_its_hub_mode_on_local_models(tmp_path):
+    """examples/reward.py: the offline demo (a classifier of one label from the tiny model's config learns to score
+    the alphabet in order above random letters) prints the plan, a line per step with the loss, the accuracy and the
+    margin, and the summary; with ``--model_name_or_path`` and ``--dataset_name`` (a local causal LM, which TRL loads
+    as a classifier of one label, and a local preference dataset) the named mode trains a step."""
+    script = ROOT / "examples" / "reward.py"
+    output = run_demo(script, tmp_path, 3, r"loss=[0-9.]+ \| accuracy=[0-9.]+ \| margin=-?[0-9.]+ \| ")
+    assert "pairs per optimizer step" in output  # the plan counts pairs
+    model = save_tiny_model(str(tmp_path / "model"))
+    pairs = write_dataset(tmp_path / "pairs", preference_rows())
     run_named_step(script, tmp_path, "--model_name_or_path", model, "--dataset_name", pairs)

@@ -183,8 +183,17 @@ def test_constructor_and_config_are_stocks():
     assert not signature_mismatches(DynamicBatchKTOTrainer, KTOTrainer)  # the constructor and every override
     assert issubclass(DynamicBatchKTOTrainer, KTOTrainer) and issubclass(DynamicBatchKTOConfig, KTOConfig)
     assert set(KTOConfig.__dataclass_fields__) <= set(DynamicBatchKTOConfig.__dataclass_fields__)
-    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
-        DynamicBatchKTOConfig(output_dir="unused", sequence_parallel_size=2, use_cpu=True, report_to="none")
+    from accelerate.parallelism_config import ParallelismConfig
+
+    refused = {  # refused before any work: the error, the setting that gives it
+        "sequence_parallel_size=2": dict(sequence_parallel_size=2),
+        r"parallelism_config with cp_size=2: DynamicBatchKTOTrainer .* trl\.KTOTrainer": dict(
+            parallelism_config=ParallelismConfig(cp_size=2)
+        ),
+    }
+    for message, fields in refused.items():
+        with pytest.raises(ValueError, match=message):
+            DynamicBatchKTOConfig(output_dir="unused", use_cpu=True, report_to="none", **fields)
 
 
 def test_dynamic_batching_off_is_stock(model_dir, tmp_path):
