@@ -10,7 +10,8 @@ assertions, with offline stand-ins for what they download:
 * the ``zen`` preference datasets: the lines of ``import this`` (the Zen of Python), lowercased for the character
   tokenizer, each cut in half: the first half the prompt, the second the chosen response, another line's second half
   the rejected one (``standard_preference``); as chat messages (``conversational_preference``); with the prompt left
-  inside both responses (``..._implicit_prompt_preference``); 17 train rows, 2 test;
+  inside both responses (``..._implicit_prompt_preference``); 17 train rows, 2 test; unpaired, for the KTO suite
+  (``standard_unpaired_preference``, ``conversational_unpaired_preference``);
 * the tiny models: Qwen2 (``hf_dynbsz.testing``, TRL's Qwen3 chat template), and Cohere2, GLM-4-MoE, GPT-OSS,
   Qwen3-MoE, Nemotron-H, OLMo-3, LFM2 built tiny from their default configs (``hf_dynbsz.testing.zoo``);
   Qwen2-VL, Qwen2.5-VL and LLaVA (``hf_dynbsz.testing.vision``) with image preference pairs.
@@ -63,7 +64,15 @@ def zen_lines() -> list[str]:
 
 
 def zen(config: str = "standard_preference", split: str = "train") -> Dataset:
-    """TRL's ``zen`` preference datasets from the Zen of Python's lines (see the module)."""
+    """TRL's ``zen`` preference datasets from the Zen of Python's lines (see the module); ``..._unpaired_preference``
+    (the KTO suite's): TRL's ``unpair_preference_dataset`` of the paired config, each pair's chosen completion kept on
+    even rows and its rejected one on odd rows (one labelled row a pair, the labels mixed, as on the Hub)."""
+    if "_unpaired_" in config:
+        from trl import unpair_preference_dataset
+
+        paired = zen(config.replace("_unpaired_", "_"), split)
+        count = len(paired)
+        return unpair_preference_dataset(paired).select([i if i % 2 == 0 else count + i for i in range(count)])
     lines = zen_lines()
     lines = lines[:17] if split == "train" else lines[17:]
     halves = [
