@@ -5,8 +5,9 @@ Hub (``trl-internal-testing/tiny-*``, ``trl-internal-testing/zen``, ``zen-image`
 ``toolcall``, ``harmony``), which this machine cannot reach. The TRL source stored here (``huggingface/trl`` at
 ``f2cd577``, whose ``KTOTrainer`` is 1.16's: datasets tokenized into ``prompt_ids`` / ``completion_ids`` /
 ``KL_completion_ids``, ``DataCollatorForUnpairedPreference``, paired data unpaired at preparation, the fused LM head)
-holds 50 test functions (85 tests with their parameters). This file restates those that can run on this CPU machine:
-the same configurations and the same assertions, with offline stand-ins for what they download:
+holds 50 test functions (85 tests with their parameters). This file restates the 61 that can run on this CPU machine,
+each run with both classes: the same configurations and the same assertions (TRL's ``setup_method`` objects too: the
+model in fp32, the reference, the tokenizer with its EOS as pad token), with offline stand-ins for what they download:
 
 * the ``zen`` datasets: ``tests/test_dpo_trl_suite.py``'s (the Zen of Python's lines cut in half; 17 train rows, 2
   test), paired, and unpaired (``standard_unpaired_preference``, ``conversational_unpaired_preference``: TRL's
@@ -29,8 +30,9 @@ settings on top, cut to ``max_steps`` 2 where TRL trains epochs (TRL's ``max_ste
 the class swap does not touch; the vision ones load Qwen2.5-VL's processor from the Hub), the Liger tests (no
 liger-kernel here), ``test_trust_remote_code`` (remote code from the Hub), ``test_peft_with_quantization``
 (bitsandbytes, a GPU), ``test_train_vlm_with_max_length`` (its ``max_length=37`` is tied to the Hub model's image
-token count), the VLM models without a stand-in here (Gemma 3 and 4, LLaVA-Next, Qwen3-VL, Qwen3.5, Qwen3.5-MoE) and
-``test_train_vlm_gemma_3n`` (a gated model, a slow GPU test). ``test_tokenize_and_process_tokens`` leaves out its
+token count), the VLM models without a stand-in here (Gemma 3 and 4, LLaVA-Next, Qwen3-VL, Qwen3.5, Qwen3.5-MoE),
+``test_train_vlm_multi_image`` (``test_train_vlm``'s samples hold one or two images) and ``test_train_vlm_gemma_3n`` (a
+gated model, a slow GPU test): 24 tests. ``test_tokenize_and_process_tokens`` leaves out its
 ``multiprocess.set_start_method("spawn", force=True)`` (for a ``num_proc=2`` its body never passes; setting it would
 change the start method for every later test of the session). The default ``args=None`` of ``test_tag_added`` and
 ``test_tag_added_peft`` becomes TRL's test configuration (stock's default config asks for bf16, which this CPU
@@ -47,7 +49,7 @@ import test_dpo_trl_suite as dpo_suite
 import test_reward_trl_suite as reward_suite
 import test_rloo_trl_suite as rloo_suite
 import torch
-from datasets import Dataset, IterableDatasetDict
+from datasets import Dataset
 from test_rloo_trl_suite import peft_rules
 from trl import KTOConfig, KTOTrainer, unpair_preference_dataset
 
@@ -59,14 +61,6 @@ representative = pytest.mark.representative
 
 #: The dataset nearly every TRL KTO test trains on.
 UNPAIRED = "standard_unpaired_preference"
-EVAL_DATASET_TYPES = [
-    "dataset",
-    "iterable_dataset",
-    "dataset_dict",
-    "iterable_dataset_dict",
-    "dict_of_dataset",
-    "dict_of_iterable_dataset",
-]
 
 
 @pytest.fixture(params=[KTOTrainer, DynamicBatchKTOTrainer], ids=["stock", "dynamic"])
@@ -126,15 +120,20 @@ def args(tmp_path, **overrides) -> KTOConfig:
     return KTOConfig(**rloo_suite.trl_test_settings(tmp_path, **overrides))
 
 
-def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False, *, repacks: bool = True):
-    """TRL's checks after training (``tests/test_rloo_trl_suite.py``'s), and for the class swapped, that it repacked
-    its steps (its figures logged, or waiting for a log TRL's config skips), or (``repacks`` False: vision-language
-    samples) that it trained stock's micro-batches."""
-    rloo_suite.train_and_check(trainer, unchanged, unchecked)
+def check_dynamic_batching(trainer, *, repacks: bool = True) -> None:
+    """For the class swapped, after training: that it repacked its steps (its figures logged, or waiting for a log
+    TRL's config skips), or (``repacks`` False: vision-language samples, the documented fallback) that it trained
+    stock's micro-batches."""
     if isinstance(trainer, DynamicBatchKTOTrainer):
         assert trainer._dynbsz.enabled == repacks
         figures = any("dynbsz/microbatches" in entry for entry in trainer.state.log_history)
         assert (figures or bool(trainer._metrics["train"].get("dynbsz/microbatches"))) == repacks
+
+
+def train_and_check(trainer, unchanged=lambda name: False, unchecked=lambda name: False):
+    """TRL's checks after training (``tests/test_rloo_trl_suite.py``'s), and :func:`check_dynamic_batching`."""
+    rloo_suite.train_and_check(trainer, unchanged, unchecked)
+    check_dynamic_batching(trainer)
     return trainer
 
 
@@ -250,7 +249,7 @@ def test_compute_metrics(trainer_class, hub, tmp_path):
         config,
         train_dataset=zen(),
         eval_dataset=zen(split="test"),
-        compute_metrics=lambda *args, **kwargs: {"test": 0.0},
+        compute_metrics=lambda *_args, **_kwargs: {"test": 0.0},
     )
     trainer.train()
     assert trainer.state.log_history[-2]["eval_test"] == 0.0
@@ -259,28 +258,19 @@ def test_compute_metrics(trainer_class, hub, tmp_path):
 def test_train_with_explicit_ref_model(trainer_class, hub, tmp_path):
     ref_model = causal_lm(hub["qwen2"])
     trainer = trainer_class(model=hub["qwen2"], ref_model=ref_model, args=args(tmp_path), train_dataset=zen())
-    previous = {name: param.clone() for name, param in trainer.model.named_parameters()}
-    train_and_check(trainer)
-    for name, param in previous.items():
-        torch.testing.assert_close(param, trainer.ref_model.get_parameter(name), msg=f"Reference {name} has changed.")
+    dpo_suite.train_keeping_reference(trainer, train_and_check)
 
 
-@representative
 def test_train_with_sync_ref_model(trainer_class, hub, tmp_path):
     config = args(tmp_path, sync_ref_model=True, ref_model_sync_steps=2)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    assert trainer.ref_model is not None
-    previous_ref = {name: param.clone() for name, param in trainer.ref_model.named_parameters()}
-    train_and_check(trainer)
-    for name, param in previous_ref.items():
-        assert not torch.equal(param, trainer.ref_model.get_parameter(name)), f"Ref Parameter {name} has not changed."
+    dpo_suite.train_syncing_reference(trainer, train_and_check)
 
 
 def test_train_model_dtype(trainer_class, hub, tmp_path):
     config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    train_and_check(trainer, unchecked=lambda name: "layernorm" in name)  # TRL ignores the layer norms there too
-    assert all(param.dtype == torch.float16 for param in trainer.model.parameters())
+    dpo_suite.train_in_half_precision(trainer, train_and_check)
 
 
 # ---- PEFT --------------------------------------------------------------------------------------------------------
@@ -318,14 +308,8 @@ def test_tag_added_peft(trainer_class, hub, tmp_path):
 # ---- datasets: iterable, chat-template arguments, tool calls ------------------------------------------------------
 @pytest.mark.parametrize("iterable_as", ["train", "eval", "eval_dict", "eval_iterable_dataset_dict"])
 def test_precompute_ref_log_probs_raises_for_iterable_dataset(trainer_class, hub, tmp_path, iterable_as):
-    stream = zen().to_iterable_dataset()
-    train_dataset = stream if iterable_as == "train" else zen()
-    eval_dataset = {
-        "train": None,
-        "eval": stream,
-        "eval_dict": {"eval": stream},
-        "eval_iterable_dataset_dict": IterableDatasetDict({"eval": stream}),
-    }[iterable_as]
+    """``apo_zero_unpaired``: no KL term, whose constraints would fail first."""
+    train_dataset, eval_dataset = dpo_suite.iterable_case(iterable_as, zen())
     config = args(tmp_path, loss_type="apo_zero_unpaired", max_steps=1, precompute_ref_log_probs=True)
     with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
         trainer_class(model=hub["qwen2"], args=config, train_dataset=train_dataset, eval_dataset=eval_dataset)
@@ -362,30 +346,21 @@ def test_train_toolcall_data(trainer_class, hub, tmp_path):
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("precompute_ref_log_probs", [False, True])
-@pytest.mark.parametrize("eval_dataset_type", [pytest.param("dataset", marks=representative), *EVAL_DATASET_TYPES[1:]])
+@pytest.mark.parametrize(
+    "eval_dataset_type", [pytest.param("dataset", marks=representative), *dpo_suite.EVAL_DATASET_TYPES[1:]]
+)
 def test_evaluate_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type, precompute_ref_log_probs):
     """A raw eval dataset passed to ``evaluate`` directly (TRL's issue 6115); ``apo_zero_unpaired``: no KL term."""
     config = args(tmp_path, loss_type="apo_zero_unpaired", precompute_ref_log_probs=precompute_ref_log_probs)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, UNPAIRED)
-    if "iterable" in eval_dataset_type and precompute_ref_log_probs:
-        with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
-            trainer.evaluate(eval_dataset=eval_dataset)
-        return
-    metrics = trainer.evaluate(eval_dataset=eval_dataset)
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        assert metrics["eval_loss"] is not None
-    else:
-        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+    dpo_suite.evaluate_and_check(trainer, eval_dataset_type, eval_dataset, precompute_ref_log_probs)
 
 
 def test_evaluate_precompute_ref_log_probs_after_training_raises(trainer_class, hub, tmp_path):
     config = args(tmp_path, max_steps=1, precompute_ref_log_probs=True)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    assert trainer.evaluate(eval_dataset=zen(split="test"))["eval_loss"] is not None
-    trainer.train()
-    with pytest.raises(ValueError, match="Cannot compute reference log-probs for a dataset passed to"):
-        trainer.evaluate(eval_dataset=zen(split="test"))
+    dpo_suite.check_evaluate_after_training_raises(trainer, zen(split="test"))
 
 
 @pytest.mark.parametrize("eval_dataset_type", ["dataset", "dataset_dict", "dict_of_dataset"])
@@ -394,11 +369,7 @@ def test_evaluate_precompute_ref_log_probs_at_init_after_training(trainer_class,
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, UNPAIRED)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=eval_dataset)
     trainer.train()
-    metrics = trainer.evaluate()
-    if eval_dataset_type == "dataset":
-        assert metrics["eval_loss"] is not None
-    else:
-        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+    dpo_suite.check_eval_metrics(trainer.evaluate(), eval_dataset_type)
 
 
 def test_train_with_eval(trainer_class, hub, tmp_path):
@@ -414,9 +385,7 @@ def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
     trainer = trainer_class(
         model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
     )
-    trainer.train()
-    assert trainer.state.log_history[-3]["eval_data1_loss"] is not None
-    assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
+    dpo_suite.train_with_two_eval_datasets(trainer)
 
 
 def test_train_dataset_required(trainer_class, hub, tmp_path):
@@ -424,18 +393,12 @@ def test_train_dataset_required(trainer_class, hub, tmp_path):
         trainer_class(model=hub["qwen2"], args=args(tmp_path))
 
 
-@pytest.mark.parametrize("eval_dataset_type", [*EVAL_DATASET_TYPES, "none"])
+@pytest.mark.parametrize("eval_dataset_type", [*dpo_suite.EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, UNPAIRED)
     config = args(tmp_path, loss_type="apo_zero_unpaired")
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=eval_dataset)
-    if eval_dataset is None:
-        assert trainer.eval_dataset is None
-    elif isinstance(trainer.eval_dataset, dict):
-        assert set(trainer.eval_dataset) == {"data1", "data2"}  # each split tokenized on its own
-        assert all("prompt_ids" in next(iter(trainer.eval_dataset[key])) for key in ("data1", "data2"))
-    else:
-        assert "prompt_ids" in next(iter(trainer.eval_dataset))
+    dpo_suite.check_prepared_eval_dataset(trainer, eval_dataset, "prompt_ids")
 
 
 def test_train_with_gradient_checkpointing(trainer_class, hub, tmp_path):
@@ -462,8 +425,7 @@ def test_train_vlm(trainer_class, tmp_path, family):
     assert trainer.state.log_history[-1]["train_loss"] is not None
     changed = [name for name, param in previous.items() if not torch.equal(param, trainer.model.get_parameter(name))]
     assert any("lm_head" in name for name in changed)
-    if isinstance(trainer, DynamicBatchKTOTrainer):
-        assert not trainer._dynbsz.enabled  # the documented fallback: stock's micro-batches
+    check_dynamic_batching(trainer, repacks=False)
 
 
 @representative
@@ -473,8 +435,7 @@ def test_train_vlm_apo_zero_unpaired(trainer_class, tmp_path):
     trainer = trainer_class(model=path, args=config, train_dataset=image_samples(), processing_class=processor)
     trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None
-    if isinstance(trainer, DynamicBatchKTOTrainer):
-        assert not trainer._dynbsz.enabled
+    check_dynamic_batching(trainer, repacks=False)
 
 
 @pytest.mark.parametrize("dataset_config", ["conversational_unpaired_preference", UNPAIRED])
