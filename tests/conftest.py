@@ -32,9 +32,9 @@ def _clear_diffu_environment(monkeypatch):
 #: runs by default, see tests/test_model_zoo.py), 90 launches of training scripts checking every exit status, the
 #: multi-process runs beyond one launch of each distributed backend and every combination of the vLLM path (``long``;
 #: the latter's ``representative`` subset runs by default, tests/test_vllm.py), and TRL's RLOOTrainer,
-#: DistillationTrainer, DPOTrainer and RewardTrainer tests restated offline (their ``representative`` subsets run by
-#: default, tests/test_rloo_trl_suite.py, tests/test_distillation_trl_suite.py, tests/test_dpo_trl_suite.py,
-#: tests/test_reward_trl_suite.py).
+#: DistillationTrainer, DPOTrainer, RewardTrainer and KTOTrainer tests restated offline (their ``representative``
+#: subsets run by default, tests/test_rloo_trl_suite.py, tests/test_distillation_trl_suite.py,
+#: tests/test_dpo_trl_suite.py, tests/test_reward_trl_suite.py, tests/test_kto_trl_suite.py).
 OPT_IN_MARKERS = ("zoo", "exits", "long", "trl_suite")
 
 

@@ -10,7 +10,8 @@ assertions, with offline stand-ins for what they download:
 * the ``zen`` preference datasets: the lines of ``import this`` (the Zen of Python), lowercased for the character
   tokenizer, each cut in half: the first half the prompt, the second the chosen response, another line's second half
   the rejected one (``standard_preference``); as chat messages (``conversational_preference``); with the prompt left
-  inside both responses (``..._implicit_prompt_preference``); 17 train rows, 2 test;
+  inside both responses (``..._implicit_prompt_preference``); 17 train rows, 2 test; unpaired, for the KTO suite
+  (``standard_unpaired_preference``, ``conversational_unpaired_preference``);
 * the tiny models: Qwen2 (``hf_dynbsz.testing``, TRL's Qwen3 chat template), and Cohere2, GLM-4-MoE, GPT-OSS,
   Qwen3-MoE, Nemotron-H, OLMo-3, LFM2 built tiny from their default configs (``hf_dynbsz.testing.zoo``);
   Qwen2-VL, Qwen2.5-VL and LLaVA (``hf_dynbsz.testing.vision``) with image preference pairs.
@@ -63,7 +64,15 @@ def zen_lines() -> list[str]:
 
 
 def zen(config: str = "standard_preference", split: str = "train") -> Dataset:
-    """TRL's ``zen`` preference datasets from the Zen of Python's lines (see the module)."""
+    """TRL's ``zen`` preference datasets from the Zen of Python's lines (see the module); ``..._unpaired_preference``
+    (the KTO suite's): TRL's ``unpair_preference_dataset`` of the paired config, each pair's chosen completion kept on
+    even rows and its rejected one on odd rows (one labelled row a pair, the labels mixed, as on the Hub)."""
+    if "_unpaired_" in config:
+        from trl import unpair_preference_dataset
+
+        paired = zen(config.replace("_unpaired_", "_"), split)
+        count = len(paired)
+        return unpair_preference_dataset(paired).select([i if i % 2 == 0 else count + i for i in range(count)])
     lines = zen_lines()
     lines = lines[:17] if split == "train" else lines[17:]
     halves = [
@@ -141,6 +150,104 @@ def eval_split(kind: str, config: str = "standard_preference"):
     return None
 
 
+# ---- TRL's checks, shared with the reward and KTO suites ----------------------------------------------------------
+#: TRL's kinds of eval dataset (:func:`eval_split`), ``"none"`` aside.
+EVAL_DATASET_TYPES = [
+    "dataset",
+    "iterable_dataset",
+    "dataset_dict",
+    "iterable_dataset_dict",
+    "dict_of_dataset",
+    "dict_of_iterable_dataset",
+]
+
+
+def check_eval_metrics(metrics: dict, eval_dataset_type: str) -> None:
+    """TRL's check of ``evaluate``'s metrics: a loss, or one for each of the two named eval datasets."""
+    if eval_dataset_type in ("dataset", "iterable_dataset"):
+        assert metrics["eval_loss"] is not None
+    else:
+        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+
+
+def evaluate_and_check(trainer, eval_dataset_type: str, eval_dataset, precompute_ref_log_probs: bool) -> None:
+    """TRL's ``test_evaluate_with_eval_dataset`` on a built trainer: a raw eval dataset passed to ``evaluate``
+    evaluates (TRL's issue 6115), or, streamed with precomputed reference log-probs, is refused."""
+    if "iterable" in eval_dataset_type and precompute_ref_log_probs:
+        with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
+            trainer.evaluate(eval_dataset=eval_dataset)
+        return
+    check_eval_metrics(trainer.evaluate(eval_dataset=eval_dataset), eval_dataset_type)
+
+
+def check_evaluate_after_training_raises(trainer, test_split) -> None:
+    """TRL's ``test_evaluate_precompute_ref_log_probs_after_training_raises`` on a built trainer (precomputed
+    reference log-probs, the model its own reference): a new eval dataset evaluates before training, is refused
+    after."""
+    assert trainer.evaluate(eval_dataset=test_split)["eval_loss"] is not None
+    trainer.train()
+    with pytest.raises(ValueError, match="Cannot compute reference log-probs for a dataset passed to"):
+        trainer.evaluate(eval_dataset=test_split)
+
+
+def check_prepared_eval_dataset(trainer, eval_dataset, column: str) -> None:
+    """TRL's ``test_init_with_eval_dataset`` check: none kept as none, else prepared (its rows tokenized into
+    ``column``), a dict's splits each on its own."""
+    if eval_dataset is None:
+        assert trainer.eval_dataset is None
+    elif isinstance(trainer.eval_dataset, dict):
+        assert set(trainer.eval_dataset) == {"data1", "data2"}
+        assert all(column in next(iter(trainer.eval_dataset[key])) for key in ("data1", "data2"))
+    else:
+        assert column in next(iter(trainer.eval_dataset))
+
+
+def train_with_two_eval_datasets(trainer) -> None:
+    """TRL's ``test_train_with_multiple_eval_dataset`` on a built trainer (eval datasets ``data1`` and ``data2``,
+    evaluated at the last step): each logged its loss."""
+    trainer.train()
+    assert trainer.state.log_history[-3]["eval_data1_loss"] is not None
+    assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
+
+
+def iterable_case(iterable_as: str, train: Dataset) -> tuple:
+    """TRL's ``test_precompute_ref_log_probs_raises_for_iterable_dataset`` cases: ``(train_dataset, eval_dataset)``
+    with ``train`` streamed as the train dataset, the eval dataset, in a dict or in an ``IterableDatasetDict``."""
+    stream = train.to_iterable_dataset()
+    eval_dataset = {
+        "train": None,
+        "eval": stream,
+        "eval_dict": {"eval": stream},
+        "eval_iterable_dataset_dict": IterableDatasetDict({"eval": stream}),
+    }[iterable_as]
+    return (stream if iterable_as == "train" else train), eval_dataset
+
+
+def train_keeping_reference(trainer, check=None) -> None:
+    """TRL's ``test_train_with_explicit_ref_model`` on a built trainer (``check``: the suite's ``train_and_check``,
+    default this one's): the explicit reference, loaded as the model was, stays so."""
+    previous = {name: param.clone() for name, param in trainer.model.named_parameters()}
+    (check or train_and_check)(trainer)
+    for name, param in previous.items():
+        torch.testing.assert_close(param, trainer.ref_model.get_parameter(name), msg=f"Reference {name} has changed.")
+
+
+def train_syncing_reference(trainer, check=None) -> None:
+    """TRL's ``test_train_with_sync_ref_model`` on a built trainer (``sync_ref_model``): the reference moved."""
+    assert trainer.ref_model is not None
+    previous_ref = {name: param.clone() for name, param in trainer.ref_model.named_parameters()}
+    (check or train_and_check)(trainer)
+    for name, param in previous_ref.items():
+        assert not torch.equal(param, trainer.ref_model.get_parameter(name)), f"Ref Parameter {name} has not changed."
+
+
+def train_in_half_precision(trainer, check=None) -> None:
+    """TRL's ``test_train_model_dtype`` on a built trainer (``model_init_kwargs`` dtype float16): it trained, its
+    parameters all float16 (the layer norms unchecked, as TRL leaves them)."""
+    (check or train_and_check)(trainer, unchecked=lambda name: "layernorm" in name)
+    assert all(param.dtype == torch.float16 for param in trainer.model.parameters())
+
+
 # ---- training ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", [pytest.param("qwen2", marks=representative), *ZOO_MODELS])
 def test_train(trainer_class, hub, tmp_path, model):
@@ -213,29 +320,20 @@ def test_train_with_explicit_ref_model(trainer_class, hub, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ref_model = AutoModelForCausalLM.from_pretrained(hub["qwen2"], dtype="float32")
-    trainer = trainer_class(model=hub["qwen2"], ref_model=ref_model, args=args(tmp_path), train_dataset=zen())
-    previous = {name: param.clone() for name, param in trainer.model.named_parameters()}
-    train_and_check(trainer)
-    for name, param in previous.items():
-        torch.testing.assert_close(param, trainer.ref_model.get_parameter(name), msg=f"Reference {name} has changed.")
+    train_keeping_reference(
+        trainer_class(model=hub["qwen2"], ref_model=ref_model, args=args(tmp_path), train_dataset=zen())
+    )
 
 
 @representative
 def test_train_with_sync_ref_model(trainer_class, hub, tmp_path):
     config = args(tmp_path, sync_ref_model=True, ref_model_sync_steps=2)
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    assert trainer.ref_model is not None
-    previous_ref = {name: param.clone() for name, param in trainer.ref_model.named_parameters()}
-    train_and_check(trainer)
-    for name, param in previous_ref.items():
-        assert not torch.equal(param, trainer.ref_model.get_parameter(name)), f"Ref Parameter {name} has not changed."
+    train_syncing_reference(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
 def test_train_model_dtype(trainer_class, hub, tmp_path):
     config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    train_and_check(trainer, unchecked=lambda name: "layernorm" in name)  # TRL ignores the layer norms there too
-    assert all(param.dtype == torch.float16 for param in trainer.model.parameters())
+    train_in_half_precision(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
 # ---- PEFT --------------------------------------------------------------------------------------------------------
@@ -294,14 +392,7 @@ def test_tag_added(trainer_class, hub, tmp_path):
 # ---- datasets: iterable, eval, truncation, chat-template arguments -----------------------------------------------
 @pytest.mark.parametrize("iterable_as", ["train", "eval", "eval_dict", "eval_iterable_dataset_dict"])
 def test_precompute_ref_log_probs_raises_for_iterable_dataset(trainer_class, hub, tmp_path, iterable_as):
-    stream = zen().to_iterable_dataset()
-    train_dataset = stream if iterable_as == "train" else zen()
-    eval_dataset = {
-        "train": None,
-        "eval": stream,
-        "eval_dict": {"eval": stream},
-        "eval_iterable_dataset_dict": IterableDatasetDict({"eval": stream}),
-    }[iterable_as]
+    train_dataset, eval_dataset = iterable_case(iterable_as, zen())
     config = args(tmp_path, max_steps=1, precompute_ref_log_probs=True)
     with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
         trainer_class(model=hub["qwen2"], args=config, train_dataset=train_dataset, eval_dataset=eval_dataset)
@@ -350,39 +441,17 @@ def test_train_with_chat_template_kwargs(trainer_class, hub, tmp_path):
 
 
 @pytest.mark.parametrize("precompute_ref_log_probs", [False, True])
-@pytest.mark.parametrize(
-    "eval_dataset_type",
-    [
-        pytest.param("dataset", marks=representative),
-        "iterable_dataset",
-        "dataset_dict",
-        "iterable_dataset_dict",
-        "dict_of_dataset",
-        "dict_of_iterable_dataset",
-    ],
-)
+@pytest.mark.parametrize("eval_dataset_type", [pytest.param("dataset", marks=representative), *EVAL_DATASET_TYPES[1:]])
 def test_evaluate_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type, precompute_ref_log_probs):
     config = args(tmp_path, precompute_ref_log_probs=precompute_ref_log_probs)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    eval_dataset = eval_split(eval_dataset_type)
-    if "iterable" in eval_dataset_type and precompute_ref_log_probs:
-        with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported with IterableDataset"):
-            trainer.evaluate(eval_dataset=eval_dataset)
-        return
-    metrics = trainer.evaluate(eval_dataset=eval_dataset)
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        assert metrics["eval_loss"] is not None
-    else:
-        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+    evaluate_and_check(trainer, eval_dataset_type, eval_split(eval_dataset_type), precompute_ref_log_probs)
 
 
 def test_evaluate_precompute_ref_log_probs_after_training_raises(trainer_class, hub, tmp_path):
     config = args(tmp_path, max_steps=1, precompute_ref_log_probs=True)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    assert trainer.evaluate(eval_dataset=zen(split="test"))["eval_loss"] is not None
-    trainer.train()
-    with pytest.raises(ValueError, match="Cannot compute reference log-probs for a dataset passed to"):
-        trainer.evaluate(eval_dataset=zen(split="test"))
+    check_evaluate_after_training_raises(trainer, zen(split="test"))
 
 
 @pytest.mark.parametrize("eval_dataset_type", ["dataset", "dataset_dict", "dict_of_dataset"])
@@ -391,11 +460,7 @@ def test_evaluate_precompute_ref_log_probs_at_init_after_training(trainer_class,
     eval_dataset = eval_split(eval_dataset_type)
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=eval_dataset)
     trainer.train()
-    metrics = trainer.evaluate()
-    if eval_dataset_type == "dataset":
-        assert metrics["eval_loss"] is not None
-    else:
-        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+    check_eval_metrics(trainer.evaluate(), eval_dataset_type)
 
 
 def test_train_with_eval(trainer_class, hub, tmp_path):
@@ -411,9 +476,7 @@ def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
     trainer = trainer_class(
         model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
     )
-    trainer.train()
-    assert trainer.state.log_history[-3]["eval_data1_loss"] is not None
-    assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
+    train_with_two_eval_datasets(trainer)
 
 
 def test_train_dataset_required(trainer_class, hub, tmp_path):
@@ -421,28 +484,11 @@ def test_train_dataset_required(trainer_class, hub, tmp_path):
         trainer_class(model=hub["qwen2"], args=args(tmp_path))
 
 
-@pytest.mark.parametrize(
-    "eval_dataset_type",
-    [
-        "dataset",
-        "iterable_dataset",
-        "dataset_dict",
-        "iterable_dataset_dict",
-        "dict_of_dataset",
-        "dict_of_iterable_dataset",
-        "none",
-    ],
-)
+@pytest.mark.parametrize("eval_dataset_type", [*EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = eval_split(eval_dataset_type)
     trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), eval_dataset=eval_dataset)
-    if eval_dataset is None:
-        assert trainer.eval_dataset is None
-    elif isinstance(trainer.eval_dataset, dict):
-        assert set(trainer.eval_dataset) == {"data1", "data2"}
-        assert all("prompt_ids" in next(iter(trainer.eval_dataset[key])) for key in ("data1", "data2"))
-    else:
-        assert "prompt_ids" in next(iter(trainer.eval_dataset))
+    check_prepared_eval_dataset(trainer, eval_dataset, "prompt_ids")
 
 
 def test_train_with_compute_metrics(trainer_class, hub, tmp_path):

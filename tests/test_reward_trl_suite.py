@@ -154,8 +154,7 @@ def test_train_from_sequence_classification_model(trainer_class, hub, tmp_path):
 def test_train_model_dtype(trainer_class, hub, tmp_path):
     config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    train_and_check(trainer, unchecked=lambda name: "layernorm" in name)  # TRL ignores the layer norms there too
-    assert all(param.dtype == torch.float16 for param in trainer.model.parameters())
+    dpo_suite.train_in_half_precision(trainer, train_and_check)
 
 
 @pytest.mark.parametrize(
@@ -310,24 +309,13 @@ def test_tag_added(trainer_class, hub, tmp_path):
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "eval_dataset_type",
-    [
-        pytest.param("dataset", marks=representative),
-        "iterable_dataset",
-        "dataset_dict",
-        "iterable_dataset_dict",
-        "dict_of_dataset",
-        "dict_of_iterable_dataset",
-    ],
+    "eval_dataset_type", [pytest.param("dataset", marks=representative), *dpo_suite.EVAL_DATASET_TYPES[1:]]
 )
 def test_evaluate_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     """A raw eval dataset passed to ``evaluate`` directly (TRL's issue 6115)."""
     trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen())
     metrics = trainer.evaluate(eval_dataset=dpo_suite.eval_split(eval_dataset_type, IMPLICIT))
-    if eval_dataset_type in ("dataset", "iterable_dataset"):
-        assert metrics["eval_loss"] is not None
-    else:
-        assert metrics["eval_data1_loss"] is not None and metrics["eval_data2_loss"] is not None
+    dpo_suite.check_eval_metrics(metrics, eval_dataset_type)
 
 
 def test_train_with_eval(trainer_class, hub, tmp_path):
@@ -343,9 +331,7 @@ def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
     trainer = trainer_class(
         model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
     )
-    trainer.train()
-    assert trainer.state.log_history[-3]["eval_data1_loss"] is not None
-    assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
+    dpo_suite.train_with_two_eval_datasets(trainer)
 
 
 def test_train_dataset_required(trainer_class, hub, tmp_path):
@@ -353,28 +339,11 @@ def test_train_dataset_required(trainer_class, hub, tmp_path):
         trainer_class(model=hub["qwen2"], args=args(tmp_path))
 
 
-@pytest.mark.parametrize(
-    "eval_dataset_type",
-    [
-        "dataset",
-        "iterable_dataset",
-        "dataset_dict",
-        "iterable_dataset_dict",
-        "dict_of_dataset",
-        "dict_of_iterable_dataset",
-        "none",
-    ],
-)
+@pytest.mark.parametrize("eval_dataset_type", [*dpo_suite.EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, IMPLICIT)
     trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), eval_dataset=eval_dataset)
-    if eval_dataset is None:
-        assert trainer.eval_dataset is None
-    elif isinstance(trainer.eval_dataset, dict):
-        assert set(trainer.eval_dataset) == {"data1", "data2"}  # each split tokenized on its own
-        assert all("chosen_ids" in next(iter(trainer.eval_dataset[key])) for key in ("data1", "data2"))
-    else:
-        assert "chosen_ids" in next(iter(trainer.eval_dataset))
+    dpo_suite.check_prepared_eval_dataset(trainer, eval_dataset, "chosen_ids")
 
 
 @representative
