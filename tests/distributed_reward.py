@@ -5,13 +5,13 @@ Trains stock ``RewardTrainer`` (``--trainer stock``) or ``DynamicBatchRewardTrai
 saved tiny causal LM loaded as a sequence classifier of one label (``hf_dynbsz.testing.reward.reward_model``: the same
 score head on every process) on long-tailed preference pairs, once per named set of config fields of ``--scenarios``
 (JSON ``{"name": {"field": value}}``; files suffixed ``.name``), and writes each rank's record (every metric it logged
-but the timings, the plugin's figures apart, whether ZeRO-3 partitioned the parameters) and, from rank 0, the final
-gathered parameters.
+but the timings, the plugin's figures apart, whether ZeRO-3 partitioned the parameters or FSDP2 sharded them) and, from
+rank 0, the final gathered parameters.
 """
 
 from __future__ import annotations
 
-from hf_dynbsz.testing import load_tokenizer, scenarios
+from hf_dynbsz.testing import fsdp_on_cpu, load_tokenizer, scenarios
 from hf_dynbsz.testing.reward import reward_config, reward_model
 
 #: Fields only DynamicBatchRewardConfig has (left out of a stock run's config).
@@ -43,10 +43,15 @@ def train(cli, name: str, fields: dict):
 
 
 def write_results(trainer, out: str) -> None:
-    scenarios.write_scenario_results(
-        trainer, out, {"zero3_partitioned": scenarios.zero3_partitioned(trainer.model_wrapped)}
-    )
+    from torch.distributed.tensor import DTensor
+
+    engine = {
+        "zero3_partitioned": scenarios.zero3_partitioned(trainer.model_wrapped),
+        "fsdp_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
+    }
+    scenarios.write_scenario_results(trainer, out, engine)
 
 
 if __name__ == "__main__":
+    fsdp_on_cpu()  # a distributed_type: FSDP launch on CPU processes runs FSDP, as on GPUs (else plain DDP)
     scenarios.run_scenarios(train)

@@ -1,5 +1,6 @@
 """DynamicBatchKTOTrainer against stock KTOTrainer on 2 processes, for real: ``accelerate launch``, gloo, DDP and
-DeepSpeed ZeRO-3.
+DeepSpeed ZeRO-3, and under ``-m long`` FSDP2 (``fsdp_on_cpu``: the policy and the reference sharded, DTensor
+parameters).
 
 Long-tailed completions give the processes unequal steps: cross-rank balancing moves samples between them and the
 processes' pass counts differ, so lockstep dummy passes run (under ZeRO-3 they gather what a real pass gathers). Each
@@ -32,6 +33,7 @@ RUNS = {
         },
     ),
     "zero3": ("cpu_zero3.yaml", {"kto": dict(system=16, max_tokens_per_microbatch=100)}),
+    "fsdp2": ("cpu_fsdp2.yaml", {"kto": dict(max_tokens_per_microbatch=80)}),  # (-m long)
 }
 #: fields every run shares: 2 optimizer steps of 2 micro-batches of 4 samples per process, a budget cutting them up
 COMMON = dict(max_tokens_per_microbatch=60, gradient_checkpointing=False)
@@ -73,3 +75,9 @@ def test_zero3_partitions_the_model_and_matches_stock(launches):
     assert all(record["engine"]["zero3_partitioned"] for record in ours)
     assert min(step["dynbsz/tree_tokens_saved"] for record in ours for step in record["metrics"]) > 0
     assert ours[0]["metrics"][0]["kl"] > 0  # the first step's estimate weighs in the loss
+
+
+@pytest.mark.long
+def test_fsdp2_shards_both_models_and_matches_stock(launches):
+    ours = compare("fsdp2", "kto", launches)
+    assert all(record["engine"]["fsdp_dtensor"] for record in ours)

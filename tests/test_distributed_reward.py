@@ -1,5 +1,5 @@
 """DynamicBatchRewardTrainer against stock RewardTrainer on 2 processes, for real: ``accelerate launch``, gloo, DDP
-and DeepSpeed ZeRO-3.
+and DeepSpeed ZeRO-3, and under ``-m long`` FSDP2 (``fsdp_on_cpu``: DTensor parameters).
 
 Long-tailed pairs give the processes unequal steps: cross-rank balancing moves whole pairs between them (a pair's
 chosen and rejected always run on one process, in one pass), and the processes' pass counts differ, so lockstep dummy
@@ -23,6 +23,7 @@ LAUNCH_TIMEOUT_S = 420
 RUNS = {
     "ddp": ("cpu_ddp.yaml", {"margin_center": dict(margins=True, center_rewards_coefficient=0.05)}),
     "zero3": ("cpu_zero3.yaml", {"bradley_terry": dict(system=16, max_tokens_per_microbatch=120)}),
+    "fsdp2": ("cpu_fsdp2.yaml", {"margin": dict(margins=True)}),  # (-m long)
 }
 #: fields every run shares: 2 optimizer steps of 2 micro-batches of 4 pairs per process, a budget cutting them up
 COMMON = dict(max_tokens_per_microbatch=70, gradient_checkpointing=False)
@@ -57,3 +58,9 @@ def test_zero3_partitions_the_model_and_matches_stock(launches):
     ours = compare("zero3", "bradley_terry", launches)
     assert all(record["engine"]["zero3_partitioned"] for record in ours)
     assert min(step["dynbsz/tree_tokens_saved"] for record in ours for step in record["metrics"]) > 0
+
+
+@pytest.mark.long
+def test_fsdp2_shards_the_model_and_matches_stock(launches):
+    ours = compare("fsdp2", "margin", launches)
+    assert all(record["engine"]["fsdp_dtensor"] for record in ours)
