@@ -159,23 +159,53 @@ def test_padded_layout(model_dir, tmp_path):
 
 
 # ---- model families -------------------------------------------------------------------------------------------------
-#: Other families from their default configs made tiny: Llama, Mistral (sliding windows), Qwen3-MoE (its router aux
-#: loss, which stock's KTOTrainer adds).
-FAMILIES = ("llama", "mistral", "qwen3_moe")
+#: Other families from their default configs made tiny (``hf_dynbsz.testing.zoo``), each with its comparison's
+#: settings: Llama, Mistral (sliding windows), Qwen3-MoE (its router aux loss, which stock's KTOTrainer adds), Bamba
+#: (Mamba-2 layers beside attention) and Mamba (state-space layers alone). The state-space families take a
+#: reference 1.5x sharper: at 10x their tiny models' KL estimate (~120) saturates every sigmoid and stock barely trains
+#: (its parameters move by 2e-7); Bamba's update at 10x is 9.8e-6 from stock's, at the tolerance, where stock's own
+#: padding (``pad_to_multiple_of=64``) moves it by 4.8e-6 (Mamba-2's chunked scan rounds with the row's length).
+FAMILIES = {"llama": {}, "mistral": {}, "qwen3_moe": {}, "bamba": dict(sharp=1.5), "mamba": dict(sharp=1.5)}
+#: Under ``-m long``: the hybrids Jamba (Mamba and attention layers, routed experts with their aux loss), Falcon-H1
+#: (Mamba-2 and attention in parallel), Nemotron-H (Mamba-2, attention and MoE layers), LFM2 (short convolutions and
+#: attention), Qwen3-Next (Gated DeltaNet and attention, MoE); state-space layers alone: FalconMamba, Mamba-2; MoE with
+#: aux loss: Mixtral, OLMoE, GPT-OSS (also sliding and full attention layers alternating, attention sinks); sliding and
+#: full attention layers alternating: Gemma-2 (soft-capped logits), Gemma-3, learning at 0.05 (at 0.5 their parameters
+#: move by 75% and 150% in 2 steps, and float rounding with them; at 0.05 Gemma-2's update is still 6.6e-6 from stock's,
+#: where stock's own padding, ``pad_to_multiple_of=64``, moves it by 3.2e-6).
+LONG_FAMILIES = {
+    **dict.fromkeys(["jamba", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"], {}),
+    **dict.fromkeys(["falcon_mamba", "mamba2"], dict(sharp=1.5)),
+    **dict.fromkeys(["mixtral", "olmoe", "gpt_oss"], {}),
+    **dict.fromkeys(["gemma2", "gemma3_text"], dict(learning_rate=0.05)),
+}
+#: The families whose router aux loss stock adds (their configs' coefficients).
+AUX_LOSS_FAMILIES = ("qwen3_moe", "jamba", "qwen3_next", "mixtral", "olmoe", "gpt_oss")
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
+@pytest.mark.parametrize(
+    "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
+)
+def test_other_model_families(tmp_path_factory, tmp_path, family):
     from hf_dynbsz.testing.zoo import save_tiny_families
 
-    return save_tiny_families(tmp_path_factory, FAMILIES)
+    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
+    settings = {**FAMILIES, **LONG_FAMILIES}[family]
+    steps, trainer = compare_with_stock(family_dir, tmp_path, unpaired_samples(16, seed=2), **settings)
+    assert trainer._dynbsz.enabled and trainer.aux_loss_enabled == (family in AUX_LOSS_FAMILIES)
+    if trainer.aux_loss_enabled:
+        assert all("aux_loss" in step for step in steps)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_other_model_families(family_dirs, tmp_path, family):
-    steps, trainer = compare_with_stock(family_dirs[family], tmp_path, unpaired_samples(16, seed=2))
-    if family == "qwen3_moe":
-        assert trainer.aux_loss_enabled and all("aux_loss" in step for step in steps)
+def test_the_kl_estimate_is_compared_within_its_sums_rounding():
+    """The logged ``kl`` is a mean of differences of two fp32 sums of token log-probs (a KL sequence's, the policy's
+    and the reference's, ~30 each here), added in another order by a packed pass: Bamba's 3e-6 off a ``kl`` of 0.23
+    passes (the bound: ``ceil(log2 64)`` ulps of both sums, 5e-5), 1e-3 shows."""
+    entry = {"kl": 0.2256, "logps/chosen": -33.9, "logps/rejected": -25.6, "rewards/chosen": 0.22}
+    entry.update({"rewards/rejected": 0.2, "rewards/margins": 0.02})
+    assert not kto_metric_mismatches([dict(entry, kl=0.2256 + 3e-6)], [entry], BETA, LONGEST)
+    far = kto_metric_mismatches([dict(entry, kl=0.2256 + 1e-3)], [entry], BETA, LONGEST)
+    assert len(far) == 1 and far[0].startswith("entry 0: kl ")
 
 
 # ---- drop-in and stock's micro-batches ---------------------------------------------------------------------------

@@ -9,9 +9,9 @@ difference <= 1e-3, which is what exposes a mis-weighted pair), and every metric
 
 Runs: the default Bradley-Terry loss (with stock's default gradient checkpointing), a ``margin`` column,
 ``center_rewards_coefficient``, gradient accumulation of 4 micro-batches cut into other passes, a system block common
-to every prompt (the prefix tree computes it once per pass), the padded layout, Llama and Mistral sequence classifiers,
-and what runs stock's micro-batches (dynamic batching off; a custom collator; a model whose classifier is not the
-generic last-token one).
+to every prompt (the prefix tree computes it once per pass), the padded layout, the sequence classifiers of other
+families (MoE, hybrid state-space, sliding-window; more under ``-m long``), and what runs stock's micro-batches (dynamic
+batching off; a custom collator; a model whose classifier is not the generic last-token one: GPT-2, Zamba2).
 """
 
 from __future__ import annotations
@@ -98,22 +98,36 @@ def test_padded_layout(model_dir, tmp_path):
 
 
 # ---- model families -------------------------------------------------------------------------------------------------
-#: Sequence classifiers of other families from their default configs made tiny: Llama, Mistral (sliding windows),
-#: Qwen3-MoE (its experts routed per token; stock's RewardTrainer adds no router aux loss).
-FAMILIES = ("llama", "mistral", "qwen3_moe")
+#: Sequence classifiers of other families from their default configs made tiny (stock's RewardTrainer adds no router
+#: aux loss), each with its comparison's settings: Llama, Mistral (sliding windows), Qwen3-MoE (its experts routed per
+#: token), Jamba (Mamba layers beside attention, and routed experts), Gemma-3 (sliding and full attention layers
+#: alternating). The Gemma families learn at 0.05: at 0.5 their parameters move by 240% in 2 steps, where stock's own
+#: padding (``pad_to_multiple_of=64``) moves them by 2.6e-6 (ours: 5.5e-6, against the tolerance of 1e-5); at 0.05 by
+#: 10%, stock's padding 1e-7.
+FAMILIES = {"llama": {}, "mistral": {}, "qwen3_moe": {}, "jamba": {}, "gemma3_text": dict(learning_rate=0.05)}
+#: Under ``-m long``: Gemma-2 (alternating windows, soft-capped attention logits), Mixtral (MoE), GPT-OSS (MoE,
+#: alternating windows, attention sinks), and the hybrids with linear attention: Qwen3-Next and Qwen3.5 (Gated
+#: DeltaNet), MiniMax (lightning attention). The pure state-space families (Mamba, Mamba-2, FalconMamba) have no
+#: sequence classifier in transformers.
+LONG_FAMILIES = {
+    "gemma2": dict(learning_rate=0.05),
+    **dict.fromkeys(["mixtral", "gpt_oss", "qwen3_next", "qwen3_5_text", "minimax"], {}),
+}
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
+@pytest.mark.parametrize(
+    "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
+)
+def test_other_model_families(tmp_path_factory, tmp_path, family):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
     from hf_dynbsz.testing.zoo import save_tiny_families
 
-    return save_tiny_families(tmp_path_factory, FAMILIES)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_other_model_families(family_dirs, tmp_path, family):
-    steps, trainer = compare_with_stock(family_dirs[family], tmp_path, with_margins(preference_pairs(16, seed=2)))
-    assert type(trainer.model).__name__.lower().startswith(family.replace("_", ""))
+    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
+    settings = {**FAMILIES, **LONG_FAMILIES}[family]
+    steps, trainer = compare_with_stock(family_dir, tmp_path, with_margins(preference_pairs(16, seed=2)), **settings)
+    assert trainer._dynbsz.enabled
+    assert type(trainer.model).__name__ == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[family]
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)
 
 
@@ -158,6 +172,17 @@ def test_a_custom_collator_runs_stocks_micro_batches_with_one_logged_reason(mode
     assert not any("dynbsz/microbatches" in entry for entry in history)
 
 
+def assert_stocks_micro_batches(model_dir, tmp_path, caplog, classifier: str) -> None:
+    """Stock's run and ours from ``model_dir`` equal to the bit, with one logged reason naming ``classifier``."""
+    dataset = preference_pairs(16)
+    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
+        _, stock, _, _ = reward_run(False, model_dir, str(tmp_path / "stock"), dataset)
+        _, ours, _, trainer = reward_run(True, model_dir, str(tmp_path / "ours"), dataset)
+    assert relative_difference(ours, stock) == 0.0 and not trainer._dynbsz.enabled
+    reasons = [r.getMessage() for r in caplog.records if "stock RewardTrainer math runs" in r.getMessage()]
+    assert len(reasons) == 1 and classifier in reasons[0]
+
+
 def test_a_classifier_that_is_not_the_generic_one_runs_stocks_micro_batches(tmp_path, caplog):
     """GPT-2's sequence classifier has its own forward: stock's micro-batches, with one logged reason."""
     import torch
@@ -171,13 +196,17 @@ def test_a_classifier_that_is_not_the_generic_one_runs_stocks_micro_batches(tmp_
     torch.manual_seed(0)
     GPT2ForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    dataset = preference_pairs(16)
-    with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
-        _, stock, _, _ = reward_run(False, str(path), str(tmp_path / "stock"), dataset)
-        _, ours, _, _ = reward_run(True, str(path), str(tmp_path / "ours"), dataset)
-    assert relative_difference(ours, stock) == 0.0
-    reasons = [r.getMessage() for r in caplog.records if "stock RewardTrainer math runs" in r.getMessage()]
-    assert len(reasons) == 1 and "GPT2ForSequenceClassification" in reasons[0]
+    assert_stocks_micro_batches(str(path), tmp_path, caplog, "GPT2ForSequenceClassification")
+
+
+@pytest.mark.long
+def test_a_hybrid_whose_classifier_is_not_the_generic_one_runs_stocks_micro_batches(tmp_path_factory, tmp_path, caplog):
+    """Zamba2 (Mamba-2 layers and a shared attention block) from its default config: its sequence classifier has its
+    own forward, so stock's micro-batches run, with one logged reason."""
+    from hf_dynbsz.testing.zoo import save_tiny_families
+
+    model_dir = save_tiny_families(tmp_path_factory, ["zamba2"])["zamba2"]
+    assert_stocks_micro_batches(model_dir, tmp_path, caplog, "Zamba2ForSequenceClassification")
 
 
 def test_padding_with_the_eos_token_reads_each_reward_before_it(model_dir, tmp_path):

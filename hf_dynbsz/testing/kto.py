@@ -91,9 +91,31 @@ def sharpened_reference(model_dir: str, factor: float = 4.0):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.base_model.norm.weight.mul_(factor)
+    _scale_final_norm(model, factor)
     return model
+
+
+def _scale_final_norm(model, factor: float) -> None:
+    """Make the base model's final norm (its last child whose class name ends in ``Norm``: ``norm``, ``norm_f``,
+    ``final_layernorm``, LFM2's ``embedding_norm``) return ``factor`` times its output: its weight (and bias) times
+    ``factor``, or, for a norm that scales by ``1 + weight`` (Gemma's), the weight set so that ``1 + weight`` is
+    ``factor`` times what it was; checked on a random input."""
+    import torch
+
+    norm = [child for child in model.base_model.children() if type(child).__name__.endswith("Norm")][-1]
+    probe = torch.randn(3, norm.weight.numel(), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = factor * norm(probe)
+        original = norm.weight.clone()
+        for scale in (lambda w: w * factor, lambda w: (1 + w) * factor - 1):
+            norm.weight.copy_(scale(original))
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.mul_(factor)
+            if torch.allclose(norm(probe), expected, rtol=1e-4, atol=1e-5):
+                return
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.div_(factor)
+    raise ValueError(f"{type(norm).__name__} does not scale with its weight")
 
 
 def kto_config(output_dir: str, *, plugin: bool, **fields):
@@ -160,27 +182,17 @@ REWARD_SIDES = {
 
 def kto_metric_mismatches(ours: list[dict], stock: list[dict], beta: float, longest: int) -> list[str]:
     """Where two runs' :func:`~hf_dynbsz.testing.logged_metrics` differ (:func:`~hf_dynbsz.testing.metric_mismatches`),
-    the rewards within what fp32 rounding alone moves them: a reward is ``beta`` times the difference of two sequence
-    log-probs (the policy's and the reference's), each a fp32 sum of up to ``longest`` token log-probs that a packed
-    pass adds in another order than stock's padded rows, so each sum's rounding is bounded by ``ceil(log2 longest)``
-    ulps of its magnitude and the difference cancels the magnitudes, not their rounding (the reference's sum is
-    ``logps - rewards / beta``)."""
+    the rewards and the KL estimate within what fp32 rounding alone moves them (:func:`_rounding_bounds`)."""
     import math
 
     from hf_dynbsz.testing.oracles import metric_mismatches
 
-    eps = 2.0**-23
-    roundings = math.ceil(math.log2(max(longest, 2)))
+    rounded = (*REWARD_SIDES, "kl")
     found = metric_mismatches(
-        *([{k: v for k, v in e.items() if k not in REWARD_SIDES} for e in log] for log in (ours, stock))
+        *([{k: v for k, v in e.items() if k not in rounded} for e in log] for log in (ours, stock))
     )
     for i, (our_entry, stock_entry) in enumerate(zip(ours, stock)):
-        for name in set(REWARD_SIDES) & set(stock_entry):
-            bound = 0.0
-            for side in REWARD_SIDES[name]:
-                policy = stock_entry[f"logps/{side}"]
-                reference = policy - stock_entry[f"rewards/{side}"] / beta
-                bound += beta * roundings * eps * (abs(policy) + abs(reference))
+        for name, bound in _rounding_bounds(stock_entry, beta, longest).items():
             if not math.isclose(
                 our_entry.get(name, math.nan), stock_entry[name], rel_tol=1e-5, abs_tol=max(bound, 1e-6)
             ):
@@ -188,3 +200,29 @@ def kto_metric_mismatches(ours: list[dict], stock: list[dict], beta: float, long
                     f"entry {i}: {name} {our_entry.get(name)!r} != stock {stock_entry[name]!r} (bound {bound:.1e})"
                 )
     return found
+
+
+def _rounding_bounds(entry: dict, beta: float, longest: int) -> dict[str, float]:
+    """How far fp32 rounding alone moves each of ``entry``'s rewards and its ``kl``: a reward is ``beta`` times the
+    difference of two sequence log-probs (the policy's and the reference's), each a fp32 sum of up to ``longest`` token
+    log-probs that a packed pass adds in another order than stock's padded rows, so each sum's rounding is bounded by
+    ``ceil(log2 longest)`` ulps of its magnitude and the difference cancels the magnitudes, not their rounding (the
+    reference's sum is ``logps - rewards / beta``). ``kl`` is a mean of the same differences (no ``beta``) over the KL
+    sequences, the samples' completions after other prompts: their magnitudes taken as the larger side's ``logps``, the
+    reference's that minus ``kl``."""
+    import math
+
+    eps = 2.0**-23
+    roundings = math.ceil(math.log2(max(longest, 2)))
+    bounds = {}
+    for name in set(REWARD_SIDES) & set(entry):
+        bound = 0.0
+        for side in REWARD_SIDES[name]:
+            policy = entry[f"logps/{side}"]
+            reference = policy - entry[f"rewards/{side}"] / beta
+            bound += beta * roundings * eps * (abs(policy) + abs(reference))
+        bounds[name] = bound
+    sides = [abs(entry[f"logps/{side}"]) for side in ("chosen", "rejected") if f"logps/{side}" in entry]
+    if "kl" in entry and sides:
+        bounds["kl"] = roundings * eps * (2 * max(sides) + abs(entry["kl"]))
+    return bounds
