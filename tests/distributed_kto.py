@@ -1,11 +1,11 @@
 """Worker for the multi-process KTO tests: ``accelerate launch --config_file <yaml> tests/distributed_kto.py ...``.
 
 Trains stock ``KTOTrainer`` (``--trainer stock``) or ``DynamicBatchKTOTrainer`` (``--trainer dynamic``) from a saved
-tiny causal LM, against a reference 10x sharper than it (``hf_dynbsz.testing.kto.sharpened_reference``: a positive KL
-estimate from the first step), on unpaired samples with long-tailed completions, once per named set of config fields
-of ``--scenarios`` (JSON ``{"name": {"field": value}}``; files suffixed ``.name``), and writes each rank's record (every
-metric it logged but the timings, the plugin's figures apart, whether ZeRO-3 partitioned the parameters or FSDP2
-sharded both models) and, from rank 0, the final gathered parameters.
+tiny causal LM, against a reference whose logits are -10 times its own (``hf_dynbsz.testing.kto.sharpened_reference``:
+a positive KL estimate at the first step), on unpaired samples with long-tailed completions, once per named set of
+config fields of ``--scenarios`` (JSON ``{"name": {"field": value}}``; files suffixed ``.name``), and writes each
+rank's record (every metric it logged but the timings, the plugin's figures apart, whether ZeRO-3 partitioned the
+parameters or FSDP2 sharded both models) and, from rank 0, the final gathered parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def train(cli, name: str, fields: dict):
     trainer_class = DynamicBatchKTOTrainer if plugin else KTOTrainer
     trainer = trainer_class(
         model=cli.model_dir,
-        ref_model=sharpened_reference(cli.model_dir, 10.0),
+        ref_model=sharpened_reference(cli.model_dir, -10.0),
         args=args,
         train_dataset=dataset,
         processing_class=load_tokenizer(cli.model_dir),

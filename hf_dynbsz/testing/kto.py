@@ -86,23 +86,41 @@ def sharpened_reference(model_dir: str, factor: float = 4.0):
     """The causal LM saved at ``model_dir`` (fp32) with its final norm's weight times ``factor``: its logits ``factor``
     times the model's, so it gives text of the test alphabet lower log-probs than the model does and KTO's KL estimate
     (the policy's log-probs over the reference's, clamped at 0) is positive from the first step. A reference the same
-    as the policy estimates 0 there, where a wrong micro-batch would not show."""
+    as the policy estimates 0 there, where a wrong micro-batch would not show. A negative ``factor`` also turns the
+    reference's preferences around (a tiny model with tied embeddings favours repeating its input token, which
+    random text often does): on samples opening with a shared block, 10 can still estimate below 0, -10 does not."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _scale_final_norm(model, factor)
+    norm = [child for child in model.base_model.children() if type(child).__name__.endswith("Norm")][-1]
+    with _whole(norm):
+        _scale_final_norm(norm, factor)
     return model
 
 
-def _scale_final_norm(model, factor: float) -> None:
-    """Make the base model's final norm (its last child whose class name ends in ``Norm``: ``norm``, ``norm_f``,
+def _whole(module):
+    """Around a change of ``module``'s parameters: under DeepSpeed ZeRO-3 (a model loaded while a ZeRO-3 config is
+    active is partitioned at load: each process holds an empty placeholder) its parameters gathered whole and the
+    change kept (``GatheredParameters``); otherwise nothing."""
+    import contextlib
+
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0)
+
+
+def _scale_final_norm(norm, factor: float) -> None:
+    """Make a base model's final ``norm`` (its last child whose class name ends in ``Norm``: ``norm``, ``norm_f``,
     ``final_layernorm``, LFM2's ``embedding_norm``) return ``factor`` times its output: its weight (and bias) times
     ``factor``, or, for a norm that scales by ``1 + weight`` (Gemma's), the weight set so that ``1 + weight`` is
     ``factor`` times what it was; checked on a random input."""
     import torch
 
-    norm = [child for child in model.base_model.children() if type(child).__name__.endswith("Norm")][-1]
     probe = torch.randn(3, norm.weight.numel(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = factor * norm(probe)
