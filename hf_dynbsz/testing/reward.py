@@ -7,7 +7,7 @@ TRL are imported inside the functions.
 
 from __future__ import annotations
 
-from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
+from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config, preference_run
 
 __all__ = [
     "REWARD_COMPARISON_FIELDS",
@@ -52,26 +52,15 @@ def reward_config(output_dir: str, *, plugin: bool, **fields):
 
 def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, trainer_kwargs: dict | None = None, **fields):
     """Train stock ``RewardTrainer`` (``plugin`` False) or ``DynamicBatchRewardTrainer`` from :func:`reward_model` of
-    ``model_dir`` on ``dataset``; returns ``(initial parameters, final parameters, log history, trainer)``."""
+    ``model_dir`` on ``dataset`` (:func:`~hf_dynbsz.testing.preference.preference_run`); returns ``(initial
+    parameters, final parameters, log history, trainer)``."""
     from trl import RewardTrainer
 
-    from hf_dynbsz.testing.fixtures import load_tokenizer
     from hf_dynbsz.trainers import DynamicBatchRewardTrainer
 
-    args = reward_config(output_dir, plugin=plugin, **fields)
     model = reward_model(model_dir)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer_class = DynamicBatchRewardTrainer if plugin else RewardTrainer
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=load_tokenizer(model_dir),
-        **(trainer_kwargs or {}),
-    )
-    trainer.train()
-    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    return initial, final, trainer.state.log_history, trainer
+    return preference_run(RewardTrainer, DynamicBatchRewardTrainer, reward_config, plugin, model_dir, output_dir,
+                          dataset, model=model, trainer_kwargs=trainer_kwargs, **fields)  # fmt: skip
 
 
 def with_margins(dataset, seed: int = 0):
