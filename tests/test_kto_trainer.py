@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 from trl import KTOConfig, KTOTrainer
 
 from hf_dynbsz import DynamicBatchKTOConfig, DynamicBatchKTOTrainer
@@ -29,6 +28,7 @@ from hf_dynbsz.testing import (
     relative_difference,
     runs_against_stock,
     signature_mismatches,
+    spread_positions_collator,
 )
 from hf_dynbsz.testing.kto import (
     KTO_BETA,
@@ -186,10 +186,7 @@ AUX_LOSS_FAMILIES = ("qwen3_moe", "jamba", "qwen3_next", "mixtral", "olmoe", "gp
 @pytest.mark.parametrize(
     "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
 )
-def test_other_model_families(tmp_path_factory, tmp_path, family):
-    from hf_dynbsz.testing.zoo import save_tiny_families
-
-    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
+def test_other_model_families(family_dir, tmp_path, family):
     settings = {**FAMILIES, **LONG_FAMILIES}[family]
     steps, trainer = compare_with_stock(family_dir, tmp_path, unpaired_samples(16, seed=2), **settings)
     assert trainer._dynbsz.enabled and trainer.aux_loss_enabled == (family in AUX_LOSS_FAMILIES)
@@ -242,14 +239,9 @@ def test_a_collator_that_adds_model_inputs_runs_stocks_micro_batches_with_one_lo
     another width, and fails.)"""
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-    class SpreadPositions(DataCollatorForUnpairedPreference):
-        def torch_call(self, examples):
-            output = super().torch_call(examples)
-            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
-            return output
-
     def collator():
-        return dict(data_collator=SpreadPositions(pad_token_id=load_tokenizer(model_dir).pad_token_id))
+        pad = load_tokenizer(model_dir).pad_token_id
+        return dict(data_collator=spread_positions_collator(DataCollatorForUnpairedPreference, pad))
 
     dataset, apo = unpaired_samples(16), dict(loss_type="apo_zero_unpaired")
     _, stock, stock_history, _ = kto_run(False, model_dir, str(tmp_path / "stock"), dataset,

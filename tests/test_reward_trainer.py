@@ -118,12 +118,9 @@ LONG_FAMILIES = {
 @pytest.mark.parametrize(
     "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
 )
-def test_other_model_families(tmp_path_factory, tmp_path, family):
+def test_other_model_families(family_dir, tmp_path, family):
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    from hf_dynbsz.testing.zoo import save_tiny_families
-
-    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
     settings = {**FAMILIES, **LONG_FAMILIES}[family]
     steps, trainer = compare_with_stock(family_dir, tmp_path, with_margins(preference_pairs(16, seed=2)), **settings)
     assert trainer._dynbsz.enabled

@@ -40,6 +40,7 @@ __all__ = [
     "preference_pairs",
     "preference_run",
     "runs_against_stock",
+    "spread_positions_collator",
     "text_draws",
     "stock_micro_batches",
     "stock_pair_step",
@@ -196,6 +197,21 @@ def dpo_run(plugin: bool, model_dir: str, output_dir: str, dataset=None, *, ref_
     ref = dict(ref_model=ref_model)
     return preference_run(DPOTrainer, DynamicBatchDPOTrainer, dpo_config, plugin, model_dir, output_dir, dataset,
                           constructor=ref, **kwargs)  # fmt: skip
+
+
+def spread_positions_collator(collator_class: type, pad_token_id: int):
+    """A collator of a subclass of ``collator_class`` (TRL's ``DataCollatorForPreference``,
+    ``DataCollatorForUnpairedPreference``) that adds a model input: ``position_ids`` spread out (``2 * arange`` of
+    each micro-batch's width), which stock's forward receives and which change its log-probs."""
+    import torch
+
+    class SpreadPositions(collator_class):
+        def torch_call(self, examples):
+            output = super().torch_call(examples)
+            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
+            return output
+
+    return SpreadPositions(pad_token_id=pad_token_id)
 
 
 @dataclasses.dataclass
