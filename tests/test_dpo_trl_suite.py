@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import codecs
 import this
+from collections.abc import Callable
 
 import pytest
 import test_rloo_trl_suite as rloo_suite
@@ -210,6 +211,73 @@ def train_with_two_eval_datasets(trainer) -> None:
     assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
 
 
+class SharedSuiteTests:
+    """TRL's tests that the DPO, reward and KTO suites restate alike, collected in each suite by its ``TestShared``
+    subclass: ``args``, ``zen`` and ``train_and_check`` are the suite's own (the subclass's staticmethods),
+    ``trainer_class`` and ``hub`` its fixtures."""
+
+    args: Callable
+    zen: Callable
+    train_and_check: Callable
+    tags: set[str]  # the model tags the trainer adds
+
+    def test_tag_added(self, trainer_class, hub, tmp_path):
+        trainer = trainer_class(model=hub["qwen2"], args=self.args(tmp_path), train_dataset=self.zen())
+        assert self.tags <= set(trainer.model.model_tags)
+
+    def test_tag_added_peft(self, trainer_class, hub, tmp_path):
+        from peft import LoraConfig
+
+        config = self.args(tmp_path)
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen(), peft_config=LoraConfig())
+        assert self.tags <= set(trainer.model.model_tags)
+
+    def test_train_model_dtype(self, trainer_class, hub, tmp_path):
+        config = self.args(tmp_path, model_init_kwargs={"dtype": torch.float16})
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen())
+        train_in_half_precision(trainer, self.train_and_check)
+
+    def test_train_with_eval(self, trainer_class, hub, tmp_path):
+        config = self.args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
+        test = self.zen(split="test")
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen(), eval_dataset=test)
+        trainer.train()
+        assert trainer.state.log_history[0]["eval_loss"] is not None
+
+    def test_train_with_multiple_eval_dataset(self, trainer_class, hub, tmp_path):
+        config = self.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        test = self.zen(split="test")
+        trainer = trainer_class(
+            model=hub["qwen2"], args=config, train_dataset=self.zen(), eval_dataset={"data1": test, "data2": test}
+        )
+        train_with_two_eval_datasets(trainer)
+
+    def test_train_dataset_required(self, trainer_class, hub, tmp_path):
+        with pytest.raises(ValueError, match="`train_dataset` is required"):
+            trainer_class(model=hub["qwen2"], args=self.args(tmp_path))
+
+    def test_train_with_gradient_checkpointing(self, trainer_class, hub, tmp_path):
+        config = self.args(tmp_path, gradient_checkpointing=True)
+        self.train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen()))
+
+
+class ComputeMetricsTest:
+    """TRL's ``test_train_with_compute_metrics``, which the DPO and reward suites restate alike (with
+    :class:`SharedSuiteTests`)."""
+
+    def test_train_with_compute_metrics(self, trainer_class, hub, tmp_path):
+        config = self.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        trainer = trainer_class(
+            model=hub["qwen2"],
+            args=config,
+            train_dataset=self.zen(),
+            eval_dataset=self.zen(split="test"),
+            compute_metrics=lambda eval_pred: {"my_metric": 0.123},
+        )
+        trainer.train()
+        assert trainer.state.log_history[-2]["eval_my_metric"] == 0.123
+
+
 def iterable_case(iterable_as: str, train: Dataset) -> tuple:
     """TRL's ``test_precompute_ref_log_probs_raises_for_iterable_dataset`` cases: ``(train_dataset, eval_dataset)``
     with ``train`` streamed as the train dataset, the eval dataset, in a dict or in an ``IterableDatasetDict``."""
@@ -331,11 +399,6 @@ def test_train_with_sync_ref_model(trainer_class, hub, tmp_path):
     train_syncing_reference(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
-def test_train_model_dtype(trainer_class, hub, tmp_path):
-    config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-    train_in_half_precision(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
-
-
 # ---- PEFT --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", PEFT_CASES)
 def test_train_peft(trainer_class, hub, tmp_path, how):
@@ -375,18 +438,6 @@ def test_train_moe_peft(trainer_class, hub, tmp_path, how):
 
         assert ("ref" in trainer.model.peft_config) == (Version(peft.__version__) >= Version("0.20.0"))
     train_and_check(trainer, **peft_rules(base_param_names))
-
-
-def test_tag_added_peft(trainer_class, hub, tmp_path):
-    from peft import LoraConfig
-
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), peft_config=LoraConfig())
-    assert {"dpo", "trl"} <= set(trainer.model.model_tags)
-
-
-def test_tag_added(trainer_class, hub, tmp_path):
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen())
-    assert {"dpo", "trl"} <= set(trainer.model.model_tags)
 
 
 # ---- datasets: iterable, eval, truncation, chat-template arguments -----------------------------------------------
@@ -463,50 +514,11 @@ def test_evaluate_precompute_ref_log_probs_at_init_after_training(trainer_class,
     check_eval_metrics(trainer.evaluate(), eval_dataset_type)
 
 
-def test_train_with_eval(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=1)
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=zen(split="test"))
-    trainer.train()
-    assert trainer.state.log_history[0]["eval_loss"] is not None
-
-
-def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    test = zen(split="test")
-    trainer = trainer_class(
-        model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
-    )
-    train_with_two_eval_datasets(trainer)
-
-
-def test_train_dataset_required(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="`train_dataset` is required"):
-        trainer_class(model=hub["qwen2"], args=args(tmp_path))
-
-
 @pytest.mark.parametrize("eval_dataset_type", [*EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = eval_split(eval_dataset_type)
     trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), eval_dataset=eval_dataset)
     check_prepared_eval_dataset(trainer, eval_dataset, "prompt_ids")
-
-
-def test_train_with_compute_metrics(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    trainer = trainer_class(
-        model=hub["qwen2"],
-        args=config,
-        train_dataset=zen(),
-        eval_dataset=zen(split="test"),
-        compute_metrics=lambda eval_pred: {"my_metric": 0.123},
-    )
-    trainer.train()
-    assert trainer.state.log_history[-2]["eval_my_metric"] == 0.123
-
-
-def test_train_with_gradient_checkpointing(trainer_class, hub, tmp_path):
-    config = args(tmp_path, gradient_checkpointing=True)
-    train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
 # ---- vision-language models (their pairs train stock's micro-batches in ours: one logged reason) ------------------
@@ -567,3 +579,14 @@ def test_precompute_ref_log_probs_raises_for_vision(trainer_class, tmp_path):
     config = args(tmp_path, precompute_ref_log_probs=True)
     with pytest.raises(ValueError, match="`precompute_ref_log_probs=True` is not supported for vision datasets"):
         trainer_class(model=path, args=config, train_dataset=image_preference_dataset(), processing_class=processor)
+
+
+# ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
+class TestShared(SharedSuiteTests, ComputeMetricsTest):
+    """TRL's tests restated alike in the three suites, on this suite's data and config:
+    :class:`SharedSuiteTests`, :class:`ComputeMetricsTest`."""
+
+    args = staticmethod(args)
+    zen = staticmethod(zen)
+    train_and_check = staticmethod(train_and_check)
+    tags = {"dpo", "trl"}
