@@ -15,6 +15,7 @@ from hf_dynbsz.testing.preference import (
     DPO_COMPARISON_FIELDS,
     DPO_PLUGIN_FIELDS,
     comparison_config,
+    config_classes,
     preference_run,
     text_draws,
 )
@@ -117,14 +118,8 @@ def _scale_final_norm(model, factor: float) -> None:
 def kto_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`KTO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchKTOConfig`` with ``plugin``, else TRL's ``KTOConfig`` (the plugin's fields left out)."""
-    from trl import KTOConfig
-
-    from hf_dynbsz.configs.kto import DynamicBatchKTOConfig
-
-    return comparison_config(
-        KTOConfig, DynamicBatchKTOConfig, output_dir, plugin, fields,
-        defaults=KTO_COMPARISON_FIELDS, plugin_fields=KTO_PLUGIN_FIELDS,
-    )  # fmt: skip
+    defaults = dict(defaults=KTO_COMPARISON_FIELDS, plugin_fields=KTO_PLUGIN_FIELDS)
+    return comparison_config(*config_classes("KTO"), output_dir, plugin, fields, **defaults)
 
 
 def kto_run(plugin: bool, model_dir: str, output_dir: str, dataset=None, *, ref_model=None, **kwargs):

@@ -31,6 +31,7 @@ __all__ = [
     "DPO_PLUGIN_FIELDS",
     "PairedRuns",
     "comparison_config",
+    "config_classes",
     "dpo_config",
     "dpo_run",
     "gradient_difference",
@@ -142,14 +143,20 @@ def comparison_config(
     return (plugin_class if plugin else stock_class)(**values)
 
 
+def config_classes(name: str) -> tuple[type, type]:
+    """TRL's config of trainer ``name`` ("DPO", "Reward", "KTO") and the plugin's: ``(trl.<name>Config,
+    hf_dynbsz.DynamicBatch<name>Config)``, :func:`comparison_config`'s first two arguments."""
+    import trl
+
+    import hf_dynbsz
+
+    return getattr(trl, f"{name}Config"), getattr(hf_dynbsz, f"DynamicBatch{name}Config")
+
+
 def dpo_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`DPO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchDPOConfig`` with ``plugin``, else TRL's ``DPOConfig`` (the plugin's fields left out)."""
-    from trl import DPOConfig
-
-    from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
-
-    return comparison_config(DPOConfig, DynamicBatchDPOConfig, output_dir, plugin, fields)
+    return comparison_config(*config_classes("DPO"), output_dir, plugin, fields)
 
 
 def preference_run(

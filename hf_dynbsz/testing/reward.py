@@ -7,7 +7,13 @@ TRL are imported inside the functions.
 
 from __future__ import annotations
 
-from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config, preference_run
+from hf_dynbsz.testing.preference import (
+    DPO_COMPARISON_FIELDS,
+    DPO_PLUGIN_FIELDS,
+    comparison_config,
+    config_classes,
+    preference_run,
+)
 
 __all__ = [
     "REWARD_COMPARISON_FIELDS",
@@ -40,14 +46,8 @@ def reward_model(model_dir: str, seed: int = 0):
 def reward_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`REWARD_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchRewardConfig`` with ``plugin``, else TRL's ``RewardConfig`` (the plugin's fields left out)."""
-    from trl import RewardConfig
-
-    from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
-
-    return comparison_config(
-        RewardConfig, DynamicBatchRewardConfig, output_dir, plugin, fields,
-        defaults=REWARD_COMPARISON_FIELDS, plugin_fields=REWARD_PLUGIN_FIELDS,
-    )  # fmt: skip
+    defaults = dict(defaults=REWARD_COMPARISON_FIELDS, plugin_fields=REWARD_PLUGIN_FIELDS)
+    return comparison_config(*config_classes("Reward"), output_dir, plugin, fields, **defaults)
 
 
 def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, trainer_kwargs: dict | None = None, **fields):
