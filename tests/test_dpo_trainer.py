@@ -182,22 +182,7 @@ def test_lora_reference_is_the_adapter_disabled_policy(model_dir, tmp_path):
     assert all(step["dynbsz/logprob_seconds"] > 0 for step in steps)
 
 
-def test_padded_layout_keeps_each_pair_in_one_pass(model_dir, tmp_path):
-    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
-    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
-
-
 # ---- shared prefixes ----------------------------------------------------------------------------------------------
-def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
-    """A 40-token block opens every prompt: the prefix tree computes it once per pass across pairs (tokens saved
-    beyond each pair's own prompt: ``tree_tokens_saved``), and each pair's prompt once for its two responses."""
-    dataset = preference_pairs(16, system=40, prompt=(3, 12), response=(1, 12), seed=5)
-    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
-    for step in steps:
-        assert step["dynbsz/tree_tokens_saved"] >= 39  # the block (but the token keyed on what follows) at least once
-        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 3
-
-
 def test_pairs_sharing_a_prompt_stay_whole_when_the_prompts_subtree_is_cut(model_dir, tmp_path):
     """Four pairs per prompt (a prompt with several ranked responses), in a budget that cannot hold a prompt's four
     pairs: the prompt's subtree is cut into pieces, each pair kept whole in one of them."""
