@@ -34,8 +34,8 @@ By default the ``representative`` tests run; ``python -m pytest -m trl_suite tes
 from __future__ import annotations
 
 import codecs
+import sys
 import this
-from collections.abc import Callable
 
 import pytest
 import test_rloo_trl_suite as rloo_suite
@@ -213,52 +213,80 @@ def train_with_two_eval_datasets(trainer) -> None:
 
 class SharedSuiteTests:
     """TRL's tests that the DPO, reward and KTO suites restate alike, collected in each suite by its ``TestShared``
-    subclass: ``args``, ``zen`` and ``train_and_check`` are the suite's own (the subclass's staticmethods),
-    ``trainer_class`` and ``hub`` its fixtures."""
+    subclass: ``args``, ``zen``, ``train_and_check`` and ``MODEL_TAGS`` (the tags the trainer adds) are the suite
+    module's own (:attr:`suite`), ``trainer_class`` and ``hub`` its fixtures."""
 
-    args: Callable
-    zen: Callable
-    train_and_check: Callable
-    tags: set[str]  # the model tags the trainer adds
+    @property
+    def suite(self):
+        """The module of the suite whose ``TestShared`` runs the test."""
+        return sys.modules[type(self).__module__]
 
     def test_tag_added(self, trainer_class, hub, tmp_path):
-        trainer = trainer_class(model=hub["qwen2"], args=self.args(tmp_path), train_dataset=self.zen())
-        assert self.tags <= set(trainer.model.model_tags)
+        trainer = trainer_class(model=hub["qwen2"], args=self.suite.args(tmp_path), train_dataset=self.suite.zen())
+        assert self.suite.MODEL_TAGS <= set(trainer.model.model_tags)
 
     def test_tag_added_peft(self, trainer_class, hub, tmp_path):
         from peft import LoraConfig
 
-        config = self.args(tmp_path)
-        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen(), peft_config=LoraConfig())
-        assert self.tags <= set(trainer.model.model_tags)
+        config = self.suite.args(tmp_path)
+        trainer = trainer_class(
+            model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), peft_config=LoraConfig()
+        )
+        assert self.suite.MODEL_TAGS <= set(trainer.model.model_tags)
 
     def test_train_model_dtype(self, trainer_class, hub, tmp_path):
-        config = self.args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen())
-        train_in_half_precision(trainer, self.train_and_check)
+        config = self.suite.args(tmp_path, model_init_kwargs={"dtype": torch.float16})
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen())
+        train_in_half_precision(trainer, self.suite.train_and_check)
 
     def test_train_with_eval(self, trainer_class, hub, tmp_path):
-        config = self.args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
-        test = self.zen(split="test")
-        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen(), eval_dataset=test)
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
+        test = self.suite.zen(split="test")
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), eval_dataset=test)
         trainer.train()
         assert trainer.state.log_history[0]["eval_loss"] is not None
 
     def test_train_with_multiple_eval_dataset(self, trainer_class, hub, tmp_path):
-        config = self.args(tmp_path, eval_strategy="steps", eval_steps=2)
-        test = self.zen(split="test")
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        test = self.suite.zen(split="test")
         trainer = trainer_class(
-            model=hub["qwen2"], args=config, train_dataset=self.zen(), eval_dataset={"data1": test, "data2": test}
+            model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), eval_dataset={"data1": test, "data2": test}
         )
         train_with_two_eval_datasets(trainer)
 
     def test_train_dataset_required(self, trainer_class, hub, tmp_path):
         with pytest.raises(ValueError, match="`train_dataset` is required"):
-            trainer_class(model=hub["qwen2"], args=self.args(tmp_path))
+            trainer_class(model=hub["qwen2"], args=self.suite.args(tmp_path))
 
     def test_train_with_gradient_checkpointing(self, trainer_class, hub, tmp_path):
-        config = self.args(tmp_path, gradient_checkpointing=True)
-        self.train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=self.zen()))
+        config = self.suite.args(tmp_path, gradient_checkpointing=True)
+        self.suite.train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen()))
+
+
+class VisionRefusalTests:
+    """TRL's vision refusals, which the DPO and KTO suites restate alike (with :class:`SharedSuiteTests`, whose
+    ``suite`` they read): the suite module's ``VISION_REFUSALS``, its image dataset, its vision-language model's family
+    and its trainer's errors (regular expressions) for image samples on a text model and for precomputed reference
+    log-probs."""
+
+    def test_vision_dataset_with_text_model_raises(self, trainer_class, hub, tmp_path):
+        from hf_dynbsz.testing import load_tokenizer
+
+        image_dataset, _, refusal, _ = self.suite.VISION_REFUSALS
+        with pytest.raises(ValueError, match=refusal):
+            trainer_class(
+                model=hub["qwen2"],
+                args=self.suite.args(tmp_path),
+                train_dataset=image_dataset(),
+                processing_class=load_tokenizer(hub["qwen2"]),
+            )
+
+    def test_precompute_ref_log_probs_raises_for_vision(self, trainer_class, tmp_path):
+        image_dataset, family, _, refusal = self.suite.VISION_REFUSALS
+        path, processor = vision_model(family, tmp_path)
+        config = self.suite.args(tmp_path, precompute_ref_log_probs=True)
+        with pytest.raises(ValueError, match=refusal):
+            trainer_class(model=path, args=config, train_dataset=image_dataset(), processing_class=processor)
 
 
 class ComputeMetricsTest:
@@ -266,12 +294,12 @@ class ComputeMetricsTest:
     :class:`SharedSuiteTests`)."""
 
     def test_train_with_compute_metrics(self, trainer_class, hub, tmp_path):
-        config = self.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=2)
         trainer = trainer_class(
             model=hub["qwen2"],
             args=config,
-            train_dataset=self.zen(),
-            eval_dataset=self.zen(split="test"),
+            train_dataset=self.suite.zen(),
+            eval_dataset=self.suite.zen(split="test"),
             compute_metrics=lambda eval_pred: {"my_metric": 0.123},
         )
         trainer.train()
@@ -562,31 +590,16 @@ def test_train_vlm_keep_end_raises(trainer_class, tmp_path):
         trainer_class(model=path, args=config, train_dataset=image_preference_dataset(), processing_class=processor)
 
 
-def test_vision_dataset_with_text_model_raises(trainer_class, hub, tmp_path):
-    from hf_dynbsz.testing import load_tokenizer
-
-    with pytest.raises(ValueError, match="model does not seem to be a vision-language model"):
-        trainer_class(
-            model=hub["qwen2"],
-            args=args(tmp_path),
-            train_dataset=image_preference_dataset(),
-            processing_class=load_tokenizer(hub["qwen2"]),
-        )
-
-
-def test_precompute_ref_log_probs_raises_for_vision(trainer_class, tmp_path):
-    path, processor = vision_model("qwen2_vl", tmp_path)
-    config = args(tmp_path, precompute_ref_log_probs=True)
-    with pytest.raises(ValueError, match="`precompute_ref_log_probs=True` is not supported for vision datasets"):
-        trainer_class(model=path, args=config, train_dataset=image_preference_dataset(), processing_class=processor)
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"dpo", "trl"}
+#: ``TestShared``'s vision refusals: the image dataset, the vision-language model, stock's errors.
+VISION_REFUSALS = (
+    image_preference_dataset, "qwen2_vl", "model does not seem to be a vision-language model",
+    "`precompute_ref_log_probs=True` is not supported for vision datasets",
+)  # fmt: skip
 
 
 # ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
-class TestShared(SharedSuiteTests, ComputeMetricsTest):
+class TestShared(SharedSuiteTests, ComputeMetricsTest, VisionRefusalTests):
     """TRL's tests restated alike in the three suites, on this suite's data and config:
-    :class:`SharedSuiteTests`, :class:`ComputeMetricsTest`."""
-
-    args = staticmethod(args)
-    zen = staticmethod(zen)
-    train_and_check = staticmethod(train_and_check)
-    tags = {"dpo", "trl"}
+    :class:`SharedSuiteTests`, :class:`ComputeMetricsTest`, :class:`VisionRefusalTests`."""

@@ -405,29 +405,16 @@ def test_train_vlm_text_only_data(trainer_class, tmp_path, dataset_config):
     train_and_check(trainer, unchanged=lambda name: name.startswith("model.visual"))
 
 
-def test_vision_dataset_with_text_model_raises(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
-        trainer_class(
-            model=hub["qwen2"],
-            args=args(tmp_path),
-            train_dataset=image_samples(),
-            processing_class=load_tokenizer(hub["qwen2"]),
-        )
-
-
-def test_precompute_ref_log_probs_raises_for_vision(trainer_class, tmp_path):
-    path, processor = dpo_suite.vision_model("qwen2_5_vl", tmp_path)
-    config = args(tmp_path, precompute_ref_log_probs=True)
-    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported for vision datasets"):
-        trainer_class(model=path, args=config, train_dataset=image_samples(), processing_class=processor)
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"kto", "trl"}
+#: ``TestShared``'s vision refusals: the image dataset, the vision-language model, stock's errors.
+VISION_REFUSALS = (
+    image_samples, "qwen2_5_vl", "vision-related.*vision-language model",
+    "precompute_ref_log_probs.*not supported for vision datasets",
+)  # fmt: skip
 
 
 # ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
-class TestShared(dpo_suite.SharedSuiteTests):
+class TestShared(dpo_suite.SharedSuiteTests, dpo_suite.VisionRefusalTests):
     """TRL's tests restated alike in the three suites, on this suite's data and config:
-    ``test_dpo_trl_suite.SharedSuiteTests``."""
-
-    args = staticmethod(args)
-    zen = staticmethod(zen)
-    train_and_check = staticmethod(train_and_check)
-    tags = {"kto", "trl"}
+    ``test_dpo_trl_suite.SharedSuiteTests``, ``VisionRefusalTests``."""

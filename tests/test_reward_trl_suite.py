@@ -325,15 +325,14 @@ def test_train_with_center_rewards_coefficient(trainer_class, hub, tmp_path):
     train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"reward-trainer", "trl"}
+
+
 # ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
 class TestShared(dpo_suite.SharedSuiteTests, dpo_suite.ComputeMetricsTest):
     """TRL's tests restated alike in the three suites, on this suite's data and config:
     ``test_dpo_trl_suite.SharedSuiteTests``, ``ComputeMetricsTest``."""
-
-    args = staticmethod(args)
-    zen = staticmethod(zen)
-    train_and_check = staticmethod(train_and_check)
-    tags = {"reward-trainer", "trl"}
 
     @representative
     def test_train_with_compute_metrics(self, trainer_class, hub, tmp_path):
