@@ -54,9 +54,17 @@ ZOO_MODELS = ("cohere2", "glm4_moe", "gpt_oss", "qwen3_moe", "nemotron_h", "olmo
 VISION_MODELS = ("qwen2_vl", "qwen2_5_vl", "llava")
 
 
-@pytest.fixture(params=[DPOTrainer, DynamicBatchDPOTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+def trainer_class_fixture(stock: type, ours: type):
+    """A suite's ``trainer_class`` fixture: each test with stock's trainer and ours (ids ``stock``, ``dynamic``)."""
+
+    @pytest.fixture(params=[stock, ours], ids=["stock", "dynamic"])
+    def trainer_class(request):
+        return request.param
+
+    return trainer_class
+
+
+trainer_class = trainer_class_fixture(DPOTrainer, DynamicBatchDPOTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
@@ -113,13 +121,21 @@ def zen(config: str = "standard_preference", split: str = "train") -> Dataset:
     raise ValueError(config)
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    root = tmp_path_factory.mktemp("hub")
-    tokenizer = build_chat_tokenizer()
-    qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
-    return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, tokenizer, ZOO_MODELS)}
+def hub_fixture(zoo_models: tuple[str, ...]):
+    """A suite's ``hub`` fixture (once per module): directories standing in for the Hub's tiny models, by the name of
+    the architecture: the chat-ready tiny Qwen2 and ``zoo_models`` (``test_rloo_trl_suite.save_zoo_models``)."""
+
+    @pytest.fixture(scope="module")
+    def hub(tmp_path_factory):
+        root = tmp_path_factory.mktemp("hub")
+        tokenizer = build_chat_tokenizer()
+        qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
+        return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, tokenizer, zoo_models)}
+
+    return hub
+
+
+hub = hub_fixture(ZOO_MODELS)
 
 
 def args(tmp_path, **overrides) -> DPOConfig:

@@ -54,7 +54,7 @@ from test_rloo_trl_suite import peft_rules
 from trl import KTOConfig, KTOTrainer, unpair_preference_dataset
 
 from hf_dynbsz import DynamicBatchKTOTrainer
-from hf_dynbsz.testing import build_chat_tokenizer, load_tokenizer, save_tiny_model
+from hf_dynbsz.testing import load_tokenizer
 
 pytestmark = pytest.mark.trl_suite
 representative = pytest.mark.representative
@@ -63,9 +63,7 @@ representative = pytest.mark.representative
 UNPAIRED = "standard_unpaired_preference"
 
 
-@pytest.fixture(params=[KTOTrainer, DynamicBatchKTOTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+trainer_class = dpo_suite.trainer_class_fixture(KTOTrainer, DynamicBatchKTOTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
@@ -73,12 +71,7 @@ def zen(config: str = UNPAIRED, split: str = "train") -> Dataset:
     return dpo_suite.zen(config, split)
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    root = tmp_path_factory.mktemp("hub")
-    qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
-    return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, build_chat_tokenizer(), ("gpt_oss",))}
+hub = dpo_suite.hub_fixture(("gpt_oss",))
 
 
 def causal_lm(path: str, **kwargs):

@@ -57,9 +57,7 @@ IMPLICIT = "standard_implicit_prompt_preference"
 ZOO_MODELS = ("qwen3_moe", "llama")
 
 
-@pytest.fixture(params=[RewardTrainer, DynamicBatchRewardTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+trainer_class = dpo_suite.trainer_class_fixture(RewardTrainer, DynamicBatchRewardTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
