@@ -37,7 +37,6 @@ Writes ``benchmarks/results/distill_step_time.md`` and the raw per-step data ``d
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -47,8 +46,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import RESULTS_DIR, load_average, machine_description, markdown_table  # noqa: E402
-from rloo_step_time import check_same_inputs  # noqa: E402
+import rloo_step_time  # noqa: E402
+from common import machine_description, markdown_table  # noqa: E402
 from step_time import Probe, _mean, _per_index, code_fingerprint, git_state  # noqa: E402
 
 from hf_dynbsz.testing import longest_prompt  # noqa: E402
@@ -66,22 +65,10 @@ SCHEDULE = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, be
 
 # --------------------------------------------------------------------------------------------------- worker
 def run_worker(spec: dict) -> dict:
-    import torch
-
     from hf_dynbsz.execution.device_memory import status_mib
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        mix_rollout,
-        numbered_prompts,
-        quiet_worker,
-        run_config,
-    )
+    from hf_dynbsz.testing import ModelShape, build_trainer, mix_rollout, numbered_prompts, run_config
 
-    quiet_worker(threads=1)
-    torch.set_num_interop_threads(1)
-    tokenizer = build_char_tokenizer()
+    tokenizer = rloo_step_time.worker_tokenizer()
     max_len, positions = spec["max_completion_length"], longest_prompt(MIX) + spec["max_completion_length"] + 64
     student = ModelShape(spec["hidden_size"], spec["num_layers"], vocab_size=spec["vocab_size"])
     teacher = ModelShape(spec["teacher_hidden_size"], spec["num_layers"], vocab_size=spec["vocab_size"])
@@ -118,9 +105,7 @@ def run_worker(spec: dict) -> dict:
 
 # --------------------------------------------------------------------------------------------------- driver
 def run_one(spec: dict, timeout: float) -> dict:
-    from hf_dynbsz.testing import run_script_worker
-
-    return run_script_worker(__file__, spec, timeout, f"worker for {spec['config']}", prefix="dynbsz-distill-bench-")
+    return rloo_step_time.run_one(spec, timeout, script=__file__, prefix="dynbsz-distill-bench-")
 
 
 def summarise(results: list[dict]) -> list[dict]:
@@ -225,28 +210,14 @@ def report(args, spec: dict, results: list[dict], rows: list[dict], loads: list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short model and completions, one repeat")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        with open(args.worker_out, "w") as handle:
-            json.dump(run_worker(json.loads(args.worker)), handle)
+    args = rloo_step_time.arguments(__doc__, "a short model and completions, one repeat", run_worker)
+    if args is None:
         return
     preset = dict(PRESETS["quick" if args.quick else "default"])
     args.repeats = args.repeats or preset.pop("repeats")
     preset.pop("repeats", None)
     spec = dict(preset, seed=0)
-    started, results, loads = time.perf_counter(), [], [load_average()]
-    for repeat in range(args.repeats):
-        for config in list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS)):
-            print(f"repeat {repeat + 1}/{args.repeats}: {config}", flush=True)
-            results.append(run_one(dict(spec, config=config), timeout=1800))
-        loads.append(load_average())
-    check_same_inputs(results)
+    results, loads, started = rloo_step_time.run_repeats(spec, CONFIGS, args.repeats, one=run_one)
     rows = summarise(results)
     text = report(args, spec, results, rows, loads, (time.perf_counter() - started) / 60)
     args.out_dir.mkdir(parents=True, exist_ok=True)

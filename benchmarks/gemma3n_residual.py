@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_model_zoo as zoo_test  # noqa: E402
 
-from hf_dynbsz.testing import checkpointing_field  # noqa: E402
 from hf_dynbsz.testing.oracles import update_difference  # noqa: E402
 from hf_dynbsz.testing.zoo import MAX_PARAMS, _count_params_meta, tiny_causal_lm_config  # noqa: E402
 
@@ -151,37 +150,19 @@ def build(overrides: dict, attn=None):
 
 
 def train(overrides, trainer, output_dir, **settings):
+    """Two optimizer steps of stock GRPO (``trainer`` "stock") or ours on :func:`build`'s model (``attn`` of
+    ``settings`` its attention): the zoo test's run (``tests/test_model_zoo.py``'s ``train_model``), :data:`COMMON`
+    and ``settings`` its fields."""
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_dynbsz import DynamicBatchGRPOConfig, DynamicBatchGRPOTrainer
-    from hf_dynbsz.testing import (
-        RecordingReward,
-        base_config_kwargs,
-        build_char_tokenizer,
-        build_trainer,
-        prompt_dataset,
-        snapshot_parameters,
-    )
 
     trainer_cls, config_cls = (
         (GRPOTrainer, GRPOConfig) if trainer == "stock" else (DynamicBatchGRPOTrainer, DynamicBatchGRPOConfig)
     )
     settings = dict(settings)
     model = build(overrides, settings.pop("attn", None))
-    over = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
-    args = config_cls(**base_config_kwargs(output_dir, **{**COMMON, **settings, **over}))
-    t = build_trainer(
-        args,
-        model,
-        build_char_tokenizer(),
-        dataset=prompt_dataset(),
-        reward=RecordingReward(),
-        rollout=zoo_test._rollout(EQUAL, True),
-        trainer_cls=trainer_cls,
-    )
-    initial = snapshot_parameters(model)
-    t.train()
-    return initial, snapshot_parameters(t.model), t
+    return zoo_test.train_model(model, trainer_cls, config_cls, output_dir, EQUAL, True, **{**COMMON, **settings})
 
 
 def main():

@@ -68,22 +68,22 @@ CONFIGS = {
 
 
 # --------------------------------------------------------------------------------------------------- worker
-def run_worker(spec: dict) -> dict:
+def worker_tokenizer():
+    """A step-time worker's start (this benchmark's and ``distill_step_time.py``'s): one thread and one inter-op
+    thread, the warnings quiet; returns the character tokenizer."""
     import torch
 
-    from hf_dynbsz.testing import (
-        ModelShape,
-        build_char_tokenizer,
-        build_trainer,
-        mix_rollout,
-        numbered_prompts,
-        quiet_worker,
-        run_config,
-    )
+    from hf_dynbsz.testing import build_char_tokenizer, quiet_worker
 
     quiet_worker(threads=1)
     torch.set_num_interop_threads(1)
-    tokenizer = build_char_tokenizer()
+    return build_char_tokenizer()
+
+
+def run_worker(spec: dict) -> dict:
+    from hf_dynbsz.testing import ModelShape, build_trainer, mix_rollout, numbered_prompts, run_config
+
+    tokenizer = worker_tokenizer()
     max_len = spec["max_completion_length"]
     shape = ModelShape(spec["hidden_size"], spec["num_layers"], vocab_size=spec["vocab_size"])
     model = shape.build(tokenizer, max_positions=longest_prompt(MIX) + max_len + 64)
@@ -104,10 +104,11 @@ def run_worker(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- driver
-def run_one(spec: dict, timeout: float) -> dict:
+def run_one(spec: dict, timeout: float, script: str = __file__, prefix: str = "dynbsz-rloo-bench-") -> dict:
+    """One worker of ``script`` (this benchmark's, or ``distill_step_time.py``'s with its ``prefix``) on ``spec``."""
     from hf_dynbsz.testing import run_script_worker
 
-    return run_script_worker(__file__, spec, timeout, f"worker for {spec['config']}", prefix="dynbsz-rloo-bench-")
+    return run_script_worker(script, spec, timeout, f"worker for {spec['config']}", prefix=prefix)
 
 
 def summarise(results: list[dict]) -> list[dict]:
@@ -180,9 +181,12 @@ def check_same_inputs(results: list[dict]) -> None:
         raise RuntimeError("the configurations saw different completions: the comparison would not be fair")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="step_time.py's quick preset, one repeat")
+def arguments(doc: str, quick_help: str, worker) -> argparse.Namespace | None:
+    """A step-time benchmark's command line (this one's and ``distill_step_time.py``'s): ``--quick`` (``quick_help``),
+    ``--repeats``, ``--out-dir``; a worker's (``--worker SPEC --worker-out PATH``) runs ``worker`` on its spec, writes
+    the result and returns None."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -190,20 +194,35 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         with open(args.worker_out, "w") as handle:
-            json.dump(run_worker(json.loads(args.worker)), handle)
+            json.dump(worker(json.loads(args.worker)), handle)
+        return None
+    return args
+
+
+def run_repeats(spec: dict, configs, repeats: int, one=None) -> tuple[list[dict], list[str], float]:
+    """``repeats`` rounds of one fresh worker per configuration of ``configs`` (every other round in reverse order)
+    on ``spec`` (``one``: the benchmark's ``run_one``, default this one's), every run's inputs checked the same:
+    ``(results, load averages before and after each round, start time)``."""
+    started, results, loads = time.perf_counter(), [], [load_average()]
+    for repeat in range(repeats):
+        order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
+        for config in order:
+            print(f"repeat {repeat + 1}/{repeats}: {config}", flush=True)
+            results.append((one or run_one)(dict(spec, config=config), timeout=1800))
+        loads.append(load_average())
+    check_same_inputs(results)
+    return results, loads, started
+
+
+def main() -> None:
+    args = arguments(__doc__, "step_time.py's quick preset, one repeat", run_worker)
+    if args is None:
         return
     preset = PRESETS["quick" if args.quick else "default"]
     repeats = args.repeats or preset["repeats"]
     spec = {key: preset[key] for key in SPEC_KEYS}
     spec.update(mix=MIX, seed=0)
-    started, results, loads = time.perf_counter(), [], [load_average()]
-    for repeat in range(repeats):
-        order = list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
-        for config in order:
-            print(f"repeat {repeat + 1}/{repeats}: {config}", flush=True)
-            results.append(run_one(dict(spec, config=config), timeout=1800))
-        loads.append(load_average())
-    check_same_inputs(results)
+    results, loads, started = run_repeats(spec, CONFIGS, repeats)
     rows = summarise(results)
     table = render_table(rows)
     minutes = (time.perf_counter() - started) / 60

@@ -60,3 +60,12 @@ def model_dir(tmp_path_factory):
     from hf_dynbsz.testing import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture
+def family_dir(tmp_path_factory, family):
+    """The tiny model of the test's ``family`` parameter and the test alphabet's tokenizer saved to a directory
+    (:func:`hf_dynbsz.testing.zoo.save_tiny_families`): the model-family tests' model, loaded by path."""
+    from hf_dynbsz.testing.zoo import save_tiny_families
+
+    return save_tiny_families(tmp_path_factory, [family])[family]

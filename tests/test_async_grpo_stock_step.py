@@ -43,16 +43,15 @@ PASS_FIGURES = (
 )
 
 
+def run(trainer: str, model_dir: str, output_dir, **fields):
+    """``async_grpo_run`` of ``trainer`` ("stock": ``async_grpo_stock``, "dynamic": ``async_grpo_dynamic``) on this
+    module's script, into ``output_dir``."""
+    return async_grpo_run(f"async_grpo_{trainer}", model_dir, str(output_dir), SCRIPT, **fields)
+
+
 @pytest.fixture(scope="module")
 def stock_budget(model_dir, tmp_path_factory):
-    return async_grpo_run(
-        "async_grpo_stock",
-        model_dir,
-        str(tmp_path_factory.mktemp("stock-budget")),
-        SCRIPT,
-        peak_flops=PEAK_FLOPS,
-        **BUDGET_STEP,
-    )
+    return run("stock", model_dir, tmp_path_factory.mktemp("stock-budget"), peak_flops=PEAK_FLOPS, **BUDGET_STEP)
 
 
 def assert_stock_names_mean_stocks(ours, stock) -> None:
@@ -74,15 +73,7 @@ def assert_stock_names_mean_stocks(ours, stock) -> None:
 
 @pytest.mark.parametrize("passes", [None, 64], ids=["stock-rows", "64-token-passes"])
 def test_token_budget_step_equals_stock(model_dir, stock_budget, tmp_path, passes):
-    ours = async_grpo_run(
-        "async_grpo_dynamic",
-        model_dir,
-        str(tmp_path),
-        SCRIPT,
-        max_tokens_per_microbatch=passes,
-        peak_flops=PEAK_FLOPS,
-        **BUDGET_STEP,
-    )
+    ours = run("dynamic", model_dir, tmp_path, max_tokens_per_microbatch=passes, peak_flops=PEAK_FLOPS, **BUDGET_STEP)
     assert_equals_stock(ours, stock_budget)
     assert_stock_names_mean_stocks(ours, stock_budget)
     steps = [entry for entry in ours.history if "loss" in entry]
@@ -97,10 +88,8 @@ def test_token_budget_step_equals_stock(model_dir, stock_budget, tmp_path, passe
 
 def test_samples_over_the_budget_are_dropped_as_stock_drops_them(model_dir, tmp_path):
     step = dict(BUDGET_STEP, token_budget=40)
-    stock = async_grpo_run("async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, **step)
-    ours = async_grpo_run(
-        "async_grpo_dynamic", model_dir, str(tmp_path / "ours"), SCRIPT, max_tokens_per_microbatch=24, **step
-    )
+    stock = run("stock", model_dir, tmp_path / "stock", **step)
+    ours = run("dynamic", model_dir, tmp_path / "ours", max_tokens_per_microbatch=24, **step)
     assert_equals_stock(ours, stock)
     dropped = [e.get("batch/dropped_oversize_total") for e in ours.history if "loss" in e]
     assert any(dropped) and dropped == [e.get("batch/dropped_oversize_total") for e in stock.history if "loss" in e]
@@ -114,11 +103,10 @@ def stock_cut(model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("passes", [None, 100], ids=["stock-rows", "100-token-passes"])
 def test_fixed_count_step_equals_stock_at_the_users_cut(model_dir, stock_cut, tmp_path, passes):
-    ours = async_grpo_run(
-        "async_grpo_dynamic",
+    ours = run(
+        "dynamic",
         model_dir,
-        str(tmp_path),
-        SCRIPT,
+        tmp_path,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
         max_tokens_per_microbatch=passes,
@@ -127,15 +115,12 @@ def test_fixed_count_step_equals_stock_at_the_users_cut(model_dir, stock_cut, tm
 
 
 def test_the_samples_step_is_opt_in_and_equals_stock_16x1(model_dir, stock_cut, tmp_path, caplog):
-    stock = async_grpo_run(
-        "async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, per_device_train_batch_size=16
-    )
+    stock = run("stock", model_dir, tmp_path / "stock", per_device_train_batch_size=16)
     with caplog.at_level("WARNING", logger="hf_dynbsz"):
-        ours = async_grpo_run(
-            "async_grpo_dynamic",
+        ours = run(
+            "dynamic",
             model_dir,
-            str(tmp_path / "ours"),
-            SCRIPT,
+            tmp_path / "ours",
             per_device_train_batch_size=8,
             gradient_accumulation_steps=2,
             async_step="samples",
@@ -159,10 +144,8 @@ def test_an_moe_models_router_aux_loss_equals_stock(tmp_path, step):
     from hf_dynbsz.testing import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"), architecture="qwen3_moe")
-    stock = async_grpo_run("async_grpo_stock", model_dir, str(tmp_path / "stock"), SCRIPT, **step)
-    ours = async_grpo_run(
-        "async_grpo_dynamic", model_dir, str(tmp_path / "ours"), SCRIPT, max_tokens_per_microbatch=64, **step
-    )
+    stock = run("stock", model_dir, tmp_path / "stock", **step)
+    ours = run("dynamic", model_dir, tmp_path / "ours", max_tokens_per_microbatch=64, **step)
     assert stock.trainer.aux_loss_enabled and ours.trainer._dynbsz.capabilities.router_aux
     assert_equals_stock(ours, stock)
     stock_aux = [entry["aux_loss"] for entry in stock.history if "aux_loss" in entry]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_dynbsz.testing import assert_lockstep, compare_scenario, logged_metrics, scenario_launches
+from hf_dynbsz.testing import compare_in_lockstep, logged_mismatches, scenario_launches
 from hf_dynbsz.testing.kto import kto_metric_mismatches
 
 pytestmark = pytest.mark.slow
@@ -46,18 +46,16 @@ def launches(tmp_path_factory, model_dir):
     return scenario_launches(directory, model_dir, RUNS, COMMON, "tests/distributed_kto.py", "kto", LAUNCH_TIMEOUT_S)
 
 
-def logged_mismatches(ours: list[dict], stock: list[dict]) -> list[str]:
-    """Every logged metric but ``total_flos`` (transformers counts a ZeRO-3 model's parameters as the process holds
-    them when it counts, gathered or not; the reward and DPO tests leave it out too), rewards within fp32 rounding."""
-    return kto_metric_mismatches(*(logged_metrics(log, ("total_flos",)) for log in (ours, stock)), beta=1.0, longest=64)
+def kto_logged_mismatches(ours: list[dict], stock: list[dict]) -> list[str]:
+    """Every logged metric but ``total_flos`` (:func:`~hf_dynbsz.testing.logged_mismatches`; the reward and DPO tests
+    leave it out too), rewards within fp32 rounding."""
+    return logged_mismatches(ours, stock, lambda *logged: kto_metric_mismatches(*logged, beta=1.0, longest=64))
 
 
 def compare(backend: str, name: str, launches) -> list[dict]:
     """Ours against stock: every logged metric on every rank, parameters within 1e-5, lockstep; returns each rank's
     record of ours."""
-    ours = compare_scenario(launches(backend, "stock"), launches(backend, "dynamic"), name, logged_mismatches)
-    assert_lockstep(ours)
-    return ours
+    return compare_in_lockstep(launches, backend, name, kto_logged_mismatches)
 
 
 def test_ddp_at_the_end_of_the_data_matches_stock(launches):

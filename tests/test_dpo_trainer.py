@@ -37,6 +37,7 @@ from hf_dynbsz.testing import (
     runs_against_stock,
     save_tiny_model,
     signature_mismatches,
+    spread_positions_collator,
 )
 
 #: Pairs of 3-20 prompt tokens and 1-25 response tokens: a pair is 5-70 unique tokens, so passes of 80 hold one to a few
@@ -181,22 +182,7 @@ def test_lora_reference_is_the_adapter_disabled_policy(model_dir, tmp_path):
     assert all(step["dynbsz/logprob_seconds"] > 0 for step in steps)
 
 
-def test_padded_layout_keeps_each_pair_in_one_pass(model_dir, tmp_path):
-    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
-    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
-
-
 # ---- shared prefixes ----------------------------------------------------------------------------------------------
-def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
-    """A 40-token block opens every prompt: the prefix tree computes it once per pass across pairs (tokens saved
-    beyond each pair's own prompt: ``tree_tokens_saved``), and each pair's prompt once for its two responses."""
-    dataset = preference_pairs(16, system=40, prompt=(3, 12), response=(1, 12), seed=5)
-    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
-    for step in steps:
-        assert step["dynbsz/tree_tokens_saved"] >= 39  # the block (but the token keyed on what follows) at least once
-        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 3
-
-
 def test_pairs_sharing_a_prompt_stay_whole_when_the_prompts_subtree_is_cut(model_dir, tmp_path):
     """Four pairs per prompt (a prompt with several ranked responses), in a budget that cannot hold a prompt's four
     pairs: the prompt's subtree is cut into pieces, each pair kept whole in one of them."""
@@ -423,14 +409,9 @@ def test_a_collator_that_adds_model_inputs_runs_stocks_micro_batches_with_one_lo
 
     from hf_dynbsz.testing import load_tokenizer
 
-    class SpreadPositions(DataCollatorForPreference):
-        def torch_call(self, examples):
-            output = super().torch_call(examples)
-            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
-            return output
-
     def collator():
-        return dict(data_collator=SpreadPositions(pad_token_id=load_tokenizer(model_dir).pad_token_id))
+        pad = load_tokenizer(model_dir).pad_token_id
+        return dict(data_collator=spread_positions_collator(DataCollatorForPreference, pad))
 
     _, stock, stock_history, _ = dpo_run(False, model_dir, str(tmp_path / "stock"), trainer_kwargs=collator())
     with caplog.at_level(logging.WARNING, logger="hf_dynbsz"):
@@ -476,16 +457,9 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    from hf_dynbsz.testing.zoo import save_tiny_families
-
-    return save_tiny_families(tmp_path_factory, FAMILIES)
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_model_families_from_their_default_configs(family_dirs, tmp_path, family):
-    steps, trainer = compare_with_stock(family_dirs[family], tmp_path, **FAMILIES[family])
+def test_model_families_from_their_default_configs(family_dir, tmp_path, family):
+    steps, trainer = compare_with_stock(family_dir, tmp_path, **FAMILIES[family])
     if family == "qwen3_moe":
         assert trainer.aux_loss_enabled and all("aux_loss" in step for step in steps)
     assert all(step["dynbsz/prompt_tokens_saved"] > 0 for step in steps)

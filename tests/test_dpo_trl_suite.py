@@ -34,6 +34,7 @@ By default the ``representative`` tests run; ``python -m pytest -m trl_suite tes
 from __future__ import annotations
 
 import codecs
+import sys
 import this
 
 import pytest
@@ -53,9 +54,17 @@ ZOO_MODELS = ("cohere2", "glm4_moe", "gpt_oss", "qwen3_moe", "nemotron_h", "olmo
 VISION_MODELS = ("qwen2_vl", "qwen2_5_vl", "llava")
 
 
-@pytest.fixture(params=[DPOTrainer, DynamicBatchDPOTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+def trainer_class_fixture(stock: type, ours: type):
+    """A suite's ``trainer_class`` fixture: each test with stock's trainer and ours (ids ``stock``, ``dynamic``)."""
+
+    @pytest.fixture(params=[stock, ours], ids=["stock", "dynamic"])
+    def trainer_class(request):
+        return request.param
+
+    return trainer_class
+
+
+trainer_class = trainer_class_fixture(DPOTrainer, DynamicBatchDPOTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
@@ -112,13 +121,21 @@ def zen(config: str = "standard_preference", split: str = "train") -> Dataset:
     raise ValueError(config)
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    root = tmp_path_factory.mktemp("hub")
-    tokenizer = build_chat_tokenizer()
-    qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
-    return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, tokenizer, ZOO_MODELS)}
+def hub_fixture(zoo_models: tuple[str, ...]):
+    """A suite's ``hub`` fixture (once per module): directories standing in for the Hub's tiny models, by the name of
+    the architecture: the chat-ready tiny Qwen2 and ``zoo_models`` (``test_rloo_trl_suite.save_zoo_models``)."""
+
+    @pytest.fixture(scope="module")
+    def hub(tmp_path_factory):
+        root = tmp_path_factory.mktemp("hub")
+        tokenizer = build_chat_tokenizer()
+        qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
+        return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, tokenizer, zoo_models)}
+
+    return hub
+
+
+hub = hub_fixture(ZOO_MODELS)
 
 
 def args(tmp_path, **overrides) -> DPOConfig:
@@ -208,6 +225,101 @@ def train_with_two_eval_datasets(trainer) -> None:
     trainer.train()
     assert trainer.state.log_history[-3]["eval_data1_loss"] is not None
     assert trainer.state.log_history[-2]["eval_data2_loss"] is not None
+
+
+class SharedSuiteTests:
+    """TRL's tests that the DPO, reward and KTO suites restate alike, collected in each suite by its ``TestShared``
+    subclass: ``args``, ``zen``, ``train_and_check`` and ``MODEL_TAGS`` (the tags the trainer adds) are the suite
+    module's own (:attr:`suite`), ``trainer_class`` and ``hub`` its fixtures."""
+
+    @property
+    def suite(self):
+        """The module of the suite whose ``TestShared`` runs the test."""
+        return sys.modules[type(self).__module__]
+
+    def test_tag_added(self, trainer_class, hub, tmp_path):
+        trainer = trainer_class(model=hub["qwen2"], args=self.suite.args(tmp_path), train_dataset=self.suite.zen())
+        assert self.suite.MODEL_TAGS <= set(trainer.model.model_tags)
+
+    def test_tag_added_peft(self, trainer_class, hub, tmp_path):
+        from peft import LoraConfig
+
+        config = self.suite.args(tmp_path)
+        trainer = trainer_class(
+            model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), peft_config=LoraConfig()
+        )
+        assert self.suite.MODEL_TAGS <= set(trainer.model.model_tags)
+
+    def test_train_model_dtype(self, trainer_class, hub, tmp_path):
+        config = self.suite.args(tmp_path, model_init_kwargs={"dtype": torch.float16})
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen())
+        train_in_half_precision(trainer, self.suite.train_and_check)
+
+    def test_train_with_eval(self, trainer_class, hub, tmp_path):
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
+        test = self.suite.zen(split="test")
+        trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), eval_dataset=test)
+        trainer.train()
+        assert trainer.state.log_history[0]["eval_loss"] is not None
+
+    def test_train_with_multiple_eval_dataset(self, trainer_class, hub, tmp_path):
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        test = self.suite.zen(split="test")
+        trainer = trainer_class(
+            model=hub["qwen2"], args=config, train_dataset=self.suite.zen(), eval_dataset={"data1": test, "data2": test}
+        )
+        train_with_two_eval_datasets(trainer)
+
+    def test_train_dataset_required(self, trainer_class, hub, tmp_path):
+        with pytest.raises(ValueError, match="`train_dataset` is required"):
+            trainer_class(model=hub["qwen2"], args=self.suite.args(tmp_path))
+
+    def test_train_with_gradient_checkpointing(self, trainer_class, hub, tmp_path):
+        config = self.suite.args(tmp_path, gradient_checkpointing=True)
+        self.suite.train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=self.suite.zen()))
+
+
+class VisionRefusalTests:
+    """TRL's vision refusals, which the DPO and KTO suites restate alike (with :class:`SharedSuiteTests`, whose
+    ``suite`` they read): the suite module's ``VISION_REFUSALS``, its image dataset, its vision-language model's family
+    and its trainer's errors (regular expressions) for image samples on a text model and for precomputed reference
+    log-probs."""
+
+    def test_vision_dataset_with_text_model_raises(self, trainer_class, hub, tmp_path):
+        from hf_dynbsz.testing import load_tokenizer
+
+        image_dataset, _, refusal, _ = self.suite.VISION_REFUSALS
+        with pytest.raises(ValueError, match=refusal):
+            trainer_class(
+                model=hub["qwen2"],
+                args=self.suite.args(tmp_path),
+                train_dataset=image_dataset(),
+                processing_class=load_tokenizer(hub["qwen2"]),
+            )
+
+    def test_precompute_ref_log_probs_raises_for_vision(self, trainer_class, tmp_path):
+        image_dataset, family, _, refusal = self.suite.VISION_REFUSALS
+        path, processor = vision_model(family, tmp_path)
+        config = self.suite.args(tmp_path, precompute_ref_log_probs=True)
+        with pytest.raises(ValueError, match=refusal):
+            trainer_class(model=path, args=config, train_dataset=image_dataset(), processing_class=processor)
+
+
+class ComputeMetricsTest:
+    """TRL's ``test_train_with_compute_metrics``, which the DPO and reward suites restate alike (with
+    :class:`SharedSuiteTests`)."""
+
+    def test_train_with_compute_metrics(self, trainer_class, hub, tmp_path):
+        config = self.suite.args(tmp_path, eval_strategy="steps", eval_steps=2)
+        trainer = trainer_class(
+            model=hub["qwen2"],
+            args=config,
+            train_dataset=self.suite.zen(),
+            eval_dataset=self.suite.zen(split="test"),
+            compute_metrics=lambda eval_pred: {"my_metric": 0.123},
+        )
+        trainer.train()
+        assert trainer.state.log_history[-2]["eval_my_metric"] == 0.123
 
 
 def iterable_case(iterable_as: str, train: Dataset) -> tuple:
@@ -331,11 +443,6 @@ def test_train_with_sync_ref_model(trainer_class, hub, tmp_path):
     train_syncing_reference(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
-def test_train_model_dtype(trainer_class, hub, tmp_path):
-    config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-    train_in_half_precision(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
-
-
 # ---- PEFT --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", PEFT_CASES)
 def test_train_peft(trainer_class, hub, tmp_path, how):
@@ -375,18 +482,6 @@ def test_train_moe_peft(trainer_class, hub, tmp_path, how):
 
         assert ("ref" in trainer.model.peft_config) == (Version(peft.__version__) >= Version("0.20.0"))
     train_and_check(trainer, **peft_rules(base_param_names))
-
-
-def test_tag_added_peft(trainer_class, hub, tmp_path):
-    from peft import LoraConfig
-
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), peft_config=LoraConfig())
-    assert {"dpo", "trl"} <= set(trainer.model.model_tags)
-
-
-def test_tag_added(trainer_class, hub, tmp_path):
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen())
-    assert {"dpo", "trl"} <= set(trainer.model.model_tags)
 
 
 # ---- datasets: iterable, eval, truncation, chat-template arguments -----------------------------------------------
@@ -463,50 +558,11 @@ def test_evaluate_precompute_ref_log_probs_at_init_after_training(trainer_class,
     check_eval_metrics(trainer.evaluate(), eval_dataset_type)
 
 
-def test_train_with_eval(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=1)
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=zen(split="test"))
-    trainer.train()
-    assert trainer.state.log_history[0]["eval_loss"] is not None
-
-
-def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    test = zen(split="test")
-    trainer = trainer_class(
-        model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
-    )
-    train_with_two_eval_datasets(trainer)
-
-
-def test_train_dataset_required(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="`train_dataset` is required"):
-        trainer_class(model=hub["qwen2"], args=args(tmp_path))
-
-
 @pytest.mark.parametrize("eval_dataset_type", [*EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = eval_split(eval_dataset_type)
     trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), eval_dataset=eval_dataset)
     check_prepared_eval_dataset(trainer, eval_dataset, "prompt_ids")
-
-
-def test_train_with_compute_metrics(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    trainer = trainer_class(
-        model=hub["qwen2"],
-        args=config,
-        train_dataset=zen(),
-        eval_dataset=zen(split="test"),
-        compute_metrics=lambda eval_pred: {"my_metric": 0.123},
-    )
-    trainer.train()
-    assert trainer.state.log_history[-2]["eval_my_metric"] == 0.123
-
-
-def test_train_with_gradient_checkpointing(trainer_class, hub, tmp_path):
-    config = args(tmp_path, gradient_checkpointing=True)
-    train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
 # ---- vision-language models (their pairs train stock's micro-batches in ours: one logged reason) ------------------
@@ -550,20 +606,16 @@ def test_train_vlm_keep_end_raises(trainer_class, tmp_path):
         trainer_class(model=path, args=config, train_dataset=image_preference_dataset(), processing_class=processor)
 
 
-def test_vision_dataset_with_text_model_raises(trainer_class, hub, tmp_path):
-    from hf_dynbsz.testing import load_tokenizer
-
-    with pytest.raises(ValueError, match="model does not seem to be a vision-language model"):
-        trainer_class(
-            model=hub["qwen2"],
-            args=args(tmp_path),
-            train_dataset=image_preference_dataset(),
-            processing_class=load_tokenizer(hub["qwen2"]),
-        )
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"dpo", "trl"}
+#: ``TestShared``'s vision refusals: the image dataset, the vision-language model, stock's errors.
+VISION_REFUSALS = (
+    image_preference_dataset, "qwen2_vl", "model does not seem to be a vision-language model",
+    "`precompute_ref_log_probs=True` is not supported for vision datasets",
+)  # fmt: skip
 
 
-def test_precompute_ref_log_probs_raises_for_vision(trainer_class, tmp_path):
-    path, processor = vision_model("qwen2_vl", tmp_path)
-    config = args(tmp_path, precompute_ref_log_probs=True)
-    with pytest.raises(ValueError, match="`precompute_ref_log_probs=True` is not supported for vision datasets"):
-        trainer_class(model=path, args=config, train_dataset=image_preference_dataset(), processing_class=processor)
+# ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
+class TestShared(SharedSuiteTests, ComputeMetricsTest, VisionRefusalTests):
+    """TRL's tests restated alike in the three suites, on this suite's data and config:
+    :class:`SharedSuiteTests`, :class:`ComputeMetricsTest`, :class:`VisionRefusalTests`."""

@@ -19,16 +19,17 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 from trl import KTOConfig, KTOTrainer
 
 from hf_dynbsz import DynamicBatchKTOConfig, DynamicBatchKTOTrainer
 from hf_dynbsz.testing import (
     load_tokenizer,
     logged_metrics,
+    plan_document,
     relative_difference,
     runs_against_stock,
     signature_mismatches,
+    spread_positions_collator,
 )
 from hf_dynbsz.testing.kto import (
     KTO_BETA,
@@ -126,15 +127,6 @@ def test_gradient_accumulation_cut_into_other_passes(model_dir, tmp_path):
     assert all(step["dynbsz/microbatches"] > 4 for step in steps)
 
 
-def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
-    """A 40-token block opens every prompt: the prefix tree computes it once per pass (training and no-grad)."""
-    dataset = unpaired_samples(16, system=40, prompt=(3, 12), completion=(1, 12), seed=5)
-    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=200)
-    for step in steps:
-        assert step["dynbsz/tree_tokens_saved"] >= 39
-        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 2
-
-
 def test_precomputed_reference_log_probs(model_dir, tmp_path):
     """``precompute_ref_log_probs``: stock computes both columns at start; no reference runs during training."""
     steps, trainer = compare_with_stock(model_dir, tmp_path, precompute_ref_log_probs=True)
@@ -151,11 +143,6 @@ def test_lora_reference_is_the_adapter_disabled_policy(model_dir, tmp_path):
         model_dir, tmp_path, sharp=None, trainer_kwargs=dict(peft_config=lora), beta=BETA
     )
     assert trainer._dynbsz.loss.reference.adapter
-
-
-def test_padded_layout(model_dir, tmp_path):
-    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
-    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
 
 
 # ---- model families -------------------------------------------------------------------------------------------------
@@ -186,10 +173,7 @@ AUX_LOSS_FAMILIES = ("qwen3_moe", "jamba", "qwen3_next", "mixtral", "olmoe", "gp
 @pytest.mark.parametrize(
     "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
 )
-def test_other_model_families(tmp_path_factory, tmp_path, family):
-    from hf_dynbsz.testing.zoo import save_tiny_families
-
-    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
+def test_other_model_families(family_dir, tmp_path, family):
     settings = {**FAMILIES, **LONG_FAMILIES}[family]
     steps, trainer = compare_with_stock(family_dir, tmp_path, unpaired_samples(16, seed=2), **settings)
     assert trainer._dynbsz.enabled and trainer.aux_loss_enabled == (family in AUX_LOSS_FAMILIES)
@@ -242,14 +226,9 @@ def test_a_collator_that_adds_model_inputs_runs_stocks_micro_batches_with_one_lo
     another width, and fails.)"""
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-    class SpreadPositions(DataCollatorForUnpairedPreference):
-        def torch_call(self, examples):
-            output = super().torch_call(examples)
-            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
-            return output
-
     def collator():
-        return dict(data_collator=SpreadPositions(pad_token_id=load_tokenizer(model_dir).pad_token_id))
+        pad = load_tokenizer(model_dir).pad_token_id
+        return dict(data_collator=spread_positions_collator(DataCollatorForUnpairedPreference, pad))
 
     dataset, apo = unpaired_samples(16), dict(loss_type="apo_zero_unpaired")
     _, stock, stock_history, _ = kto_run(False, model_dir, str(tmp_path / "stock"), dataset,
@@ -284,16 +263,10 @@ def test_hf_dynbsz_plan_trainer_kto(tmp_path, capsys):
     """``hf-dynbsz plan --trainer kto`` takes KTOConfig's options: samples per optimizer step, no generation rows, the
     no-grad budget of the KL sequences and the reference; ``--lengths`` of ``PROMPT COMPLETION`` simulates the
     samples; a value stock's config refuses exits 2."""
-    import json
-
     from hf_dynbsz.cli import main
 
-    samples = tmp_path / "samples.txt"
-    samples.write_text("20 30\n400 10\n12 300\n600 40\n30 30\n80 200\n15 15\n900 60\n")
-    common = ["plan", "--trainer", "kto", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-    assert main([*common, "--max_tokens_per_microbatch", "1000", "--lengths", str(samples), "--json"]) == 0
-    document = json.loads(capsys.readouterr().out)
-    assert document["plan"]["trainer"] == "kto"
+    samples = "20 30\n400 10\n12 300\n600 40\n30 30\n80 200\n15 15\n900 60\n"
+    common, document = plan_document(tmp_path, capsys, "kto", samples, 1000)
     assert [len(step["lengths"]) for step in document["steps"]] == [4, 4]
     assert main(common) == 0
     table = capsys.readouterr().out

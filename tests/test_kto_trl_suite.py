@@ -54,7 +54,7 @@ from test_rloo_trl_suite import peft_rules
 from trl import KTOConfig, KTOTrainer, unpair_preference_dataset
 
 from hf_dynbsz import DynamicBatchKTOTrainer
-from hf_dynbsz.testing import build_chat_tokenizer, load_tokenizer, save_tiny_model
+from hf_dynbsz.testing import load_tokenizer
 
 pytestmark = pytest.mark.trl_suite
 representative = pytest.mark.representative
@@ -63,9 +63,7 @@ representative = pytest.mark.representative
 UNPAIRED = "standard_unpaired_preference"
 
 
-@pytest.fixture(params=[KTOTrainer, DynamicBatchKTOTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+trainer_class = dpo_suite.trainer_class_fixture(KTOTrainer, DynamicBatchKTOTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
@@ -73,12 +71,7 @@ def zen(config: str = UNPAIRED, split: str = "train") -> Dataset:
     return dpo_suite.zen(config, split)
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """Directories standing in for the Hub's tiny models, by the name of the architecture."""
-    root = tmp_path_factory.mktemp("hub")
-    qwen2 = save_tiny_model(str(root / "qwen2"), chat=True)
-    return {"qwen2": qwen2, **rloo_suite.save_zoo_models(root, build_chat_tokenizer(), ("gpt_oss",))}
+hub = dpo_suite.hub_fixture(("gpt_oss",))
 
 
 def causal_lm(path: str, **kwargs):
@@ -267,12 +260,6 @@ def test_train_with_sync_ref_model(trainer_class, hub, tmp_path):
     dpo_suite.train_syncing_reference(trainer, train_and_check)
 
 
-def test_train_model_dtype(trainer_class, hub, tmp_path):
-    config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    dpo_suite.train_in_half_precision(trainer, train_and_check)
-
-
 # ---- PEFT --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "how", [pytest.param("peft_model", marks=representative), "peft_config_with_gradient_checkpointing"]
@@ -291,18 +278,6 @@ def test_train_peft(trainer_class, hub, tmp_path, how):
         config = args(tmp_path, gradient_checkpointing=True)
         trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), peft_config=LoraConfig())
     train_and_check(trainer, **peft_rules(base_param_names))
-
-
-def test_tag_added(trainer_class, hub, tmp_path):
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen())
-    assert {"kto", "trl"} <= set(trainer.model.model_tags)
-
-
-def test_tag_added_peft(trainer_class, hub, tmp_path):
-    from peft import LoraConfig
-
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), peft_config=LoraConfig())
-    assert {"kto", "trl"} <= set(trainer.model.model_tags)
 
 
 # ---- datasets: iterable, chat-template arguments, tool calls ------------------------------------------------------
@@ -372,38 +347,12 @@ def test_evaluate_precompute_ref_log_probs_at_init_after_training(trainer_class,
     dpo_suite.check_eval_metrics(trainer.evaluate(), eval_dataset_type)
 
 
-def test_train_with_eval(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=zen(split="test"))
-    trainer.train()
-    assert trainer.state.log_history[0]["eval_loss"] is not None
-
-
-def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    test = zen(split="test")
-    trainer = trainer_class(
-        model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
-    )
-    dpo_suite.train_with_two_eval_datasets(trainer)
-
-
-def test_train_dataset_required(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="`train_dataset` is required"):
-        trainer_class(model=hub["qwen2"], args=args(tmp_path))
-
-
 @pytest.mark.parametrize("eval_dataset_type", [*dpo_suite.EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, UNPAIRED)
     config = args(tmp_path, loss_type="apo_zero_unpaired")
     trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=eval_dataset)
     dpo_suite.check_prepared_eval_dataset(trainer, eval_dataset, "prompt_ids")
-
-
-def test_train_with_gradient_checkpointing(trainer_class, hub, tmp_path):
-    config = args(tmp_path, gradient_checkpointing=True)
-    train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
 
 
 # ---- vision-language models (their samples train stock's micro-batches in ours: one logged reason) ----------------
@@ -449,18 +398,16 @@ def test_train_vlm_text_only_data(trainer_class, tmp_path, dataset_config):
     train_and_check(trainer, unchanged=lambda name: name.startswith("model.visual"))
 
 
-def test_vision_dataset_with_text_model_raises(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
-        trainer_class(
-            model=hub["qwen2"],
-            args=args(tmp_path),
-            train_dataset=image_samples(),
-            processing_class=load_tokenizer(hub["qwen2"]),
-        )
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"kto", "trl"}
+#: ``TestShared``'s vision refusals: the image dataset, the vision-language model, stock's errors.
+VISION_REFUSALS = (
+    image_samples, "qwen2_5_vl", "vision-related.*vision-language model",
+    "precompute_ref_log_probs.*not supported for vision datasets",
+)  # fmt: skip
 
 
-def test_precompute_ref_log_probs_raises_for_vision(trainer_class, tmp_path):
-    path, processor = dpo_suite.vision_model("qwen2_5_vl", tmp_path)
-    config = args(tmp_path, precompute_ref_log_probs=True)
-    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported for vision datasets"):
-        trainer_class(model=path, args=config, train_dataset=image_samples(), processing_class=processor)
+# ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
+class TestShared(dpo_suite.SharedSuiteTests, dpo_suite.VisionRefusalTests):
+    """TRL's tests restated alike in the three suites, on this suite's data and config:
+    ``test_dpo_trl_suite.SharedSuiteTests``, ``VisionRefusalTests``."""

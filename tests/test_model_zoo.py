@@ -431,8 +431,18 @@ def train(
     **settings,
 ):
     """Two optimizer steps of ``trainer_cls`` on the tiny ``model_type`` (``layer_pattern``: see
-    :func:`~hf_dynbsz.testing.zoo.tiny_causal_lm_config`; ``equal_prompts``, ``across_groups``: see :func:`_rollout`;
-    ``settings``: GRPOConfig fields): ``(initial, final parameters, trainer)``."""
+    :func:`~hf_dynbsz.testing.zoo.tiny_causal_lm_config`): :func:`train_model`, ``(initial, final parameters,
+    trainer)``."""
+    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
+
+    model = build_tiny_causal_lm_of_type(model_type, seed=0, layer_pattern=layer_pattern)
+    return train_model(model, trainer_cls, config_cls, output_dir, equal_prompts, across_groups, **settings)
+
+
+def train_model(model, trainer_cls, config_cls, output_dir: str, equal_prompts: bool, across_groups: bool, **settings):
+    """Two optimizer steps of ``trainer_cls`` on ``model`` (``equal_prompts``, ``across_groups``: see
+    :func:`_rollout`; ``settings``: GRPOConfig fields): ``(initial, final parameters, trainer)``. Also
+    ``benchmarks/gemma3n_residual.py``'s run."""
     from hf_dynbsz.testing import (
         RecordingReward,
         base_config_kwargs,
@@ -441,9 +451,7 @@ def train(
         prompt_dataset,
         snapshot_parameters,
     )
-    from hf_dynbsz.testing.zoo import build_tiny_causal_lm_of_type
 
-    model = build_tiny_causal_lm_of_type(model_type, seed=0, layer_pattern=layer_pattern)
     # TRL turns gradient checkpointing on by default; a model that does not support it trains without, in both
     overrides = {} if model.supports_gradient_checkpointing else {checkpointing_field(): False}
     args = config_cls(**base_config_kwargs(output_dir, **{**settings, **overrides}))

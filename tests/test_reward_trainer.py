@@ -25,6 +25,7 @@ from hf_dynbsz import DynamicBatchRewardConfig, DynamicBatchRewardTrainer
 from hf_dynbsz.testing import (
     logged_metrics,
     metric_mismatches,
+    plan_document,
     preference_pairs,
     relative_difference,
     runs_against_stock,
@@ -82,21 +83,6 @@ def test_gradient_accumulation_cut_into_other_passes(model_dir, tmp_path):
         assert step["dynbsz/prompt_tokens_saved"] > 0
 
 
-def test_a_system_block_common_to_every_prompt_is_computed_once_per_pass(model_dir, tmp_path):
-    """A 40-token block opens every prompt: the prefix tree computes it once per pass across pairs, and each pair's
-    prompt once for its two sequences."""
-    dataset = preference_pairs(16, system=40, prompt=(3, 12), response=(1, 12), seed=5)
-    steps, _ = compare_with_stock(model_dir, tmp_path, dataset, max_tokens_per_microbatch=160)
-    for step in steps:
-        assert step["dynbsz/tree_tokens_saved"] >= 39
-        assert step["dynbsz/computed_tokens"] < step["dynbsz/stock_computed_tokens"] / 3
-
-
-def test_padded_layout(model_dir, tmp_path):
-    steps, _ = compare_with_stock(model_dir, tmp_path, packing_layout="padded")
-    assert all(step["dynbsz/padding_fraction"] > 0 for step in steps)
-
-
 # ---- model families -------------------------------------------------------------------------------------------------
 #: Sequence classifiers of other families from their default configs made tiny (stock's RewardTrainer adds no router
 #: aux loss), each with its comparison's settings: Llama, Mistral (sliding windows), Qwen3-MoE (its experts routed per
@@ -118,12 +104,9 @@ LONG_FAMILIES = {
 @pytest.mark.parametrize(
     "family", [*FAMILIES, *(pytest.param(family, marks=pytest.mark.long) for family in LONG_FAMILIES)]
 )
-def test_other_model_families(tmp_path_factory, tmp_path, family):
+def test_other_model_families(family_dir, tmp_path, family):
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-    from hf_dynbsz.testing.zoo import save_tiny_families
-
-    family_dir = save_tiny_families(tmp_path_factory, [family])[family]
     settings = {**FAMILIES, **LONG_FAMILIES}[family]
     steps, trainer = compare_with_stock(family_dir, tmp_path, with_margins(preference_pairs(16, seed=2)), **settings)
     assert trainer._dynbsz.enabled
@@ -244,16 +227,10 @@ def test_hf_dynbsz_plan_trainer_reward(tmp_path, capsys):
     """``hf-dynbsz plan --trainer reward`` takes RewardConfig's options: pairs per optimizer step, no generation or
     reference rows; ``--lengths`` of ``PROMPT CHOSEN REJECTED`` simulates each pair's two sequences in one pass; a
     value stock's config refuses exits 2."""
-    import json
-
     from hf_dynbsz.cli import main
 
-    pairs = tmp_path / "pairs.txt"
-    pairs.write_text("20 30 50\n400 10 900\n12 300 20\n600 40 35\n30 30 30\n80 200 400\n15 15 15\n900 60 50\n")
-    common = ["plan", "--trainer", "reward", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-    assert main([*common, "--max_tokens_per_microbatch", "2500", "--lengths", str(pairs), "--json"]) == 0
-    document = json.loads(capsys.readouterr().out)
-    assert document["plan"]["trainer"] == "reward"
+    pairs = "20 30 50\n400 10 900\n12 300 20\n600 40 35\n30 30 30\n80 200 400\n15 15 15\n900 60 50\n"
+    common, document = plan_document(tmp_path, capsys, "reward", pairs, 2500)
     assert [len(step["lengths"]) for step in document["steps"]] == [8, 8]
     assert all(index ^ 1 in group for step in document["steps"] for group in step["microbatches"] for index in group)
     assert main(common) == 0

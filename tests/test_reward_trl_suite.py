@@ -41,7 +41,6 @@ from importlib.resources import files
 import pytest
 import test_dpo_trl_suite as dpo_suite
 import test_rloo_trl_suite as rloo_suite
-import torch
 from datasets import Dataset
 from test_rloo_trl_suite import peft_rules
 from trl import RewardConfig, RewardTrainer
@@ -58,9 +57,7 @@ IMPLICIT = "standard_implicit_prompt_preference"
 ZOO_MODELS = ("qwen3_moe", "llama")
 
 
-@pytest.fixture(params=[RewardTrainer, DynamicBatchRewardTrainer], ids=["stock", "dynamic"])
-def trainer_class(request):
-    return request.param
+trainer_class = dpo_suite.trainer_class_fixture(RewardTrainer, DynamicBatchRewardTrainer)
 
 
 # ---- offline stand-ins -------------------------------------------------------------------------------------------
@@ -149,12 +146,6 @@ def test_train_model(trainer_class, hub, tmp_path):
 
 def test_train_from_sequence_classification_model(trainer_class, hub, tmp_path):
     train_and_check(trainer_class(model=hub["qwen2_seqcls"], args=args(tmp_path), train_dataset=zen()))
-
-
-def test_train_model_dtype(trainer_class, hub, tmp_path):
-    config = args(tmp_path, model_init_kwargs={"dtype": torch.float16})
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen())
-    dpo_suite.train_in_half_precision(trainer, train_and_check)
 
 
 @pytest.mark.parametrize(
@@ -295,18 +286,6 @@ def test_train_moe_with_peft_config(trainer_class, hub, tmp_path):
     train_and_check(trainer, **peft_rules(base_names(hub["qwen3_moe"])))
 
 
-def test_tag_added_peft(trainer_class, hub, tmp_path):
-    from peft import LoraConfig
-
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen(), peft_config=LoraConfig())
-    assert {"reward-trainer", "trl"} <= set(trainer.model.model_tags)
-
-
-def test_tag_added(trainer_class, hub, tmp_path):
-    trainer = trainer_class(model=hub["qwen2"], args=args(tmp_path), train_dataset=zen())
-    assert {"reward-trainer", "trl"} <= set(trainer.model.model_tags)
-
-
 # ---- evaluation --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "eval_dataset_type", [pytest.param("dataset", marks=representative), *dpo_suite.EVAL_DATASET_TYPES[1:]]
@@ -318,27 +297,6 @@ def test_evaluate_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_t
     dpo_suite.check_eval_metrics(metrics, eval_dataset_type)
 
 
-def test_train_with_eval(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=1)  # TRL's eval_steps=3 of its 9 steps
-    trainer = trainer_class(model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset=zen(split="test"))
-    trainer.train()
-    assert trainer.state.log_history[0]["eval_loss"] is not None
-
-
-def test_train_with_multiple_eval_dataset(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    test = zen(split="test")
-    trainer = trainer_class(
-        model=hub["qwen2"], args=config, train_dataset=zen(), eval_dataset={"data1": test, "data2": test}
-    )
-    dpo_suite.train_with_two_eval_datasets(trainer)
-
-
-def test_train_dataset_required(trainer_class, hub, tmp_path):
-    with pytest.raises(ValueError, match="`train_dataset` is required"):
-        trainer_class(model=hub["qwen2"], args=args(tmp_path))
-
-
 @pytest.mark.parametrize("eval_dataset_type", [*dpo_suite.EVAL_DATASET_TYPES, "none"])
 def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type):
     eval_dataset = dpo_suite.eval_split(eval_dataset_type, IMPLICIT)
@@ -346,26 +304,7 @@ def test_init_with_eval_dataset(trainer_class, hub, tmp_path, eval_dataset_type)
     dpo_suite.check_prepared_eval_dataset(trainer, eval_dataset, "chosen_ids")
 
 
-@representative
-def test_train_with_compute_metrics(trainer_class, hub, tmp_path):
-    config = args(tmp_path, eval_strategy="steps", eval_steps=2)
-    trainer = trainer_class(
-        model=hub["qwen2"],
-        args=config,
-        train_dataset=zen(),
-        eval_dataset=zen(split="test"),
-        compute_metrics=lambda eval_pred: {"my_metric": 0.123},
-    )
-    trainer.train()
-    assert trainer.state.log_history[-2]["eval_my_metric"] == 0.123
-
-
 # ---- gradient checkpointing, margins, centering ------------------------------------------------------------------
-def test_train_with_gradient_checkpointing(trainer_class, hub, tmp_path):
-    config = args(tmp_path, gradient_checkpointing=True)
-    train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
-
-
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_train_with_gradient_checkpointing_reentrant(trainer_class, hub, tmp_path, use_reentrant):
     config = args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
@@ -382,3 +321,17 @@ def test_train_with_margin(trainer_class, hub, tmp_path):
 def test_train_with_center_rewards_coefficient(trainer_class, hub, tmp_path):
     config = args(tmp_path, center_rewards_coefficient=0.01)
     train_and_check(trainer_class(model=hub["qwen2"], args=config, train_dataset=zen()))
+
+
+#: The model tags the trainer adds (``TestShared``'s ``test_tag_added``).
+MODEL_TAGS = {"reward-trainer", "trl"}
+
+
+# ---- TRL's tests the DPO, reward and KTO suites share --------------------------------------------------------------
+class TestShared(dpo_suite.SharedSuiteTests, dpo_suite.ComputeMetricsTest):
+    """TRL's tests restated alike in the three suites, on this suite's data and config:
+    ``test_dpo_trl_suite.SharedSuiteTests``, ``ComputeMetricsTest``."""
+
+    @representative
+    def test_train_with_compute_metrics(self, trainer_class, hub, tmp_path):
+        super().test_train_with_compute_metrics(trainer_class, hub, tmp_path)

@@ -423,14 +423,11 @@ def pass_metrics(beta: float, values: dict, mask: torch.Tensor, seq: torch.Tenso
     }
 
 
-class DPOLoss:
-    """``DPOTrainer``'s loss: each pair's losses from its chosen and rejected sequence log-probs (one pass holds both),
-    weight ``1 / (B GA)``; the sorted losses (``aot``, ``aot_unpaired``) through coefficients from a no-grad policy
-    pass, ``sft`` through its token weights (:mod:`hf_dynbsz.execution.dpo_loss`); the reference's log-probs from its
-    own passes before the step (:class:`~hf_dynbsz.execution.reference.Reference`). Stock's metrics per stock slice
-    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`), ``num_tokens`` summed over processes once per step.
-
-    ``blocker``: why this run cannot repack its steps (the trainer then runs stock's), or None."""
+class ReferenceLoss:
+    """What :class:`DPOLoss` and ``KTOLoss`` (:mod:`hf_dynbsz.execution.kto_loss`) share: a reference model's passes
+    (:class:`~hf_dynbsz.execution.reference.Reference`), checked by the self-check beside the policy; stock's
+    micro-batches' loss divided by the Trainer; ``num_tokens`` (what :meth:`attempt` counts) summed over processes once
+    per step."""
 
     entropy_bonus = False
     needs_step_entropies = False
@@ -439,11 +436,48 @@ class DPOLoss:
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
-        self.settings = DPOSettings.from_trainer(trainer)
         self.reference = Reference(trainer)
-        self.sft = "sft" in self.settings.loss_types
         self.device = trainer.accelerator.device
         self.num_processes = trainer.accelerator.num_processes
+
+    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
+        """Stock's ``num_tokens``: every process's real tokens of the step that stock counts (:meth:`attempt`: for DPO
+        each pair's prompt twice, for KTO the samples, not the KL sequences), added up."""
+        trainer = self.trainer
+        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
+        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
+        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        # the Trainer divides DPO's loss (loss_is_scaled_for_ga False) and KTO's (a micro-batch mean)
+        return loss / gradient_accumulation_steps
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        reference = self.reference.model
+        return [(model, True)] + (
+            [(reference, False)] if reference is not None and not self.reference.precomputed else []
+        )
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)
+
+
+class DPOLoss(ReferenceLoss):
+    """``DPOTrainer``'s loss: each pair's losses from its chosen and rejected sequence log-probs (one pass holds both),
+    weight ``1 / (B GA)``; the sorted losses (``aot``, ``aot_unpaired``) through coefficients from a no-grad policy
+    pass, ``sft`` through its token weights (:mod:`hf_dynbsz.execution.dpo_loss`); the reference's log-probs from its
+    own passes before the step (:class:`~hf_dynbsz.execution.reference.Reference`). Stock's metrics per stock slice
+    (:class:`~hf_dynbsz.execution.metrics.StepMetrics`), ``num_tokens`` summed over processes once per step.
+
+    ``blocker``: why this run cannot repack its steps (the trainer then runs stock's), or None."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__(trainer)
+        self.settings = DPOSettings.from_trainer(trainer)
+        self.sft = "sft" in self.settings.loss_types
         self.blocker = _dpo_blocker(trainer, self.settings)
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
@@ -489,28 +523,6 @@ class DPOLoss:
 
     def pass_loss(self, state, values, entropies, rows: SampleRows):
         return dpo_pass_loss(self.settings, values, rows, self.sft)
-
-    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
-        """Stock's ``num_tokens``: every process's real tokens of the step (each pair's prompt twice), added up."""
-        trainer = self.trainer
-        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
-        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
-        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
-
-    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
-        return loss / gradient_accumulation_steps  # the Trainer divides DPO's loss (loss_is_scaled_for_ga False)
-
-    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
-        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
-
-    def checked_models(self, model) -> list[tuple[object, bool]]:
-        reference = self.reference.model
-        return [(model, True)] + (
-            [(reference, False)] if reference is not None and not self.reference.precomputed else []
-        )
-
-    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
-        executor.dummy_pass(model, last)
 
 
 def _dpo_blocker(trainer, settings: DPOSettings) -> str | None:

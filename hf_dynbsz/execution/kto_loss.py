@@ -40,11 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch, pair_step_batch
-from hf_dynbsz.execution.dpo_loss import completion_row_shape, pass_outputs
+from hf_dynbsz.execution.dpo_loss import ReferenceLoss, completion_row_shape, pass_outputs
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import SequenceTable
-from hf_dynbsz.execution.reference import Reference
-from hf_dynbsz.parallel.collectives import gather_rows, reduce_sum
+from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.model_support import rope_width
 
 __all__ = [
@@ -301,7 +300,7 @@ class KTOMetrics(StepMetrics):
 
 
 # ---------------------------------------------------------------------------------------------------- the loss
-class KTOLoss:
+class KTOLoss(ReferenceLoss):
     """``KTOTrainer``'s loss for the pass executor (:class:`~hf_dynbsz.execution.step_loss.StepLoss`): before the
     passes, the reference's log-probs and each stock micro-batch's KL estimate (:meth:`prepare`); then each sample's
     loss from its own sequence log-prob, weight ``{desirable,undesirable}_weight / (B GA)``; stock's metrics per stock
@@ -309,18 +308,11 @@ class KTOLoss:
 
     ``blocker``: why this run cannot repack its steps (the trainer then runs stock's), or None."""
 
-    entropy_bonus = False
-    needs_step_entropies = False
-    phases = ("train", "logprob")
-    checked_model_name = "reference"  # the self-check's log names the second model it checks
     outputs = ("log_probs", "entropy", "mean_logits")
 
     def __init__(self, trainer) -> None:
-        self.trainer = trainer
+        super().__init__(trainer)
         self.settings = KTOSettings.from_trainer(trainer)
-        self.reference = Reference(trainer)
-        self.device = trainer.accelerator.device
-        self.num_processes = trainer.accelerator.num_processes
         self.blocker = kto_blocker(trainer)
 
     def weigh(self, batch: StepBatch, entropies: torch.Tensor | None, *, gradient_accumulation_steps: int) -> None:
@@ -377,29 +369,6 @@ class KTOLoss:
 
     def pass_loss(self, state, values, entropies, rows: SampleRows):
         return kto_pass_loss(self.settings, values, rows)
-
-    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
-        """Stock's ``num_tokens``: every process's real tokens of the step's samples (not the KL sequences) that stock
-        counts, added up."""
-        trainer = self.trainer
-        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
-        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
-        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
-
-    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
-        return loss / gradient_accumulation_steps  # the Trainer divides KTO's loss (a micro-batch mean)
-
-    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
-        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
-
-    def checked_models(self, model) -> list[tuple[object, bool]]:
-        reference = self.reference.model
-        return [(model, True)] + (
-            [(reference, False)] if reference is not None and not self.reference.precomputed else []
-        )
-
-    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
-        executor.dummy_pass(model, last)
 
 
 def kto_blocker(trainer) -> str | None:

@@ -32,6 +32,7 @@ __all__ = [
     "build_tiny_rope_lm",
     "build_tiny_teacher",
     "load_tokenizer",
+    "plan_document",
     "prompt_dataset",
     "run_training",
     "save_tiny_model",
@@ -577,3 +578,21 @@ def run_training(
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, reward.completions, trainer.state.log_history
+
+
+def plan_document(tmp_path, capsys, trainer: str, lengths: str, budget: int) -> tuple[list[str], dict]:
+    """``hf-dynbsz plan --trainer <trainer>`` in process (2 samples per device, 2 accumulation steps) on the lengths
+    ``lengths`` (a ``--lengths`` file's text, written under ``tmp_path``) with ``max_tokens_per_microbatch`` ``budget``
+    and ``--json``, its exit status 0 and the plan's trainer asserted (``capsys``: pytest's fixture, reading its
+    output). Returns ``(the command's common arguments, the plan's JSON document)``."""
+    import json
+
+    from hf_dynbsz.cli import main
+
+    path = tmp_path / "lengths.txt"
+    path.write_text(lengths)
+    common = ["plan", "--trainer", trainer, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    assert main([*common, "--max_tokens_per_microbatch", str(budget), "--lengths", str(path), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"]["trainer"] == trainer
+    return common, document

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hf_dynbsz.testing.fixtures import TEST_ALPHABET
-from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
+from hf_dynbsz.testing.preference import (
+    DPO_COMPARISON_FIELDS,
+    DPO_PLUGIN_FIELDS,
+    comparison_config,
+    config_classes,
+    preference_run,
+    text_draws,
+)
 
 __all__ = [
     "KTO_BETA",
@@ -59,19 +66,9 @@ def unpaired_samples(
     ``prompt`` / ``completion``: lengths in characters (one token each with the test tokenizer), uniform in ``[low,
     high)``, or a function ``(rng, n) -> lengths``; ``system``: every prompt opens with the same block of this many
     characters; ``desirable``: the chance of a sample being desirable (``label`` True)."""
-    import numpy as np
     from datasets import Dataset
 
-    rng = np.random.default_rng(seed)
-    letters = list(alphabet)
-
-    def lengths(spec, n: int):
-        values = spec(rng, n) if callable(spec) else rng.integers(spec[0], spec[1], n)
-        return [max(int(v), 1) for v in values]
-
-    def text(length: int) -> str:
-        return "".join(rng.choice(letters, length))
-
+    rng, lengths, text = text_draws(seed, alphabet)
     block = text(system) if system else ""
     return Dataset.from_dict(
         {
@@ -139,55 +136,24 @@ def _scale_final_norm(norm, factor: float) -> None:
 def kto_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`KTO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchKTOConfig`` with ``plugin``, else TRL's ``KTOConfig`` (the plugin's fields left out)."""
-    from trl import KTOConfig
-
-    from hf_dynbsz.configs.kto import DynamicBatchKTOConfig
-
-    return comparison_config(
-        KTOConfig, DynamicBatchKTOConfig, output_dir, plugin, fields,
-        defaults=KTO_COMPARISON_FIELDS, plugin_fields=KTO_PLUGIN_FIELDS,
-    )  # fmt: skip
+    defaults = dict(defaults=KTO_COMPARISON_FIELDS, plugin_fields=KTO_PLUGIN_FIELDS)
+    return comparison_config(*config_classes("KTO"), output_dir, plugin, fields, **defaults)
 
 
-def kto_run(
-    plugin: bool,
-    model_dir: str,
-    output_dir: str,
-    dataset=None,
-    *,
-    model=None,
-    ref_model=None,
-    trainer_kwargs: dict | None = None,
-    **fields,
-):
-    """Train stock ``KTOTrainer`` (``plugin`` False) or ``DynamicBatchKTOTrainer`` from ``model_dir`` on ``dataset``
-    (default :func:`unpaired_samples`); returns ``(initial parameters, final parameters, log history, trainer)``.
-
-    ``model``: a model instance to train (default: the path, which stock loads, with the reference from the same path
-    as stock's default ``ref_model=None`` does); ``ref_model``: an explicit reference; ``trainer_kwargs``: more
-    constructor arguments (``peft_config``, ...)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def kto_run(plugin: bool, model_dir: str, output_dir: str, dataset=None, *, ref_model=None, **kwargs):
+    """Stock ``KTOTrainer``'s run (``plugin`` False) or ``DynamicBatchKTOTrainer``'s on ``dataset`` (default
+    :func:`unpaired_samples`), from ``model_dir``: :func:`~hf_dynbsz.testing.preference.preference_run`; returns
+    ``(initial parameters, final parameters, log history, trainer)``. ``ref_model``: an explicit reference (default
+    stock's ``None``: the model's path again); ``model``, ``trainer_kwargs`` and the config's fields in ``kwargs``."""
     from trl import KTOTrainer
 
-    from hf_dynbsz.testing.fixtures import load_tokenizer
     from hf_dynbsz.trainers import DynamicBatchKTOTrainer
 
-    args = kto_config(output_dir, plugin=plugin, **fields)
-    initial_model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    initial = {name: p.detach().clone() for name, p in initial_model.named_parameters()}
-    trainer_class = DynamicBatchKTOTrainer if plugin else KTOTrainer
-    trainer = trainer_class(
-        model=model if model is not None else model_dir,
-        ref_model=ref_model,
-        args=args,
-        train_dataset=dataset if dataset is not None else unpaired_samples(),
-        processing_class=load_tokenizer(model_dir),
-        **(trainer_kwargs or {}),
+    samples = unpaired_samples() if dataset is None else dataset
+    classes = (KTOTrainer, DynamicBatchKTOTrainer)
+    return preference_run(
+        *classes, kto_config, plugin, model_dir, output_dir, samples, constructor={"ref_model": ref_model}, **kwargs
     )
-    trainer.train()
-    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    return initial, final, trainer.state.log_history, trainer
 
 
 #: The logged rewards and the sides whose sequence log-probs make each (``rewards/margins``: both).

@@ -162,6 +162,16 @@ def tree_mask(nodes, window: int | None = None):
     return allowed
 
 
+def _spans(query, key, value, q_bounds, k_bounds):
+    """Span ``i``'s queries (rows ``q_bounds[i]`` to ``q_bounds[i + 1]``), keys and values (``k_bounds``'s), each
+    ``(1, heads, length, d)``, for the reference attentions below."""
+    for i in range(len(q_bounds) - 1):
+        q = query[q_bounds[i] : q_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        k = key[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+        yield q, k, v
+
+
 def reference_varlen_attention(
     query,
     key,
@@ -182,10 +192,7 @@ def reference_varlen_attention(
     import torch.nn.functional as F
 
     outputs = []
-    for i in range(len(cu_seqlens_q) - 1):
-        q = query[cu_seqlens_q[i] : cu_seqlens_q[i + 1]].transpose(0, 1).unsqueeze(0)
-        k = key[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
-        v = value[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].transpose(0, 1).unsqueeze(0)
+    for q, k, v in _spans(query, key, value, cu_seqlens_q, cu_seqlens_k):
         q_len, k_len = q.size(2), k.size(2)
         last = torch.arange(q_len, device=q.device).unsqueeze(1) + k_len - q_len  # the last key each query sees
         keys = torch.arange(k_len, device=q.device).unsqueeze(0)
@@ -240,10 +247,7 @@ def reference_varlen_attn(
     left, right = window_size
     q_bounds, k_bounds = cu_seq_q.tolist(), cu_seq_k.tolist()
     outputs = []
-    for i in range(len(q_bounds) - 1):
-        q = query[q_bounds[i] : q_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
-        k = key[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
-        v = value[k_bounds[i] : k_bounds[i + 1]].transpose(0, 1).unsqueeze(0)
+    for q, k, v in _spans(query, key, value, q_bounds, k_bounds):
         q_len, k_len = q.size(2), k.size(2)
         diagonal = torch.arange(q_len).unsqueeze(1) + k_len - q_len  # the key aligned with each query
         keys = torch.arange(k_len).unsqueeze(0)

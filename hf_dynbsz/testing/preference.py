@@ -31,6 +31,7 @@ __all__ = [
     "DPO_PLUGIN_FIELDS",
     "PairedRuns",
     "comparison_config",
+    "config_classes",
     "dpo_config",
     "dpo_run",
     "gradient_difference",
@@ -38,7 +39,10 @@ __all__ = [
     "pair_steps_against_stock",
     "paired_runs",
     "preference_pairs",
+    "preference_run",
     "runs_against_stock",
+    "spread_positions_collator",
+    "text_draws",
     "stock_micro_batches",
     "stock_pair_step",
     "whole_pair_passes",
@@ -77,6 +81,25 @@ DPO_PLUGIN_FIELDS = (
 )
 
 
+def text_draws(seed: int, alphabet: str = TEST_ALPHABET) -> tuple:
+    """``(rng, lengths, text)`` on one generator seeded ``seed``: ``lengths(spec, n)``, ``n`` lengths (at least 1) from
+    ``spec``, a ``[low, high)`` range drawn uniformly or a function ``(rng, n) -> lengths``; ``text(length)``, a string
+    of that many characters of ``alphabet`` (the datasets of :func:`preference_pairs` and ``unpaired_samples``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    letters = list(alphabet)
+
+    def lengths(spec, n: int):
+        values = spec(rng, n) if callable(spec) else rng.integers(spec[0], spec[1], n)
+        return [max(int(v), 1) for v in values]
+
+    def text(length: int) -> str:
+        return "".join(rng.choice(letters, length))
+
+    return rng, lengths, text
+
+
 def preference_pairs(
     count: int = 16,
     *,
@@ -93,19 +116,9 @@ def preference_pairs(
     high)``, or a function ``(rng, n) -> lengths``; ``system``: every prompt opens with the same block of this many
     characters (a system prompt shared across pairs); ``pairs_per_prompt``: consecutive pairs share their prompt (a
     prompt with several ranked responses)."""
-    import numpy as np
     from datasets import Dataset
 
-    rng = np.random.default_rng(seed)
-    letters = list(alphabet)
-
-    def lengths(spec, n: int):
-        values = spec(rng, n) if callable(spec) else rng.integers(spec[0], spec[1], n)
-        return [max(int(v), 1) for v in values]
-
-    def text(length: int) -> str:
-        return "".join(rng.choice(letters, length))
-
+    _, lengths, text = text_draws(seed, alphabet)
     block = text(system) if system else ""
     prompts = [block + text(length) for length in lengths(prompt, -(-count // pairs_per_prompt))]
     chosen, rejected = (lengths(response, count) for _ in range(2))
@@ -130,55 +143,82 @@ def comparison_config(
     return (plugin_class if plugin else stock_class)(**values)
 
 
+def config_classes(name: str) -> tuple[type, type]:
+    """TRL's config of trainer ``name`` ("DPO", "Reward", "KTO") and the plugin's: ``(trl.<name>Config,
+    hf_dynbsz.DynamicBatch<name>Config)``, :func:`comparison_config`'s first two arguments."""
+    import trl
+
+    import hf_dynbsz
+
+    return getattr(trl, f"{name}Config"), getattr(hf_dynbsz, f"DynamicBatch{name}Config")
+
+
 def dpo_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`DPO_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchDPOConfig`` with ``plugin``, else TRL's ``DPOConfig`` (the plugin's fields left out)."""
-    from trl import DPOConfig
-
-    from hf_dynbsz.configs.dpo import DynamicBatchDPOConfig
-
-    return comparison_config(DPOConfig, DynamicBatchDPOConfig, output_dir, plugin, fields)
+    return comparison_config(*config_classes("DPO"), output_dir, plugin, fields)
 
 
-def dpo_run(
-    plugin: bool,
-    model_dir: str,
-    output_dir: str,
-    dataset=None,
-    *,
-    model=None,
-    ref_model=None,
-    trainer_kwargs: dict | None = None,
-    **fields,
-):
-    """Train stock ``DPOTrainer`` (``plugin`` False) or ``DynamicBatchDPOTrainer`` from ``model_dir`` on ``dataset``
-    (default :func:`preference_pairs`); returns ``(initial parameters, final parameters, log history, trainer)``.
+def preference_run(
+    stock_class: type, plugin_class: type, config: Callable, plugin: bool, model_dir: str, output_dir: str, dataset, *,
+    model=None, trainer_kwargs: dict | None = None, constructor: dict | None = None, **fields,
+):  # fmt: skip
+    """Train ``stock_class`` (``plugin`` False) or ``plugin_class`` from ``model_dir`` on ``dataset``, its config
+    ``config(output_dir, plugin=plugin, **fields)`` (:func:`dpo_config`, ``reward_config``, ``kto_config``); returns
+    ``(initial parameters, final parameters, log history, trainer)``. The run of :func:`dpo_run`, ``reward_run`` and
+    ``kto_run``.
 
-    ``model``: a model instance to train (default: the path, which stock loads, with the reference from the same path
-    as stock's default ``ref_model=None`` does); ``ref_model``: an explicit reference; ``trainer_kwargs``: more
-    constructor arguments (``peft_config``, ...)."""
+    ``model``: a model instance to train (default: the path, which the trainer loads; the initial parameters are then
+    the path's, loaded fp32); ``constructor`` and ``trainer_kwargs``: more constructor arguments."""
     import torch
     from transformers import AutoModelForCausalLM
-    from trl import DPOTrainer
 
     from hf_dynbsz.testing.fixtures import load_tokenizer
-    from hf_dynbsz.trainers import DynamicBatchDPOTrainer
 
-    args = dpo_config(output_dir, plugin=plugin, **fields)
+    args = config(output_dir, plugin=plugin, **fields)
     initial_model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = {name: p.detach().clone() for name, p in initial_model.named_parameters()}
-    trainer_class = DynamicBatchDPOTrainer if plugin else DPOTrainer
-    trainer = trainer_class(
+    trainer = (plugin_class if plugin else stock_class)(
         model=model if model is not None else model_dir,
-        ref_model=ref_model,
         args=args,
-        train_dataset=dataset if dataset is not None else preference_pairs(),
+        train_dataset=dataset,
         processing_class=load_tokenizer(model_dir),
+        **(constructor or {}),
         **(trainer_kwargs or {}),
     )
     trainer.train()
     final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     return initial, final, trainer.state.log_history, trainer
+
+
+def dpo_run(plugin: bool, model_dir: str, output_dir: str, dataset=None, *, ref_model=None, **kwargs):
+    """Train stock ``DPOTrainer`` (``plugin`` False) or ``DynamicBatchDPOTrainer`` from ``model_dir`` on ``dataset``
+    (default :func:`preference_pairs`): :func:`preference_run`, with ``ref_model`` an explicit reference (default:
+    stock's ``ref_model=None``, the reference loaded from the model's path); ``kwargs``: ``model`` (an instance to
+    train), ``trainer_kwargs`` (``peft_config``, ...) and the config's fields."""
+    from trl import DPOTrainer
+
+    from hf_dynbsz.trainers import DynamicBatchDPOTrainer
+
+    dataset = dataset if dataset is not None else preference_pairs()
+    ref = dict(ref_model=ref_model)
+    return preference_run(DPOTrainer, DynamicBatchDPOTrainer, dpo_config, plugin, model_dir, output_dir, dataset,
+                          constructor=ref, **kwargs)  # fmt: skip
+
+
+def spread_positions_collator(collator_class: type, pad_token_id: int):
+    """A collator of a subclass of ``collator_class`` (TRL's ``DataCollatorForPreference``,
+    ``DataCollatorForUnpairedPreference``) that adds a model input: ``position_ids`` spread out (``2 * arange`` of
+    each micro-batch's width), which stock's forward receives and which change its log-probs."""
+    import torch
+
+    class SpreadPositions(collator_class):
+        def torch_call(self, examples):
+            output = super().torch_call(examples)
+            output["position_ids"] = 2 * torch.arange(output["input_ids"].size(1)).expand_as(output["input_ids"])
+            return output
+
+    return SpreadPositions(pad_token_id=pad_token_id)
 
 
 @dataclasses.dataclass

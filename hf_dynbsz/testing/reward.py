@@ -7,7 +7,13 @@ TRL are imported inside the functions.
 
 from __future__ import annotations
 
-from hf_dynbsz.testing.preference import DPO_COMPARISON_FIELDS, DPO_PLUGIN_FIELDS, comparison_config
+from hf_dynbsz.testing.preference import (
+    DPO_COMPARISON_FIELDS,
+    DPO_PLUGIN_FIELDS,
+    comparison_config,
+    config_classes,
+    preference_run,
+)
 
 __all__ = [
     "REWARD_COMPARISON_FIELDS",
@@ -40,38 +46,21 @@ def reward_model(model_dir: str, seed: int = 0):
 def reward_config(output_dir: str, *, plugin: bool, **fields):
     """The comparison runs' config (:data:`REWARD_COMPARISON_FIELDS` on a CPU run, ``fields`` on top): a
     ``DynamicBatchRewardConfig`` with ``plugin``, else TRL's ``RewardConfig`` (the plugin's fields left out)."""
-    from trl import RewardConfig
-
-    from hf_dynbsz.configs.reward import DynamicBatchRewardConfig
-
-    return comparison_config(
-        RewardConfig, DynamicBatchRewardConfig, output_dir, plugin, fields,
-        defaults=REWARD_COMPARISON_FIELDS, plugin_fields=REWARD_PLUGIN_FIELDS,
-    )  # fmt: skip
+    defaults = dict(defaults=REWARD_COMPARISON_FIELDS, plugin_fields=REWARD_PLUGIN_FIELDS)
+    return comparison_config(*config_classes("Reward"), output_dir, plugin, fields, **defaults)
 
 
 def reward_run(plugin: bool, model_dir: str, output_dir: str, dataset, *, trainer_kwargs: dict | None = None, **fields):
     """Train stock ``RewardTrainer`` (``plugin`` False) or ``DynamicBatchRewardTrainer`` from :func:`reward_model` of
-    ``model_dir`` on ``dataset``; returns ``(initial parameters, final parameters, log history, trainer)``."""
+    ``model_dir`` on ``dataset`` (:func:`~hf_dynbsz.testing.preference.preference_run`); returns ``(initial
+    parameters, final parameters, log history, trainer)``."""
     from trl import RewardTrainer
 
-    from hf_dynbsz.testing.fixtures import load_tokenizer
     from hf_dynbsz.trainers import DynamicBatchRewardTrainer
 
-    args = reward_config(output_dir, plugin=plugin, **fields)
     model = reward_model(model_dir)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer_class = DynamicBatchRewardTrainer if plugin else RewardTrainer
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=load_tokenizer(model_dir),
-        **(trainer_kwargs or {}),
-    )
-    trainer.train()
-    final = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    return initial, final, trainer.state.log_history, trainer
+    return preference_run(RewardTrainer, DynamicBatchRewardTrainer, reward_config, plugin, model_dir, output_dir,
+                          dataset, model=model, trainer_kwargs=trainer_kwargs, **fields)  # fmt: skip
 
 
 def with_margins(dataset, seed: int = 0):

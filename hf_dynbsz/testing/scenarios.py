@@ -12,7 +12,9 @@ from pathlib import Path
 
 __all__ = [
     "assert_lockstep",
+    "compare_in_lockstep",
     "compare_scenario",
+    "logged_mismatches",
     "long_tailed_responses",
     "rank_records",
     "run_scenarios",
@@ -141,6 +143,24 @@ def compare_scenario(
     stock_params = torch.load(f"{stock_out}.{name}.params.pt")
     difference = relative_difference(ours_params, stock_params)
     assert difference <= 1e-5, difference
+    return ours
+
+
+def logged_mismatches(ours: list[dict], stock: list[dict], mismatches: Callable | None = None) -> list[str]:
+    """Where two ranks' logs differ: ``mismatches`` (default :func:`~hf_dynbsz.testing.metric_mismatches`) of their
+    :func:`~hf_dynbsz.testing.logged_metrics`, every logged metric but ``total_flos`` (transformers counts a ZeRO-3
+    model's parameters as the process holds them when it counts, gathered or not)."""
+    from hf_dynbsz.testing.oracles import logged_metrics, metric_mismatches
+
+    return (mismatches or metric_mismatches)(*(logged_metrics(log, ("total_flos",)) for log in (ours, stock)))
+
+
+def compare_in_lockstep(launches: Callable, backend: str, name: str, mismatches: Callable = logged_mismatches):
+    """Ours against stock on the run ``name`` of ``backend``'s launches (``launches(backend, trainer)``:
+    :func:`scenario_launches`): :func:`compare_scenario` with ``mismatches``, every rank in lockstep
+    (:func:`assert_lockstep`). Returns each rank's record of ours."""
+    ours = compare_scenario(launches(backend, "stock"), launches(backend, "dynamic"), name, mismatches)
+    assert_lockstep(ours)
     return ours
 
 
