@@ -48,9 +48,8 @@ import torch.nn.functional as F
 from hf_dynbsz.execution.batch import SampleRows, StepBatch, pair_step_batch
 from hf_dynbsz.execution.device_pass import named_pass
 from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.execution.reference import Reference, sequence_logps
+from hf_dynbsz.execution.reference import ReferenceLoss, sequence_logps
 from hf_dynbsz.execution.router_loss import captured_router_logits
-from hf_dynbsz.parallel.collectives import reduce_sum
 from hf_dynbsz.planning.model_support import rope_width
 
 __all__ = [
@@ -421,48 +420,6 @@ def pass_metrics(beta: float, values: dict, mask: torch.Tensor, seq: torch.Tenso
         "logits/rejected": (logits * rejected, tokens * rejected),
         "mean_token_accuracy": ((values["is_top1"] * mask).sum(1) * chosen, tokens * chosen),
     }
-
-
-class ReferenceLoss:
-    """What :class:`DPOLoss` and ``KTOLoss`` (:mod:`hf_dynbsz.execution.kto_loss`) share: a reference model's passes
-    (:class:`~hf_dynbsz.execution.reference.Reference`), checked by the self-check beside the policy; stock's
-    micro-batches' loss divided by the Trainer; ``num_tokens`` (what :meth:`attempt` counts) summed over processes once
-    per step."""
-
-    entropy_bonus = False
-    needs_step_entropies = False
-    phases = ("train", "logprob")
-    checked_model_name = "reference"  # the self-check's log names the second model it checks
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-        self.reference = Reference(trainer)
-        self.device = trainer.accelerator.device
-        self.num_processes = trainer.accelerator.num_processes
-
-    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
-        """Stock's ``num_tokens``: every process's real tokens of the step that stock counts (:meth:`attempt`: for DPO
-        each pair's prompt twice, for KTO the samples, not the KL sequences), added up."""
-        trainer = self.trainer
-        tokens = reduce_sum(torch.tensor([float(state)], dtype=torch.float64, device=self.device))
-        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
-        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
-
-    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
-        # the Trainer divides DPO's loss (loss_is_scaled_for_ga False) and KTO's (a micro-batch mean)
-        return loss / gradient_accumulation_steps
-
-    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
-        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
-
-    def checked_models(self, model) -> list[tuple[object, bool]]:
-        reference = self.reference.model
-        return [(model, True)] + (
-            [(reference, False)] if reference is not None and not self.reference.precomputed else []
-        )
-
-    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
-        executor.dummy_pass(model, last)
 
 
 class DPOLoss(ReferenceLoss):

@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch, pair_step_batch
-from hf_dynbsz.execution.dpo_loss import ReferenceLoss, completion_row_shape, pass_outputs
+from hf_dynbsz.execution.dpo_loss import completion_row_shape, pass_outputs
 from hf_dynbsz.execution.metrics import StepMetrics
 from hf_dynbsz.execution.packing import SequenceTable
+from hf_dynbsz.execution.reference import ReferenceLoss
 from hf_dynbsz.parallel.collectives import gather_rows
 from hf_dynbsz.planning.model_support import rope_width
 
@@ -87,7 +88,6 @@ class KTOSettings:
     loss_type: str
     desirable_weight: float
     undesirable_weight: float
-    calculate_kl: bool
 
     @classmethod
     def from_trainer(cls, trainer) -> KTOSettings:
@@ -96,7 +96,6 @@ class KTOSettings:
             loss_type=trainer.loss_type,
             desirable_weight=trainer.desirable_weight,
             undesirable_weight=trainer.undesirable_weight,
-            calculate_kl=bool(trainer.calculate_KL),
         )
 
 

@@ -24,7 +24,7 @@ import torch
 
 from hf_dynbsz.execution.device_memory import release_cached_memory, reset_peak_rss, status_mib
 from hf_dynbsz.execution.packing import SequenceTable
-from hf_dynbsz.parallel.collectives import gather_rows
+from hf_dynbsz.parallel.collectives import gather_rows, reduce_sum
 from hf_dynbsz.planning.cost import ModelFlops
 from hf_dynbsz.planning.schedule import RankGroup, StepSchedule
 from hf_dynbsz.planning.settings import SharePrefix
@@ -36,6 +36,7 @@ __all__ = [
     "StepClock",
     "StepMeters",
     "StepMetrics",
+    "count_train_tokens",
     "device_peak_tflops",
 ]
 
@@ -67,6 +68,15 @@ def device_peak_tflops(device: torch.device, mixed_precision: str, configured: f
         return None
     name = torch.cuda.get_device_name(device)
     return next((tflops for part, tflops in _PEAK_TFLOPS_16BIT if part in name), None)
+
+
+def count_train_tokens(trainer, tokens: float, device) -> None:
+    """Stock's ``num_tokens`` metric of a preference trainer (DPO, reward, KTO): this process's ``tokens`` of the step
+    that stock counts, summed over processes (one all-reduce), added to the trainer's running total once per TP group
+    and logged as stock logs it (the running total, not a mean)."""
+    total = reduce_sum(torch.tensor([float(tokens)], dtype=torch.float64, device=device))
+    trainer._total_train_tokens += int(total.item()) // trainer._tp_size
+    trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
 
 class StepClock:

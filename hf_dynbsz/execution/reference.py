@@ -25,8 +25,9 @@ import torch
 from accelerate.utils import is_peft_model
 
 from hf_dynbsz.execution.batch import StepBatch
+from hf_dynbsz.execution.metrics import count_train_tokens
 
-__all__ = ["Reference", "sequence_logps"]
+__all__ = ["Reference", "ReferenceLoss", "sequence_logps"]
 
 
 class Reference:
@@ -85,3 +86,43 @@ def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor, shared: torch.Te
     positions = torch.arange(per_token.size(1), device=per_token.device).unsqueeze(0)
     inside = positions < shared.to(positions.dtype)
     return (masked * inside).sum(1) + ld_alpha * (masked * ~inside).sum(1)
+
+
+class ReferenceLoss:
+    """What ``DPOLoss`` (:mod:`hf_dynbsz.execution.dpo_loss`) and ``KTOLoss`` (:mod:`hf_dynbsz.execution.kto_loss`)
+    share: a reference model's passes
+    (:class:`~hf_dynbsz.execution.reference.Reference`), checked by the self-check beside the policy; stock's
+    micro-batches' loss divided by the Trainer; ``num_tokens`` (what :meth:`attempt` counts) summed over processes once
+    per step."""
+
+    entropy_bonus = False
+    needs_step_entropies = False
+    phases = ("train", "logprob")
+    checked_model_name = "reference"  # the self-check's log names the second model it checks
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.reference = Reference(trainer)
+        self.device = trainer.accelerator.device
+        self.num_processes = trainer.accelerator.num_processes
+
+    def finish(self, state: int, gradient_accumulation_steps: int) -> None:
+        """Stock's ``num_tokens``: every process's real tokens of the step that stock counts (:meth:`attempt`: for DPO
+        each pair's prompt twice, for KTO the samples, not the KL sequences), added up."""
+        count_train_tokens(self.trainer, state, self.device)
+
+    def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
+        # the Trainer divides DPO's loss (loss_is_scaled_for_ga False) and KTO's (a micro-batch mean)
+        return loss / gradient_accumulation_steps
+
+    def router_weighting(self, batch: StepBatch, gradient_accumulation_steps: int):
+        return gradient_accumulation_steps, None  # stock's micro-batches: each sample's positions its own
+
+    def checked_models(self, model) -> list[tuple[object, bool]]:
+        reference = self.reference.model
+        return [(model, True)] + (
+            [(reference, False)] if reference is not None and not self.reference.precomputed else []
+        )
+
+    def dummy_pass(self, executor, model, last: bool | None = None) -> None:
+        executor.dummy_pass(model, last)

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 
 from hf_dynbsz.execution.batch import SampleRows, StepBatch, pair_step_batch
 from hf_dynbsz.execution.device_pass import named_pass
-from hf_dynbsz.execution.metrics import StepMetrics
-from hf_dynbsz.parallel.collectives import reduce_sum
+from hf_dynbsz.execution.metrics import StepMetrics, count_train_tokens
 from hf_dynbsz.planning.model_support import base_model, rope_width
 
 __all__ = [
@@ -312,10 +311,7 @@ class RewardLoss:
 
     def finish(self, state: float, gradient_accumulation_steps: int) -> None:
         """Stock's ``num_tokens``: every process's attention-mask tokens of the step, added up."""
-        trainer = self.trainer
-        tokens = reduce_sum(torch.tensor([state], dtype=torch.float64, device=self.device))
-        trainer._total_train_tokens += int(tokens.item()) // trainer._tp_size
-        trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+        count_train_tokens(self.trainer, state, self.device)
 
     def stock_loss(self, loss: torch.Tensor, gradient_accumulation_steps: int) -> torch.Tensor:
         return loss / gradient_accumulation_steps  # the Trainer divides the reward loss (a micro-batch mean)
